@@ -1,0 +1,192 @@
+"""Settings: one frozen dataclass, validated on construction; ``from_env`` is the only
+code in nccl_back that reads the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from .errors import ConfigError
+
+ENV_PREFIX = "NCCL_BACK_"
+
+TransportName = Literal["auto", "gloo", "nccl"]
+VerifyMode = Literal["sampled", "full", "none"]
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "nccl_back")
+
+
+def _default_host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a worker needs to know to load weights from a peer or from storage."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Coordination store. ``redis://`` or ``rediss://`` (TLS), password in the URL."""
+
+    namespace: str = "nccl_back"
+    """Prefix of every Redis key, so several fleets can share one Redis."""
+
+    transport: TransportName = "auto"
+    """``gloo`` (CPU tensors), ``nccl`` (GPU tensors) or ``auto`` (by the model's device)."""
+
+    advertise_host: str = field(default_factory=_default_host)
+    """Address other workers use to reach this one's transport rendezvous."""
+
+    bind_host: str = "0.0.0.0"
+    """Interface this worker's transport rendezvous listens on."""
+
+    sender_handshake_timeout: float = 1.0
+    """Seconds a sender waits in the liveness handshake (short: don't wait on a flaky receiver)."""
+
+    receiver_handshake_timeout: float = 10.0
+    """Seconds a receiver waits in the liveness handshake (the peer may just be busy)."""
+
+    transfer_timeout: float = 120.0
+    """Watchdog deadline in seconds for communicator creation plus the broadcast loop."""
+
+    redis_timeout: float = 2.0
+    """Socket timeout in seconds for every Redis call."""
+
+    peer_ttl: float = 10.0
+    """Seconds a published peer stays visible without a heartbeat (a crashed worker vanishes)."""
+
+    max_concurrent_sends: int = 1
+    """How many receivers one sender serves at once."""
+
+    max_peer_attempts: int = 3
+    """Peers a receiver tries before it falls back to storage."""
+
+    strict: bool = False
+    """Raise instead of falling back to storage when a peer load fails."""
+
+    verify: VerifyMode = "sampled"
+    """Integrity check after a peer load: sampled hashes, a full checksum, or none."""
+
+    bucket_bytes: int = 64 << 20
+    """Tensors smaller than this are coalesced into buckets of this size for the broadcast."""
+
+    storage_workers: int = 8
+    """Parallel downloads (shards and ranged chunks) from storage."""
+
+    chunk_bytes: int = 64 << 20
+    """Size of one ranged read from remote storage."""
+
+    storage_attempts: int = 5
+    """Attempts per storage request (exponential backoff with jitter between them)."""
+
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    """Where the CRC32C cache lives, so a restart reads no shard bytes."""
+
+    single_flight_wait: float = 300.0
+    """Seconds a worker waits for an elected downloader before loading from storage itself."""
+
+    download_lease: float = 15.0
+    """Seconds an elected downloader's lease lasts without renewal (a dead one is replaced)."""
+
+    def __post_init__(self) -> None:
+        parsed = urlparse(self.redis_url)
+        if parsed.scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(
+                f"redis_url={self.redis_url!r}: scheme must be redis://, rediss:// or unix://"
+                " (e.g. redis://:password@host:6379/0)"
+            )
+        if parsed.scheme != "unix" and not parsed.hostname:
+            raise ConfigError(f"redis_url={self.redis_url!r}: no host; use redis://host:6379/0")
+        try:
+            _ = parsed.port
+        except ValueError as e:
+            raise ConfigError(f"redis_url={self.redis_url!r}: bad port ({e})") from e
+        if not self.namespace or any(c in self.namespace for c in " :*?[]"):
+            raise ConfigError(
+                f"namespace={self.namespace!r}: must be non-empty, without spaces, ':' or glob characters"
+            )
+        if self.transport not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"transport={self.transport!r}: choose auto, gloo or nccl")
+        if self.verify not in ("sampled", "full", "none"):
+            raise ConfigError(f"verify={self.verify!r}: choose sampled, full or none")
+        for name in (
+            "sender_handshake_timeout",
+            "receiver_handshake_timeout",
+            "transfer_timeout",
+            "redis_timeout",
+            "peer_ttl",
+            "single_flight_wait",
+            "download_lease",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r}: must be a positive number of seconds")
+        for name in (
+            "max_concurrent_sends",
+            "max_peer_attempts",
+            "bucket_bytes",
+            "storage_workers",
+            "chunk_bytes",
+            "storage_attempts",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be a positive integer")
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats: a third of the TTL, so one lost beat is harmless."""
+        return self.peer_ttl / 3
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``NCCL_BACK_<FIELD>`` variables (e.g. ``NCCL_BACK_REDIS_URL``).
+
+        Unset variables keep their defaults; ``overrides`` win over the environment.
+        An unparsable value raises :class:`ConfigError` naming the variable.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            raw = env.get(key)
+            # Compare with None, not truthiness: "0" and "" are values a user may set.
+            if raw is None:
+                continue
+            values[f.name] = _parse(key, raw, f.type)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(key: str, raw: str, type_: Any) -> Any:
+    t = str(type_)
+    try:
+        if t == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        if t == "int":
+            return int(raw)
+        if t == "float":
+            return float(raw)
+    except ValueError as e:
+        raise ConfigError(f"{key}={raw!r}: {e}; expected a {t}") from e
+    return raw

@@ -1,0 +1,90 @@
+"""The one error hierarchy of nccl_back.
+
+Every error the library raises on purpose derives from :class:`NcclBackError`, so a
+caller can catch one class. Each subclass's docstring says when it is raised. Errors
+that wrap a lower-level failure chain it (``raise ... from e``).
+"""
+
+from __future__ import annotations
+
+
+class NcclBackError(Exception):
+    """Root of every error nccl_back raises on purpose."""
+
+
+class ConfigError(NcclBackError, ValueError):
+    """A setting, flag, URL or environment variable has a bad value.
+
+    The message names the bad value and how to fix it.
+    """
+
+
+class StorageError(NcclBackError):
+    """Reading a checkpoint from storage failed (missing object, I/O error, retries spent)."""
+
+
+class ShardNotFoundError(StorageError, FileNotFoundError):
+    """A checkpoint directory, shard or object named by the spec does not exist."""
+
+
+class ChecksumMismatchError(StorageError):
+    """A downloaded shard's CRC32C differs from the checksum in its metadata, after retries."""
+
+
+class CheckpointFormatError(StorageError):
+    """A safetensors file (or its index) is truncated or malformed; the message names the file."""
+
+
+class SkeletonError(NcclBackError):
+    """A skeleton model could not be built or does not fit what must be loaded into it."""
+
+
+class WeightLoadError(NcclBackError):
+    """After a load, tensors were missing, unexpected or filled twice (load tracking).
+
+    Also raised when a checkpoint tensor does not fit its skeleton container (dtype or
+    shape mismatch): nccl_back never casts silently.
+    """
+
+
+class WeightVerificationError(NcclBackError):
+    """Integrity hashes computed after a load differ from the ground truth; names the layers."""
+
+
+class RegistryError(NcclBackError):
+    """Redis, the coordination store, is unreachable or answered with something unexpected."""
+
+
+class PeerError(NcclBackError):
+    """A peer load could not be carried out; the subclasses say why. Triggers fallback."""
+
+
+class NoPeerError(PeerError):
+    """No live peer holds this version (for this rank), or every candidate was claimed."""
+
+
+class HandshakeTimeoutError(PeerError, TimeoutError):
+    """The liveness handshake did not complete within its timeout; no communicator was made."""
+
+
+class ManifestMismatchError(PeerError):
+    """Sender and receiver disagree on the tensors to transfer (names, shapes or dtypes)."""
+
+
+class TransferError(PeerError):
+    """The transport failed while creating the communicator or moving data (peer crashed)."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """The watchdog deadline passed during communicator creation or the broadcast loop.
+
+    The communicator was aborted before this was raised.
+    """
+
+
+class ConsensusError(PeerError):
+    """The worker's ranks could not agree (a collective over the worker's group failed)."""
+
+
+class AttachError(NcclBackError):
+    """A local hand-off from a sidecar was refused or failed (version/manifest mismatch, I/O)."""

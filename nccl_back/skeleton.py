@@ -1,0 +1,268 @@
+"""Skeletons and manifests.
+
+A *skeleton* is a model whose tensors have the right shapes, dtypes and device but no
+meaningful values yet: the containers that a storage load or a peer broadcast writes
+into (NCCL allocates nothing). :func:`build` constructs one by running the model's own
+constructor with weight initialisation switched off (:func:`no_init`), so
+constructor-computed state such as a rotary ``inv_freq`` buffer is real while
+parameters cost only their allocation.
+
+A *manifest* is the ordered list of (name, shape, dtype) of every tensor that must be
+transferred: the model's ``state_dict`` (persistent parameters and buffers), in sorted
+name order, tied tensors listed once. Its digest lets two workers check, before any
+data moves, that they would issue the same collectives in the same order.
+
+A model is an ``nn.Module`` or a mapping of named sub-modules (a pipeline such as
+``{"transformer": ..., "vae": ...}``); sub-module tensor names are prefixed with the
+sub-module's name and a dot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+from .errors import SkeletonError
+
+Model: TypeAlias = "nn.Module | Mapping[str, nn.Module]"
+
+#: In-place initialisers that :func:`no_init` turns into no-ops.
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float16"`` -> ``torch.float16``; raises :class:`SkeletonError` for an unknown name."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SkeletonError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor to transfer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_from_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The ordered tensors of a model, and the names that alias (tie) to them."""
+
+    entries: tuple[TensorEntry, ...]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Tied names -> the canonical (listed) name they share storage with."""
+
+    @property
+    def digest(self) -> str:
+        """MD5 hex of the canonical JSON of the entries: equal iff same names, shapes, dtypes."""
+        payload = json.dumps(
+            [[e.name, list(e.shape), e.dtype] for e in self.entries], separators=(",", ":")
+        )
+        return hashlib.md5(payload.encode()).hexdigest()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "entries": [[e.name, list(e.shape), e.dtype] for e in self.entries],
+            "aliases": dict(self.aliases),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Manifest:
+        try:
+            entries = tuple(
+                TensorEntry(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in data["entries"]
+            )
+            aliases = {str(k): str(v) for k, v in dict(data.get("aliases", {})).items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise SkeletonError(f"malformed manifest JSON: {e}") from e
+        return cls(entries, aliases)
+
+    def diff(self, other: Manifest) -> str:
+        """A short human-readable description of how ``other`` differs from this manifest."""
+        mine = {e.name: e for e in self.entries}
+        theirs = {e.name: e for e in other.entries}
+        parts: list[str] = []
+        missing = sorted(set(mine) - set(theirs))
+        extra = sorted(set(theirs) - set(mine))
+        if missing:
+            parts.append(f"missing {missing[:5]}")
+        if extra:
+            parts.append(f"unexpected {extra[:5]}")
+        for name in sorted(set(mine) & set(theirs)):
+            a, b = mine[name], theirs[name]
+            if a != b:
+                parts.append(f"{name}: {list(a.shape)} {a.dtype} vs {list(b.shape)} {b.dtype}")
+                if len(parts) >= 8:
+                    break
+        return "; ".join(parts) or "identical"
+
+
+def _iter_modules(model: Model) -> Iterator[tuple[str, nn.Module]]:
+    if isinstance(model, nn.Module):
+        yield "", model
+    elif isinstance(model, Mapping):
+        for key in sorted(model):
+            sub = model[key]
+            if not isinstance(sub, nn.Module):
+                raise SkeletonError(
+                    f"model[{key!r}] is a {type(sub).__name__}, expected an nn.Module"
+                )
+            if not key or "." in key:
+                raise SkeletonError(f"sub-module name {key!r} must be non-empty and without '.'")
+            yield key + ".", sub
+    else:
+        raise SkeletonError(
+            f"model is a {type(model).__name__}; expected an nn.Module or a mapping of them"
+        )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    if t.device.type == "meta":
+        return ("id", id(t))
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+
+
+def named_tensors(model: Model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to transfer, in sorted name order, and the aliases of tied ones.
+
+    Returns ``(tensors, aliases)``: ``tensors`` maps each canonical name (the first, in
+    sorted order, of the names sharing one storage) to the live tensor (``.data`` of a
+    parameter, so in-place writes don't touch autograd); ``aliases`` maps every other
+    name of a tied tensor to its canonical name.
+    """
+    everything: dict[str, torch.Tensor] = {}
+    for prefix, module in _iter_modules(model):
+        for name, t in module.state_dict(keep_vars=True).items():
+            everything[prefix + name] = t.data if isinstance(t, nn.Parameter) else t
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name in sorted(everything):
+        t = everything[name]
+        key = _storage_key(t)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t
+    return tensors, aliases
+
+
+def manifest(model: Model) -> Manifest:
+    """The model's :class:`Manifest` (sorted names, tied tensors once)."""
+    tensors, aliases = named_tensors(model)
+    entries = tuple(
+        TensorEntry(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()
+    )
+    return Manifest(entries, aliases)
+
+
+def model_device(model: Model) -> torch.device:
+    """The single device all of the model's tensors live on (``SkeletonError`` if several)."""
+    tensors, _ = named_tensors(model)
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise SkeletonError(f"model spans several devices {sorted(map(str, devices))}; expected one")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def no_init() -> Iterator[None]:
+    """Within this block, ``torch.nn.init`` initialisers and ``reset_parameters`` do nothing.
+
+    Parameters keep whatever their allocation holds: they are containers to be filled.
+    Buffers a constructor computes with ordinary tensor ops (``inv_freq``, masks) are
+    computed as usual, so nothing that a checkpoint does not carry is left uninitialised.
+    """
+    saved: dict[str, Any] = {}
+    for fname in _INIT_FUNCTIONS:
+        fn = getattr(nn.init, fname, None)
+        if fn is None:
+            continue
+        saved[fname] = fn
+        setattr(nn.init, fname, _return_first)
+    try:
+        yield
+    finally:
+        for fname, fn in saved.items():
+            setattr(nn.init, fname, fn)
+
+
+def _return_first(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+def build(
+    factory: Callable[[], Model], device: str | torch.device = "cpu"
+) -> Model:
+    """Construct a skeleton: ``factory()`` on ``device`` with weight initialisation skipped.
+
+    ``factory`` builds the model (or mapping of sub-modules) exactly as the worker
+    would, minus any checkpoint loading (pass your own ``skip_checkpoint=True``-style
+    flag inside it). Raises :class:`SkeletonError` if the result has tensors on
+    another device or on ``meta``.
+    """
+    dev = torch.device(device)
+    try:
+        with no_init(), dev:
+            model = factory()
+    except SkeletonError:
+        raise
+    except Exception as e:
+        raise SkeletonError(f"skeleton factory {getattr(factory, '__name__', factory)!r} failed: {e}") from e
+    tensors, _ = named_tensors(model)
+    for name, t in tensors.items():
+        if t.device.type == "meta":
+            raise SkeletonError(f"{name} is on the meta device; a skeleton needs real storage")
+        if t.device != dev and not (dev.type == t.device.type and dev.index is None):
+            raise SkeletonError(f"{name} is on {t.device}, expected {dev}")
+    return model

@@ -1,0 +1,63 @@
+"""Shared fixtures: a real redis-server and a real GCS emulator on loopback.
+
+Nothing here mocks Redis or storage; the only thing that cannot exist on these
+machines is a GPU, and tests that need one carry the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from nccl_back.devservers import LocalGCS, LocalRedis
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with NCCL (run scripts/gpu_check.sh there)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    """One real redis-server for the session; tests isolate themselves by namespace."""
+    server = LocalRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh key namespace per test, so tests sharing one Redis never see each other."""
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(scope="session")
+def gcs() -> Iterator[LocalGCS]:
+    """One real GCS emulator for the session, reached by the real google-cloud-storage client."""
+    emulator = LocalGCS().start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = emulator.host
+    yield emulator
+    if old is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = old
+    emulator.stop()
+
+
+@pytest.fixture
+def cache_dir(tmp_path: object) -> str:
+    return str(tmp_path) + "/cache"  # type: ignore[operator]

@@ -1,0 +1,34 @@
+"""What a load reports back to the caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Source = Literal["peer", "storage", "local"]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """The outcome of one load into a skeleton.
+
+    ``source`` says where the weights came from; ``fallback_reason`` is set whenever a
+    peer load was tried (or skipped) and storage was used instead, so no fallback is
+    ever silent.
+    """
+
+    source: Source
+    version: str
+    bytes: int
+    seconds: float
+    peer_id: str | None = None
+    fallback_reason: str | None = None
+    verified: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase, e.g. ``download``, ``copy``, ``discovery``, ``handshake``,
+    ``transfer``, ``verify``."""
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second) over the whole load."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0

@@ -1,0 +1,54 @@
+"""All-rank consensus over the worker's own process group (DESIGN.md layer 4).
+
+A worker may be several ranks (tensor or pipeline parallel). If rank 0 goes peer to
+peer while rank 3 downloads, the group deadlocks in its next collective. So every
+decision that changes the path is taken by all ranks together: each votes 1 or 0,
+``all_reduce(MIN)``, and only a unanimous 1 proceeds. A rank that fails votes 0, which
+is how one rank's failure reaches every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConsensusError
+
+Group = Any  # a torch.distributed ProcessGroup, or None for a single-process worker
+
+
+def rank_and_size(group: Group) -> tuple[int, int]:
+    """This process's rank and the group's size; ``(0, 1)`` without a group."""
+    if group is None:
+        return 0, 1
+    try:
+        return dist.get_rank(group), dist.get_world_size(group)
+    except Exception as e:  # torch raises RuntimeError/ValueError depending on version
+        raise ConsensusError(f"cannot read rank/size of the worker's process group: {e}") from e
+
+
+def _vote_device(group: Group) -> torch.device:
+    # NCCL collectives need a CUDA tensor; gloo (and everything else) takes a CPU one.
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(vote: bool, group: Group) -> bool:
+    """True only if every rank of ``group`` voted True (``all_reduce(MIN)``).
+
+    Without a group the worker is one process and its own vote decides. A failing
+    collective raises :class:`ConsensusError`: the group can no longer agree on
+    anything, and the caller must not pick a path on its own.
+    """
+    if group is None:
+        return vote
+    try:
+        t = torch.tensor([1 if vote else 0], dtype=torch.int32, device=_vote_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return bool(int(t.item()))
+    except Exception as e:
+        raise ConsensusError(f"all_reduce(MIN) over the worker's group failed: {e}") from e

@@ -1,0 +1,84 @@
+"""Settings: validation on construction and the one environment reader."""
+
+from __future__ import annotations
+
+import pytest
+
+from nccl_back.config import Settings
+from nccl_back.errors import ConfigError, NcclBackError
+
+
+def test_defaults_are_valid() -> None:
+    """Default settings construct and follow the design's handshake timeouts."""
+    s = Settings()
+    assert s.sender_handshake_timeout == 1.0
+    assert s.receiver_handshake_timeout == 10.0
+    assert s.heartbeat_interval == pytest.approx(s.peer_ttl / 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"redis_url": "http://x:1"}, r"redis_url='http://x:1': scheme must be redis://"),
+        ({"redis_url": "redis://:6379"}, r"no host"),
+        ({"redis_url": "redis://h:notaport"}, r"bad port"),
+        ({"namespace": "a b"}, r"namespace='a b'"),
+        ({"transport": "mpi"}, r"transport='mpi': choose auto, gloo or nccl"),
+        ({"verify": "maybe"}, r"verify='maybe'"),
+        ({"transfer_timeout": 0}, r"transfer_timeout=0: must be a positive number"),
+        ({"max_concurrent_sends": 0}, r"max_concurrent_sends=0: must be a positive integer"),
+        ({"bucket_bytes": True}, r"bucket_bytes=True"),
+    ],
+)
+def test_bad_values_name_the_value(kwargs: dict[str, object], message: str) -> None:
+    """Each bad field raises ConfigError naming the field and value."""
+    with pytest.raises(ConfigError, match=message):
+        Settings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_config_error_is_in_hierarchy() -> None:
+    """ConfigError is both an NcclBackError and a ValueError."""
+    assert issubclass(ConfigError, NcclBackError)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_from_env_reads_prefixed_variables() -> None:
+    """from_env parses NCCL_BACK_* into typed fields; '0' and 'false' are values, not unset."""
+    env = {
+        "NCCL_BACK_REDIS_URL": "rediss://:pw@redis.example:6380/1",
+        "NCCL_BACK_NAMESPACE": "fleet",
+        "NCCL_BACK_TRANSFER_TIMEOUT": "30",
+        "NCCL_BACK_MAX_CONCURRENT_SENDS": "2",
+        "NCCL_BACK_STRICT": "false",
+        "UNRELATED": "x",
+    }
+    s = Settings.from_env(env)
+    assert s.redis_url == "rediss://:pw@redis.example:6380/1"
+    assert s.namespace == "fleet"
+    assert s.transfer_timeout == 30.0
+    assert s.max_concurrent_sends == 2
+    assert s.strict is False
+    assert Settings.from_env({"NCCL_BACK_STRICT": "1"}).strict is True
+
+
+def test_from_env_overrides_win() -> None:
+    """Keyword overrides take precedence over the environment."""
+    s = Settings.from_env({"NCCL_BACK_NAMESPACE": "env"}, namespace="kw")
+    assert s.namespace == "kw"
+
+
+def test_from_env_bad_number_names_variable() -> None:
+    """An unparsable number names the variable and its value."""
+    with pytest.raises(ConfigError, match=r"NCCL_BACK_PEER_TTL='soon'"):
+        Settings.from_env({"NCCL_BACK_PEER_TTL": "soon"})
+    with pytest.raises(ConfigError, match=r"NCCL_BACK_STRICT='perhaps'"):
+        Settings.from_env({"NCCL_BACK_STRICT": "perhaps"})
+
+
+def test_settings_are_frozen() -> None:
+    """Settings cannot be mutated after construction; replace() validates again."""
+    s = Settings()
+    with pytest.raises(AttributeError):
+        s.namespace = "x"  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="peer_ttl=-1"):
+        s.replace(peer_ttl=-1)

@@ -1,0 +1,104 @@
+"""Skeletons and manifests: sorted names, tied tensors once, real non-persistent buffers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from nccl_back.errors import SkeletonError
+from nccl_back.skeleton import Manifest, build, manifest, named_tensors, no_init
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.proj = nn.Linear(dim, dim)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.head = nn.Linear(4, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.LayerNorm(4)
+
+
+def test_manifest_sorted_and_tied_once() -> None:
+    """Manifest entries are in sorted name order and a tied weight is listed once."""
+    m = manifest(Tied())
+    assert m.names == sorted(m.names)
+    assert m.names == ["embed.weight", "norm.bias", "norm.weight"]
+    assert m.aliases == {"head.weight": "embed.weight"}
+
+
+def test_manifest_for_pipeline_prefixes_names() -> None:
+    """A mapping of sub-modules prefixes each tensor name with the sub-module's name."""
+    m = manifest({"vae": nn.Linear(2, 3), "transformer": nn.Linear(3, 4, bias=False)})
+    assert m.names == ["transformer.weight", "vae.bias", "vae.weight"]
+
+
+def test_digest_changes_with_dtype_and_shape() -> None:
+    """The digest differs when a dtype or shape differs, and is stable otherwise."""
+    a = manifest(nn.Linear(4, 4))
+    assert a.digest == manifest(nn.Linear(4, 4)).digest
+    assert a.digest != manifest(nn.Linear(4, 5)).digest
+    assert a.digest != manifest(nn.Linear(4, 4).to(torch.bfloat16)).digest
+    assert "float32 vs" in a.diff(manifest(nn.Linear(4, 4).to(torch.bfloat16)))
+
+
+def test_manifest_json_round_trip() -> None:
+    """A manifest survives JSON encoding with the same digest."""
+    m = manifest(Tied())
+    assert Manifest.from_json(m.to_json()).digest == m.digest
+    with pytest.raises(SkeletonError, match="malformed manifest JSON"):
+        Manifest.from_json({"entries": [["x"]]})
+
+
+def test_non_persistent_buffer_is_real_in_skeleton() -> None:
+    """build() skips weight init yet computes constructor buffers such as inv_freq."""
+    ref = Rotary()
+    sk = build(Rotary)
+    assert torch.equal(sk.inv_freq, ref.inv_freq)  # type: ignore[union-attr]
+    # inv_freq is not transferred: it is not in the state dict, so not in the manifest.
+    assert "inv_freq" not in manifest(sk).names
+
+
+def test_no_init_skips_initialisers() -> None:
+    """Inside no_init, nn.init functions leave tensors untouched (no random init cost)."""
+    t = torch.full((4, 4), 7.0)
+    with no_init():
+        nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+        nn.init.zeros_(t)
+    assert torch.all(t == 7.0)
+    nn.init.zeros_(t)
+    assert torch.all(t == 0.0)
+
+
+def test_build_reports_factory_failure() -> None:
+    """A failing factory raises SkeletonError naming the factory."""
+
+    def broken() -> nn.Module:
+        raise RuntimeError("boom")
+
+    with pytest.raises(SkeletonError, match="skeleton factory 'broken' failed: boom"):
+        build(broken)
+
+
+def test_build_rejects_meta_tensors() -> None:
+    """A skeleton with meta tensors is refused: a broadcast needs real buffers."""
+    with pytest.raises(SkeletonError, match="meta device"):
+        build(lambda: nn.Linear(2, 2, device="meta"))
+
+
+def test_bad_model_type() -> None:
+    """Something that is neither a module nor a mapping of modules is rejected clearly."""
+    with pytest.raises(SkeletonError, match="expected an nn.Module or a mapping"):
+        named_tensors([nn.Linear(1, 1)])  # type: ignore[arg-type]
+    with pytest.raises(SkeletonError, match=r"model\['a'\] is a int"):
+        named_tensors({"a": 1})  # type: ignore[dict-item]

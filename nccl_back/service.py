@@ -1,0 +1,478 @@
+"""Receive / serve orchestration: the protocol's layers put together.
+
+``WeightService.load(model, spec, group)`` on each rank of a worker:
+
+1. *Discovery* — live peers holding ``spec.version`` for this rank (registry), the
+   ground-truth hashes, and whether their manifest matches this skeleton's.
+2. *Single flight* — when nobody holds the version yet, one worker per version and
+   rank is elected (a Redis lease) to download; the others wait, bounded, for a peer.
+3. *Consensus* — every rank votes; ``all_reduce(MIN)``; unless all found a usable
+   peer, all load from storage.
+4. *Peer attempts* — claim a send slot, liveness handshake, guarded transfer,
+   verification against the ground truth; on failure the next peer.
+5. *Consensus again* — unless every rank succeeded, every rank loads from storage,
+   so the group ends in one consistent state.
+6. *Publication* — after a storage load the hashes become the ground truth (never
+   overwritten); after a verified peer load the worker serves others too (fan-out).
+
+While the service is open, a background thread per held model answers transfer
+requests and a heartbeat keeps its registry entries alive; ``close()`` withdraws them.
+Every fallback is logged with its reason and returned in ``LoadResult.fallback_reason``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import integrity
+from .config import Settings
+from .consensus import Group, agree, rank_and_size
+from .errors import (
+    ConsensusError,
+    ManifestMismatchError,
+    NcclBackError,
+    NoPeerError,
+    PeerError,
+    RegistryError,
+    WeightVerificationError,
+)
+from .handshake import run_receiver, run_sender
+from .identity import ModelSpec
+from .loader import load_from_storage
+from .log import get_logger
+from .metrics import Metrics, fallback_reason
+from .registry import PeerInfo, Registry
+from .result import LoadResult
+from .skeleton import Manifest, Model, manifest, model_device, named_tensors
+from .transport import (
+    Rendezvous,
+    open_rendezvous,
+    receiver_transport,
+    recv_tensors,
+    resolve_kind,
+    run_guarded,
+    send_tensors,
+)
+
+MODES_KEY_SEP = "|"
+
+
+def _truth_hashes(all_hashes: dict[str, str], mode: str) -> dict[str, str]:
+    """The ``mode`` part of stored ground truth (keys are ``"{mode}|{layer}"``)."""
+    prefix = mode + MODES_KEY_SEP
+    return {k[len(prefix):]: v for k, v in all_hashes.items() if k.startswith(prefix)}
+
+
+@dataclass
+class _Held:
+    """A model this worker holds and serves."""
+
+    model: Model
+    tensors: dict[str, torch.Tensor]
+    manifest: Manifest
+    info: PeerInfo
+    sends: ThreadPoolExecutor
+    thread: threading.Thread | None = None
+    active: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WeightService:
+    """Loads weights from a peer (storage as fallback) and serves them while open.
+
+    Use as a context manager, or call :meth:`close`. Thread-safe for one ``load`` at a
+    time per rank; serving runs in background threads.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        metrics: Metrics | None = None,
+        worker_id: str | None = None,
+        registry: Registry | None = None,
+        corrupt_sends_for_test: bool = False,
+    ) -> None:
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.registry = registry if registry is not None else Registry(self.settings)
+        self._corrupt = corrupt_sends_for_test
+        self._held: dict[str, _Held] = {}
+        self._rendezvous: dict[str, Rendezvous] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._heartbeat: threading.Thread | None = None
+        self._closed = False
+        self._log = get_logger("nccl_back.service", worker=self.worker_id)
+
+    # -- public API ---------------------------------------------------------------------
+
+    def __enter__(self) -> WeightService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def peers(self) -> list[PeerInfo]:
+        """What this worker currently publishes."""
+        return [h.info for h in self._held.values()]
+
+    @property
+    def active_sends(self) -> int:
+        return sum(h.active for h in self._held.values())
+
+    def load(self, model: Model, spec: ModelSpec, group: Group = None) -> LoadResult:
+        """Fill the skeleton ``model`` with ``spec``'s weights, from a peer if possible.
+
+        ``group`` is the worker's own process group (tensor/pipeline parallel) or None.
+        Every rank of the group must call ``load`` with its own sub-module skeleton.
+        Returns a verified :class:`LoadResult`. With ``Settings(strict=True)`` a failed
+        peer load raises instead of falling back (having no peer at all is not a failure).
+        """
+        if self._closed:
+            raise NcclBackError("WeightService is closed")
+        start = time.perf_counter()
+        rank, world = rank_and_size(group)
+        man = manifest(model)
+        tensors, _ = named_tensors(model)
+        log = self._log.bind(rank=rank, version=spec.version[:12])
+        timings: dict[str, float] = {}
+
+        t = time.perf_counter()
+        candidates, truth, reason = self._discover(spec.version, rank, world, man)
+        timings["discovery"] = time.perf_counter() - t
+        if not agree(reason is None, group) and reason is None:
+            reason = ConsensusError("another rank of this worker found no usable peer")
+
+        peer_id: str | None = None
+        if reason is None:
+            t = time.perf_counter()
+            peer_id, reason = self._receive_any(model, tensors, man, candidates, truth, log, timings)
+            timings["peer"] = time.perf_counter() - t
+            if not agree(reason is None, group) and reason is None:
+                reason = ConsensusError("another rank of this worker failed its peer load")
+                peer_id = None
+
+        if reason is None and peer_id is not None:
+            seconds = time.perf_counter() - start
+            result = LoadResult(
+                source="peer", version=spec.version, bytes=man.nbytes, seconds=seconds,
+                peer_id=peer_id, verified=self.settings.verify != "none", timings=timings,
+            )
+            self.metrics.record_load("peer", man.nbytes, seconds)
+            log.info("loaded", source="peer", peer=peer_id, seconds=round(seconds, 3),
+                     gbps=round(result.gbps, 3))
+            self._publish(model, tensors, man, spec.version, rank, world, source="peer", log=log)
+            return result
+
+        return self._storage_fallback(model, spec, man, tensors, rank, world, reason, start,
+                                      timings, log)
+
+    def close(self) -> None:
+        """Stop serving, withdraw every published entry, release sockets and threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for held in list(self._held.values()):
+            with contextlib.suppress(RegistryError):
+                self.registry.withdraw(held.info.peer_id, held.info.version)
+        for held in list(self._held.values()):
+            if held.thread is not None:
+                held.thread.join(self.settings.redis_timeout + 2)
+            # In-flight sends end within their own watchdog deadline.
+            held.sends.shutdown(wait=True)
+        if self._heartbeat is not None:
+            self._heartbeat.join(self.settings.heartbeat_interval + self.settings.redis_timeout + 1)
+        for rv in self._rendezvous.values():
+            with contextlib.suppress(Exception):
+                rv.close()
+        self._rendezvous.clear()
+        self.metrics.set_ready(False)
+        with contextlib.suppress(Exception):
+            self.registry.close()
+        self._log.info("closed", withdrawn=len(self._held))
+
+    def withdraw(self) -> None:
+        """Stop accepting new transfers (drain): remove this worker from the registry.
+
+        In-flight sends finish; :meth:`close` still has to be called.
+        """
+        self._stop.set()
+        for held in list(self._held.values()):
+            with contextlib.suppress(RegistryError):
+                self.registry.withdraw(held.info.peer_id, held.info.version)
+        self.metrics.set_ready(False)
+
+    # -- receive ------------------------------------------------------------------------
+
+    def _discover(
+        self, version: str, rank: int, world: int, man: Manifest
+    ) -> tuple[list[PeerInfo], dict[str, str] | None, NcclBackError | None]:
+        """Usable peers, the ground-truth hashes for the verify mode, or why there are none."""
+        try:
+            peers = [p for p in self.registry.find_peers(version, rank, world)
+                     if p.peer_id not in self._held]
+            if not peers:
+                return [], None, NoPeerError(f"no live peer holds version {version[:12]} rank {rank}/{world}")
+            matching = [p for p in peers if p.manifest_digest == man.digest]
+            if not matching:
+                return [], None, ManifestMismatchError(
+                    f"{len(peers)} peer(s) hold version {version[:12]} with a different manifest"
+                    f" (theirs {peers[0].manifest_digest[:12]}, ours {man.digest[:12]})"
+                )
+            if self.settings.verify == "none":
+                return matching, None, None
+            stored = self.registry.get_ground_truth(version, rank, world)
+            if stored is None:
+                return [], None, NoPeerError("peers exist but no ground-truth hashes to verify against")
+            digest, hashes = stored
+            if digest != man.digest:
+                return [], None, ManifestMismatchError(
+                    f"ground truth was computed for manifest {digest[:12]}, ours is {man.digest[:12]}"
+                )
+            expected = _truth_hashes(hashes, self.settings.verify)
+            if not expected:
+                return [], None, NoPeerError(
+                    f"ground truth has no {self.settings.verify!r} hashes (set verify on the storage loader too)"
+                )
+            return matching, expected, None
+        except RegistryError as e:
+            return [], None, e
+
+    def _receive_any(
+        self,
+        model: Model,
+        tensors: dict[str, torch.Tensor],
+        man: Manifest,
+        candidates: list[PeerInfo],
+        truth: dict[str, str] | None,
+        log: Any,
+        timings: dict[str, float],
+    ) -> tuple[str | None, NcclBackError | None]:
+        """Try peers in order; the first verified transfer wins. Returns (peer_id, error)."""
+        last: NcclBackError = NoPeerError("no peer tried")
+        for peer in candidates[: self.settings.max_peer_attempts]:
+            try:
+                self._receive_from(peer, model, tensors, man, truth, log, timings)
+                return peer.peer_id, None
+            except (PeerError, WeightVerificationError) as e:
+                last = e
+                if isinstance(e, WeightVerificationError):
+                    self.metrics.record_verification_failure()
+                if "handshake" in fallback_reason(e):
+                    self.metrics.record_handshake_timeout()
+                log.warning("peer_attempt_failed", peer=peer.peer_id, reason=fallback_reason(e),
+                            error=str(e))
+            except RegistryError as e:
+                return None, e
+        return None, last
+
+    def _receive_from(
+        self,
+        peer: PeerInfo,
+        model: Model,
+        tensors: dict[str, torch.Tensor],
+        man: Manifest,
+        truth: dict[str, str] | None,
+        log: Any,
+        timings: dict[str, float],
+    ) -> None:
+        s = self.settings
+        device = model_device(model)
+        claim_ttl = s.receiver_handshake_timeout + s.transfer_timeout + 5
+        token = self.registry.claim(peer.peer_id, self.worker_id, peer.max_sends, claim_ttl)
+        if token is None:
+            raise NoPeerError(f"peer {peer.peer_id} is busy (all {peer.max_sends} send slots claimed)")
+        try:
+            transfer_id = uuid.uuid4().hex
+            request = {
+                "transfer_id": transfer_id,
+                "receiver": self.worker_id,
+                "version": peer.version,
+                "manifest_digest": man.digest,
+                "transport": peer.transport,
+            }
+            t = time.perf_counter()
+            run_receiver(
+                self.registry, transfer_id, man.digest, s.receiver_handshake_timeout,
+                after_ready=lambda: self.registry.push_request(peer.peer_id, request),
+            )
+            timings["handshake"] = time.perf_counter() - t
+            t = time.perf_counter()
+            transport = receiver_transport(
+                s, peer.transport, peer.address, transfer_id, device=device, registry=self.registry
+            )
+            run_guarded(
+                transport,
+                lambda tr: recv_tensors(tr, tensors, s.bucket_bytes),
+                time.monotonic() + s.transfer_timeout,
+            )
+            timings["transfer"] = time.perf_counter() - t
+            if truth is not None:
+                t = time.perf_counter()
+                integrity.compare(truth, integrity.layer_hashes(model, mode=s.verify))  # type: ignore[arg-type]
+                timings["verify"] = time.perf_counter() - t
+        finally:
+            with contextlib.suppress(RegistryError):
+                self.registry.release(peer.peer_id, token)
+
+    # -- storage ------------------------------------------------------------------------
+
+    def _storage_fallback(
+        self,
+        model: Model,
+        spec: ModelSpec,
+        man: Manifest,
+        tensors: dict[str, torch.Tensor],
+        rank: int,
+        world: int,
+        reason: NcclBackError | None,
+        start: float,
+        timings: dict[str, float],
+        log: Any,
+    ) -> LoadResult:
+        code = fallback_reason(reason) if reason is not None else "other"
+        no_peer_at_all = isinstance(reason, NoPeerError) and "no live peer" in str(reason)
+        if self.settings.strict and reason is not None and not no_peer_at_all:
+            raise reason
+        if reason is not None:
+            self.metrics.record_fallback(code)
+            log.warning("fallback_to_storage", reason=code, detail=str(reason))
+        t = time.perf_counter()
+        stored = load_from_storage(model, spec, settings=self.settings)
+        timings["storage"] = time.perf_counter() - t
+        timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
+        t = time.perf_counter()
+        hashes = {f"sampled{MODES_KEY_SEP}{k}": v
+                  for k, v in integrity.layer_hashes(model, mode="sampled").items()}
+        if self.settings.verify == "full":
+            hashes.update({f"full{MODES_KEY_SEP}{k}": v
+                           for k, v in integrity.layer_hashes(model, mode="full").items()})
+        timings["hash"] = time.perf_counter() - t
+        seconds = time.perf_counter() - start
+        detail = f"{code}: {reason}" if reason is not None else None
+        result = LoadResult(
+            source="storage", version=spec.version, bytes=stored.bytes, seconds=seconds,
+            fallback_reason=detail, verified=True, timings=timings,
+        )
+        self.metrics.record_load("storage", stored.bytes, seconds)
+        log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
+        try:
+            if not self.registry.put_ground_truth(spec.version, rank, world, man.digest, hashes):
+                existing = self.registry.get_ground_truth(spec.version, rank, world)
+                if existing is not None and existing[0] == man.digest:
+                    theirs = _truth_hashes(existing[1], "sampled")
+                    integrity.compare(theirs, _truth_hashes(hashes, "sampled"))
+            self._publish(model, tensors, man, spec.version, rank, world, source="storage", log=log)
+        except RegistryError as e:
+            log.warning("publish_failed", error=str(e))
+        except WeightVerificationError as e:
+            # Our bytes passed CRC32C, so the stored ground truth disagrees with storage:
+            # never serve in that state, and say so loudly.
+            log.error("ground_truth_disagrees_with_storage", error=str(e))
+        return result
+
+    # -- serve --------------------------------------------------------------------------
+
+    def _publish(
+        self, model: Model, tensors: dict[str, torch.Tensor], man: Manifest, version: str,
+        rank: int, world: int, *, source: str, log: Any,
+    ) -> None:
+        device = model_device(model)
+        kind = resolve_kind(self.settings, device)
+        with self._lock:
+            rv = self._rendezvous.get(kind)
+            if rv is None:
+                rv = open_rendezvous(self.settings, kind, device=device, registry=self.registry)
+                self._rendezvous[kind] = rv
+        peer_id = f"{self.worker_id}-r{rank}-{uuid.uuid4().hex[:4]}"
+        info = PeerInfo(
+            peer_id=peer_id, version=version, rank=rank, world_size=world,
+            manifest_digest=man.digest, transport=kind, address=rv.address, source=source,
+            max_sends=self.settings.max_concurrent_sends,
+        )
+        held = _Held(model, tensors, man, info,
+                     ThreadPoolExecutor(self.settings.max_concurrent_sends,
+                                        thread_name_prefix=f"nccl-back-send-{rank}"))
+        self.registry.publish_peer(info)
+        self._held[peer_id] = held
+        held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
+                                       name=f"nccl-back-serve-{rank}")
+        held.thread.start()
+        if self._heartbeat is None or not self._heartbeat.is_alive():
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                               name="nccl-back-heartbeat")
+            self._heartbeat.start()
+        self.metrics.set_ready(True)
+        log.info("published", peer=peer_id, transport=kind, address=rv.address, source=source)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_interval):
+            for held in list(self._held.values()):
+                try:
+                    self.registry.heartbeat(held.info)
+                except RegistryError as e:
+                    self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=str(e))
+            self.metrics.set_claims(self.active_sends)
+
+    def _serve_loop(self, held: _Held) -> None:
+        while not self._stop.is_set():
+            try:
+                request = self.registry.pop_request(held.info.peer_id, timeout=0.5)
+            except RegistryError as e:
+                self._log.warning("serve_poll_failed", peer=held.info.peer_id, error=str(e))
+                self._stop.wait(0.5)
+                continue
+            if request is None or self._stop.is_set():
+                continue
+            held.sends.submit(self._serve_one, held, request)
+
+    def _serve_one(self, held: _Held, request: dict[str, Any]) -> None:
+        s = self.settings
+        transfer_id = str(request.get("transfer_id", ""))
+        log = self._log.bind(rank=held.info.rank, version=held.info.version[:12],
+                             peer=str(request.get("receiver")), transfer_id=transfer_id)
+        with held.lock:
+            held.active += 1
+        self.metrics.set_claims(self.active_sends)
+        ok = False
+        try:
+            if request.get("version") != held.info.version:
+                raise ManifestMismatchError(
+                    f"request for version {str(request.get('version'))[:12]}, this peer holds"
+                    f" {held.info.version[:12]}"
+                )
+            run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
+            transport = self._rendezvous[held.info.transport].sender(transfer_id)
+            stats = run_guarded(
+                transport,
+                lambda tr: send_tensors(tr, held.tensors, s.bucket_bytes,
+                                        corrupt_for_test=self._corrupt),
+                time.monotonic() + s.transfer_timeout,
+            )
+            ok = True
+            log.info("served", bytes=held.manifest.nbytes, gbps=round(stats.gbps, 3))
+        except NcclBackError as e:
+            if "handshake" in fallback_reason(e):
+                self.metrics.record_handshake_timeout()
+            log.warning("serve_failed", reason=fallback_reason(e), error=str(e))
+        except Exception as e:  # a serving thread must never die silently
+            log.error("serve_crashed", error=repr(e))
+        finally:
+            self.metrics.record_served(ok)
+            with held.lock:
+                held.active -= 1
+            self.metrics.set_claims(self.active_sends)

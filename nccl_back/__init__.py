@@ -2,6 +2,8 @@
 
 from .config import Settings
 from .errors import NcclBackError
+from .identity import ModelSpec, Shard
+from .loader import load_from_storage
 
-__all__ = ["NcclBackError", "Settings"]
+__all__ = ["ModelSpec", "NcclBackError", "Settings", "Shard", "load_from_storage"]
 __version__ = "0.1.0"

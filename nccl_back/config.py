@@ -72,6 +72,9 @@ class Settings:
     max_peer_attempts: int = 3
     """Peers a receiver tries before it falls back to storage."""
 
+    busy_wait: float = 60.0
+    """Seconds a receiver waits for a busy peer's send slot (or a new peer) before storage."""
+
     strict: bool = False
     """Raise instead of falling back to storage when a peer load fails."""
 
@@ -127,6 +130,7 @@ class Settings:
             "redis_timeout",
             "peer_ttl",
             "single_flight_wait",
+            "busy_wait",
             "download_lease",
         ):
             value = getattr(self, name)

@@ -14,24 +14,40 @@ import structlog
 
 
 def get_logger(name: str = "nccl_back", **bound: Any) -> Any:
-    """A structlog logger; events carry ``bound`` keys (rank, version, peer ...).
+    """A structlog-style logger; events carry ``bound`` keys (rank, version, peer ...).
 
-    Until an application calls :func:`configure` (or configures structlog itself),
-    events go to the standard ``logging`` logger ``name`` as key=value lines, so an
-    application that configured nothing sees only warnings and errors (Python's
-    last-resort handler) and nothing is printed to stdout.
+    The target is chosen at each call, not at creation, so module-level loggers made
+    at import follow a later :func:`configure`. Until an application configures
+    structlog (our CLI calls :func:`configure`), events go to the standard ``logging``
+    logger ``name`` as key=value lines: an application that configured nothing sees
+    only warnings and errors (Python's last-resort handler), never stdout noise.
     """
-    if structlog.is_configured():
-        return structlog.get_logger(name).bind(**bound)
-    return structlog.wrap_logger(
-        logging.getLogger(name),
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.format_exc_info,
-            structlog.processors.KeyValueRenderer(key_order=["event"]),
-        ],
-        wrapper_class=structlog.stdlib.BoundLogger,
-    ).bind(**bound)
+    return _LazyLogger(name, dict(bound))
+
+
+class _LazyLogger:
+    def __init__(self, name: str, bound: dict[str, Any]) -> None:
+        self._name = name
+        self._bound = bound
+
+    def bind(self, **more: Any) -> _LazyLogger:
+        return _LazyLogger(self._name, {**self._bound, **more})
+
+    def _resolve(self) -> Any:
+        if structlog.is_configured():
+            return structlog.get_logger(self._name).bind(**self._bound)
+        return structlog.wrap_logger(
+            logging.getLogger(self._name),
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.format_exc_info,
+                structlog.processors.KeyValueRenderer(key_order=["event"]),
+            ],
+            wrapper_class=structlog.stdlib.BoundLogger,
+        ).bind(**self._bound)
+
+    def __getattr__(self, method: str) -> Any:
+        return getattr(self._resolve(), method)
 
 
 def configure(level: str = "INFO", json: bool = False, stream: Any = None) -> None:

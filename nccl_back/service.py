@@ -39,6 +39,7 @@ from .config import Settings
 from .consensus import Group, agree, rank_and_size
 from .errors import (
     ConsensusError,
+    HandshakeTimeoutError,
     ManifestMismatchError,
     NcclBackError,
     NoPeerError,
@@ -65,6 +66,10 @@ from .transport import (
 )
 
 MODES_KEY_SEP = "|"
+
+
+class PeerBusy(Exception):
+    """Internal: every send slot of this peer is claimed (wait, don't count a failure)."""
 
 
 def _truth_hashes(all_hashes: dict[str, str], mode: str) -> dict[str, str]:
@@ -159,7 +164,8 @@ class WeightService:
         peer_id: str | None = None
         if reason is None:
             t = time.perf_counter()
-            peer_id, reason = self._receive_any(model, tensors, man, candidates, truth, log, timings)
+            peer_id, reason = self._receive_any(model, tensors, man, spec.version, rank, world,
+                                                candidates, truth, log, timings)
             timings["peer"] = time.perf_counter() - t
             if not agree(reason is None, group) and reason is None:
                 reason = ConsensusError("another rank of this worker failed its peer load")
@@ -179,6 +185,20 @@ class WeightService:
 
         return self._storage_fallback(model, spec, man, tensors, rank, world, reason, start,
                                       timings, log)
+
+    def serve(self, model: Model, spec: ModelSpec, group: Group = None) -> PeerInfo:
+        """Publish a model this worker already holds (loaded by its own code) and serve it.
+
+        Never writes ground truth: receivers verify what they get from this worker
+        against the hashes of a storage load, as for any other peer.
+        """
+        if self._closed:
+            raise NcclBackError("WeightService is closed")
+        rank, world = rank_and_size(group)
+        tensors, _ = named_tensors(model)
+        log = self._log.bind(rank=rank, version=spec.version[:12])
+        return self._publish(model, tensors, manifest(model), spec.version, rank, world,
+                             source="adopted", log=log)
 
     def close(self) -> None:
         """Stop serving, withdraw every published entry, release sockets and threads."""
@@ -257,28 +277,59 @@ class WeightService:
         model: Model,
         tensors: dict[str, torch.Tensor],
         man: Manifest,
+        spec_version: str,
+        rank: int,
+        world: int,
         candidates: list[PeerInfo],
         truth: dict[str, str] | None,
         log: Any,
         timings: dict[str, float],
     ) -> tuple[str | None, NcclBackError | None]:
-        """Try peers in order; the first verified transfer wins. Returns (peer_id, error)."""
+        """Try peers until one transfer verifies; returns ``(peer_id, None)`` or ``(None, why)``.
+
+        A peer whose send slots are all claimed is not a failure: the receiver waits
+        (re-discovering, so receivers that finished meanwhile become candidates) up to
+        ``settings.busy_wait``. Real failures count towards ``max_peer_attempts``.
+        """
+        s = self.settings
         last: NcclBackError = NoPeerError("no peer tried")
-        for peer in candidates[: self.settings.max_peer_attempts]:
+        failed: set[str] = set()
+        deadline = time.monotonic() + s.busy_wait
+        while True:
+            busy = 0
+            for peer in candidates:
+                if peer.peer_id in failed:
+                    continue
+                try:
+                    self._receive_from(peer, model, tensors, man, truth, timings)
+                    return peer.peer_id, None
+                except PeerBusy:
+                    busy += 1
+                    continue
+                except (PeerError, WeightVerificationError) as e:
+                    last = e
+                    failed.add(peer.peer_id)
+                    if isinstance(e, WeightVerificationError):
+                        self.metrics.record_verification_failure()
+                    if isinstance(e, HandshakeTimeoutError):
+                        self.metrics.record_handshake_timeout()
+                    log.warning("peer_attempt_failed", peer=peer.peer_id,
+                                reason=fallback_reason(e), error=str(e))
+                    if len(failed) >= s.max_peer_attempts:
+                        return None, last
+                except RegistryError as e:
+                    return None, e
+            if busy == 0 or time.monotonic() >= deadline:
+                if busy:
+                    last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
+                return None, last
+            time.sleep(0.05)
             try:
-                self._receive_from(peer, model, tensors, man, truth, log, timings)
-                return peer.peer_id, None
-            except (PeerError, WeightVerificationError) as e:
-                last = e
-                if isinstance(e, WeightVerificationError):
-                    self.metrics.record_verification_failure()
-                if "handshake" in fallback_reason(e):
-                    self.metrics.record_handshake_timeout()
-                log.warning("peer_attempt_failed", peer=peer.peer_id, reason=fallback_reason(e),
-                            error=str(e))
+                found = self.registry.find_peers(spec_version, rank, world)
             except RegistryError as e:
                 return None, e
-        return None, last
+            candidates = [p for p in found
+                          if p.manifest_digest == man.digest and p.peer_id not in self._held]
 
     def _receive_from(
         self,
@@ -287,7 +338,6 @@ class WeightService:
         tensors: dict[str, torch.Tensor],
         man: Manifest,
         truth: dict[str, str] | None,
-        log: Any,
         timings: dict[str, float],
     ) -> None:
         s = self.settings
@@ -295,7 +345,7 @@ class WeightService:
         claim_ttl = s.receiver_handshake_timeout + s.transfer_timeout + 5
         token = self.registry.claim(peer.peer_id, self.worker_id, peer.max_sends, claim_ttl)
         if token is None:
-            raise NoPeerError(f"peer {peer.peer_id} is busy (all {peer.max_sends} send slots claimed)")
+            raise PeerBusy(peer.peer_id)
         try:
             transfer_id = uuid.uuid4().hex
             request = {
@@ -390,7 +440,7 @@ class WeightService:
     def _publish(
         self, model: Model, tensors: dict[str, torch.Tensor], man: Manifest, version: str,
         rank: int, world: int, *, source: str, log: Any,
-    ) -> None:
+    ) -> PeerInfo:
         device = model_device(model)
         kind = resolve_kind(self.settings, device)
         with self._lock:
@@ -418,6 +468,7 @@ class WeightService:
             self._heartbeat.start()
         self.metrics.set_ready(True)
         log.info("published", peer=peer_id, transport=kind, address=rv.address, source=source)
+        return info
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval):
@@ -466,7 +517,7 @@ class WeightService:
             ok = True
             log.info("served", bytes=held.manifest.nbytes, gbps=round(stats.gbps, 3))
         except NcclBackError as e:
-            if "handshake" in fallback_reason(e):
+            if isinstance(e, HandshakeTimeoutError):
                 self.metrics.record_handshake_timeout()
             log.warning("serve_failed", reason=fallback_reason(e), error=str(e))
         except Exception as e:  # a serving thread must never die silently

@@ -67,36 +67,91 @@ def worker_main(
     model_kwargs: dict[str, Any] | None = None,
     serve_for: float = 60.0,
     corrupt: bool = False,
+    fault: str | None = None,
+    adopt_as: dict[str, Any] | None = None,
 ) -> None:
-    """Load (peer first), report, then keep serving until ``stop`` is set or time runs out."""
+    """Load (peer first), report, then keep serving until ``stop`` is set or time runs out.
+
+    ``fault``: ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
+    broadcasts of a transfer (a real crash mid-transfer). ``adopt_as``: instead of
+    loading, publish a model built with these kwargs under the checkpoint's version
+    (to stage a peer whose manifest differs).
+    """
+    import faulthandler
+
+    # If a worker ever hangs, its stacks reach the test's captured stderr.
+    faulthandler.dump_traceback_later(40, exit=True)
     try:
         settings = settings_for(**settings_kwargs)
+        if fault:
+            _install_fault(fault)
         model = make_model(model_kwargs)
         spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
         with WeightService(settings, worker_id=f"{role}-{os.getpid()}",
                            corrupt_sends_for_test=corrupt) as svc:
+            if adopt_as is not None:
+                info = svc.serve(make_model(adopt_as), spec)
+                out.send({"role": role, "pid": os.getpid(), "peer_id": info.peer_id})
+                while not stop.is_set():
+                    time.sleep(0.05)
+                return
             result = svc.load(model, spec)
-            out.put({
+            out.send({
                 "role": role, "pid": os.getpid(), "source": result.source,
                 "peer_id": result.peer_id, "fallback_reason": result.fallback_reason,
                 "verified": result.verified, "identical": matches_checkpoint(model, ckpt),
                 "seconds": result.seconds, "bytes": result.bytes,
                 "worker_id": svc.worker_id, "timings": result.timings,
             })
+            faulthandler.cancel_dump_traceback_later()
             deadline = time.monotonic() + serve_for
             while time.monotonic() < deadline and not stop.is_set():
                 time.sleep(0.05)
     except BaseException as e:  # report, don't hang the parent
-        out.put({"role": role, "pid": os.getpid(), "error": f"{type(e).__name__}: {e}",
+        out.send({"role": role, "pid": os.getpid(), "error": f"{type(e).__name__}: {e}",
                  "traceback": traceback.format_exc()})
 
 
-def suicide_after(seconds: float) -> None:
-    """SIGKILL this process after ``seconds`` (a crash at an arbitrary point)."""
-    import threading
+class _KillAfter:
+    """Wraps a transport: SIGKILL the process at the ``n``-th broadcast."""
 
-    def _kill() -> None:
-        time.sleep(seconds)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def __init__(self, inner: Any, n: int) -> None:
+        self._inner, self._n = inner, n
 
-    threading.Thread(target=_kill, daemon=True).start()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
+        self._n -= 1
+        if self._n <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self._inner.broadcast(tensor, src)
+
+
+def _install_fault(fault: str) -> None:
+    from nccl_back import service
+
+    if fault == "kill_mid_send":
+        orig_send = service.send_tensors
+
+        def send(transport: Any, *a: Any, **k: Any) -> Any:
+            return orig_send(_KillAfter(transport, 3), *a, **k)
+
+        service.send_tensors = send  # type: ignore[assignment]
+    elif fault == "kill_mid_recv":
+        orig_recv = service.recv_tensors
+
+        def recv(transport: Any, *a: Any, **k: Any) -> Any:
+            return orig_recv(_KillAfter(transport, 3), *a, **k)
+
+        service.recv_tensors = recv  # type: ignore[assignment]
+    elif fault == "slow_send":
+        orig_slow = service.send_tensors
+
+        def slow(transport: Any, *a: Any, **k: Any) -> Any:
+            time.sleep(1.0)
+            return orig_slow(transport, *a, **k)
+
+        service.send_tensors = slow  # type: ignore[assignment]
+    else:
+        raise ValueError(f"unknown fault {fault!r}")

@@ -1,0 +1,229 @@
+"""Safetensors checkpoints: headers, the shard index, and a skeleton built from headers.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``),
+then the tensor bytes. We parse headers ourselves rather than through the
+``safetensors`` package because we need them from a byte range of a remote object,
+before any tensor byte is downloaded, and with offsets we can read in place (mmap,
+a downloaded buffer). Every malformation raises :class:`CheckpointFormatError` naming
+the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import CheckpointFormatError, SkeletonError
+from .storage import Shard, Storage
+
+if TYPE_CHECKING:
+    from .identity import ModelSpec
+
+#: safetensors dtype names -> torch dtypes.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+#: The safetensors library's own limit on the JSON header size.
+MAX_HEADER_BYTES = 100 << 20
+
+#: Bytes read speculatively for a header; most headers fit, larger ones cost one more read.
+HEADER_PROBE_BYTES = 256 << 10
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in its file: ``[start, end)`` are absolute byte offsets."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """The parsed header of one safetensors file."""
+
+    uri: str
+    size: int
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str]
+    raw: bytes = b""
+    """The header's bytes as read (length field and JSON), to compare with a later read."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of duplicate keys silently; a tensor listed twice is corrupt.
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def header_length(prefix: bytes, uri: str, file_size: int) -> int:
+    """Bytes taken by the length field plus the JSON header, from the file's first 8 bytes."""
+    if file_size < 8 or len(prefix) < 8:
+        raise CheckpointFormatError(f"{uri}: {file_size} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"{uri}: header length {n} is implausible (not safetensors?)")
+    if 8 + n > file_size:
+        raise CheckpointFormatError(f"{uri}: truncated: header needs {8 + n} bytes, file has {file_size}")
+    return 8 + n
+
+
+def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
+    """Parse and validate a header; ``data`` starts at byte 0 and covers the whole header."""
+    total = header_length(data, uri, file_size)
+    if len(data) < total:
+        raise CheckpointFormatError(f"{uri}: truncated header ({len(data)} of {total} bytes)")
+    try:
+        raw = json.loads(data[8:total].decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointFormatError(f"{uri}: malformed safetensors header: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{uri}: malformed safetensors header: not a JSON object")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CheckpointFormatError(f"{uri}: __metadata__ must map strings to strings")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in raw.items():
+        tensors[name] = _tensor_info(name, entry, uri, total, file_size)
+    return ShardHeader(uri, file_size, tensors, metadata, bytes(data[:total]))
+
+
+def _tensor_info(name: str, entry: Any, uri: str, data_start: int, file_size: int) -> TensorInfo:
+    try:
+        dtype = DTYPES[entry["dtype"]]
+        shape = tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+            raise ValueError("shape and data_offsets must be non-negative integers")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointFormatError(f"{uri}: malformed entry for tensor {name!r}: {e!r}") from e
+    numel = 1
+    for d in shape:
+        numel *= d
+    if end - begin != numel * dtype.itemsize:
+        raise CheckpointFormatError(
+            f"{uri}: tensor {name!r} has {end - begin} bytes, its shape {list(shape)} and "
+            f"dtype {entry['dtype']} need {numel * dtype.itemsize}"
+        )
+    if data_start + end > file_size:
+        raise CheckpointFormatError(
+            f"{uri}: truncated: tensor {name!r} ends at byte {data_start + end}, file has {file_size}"
+        )
+    return TensorInfo(name, dtype, shape, data_start + begin, data_start + end)
+
+
+def read_header(storage: Storage, shard: Shard) -> ShardHeader:
+    """Read one shard's header (one ranged read, two for headers over 256 KiB)."""
+    prefix = storage.read_range(shard.uri, 0, min(shard.size, HEADER_PROBE_BYTES))
+    if len(prefix) != min(shard.size, HEADER_PROBE_BYTES):
+        raise CheckpointFormatError(
+            f"{shard.uri}: truncated: {len(prefix)} bytes read, its identity says {shard.size}"
+        )
+    total = header_length(prefix, shard.uri, shard.size)
+    if total > len(prefix):
+        prefix += storage.read_range(shard.uri, len(prefix), total)
+    return parse_header(prefix, shard.uri, shard.size)
+
+
+def read_headers(storage: Storage, shards: Sequence[Shard]) -> list[ShardHeader]:
+    """All shards' headers, read in parallel (remote reads are round-trip bound)."""
+    workers = max(1, min(storage.settings.storage_workers, len(shards)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-header") as pool:
+        return list(pool.map(lambda s: read_header(storage, s), shards))
+
+
+def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, TensorInfo]]:
+    """Tensor name -> (its shard, where in it), sorted by name; a name in two shards is an error."""
+    found: dict[str, tuple[ShardHeader, TensorInfo]] = {}
+    for h in headers:
+        for name, info in h.tensors.items():
+            if name in found:
+                raise CheckpointFormatError(
+                    f"tensor {name!r} is stored twice: in {found[name][0].uri} and {h.uri}"
+                )
+            found[name] = (h, info)
+    return dict(sorted(found.items()))
+
+
+def parse_index(data: bytes, uri: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
+    try:
+        raw = json.loads(data.decode("utf-8"))
+        weight_map = raw["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("weight_map must map tensor names to file names")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointFormatError(f"{uri}: malformed index: {e!r}") from e
+    for filename in set(weight_map.values()):
+        # Shards live next to the index; a path would let an index point anywhere.
+        if "/" in filename or filename in ("", ".", ".."):
+            raise CheckpointFormatError(f"{uri}: shard name {filename!r} is not a plain file name")
+    return weight_map
+
+
+def flat_skeleton(
+    spec: ModelSpec, device: str | torch.device = "cpu", *, storage: Storage | None = None
+) -> nn.Module:
+    """A skeleton built from the checkpoint's headers alone, without Python model code.
+
+    Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
+    module's ``state_dict`` names are exactly the checkpoint's names; tensors are
+    allocated with ``torch.empty`` on ``device``.
+    """
+    headers = read_headers(storage or Storage(), spec.shards)
+    root = nn.Module()
+    for name, (_, info) in locate(headers).items():
+        *path, leaf = name.split(".")
+        module = root
+        try:
+            for part in path:
+                child = module._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    module.add_module(part, child)
+                module = child
+            module.register_buffer(leaf, torch.empty(info.shape, dtype=info.dtype, device=device))
+        except (KeyError, TypeError) as e:
+            # e.g. both "a" and "a.b" are tensors, or a name part is empty.
+            raise SkeletonError(f"checkpoint tensor name {name!r} cannot be a module path: {e}") from e
+    return root

@@ -1,0 +1,192 @@
+"""The liveness handshake: prove both sides are alive *now*, before any communicator.
+
+A registry entry says a peer existed at some moment, not that it is alive; creating a
+communicator against a dead peer hangs (``ncclCommInitRank`` has no timeout). So the
+two sides first exchange nonces through Redis, under keys scoped by a fresh
+``transfer_id`` (a uuid per attempt), so keys left by an earlier attempt can never
+satisfy this one::
+
+    R = ns:hs:{transfer_id}:receiver_ready      S = ns:hs:{transfer_id}:sender_ready
+    each value: {"by": "receiver"|"sender", "value": int, "digest": manifest digest}
+
+    receiver                                    sender
+    --------                                    ------
+    R0 WRITE_X   R := {receiver, X, d_r}
+                 (after_ready(): e.g. push the transfer request)
+                                                S0 WAIT_X    poll R until by=receiver
+                                                S1 ACK_X     R := {sender, X+1, d_s}
+                                                             d_r != d_s -> ManifestMismatchError
+                                                S2 WRITE_Y   S := {sender, Y, d_s}
+    R1 WAIT_ACK  poll R until value=X+1
+                 d_s != d_r -> ManifestMismatchError
+    R2 WAIT_Y    poll S until by=sender
+    R3 ACK_Y     S := {receiver, Y+1, d_r}    -> done
+                                                S3 WAIT_ACK  poll S until value=Y+1 -> done
+
+Each side checks "I wrote my nonce and the other side made it +1". Every wait shares
+one deadline per side: ``settings.sender_handshake_timeout`` (1 s: don't wait on a
+flaky receiver) and ``settings.receiver_handshake_timeout`` (10 s: the peer may just
+be busy). Past it: :class:`HandshakeTimeoutError` naming the state; no communicator
+exists yet, so there is nothing to clean up but the keys. Both sides carry their
+manifest digest, so a mismatch stops both before any data moves. Redis failures
+surface as :class:`RegistryError` (the caller falls back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import HandshakeTimeoutError, ManifestMismatchError, RegistryError
+from .log import get_logger
+from .registry import Registry
+
+log = get_logger(__name__)
+
+#: Seconds the handshake keys live: long enough for both timeouts, short enough that
+#: nothing lingers after a crash.
+HANDSHAKE_KEY_TTL = 30.0
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], None]
+
+
+def keys(registry: Registry, transfer_id: str) -> tuple[str, str]:
+    """The ``(receiver_ready, sender_ready)`` keys of one transfer."""
+    return (
+        registry.key("hs", transfer_id, "receiver_ready"),
+        registry.key("hs", transfer_id, "sender_ready"),
+    )
+
+
+def run_receiver(
+    registry: Registry,
+    transfer_id: str,
+    manifest_digest: str,
+    timeout: float,
+    *,
+    clock: Clock = time.monotonic,
+    sleep: Sleep = time.sleep,
+    poll: float = 0.005,
+    after_ready: Callable[[], None] | None = None,
+    key_ttl: float = HANDSHAKE_KEY_TTL,
+) -> None:
+    """The receiver's half (states R0-R3); returns once the sender proved it is alive.
+
+    ``after_ready`` runs right after X is stored (R0), e.g. to push the transfer
+    request, so the sender's short timeout starts only once X is there to find.
+    Raises :class:`HandshakeTimeoutError`, :class:`ManifestMismatchError` or
+    :class:`RegistryError`; on any of them the handshake keys are removed.
+    """
+    r_key, s_key = keys(registry, transfer_id)
+    deadline = clock() + timeout
+    x = _nonce()
+    try:
+        registry.set_json(r_key, _entry("receiver", x, manifest_digest), key_ttl)
+        if after_ready is not None:
+            after_ready()
+        ack = _wait(registry, r_key, lambda v: v.get("value") == x + 1 and v.get("by") == "sender",
+                    deadline, "R1 WAIT_ACK", transfer_id, clock, sleep, poll)
+        _check_digest(manifest_digest, ack, "sender", transfer_id)
+        got = _wait(registry, s_key, lambda v: v.get("by") == "sender",
+                    deadline, "R2 WAIT_Y", transfer_id, clock, sleep, poll)
+        registry.set_json(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest), key_ttl)
+    except BaseException:
+        _cleanup(registry, r_key, s_key)
+        raise
+    log.debug("handshake_done", side="receiver", transfer_id=transfer_id)
+
+
+def run_sender(
+    registry: Registry,
+    transfer_id: str,
+    manifest_digest: str,
+    timeout: float,
+    *,
+    clock: Clock = time.monotonic,
+    sleep: Sleep = time.sleep,
+    poll: float = 0.005,
+    key_ttl: float = HANDSHAKE_KEY_TTL,
+) -> None:
+    """The sender's half (states S0-S3); returns once the receiver proved it is alive.
+
+    Raises :class:`HandshakeTimeoutError`, :class:`ManifestMismatchError` (after
+    acknowledging, so the receiver learns of the mismatch at once instead of timing
+    out) or :class:`RegistryError`.
+    """
+    r_key, s_key = keys(registry, transfer_id)
+    deadline = clock() + timeout
+    try:
+        got = _wait(registry, r_key, lambda v: v.get("by") == "receiver",
+                    deadline, "S0 WAIT_X", transfer_id, clock, sleep, poll)
+        registry.set_json(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest), key_ttl)
+        _check_digest(manifest_digest, got, "receiver", transfer_id)
+        y = _nonce()
+        registry.set_json(s_key, _entry("sender", y, manifest_digest), key_ttl)
+        _wait(registry, s_key, lambda v: v.get("value") == y + 1 and v.get("by") == "receiver",
+              deadline, "S3 WAIT_ACK", transfer_id, clock, sleep, poll)
+    except (HandshakeTimeoutError, RegistryError):
+        # The receiver is gone or Redis is; a mismatch instead leaves the keys for the
+        # receiver to read our digest.
+        _cleanup(registry, r_key, s_key)
+        raise
+    log.debug("handshake_done", side="sender", transfer_id=transfer_id)
+
+
+def _nonce() -> int:
+    # Below 2**52 so it stays exact through any JSON implementation.
+    return secrets.randbelow(1 << 52)
+
+
+def _entry(by: str, value: int, digest: str) -> dict[str, Any]:
+    return {"by": by, "value": value, "digest": digest}
+
+
+def _int(entry: dict[str, Any], key: str) -> int:
+    value = entry.get("value")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RegistryError(f"handshake value at {key} is not an integer: {entry!r}")
+    return value
+
+
+def _check_digest(mine: str, theirs: dict[str, Any], side: str, transfer_id: str) -> None:
+    other = theirs.get("digest")
+    if other != mine:
+        raise ManifestMismatchError(
+            f"transfer {transfer_id}: the {side}'s manifest digest {other} differs from ours"
+            f" {mine}; the two sides would not issue the same broadcasts"
+        )
+
+
+def _wait(
+    registry: Registry,
+    key: str,
+    ready: Callable[[dict[str, Any]], bool],
+    deadline: float,
+    state: str,
+    transfer_id: str,
+    clock: Clock,
+    sleep: Sleep,
+    poll: float,
+) -> dict[str, Any]:
+    """Poll ``key`` until its JSON value satisfies ``ready``, or the deadline passes."""
+    while True:
+        value = registry.get_json(key)
+        if isinstance(value, dict) and ready(value):
+            return value
+        left = deadline - clock()
+        if left <= 0:
+            raise HandshakeTimeoutError(
+                f"handshake for transfer {transfer_id} timed out in state {state}"
+                " (the peer did not answer in time)"
+            )
+        sleep(min(poll, left))
+
+
+def _cleanup(registry: Registry, *keys_: str) -> None:
+    # Best effort: the keys expire anyway, and the original error matters more.
+    with contextlib.suppress(RegistryError):
+        registry.delete(*keys_)

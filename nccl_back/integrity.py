@@ -1,0 +1,254 @@
+"""Per-layer integrity hashes of a model's weights (DESIGN.md layer 7).
+
+NCCL, gloo and shared memory move bytes without checksums, so the worker that loaded
+from storage (ground truth) publishes one hash per *layer* and a worker that got its
+weights any other way recomputes them and calls :func:`compare`.
+
+A layer is a module path prefix (:func:`layer_of`): ``model.layers.3.mlp.up.weight``
+belongs to ``model.layers.3``, ``model.embed.weight`` to ``model.embed``.
+
+Two modes:
+
+``sampled`` (default, a few ms per GiB)
+    For each tensor, ``samples`` elements at indices that depend only on the tensor's
+    name and element count, gathered with ``torch.take`` on the tensor's own device (no
+    tensor is ever copied whole), and hashed. The indices come from SHAKE-128 of the
+    name and count rather than from a ``torch.Generator``: the two sides may run
+    different torch builds (a rolling upgrade, a CPU and a GPU image), and torch does
+    not promise that ``randint`` streams stay the same across releases, whereas SHAKE
+    is a fixed standard. Floating values are converted to float16 before hashing, so a
+    tensor whose values are exactly representable in float16 hashes the same in any
+    wider floating dtype: a bfloat16 tensor and its float32 (or float16) upcast agree,
+    and float32 values that differ only below float16 precision usually agree.
+    A float32 tensor and its bfloat16 *downcast* differ, as they should: the
+    downcast lost information. Integer, bool and other non-floating tensors hash their
+    raw sampled bytes, because float16 cannot represent large integers exactly.
+    Catches corruption of more than a small fraction of a tensor (whole-buffer
+    misplacement, zeroing, a shifted offset), not a single flipped element.
+
+``full``
+    A checksum of every byte, computed with integer torch ops on the tensor's own
+    device in chunks of 4 MiB through one reused buffer (fresh allocations would pay
+    page faults on every chunk). The bytes are read as int64 words ``x_i`` (single
+    bytes when the size is not a multiple of 8); each chunk contributes
+    ``sum(w_i * x_i) mod 2**64`` with odd position weights ``w_i``, and the chunk sums
+    are chained in order with an odd multiplier. An odd number is invertible modulo a
+    power of two, so any single changed word changes the result; integer addition is
+    associative, so CPU and GPU reductions agree bit for bit. Bit-exact: the dtypes on
+    both sides must match (the manifest check guarantees it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Literal
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, WeightVerificationError
+from .log import get_logger
+from .skeleton import Model, named_tensors
+
+HashMode = Literal["sampled", "full"]
+
+DEFAULT_SAMPLES = 100
+#: Words per chunk in ``full`` mode (4 MiB of int64): small enough to stay in cache,
+#: large enough to keep per-op overhead negligible (measured best of 2**17..2**20).
+_CHUNK_WORDS = 1 << 19
+#: Odd multiplier spreading position weights over 64 bits (PCG's LCG constant).
+_WEIGHT_MUL = 0x5851F42D4C957F2D
+#: Odd multiplier combining per-chunk sums in order (the 64-bit FNV prime).
+_CHUNK_MUL = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+_SHOW = 5
+
+_log = get_logger(__name__)
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor name belongs to.
+
+    The prefix up to and including the first purely numeric path component
+    (``model.layers.3.mlp.up.weight`` -> ``model.layers.3``), otherwise the parent
+    module path (``model.embed.weight`` -> ``model.embed``); a top-level name is its
+    own layer.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isascii() and part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def sample_indices(name: str, numel: int, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
+    """The flat indices sampled from tensor ``name`` with ``numel`` elements (CPU, int64).
+
+    A pure function of its arguments, identical on every machine; all indices when
+    ``numel <= samples``.
+    """
+    if numel <= samples:
+        return torch.arange(numel, dtype=torch.int64)
+    stream = hashlib.shake_128(f"{name}\0{numel}".encode()).digest(8 * samples)
+    # The modulo bias is below numel / 2**64: irrelevant for choosing samples.
+    picks = np.frombuffer(stream, dtype="<u8") % np.uint64(numel)
+    return torch.from_numpy(picks.astype(np.int64))
+
+
+def layer_hashes(
+    model: Model, mode: HashMode = "sampled", samples: int = DEFAULT_SAMPLES
+) -> dict[str, str]:
+    """``{layer: hex digest}`` over the model's canonical tensors (tied ones counted once).
+
+    ``mode`` is ``"sampled"`` (``samples`` elements per tensor) or ``"full"`` (every
+    byte); see the module docstring for what each catches and tolerates. A bad
+    ``mode`` or ``samples`` raises :class:`ConfigError`.
+    """
+    if mode not in ("sampled", "full"):
+        raise ConfigError(f"mode={mode!r}: choose 'sampled' or 'full'")
+    if samples < 1:
+        raise ConfigError(f"samples={samples!r}: must be at least 1")
+    tensors, _ = named_tensors(model)
+    payloads = _sampled_payloads(tensors, samples) if mode == "sampled" else _full_payloads(tensors)
+    layers: dict[str, hashlib.blake2b] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        layer = layer_of(name)
+        h = layers.get(layer)
+        if h is None:
+            h = layers[layer] = hashlib.blake2b(digest_size=16)
+        payload = payloads[name]
+        # Length-prefixed framing, so no two different inputs concatenate alike.
+        h.update(f"{name}\0{list(t.shape)}\0{len(payload)}\0".encode())
+        h.update(payload)
+    return {layer: h.hexdigest() for layer, h in layers.items()}
+
+
+def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> None:
+    """Raise :class:`WeightVerificationError` unless ``actual`` equals ``expected``.
+
+    The message names the mismatching, missing (expected only) and unexpected (actual
+    only) layers: the first few of each and how many there are.
+    """
+    mismatching = sorted(k for k in expected.keys() & actual.keys() if expected[k] != actual[k])
+    missing = sorted(expected.keys() - actual.keys())
+    unexpected = sorted(actual.keys() - expected.keys())
+    if not (mismatching or missing or unexpected):
+        return
+    parts = [
+        f"{len(names)} {label} {_first(names)}"
+        for label, names in (
+            ("mismatching", mismatching),
+            ("missing", missing),
+            ("unexpected", unexpected),
+        )
+        if names
+    ]
+    message = f"integrity check failed over {len(expected)} layers: " + "; ".join(parts)
+    _log.error(
+        "integrity_mismatch",
+        mismatching=len(mismatching),
+        missing=len(missing),
+        unexpected=len(unexpected),
+        first=(mismatching or missing or unexpected)[0],
+    )
+    raise WeightVerificationError(message)
+
+
+def _first(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOW])
+    more = f", ... (+{len(names) - _SHOW} more)" if len(names) > _SHOW else ""
+    return f"[{shown}{more}]"
+
+
+def _normalise(sample: torch.Tensor) -> torch.Tensor:
+    """Sampled values as a flat byte tensor: float16 for floating dtypes, raw otherwise."""
+    if sample.is_complex():
+        sample = torch.view_as_real(sample)
+    if sample.is_floating_point():
+        sample = sample.to(torch.float16)
+    return sample.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict[str, bytes]:
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for name, t in tensors.items():
+        by_device[t.device].append(name)
+    payloads: dict[str, bytes] = {}
+    for device, names in by_device.items():
+        index = [sample_indices(n, tensors[n].numel(), samples) for n in names]
+        # One host-to-device copy of all indices and one copy of all samples back, so a
+        # GPU model costs two synchronisations rather than two per tensor.
+        all_index = torch.cat(index).to(device)
+        picked: list[torch.Tensor] = []
+        start = 0
+        for n, idx in zip(names, index, strict=True):
+            end = start + idx.numel()
+            picked.append(_normalise(torch.take(tensors[n].detach(), all_index[start:end])))
+            start = end
+        blob = torch.cat(picked).cpu().numpy() if picked else np.empty(0, np.uint8)
+        start = 0
+        for n, p in zip(names, picked, strict=True):
+            end = start + p.numel()
+            payloads[n] = blob[start:end].tobytes()
+            start = end
+    return payloads
+
+
+def _full_payloads(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for name, t in tensors.items():
+        by_device[t.device].append(name)
+    payloads: dict[str, bytes] = {}
+    for device, names in by_device.items():
+        longest = max((_word_count(tensors[n]) for n in names), default=0)
+        weights = torch.arange(min(longest, _CHUNK_WORDS), dtype=torch.int64, device=device)
+        weights = weights.mul_(_WEIGHT_MUL).bitwise_or_(1)  # wraps mod 2**64; odd
+        scratch = torch.empty_like(weights)
+        partials: list[torch.Tensor] = []
+        counts: list[int] = []
+        for n in names:
+            chunk_sums = _chunk_sums(tensors[n], weights, scratch)
+            partials.extend(chunk_sums)
+            counts.append(len(chunk_sums))
+        # One device-to-host copy for all chunk sums of this device.
+        sums = torch.stack(partials).cpu().tolist() if partials else []
+        start = 0
+        for n, count in zip(names, counts, strict=True):
+            acc = 0
+            for s in sums[start : start + count]:
+                acc = (acc * _CHUNK_MUL + (s & _MASK64)) & _MASK64
+            start += count
+            payloads[n] = acc.to_bytes(8, "little")
+    return payloads
+
+
+def _word_count(t: torch.Tensor) -> int:
+    nbytes = t.numel() * t.element_size()
+    return nbytes // 8 if nbytes % 8 == 0 else nbytes
+
+
+def _chunk_sums(
+    t: torch.Tensor, weights: torch.Tensor, scratch: torch.Tensor
+) -> list[torch.Tensor]:
+    """Weighted sums of the tensor's words, one 0-d int64 tensor per chunk, in order."""
+    # Non-contiguous tensors are copied once; state dict tensors practically never are.
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # The word size depends only on the byte count, so both sides read the same words.
+    word = 8 if flat.numel() % 8 == 0 else 1
+    chunk_bytes = _CHUNK_WORDS * word
+    sums: list[torch.Tensor] = []
+    for start in range(0, flat.numel(), chunk_bytes):
+        chunk = flat[start : start + chunk_bytes]
+        n = chunk.numel() // word
+        out = scratch[:n]
+        if word == 8:
+            if chunk.storage_offset() % 8:
+                chunk = chunk.clone()  # a misaligned view cannot be read as int64
+            torch.mul(chunk.view(torch.int64), weights[:n], out=out)
+        else:
+            out.copy_(chunk).mul_(weights[:n])
+        sums.append(out.sum())  # int64 additions wrap mod 2**64, in any order
+    return sums

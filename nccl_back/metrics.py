@@ -1,0 +1,173 @@
+"""Prometheus metrics of one nccl_back service instance.
+
+Each :class:`Metrics` owns its own ``CollectorRegistry`` rather than the process-wide
+default, so several services (or tests) in one process never collide on metric names.
+Label values come from small fixed sets (:data:`SOURCES`, :data:`FALLBACK_REASONS`,
+outcome ``ok``/``failed``) so the number of series stays bounded; every known series
+is created at zero up front, so ``rate()`` works from the first scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from .errors import (
+    ConfigError,
+    ConsensusError,
+    HandshakeTimeoutError,
+    ManifestMismatchError,
+    NoPeerError,
+    RegistryError,
+    TransferError,
+    TransferTimeoutError,
+    WeightVerificationError,
+)
+
+SOURCES = ("peer", "storage", "local")
+"""Where a load's weights came from (``LoadResult.source``)."""
+
+FALLBACK_REASONS = (
+    "no_peer",
+    "handshake_timeout",
+    "transfer_timeout",
+    "transfer_error",
+    "manifest_mismatch",
+    "verification_failed",
+    "registry_error",
+    "consensus",
+    "other",
+)
+"""Stable codes for why a worker loaded from storage instead of a peer."""
+
+# Most specific class first: TransferTimeoutError is also a TransferError.
+_REASON_BY_ERROR: tuple[tuple[type[BaseException], str], ...] = (
+    (NoPeerError, "no_peer"),
+    (HandshakeTimeoutError, "handshake_timeout"),
+    (TransferTimeoutError, "transfer_timeout"),
+    (TransferError, "transfer_error"),
+    (ManifestMismatchError, "manifest_mismatch"),
+    (WeightVerificationError, "verification_failed"),
+    (RegistryError, "registry_error"),
+    (ConsensusError, "consensus"),
+)
+
+# Cold starts range from sub-second (local hand-off) to many minutes (large model from
+# storage); the default buckets stop at 10 s.
+LOAD_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, float("inf"))
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""HTTP ``Content-Type`` of :meth:`Metrics.render`'s output."""
+
+
+def fallback_reason(error: BaseException) -> str:
+    """The :data:`FALLBACK_REASONS` code for an error that made a peer load fall back."""
+    for cls, reason in _REASON_BY_ERROR:
+        if isinstance(error, cls):
+            return reason
+    return "other"
+
+
+def _check(value: str, allowed: tuple[str, ...], what: str) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{what}={value!r}: choose one of {', '.join(allowed)}")
+    return value
+
+
+class Metrics:
+    """The counters, histogram and gauges a service updates; :meth:`render` exports them."""
+
+    def __init__(self, prefix: str = "nccl_back") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.loads = Counter(
+            f"{prefix}_loads", "Completed weight loads, by source.", ["source"], registry=r
+        )
+        self.loaded_bytes = Counter(
+            f"{prefix}_loaded_bytes", "Bytes of weights loaded, by source.", ["source"], registry=r
+        )
+        self.load_seconds = Histogram(
+            f"{prefix}_load_seconds",
+            "Wall time of a weight load, by source.",
+            ["source"],
+            buckets=LOAD_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            f"{prefix}_fallbacks",
+            "Peer loads abandoned for storage, by reason code.",
+            ["reason"],
+            registry=r,
+        )
+        self.transfers_served = Counter(
+            f"{prefix}_transfers_served",
+            "Transfers this worker sent to a receiver, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.verification_failures = Counter(
+            f"{prefix}_verification_failures",
+            "Peer loads whose integrity hashes differed from the ground truth.",
+            registry=r,
+        )
+        self.handshake_timeouts = Counter(
+            f"{prefix}_handshake_timeouts",
+            "Liveness handshakes that timed out (either side).",
+            registry=r,
+        )
+        self.claims = Gauge(
+            f"{prefix}_active_claims",
+            "Receivers currently holding a send slot on this worker.",
+            registry=r,
+        )
+        self.ready = Gauge(
+            f"{prefix}_ready",
+            "1 once weights are loaded, verified and published; 0 before and while draining.",
+            registry=r,
+        )
+        for source in SOURCES:
+            self.loads.labels(source=source)
+            self.loaded_bytes.labels(source=source)
+            self.load_seconds.labels(source=source)
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason=reason)
+        for outcome in ("ok", "failed"):
+            self.transfers_served.labels(outcome=outcome)
+
+    def record_load(self, source: str, nbytes: int, seconds: float) -> None:
+        """Count one completed load of ``nbytes`` that took ``seconds`` from ``source``."""
+        _check(source, SOURCES, "source")
+        self.loads.labels(source=source).inc()
+        self.loaded_bytes.labels(source=source).inc(nbytes)
+        self.load_seconds.labels(source=source).observe(seconds)
+
+    def record_fallback(self, reason: str) -> None:
+        """Count one fallback to storage; ``reason`` is a :data:`FALLBACK_REASONS` code."""
+        self.fallbacks.labels(reason=_check(reason, FALLBACK_REASONS, "reason")).inc()
+
+    def record_served(self, ok: bool) -> None:
+        """Count one transfer this worker sent, successful or not."""
+        self.transfers_served.labels(outcome="ok" if ok else "failed").inc()
+
+    def record_verification_failure(self) -> None:
+        self.verification_failures.inc()
+
+    def record_handshake_timeout(self) -> None:
+        self.handshake_timeouts.inc()
+
+    def set_claims(self, n: int) -> None:
+        """Current number of receivers holding a send slot on this worker."""
+        self.claims.set(n)
+
+    def set_ready(self, flag: bool) -> None:
+        self.ready.set(1 if flag else 0)
+
+    def render(self) -> bytes:
+        """All metrics in the Prometheus text exposition format (:data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,174 @@
+"""The transport interface: a 2-rank broadcast channel, sender rank 0, receiver rank 1.
+
+One :class:`Transport` serves exactly one transfer: ``connect`` (build the
+communicator), any number of ``broadcast`` calls, then ``close``. All waits are bounded
+by the deadline given to ``connect`` (the watchdog's deadline), so a dead or stalled
+peer surfaces as :class:`TransferError` / :class:`TransferTimeoutError` instead of a
+hang. ``abort`` may be called from another thread (the watchdog) at any time.
+
+The sender side also has a long-lived :class:`Rendezvous`: what receivers reach
+(``address`` is published in the registry) and what makes one sender transport per
+transfer. For gloo it is one ``TCPStore`` for the life of the service, each transfer
+using its own ``PrefixStore`` (a timed-out group is dead; the next transfer gets a
+fresh prefix). The default process group is never touched: the user's worker may
+already have one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..registry import Registry
+
+SENDER_RANK = 0
+RECEIVER_RANK = 1
+WORLD_SIZE = 2
+
+KINDS = ("gloo", "nccl")
+
+
+class Pending(Protocol):
+    """An issued broadcast; ``wait()`` returns once this side's part of it is complete."""
+
+    def wait(self) -> None:
+        """Block until done, at most until the transport's deadline.
+
+        Raises :class:`TransferError` (peer failed) or :class:`TransferTimeoutError`.
+        """
+        ...
+
+
+class Transport(ABC):
+    """One transfer's communicator between a sender (rank 0) and a receiver (rank 1)."""
+
+    kind: str
+    """``gloo`` or ``nccl``."""
+
+    def __init__(self, rank: int, transfer_id: str, device: torch.device) -> None:
+        if rank not in (SENDER_RANK, RECEIVER_RANK):
+            raise ConfigError(f"transport rank={rank}: must be 0 (sender) or 1 (receiver)")
+        self.rank = rank
+        self.transfer_id = transfer_id
+        self.device = device
+
+    @abstractmethod
+    def connect(self, deadline: float) -> None:
+        """Create the communicator; every later wait ends by ``deadline`` (``time.monotonic``).
+
+        Raises :class:`TransferError` if the peer cannot be reached in time.
+        """
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = SENDER_RANK) -> Pending:
+        """Issue the broadcast of a contiguous ``tensor`` from rank ``src`` (asynchronous).
+
+        On the sender ``tensor`` is read, on the receiver written; until the returned
+        :class:`Pending` is waited on, neither side may touch it.
+        """
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Tear the communicator down now, from any thread; pending and later calls fail."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the communicator and its sockets/threads; idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Rendezvous(ABC):
+    """The sender's long-lived endpoint: receivers reach it at :attr:`address`."""
+
+    kind: str
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """What a receiver needs to reach this sender (``host:port``), for the registry."""
+
+    @abstractmethod
+    def sender(self, transfer_id: str) -> Transport:
+        """A new, unconnected rank-0 transport for one transfer."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop listening; idempotent."""
+
+    def __enter__(self) -> Rendezvous:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def resolve_kind(settings: Settings, device: torch.device) -> str:
+    """The transport to use for a model on ``device``: ``settings.transport`` or, if
+    ``auto``, nccl for CUDA tensors and gloo otherwise."""
+    if settings.transport != "auto":
+        if settings.transport == "nccl" and device.type != "cuda":
+            raise ConfigError(
+                f"transport=nccl needs the model on a CUDA device, it is on {device};"
+                " use transport=gloo or auto"
+            )
+        return settings.transport
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def open_rendezvous(
+    settings: Settings, kind: str, *, device: torch.device, registry: Registry | None = None
+) -> Rendezvous:
+    """Start the sender endpoint for ``kind`` (``gloo`` or ``nccl``) on ``device``.
+
+    ``registry`` is needed by nccl only (the unique id travels through Redis).
+    """
+    if kind == "gloo":
+        from .gloo import GlooRendezvous
+
+        return GlooRendezvous(settings, device=device)
+    if kind == "nccl":
+        from .nccl import NcclRendezvous
+
+        return NcclRendezvous(settings, device=device, registry=_need(registry))
+    raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
+
+
+def receiver_transport(
+    settings: Settings,
+    kind: str,
+    address: str,
+    transfer_id: str,
+    *,
+    device: torch.device,
+    registry: Registry | None = None,
+) -> Transport:
+    """A new, unconnected rank-1 transport reaching the sender at ``address``.
+
+    ``registry`` is needed by nccl only (the unique id travels through Redis).
+    """
+    if kind == "gloo":
+        from .gloo import GlooTransport
+
+        return GlooTransport.receiver(settings, address, transfer_id, device=device)
+    if kind == "nccl":
+        from .nccl import NcclTransport
+
+        return NcclTransport(RECEIVER_RANK, transfer_id, device=device, registry=_need(registry))
+    raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
+
+
+def _need(registry: Registry | None) -> Registry:
+    if registry is None:
+        raise ConfigError("the nccl transport needs a Registry: its unique id travels through Redis")
+    return registry

@@ -1,0 +1,84 @@
+"""The watchdog: communicator creation plus the broadcast loop, under one deadline.
+
+NCCL has no timeouts of its own and a gloo wait cannot be interrupted, so the work
+runs in a worker thread while the caller waits at most until the deadline. Past it,
+the transport is aborted and :class:`TransferTimeoutError` raised, so a hung transfer
+never keeps the worker from falling back to storage.
+
+The worker thread must not outlive the attempt: transports bound every wait by the
+same deadline (gloo: a per-call timeout equal to the time left), so after ``abort`` the
+thread unwinds within ``join_grace``; the transport is closed on the way out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..errors import NcclBackError, TransferError, TransferTimeoutError
+from ..log import get_logger
+from .base import Transport
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+def run_guarded(
+    transport: Transport,
+    work: Callable[[Transport], T],
+    deadline: float,
+    *,
+    join_grace: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``transport.connect(deadline)`` then ``work(transport)``, done by ``deadline``.
+
+    ``deadline`` is on ``clock`` (``time.monotonic``). Returns what ``work`` returns.
+    Raises :class:`TransferTimeoutError` past the deadline (after aborting the
+    transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
+    wrapping any other exception. The transport is closed in every case.
+    """
+    # One-element lists: the worker thread's result or error, typed for the caller.
+    values: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            transport.connect(deadline)
+            values.append(work(transport))
+        except BaseException as e:  # handed to the caller's thread below
+            errors.append(e)
+        finally:
+            try:
+                transport.close()
+            except Exception as e:  # a failed close must not hide the transfer's outcome
+                log.warning("transport_close_failed", transfer_id=transport.transfer_id, error=str(e))
+
+    thread = threading.Thread(
+        target=target, name=f"nccl-back-transfer-{transport.transfer_id}", daemon=True
+    )
+    thread.start()
+    thread.join(max(deadline - clock(), 0.0))
+    if thread.is_alive():
+        log.warning("transfer_deadline_passed", transfer_id=transport.transfer_id, kind=transport.kind)
+        transport.abort()
+        thread.join(join_grace)
+        if thread.is_alive():
+            # Only an uninterruptible native call can get here (ncclCommInitRank); the
+            # daemon thread is left behind, the caller still falls back.
+            log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=join_grace)
+        raise TransferTimeoutError(
+            f"{transport.kind} transfer {transport.transfer_id} did not finish by its deadline;"
+            " the communicator was aborted"
+        )
+    if errors:
+        error = errors[0]
+        if isinstance(error, NcclBackError):
+            raise error
+        raise TransferError(
+            f"{transport.kind} transfer {transport.transfer_id} failed: {error}"
+        ) from error
+    return values[0]

@@ -1,0 +1,320 @@
+"""Local hand-off from a sidecar over a Unix socket and shared memory (nccl_back.handoff).
+
+The sidecar runs in a separate spawned process wherever the behaviour depends on it
+(bit-identical copies, surviving a SIGKILL, refusals); protocol edge cases use a server
+thread in the test process, still over a real socket and a real segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
+from nccl_back.handoff import HandoffServer, attach
+from nccl_back.integrity import layer_hashes
+from nccl_back.skeleton import build, manifest
+
+VERSION = "v1"
+
+
+class TinyNet(nn.Module):
+    """Linear layers, a tied head and an integer buffer: ~0.5 MB in float32."""
+
+    def __init__(self, dim: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.head = nn.Linear(dim, 256, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("ids", torch.arange(7, dtype=torch.int64))
+
+
+def _trained(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet().to(device=device, dtype=dtype)
+
+
+def _skeleton(dtype: torch.dtype = torch.float32, device: str = "cpu") -> TinyNet:
+    model = build(TinyNet, device)
+    assert isinstance(model, TinyNet)
+    return model.to(dtype)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_identical(model: nn.Module, reference: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    assert sorted(state) == sorted(reference)
+    for name, t in state.items():
+        assert t.dtype == reference[name].dtype, name
+        assert torch.equal(t.detach().cpu(), reference[name]), name
+
+
+def _sidecar(path: str, dtype: str, device: str, ready: Any, stop: Any) -> None:
+    """Spawned sidecar: serve a seeded TinyNet until told to stop (60 s at most)."""
+    model = _trained(0, getattr(torch, dtype), device)
+    with HandoffServer(model, VERSION, path) as server:
+        ready.put(server.segment_name or "")
+        stop.wait(60)
+
+
+@dataclass
+class Sidecar:
+    process: Any
+    stop: Any
+    path: str
+    segment: str
+
+    def kill(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def close(self) -> None:
+        # Setting an Event that a killed process was waiting on would block forever.
+        if self.process.is_alive():
+            self.stop.set()
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
+        _unlink_segment(self.segment)
+
+
+def _spawn_sidecar(path: str, dtype: str = "float32", device: str = "cpu") -> Sidecar:
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    process = ctx.Process(target=_sidecar, args=(path, dtype, device, ready, stop), daemon=True)
+    process.start()
+    try:
+        segment = ready.get(timeout=60)
+    except Exception:
+        process.kill()
+        raise
+    return Sidecar(process, stop, path, segment)
+
+
+def _unlink_segment(name: str) -> None:
+    """What the sidecar's resource tracker does after a crash: unlink its segment."""
+    if name:
+        with contextlib.suppress(FileNotFoundError):
+            shared_memory.SharedMemory(name=name).unlink()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    """A short private directory: Unix socket paths are limited to ~107 bytes."""
+    path = tempfile.mkdtemp(prefix="nbh")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[Sidecar]:
+    """One float32 TinyNet sidecar process shared by the read-only tests."""
+    directory = tempfile.mkdtemp(prefix="nbh")
+    side = _spawn_sidecar(os.path.join(directory, "handoff.sock"))
+    yield side
+    side.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_copy_mode_gives_bit_identical_tensors(sidecar: Sidecar) -> None:
+    """Copy mode fills the skeleton with exactly the sidecar's tensors, verified."""
+    model = _skeleton()
+    result = attach(model, sidecar.path, version=VERSION)
+    _assert_identical(model, _state(_trained()))
+    assert model.head.weight is model.embed.weight
+    assert result.source == "local" and result.verified and result.version == VERSION
+    assert result.bytes == manifest(model).nbytes
+    assert set(result.timings) == {"request", "map", "copy", "verify"}
+
+
+@pytest.mark.timeout(90)
+def test_zero_copy_writes_stay_private(sidecar: Sidecar) -> None:
+    """Zero-copy views are correct, and the consumer's writes never reach the sidecar."""
+    first = _skeleton()
+    attach(first, sidecar.path, "zero_copy", version=VERSION)
+    _assert_identical(first, _state(_trained()))
+    with torch.no_grad():
+        first.get_parameter("layers.0.weight").zero_()
+    second = _skeleton()
+    attach(second, sidecar.path, "zero_copy", version=VERSION)
+    _assert_identical(second, _state(_trained()))
+
+
+@pytest.mark.timeout(90)
+def test_version_mismatch_is_refused(sidecar: Sidecar) -> None:
+    """A consumer of another version gets an AttachError naming both versions."""
+    model = _skeleton()
+    with pytest.raises(AttachError, match=r"serves version 'v1', this model is version 'v2'"):
+        attach(model, sidecar.path, version="v2")
+
+
+@pytest.mark.timeout(90)
+def test_manifest_mismatch_is_refused_naming_the_tensors(sidecar: Sidecar) -> None:
+    """A bfloat16 skeleton against a float32 sidecar is refused, naming tensor and dtypes."""
+    model = _skeleton(torch.bfloat16)
+    before = _state(model)
+    with pytest.raises(
+        AttachError,
+        match=r"different tensors .*embed\.weight: \[256, 128\] bfloat16 vs \[256, 128\] float32",
+    ):
+        attach(model, sidecar.path, version=VERSION)
+    _assert_identical(model, before)
+
+
+@pytest.mark.timeout(120)
+def test_consumers_survive_sidecar_sigkill(sock_dir: str) -> None:
+    """After SIGKILL and unlink of the segment, copy and zero-copy tensors stay intact."""
+    side = _spawn_sidecar(os.path.join(sock_dir, "s.sock"))
+    try:
+        copied, shared = _skeleton(), _skeleton()
+        attach(copied, side.path, "copy", version=VERSION)
+        attach(shared, side.path, "zero_copy", version=VERSION)
+        side.kill()
+        assert side.process.exitcode == -signal.SIGKILL
+        _unlink_segment(side.segment)
+        assert not os.path.exists(f"/dev/shm/{side.segment}")
+        reference = _state(_trained())
+        _assert_identical(copied, reference)
+        _assert_identical(shared, reference)  # the mapping outlives the name and the sidecar
+        with pytest.raises(AttachError, match="nothing listening at"):
+            attach(_skeleton(), side.path, version=VERSION, timeout=2.0)
+    finally:
+        side.close()
+
+
+def test_nonexistent_socket_is_named(sock_dir: str) -> None:
+    """Attaching to a path with no socket raises AttachError naming the path."""
+    path = os.path.join(sock_dir, "absent.sock")
+    with pytest.raises(AttachError, match=f"no hand-off socket at {path}"):
+        attach(_skeleton(), path, version=VERSION)
+
+
+def test_silent_sidecar_times_out(sock_dir: str) -> None:
+    """A socket that accepts but never answers fails at the timeout, not forever."""
+    path = os.path.join(sock_dir, "mute.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+        mute.bind(path)
+        mute.listen(1)
+        with pytest.raises(AttachError, match=r"did not answer within 0\.3s"):
+            attach(_skeleton(), path, version=VERSION, timeout=0.3)
+
+
+def test_wrong_hashes_fail_verification(sock_dir: str) -> None:
+    """A sidecar whose ground-truth hashes disagree with its bytes fails verification."""
+    path = os.path.join(sock_dir, "h.sock")
+    truth = layer_hashes(_trained(seed=1))
+    with HandoffServer(_trained(seed=0), VERSION, path, hashes=truth):
+        with pytest.raises(WeightVerificationError, match=r"mismatching \[embed, layers\.0"):
+            attach(_skeleton(), path, version=VERSION)
+        attach(_skeleton(), path, version=VERSION, verify=False)
+
+
+def test_close_removes_socket_and_unlinks_segment(sock_dir: str) -> None:
+    """close() removes the socket and the segment name; the server's model stays usable."""
+    path = os.path.join(sock_dir, "c.sock")
+    model = _trained()
+    reference = _state(model)
+    server = HandoffServer(model, VERSION, path).start()
+    segment = server.segment_name
+    assert segment and os.path.exists(f"/dev/shm/{segment}") and os.path.exists(path)
+    server.close()
+    server.close()
+    assert not os.path.exists(path)
+    assert not os.path.exists(f"/dev/shm/{segment}")
+    _assert_identical(model, reference)
+
+
+def test_socket_path_conflicts(sock_dir: str) -> None:
+    """A live server's path and a regular file are refused; a stale socket is replaced."""
+    path = os.path.join(sock_dir, "p.sock")
+    with HandoffServer(_trained(), VERSION, path):
+        with pytest.raises(AttachError, match="already listening at"):
+            HandoffServer(_trained(), VERSION, path).start()
+        attach(_skeleton(), path, version=VERSION)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # bound, never listening: what a crashed server leaves behind
+    stale.close()
+    with HandoffServer(_trained(), VERSION, path):
+        attach(_skeleton(), path, version=VERSION)
+    regular = os.path.join(sock_dir, "file")
+    with open(regular, "w") as f:
+        f.write("not a socket")
+    with pytest.raises(AttachError, match="exists and is not a socket"):
+        HandoffServer(_trained(), VERSION, regular).start()
+
+
+def test_concurrent_consumers(sock_dir: str) -> None:
+    """Several consumers attaching at once all get identical tensors."""
+    path = os.path.join(sock_dir, "m.sock")
+    models = [_skeleton() for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def run(model: TinyNet) -> None:
+        try:
+            attach(model, path, version=VERSION)
+        except BaseException as e:  # reported below, in the test thread
+            errors.append(e)
+
+    with HandoffServer(_trained(), VERSION, path):
+        threads = [threading.Thread(target=run, args=(m,)) for m in models]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert errors == []
+    reference = _state(_trained())
+    for model in models:
+        _assert_identical(model, reference)
+
+
+def test_bad_arguments_raise_config_error(sock_dir: str) -> None:
+    """An unknown mode or a non-positive timeout is a ConfigError, before any I/O."""
+    with pytest.raises(ConfigError, match="mode='mmap'"):
+        attach(_skeleton(), sock_dir, "mmap", version=VERSION)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="timeout=0"):
+        attach(_skeleton(), sock_dir, timeout=0, version=VERSION)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_ipc_copy_and_zero_copy(sock_dir: str) -> None:
+    """On GPU the sidecar shares its arena by CUDA IPC; both modes give identical tensors."""
+    side = _spawn_sidecar(os.path.join(sock_dir, "g.sock"), device="cuda")
+    try:
+        reference = _state(_trained(device="cuda"))
+        copied = _skeleton(device="cuda")
+        attach(copied, side.path, "copy", version=VERSION)
+        _assert_identical(copied, reference)
+        shared = _skeleton(device="cuda")
+        attach(shared, side.path, "zero_copy", version=VERSION)
+        _assert_identical(shared, reference)
+        on_cpu = _skeleton()
+        attach(on_cpu, side.path, "copy", version=VERSION)
+        _assert_identical(on_cpu, reference)
+        with pytest.raises(
+            AttachError, match="zero_copy needs the skeleton on the sidecar's device"
+        ):
+            attach(_skeleton(), side.path, "zero_copy", version=VERSION)
+        del shared
+        torch.cuda.synchronize()
+    finally:
+        side.close()

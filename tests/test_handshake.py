@@ -1,0 +1,154 @@
+"""The liveness handshake, both halves against a real redis-server."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from nccl_back import handshake
+from nccl_back.config import Settings
+from nccl_back.devservers import LocalRedis
+from nccl_back.errors import HandshakeTimeoutError, ManifestMismatchError, RegistryError
+from nccl_back.registry import Registry
+
+
+@pytest.fixture
+def registry(redis_url: str, namespace: str) -> Registry:
+    return Registry(Settings(redis_url=redis_url, namespace=namespace))
+
+
+class FakeClock:
+    """Time that moves only when the code under test sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.slept += seconds
+
+
+def in_thread(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+@pytest.mark.timeout(30)
+def test_both_sides_complete(registry: Registry) -> None:
+    """Receiver and sender in two threads both return; each saw its nonce made +1."""
+    tid = uuid.uuid4().hex
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "m", 5.0))
+    handshake.run_receiver(registry, tid, "m", 5.0)
+    thread.join(10)
+    assert errors == []
+    r_key, s_key = handshake.keys(registry, tid)
+    r, s = registry.get_json(r_key), registry.get_json(s_key)
+    assert r["by"] == "sender" and s["by"] == "receiver"
+    assert 0 < registry.ttl(r_key) <= handshake.HANDSHAKE_KEY_TTL
+
+
+@pytest.mark.timeout(30)
+def test_sender_started_before_receiver_still_completes(registry: Registry) -> None:
+    """The sender may poll before X exists; after_ready runs once X is stored."""
+    tid = uuid.uuid4().hex
+    started = threading.Event()
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "m", 5.0))
+    handshake.run_receiver(registry, tid, "m", 5.0, after_ready=started.set)
+    thread.join(10)
+    assert errors == [] and started.is_set()
+
+
+def test_receiver_alone_times_out_and_cleans_up(registry: Registry) -> None:
+    """No sender: HandshakeTimeoutError at the receiver's timeout, keys removed."""
+    clock = FakeClock()
+    tid = uuid.uuid4().hex
+    with pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
+        handshake.run_receiver(registry, tid, "m", 10.0, clock=clock, sleep=clock.sleep, poll=0.5)
+    assert clock.now == pytest.approx(10.0)
+    assert registry.get_json(handshake.keys(registry, tid)[0]) is None
+
+
+def test_sender_alone_times_out(registry: Registry) -> None:
+    """No receiver: the sender gives up at its own (short) timeout."""
+    clock = FakeClock()
+    with pytest.raises(HandshakeTimeoutError, match="S0 WAIT_X"):
+        handshake.run_sender(registry, uuid.uuid4().hex, "m", 1.0, clock=clock, sleep=clock.sleep)
+    assert clock.now == pytest.approx(1.0)
+
+
+def test_receiver_that_vanishes_after_x_times_the_sender_out(registry: Registry) -> None:
+    """X is there but nobody acknowledges Y: the sender times out waiting in S3."""
+    tid = uuid.uuid4().hex
+    r_key, _ = handshake.keys(registry, tid)
+    registry.set_json(r_key, {"by": "receiver", "value": 41, "digest": "m"}, 5)
+    clock = FakeClock()
+    with pytest.raises(HandshakeTimeoutError, match="S3 WAIT_ACK"):
+        handshake.run_sender(registry, tid, "m", 1.0, clock=clock, sleep=clock.sleep)
+
+
+def test_stale_keys_of_another_transfer_do_not_satisfy(registry: Registry) -> None:
+    """A completed handshake under one transfer_id does not answer a new one."""
+    old = uuid.uuid4().hex
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, old, "m", 5.0))
+    handshake.run_receiver(registry, old, "m", 5.0)
+    thread.join(10)
+    assert errors == []
+    clock = FakeClock()
+    with pytest.raises(HandshakeTimeoutError):
+        handshake.run_receiver(
+            registry, uuid.uuid4().hex, "m", 2.0, clock=clock, sleep=clock.sleep, poll=0.1
+        )
+
+
+def test_stale_ack_under_the_same_id_does_not_satisfy(registry: Registry) -> None:
+    """An old +1 left under the key is not our X+1: the receiver still waits."""
+    tid = uuid.uuid4().hex
+    r_key, _ = handshake.keys(registry, tid)
+    clock = FakeClock()
+
+    def sleep(seconds: float) -> None:
+        # A leftover acknowledgement of some other nonce appears while we wait.
+        registry.set_json(r_key, {"by": "sender", "value": 7, "digest": "m"}, 5)
+        clock.sleep(seconds)
+
+    with pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
+        handshake.run_receiver(registry, tid, "m", 1.0, clock=clock, sleep=sleep, poll=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_digest_mismatch_fails_both_sides(registry: Registry) -> None:
+    """Different manifests: ManifestMismatchError on both sides, before any communicator."""
+    tid = uuid.uuid4().hex
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "sender-digest", 5.0))
+    with pytest.raises(ManifestMismatchError, match="sender's manifest digest sender-digest"):
+        handshake.run_receiver(registry, tid, "receiver-digest", 5.0)
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], ManifestMismatchError)
+    assert "receiver's manifest digest receiver-digest" in str(errors[0])
+
+
+@pytest.mark.timeout(30)
+def test_redis_down_raises_registry_error(namespace: str) -> None:
+    """Redis gone mid-way: RegistryError (the caller falls back), not a timeout or a hang."""
+    server = LocalRedis().start()
+    registry = Registry(Settings(redis_url=server.url, namespace=namespace, redis_timeout=0.5))
+    server.kill()
+    with pytest.raises(RegistryError, match="redis SET failed"):
+        handshake.run_receiver(registry, uuid.uuid4().hex, "m", 1.0)
+    server.stop()

@@ -1,0 +1,260 @@
+"""The sidecar's HTTP port and metrics, exercised with real HTTP requests."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from nccl_back.errors import (
+    ConfigError,
+    HandshakeTimeoutError,
+    NcclBackError,
+    NoPeerError,
+    RegistryError,
+    TransferError,
+    TransferTimeoutError,
+    WeightVerificationError,
+)
+from nccl_back.health import HealthServer, main, request_drain
+from nccl_back.metrics import CONTENT_TYPE, FALLBACK_REASONS, Metrics, fallback_reason
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def get(server: HealthServer, path: str, host: str = "127.0.0.1") -> tuple[int, str, str]:
+    """(status, body, content type) of a GET, whatever the status."""
+    url = f"http://{host}:{server.port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode(), resp.headers["Content-Type"]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), e.headers["Content-Type"]
+
+
+def post(port: int, path: str, host: str = "127.0.0.1") -> int:
+    req = urllib.request.Request(f"http://{host}:{port}{path}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture
+def server() -> Iterator[HealthServer]:
+    with HealthServer(Metrics()) as s:
+        yield s
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    """The value of one series in Prometheus text, e.g. sample(t, "x_total", 'a="b"')."""
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{key} not in metrics output")
+
+
+def test_healthz_answers_while_alive(server: HealthServer) -> None:
+    """/healthz answers 200 as soon as the server has started, before any weights."""
+    assert get(server, "/healthz")[:2] == (200, "ok\n")
+
+
+def test_readiness_transitions(server: HealthServer) -> None:
+    """/readyz: 503 until ready, 200 when ready, 503 for good once draining."""
+    assert get(server, "/readyz")[:2] == (503, "not_ready\n")
+    server.set_ready(True)
+    assert get(server, "/readyz")[:2] == (200, "ready\n")
+    server.set_draining()
+    assert get(server, "/readyz")[:2] == (503, "draining\n")
+    server.set_ready(True)
+    assert get(server, "/readyz")[:2] == (503, "draining\n")
+    assert get(server, "/healthz")[0] == 200
+
+
+def test_ready_gauge_follows_readiness(server: HealthServer) -> None:
+    """The nccl_back_ready gauge is 1 only while /readyz answers 200."""
+    assert sample(get(server, "/metrics")[1], "nccl_back_ready") == 0
+    server.set_ready(True)
+    assert sample(get(server, "/metrics")[1], "nccl_back_ready") == 1
+    server.set_draining()
+    assert sample(get(server, "/metrics")[1], "nccl_back_ready") == 0
+
+
+def test_metrics_text_after_recording(server: HealthServer) -> None:
+    """/metrics serves every recorded metric in Prometheus text with its content type."""
+    m = server.metrics
+    m.record_load("peer", 1024, 0.7)
+    m.record_load("peer", 1024, 1.5)
+    m.record_load("storage", 10, 30.0)
+    m.record_fallback("handshake_timeout")
+    m.record_served(True)
+    m.record_served(False)
+    m.record_served(False)
+    m.record_verification_failure()
+    m.record_handshake_timeout()
+    m.set_claims(3)
+    status, text, ctype = get(server, "/metrics")
+    assert status == 200 and ctype == CONTENT_TYPE
+    assert sample(text, "nccl_back_loads_total", 'source="peer"') == 2
+    assert sample(text, "nccl_back_loads_total", 'source="local"') == 0
+    assert sample(text, "nccl_back_loaded_bytes_total", 'source="peer"') == 2048
+    assert sample(text, "nccl_back_load_seconds_count", 'source="storage"') == 1
+    assert sample(text, "nccl_back_load_seconds_sum", 'source="peer"') == pytest.approx(2.2)
+    assert sample(text, "nccl_back_fallbacks_total", 'reason="handshake_timeout"') == 1
+    assert sample(text, "nccl_back_fallbacks_total", 'reason="no_peer"') == 0
+    assert sample(text, "nccl_back_transfers_served_total", 'outcome="ok"') == 1
+    assert sample(text, "nccl_back_transfers_served_total", 'outcome="failed"') == 2
+    assert sample(text, "nccl_back_verification_failures_total") == 1
+    assert sample(text, "nccl_back_handshake_timeouts_total") == 1
+    assert sample(text, "nccl_back_active_claims") == 3
+
+
+def test_every_fallback_reason_is_exported_at_zero() -> None:
+    """Every fallback reason has a series from the start, so rate() works at once."""
+    text = Metrics().render().decode()
+    for reason in FALLBACK_REASONS:
+        assert sample(text, "nccl_back_fallbacks_total", f'reason="{reason}"') == 0
+
+
+def test_metrics_instances_are_independent() -> None:
+    """Two Metrics in one process neither collide on names nor share counts."""
+    a, b = Metrics(), Metrics()
+    a.record_served(True)
+    assert sample(a.render().decode(), "nccl_back_transfers_served_total", 'outcome="ok"') == 1
+    assert sample(b.render().decode(), "nccl_back_transfers_served_total", 'outcome="ok"') == 0
+
+
+def test_unknown_label_values_are_refused() -> None:
+    """A source or reason outside the fixed sets raises ConfigError (bounded cardinality)."""
+    m = Metrics()
+    with pytest.raises(ConfigError, match=r"reason='peer died': choose one of no_peer, "):
+        m.record_fallback("peer died")
+    with pytest.raises(ConfigError, match=r"source='s3': choose one of peer, storage, local"):
+        m.record_load("s3", 1, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (NoPeerError("none"), "no_peer"),
+        (HandshakeTimeoutError("slow"), "handshake_timeout"),
+        (TransferTimeoutError("hung"), "transfer_timeout"),
+        (TransferError("crashed"), "transfer_error"),
+        (WeightVerificationError("layer 3"), "verification_failed"),
+        (RegistryError("down"), "registry_error"),
+        (RuntimeError("?"), "other"),
+    ],
+)
+def test_fallback_reason_codes(error: BaseException, reason: str) -> None:
+    """Each peer-load error maps to its stable reason code, the most specific class first."""
+    assert fallback_reason(error) == reason
+    assert reason in FALLBACK_REASONS
+
+
+def test_unknown_path_is_404(server: HealthServer) -> None:
+    """Paths other than the three endpoints answer 404."""
+    assert get(server, "/")[0] == 404
+    assert post(server.port, "/readyz") == 404
+
+
+def test_port_in_use_is_a_config_error() -> None:
+    """Starting on a port another socket listens on raises ConfigError naming the flag."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        expected = f"health port {port} on 127.0.0.1 is already in use; pick another with --health-port"
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            HealthServer(Metrics(), port=port).start()
+
+
+def test_close_releases_the_port() -> None:
+    """After close() the same port can be bound again and the old server answers nothing."""
+    first = HealthServer(Metrics()).start()
+    port = first.port
+    first.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
+    with HealthServer(Metrics(), port=port) as second:
+        assert get(second, "/healthz")[0] == 200
+
+
+def test_drain_blocks_until_callback_returns_and_runs_once() -> None:
+    """POST /drain flips /readyz to 503 at once, returns after on_drain, and runs it once."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def on_drain() -> None:
+        calls.append(1)
+        entered.set()
+        release.wait(10)
+
+    with HealthServer(Metrics(), on_drain=on_drain) as server:
+        server.set_ready(True)
+        done = threading.Event()
+
+        def pre_stop() -> None:
+            request_drain(server.port, timeout=10)
+            done.set()
+
+        hook = threading.Thread(target=pre_stop)
+        hook.start()
+        assert entered.wait(10)
+        assert get(server, "/readyz")[:2] == (503, "draining\n")
+        assert get(server, "/healthz")[0] == 200
+        assert not done.is_set()
+        release.set()
+        hook.join(10)
+        assert done.is_set()
+        assert post(server.port, "/drain") == 200
+        assert calls == [1]
+
+
+def test_failed_drain_is_reported() -> None:
+    """An on_drain that raises answers 500 and request_drain raises NcclBackError."""
+
+    def on_drain() -> None:
+        raise RuntimeError("in-flight send stuck")
+
+    with HealthServer(Metrics(), on_drain=on_drain) as server, pytest.raises(
+        NcclBackError, match=r"drain request to 127\.0\.0\.1:\d+ failed: HTTP Error 500"
+    ):
+        request_drain(server.port, timeout=5)
+
+
+def _non_loopback_address() -> str | None:
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.123", 9))  # UDP connect sends nothing; it only picks a route
+        addr = str(s.getsockname()[0])
+        return None if addr.startswith("127.") else addr
+    return None
+
+
+def test_drain_refused_from_other_hosts() -> None:
+    """POST /drain from a non-loopback address answers 403 and does not drain."""
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    with HealthServer(Metrics(), host="0.0.0.0") as server:
+        server.set_ready(True)
+        assert post(server.port, "/drain", host=addr) == 403
+        assert get(server, "/readyz")[0] == 200
+
+
+def test_drain_command_line() -> None:
+    """`python -m nccl_back.health drain` drains a live sidecar and fails cleanly on none."""
+    with HealthServer(Metrics()) as server:
+        assert main(["drain", "--port", str(server.port), "--timeout", "5"]) == 0
+        assert server.state == "draining"
+        port = server.port
+    with pytest.raises(SystemExit) as exit_info:
+        main(["drain", "--port", str(port), "--timeout", "2"])
+    assert exit_info.value.code == 1

@@ -1,0 +1,212 @@
+"""Loading from storage into skeletons: exact weights, strict checks before any copy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import TinyTransformer, fill_random, write_checkpoint
+from safetensors.torch import save_file
+from torch import nn
+
+from nccl_back.checkpoint import INDEX_NAME, flat_skeleton
+from nccl_back.errors import CheckpointFormatError, ShardNotFoundError, WeightLoadError
+from nccl_back.identity import ModelSpec
+from nccl_back.loader import load_from_storage
+from nccl_back.skeleton import build, manifest, named_tensors
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _snapshot(model: Any) -> dict[str, torch.Tensor]:
+    tensors, _ = named_tensors(model)
+    return {n: t.clone() for n, t in tensors.items()}
+
+
+def _assert_same_weights(a: Any, b: Any) -> None:
+    ta, _ = named_tensors(a)
+    tb, _ = named_tensors(b)
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+
+
+def _spec(model: Any, directory: Path, cache_dir: str, **kwargs: Any) -> ModelSpec:
+    return ModelSpec.from_dir(str(write_checkpoint(model, directory, **kwargs)), cache_dir=cache_dir)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_fills_exact_weights(tmp_path: Path, cache_dir: str, dtype: torch.dtype) -> None:
+    """A skeleton loaded from storage holds exactly the checkpoint's weights, tie intact."""
+    model = fill_random(TinyTransformer(dtype=dtype), 0)
+    spec = _spec(model, tmp_path / "ckpt", cache_dir, n_shards=3)
+    skeleton = build(lambda: TinyTransformer(dtype=dtype))
+    result = load_from_storage(skeleton, spec)
+    _assert_same_weights(model, skeleton)
+    assert skeleton.lm_head.weight is skeleton.embed.weight
+    assert (result.source, result.version) == ("storage", spec.version)
+    assert result.bytes == manifest(model).nbytes
+    assert set(result.timings) == {"headers", "copy"}
+
+
+def test_constructor_state_is_real_after_load(tmp_path: Path, cache_dir: str) -> None:
+    """inv_freq (not in the checkpoint) of a built skeleton equals a normal model's; outputs match."""
+    model = fill_random(TinyTransformer(), 0)
+    spec = _spec(model, tmp_path / "ckpt", cache_dir)
+    skeleton = build(TinyTransformer)
+    load_from_storage(skeleton, spec)
+    assert torch.equal(skeleton.rotary.inv_freq, TinyTransformer().rotary.inv_freq)
+    tokens = torch.arange(10).view(1, 10)
+    assert torch.equal(skeleton(tokens), model(tokens))
+
+
+def test_alias_name_fills_tied_tensor(tmp_path: Path, cache_dir: str) -> None:
+    """A checkpoint storing the tied weight under its alias (lm_head.weight) fills embed.weight."""
+    model = fill_random(TinyTransformer(), 0)
+    ckpt = write_checkpoint(model, tmp_path / "ckpt", n_shards=1, with_index=False)
+    tensors, _ = named_tensors(model)
+    renamed = {("lm_head.weight" if n == "embed.weight" else n): t for n, t in tensors.items()}
+    save_file(renamed, str(ckpt / "model-00001-of-00001.safetensors"))
+    skeleton = build(TinyTransformer)
+    load_from_storage(skeleton, ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir))
+    _assert_same_weights(model, skeleton)
+
+
+def test_tied_tensor_stored_twice_is_rejected(tmp_path: Path, cache_dir: str) -> None:
+    """A checkpoint holding both names of a tied tensor would fill it twice: WeightLoadError."""
+    model = fill_random(TinyTransformer(), 0)
+    ckpt = write_checkpoint(model, tmp_path / "ckpt", n_shards=1, with_index=False)
+    tensors, _ = named_tensors(model)
+    both = {**tensors, "lm_head.weight": tensors["embed.weight"].clone()}
+    save_file(both, str(ckpt / "model-00001-of-00001.safetensors"))
+    with pytest.raises(WeightLoadError, match=r"filled twice: \['embed.weight \(as embed.weight and lm_head.weight\)'\]"):
+        load_from_storage(build(TinyTransformer), ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir))
+
+
+def test_mapping_model_uses_prefixed_names(tmp_path: Path, cache_dir: str) -> None:
+    """A pipeline {name: module} loads from one checkpoint whose names carry the 'name.' prefix."""
+
+    def pipeline() -> dict[str, nn.Module]:
+        return {"decoder": TinyTransformer(n_layers=2), "encoder": TinyTransformer(n_layers=1, d=16)}
+
+    model = pipeline()
+    fill_random(model, 0)
+    spec = _spec(model, tmp_path / "ckpt", cache_dir, n_shards=2)
+    assert "encoder.model.layers.0.qkv.weight" in json.loads(
+        (tmp_path / "ckpt" / INDEX_NAME).read_text()
+    )["weight_map"]
+    skeleton = build(pipeline)
+    load_from_storage(skeleton, spec)
+    _assert_same_weights(model, skeleton)
+
+
+def test_wrong_dtype_fails_before_any_copy(tmp_path: Path, cache_dir: str) -> None:
+    """A skeleton tensor of the wrong dtype raises WeightLoadError naming it; nothing is written."""
+    spec = _spec(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", cache_dir)
+    skeleton = fill_random(build(TinyTransformer), 99)
+    skeleton.model.norm.weight = nn.Parameter(torch.zeros(32, dtype=torch.float16))
+    before = _snapshot(skeleton)
+    with pytest.raises(
+        WeightLoadError,
+        match=r"model\.norm\.weight: skeleton expects \[32\] float16, .*model-00002-of-00002\.safetensors has \[32\] float32",
+    ):
+        load_from_storage(skeleton, spec)
+    after = _snapshot(skeleton)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_wrong_shape_is_named(tmp_path: Path, cache_dir: str) -> None:
+    """A skeleton with other shapes raises WeightLoadError naming the tensor and both shapes."""
+    spec = _spec(fill_random(TinyTransformer(d=32), 0), tmp_path / "ckpt", cache_dir)
+    with pytest.raises(WeightLoadError, match=r"embed\.weight: skeleton expects \[64, 16\] float32, .* has \[64, 32\] float32"):
+        load_from_storage(build(lambda: TinyTransformer(d=16)), spec)
+
+
+def test_missing_and_unexpected_tensors_are_named(tmp_path: Path, cache_dir: str) -> None:
+    """Skeleton tensors absent from the checkpoint, and checkpoint tensors it lacks, are named."""
+    spec = _spec(fill_random(TinyTransformer(n_layers=2), 0), tmp_path / "ckpt", cache_dir)
+    with pytest.raises(WeightLoadError, match=r"missing from the checkpoint: \['model\.layers\.2\.attn_norm\.bias'"):
+        load_from_storage(build(lambda: TinyTransformer(n_layers=3)), spec)
+    with pytest.raises(WeightLoadError, match=r"unexpected \(not in the skeleton\): \['model\.layers\.1\.attn_norm\.bias'"):
+        load_from_storage(build(lambda: TinyTransformer(n_layers=1)), spec)
+
+
+def test_truncated_shard_is_named(tmp_path: Path, cache_dir: str) -> None:
+    """A truncated safetensors file raises CheckpointFormatError naming the file."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt")
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    with pytest.raises(CheckpointFormatError, match=r"model-00002-of-00002\.safetensors: truncated: tensor"):
+        load_from_storage(build(TinyTransformer), spec)
+
+
+def test_shard_changed_after_fingerprint_is_named(tmp_path: Path, cache_dir: str) -> None:
+    """A shard cut short after it was fingerprinted raises CheckpointFormatError naming it."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt")
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    shard = ckpt / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointFormatError, match=r"model-00001-of-00002\.safetensors: truncated"):
+        load_from_storage(build(TinyTransformer), spec)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: d[:8] + b"{" * (len(d) - 8), "malformed safetensors header"),
+        (lambda d: (2**40).to_bytes(8, "little") + d[8:], "header length .* is implausible"),
+        (lambda d: d[:5], "5 bytes is too short for a safetensors file"),
+    ],
+    ids=["garbage-json", "huge-length", "five-bytes"],
+)
+def test_malformed_shard_is_named(tmp_path: Path, cache_dir: str, damage: Any, message: str) -> None:
+    """A shard with a garbage header raises CheckpointFormatError naming the file."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt")
+    shard = ckpt / "model-00001-of-00002.safetensors"
+    shard.write_bytes(damage(shard.read_bytes()))
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    with pytest.raises(CheckpointFormatError, match=rf"model-00001-of-00002\.safetensors: {message}"):
+        load_from_storage(build(TinyTransformer), spec)
+
+
+def test_missing_shard_is_named(tmp_path: Path, cache_dir: str) -> None:
+    """A shard deleted after fingerprinting raises ShardNotFoundError naming it."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt")
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ShardNotFoundError, match=r"model-00002-of-00002\.safetensors"):
+        load_from_storage(build(TinyTransformer), spec)
+
+
+def test_tensor_in_two_shards_is_rejected(tmp_path: Path, cache_dir: str) -> None:
+    """A tensor stored in two shards raises CheckpointFormatError naming both files."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", with_index=False)
+    save_file({"embed.weight": torch.zeros(64, 32)}, str(ckpt / "extra.safetensors"))
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    with pytest.raises(CheckpointFormatError, match=r"'embed\.weight' is stored twice: in .*extra\.safetensors and .*model-00001"):
+        load_from_storage(build(TinyTransformer), spec)
+
+
+def test_flat_skeleton_from_headers(tmp_path: Path, cache_dir: str) -> None:
+    """flat_skeleton has the checkpoint's names, shapes and dtypes and loads exactly."""
+    model = fill_random(TinyTransformer(dtype=torch.bfloat16), 0)
+    spec = _spec(model, tmp_path / "ckpt", cache_dir, n_shards=3)
+    flat = flat_skeleton(spec)
+    assert manifest(flat).entries == manifest(model).entries
+    load_from_storage(flat, spec)
+    expected, _ = named_tensors(model)
+    assert all(torch.equal(expected[n], t) for n, t in flat.state_dict().items())
+
+
+def test_progress_reaches_total(tmp_path: Path, cache_dir: str) -> None:
+    """The progress callback reports growing byte counts that end at the total."""
+    spec = _spec(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", cache_dir)
+    calls: list[tuple[int, int, float]] = []
+    result = load_from_storage(build(TinyTransformer), spec, progress=lambda *a: calls.append(a))
+    done = [c[0] for c in calls]
+    assert sorted(done) == done and done[-1] == result.bytes
+    assert {c[1] for c in calls} == {result.bytes}

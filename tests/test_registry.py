@@ -1,0 +1,210 @@
+"""The Redis registry, against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+
+from nccl_back.config import Settings
+from nccl_back.devservers import LocalRedis, free_port
+from nccl_back.errors import RegistryError
+from nccl_back.registry import PeerInfo, Registry
+
+
+def make_registry(redis_url: str, namespace: str, **overrides: object) -> Registry:
+    return Registry(Settings(redis_url=redis_url, namespace=namespace, **overrides))  # type: ignore[arg-type]
+
+
+def peer(peer_id: str = "p1", version: str = "v1", rank: int = 0, max_sends: int = 1) -> PeerInfo:
+    return PeerInfo(
+        peer_id=peer_id,
+        version=version,
+        rank=rank,
+        world_size=1,
+        manifest_digest="d" * 32,
+        transport="gloo",
+        address="127.0.0.1:1234",
+        started_at=1_700_000_000.0,
+        max_sends=max_sends,
+    )
+
+
+def test_every_key_has_a_ttl_and_a_json_value(redis_url: str, namespace: str) -> None:
+    """Every key the registry writes expires and holds JSON (lists: JSON items)."""
+    reg = make_registry(redis_url, namespace)
+    info = peer()
+    reg.publish_peer(info)
+    reg.heartbeat(info)
+    reg.put_ground_truth("v1", 0, 1, "d" * 32, {"layer": "abc"})
+    reg.claim("p1", "r1", max_sends=1, ttl=5)
+    reg.push_request("p1", {"transfer_id": "t1"})
+    reg.set_json(reg.key("hs", "t1", "receiver_ready"), {"value": 1}, ttl=5)
+    keys = list(reg.client.scan_iter(f"{namespace}:*"))
+    assert len(keys) == 6
+    for key in keys:
+        assert reg.client.pttl(key) > 0, key
+        kind = reg.client.type(key)
+        if kind == "string":
+            json.loads(reg.client.get(key))
+        elif kind == "list":
+            for item in reg.client.lrange(key, 0, -1):
+                json.loads(item)
+        else:
+            assert kind == "set"
+
+
+def test_find_peers_returns_published_peers_for_the_version_and_rank(
+    redis_url: str, namespace: str
+) -> None:
+    """Peers are found by exact version and rank; withdrawn ones disappear."""
+    reg = make_registry(redis_url, namespace)
+    reg.publish_peer(peer("a"))
+    reg.publish_peer(peer("b"))
+    reg.publish_peer(peer("c", rank=1))
+    reg.publish_peer(peer("d", version="v2"))
+    assert sorted(p.peer_id for p in reg.find_peers("v1", 0, 1)) == ["a", "b"]
+    assert reg.find_peers("v1", 0, 1)[0] in {peer("a"), peer("b")}
+    reg.withdraw("a", "v1")
+    assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["b"]
+    assert reg.find_peers("v3", 0, 1) == []
+
+
+def test_find_peers_puts_least_claimed_first(redis_url: str, namespace: str) -> None:
+    """A peer whose send slot is taken is offered after a free one."""
+    reg = make_registry(redis_url, namespace)
+    reg.publish_peer(peer("a"))
+    reg.publish_peer(peer("b"))
+    assert reg.claim("a", "r1", max_sends=1, ttl=5) is not None
+    for _ in range(5):
+        assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["b", "a"]
+
+
+@pytest.mark.timeout(20)
+def test_dead_peer_vanishes_after_its_ttl(redis_url: str, namespace: str) -> None:
+    """Without heartbeats a peer's entry expires; with them it stays."""
+    reg = make_registry(redis_url, namespace, peer_ttl=0.5)
+    reg.publish_peer(peer("dead"))
+    reg.publish_peer(peer("alive"))
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        reg.heartbeat(peer("alive"))
+        time.sleep(0.1)
+    assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["alive"]
+    assert reg.client.smembers(reg.key("peers", "v1", 0, 1)) == {"alive"}
+
+
+def test_ground_truth_is_never_overwritten(redis_url: str, namespace: str) -> None:
+    """The first storage load's hashes stay; a later put is refused."""
+    reg = make_registry(redis_url, namespace)
+    assert reg.get_ground_truth("v1", 0, 1) is None
+    assert reg.put_ground_truth("v1", 0, 1, "m1", {"a": "1"}) is True
+    assert reg.put_ground_truth("v1", 0, 1, "m2", {"a": "2"}) is False
+    assert reg.get_ground_truth("v1", 0, 1) == ("m1", {"a": "1"})
+    assert reg.has_ground_truth("v1", 0, 1)
+    assert not reg.has_ground_truth("v1", 1, 1)
+
+
+def test_claims_are_exclusive_up_to_max_sends(redis_url: str, namespace: str) -> None:
+    """max_sends receivers get a slot, the next gets None until one is released."""
+    reg = make_registry(redis_url, namespace)
+    tokens = [reg.claim("p", f"r{i}", max_sends=2, ttl=5) for i in range(2)]
+    assert all(tokens) and tokens[0] != tokens[1]
+    assert reg.claim("p", "r3", max_sends=2, ttl=5) is None
+    assert reg.active_claims("p") == 2
+    assert tokens[0] is not None
+    reg.release("p", tokens[0])
+    assert reg.active_claims("p") == 1
+    assert reg.claim("p", "r3", max_sends=2, ttl=5) is not None
+
+
+@pytest.mark.timeout(20)
+def test_release_deletes_only_our_own_claim(redis_url: str, namespace: str) -> None:
+    """A late release after our claim expired and was retaken leaves the new claim alone."""
+    reg = make_registry(redis_url, namespace)
+    old = reg.claim("p", "slow", max_sends=1, ttl=0.2)
+    assert old is not None
+    time.sleep(0.4)
+    new = reg.claim("p", "next", max_sends=1, ttl=5)
+    assert new is not None
+    reg.release("p", old)
+    assert reg.active_claims("p") == 1
+    reg.release("p", new)
+    assert reg.active_claims("p") == 0
+    with pytest.raises(RegistryError, match="malformed claim token"):
+        reg.release("p", "nonsense")
+
+
+@pytest.mark.timeout(20)
+def test_requests_are_queued_and_popped_with_a_bounded_wait(redis_url: str, namespace: str) -> None:
+    """Requests come out in order; an empty queue returns None after the timeout."""
+    reg = make_registry(redis_url, namespace, redis_timeout=0.4)
+    reg.push_request("p", {"transfer_id": "t1"})
+    reg.push_request("p", {"transfer_id": "t2"})
+    assert reg.pop_request("p", timeout=1) == {"transfer_id": "t1"}
+    assert reg.pop_request("p", timeout=0) == {"transfer_id": "t2"}
+    # Longer than the socket timeout: the wait is split so it is not taken for a dead link.
+    assert reg.pop_request("p", timeout=0.9) is None
+
+
+def test_list_all_groups_peers_by_version(redis_url: str, namespace: str) -> None:
+    """Status lists every live peer with its claims and whether it is busy."""
+    reg = make_registry(redis_url, namespace)
+    reg.publish_peer(peer("a"))
+    reg.publish_peer(peer("b", version="v2", max_sends=2))
+    reg.claim("a", "r", max_sends=1, ttl=5)
+    listing = reg.list_all()
+    assert sorted(listing) == ["v1", "v2"]
+    (a,) = listing["v1"]
+    assert a.info == peer("a") and a.active_claims == 1 and a.busy and 0 < a.ttl <= 10
+    (b,) = listing["v2"]
+    assert b.active_claims == 0 and not b.busy
+
+
+def test_malformed_peer_entry_raises_registry_error(redis_url: str, namespace: str) -> None:
+    """A value that is not a PeerInfo is reported, not half-parsed."""
+    reg = make_registry(redis_url, namespace)
+    reg.publish_peer(peer("a"))
+    reg.client.set(reg.key("peer", "v1", 0, 1, "a"), json.dumps({"peer_id": "a"}), ex=5)
+    with pytest.raises(RegistryError, match="malformed peer entry"):
+        reg.find_peers("v1", 0, 1)
+
+
+@pytest.mark.timeout(30)
+def test_password_url_is_used_and_redacted_in_errors(namespace: str) -> None:
+    """A password in the URL authenticates; a wrong one fails without leaking it."""
+    with LocalRedis(password="s3cret") as server:
+        reg = make_registry(server.url, namespace)
+        reg.ping()
+        reg.publish_peer(peer())
+        assert len(reg.find_peers("v1", 0, 1)) == 1
+        bad = make_registry(f"redis://:wrong@127.0.0.1:{server.port}/0", namespace)
+        with pytest.raises(RegistryError, match=r"redis PING failed \(redis://:\*\*\*@") as info:
+            bad.ping()
+        assert "wrong" not in str(info.value)
+        assert isinstance(info.value.__cause__, redis.AuthenticationError)
+
+
+def test_rediss_url_selects_tls(namespace: str) -> None:
+    """rediss:// makes a TLS connection pool with the URL's host, port, password and db."""
+    reg = make_registry("rediss://:pw@cache.example:6380/2", namespace)
+    kwargs = reg.client.connection_pool.connection_kwargs
+    assert reg.client.connection_pool.connection_class is redis.SSLConnection
+    assert (kwargs["host"], kwargs["port"], kwargs["password"], kwargs["db"]) == (
+        "cache.example", 6380, "pw", 2
+    )
+    assert kwargs["socket_timeout"] == Settings().redis_timeout
+
+
+@pytest.mark.timeout(20)
+def test_unreachable_redis_raises_registry_error_quickly(namespace: str) -> None:
+    """Nothing listening: RegistryError within about the socket timeout, not a hang."""
+    reg = make_registry(f"redis://127.0.0.1:{free_port()}/0", namespace, redis_timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(RegistryError, match="redis PING failed"):
+        reg.ping()
+    with pytest.raises(RegistryError, match="redis publish failed"):
+        reg.publish_peer(peer())
+    assert time.monotonic() - start < 5

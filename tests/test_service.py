@@ -1,0 +1,253 @@
+"""Peer-to-peer loads end to end: real Redis, real worker processes, real gloo.
+
+Every fault case must end with correct weights (via fallback) or a clear error with
+strict=True, within its configured timeouts — never a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import workers
+from models import TinyTransformer, fill_random, write_checkpoint
+from nccl_back.devservers import LocalRedis, free_port
+
+CTX = mp.get_context("spawn")
+MODEL = {"n_layers": 4, "d": 64}
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> str:
+    return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=7), tmp_path / "ckpt"))
+
+
+class Fleet:
+    """Starts worker processes and collects their reports; kills leftovers at the end."""
+
+    def __init__(self, ckpt: str, redis_url: str, namespace: str, cache_dir: str) -> None:
+        self.ckpt = ckpt
+        self.settings: dict[str, Any] = {
+            "redis_url": redis_url, "namespace": namespace, "cache_dir": cache_dir,
+            "bucket_bytes": 16384,
+        }
+        # One pipe per worker, not a shared Queue: a worker killed while holding a
+        # shared queue's lock would silence every other worker.
+        self.readers: list[Any] = []
+        self.stop = CTX.Event()
+        self.procs: list[Any] = []
+
+    def start(self, role: str, *, settings: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        kwargs.setdefault("model_kwargs", MODEL)
+        reader, writer = CTX.Pipe(duplex=False)
+        self.readers.append(reader)
+        p = CTX.Process(
+            target=workers.worker_main,
+            args=(role, self.ckpt, {**self.settings, **(settings or {})}, writer, self.stop),
+            kwargs=kwargs,
+            daemon=True,
+        )
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def report(self, timeout: float = 60) -> dict[str, Any]:
+        """The next report from any worker (a dead worker's pipe is skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no worker reported in time")
+            for conn in mp.connection.wait(self.readers, timeout=left):
+                try:
+                    r: dict[str, Any] = conn.recv()  # type: ignore[union-attr]
+                    return r
+                except EOFError:
+                    self.readers.remove(conn)
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture
+def fleet(ckpt: str, redis_url: str, namespace: str, cache_dir: str) -> Any:
+    f = Fleet(ckpt, redis_url, namespace, cache_dir)
+    yield f
+    f.close()
+
+
+def _ok(report: dict[str, Any]) -> dict[str, Any]:
+    assert "error" not in report, report.get("traceback")
+    assert report["identical"], report
+    assert report["verified"], report
+    return report
+
+
+@pytest.mark.timeout(90)
+def test_receiver_loads_from_live_peer(fleet: Fleet) -> None:
+    """A second worker gets bit-identical, verified weights from the first one."""
+    fleet.start("sender")
+    first = _ok(fleet.report())
+    assert first["source"] == "storage"
+    assert first["fallback_reason"].startswith("no_peer:")
+    fleet.start("receiver", serve_for=0)
+    second = _ok(fleet.report())
+    assert second["source"] == "peer"
+    assert second["peer_id"].startswith(first["worker_id"])
+    assert second["fallback_reason"] is None
+
+
+@pytest.mark.timeout(120)
+def test_three_receivers_fan_out(fleet: Fleet, redis_url: str, namespace: str) -> None:
+    """Three receivers started together all verify; later ones are served by earlier ones."""
+    # The seed sends slowly (1 s per transfer), as a busy production worker would.
+    fleet.start("sender", fault="slow_send")
+    sender = _ok(fleet.report())
+    for i in range(3):
+        fleet.start(f"receiver{i}", serve_for=30)
+    reports = [_ok(fleet.report()) for _ in range(3)]
+    assert all(r["source"] == "peer" for r in reports), reports
+    served_by = {r["peer_id"].rsplit("-r0-", 1)[0] for r in reports}
+    receivers = {r["worker_id"] for r in reports}
+    # With one send slot per peer, at least one receiver was served by another receiver.
+    assert served_by & receivers, (served_by, receivers, sender["worker_id"])
+
+
+@pytest.mark.timeout(60)
+def test_no_peer_loads_from_storage(fleet: Fleet) -> None:
+    """With nobody holding the version, the worker loads from storage and says why."""
+    fleet.start("alone", serve_for=0)
+    r = _ok(fleet.report())
+    assert r["source"] == "storage"
+    assert r["fallback_reason"].startswith("no_peer: no live peer holds version")
+
+
+@pytest.mark.timeout(90)
+def test_dead_registered_peer_falls_back(fleet: Fleet) -> None:
+    """A peer still registered but killed makes the handshake time out; storage follows."""
+    sender = fleet.start("sender", settings={"peer_ttl": 30.0})
+    _ok(fleet.report())
+    os.kill(sender.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    fleet.start("receiver", serve_for=0, settings={"receiver_handshake_timeout": 1.5})
+    r = _ok(fleet.report())
+    assert r["source"] == "storage"
+    assert r["fallback_reason"].startswith("handshake_timeout:")
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(90)
+def test_sender_killed_mid_transfer(fleet: Fleet) -> None:
+    """A sender that dies mid-broadcast costs the receiver a fallback, never a hang."""
+    fleet.start("sender", fault="kill_mid_send")
+    _ok(fleet.report())
+    fleet.start("receiver", serve_for=0, settings={"transfer_timeout": 10.0})
+    r = _ok(fleet.report())
+    assert r["source"] == "storage"
+    assert r["fallback_reason"].split(":")[0] in ("transfer_error", "transfer_timeout")
+
+
+@pytest.mark.timeout(120)
+def test_receiver_killed_mid_transfer_sender_keeps_serving(fleet: Fleet) -> None:
+    """A receiver that dies mid-transfer leaves the sender serving the next receiver."""
+    fleet.start("sender", settings={"transfer_timeout": 5.0})
+    _ok(fleet.report())
+    victim = fleet.start("victim", fault="kill_mid_recv", settings={"transfer_timeout": 5.0})
+    victim.join(60)
+    assert victim.exitcode == -signal.SIGKILL
+    fleet.start("receiver", serve_for=0)
+    r = _ok(fleet.report())
+    assert r["source"] == "peer"
+
+
+@pytest.mark.timeout(90)
+def test_corruption_in_transit_is_caught(fleet: Fleet) -> None:
+    """One byte flipped on the wire fails full verification; the receiver falls back to storage.
+
+    (Sampled hashes check 100 elements per tensor and need not see a single byte; the
+    full checksum covers every byte.)
+    """
+    fleet.settings["verify"] = "full"
+    fleet.start("sender", corrupt=True)
+    _ok(fleet.report())
+    fleet.start("receiver", serve_for=0)
+    r = _ok(fleet.report())
+    assert r["source"] == "storage"
+    assert r["fallback_reason"].startswith("verification_failed:")
+
+
+@pytest.mark.timeout(90)
+def test_corruption_in_transit_strict_raises(fleet: Fleet) -> None:
+    """With strict=True the verification failure is raised instead of falling back."""
+    fleet.settings["verify"] = "full"
+    fleet.start("sender", corrupt=True)
+    _ok(fleet.report())
+    fleet.start("receiver", serve_for=0, settings={"strict": True})
+    r = fleet.report()
+    assert r["error"].startswith("WeightVerificationError:")
+
+
+@pytest.mark.timeout(90)
+def test_manifest_mismatch_falls_back(fleet: Fleet) -> None:
+    """A peer whose tensors have another dtype is never used; storage fills the skeleton."""
+    import torch
+
+    fleet.start("odd", adopt_as={**MODEL, "dtype": torch.bfloat16})
+    fleet.report()
+    fleet.start("receiver", serve_for=0)
+    r = _ok(fleet.report())
+    assert r["source"] == "storage"
+    assert r["fallback_reason"].startswith("manifest_mismatch:")
+    fleet.start("strict", serve_for=0, settings={"strict": True})
+    assert fleet.report()["error"].startswith("ManifestMismatchError:")
+
+
+@pytest.mark.timeout(60)
+def test_redis_unreachable_at_start(fleet: Fleet) -> None:
+    """With Redis down the worker still loads correct weights from storage, and says why."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    fleet.start("lonely", serve_for=0, settings={"redis_url": dead, "redis_timeout": 0.5})
+    r = _ok(fleet.report())
+    assert r["source"] == "storage"
+    assert r["fallback_reason"].startswith("registry_error:")
+    fleet.start("strict", serve_for=0,
+                settings={"redis_url": dead, "redis_timeout": 0.5, "strict": True})
+    assert fleet.report()["error"].startswith("RegistryError:")
+
+
+@pytest.mark.timeout(90)
+def test_redis_killed_during_handshake(ckpt: str, namespace: str, cache_dir: str) -> None:
+    """Redis dying while a receiver waits in the handshake ends in a storage load."""
+    own = LocalRedis().start()
+    f = Fleet(ckpt, own.url, namespace, cache_dir)
+    try:
+        sender = f.start("sender", settings={"peer_ttl": 30.0})
+        _ok(f.report())
+        os.kill(sender.pid, signal.SIGSTOP)  # registered, alive, but never answers
+        f.start("receiver", serve_for=0,
+                settings={"receiver_handshake_timeout": 20.0, "redis_timeout": 0.5})
+        client = redis.Redis.from_url(own.url)
+        deadline = time.monotonic() + 30
+        while not list(client.scan_iter(f"{namespace}:hs:*")):
+            assert time.monotonic() < deadline, "receiver never started its handshake"
+            time.sleep(0.02)
+        own.kill()
+        r = _ok(f.report())
+        assert r["source"] == "storage"
+        assert r["fallback_reason"].startswith("registry_error:")
+        os.kill(sender.pid, signal.SIGKILL)
+    finally:
+        f.close()
+        own.stop()

@@ -1,0 +1,318 @@
+"""Gloo transport, watchdog and bucketed data plane, between real processes.
+
+The sender runs in a child process started from this very file (see the ``__main__``
+block at the bottom): it hosts a gloo rendezvous, prints its address as a JSON line,
+then serves the transfers named on its command line. Both sides build the same tensors
+from a seed, so the receiver checks bit-identity without the data crossing any other
+way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from nccl_back.config import Settings
+from nccl_back.errors import ManifestMismatchError, NcclBackError, TransferError, TransferTimeoutError
+from nccl_back.skeleton import Manifest, TensorEntry
+from nccl_back.transport import (
+    Pending,
+    Transport,
+    open_rendezvous,
+    plan,
+    receiver_transport,
+    recv_tensors,
+    run_guarded,
+    send_tensors,
+)
+from nccl_back.transport.broadcast import ALIGN, plan_digest
+from nccl_back.transport.gloo import GlooRendezvous
+
+BUCKET = 64 << 10
+CPU = torch.device("cpu")
+
+
+def settings(**overrides: object) -> Settings:
+    return Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", **overrides)  # type: ignore[arg-type]
+
+
+def model_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Mixed dtypes and sizes: buckets, direct steps, non-contiguous, scalar, empty."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.bias": torch.randn(7, generator=g),
+        "a.weight": torch.randn(300, 200, generator=g),  # 240 KB > BUCKET: direct
+        "b.bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "b.fp16": torch.randn(33, 3, generator=g).to(torch.float16),
+        "c.mask": torch.randint(0, 2, (99,), generator=g).bool(),
+        "c.steps": torch.randint(-(2**40), 2**40, (13,), generator=g),
+        "d.scalar": torch.tensor(3.5, dtype=torch.float64),
+        "d.empty": torch.empty(0, 4),
+        "e.transposed": torch.randn(40, 30, generator=g).t(),  # non-contiguous, bucketed
+        "e.big_t": torch.randn(250, 100, generator=g).to(torch.bfloat16).t(),  # non-contig, 50 KB
+        "f.uint8": torch.randint(0, 256, (70_000,), generator=g, dtype=torch.uint8),  # direct
+        "f.big_transposed": torch.randn(200, 120, generator=g).t(),  # 96 KB direct non-contig
+    }
+
+
+def skeleton_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Containers of the same shapes/dtypes, filled with garbage; transposed where the source is."""
+    out = {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and not t.is_contiguous():
+            out[name] = torch.full((t.shape[1], t.shape[0]), 7, dtype=t.dtype).t()
+        else:
+            out[name] = torch.full(t.shape, 7, dtype=t.dtype)
+    return out
+
+
+def mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return [n for n in want if not torch.equal(raw(got[n]), raw(want[n]))]
+
+
+# -- a transport that misbehaves on purpose (sender side) -------------------------------------
+
+
+class Faulty(Transport):
+    """Delegates to a real transport; at broadcast number ``at`` it dies or stalls."""
+
+    def __init__(self, inner: Transport, at: int, fault: str) -> None:
+        super().__init__(inner.rank, inner.transfer_id, inner.device)
+        self.kind = inner.kind
+        self.inner, self.at, self.fault = inner, at, fault
+        self.count = 0
+        self.aborted = threading.Event()
+
+    def connect(self, deadline: float) -> None:
+        self.inner.connect(deadline)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        self.count += 1
+        if self.count == self.at and self.fault == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.count == self.at and self.fault == "stall":
+            self.aborted.wait(60)
+        return self.inner.broadcast(tensor, src)
+
+    def abort(self) -> None:
+        self.aborted.set()
+        self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Child-process sender: one rendezvous, the transfers in ``args.transfers`` in turn."""
+    rdv = GlooRendezvous(settings())
+    print(json.dumps({"address": rdv.address}), flush=True)
+    tensors = model_tensors(args.seed)
+    for i, tid in enumerate(args.transfers):
+        transport: Transport = rdv.sender(tid)
+        if i == 0 and args.fault:
+            transport = Faulty(transport, args.at, args.fault)
+        deadline = time.monotonic() + args.timeout
+        try:
+            run_guarded(transport, lambda t: send_tensors(t, tensors, args.bucket), deadline)
+            print(json.dumps({"transfer": tid, "ok": True}), flush=True)
+        except NcclBackError as e:
+            print(json.dumps({"transfer": tid, "error": type(e).__name__}), flush=True)
+    rdv.close()
+
+
+@pytest.fixture
+def spawn_sender() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*transfers: str, fault: str = "", at: int = 0, timeout: float = 30.0,
+              bucket: int = BUCKET) -> tuple[subprocess.Popen[str], str]:
+        cmd = [sys.executable, __file__, *transfers, "--timeout", str(timeout), "--bucket", str(bucket)]
+        if fault:
+            cmd += ["--fault", fault, "--at", str(at)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        return proc, json.loads(line)["address"]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def receive(address: str, tid: str, into: dict[str, torch.Tensor], timeout: float,
+            bucket: int = BUCKET) -> object:
+    transport = receiver_transport(settings(), "gloo", address, tid, device=CPU)
+    return run_guarded(transport, lambda t: recv_tensors(t, into, bucket), time.monotonic() + timeout)
+
+
+def results(proc: subprocess.Popen[str]) -> list[dict[str, object]]:
+    out, _ = proc.communicate(timeout=30)
+    return [json.loads(line) for line in out.splitlines()]
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+
+def test_plan_is_derived_from_the_manifest_alone() -> None:
+    """Tensors and their manifest give the same plan; buckets are aligned and bounded."""
+    tensors = model_tensors()
+    manifest = Manifest(tuple(TensorEntry(n, tuple(t.shape), str(t.dtype)[6:]) for n, t in tensors.items()))
+    steps = plan(tensors, BUCKET)
+    assert steps == plan(manifest, BUCKET)
+    assert plan_digest(steps) == plan_digest(plan(skeleton_like(tensors), BUCKET))
+    assert plan_digest(steps) != plan_digest(plan(tensors, BUCKET // 2))
+    direct = sorted(s.slots[0].name for s in steps if s.direct)
+    assert direct == ["a.weight", "f.big_transposed", "f.uint8"]
+    names = [x.name for s in steps for x in s.slots]
+    assert sorted(names) == sorted(n for n in tensors if n != "d.empty")
+    for s in steps:
+        if not s.direct:
+            assert s.nbytes <= BUCKET
+            assert all(x.offset % ALIGN == 0 for x in s.slots)
+
+
+@pytest.mark.timeout(60)
+def test_two_processes_transfer_bit_identical_tensors(spawn_sender: Callable[..., tuple[subprocess.Popen[str], str]]) -> None:
+    """Every tensor (bf16, bool, int64, scalar, non-contiguous...) arrives bit for bit."""
+    tid = uuid.uuid4().hex
+    proc, address = spawn_sender(tid)
+    want = model_tensors()
+    got = skeleton_like(want)
+    stats = receive(address, tid, got, timeout=30)
+    assert mismatches(got, want) == []
+    assert not got["e.transposed"].is_contiguous()
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in want.values())  # type: ignore[attr-defined]
+    assert results(proc) == [{"transfer": tid, "ok": True}]
+
+
+@pytest.mark.timeout(60)
+def test_sender_killed_mid_transfer_fails_the_receiver_fast(spawn_sender: Callable[..., tuple[subprocess.Popen[str], str]]) -> None:
+    """SIGKILL of the sender after a few broadcasts: TransferError long before the deadline."""
+    tid = uuid.uuid4().hex
+    proc, address = spawn_sender(tid, fault="die", at=4)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="gloo transfer .* failed"):
+        receive(address, tid, skeleton_like(model_tensors()), timeout=40)
+    assert time.monotonic() - start < 20
+    assert proc.wait(10) == -signal.SIGKILL
+
+
+@pytest.mark.timeout(90)
+def test_stalled_sender_times_out_then_the_next_transfer_works(spawn_sender: Callable[..., tuple[subprocess.Popen[str], str]]) -> None:
+    """A stall hits the watchdog deadline; a new transfer between the same processes works
+    and no thread is left behind."""
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    proc, address = spawn_sender(first, second, fault="stall", at=4, timeout=4.0)
+    baseline = threading.active_count()
+    with pytest.raises(TransferTimeoutError, match="gloo transfer"):
+        receive(address, first, skeleton_like(model_tensors()), timeout=2.0)
+    assert threading.active_count() == baseline
+    want = model_tensors()
+    got = skeleton_like(want)
+    receive(address, second, got, timeout=40)
+    assert mismatches(got, want) == []
+    assert threading.active_count() == baseline
+    assert results(proc) == [
+        {"transfer": first, "error": "TransferTimeoutError"},
+        {"transfer": second, "ok": True},
+    ]
+
+
+def in_process_pair(
+    send: Callable[[Transport], object], recv: Callable[[Transport], object], timeout: float = 20.0
+) -> tuple[BaseException | None, BaseException | None]:
+    """Both ranks in this process (two threads): cheap for behaviour that needs no crash."""
+    s = settings()
+    tid = uuid.uuid4().hex
+    errors: list[BaseException | None] = [None, None]
+    with open_rendezvous(s, "gloo", device=CPU) as rdv:
+        deadline = time.monotonic() + timeout
+
+        def side(i: int, transport: Transport, fn: Callable[[Transport], object]) -> None:
+            try:
+                run_guarded(transport, fn, deadline)
+            except NcclBackError as e:
+                errors[i] = e
+
+        threads = [
+            threading.Thread(target=side, args=(0, rdv.sender(tid), send)),
+            threading.Thread(target=side, args=(1, receiver_transport(
+                s, "gloo", rdv.address, tid, device=CPU), recv)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 10)
+    return errors[0], errors[1]
+
+
+@pytest.mark.timeout(60)
+def test_different_bucket_sizes_are_refused_before_any_data(spawn_sender: object) -> None:
+    """Sender and receiver that would issue different broadcasts both raise ManifestMismatchError."""
+    want = model_tensors()
+    got = skeleton_like(want)
+    before = {n: t.clone() for n, t in got.items()}
+    s_err, r_err = in_process_pair(
+        lambda t: send_tensors(t, want, BUCKET), lambda t: recv_tensors(t, got, BUCKET // 2)
+    )
+    assert isinstance(s_err, ManifestMismatchError) and isinstance(r_err, ManifestMismatchError)
+    assert mismatches(got, before) == []
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_for_test_damages_one_element_in_transit_only() -> None:
+    """The test hook changes the first element of the first step on the wire, not at the sender."""
+    want = model_tensors()
+    pristine = {n: t.clone() for n, t in want.items()}
+    got = skeleton_like(want)
+    errors = in_process_pair(
+        lambda t: send_tensors(t, want, BUCKET, corrupt_for_test=True),
+        lambda t: recv_tensors(t, got, BUCKET),
+    )
+    assert errors == (None, None)
+    assert mismatches(want, pristine) == []
+    first = plan(want, BUCKET)[0].slots[0].name
+    assert mismatches(got, want) == [first]
+    assert not torch.equal(got[first].reshape(-1)[:1], want[first].reshape(-1)[:1])
+    assert torch.equal(got[first].reshape(-1)[1:], want[first].reshape(-1)[1:])
+
+
+def test_tensors_on_the_wrong_device_are_refused() -> None:
+    """A meta tensor cannot be sent by gloo: TransferError naming it, before any broadcast."""
+    errors = in_process_pair(
+        lambda t: send_tensors(t, {"x": torch.empty(3, device="meta")}, BUCKET),
+        lambda t: recv_tensors(t, {"x": torch.empty(3)}, BUCKET),
+        timeout=5,
+    )
+    assert isinstance(errors[0], TransferError) and "x is on meta" in str(errors[0])
+    assert isinstance(errors[1], TransferError)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("transfers", nargs="+")
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--bucket", type=int, default=BUCKET)
+    parser.add_argument("--fault", default="")
+    parser.add_argument("--at", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    serve(parser.parse_args())

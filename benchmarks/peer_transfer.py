@@ -11,7 +11,8 @@ Both sides' memory is allocated and touched before timing, so this measures the 
 plane, not page faults (which a real cold start also pays; see DESIGN.md). Times are
 taken on the receiver, from a 1-byte synchronising broadcast to the end.
 
-    .venv/bin/python benchmarks/peer_transfer.py --gib 1 --rounds 3
+    .venv/bin/python benchmarks/peer_transfer.py --gib 1 --rounds 3 \
+        --bucket-bytes 67108864 16777216 1048576
 
 The model looks like a small LLM in bf16: an embedding and N layers of q/k/v/o, a
 gated MLP and two norms, scaled to ``--gib`` (a few hundred tensors for 1 GiB).
@@ -30,7 +31,13 @@ import uuid
 import torch
 
 from nccl_back.config import Settings
-from nccl_back.transport import Transport, receiver_transport, recv_tensors, run_guarded, send_tensors
+from nccl_back.transport import (
+    Transport,
+    receiver_transport,
+    recv_tensors,
+    run_guarded,
+    send_tensors,
+)
 from nccl_back.transport.gloo import GlooRendezvous
 
 HIDDEN, INTER, VOCAB = 1024, 2816, 32000
@@ -59,20 +66,21 @@ def allocate(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
 
 
 def rounds(transport: Transport, tensors: dict[str, torch.Tensor], flat: torch.Tensor,
-           bucket: int, n: int) -> list[dict[str, float]]:
+           buckets: list[int], n: int) -> list[dict[str, float]]:
+    """``n`` rounds of: the flat broadcast, then the data plane at each bucket size."""
     sync = torch.zeros(1, dtype=torch.uint8)
     out = []
     for _ in range(n):
         row = {}
-        for what in ("flat", "tensors"):
+        for what in ["flat", *map(str, buckets)]:
             transport.broadcast(sync).wait()
             start = time.perf_counter()
             if what == "flat":
                 transport.broadcast(flat).wait()
             elif transport.rank == 0:
-                send_tensors(transport, tensors, bucket)
+                send_tensors(transport, tensors, int(what))
             else:
-                recv_tensors(transport, tensors, bucket)
+                recv_tensors(transport, tensors, int(what))
             row[what] = time.perf_counter() - start
         out.append(row)
     return out
@@ -82,7 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bucket-bytes", type=int, default=Settings().bucket_bytes)
+    parser.add_argument("--bucket-bytes", type=int, nargs="+", default=[Settings().bucket_bytes],
+                        help="one or more bucket sizes, each measured against the same flat run")
     parser.add_argument("--serve", metavar="TRANSFER_ID", help=argparse.SUPPRESS)
     args = parser.parse_args()
     settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", transfer_timeout=600)
@@ -102,7 +111,7 @@ def main() -> None:
 
     tid = uuid.uuid4().hex
     cmd = [sys.executable, __file__, "--serve", tid, "--gib", str(args.gib),
-           "--rounds", str(args.rounds), "--bucket-bytes", str(args.bucket_bytes)]
+           "--rounds", str(args.rounds), "--bucket-bytes", *map(str, args.bucket_bytes)]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
         address = json.loads(proc.stdout.readline())["address"]
@@ -113,17 +122,19 @@ def main() -> None:
         proc.wait(60)
     gb = nbytes / 1e9
     flat_s = statistics.median(r["flat"] for r in times)
-    tens_s = statistics.median(r["tensors"] for r in times)
-    print(json.dumps({
+    report: dict[str, object] = {
         "tensors": len(tensors),
         "bytes": nbytes,
-        "bucket_bytes": args.bucket_bytes,
-        "rounds": [{k: round(v, 3) for k, v in r.items()} for r in times],
+        "rounds_seconds": [{k: round(v, 3) for k, v in r.items()} for r in times],
         "flat_gbps_median": round(gb / flat_s, 3),
-        "tensors_gbps_median": round(gb / tens_s, 3),
-        "ratio_median": round(flat_s / tens_s, 3),
-    }, indent=1))
-
+    }
+    for bucket in args.bucket_bytes:
+        tens_s = statistics.median(r[str(bucket)] for r in times)
+        report[f"bucket_{bucket}"] = {
+            "gbps_median": round(gb / tens_s, 3),
+            "ratio_to_flat_median": round(flat_s / tens_s, 3),
+        }
+    print(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
     main()

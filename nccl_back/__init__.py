@@ -2,8 +2,9 @@
 
 from .config import Settings
 from .errors import NcclBackError
+from .handoff import HandoffServer, attach
 from .identity import ModelSpec, Shard
 from .loader import load_from_storage
 
-__all__ = ["ModelSpec", "NcclBackError", "Settings", "Shard", "load_from_storage"]
+__all__ = ["HandoffServer", "ModelSpec", "NcclBackError", "Settings", "Shard", "attach", "load_from_storage"]
 __version__ = "0.1.0"

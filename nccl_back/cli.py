@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
 
-from . import log
+from . import log, server
 from .checkpoint import flat_skeleton
 from .config import Settings
 from .errors import ConfigError, NcclBackError
 from .identity import ModelSpec
 from .loader import load_from_storage
+from .registry import PeerStatus, Registry
 
 PROG = "nccl-back"
 
@@ -54,7 +57,71 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
     p.set_defaults(func=cmd_load)
+
+    _add_serve(sub)
+
+    p = sub.add_parser("status", help="what Redis holds: versions, peers, claims, ground truth")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--redis-url", help="coordination store (default: NCCL_BACK_REDIS_URL)")
+    p.add_argument("--namespace", help="key prefix (default: NCCL_BACK_NAMESPACE)")
+    p.set_defaults(func=cmd_status)
     return parser
+
+
+#: serve flags that become Settings fields when given (flags win over NCCL_BACK_*).
+_SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("redis-url", str, "coordination store, redis://[:password@]host:port/db"),
+    ("namespace", str, "prefix of every Redis key"),
+    ("transport", str, "auto, gloo or nccl"),
+    ("verify", str, "integrity check after a peer load: sampled, full or none"),
+    ("advertise-host", str, "address peers use to reach this worker"),
+    ("bind-host", str, "interface the transport rendezvous listens on"),
+    ("rendezvous-port", int, "TCP port of the gloo rendezvous (0: any free port)"),
+    ("transfer-timeout", float, "watchdog deadline of one transfer, seconds"),
+    ("receiver-handshake-timeout", float, "seconds a receiver waits in the handshake"),
+    ("sender-handshake-timeout", float, "seconds a sender waits in the handshake"),
+    ("redis-timeout", float, "socket timeout of every Redis call, seconds"),
+    ("peer-ttl", float, "seconds an entry stays visible without a heartbeat"),
+    ("busy-wait", float, "seconds a receiver waits for a busy peer before storage"),
+    ("max-concurrent-sends", int, "receivers served at once"),
+    ("cache-dir", str, "CRC32C cache directory"),
+)
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="sidecar: load a model (peer first) and serve it until SIGTERM",
+        description="Load a model (from a live peer, storage as fallback), serve it to peers"
+        " and local consumers, answer health probes; SIGTERM drains and exits 0."
+        " Settings come from NCCL_BACK_* variables; flags win.",
+    )
+    p.add_argument("--model", required=True, metavar="PATH_OR_URI",
+                   help="checkpoint directory or gs://bucket/prefix")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--factory", metavar="MODULE:FUNCTION",
+                     help="callable returning the nn.Module skeleton (default: a flat skeleton"
+                     " from the safetensors headers); the current directory is importable")
+    how.add_argument("--hf", action="store_true",
+                     help="build a transformers causal LM from config.json (extra 'hf')")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--socket", metavar="PATH", help="Unix socket of the local hand-off server")
+    p.add_argument("--health-host", default="127.0.0.1",
+                   help="interface of /healthz /readyz /metrics /drain (default 127.0.0.1)")
+    p.add_argument("--health-port", type=int, default=9400,
+                   help="port of the health server (default 9400; 0: any free port)")
+    p.add_argument("--drain-timeout", type=float, metavar="SECONDS",
+                   help="bound on in-flight transfers when draining (default: transfer timeout)")
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="written atomically (JSON) when ready, removed when draining")
+    p.add_argument("--strict", action="store_true", default=None,
+                   help="fail instead of falling back to storage when a peer load fails")
+    for flag, type_, help_ in _SETTINGS_FLAGS:
+        p.add_argument(f"--{flag}", type=type_, help=help_)
+    p.add_argument("--log-json", action="store_true", help="log events as JSON lines on stderr")
+    p.add_argument("--log-level", dest="serve_log_level", metavar="LEVEL",
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.set_defaults(func=cmd_serve)
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
@@ -92,6 +159,117 @@ def cmd_load(args: argparse.Namespace) -> int:
         print(f"seconds {result.seconds:.3f}")
         print(f"GB/s    {result.gbps:.2f}")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Validate everything up front, then run the sidecar until SIGTERM/SIGINT."""
+    log.configure(level=args.serve_log_level or "INFO", json=args.log_json)
+    overrides = {
+        f.replace("-", "_"): getattr(args, f.replace("-", "_"))
+        for f, _, _ in _SETTINGS_FLAGS
+        if getattr(args, f.replace("-", "_")) is not None
+    }
+    if args.strict is not None:
+        overrides["strict"] = True
+    settings = Settings.from_env(**overrides)
+    device = _device(args.device)
+    factory = server.resolve_factory(args.factory) if args.factory else None
+    if args.hf:
+        server.require_transformers()
+    server.check_local_model(args.model)
+    if args.drain_timeout is not None and args.drain_timeout <= 0:
+        raise ConfigError(f"--drain-timeout {args.drain_timeout!r}: must be a positive number of seconds")
+    server.check_port_free(settings.bind_host, settings.rendezvous_port, "--rendezvous-port")
+    if args.hf:
+        spec_config = dict(ModelSpec.from_dir(args.model, cache_dir=settings.cache_dir).config)
+        factory = server.hf_factory(spec_config)
+    options = server.ServeOptions(
+        model_uri=args.model,
+        device=device,
+        factory=factory,
+        socket_path=args.socket,
+        health_host=args.health_host,
+        health_port=args.health_port,
+        drain_timeout=args.drain_timeout,
+        ready_file=args.ready_file,
+    )
+    sidecar = server.Sidecar(settings, options).start()
+    stop = threading.Event()
+    with server.stop_on_signals(stop):
+        code = sidecar.run(stop)
+    if sidecar.abandoned:
+        # A load or send outlived the drain bound; joining it could take as long again.
+        # Exiting closes its sockets, so the receiver fails fast and falls back.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print every version and peer the registry holds (table, or JSON with --json)."""
+    overrides = {k: v for k in ("redis_url", "namespace") if (v := getattr(args, k)) is not None}
+    settings = Settings.from_env(**overrides)
+    registry = Registry(settings)
+    try:
+        listing = registry.list_all()
+        report = _status_report(registry, listing)
+    finally:
+        registry.close()
+    if args.json:
+        print(json.dumps({"namespace": settings.namespace, "versions": report}, indent=2))
+        return 0
+    if not report:
+        print(f"no peers in namespace {settings.namespace!r}")
+        return 0
+    header = ("VERSION", "RANK", "PEER", "AGE", "SENDS", "SOURCE", "TRUTH", "ADDRESS")
+    rows = [header]
+    for version, entry in report.items():
+        for p in entry["peers"]:
+            rows.append((
+                version[:12],
+                f"{p['rank']}/{p['world_size']}",
+                p["peer_id"],
+                f"{p['age']:.0f}s",
+                f"{'busy' if p['busy'] else 'free'} {p['active_claims']}/{p['max_sends']}",
+                p["source"],
+                "yes" if p["ground_truth"] else "no",
+                f"{p['transport']} {p['address']}",
+            ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    for version, peers in listing.items():
+        truth: dict[tuple[int, int], bool] = {}
+        rows = []
+        for st in peers:
+            key = (st.info.rank, st.info.world_size)
+            if key not in truth:
+                truth[key] = registry.has_ground_truth(version, *key)
+            rows.append({
+                "peer_id": st.info.peer_id,
+                "rank": st.info.rank,
+                "world_size": st.info.world_size,
+                "age": round(st.age, 3),
+                "ttl": round(st.ttl, 3),
+                "active_claims": st.active_claims,
+                "max_sends": st.info.max_sends,
+                "busy": st.busy,
+                "source": st.info.source,
+                "transport": st.info.transport,
+                "address": st.info.address,
+                "ground_truth": truth[key],
+            })
+        report[version] = {
+            "peers": rows,
+            "ground_truth": {f"{r}/{w}": v for (r, w), v in sorted(truth.items())},
+        }
+    return report
 
 
 class _ProgressBar:

@@ -51,6 +51,9 @@ class Settings:
     bind_host: str = "0.0.0.0"
     """Interface this worker's transport rendezvous listens on."""
 
+    rendezvous_port: int = 0
+    """TCP port of the gloo rendezvous (0: the OS picks one; a pod sets a fixed one)."""
+
     sender_handshake_timeout: float = 1.0
     """Seconds a sender waits in the liveness handshake (short: don't wait on a flaky receiver)."""
 
@@ -147,6 +150,9 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        port = self.rendezvous_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigError(f"rendezvous_port={port!r}: must be 0 (any free port) to 65535")
 
     @property
     def heartbeat_interval(self) -> float:

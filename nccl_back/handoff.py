@@ -42,6 +42,13 @@ valid and unchanged, because a mapping keeps a tmpfs file's pages alive until it
 unmapped. On GPU the sidecar must outlive a zero-copy consumer: CUDA IPC memory
 belongs to the exporting process.
 
+The segment lives in /dev/shm, so it counts against the container's memory and needs a
+/dev/shm large enough for the model (containers get 64 MiB by default; mount a memory
+``emptyDir`` there, shared by sidecar and consumer). Space is reserved at ``start()``,
+so a too-small /dev/shm is an :class:`AttachError`, not a SIGBUS. If the sidecar dies,
+its resource tracker unlinks the segment (observed: right after a SIGKILL, with a
+"leaked shared_memory objects" warning) and the next server replaces the stale socket.
+
 ``close()`` stops the server, removes the socket and unlinks the segment: no new
 consumer can map it, and its memory is freed when the last mapping (the server
 model's, zero-copy consumers') goes away.
@@ -72,7 +79,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .errors import AttachError, ConfigError
+from .errors import AttachError, ConfigError, SkeletonError
 from .integrity import HashMode, compare, layer_hashes
 from .log import get_logger
 from .result import LoadResult
@@ -118,6 +125,8 @@ class HandoffServer:
             raise ConfigError("version must be a non-empty string")
         if io_timeout <= 0:
             raise ConfigError(f"io_timeout={io_timeout!r}: must be a positive number of seconds")
+        if hash_mode not in ("sampled", "full"):
+            raise ConfigError(f"hash_mode={hash_mode!r}: choose 'sampled' or 'full'")
         self.model = model
         self.version = version
         self.socket_path = socket_path
@@ -142,9 +151,16 @@ class HandoffServer:
         return self._shm.name if self._shm is not None else None
 
     def start(self) -> HandoffServer:
-        """Pack the model into the arena, bind the socket and serve in a background thread."""
-        if self._thread is not None:
-            raise AttachError(f"hand-off server at {self.socket_path} is already started")
+        """Pack the model into the arena, bind the socket and serve in a background thread.
+
+        Raises :class:`AttachError` if the segment or the socket cannot be made (the
+        message says why), or if this server was already started or closed.
+        """
+        if self._thread is not None or self._stop.is_set():
+            raise AttachError(
+                f"hand-off server at {self.socket_path} was already started or closed;"
+                " create a new one"
+            )
         try:
             self._pack()
             if self._hashes is None:
@@ -233,7 +249,10 @@ class HandoffServer:
             self._shm.close()
             return _map_segment(name, size, writable=True)
         except OSError as e:
-            raise AttachError(f"cannot create a {size}-byte shared-memory segment: {e}") from e
+            raise AttachError(
+                f"cannot create a {size}-byte shared-memory segment in {_SHM_DIR}: {e}"
+                " (a container's /dev/shm is 64 MiB unless a larger one is mounted)"
+            ) from e
 
     # -- socket ------------------------------------------------------------------------
 
@@ -283,8 +302,11 @@ class HandoffServer:
                 request = json.loads(_recv_line(conn, deadline, _MAX_REQUEST))
                 reply = self._answer(request)
                 _send_line(conn, reply, deadline)
-            except (OSError, ValueError, AttachError) as e:
+            except (OSError, ValueError) as e:  # a consumer that went away or sent garbage
                 self._log.warning("handoff_request_failed", error=str(e))
+            except Exception:
+                # A pool thread would swallow it silently: log it, keep serving others.
+                self._log.exception("handoff_request_crashed")
 
     def _answer(self, request: Any) -> dict[str, Any]:
         man = self._manifest
@@ -360,8 +382,10 @@ def attach(
 ) -> LoadResult:
     """Fill ``model`` (a skeleton) from the sidecar listening at ``endpoint`` (a socket path).
 
-    ``version`` must equal the sidecar's and the skeleton's manifest its manifest, or
-    :class:`AttachError` is raised before anything is mapped. ``mode`` is ``"copy"``
+    The sidecar must serve the same ``version`` and the same manifest (tensor names,
+    shapes, dtypes) as the skeleton, or :class:`AttachError` names the difference
+    before anything is mapped; any failure to reach the sidecar or map its memory is
+    an :class:`AttachError` too. ``mode`` is ``"copy"``
     (the tensors stay the consumer's own) or ``"zero_copy"`` (they become views of the
     sidecar's memory; see the module docstring). ``timeout`` bounds the exchange with
     the sidecar. With ``verify`` the layer hashes are recomputed and compared with the
@@ -452,7 +476,7 @@ def _refusal_message(endpoint: str, version: str, mine: Manifest, reply: dict[st
     if reason == "manifest":
         try:
             theirs = Manifest.from_json(reply["manifest"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, SkeletonError) as e:
             return f"sidecar at {endpoint} holds different tensors (unreadable manifest: {e})"
         return (
             f"sidecar at {endpoint} holds different tensors (this skeleton vs sidecar):"
@@ -553,6 +577,10 @@ def _map_segment(name: str, size: int, *, writable: bool, populate: bool = False
     path = os.path.join(_SHM_DIR, name)
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
+        if writable:
+            # Reserve the pages now: a write into a sparse tmpfs file that cannot grow
+            # kills the process with SIGBUS, whereas this raises ENOSPC.
+            os.posix_fallocate(fd, 0, size)
         actual = os.fstat(fd).st_size
         if actual < size:
             raise AttachError(f"segment {name} has {actual} bytes, expected {size}")

@@ -5,7 +5,10 @@ that is an alias of a tied tensor (``lm_head.weight`` tied to ``embed.weight``) 
 its canonical tensor. For a mapping model (``{"transformer": ..., "vae": ...}``) the
 checkpoint's names are the full prefixed names (``transformer.blocks.0.weight``), the
 same names :func:`nccl_back.skeleton.named_tensors` gives, so one checkpoint (any
-number of shards, in any grouping) serves a whole pipeline.
+number of shards, in any grouping) serves a whole pipeline. A rank that holds only
+some sub-modules passes a mapping of just those: checkpoint tensors under other
+sub-module names belong to other ranks and are skipped (shards holding only those
+are not read); every tensor under a held sub-module's name must still fit exactly.
 
 Order of work: read every header, check every tensor's dtype and shape and that the
 checkpoint and skeleton hold exactly the same tensors, and only then copy. So a
@@ -61,7 +64,10 @@ class _Copy:
 
 
 def _plan_load(
-    tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str], headers: Sequence[ShardHeader]
+    tensors: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    headers: Sequence[ShardHeader],
+    held: tuple[str, ...] | None = None,
 ) -> dict[str, list[_Copy]]:
     """Shard URI -> the copies it feeds; raises :class:`WeightLoadError` on any mismatch.
 
@@ -75,6 +81,8 @@ def _plan_load(
     unexpected: list[str] = []
     twice: list[str] = []
     for name, (header, info) in locate(headers).items():
+        if held is not None and not name.startswith(held):
+            continue  # a sub-module another rank of the pipeline holds
         canonical = name if name in tensors else aliases.get(name)
         if canonical is None:
             unexpected.append(name)
@@ -200,7 +208,10 @@ def load_from_storage(
     start = clock()
     tensors, aliases = named_tensors(model)
     headers = read_headers(storage, spec.shards)
-    plan = _plan_load(tensors, aliases, headers)
+    # A mapping model (one rank of a pipeline) holds some sub-modules of the checkpoint:
+    # tensors of the others are skipped, and shards holding only those are not read.
+    held = tuple(f"{k}." for k in model) if isinstance(model, Mapping) else None
+    plan = _plan_load(tensors, aliases, headers, held)
     t_headers = clock() - start
     total = sum(c.info.nbytes for copies in plan.values() for c in copies)
     tracker = _Tracker(total, progress, clock)

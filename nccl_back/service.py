@@ -37,6 +37,7 @@ import torch
 from . import integrity
 from .config import Settings
 from .consensus import Group, agree, rank_and_size
+from .election import DownloadLease, wait_for_peer_or_lease
 from .errors import (
     ConsensusError,
     HandshakeTimeoutError,
@@ -66,6 +67,10 @@ from .transport import (
 )
 
 MODES_KEY_SEP = "|"
+
+
+class NobodyHolds(NoPeerError):
+    """No live peer holds the version at all (the first worker of a rollout)."""
 
 
 class PeerBusy(Exception):
@@ -157,7 +162,64 @@ class WeightService:
 
         t = time.perf_counter()
         candidates, truth, reason = self._discover(spec.version, rank, world, man)
+        lease: DownloadLease | None = None
+        if isinstance(reason, NobodyHolds):
+            lease = DownloadLease(self.registry, spec.version, rank, world, self.worker_id,
+                                  self.settings.download_lease)
+            candidates, truth, reason = self._single_flight(lease, spec.version, rank, world, man)
         timings["discovery"] = time.perf_counter() - t
+        try:
+            return self._load(model, spec, group, man, tensors, rank, world, candidates, truth,
+                              reason, start, timings, log)
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _single_flight(
+        self, lease: DownloadLease, version: str, rank: int, world: int, man: Manifest
+    ) -> tuple[list[PeerInfo], dict[str, str] | None, NcclBackError | None]:
+        """Nobody holds the version: wait for the elected downloader, or be it."""
+        s = self.settings
+        waited = time.monotonic()
+
+        def peer_appeared() -> bool:
+            return any(p.peer_id not in self._held
+                       for p in self.registry.find_peers(version, rank, world))
+
+        try:
+            outcome = wait_for_peer_or_lease(lease, peer_appeared, s.single_flight_wait)
+        except RegistryError as e:
+            return [], None, e
+        if outcome == "peer":
+            self._log.info("single_flight_peer_appeared", version=version[:12], rank=rank,
+                           waited=round(time.monotonic() - waited, 3))
+            return self._discover(version, rank, world, man)
+        if outcome == "elected":
+            return [], None, NobodyHolds(
+                f"no live peer holds version {version[:12]} rank {rank}/{world};"
+                " this worker was elected to download it (single flight)"
+            )
+        return [], None, NoPeerError(
+            f"waited {s.single_flight_wait:g} s (single_flight_wait) for the elected downloader"
+            " to publish; downloading too"
+        )
+
+    def _load(
+        self,
+        model: Model,
+        spec: ModelSpec,
+        group: Group,
+        man: Manifest,
+        tensors: dict[str, torch.Tensor],
+        rank: int,
+        world: int,
+        candidates: list[PeerInfo],
+        truth: dict[str, str] | None,
+        reason: NcclBackError | None,
+        start: float,
+        timings: dict[str, float],
+        log: Any,
+    ) -> LoadResult:
         if not agree(reason is None, group) and reason is None:
             reason = ConsensusError("another rank of this worker found no usable peer")
 
@@ -246,7 +308,9 @@ class WeightService:
             peers = [p for p in self.registry.find_peers(version, rank, world)
                      if p.peer_id not in self._held]
             if not peers:
-                return [], None, NoPeerError(f"no live peer holds version {version[:12]} rank {rank}/{world}")
+                return [], None, NobodyHolds(
+                    f"no live peer holds version {version[:12]} rank {rank}/{world}"
+                )
             matching = [p for p in peers if p.manifest_digest == man.digest]
             if not matching:
                 return [], None, ManifestMismatchError(
@@ -395,8 +459,7 @@ class WeightService:
         log: Any,
     ) -> LoadResult:
         code = fallback_reason(reason) if reason is not None else "other"
-        no_peer_at_all = isinstance(reason, NoPeerError) and "no live peer" in str(reason)
-        if self.settings.strict and reason is not None and not no_peer_at_all:
+        if self.settings.strict and reason is not None and not isinstance(reason, NobodyHolds):
             raise reason
         if reason is not None:
             self.metrics.record_fallback(code)

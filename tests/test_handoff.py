@@ -8,6 +8,7 @@ thread in the test process, still over a real socket and a real segment.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -260,6 +261,24 @@ def test_socket_path_conflicts(sock_dir: str) -> None:
         f.write("not a socket")
     with pytest.raises(AttachError, match="exists and is not a socket"):
         HandoffServer(_trained(), VERSION, regular).start()
+
+
+def test_garbage_and_foreign_requests_do_not_stop_the_server(sock_dir: str) -> None:
+    """Non-JSON and wrong-protocol requests get no segment; the server keeps serving."""
+    path = os.path.join(sock_dir, "g.sock")
+    with HandoffServer(_trained(), VERSION, path, io_timeout=1.0):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(5)
+            raw.connect(path)
+            raw.sendall(b"\x80not json\n")
+            assert raw.recv(100) == b""  # closed without an answer
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(5)
+            raw.connect(path)
+            raw.sendall(b'{"protocol": 99, "version": "v1"}\n')
+            reply = json.loads(raw.makefile("rb").readline())
+        assert reply["ok"] is False and reply["reason"] == "protocol" and "segment" not in reply
+        attach(_skeleton(), path, version=VERSION)
 
 
 def test_concurrent_consumers(sock_dir: str) -> None:

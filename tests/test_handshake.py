@@ -59,7 +59,8 @@ def test_both_sides_complete(registry: Registry) -> None:
     assert errors == []
     r_key, s_key = handshake.keys(registry, tid)
     r, s = registry.get_json(r_key), registry.get_json(s_key)
-    assert r["by"] == "sender" and s["by"] == "receiver"
+    assert r is not None and r["by"] == "sender"
+    assert s is not None and s["by"] == "receiver"
     assert 0 < registry.ttl(r_key) <= handshake.HANDSHAKE_KEY_TTL
 
 

@@ -210,3 +210,19 @@ def test_progress_reaches_total(tmp_path: Path, cache_dir: str) -> None:
     done = [c[0] for c in calls]
     assert sorted(done) == done and done[-1] == result.bytes
     assert {c[1] for c in calls} == {result.bytes}
+
+
+def test_pipeline_rank_loads_only_its_submodules(tmp_path: Path) -> None:
+    """A rank holding one sub-module of a pipeline checkpoint loads just that sub-module."""
+    from torch import nn
+
+    full = {"transformer": nn.Linear(4, 4), "vae": nn.Linear(2, 3)}
+    ckpt = write_checkpoint(fill_random(full, 3), tmp_path / "pipe", n_shards=2)
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=str(tmp_path / "cache"))
+    part = {"vae": nn.Linear(2, 3)}
+    result = load_from_storage(part, spec)
+    assert result.bytes == (2 * 3 + 3) * 4
+    assert torch.equal(part["vae"].weight, full["vae"].weight)
+    bad = {"vae": nn.Linear(2, 4)}
+    with pytest.raises(WeightLoadError, match=r"vae.weight: skeleton expects \[4, 2\] float32"):
+        load_from_storage(bad, spec)

@@ -48,7 +48,7 @@ def test_every_key_has_a_ttl_and_a_json_value(redis_url: str, namespace: str) ->
         assert reg.client.pttl(key) > 0, key
         kind = reg.client.type(key)
         if kind == "string":
-            json.loads(reg.client.get(key))
+            json.loads(str(reg.client.get(key)))
         elif kind == "list":
             for item in reg.client.lrange(key, 0, -1):
                 json.loads(item)

@@ -251,3 +251,83 @@ def test_redis_killed_during_handshake(ckpt: str, namespace: str, cache_dir: str
     finally:
         f.close()
         own.stop()
+
+
+@pytest.mark.timeout(120)
+def test_single_flight_one_download(fleet: Fleet) -> None:
+    """Workers starting together with no peer: exactly one downloads, the rest get peers."""
+    for i in range(3):
+        fleet.start(f"w{i}", serve_for=20)
+    reports = [_ok(fleet.report()) for _ in range(3)]
+    sources = sorted(r["source"] for r in reports)
+    assert sources == ["peer", "peer", "storage"], reports
+    downloader = next(r for r in reports if r["source"] == "storage")
+    assert "elected to download it (single flight)" in downloader["fallback_reason"]
+
+
+@pytest.mark.timeout(120)
+def test_single_flight_downloader_dies(fleet: Fleet) -> None:
+    """If the elected downloader dies, another worker takes over within the lease."""
+    fleet.settings["download_lease"] = 1.5
+    doomed = fleet.start("doomed", fault="kill_mid_download")
+    # Let the doomed worker win the election before the others start.
+    deadline = time.monotonic() + 30
+    client = redis.Redis.from_url(fleet.settings["redis_url"])
+    while not list(client.scan_iter(f"{fleet.settings['namespace']}:dl:*")):
+        assert time.monotonic() < deadline, "nobody was elected"
+        time.sleep(0.02)
+    for i in range(2):
+        fleet.start(f"w{i}", serve_for=20)
+    doomed.join(30)
+    assert doomed.exitcode == -signal.SIGKILL
+    reports = [_ok(fleet.report()) for _ in range(2)]
+    assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
+
+
+def _start_group(fleet: Fleet, withdraw_rank: int | None = None) -> list[Any]:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        reader, writer = CTX.Pipe(duplex=False)
+        fleet.readers.append(reader)
+        p = CTX.Process(target=workers.group_worker, daemon=True,
+                        args=(rank, port, fleet.ckpt, fleet.settings, writer, fleet.stop),
+                        kwargs={"withdraw_rank": withdraw_rank})
+        p.start()
+        fleet.procs.append(p)
+        procs.append(p)
+    return procs
+
+
+@pytest.fixture
+def pipeline_fleet(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Any:
+    parts = {name: fill_random(TinyTransformer(**kw), seed=i)
+             for i, (name, kw) in enumerate(workers.PIPELINE.items())}
+    ckpt = str(write_checkpoint(parts, tmp_path / "pipe", n_shards=2))
+    f = Fleet(ckpt, redis_url, namespace, cache_dir)
+    yield f
+    f.close()
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_group_loads_each_stage_from_peers(pipeline_fleet: Fleet) -> None:
+    """A 2-rank worker whose ranks hold different sub-modules receives each from a peer rank."""
+    _start_group(pipeline_fleet)
+    seeds = [pipeline_fleet.report() for _ in range(2)]
+    assert all(r.get("identical") and r["source"] == "storage" for r in seeds), seeds
+    _start_group(pipeline_fleet)
+    got = sorted((pipeline_fleet.report() for _ in range(2)), key=lambda r: r["rank"])
+    assert [(r["rank"], r["source"], r["identical"], r["verified"]) for r in got] == [
+        (0, "peer", True, True), (1, "peer", True, True)], got
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_one_rank_without_peer_all_use_storage(pipeline_fleet: Fleet) -> None:
+    """If one rank finds no peer, every rank of the group loads from storage (consensus)."""
+    _start_group(pipeline_fleet, withdraw_rank=1)
+    seeds = [pipeline_fleet.report() for _ in range(2)]
+    assert all(r.get("identical") for r in seeds), seeds
+    _start_group(pipeline_fleet)
+    got = sorted((pipeline_fleet.report() for _ in range(2)), key=lambda r: r["rank"])
+    assert [(r["source"], r["identical"]) for r in got] == [("storage", True)] * 2, got
+    assert got[0]["fallback_reason"].startswith("consensus:"), got[0]

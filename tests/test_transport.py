@@ -10,9 +10,12 @@ way.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +27,12 @@ import pytest
 import torch
 
 from nccl_back.config import Settings
-from nccl_back.errors import ManifestMismatchError, NcclBackError, TransferError, TransferTimeoutError
+from nccl_back.errors import (
+    ManifestMismatchError,
+    NcclBackError,
+    TransferError,
+    TransferTimeoutError,
+)
 from nccl_back.skeleton import Manifest, TensorEntry
 from nccl_back.transport import (
     Pending,
@@ -38,6 +46,7 @@ from nccl_back.transport import (
 )
 from nccl_back.transport.broadcast import ALIGN, plan_digest
 from nccl_back.transport.gloo import GlooRendezvous
+from nccl_back.transport.nccl import load_nccl
 
 BUCKET = 64 << 10
 CPU = torch.device("cpu")
@@ -305,6 +314,29 @@ def test_tensors_on_the_wrong_device_are_refused() -> None:
     )
     assert isinstance(errors[0], TransferError) and "x is on meta" in str(errors[0])
     assert isinstance(errors[1], TransferError)
+
+
+def test_rendezvous_listens_on_bind_host_and_stops_on_close() -> None:
+    """The store binds to bind_host only, advertises advertise_host, and close() frees the port."""
+    rdv = GlooRendezvous(settings())
+    host, port = rdv.address.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True)
+    if listening.returncode == 0:
+        assert f"127.0.0.1:{port}" in listening.stdout
+    socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+    rdv.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+    with pytest.raises(TransferError, match="rendezvous is closed"):
+        rdv.sender("t")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed")
+def test_nccl_without_cupy_says_how_to_install_it() -> None:
+    """No gpu extra: a clear TransferError naming the extra, before any CUDA call."""
+    with pytest.raises(TransferError, match=re.escape("pip install 'nccl-back[gpu]'")):
+        load_nccl()
 
 
 if __name__ == "__main__":

@@ -153,5 +153,56 @@ def _install_fault(fault: str) -> None:
             return orig_slow(transport, *a, **k)
 
         service.send_tensors = slow  # type: ignore[assignment]
+    elif fault == "kill_mid_download":
+        def die(*a: Any, **k: Any) -> Any:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        service.load_from_storage = die  # type: ignore[assignment]
     else:
         raise ValueError(f"unknown fault {fault!r}")
+
+
+PIPELINE = {"transformer": {"n_layers": 2, "d": 32}, "vae": {"n_layers": 1, "d": 16}}
+
+
+def make_part(rank: int) -> dict[str, Any]:
+    """Rank 0 holds the transformer, rank 1 the VAE (a 2-stage pipeline)."""
+    name = "transformer" if rank == 0 else "vae"
+    kwargs = PIPELINE[name]
+    return {name: build(lambda: TinyTransformer(**kwargs))}
+
+
+def group_worker(
+    rank: int, port: int, ckpt: str, settings_kwargs: dict[str, Any], out: Any, stop: Any,
+    withdraw_rank: int | None = None,
+) -> None:
+    """One rank of a 2-rank worker (its own gloo group); loads its stage, then serves."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=timedelta(seconds=60))
+        settings = settings_for(**settings_kwargs)
+        model = make_part(rank)
+        spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
+        with WeightService(settings, worker_id=f"g{port}-{rank}") as svc:
+            result = svc.load(model, spec, group=dist.group.WORLD)
+            if withdraw_rank == rank:
+                svc.withdraw()
+            tensors, _ = named_tensors(model)
+            files = sorted(p for p in os.listdir(ckpt) if p.endswith(".safetensors"))
+            expected: dict[str, torch.Tensor] = {}
+            for f in files:
+                expected.update(load_file(os.path.join(ckpt, f)))
+            identical = all(torch.equal(expected[n], t) for n, t in tensors.items())
+            out.send({"rank": rank, "source": result.source, "identical": identical,
+                      "verified": result.verified, "fallback_reason": result.fallback_reason})
+            while not stop.is_set():
+                time.sleep(0.05)
+        dist.destroy_process_group()
+    except BaseException as e:
+        out.send({"rank": rank, "error": f"{type(e).__name__}: {e}",
+                  "traceback": traceback.format_exc()})

@@ -136,7 +136,7 @@ def open_rendezvous(
     if kind == "gloo":
         from .gloo import GlooRendezvous
 
-        return GlooRendezvous(settings, device=device)
+        return GlooRendezvous(settings, device=device, port=settings.rendezvous_port)
     if kind == "nccl":
         from .nccl import NcclRendezvous
 

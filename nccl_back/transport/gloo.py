@@ -13,6 +13,7 @@ its own timeout, so the watchdog's worker thread always unwinds by the deadline.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -35,6 +36,22 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one), IPv4 or IPv6."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class GlooRendezvous(Rendezvous):
     """The sender's long-lived ``TCPStore``; receivers reach it at :attr:`address`."""
 
@@ -44,20 +61,23 @@ class GlooRendezvous(Rendezvous):
         self.settings = settings
         self.device = device or torch.device("cpu")
         try:
-            # port 0: the OS picks a free port; wait_for_workers=False: receivers come
-            # and go for the life of the service.
+            # TCPStore itself listens on every interface; binding our own socket and
+            # handing it over is how bind_host is honoured.
+            listener = _listen(settings.bind_host, port)
+            self._port = int(listener.getsockname()[1])
+            # wait_for_workers=False: receivers come and go for the life of the service.
             self._store: dist.TCPStore | None = dist.TCPStore(
-                settings.bind_host,
-                port,
+                settings.advertise_host,
+                self._port,
                 is_master=True,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=settings.transfer_timeout),
+                master_listen_fd=listener.detach(),  # the store owns (and closes) it now
             )
         except (RuntimeError, OSError) as e:
             raise TransferError(
                 f"cannot start the gloo rendezvous on {settings.bind_host}:{port}: {e}"
             ) from e
-        self._port = int(self._store.port)
         log.debug("gloo_rendezvous_started", address=self.address)
 
     @property

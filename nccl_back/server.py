@@ -1,0 +1,364 @@
+"""The ``nccl-back serve`` sidecar: load a model (peer first, storage as fallback), serve
+it to peers and to local consumers until stopped, then drain.
+
+Lifecycle, and what ``/readyz`` answers in each state::
+
+    starting   503  health server bound: liveness answers during the (long) load
+    loading    503  spec, skeleton, WeightService.load (a peer, else storage)
+    ready      200  loaded, verified, published; hand-off socket open; ready line printed
+    draining   503  SIGTERM/SIGINT or POST /drain: withdrawn from Redis (no new
+                    transfers); in-flight sends get up to ``drain_timeout`` to finish
+    closed          service, hand-off and health server closed; on a signal, exit 0
+
+A signal that arrives during the load drains at once and waits for the load at most
+``drain_timeout``. Whatever is still running then (a load, a send) is *abandoned*:
+:attr:`Sidecar.abandoned` tells the process to exit without joining it, which closes
+the sockets, so a receiver's transfer fails fast and it falls back to storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, TextIO
+
+import torch
+
+from .checkpoint import flat_skeleton
+from .config import Settings
+from .errors import ConfigError, NcclBackError, RegistryError
+from .handoff import HandoffServer
+from .health import HealthServer
+from .identity import ModelSpec
+from .log import get_logger
+from .metrics import Metrics
+from .result import LoadResult
+from .service import MODES_KEY_SEP, WeightService
+from .skeleton import Model, build, manifest
+from .storage import parse_uri
+
+_log = get_logger(__name__)
+
+#: How often the main thread re-checks for a stop while waiting on the load.
+_POLL = 0.1
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``nccl-back serve`` was asked to do (beyond :class:`Settings`)."""
+
+    model_uri: str
+    """Checkpoint directory or ``gs://bucket/prefix``."""
+    device: torch.device
+    factory: Callable[[], Model] | None = None
+    """Builds the skeleton (run under :func:`skeleton.build`); None: a flat skeleton
+    from the safetensors headers."""
+    socket_path: str | None = None
+    """Unix socket of the local hand-off server; None: no hand-off."""
+    health_host: str = "127.0.0.1"
+    health_port: int = 0
+    drain_timeout: float | None = None
+    """Bound on waiting for in-flight sends (and a running load) when draining;
+    None: ``settings.transfer_timeout``."""
+    ready_file: str | None = None
+    """Written atomically (JSON) once ready, removed when draining starts."""
+
+
+def resolve_factory(spec: str) -> Callable[[], Any]:
+    """``"module:function"`` -> the callable; :class:`ConfigError` naming what is wrong.
+
+    The current directory is importable, as for ``python -m``, so a factory in the
+    user's own module works from the console script too.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--factory {spec!r}: expected module:function (e.g. mypkg.models:build)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any error while importing user code is a bad --factory
+        raise ConfigError(f"--factory {spec!r}: cannot import module {module_name!r} ({e})") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"--factory {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"--factory {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def require_transformers() -> None:
+    """:class:`ConfigError` unless the optional ``hf`` extra is installed."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("--hf needs transformers: pip install 'nccl-back[hf]'")
+
+
+def hf_factory(config: dict[str, Any]) -> Callable[[], Model]:
+    """A factory for the Hugging Face causal LM that ``config`` (config.json) describes."""
+    require_transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ConfigError("--hf: config.json has no model_type; it is not a transformers checkpoint")
+    try:
+        hf_config = AutoConfig.for_model(model_type, **values)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--hf: transformers cannot read this config.json: {e}") from e
+    # The checkpoint's dtype, or the skeleton would not match what is loaded into it.
+    dtype = getattr(hf_config, "torch_dtype", None)
+    return lambda: AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
+
+
+def check_local_model(uri: str) -> None:
+    """A local ``--model`` must be an existing directory (remote ones are checked on use)."""
+    loc = parse_uri(uri)
+    if loc.is_local and not os.path.isdir(loc.path):
+        raise ConfigError(
+            f"--model {uri!r}: no such directory; give the checkpoint directory"
+            " (or gs://bucket/prefix) holding config.json and *.safetensors"
+        )
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Fail up front, naming ``flag``, if ``host:port`` cannot be bound (0 is always free)."""
+    if port == 0:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"{flag} {port} on {host}: cannot listen ({e.strerror})") from e
+
+
+class Sidecar:
+    """One ``serve`` process: health server, weight service, hand-off server, drain.
+
+    ``clock``/``sleep`` drive the drain wait (injectable for tests); ``out`` receives
+    the one ready line.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        options: ServeOptions,
+        *,
+        metrics: Metrics | None = None,
+        service: WeightService | None = None,
+        out: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.settings = settings
+        self.options = options
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.service = service if service is not None else WeightService(settings, metrics=self.metrics)
+        self.health = HealthServer(
+            self.metrics, options.health_host, options.health_port, on_drain=self._drain
+        )
+        self.handoff: HandoffServer | None = None
+        self.result: LoadResult | None = None
+        self.abandoned = False
+        """True when a load or send outlived the drain bound: exit without joining it."""
+        self._out = out if out is not None else sys.stdout
+        self._clock = clock
+        self._sleep = sleep
+        self._started = False
+        self._draining = threading.Event()
+        self._load_error: BaseException | None = None
+        self._log = _log.bind(worker=self.service.worker_id)
+
+    @property
+    def drain_timeout(self) -> float:
+        t = self.options.drain_timeout
+        return self.settings.transfer_timeout if t is None else t
+
+    @property
+    def health_url(self) -> str:
+        host = self.options.health_host
+        # A wildcard bind is reachable on loopback; print an address a script can use.
+        shown = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        return f"http://{shown}:{self.health.port}"
+
+    def start(self) -> Sidecar:
+        """Bind the health port (:class:`ConfigError` if it is in use)."""
+        self.health.start()
+        self._started = True
+        return self
+
+    def load(self) -> LoadResult:
+        """Build the skeleton, load (peer first), open the hand-off socket, become ready."""
+        opts = self.options
+        spec = ModelSpec.from_dir(opts.model_uri, cache_dir=self.settings.cache_dir)
+        log = self._log.bind(version=spec.version[:12])
+        log.info("skeleton_building", device=str(opts.device), factory=opts.factory is not None)
+        if opts.factory is not None:
+            model = build(opts.factory, opts.device)
+        else:
+            model = flat_skeleton(spec, opts.device)
+        result = self.service.load(model, spec)
+        if opts.socket_path is not None:
+            self.handoff = HandoffServer(
+                model, spec.version, opts.socket_path, hashes=self._ground_truth(spec, model)
+            ).start()
+        self.result = result
+        if self._draining.is_set():
+            # The service published at the end of the load, after the drain withdrew.
+            self.service.withdraw()
+            return result
+        self.health.set_ready(True)
+        self._announce(result)
+        return result
+
+    def drain(self) -> None:
+        """Stop taking transfers and wait (bounded) for in-flight ones; don't exit."""
+        self.health.drain()
+
+    def close(self) -> None:
+        """Release everything; skips waiting on sends when :attr:`abandoned`."""
+        if self.handoff is not None:
+            self.handoff.close()
+        if not self.abandoned:
+            self.service.close()
+        self.health.close()
+
+    def run(self, stop: threading.Event) -> int:
+        """Start, load and serve until ``stop`` is set; drain and close. Returns 0.
+
+        A failed load raises (after closing). The caller exits the process without
+        joining threads when :attr:`abandoned` is set afterwards.
+        """
+        if not self._started:
+            self.start()
+        loader = threading.Thread(target=self._load_thread, name="nccl-back-load", daemon=True)
+        loader.start()
+        while loader.is_alive() and not stop.wait(_POLL):
+            pass
+        if not loader.is_alive() and self._load_error is not None:
+            self.close()
+            _reraise(self._load_error)
+        while not stop.wait(1.0):
+            pass
+        self._log.info("stopping", loaded=self.result is not None)
+        self.drain()
+        if loader.is_alive():
+            loader.join(self.drain_timeout)
+            if loader.is_alive():
+                self._log.warning("load_abandoned", bound=self.drain_timeout)
+                self.abandoned = True
+        if self._load_error is not None:
+            self._log.warning("load_failed_while_stopping", error=str(self._load_error))
+        self.close()
+        self._log.info("stopped", abandoned=self.abandoned)
+        return 0
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _load_thread(self) -> None:
+        try:
+            self.load()
+        except BaseException as e:  # handed to run(), which re-raises it in the main thread
+            self._load_error = e
+
+    def _drain(self) -> None:
+        """``HealthServer``'s ``on_drain``: runs once, from POST /drain or a signal."""
+        self._draining.set()
+        if self.options.ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.options.ready_file)
+        self.service.withdraw()
+        deadline = self._clock() + self.drain_timeout
+        while self.service.active_sends and self._clock() < deadline:
+            self._sleep(_POLL)
+        left = self.service.active_sends
+        if left:
+            self._log.warning("drain_timeout", active_sends=left, bound=self.drain_timeout)
+            self.abandoned = True
+        self._log.info("sends_drained", active_sends=left)
+
+    def _ground_truth(self, spec: ModelSpec, model: Model) -> dict[str, str] | None:
+        """The storage load's sampled hashes, so a local consumer checks against storage.
+
+        None (the hand-off server hashes the model itself) if Redis has none that match.
+        """
+        try:
+            stored = self.service.registry.get_ground_truth(spec.version, 0, 1)
+        except RegistryError as e:
+            self._log.warning("ground_truth_unavailable", error=str(e))
+            return None
+        if stored is None or stored[0] != manifest(model).digest:
+            return None
+        prefix = "sampled" + MODES_KEY_SEP
+        return {k[len(prefix):]: v for k, v in stored[1].items() if k.startswith(prefix)}
+
+    def _announce(self, result: LoadResult) -> None:
+        info: dict[str, Any] = {
+            "version": result.version,
+            "source": result.source,
+            "seconds": round(result.seconds, 3),
+            "health": self.health_url,
+        }
+        if result.peer_id is not None:
+            info["peer"] = result.peer_id
+        if self.options.socket_path is not None:
+            info["socket"] = self.options.socket_path
+        if self.options.ready_file is not None:
+            _write_atomic(self.options.ready_file, json.dumps(info, indent=2) + "\n")
+        self._out.write("ready " + " ".join(f"{k}={v}" for k, v in info.items()) + "\n")
+        self._out.flush()
+        self._log.info("ready", **info, fallback=result.fallback_reason)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ready-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event) -> Any:
+    """Within this block SIGTERM and SIGINT set ``stop`` (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _log.info("signal", signal=signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _reraise(error: BaseException) -> None:
+    """Re-raise a load error; anything outside our hierarchy becomes an NcclBackError,
+    so the command line still reports one line."""
+    if isinstance(error, (NcclBackError, KeyboardInterrupt, SystemExit)):
+        raise error
+    raise NcclBackError(f"load failed: {error!r}") from error

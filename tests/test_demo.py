@@ -1,0 +1,49 @@
+"""Smoke tests of ``python -m nccl_back.demo``: the README's first command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+DEMO = [sys.executable, "-m", "nccl_back.demo"]
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.run([*DEMO, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _sources(stdout: str) -> list[str]:
+    """The ``source`` column of the demo's table."""
+    return [line.split()[1] for line in stdout.splitlines() if line.startswith("worker-")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_demo_first_worker_loads_from_storage_the_others_from_peers(tmp_path: object) -> None:
+    """With a small model and 2 workers, one row says storage and both others say peer."""
+    proc = _run("--model-mb", "4", "--workers", "2", "--timeout", "60", timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _sources(proc.stdout) == ["storage", "peer", "peer"], proc.stdout
+    assert "3/3 workers ready and verified, 2 from peers" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_demo_bad_flag_is_one_line_error() -> None:
+    """A bad --workers value exits 2 with one line naming the flag, no traceback."""
+    proc = _run("--workers", "0", timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--workers" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_demo_missing_model_is_one_line_error(tmp_path: object) -> None:
+    """A --model directory that does not exist exits 1 with one error line, no traceback."""
+    missing = os.path.join(str(tmp_path), "nope")
+    proc = _run("--model", missing, timeout=50)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "not found" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,237 @@
+"""The ``nccl-back serve`` sidecar and ``nccl-back status``, as real subprocesses.
+
+Each sidecar is a real ``python -m nccl_back.cli serve`` process against the real
+Redis of the ``redis_server`` fixture. A load is made observable (not ready yet) with
+:func:`gated_model`, a ``--factory`` that blocks until the test creates a gate file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from models import TinyTransformer, fill_random, write_checkpoint
+from workers import matches_checkpoint
+
+from nccl_back.devservers import free_port
+from nccl_back.handoff import attach
+from nccl_back.identity import ModelSpec
+from nccl_back.skeleton import build
+
+TESTS_DIR = Path(__file__).parent
+GATE_ENV = "NCCL_BACK_TEST_GATE"
+READY_WAIT = 60.0
+
+
+def gated_model() -> TinyTransformer:
+    """``--factory test_server:gated_model``: a TinyTransformer once ``$GATE_ENV`` exists."""
+    gate = os.environ[GATE_ENV]
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return TinyTransformer()
+
+
+class Serve:
+    """One ``nccl-back serve`` subprocess; its stdout lines are collected by a thread."""
+
+    def __init__(self, args: list[str], env: dict[str, str], health_port: int) -> None:
+        self.health_port = health_port
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nccl_back.cli", "serve", *args,
+             "--health-port", str(health_port)],
+            cwd=TESTS_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_ready(self, timeout: float = READY_WAIT) -> dict[str, str]:
+        """The ``key=value`` fields of the ready line."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            raise AssertionError(f"no ready line; stderr:\n{self.stderr()}") from None
+        assert line.startswith("ready "), line
+        return dict(field.split("=", 1) for field in line.split()[1:])
+
+    def get(self, path: str) -> tuple[int, str]:
+        url = f"http://127.0.0.1:{self.health_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, path: str) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.health_port}{path}", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return int(resp.status)
+
+    def wait_health(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if self.get("/healthz")[0] == 200:
+                    return
+            assert self.proc.poll() is None, self.stderr()
+            time.sleep(0.05)
+        raise AssertionError("health server never answered")
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None or self.proc.stderr is None:
+            return "(running)"
+        return self.proc.stderr.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return write_checkpoint(fill_random(TinyTransformer(), 3), tmp_path / "ckpt", n_shards=2)
+
+
+@pytest.fixture
+def env(redis_url: str, namespace: str, cache_dir: str, tmp_path: Path) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_BACK_")}
+    return {
+        **clean,
+        "NCCL_BACK_REDIS_URL": redis_url,
+        "NCCL_BACK_NAMESPACE": namespace,
+        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1",
+        "NCCL_BACK_BIND_HOST": "127.0.0.1",
+        "NCCL_BACK_CACHE_DIR": cache_dir,
+        "NCCL_BACK_PEER_TTL": "3",
+        "NCCL_BACK_TRANSFER_TIMEOUT": "20",
+        GATE_ENV: str(tmp_path / "gate"),
+    }
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    """Every started sidecar is killed at the end, whatever happened."""
+    started: list[Serve] = []
+    yield started
+    for s in started:
+        s.kill()
+
+
+def status(env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "nccl_back.cli", "status", "--json"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    return dict(json.loads(out))
+
+
+def peers_of(report: dict[str, Any], version: str) -> dict[str, dict[str, Any]]:
+    entry = report["versions"].get(version, {"peers": []})
+    return {p["peer_id"]: p for p in entry["peers"]}
+
+
+@pytest.mark.timeout(150)
+def test_serve_ready_peer_load_status_and_sigterm(
+    ckpt: Path, env: dict[str, str], serves: list[Serve], tmp_path: Path
+) -> None:
+    """Not ready during the load; a second sidecar loads from the first; SIGTERM withdraws it."""
+    version = ModelSpec.from_dir(str(ckpt), cache_dir=env["NCCL_BACK_CACHE_DIR"]).version
+    ready_file = tmp_path / "ready1.json"
+    first = Serve(["--model", str(ckpt), "--factory", "test_server:gated_model",
+                   "--ready-file", str(ready_file)], env, free_port())
+    serves.append(first)
+    first.wait_health()
+    assert first.get("/readyz") == (503, "not_ready\n")
+    assert not ready_file.exists()
+
+    Path(env[GATE_ENV]).touch()
+    ready1 = first.wait_ready()
+    assert ready1["version"] == version and ready1["source"] == "storage"
+    assert first.get("/readyz") == (200, "ready\n")
+    assert json.loads(ready_file.read_text())["version"] == version
+
+    with tempfile.TemporaryDirectory(prefix="nb-") as sock_dir:
+        sock = os.path.join(sock_dir, "handoff.sock")
+        second = Serve(["--model", str(ckpt), "--socket", sock], env, free_port())
+        serves.append(second)
+        ready2 = second.wait_ready()
+        assert ready2["source"] == "peer"
+
+        report = status(env)
+        listed = peers_of(report, version)
+        assert ready2["peer"] in listed
+        assert sorted(p["source"] for p in listed.values()) == ["peer", "storage"]
+        assert all(p["ground_truth"] and not p["busy"] for p in listed.values())
+
+        # The second sidecar hands its (peer-loaded) weights to a local consumer.
+        consumer = build(TinyTransformer)
+        assert attach(consumer, sock, version=version).source == "local"
+        assert matches_checkpoint(consumer, str(ckpt))
+
+        assert first.stop(signal.SIGTERM) == 0
+        assert list(peers_of(status(env), version)) == [
+            p for p, info in listed.items() if info["source"] == "peer"
+        ]
+        assert second.get("/readyz") == (200, "ready\n")
+        assert second.stop(signal.SIGINT) == 0
+        assert not os.path.exists(sock)
+    assert peers_of(status(env), version) == {}
+
+
+@pytest.mark.timeout(90)
+def test_post_drain_withdraws_without_exiting(
+    ckpt: Path, env: dict[str, str], serves: list[Serve], tmp_path: Path
+) -> None:
+    """POST /drain: /readyz 503, gone from Redis, ready file removed; the process stays up."""
+    ready_file = tmp_path / "ready.json"
+    sidecar = Serve(["--model", str(ckpt), "--ready-file", str(ready_file)], env, free_port())
+    serves.append(sidecar)
+    version = sidecar.wait_ready()["version"]
+    assert len(peers_of(status(env), version)) == 1
+
+    assert sidecar.post("/drain") == 200
+    assert sidecar.get("/readyz") == (503, "draining\n")
+    assert peers_of(status(env), version) == {}
+    assert not ready_file.exists()
+    assert sidecar.proc.poll() is None
+    assert sidecar.stop() == 0
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_during_load_exits_zero_within_drain_bound(
+    ckpt: Path, env: dict[str, str], serves: list[Serve]
+) -> None:
+    """A SIGTERM while the load is stuck exits 0 once --drain-timeout has passed."""
+    sidecar = Serve(["--model", str(ckpt), "--factory", "test_server:gated_model",
+                     "--drain-timeout", "1"], env, free_port())
+    serves.append(sidecar)
+    sidecar.wait_health()
+    assert sidecar.get("/readyz")[0] == 503
+    assert sidecar.stop(signal.SIGTERM, timeout=20) == 0
+    assert "load_abandoned" in sidecar.stderr()

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import TinyTransformer, fill_random, write_checkpoint
 
 from nccl_back.devservers import free_port
+
+from models import TinyTransformer, fill_random, write_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

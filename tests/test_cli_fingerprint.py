@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import structlog
-from models import TinyTransformer, fill_random, write_checkpoint
 
 from nccl_back.cli import main
 from nccl_back.identity import ModelSpec
 from nccl_back.skeleton import manifest
+
+from models import TinyTransformer, fill_random, write_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,11 +12,12 @@ from typing import IO, Any
 import google_crc32c
 import pytest
 import torch
-from models import TinyTransformer, fill_random, write_checkpoint
 
 from nccl_back.checkpoint import INDEX_NAME
 from nccl_back.errors import ConfigError, ShardNotFoundError
 from nccl_back.identity import CACHE_NAME, ModelSpec, Shard, file_crc32c
+
+from models import TinyTransformer, fill_random, write_checkpoint
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from models import TinyTransformer, fill_random, write_checkpoint
 from safetensors.torch import save_file
 from torch import nn
 
@@ -17,6 +16,8 @@ from nccl_back.errors import CheckpointFormatError, ShardNotFoundError, WeightLo
 from nccl_back.identity import ModelSpec
 from nccl_back.loader import load_from_storage
 from nccl_back.skeleton import build, manifest, named_tensors
+
+from models import TinyTransformer, fill_random, write_checkpoint
 
 pytestmark = pytest.mark.timeout(30)
 

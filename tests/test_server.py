@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from models import TinyTransformer, fill_random, write_checkpoint
-from workers import matches_checkpoint
 
 from nccl_back.devservers import free_port
 from nccl_back.handoff import attach
 from nccl_back.identity import ModelSpec
 from nccl_back.skeleton import build
+
+from models import TinyTransformer, fill_random, write_checkpoint
+from workers import matches_checkpoint
 
 TESTS_DIR = Path(__file__).parent
 GATE_ENV = "NCCL_BACK_TEST_GATE"

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import redis
 
+from nccl_back.devservers import LocalRedis, free_port
+
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint
-from nccl_back.devservers import LocalRedis, free_port
 
 CTX = mp.get_context("spawn")
 MODEL = {"n_layers": 4, "d": 64}

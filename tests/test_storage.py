@@ -23,7 +23,6 @@ import pytest
 import torch
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
-from models import TinyTransformer, fill_random, write_checkpoint
 from tenacity import wait_none
 
 from nccl_back.config import Settings
@@ -38,6 +37,8 @@ from nccl_back.identity import ModelSpec
 from nccl_back.loader import load_from_storage
 from nccl_back.skeleton import build, named_tensors
 from nccl_back.storage import Shard, Storage, crc32c_from_gcs, parse_uri
+
+from models import TinyTransformer, fill_random, write_checkpoint
 
 _HOP_BY_HOP = {"connection", "transfer-encoding", "keep-alive", "content-length"}
 

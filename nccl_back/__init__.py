@@ -5,6 +5,18 @@ from .errors import NcclBackError
 from .handoff import HandoffServer, attach
 from .identity import ModelSpec, Shard
 from .loader import load_from_storage
+from .result import LoadResult
+from .service import WeightService
 
-__all__ = ["HandoffServer", "ModelSpec", "NcclBackError", "Settings", "Shard", "attach", "load_from_storage"]
+__all__ = [
+    "HandoffServer",
+    "LoadResult",
+    "ModelSpec",
+    "NcclBackError",
+    "Settings",
+    "Shard",
+    "WeightService",
+    "attach",
+    "load_from_storage",
+]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -81,9 +81,15 @@ def main() -> None:
     proc.start()
     pack = ready.get(timeout=600)
     results: dict[str, list[float]] = {"alloc": [], "copy": [], "zero_copy": [], "safetensors": []}
+    phases: dict[str, list[float]] = {}
     try:
         for _ in range(args.repeat):
-            for how in ("copy", "zero_copy", "safetensors"):
+            hows: tuple[Literal["copy", "zero_copy", "safetensors"], ...] = (
+                "copy",
+                "zero_copy",
+                "safetensors",
+            )
+            for how in hows:
                 alloc_start = time.perf_counter()
                 skeleton = build(lambda: Stack(layers))
                 assert isinstance(skeleton, Stack)
@@ -100,13 +106,11 @@ def main() -> None:
 
                     results[how].append(_timed(fill))
                 else:
-                    results[how].append(
-                        _timed(
-                            lambda m=skeleton, h=how: attach(
-                                m, socket_path, h, 60.0, version=VERSION
-                            )
-                        )
-                    )
+                    start = time.perf_counter()
+                    result = attach(skeleton, socket_path, how, 60.0, version=VERSION)
+                    results[how].append(time.perf_counter() - start)
+                    for phase, seconds in result.timings.items():
+                        phases.setdefault(f"{how}.{phase}", []).append(seconds)
                 del skeleton
     finally:
         stop.set()
@@ -121,6 +125,10 @@ def main() -> None:
         print(
             f"{how:22s} {median[how] * 1e3:8.1f} ms  ({gb / median[how]:.1f} GB/s)  runs {[round(x * 1e3) for x in results[how]]}"
         )
+    print(
+        "attach phases (median ms): "
+        + ", ".join(f"{k} {statistics.median(v) * 1e3:.0f}" for k, v in phases.items())
+    )
     best = {k: min(v) for k, v in results.items()}
     print(
         f"safetensors / attach(copy): median {median['safetensors'] / median['copy']:.1f}x,"

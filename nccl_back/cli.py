@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -194,9 +193,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
     )
     sidecar = server.Sidecar(settings, options).start()
-    stop = threading.Event()
-    with server.stop_on_signals(stop):
-        code = sidecar.run(stop)
+    with server.stop_on_signals(sidecar):
+        code = sidecar.run()
     if sidecar.abandoned:
         # A load or send outlived the drain bound; joining it could take as long again.
         # Exiting closes its sockets, so the receiver fails fast and falls back.

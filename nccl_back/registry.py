@@ -32,7 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from .config import Settings
-from .errors import RegistryError
+from .errors import ConfigError, RegistryError
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -43,6 +43,8 @@ T = TypeVar("T")
 #: the loader's first publish; once nobody relying on it is alive it may expire, and the
 #: next storage loader writes it again.
 GROUND_TRUTH_TTL_FACTOR = 6
+
+_KEY_UNSAFE = " :*?[]"
 
 # Delete a claim only if it still holds our token: a claim that expired and was taken
 # by another receiver must survive our late release.
@@ -139,6 +141,8 @@ class Registry:
                 )
             except ValueError as e:
                 raise RegistryError(f"cannot use redis_url: {e}") from e
+        elif not client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ConfigError("Registry needs a redis client made with decode_responses=True")
         self.client: redis.Redis = client
         self._release = self.client.register_script(_RELEASE_LUA)
 
@@ -198,6 +202,11 @@ class Registry:
 
     def publish_peer(self, info: PeerInfo) -> None:
         """Announce that ``info.peer_id`` holds ``info.version`` (visible for ``peer_ttl``)."""
+        for field_name in ("peer_id", "version"):
+            value = getattr(info, field_name)
+            # Both are parts of key names that are split and globbed later.
+            if not value or any(c in value for c in _KEY_UNSAFE):
+                raise ConfigError(f"{field_name}={value!r}: must be non-empty, without ':', spaces or globs")
         ttl = _ms(self.settings.peer_ttl)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self._peer_key(info.version, info.rank, info.world_size, info.peer_id),

@@ -29,10 +29,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 
@@ -175,6 +175,8 @@ class Sidecar:
         self.result: LoadResult | None = None
         self.abandoned = False
         """True when a load or send outlived the drain bound: exit without joining it."""
+        self.stop_signal: str | None = None
+        """Name of the signal that stopped :meth:`run` (set by :func:`stop_on_signals`)."""
         self._out = out if out is not None else sys.stdout
         self._clock = clock
         self._sleep = sleep
@@ -221,6 +223,13 @@ class Sidecar:
             # The service published at the end of the load, after the drain withdrew.
             self.service.withdraw()
             return result
+        if not self.service.peers:
+            # Ready means published. The service skips publication when Redis failed or
+            # the stored ground truth disagrees with storage (it logged why); serving
+            # locally goes on, but this sidecar must not count as a weight source.
+            log.error("not_published", source=result.source,
+                      hint="see the service's publish_failed / ground_truth_* events")
+            return result
         self.health.set_ready(True)
         self._announce(result)
         return result
@@ -237,24 +246,26 @@ class Sidecar:
             self.service.close()
         self.health.close()
 
-    def run(self, stop: threading.Event) -> int:
-        """Start, load and serve until ``stop`` is set; drain and close. Returns 0.
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Start, load and serve until stopped (``stop`` set, or a signal under
+        :func:`stop_on_signals`); drain and close. Returns 0.
 
         A failed load raises (after closing). The caller exits the process without
         joining threads when :attr:`abandoned` is set afterwards.
         """
+        stop = stop if stop is not None else threading.Event()
         if not self._started:
             self.start()
         loader = threading.Thread(target=self._load_thread, name="nccl-back-load", daemon=True)
         loader.start()
-        while loader.is_alive() and not stop.wait(_POLL):
-            pass
+        while loader.is_alive() and not self._stop_requested(stop):
+            stop.wait(_POLL)
         if not loader.is_alive() and self._load_error is not None:
             self.close()
             _reraise(self._load_error)
-        while not stop.wait(1.0):
-            pass
-        self._log.info("stopping", loaded=self.result is not None)
+        while not self._stop_requested(stop):
+            stop.wait(_POLL)
+        self._log.info("stopping", signal=self.stop_signal, loaded=self.result is not None)
         self.drain()
         if loader.is_alive():
             loader.join(self.drain_timeout)
@@ -266,6 +277,9 @@ class Sidecar:
         self.close()
         self._log.info("stopped", abandoned=self.abandoned)
         return 0
+
+    def _stop_requested(self, stop: threading.Event) -> bool:
+        return stop.is_set() or self.stop_signal is not None
 
     # -- internals ----------------------------------------------------------------------
 
@@ -338,15 +352,18 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: threading.Event) -> Any:
-    """Within this block SIGTERM and SIGINT set ``stop`` (main thread only)."""
+def stop_on_signals(sidecar: Sidecar) -> Iterator[None]:
+    """Within this block SIGTERM and SIGINT stop ``sidecar.run`` (main thread only).
+
+    The handler only assigns an attribute: it interrupts the main thread anywhere, and
+    taking a lock there (``Event.set``, a logger's) could deadlock against that thread.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        _log.info("signal", signal=signal.Signals(signum).name)
-        stop.set()
+        sidecar.stop_signal = signal.Signals(signum).name
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -356,7 +373,7 @@ def stop_on_signals(stop: threading.Event) -> Any:
             signal.signal(s, h)
 
 
-def _reraise(error: BaseException) -> None:
+def _reraise(error: BaseException) -> NoReturn:
     """Re-raise a load error; anything outside our hierarchy becomes an NcclBackError,
     so the command line still reports one line."""
     if isinstance(error, (NcclBackError, KeyboardInterrupt, SystemExit)):

@@ -205,3 +205,12 @@ def test_bad_arguments_raise_config_error() -> None:
         layer_hashes(_lm(), "crc")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="samples=0"):
         layer_hashes(_lm(), samples=0)
+
+
+@pytest.mark.gpu
+def test_cpu_and_cuda_hashes_agree() -> None:
+    """The same weights hash alike on CPU and on a GPU, in both modes."""
+    model = _lm()
+    on_cpu = layer_hashes(model), layer_hashes(model, "full")
+    model.cuda()
+    assert (layer_hashes(model), layer_hashes(model, "full")) == on_cpu

@@ -10,7 +10,7 @@ import redis
 
 from nccl_back.config import Settings
 from nccl_back.devservers import LocalRedis, free_port
-from nccl_back.errors import RegistryError
+from nccl_back.errors import ConfigError, RegistryError
 from nccl_back.registry import PeerInfo, Registry
 
 
@@ -185,6 +185,15 @@ def test_password_url_is_used_and_redacted_in_errors(namespace: str) -> None:
             bad.ping()
         assert "wrong" not in str(info.value)
         assert isinstance(info.value.__cause__, redis.AuthenticationError)
+
+
+def test_unsafe_ids_and_clients_are_refused(redis_url: str, namespace: str) -> None:
+    """A peer id that would break key parsing, or a client returning bytes, is a ConfigError."""
+    reg = make_registry(redis_url, namespace)
+    with pytest.raises(ConfigError, match="peer_id='a:b'"):
+        reg.publish_peer(peer("a:b"))
+    with pytest.raises(ConfigError, match="decode_responses=True"):
+        Registry(Settings(redis_url=redis_url, namespace=namespace), redis.Redis.from_url(redis_url))
 
 
 def test_rediss_url_selects_tls(namespace: str) -> None:

@@ -1,13 +1,15 @@
 """The ``nccl-back serve`` sidecar and ``nccl-back status``, as real subprocesses.
 
 Each sidecar is a real ``python -m nccl_back.cli serve`` process against the real
-Redis of the ``redis_server`` fixture. A load is made observable (not ready yet) with
+Redis of the ``redis_server`` fixture (the drain-bound test runs a :class:`Sidecar` in
+this process, to drive its clock). A load is made observable (not ready yet) with
 :func:`gated_model`, a ``--factory`` that blocks until the test creates a gate file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import queue
@@ -19,15 +21,21 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from nccl_back.config import Settings
 from nccl_back.devservers import free_port
 from nccl_back.handoff import attach
+from nccl_back.handshake import run_receiver
 from nccl_back.identity import ModelSpec
+from nccl_back.registry import Registry
+from nccl_back.server import ServeOptions, Sidecar
 from nccl_back.skeleton import build
 
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -144,12 +152,15 @@ def serves() -> Iterator[list[Serve]]:
         s.kill()
 
 
-def status(env: dict[str, str]) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-m", "nccl_back.cli", "status", "--json"],
+def status_text(env: dict[str, str], *args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "nccl_back.cli", "status", *args],
         env=env, capture_output=True, text=True, timeout=60, check=True,
     ).stdout
-    return dict(json.loads(out))
+
+
+def status(env: dict[str, str]) -> dict[str, Any]:
+    return dict(json.loads(status_text(env, "--json")))
 
 
 def peers_of(report: dict[str, Any], version: str) -> dict[str, dict[str, Any]]:
@@ -189,6 +200,10 @@ def test_serve_ready_peer_load_status_and_sigterm(
         assert ready2["peer"] in listed
         assert sorted(p["source"] for p in listed.values()) == ["peer", "storage"]
         assert all(p["ground_truth"] and not p["busy"] for p in listed.values())
+        table = status_text(env).splitlines()
+        assert table[0].split() == ["VERSION", "RANK", "PEER", "AGE", "SENDS", "SOURCE", "TRUTH",
+                                    "ADDRESS"]
+        assert sorted(line.split()[2] for line in table[1:]) == sorted(listed)
 
         # The second sidecar hands its (peer-loaded) weights to a local consumer.
         consumer = build(TinyTransformer)
@@ -211,7 +226,8 @@ def test_post_drain_withdraws_without_exiting(
 ) -> None:
     """POST /drain: /readyz 503, gone from Redis, ready file removed; the process stays up."""
     ready_file = tmp_path / "ready.json"
-    sidecar = Serve(["--model", str(ckpt), "--ready-file", str(ready_file)], env, free_port())
+    sidecar = Serve(["--model", str(ckpt), "--ready-file", str(ready_file), "--log-json"], env,
+                    free_port())
     serves.append(sidecar)
     version = sidecar.wait_ready()["version"]
     assert len(peers_of(status(env), version)) == 1
@@ -222,6 +238,8 @@ def test_post_drain_withdraws_without_exiting(
     assert not ready_file.exists()
     assert sidecar.proc.poll() is None
     assert sidecar.stop() == 0
+    events = [json.loads(line)["event"] for line in sidecar.stderr().splitlines()]
+    assert events.index("ready") < events.index("drained") < events.index("stopped")
 
 
 @pytest.mark.timeout(90)
@@ -236,3 +254,42 @@ def test_sigterm_during_load_exits_zero_within_drain_bound(
     assert sidecar.get("/readyz")[0] == 503
     assert sidecar.stop(signal.SIGTERM, timeout=20) == 0
     assert "load_abandoned" in sidecar.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_drain_gives_up_on_a_stalled_send_at_the_bound(
+    ckpt: Path, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """A send whose receiver stalls after the handshake: drain stops waiting at the bound."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
+                        bind_host="127.0.0.1", cache_dir=cache_dir, peer_ttl=3.0,
+                        transfer_timeout=3.0)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:  # a fake clock: the bound passes without real waiting
+        now[0] += seconds
+        time.sleep(0.001)
+
+    sidecar = Sidecar(settings, ServeOptions(str(ckpt), torch.device("cpu"), drain_timeout=30.0),
+                      out=io.StringIO(), clock=lambda: now[0], sleep=sleep).start()
+    registry = Registry(settings)
+    try:
+        version = sidecar.load().version
+        (peer,) = registry.find_peers(version, 0, 1)
+        assert registry.claim(peer.peer_id, "stalled", peer.max_sends, 30) is not None
+        request = {"transfer_id": uuid.uuid4().hex, "receiver": "stalled", "version": version,
+                   "manifest_digest": peer.manifest_digest, "transport": peer.transport}
+        run_receiver(registry, request["transfer_id"], peer.manifest_digest, 5.0,
+                     after_ready=lambda: registry.push_request(peer.peer_id, request))
+        # The handshake is done and the receiver never connects: the send is in flight.
+        assert sidecar.service.active_sends == 1
+
+        sidecar.drain()
+        assert sidecar.abandoned
+        assert now[0] >= 30.0
+        assert sidecar.health.state == "draining"
+        assert registry.find_peers(version, 0, 1) == []
+    finally:
+        sidecar.close()
+        sidecar.service.close()  # returns once the stalled send hits its own watchdog
+        registry.close()

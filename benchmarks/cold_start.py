@@ -1,0 +1,420 @@
+"""Benchmark: fleet cold start vs cluster size, behind a shared storage bandwidth limit.
+
+For N in ``--sizes`` (default 1 2 4 8), N worker processes start at the same moment and
+each loads the same checkpoint with ``WeightService.load``. Storage is the GCS emulator
+(``LocalGCS``) behind ``throttle.py``: one token bucket for the response bytes of *all*
+workers (``--storage-gbps``, in GB/s = 10^9 B/s), standing in for a bucket's per-fleet
+egress. Peer transfers use gloo on loopback. Three scenarios:
+
+* ``storage``: storage only (each worker in its own Redis namespace never finds a peer);
+* ``warm``: one warm peer, loaded and serving before the N workers start;
+* ``single_flight``: no peer; one worker is elected to download, the others receive
+  from peers as they appear (a worker that received serves too: the fleet fans out).
+
+Workers are spawned first and released together by one Event once imports and set-up
+are done, so Python start-up is not counted as cold start. Each worker records the
+time from the release to "weights verified and ready" and its parts: skeleton
+(``flat_skeleton``: header reads and allocation), discovery (incl. the single-flight
+wait), handshake, transfer or download, verification (peer) or ground-truth hashing
+(storage), and the rest (busy waits for a send slot, claims, consensus, publication).
+
+Writes ``--out``/cold_start.{json,csv} and the plot ``--png`` (median vs N), prints a
+table and the goals (PASS/MISS with the measured ratios).
+
+Run: ``.venv/bin/python benchmarks/cold_start.py`` (defaults: 256 MiB, 0.1 GB/s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import throttle  # benchmarks/throttle.py, next to this file
+
+from nccl_back.config import Settings
+from nccl_back.demo import write_example_model
+from nccl_back.devservers import LocalGCS, LocalRedis
+from nccl_back.identity import ModelSpec
+
+SCENARIOS = ("storage", "warm", "single_flight")
+BUCKET = "cold-start-bench"
+PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
+
+
+# -- a worker (child process) -----------------------------------------------------------
+
+
+def worker_main(
+    name: str, settings_json: str, spec_json: str, storage_host: str, conn: Connection,
+    go: Any, go_wall: Any, stop: Any, log_level: str,
+) -> None:
+    """Set up, report ready, wait for ``go``, then skeleton + load; report; serve until ``stop``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent cleans up on Ctrl-C
+    os.environ["STORAGE_EMULATOR_HOST"] = storage_host
+    from nccl_back.log import configure
+
+    # Every fallback reason is in the results; warnings would only interleave the table.
+    configure(log_level)
+    try:
+        # Imports and client set-up happen before the release: not part of cold start.
+        import google.cloud.storage  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+        from nccl_back.checkpoint import flat_skeleton
+        from nccl_back.service import WeightService
+
+        settings = Settings(**json.loads(settings_json))
+        spec = ModelSpec.from_json(spec_json)
+        with WeightService(settings, worker_id=name) as svc:
+            svc.registry.ping()
+            conn.send_bytes(b'{"ready": true}')
+            if not go.wait(600):
+                raise TimeoutError("never released")
+            t0 = time.perf_counter()
+            model = flat_skeleton(spec, "cpu")
+            skeleton = time.perf_counter() - t0
+            result = svc.load(model, spec)
+            ready_wall = time.time()
+            conn.send_bytes(json.dumps({
+                "worker": name, "source": result.source, "peer_id": result.peer_id,
+                "ready_s": ready_wall - go_wall.value, "local_s": time.perf_counter() - t0,
+                "skeleton_s": skeleton, "load_s": result.seconds, "bytes": result.bytes,
+                "verified": result.verified, "fallback_reason": result.fallback_reason,
+                "timings": result.timings,
+            }).encode())
+            while not stop.wait(0.2):
+                pass
+    except Exception as e:  # report, never leave the parent waiting
+        with contextlib.suppress(OSError):
+            conn.send_bytes(json.dumps({"worker": name, "error": f"{type(e).__name__}: {e}",
+                                        "traceback": traceback.format_exc()}).encode())
+
+
+def parts(row: dict[str, Any]) -> dict[str, float]:
+    """A worker's ready time split into :data:`PARTS` (seconds)."""
+    t = row["timings"]
+    p = {
+        "skeleton": row["skeleton_s"],
+        "discovery": t.get("discovery", 0.0),
+        "handshake": t.get("handshake", 0.0) if row["source"] == "peer" else 0.0,
+        "transfer": t.get("transfer", 0.0) if row["source"] == "peer" else 0.0,
+        "download": t.get("storage", 0.0),
+        "verify": t.get("verify", 0.0) + t.get("hash", 0.0),
+    }
+    p["other"] = max(0.0, row["load_s"] - sum(v for k, v in p.items() if k != "skeleton"))
+    return p
+
+
+# -- the rounds (parent) ----------------------------------------------------------------
+
+
+class Bench:
+    """Servers, the checkpoint and the spawn context; :meth:`close` removes everything."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ctx = mp.get_context("spawn")
+        self.tmp = tempfile.mkdtemp(prefix="nccl-back-cold-start-")
+        self.redis = LocalRedis().start()
+        self.gcs = LocalGCS().start()
+        self.proxy: Any = None
+        self.procs: list[Any] = []
+
+    def prepare(self) -> ModelSpec:
+        """Write the model, upload it, start the throttle; returns the checkpoint's spec."""
+        local = write_example_model(Path(self.tmp) / "model", self.args.model_mb,
+                                    shards=self.args.shards)
+        bucket = self.gcs.client().create_bucket(BUCKET)  # sets STORAGE_EMULATOR_HOST
+        for f in sorted(local.iterdir()):
+            bucket.blob(f"model/{f.name}").upload_from_filename(str(f))
+        shutil.rmtree(local)
+        spec = ModelSpec.from_dir(f"gs://{BUCKET}/model")
+        self.proxy = throttle.serve(self.gcs.host, self.args.storage_gbps)
+        return spec
+
+    @property
+    def proxy_host(self) -> str:
+        return f"http://127.0.0.1:{self.proxy.server_address[1]}"
+
+    def settings(self, namespace: str) -> str:
+        s = Settings(redis_url=self.redis.url, namespace=namespace, transport="gloo",
+                     advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                     cache_dir=os.path.join(self.tmp, "cache"))
+        return json.dumps({k: getattr(s, k) for k in s.__dataclass_fields__})
+
+    def spawn(self, name: str, settings: str, spec: ModelSpec, storage_host: str,
+              go: Any, go_wall: Any, stop: Any) -> Connection:
+        recv, send = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=worker_main, daemon=True, name=name,
+                                args=(name, settings, json.dumps(spec.to_json()), storage_host,
+                                      send, go, go_wall, stop, self.args.log_level))
+        proc.start()
+        send.close()
+        self.procs.append(proc)
+        return recv
+
+    def round(self, scenario: str, n: int, spec: ModelSpec) -> list[dict[str, Any]]:
+        """One round: spawn, release N workers together, collect their reports, stop all."""
+        ns = f"cs-{scenario}-{n}-{uuid.uuid4().hex[:6]}"
+        go, stop = self.ctx.Event(), self.ctx.Event()
+        go_wall = self.ctx.Value("d", 0.0)
+        deadline = time.monotonic() + self.args.timeout
+        try:
+            if scenario == "warm":
+                # The warm peer loads unthrottled: only the N workers' cold start counts.
+                warm_go, warm_wall = self.ctx.Event(), self.ctx.Value("d", time.time())
+                warm_go.set()
+                conn = self.spawn("warm", self.settings(ns), spec, self.gcs.host, warm_go,
+                                  warm_wall, stop)
+                for msg in _collect([conn], 2, deadline):
+                    if "error" in msg:
+                        raise RuntimeError(f"warm peer failed: {msg['error']}\n{msg.get('traceback', '')}")
+            conns = [
+                self.spawn(f"{scenario}-{n}-w{i}",
+                           self.settings(f"{ns}-{i}" if scenario == "storage" else ns),
+                           spec, self.proxy_host, go, go_wall, stop)
+                for i in range(n)
+            ]
+            for msg in _collect(conns, 1, deadline):
+                if "error" in msg:
+                    raise RuntimeError(f"{msg['worker']} failed: {msg['error']}")
+            go_wall.value = time.time()
+            go.set()
+            rows = _collect(conns, 1, deadline)
+        finally:
+            stop.set()
+            self._reap()
+        for r in rows:
+            if "error" in r:
+                raise RuntimeError(f"{r['worker']} failed: {r['error']}\n{r.get('traceback', '')}")
+            r.update(scenario=scenario, n=n, **{f"{k}_s": v for k, v in parts(r).items()})
+        return rows
+
+    def _reap(self) -> None:
+        for p in self.procs:
+            p.join(15)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.procs.clear()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        self._reap()
+        if self.proxy is not None:
+            self.proxy.shutdown()
+        self.gcs.stop()
+        self.redis.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _collect(conns: Sequence[Connection], per_conn: int, deadline: float) -> list[dict[str, Any]]:
+    """``per_conn`` messages from each connection (a worker's error ends its stream)."""
+    want = dict.fromkeys(conns, per_conn)
+    out: list[dict[str, Any]] = []
+    while any(want.values()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{sum(want.values())} report(s) missing at the round's deadline")
+        for c in wait([c for c, k in want.items() if k], left):
+            try:
+                msg = json.loads(c.recv_bytes())  # type: ignore[union-attr]
+            except EOFError:
+                msg = {"worker": "?", "error": "worker exited before reporting"}
+            want[c] = 0 if "error" in msg else want[c] - 1  # type: ignore[index]
+            out.append(msg)
+    return out
+
+
+# -- summary, goals, outputs ------------------------------------------------------------
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for scenario in SCENARIOS:
+        for n in sorted({r["n"] for r in rows if r["scenario"] == scenario}):
+            rs = [r for r in rows if r["scenario"] == scenario and r["n"] == n]
+            ready = [r["ready_s"] for r in rs]
+            sources = {s: sum(r["source"] == s for r in rs) for s in ("storage", "peer")}
+            out.append({
+                "scenario": scenario, "n": n, "workers": len(rs),
+                "median_s": statistics.median(ready), "min_s": min(ready), "max_s": max(ready),
+                **{f"median_{p}_s": statistics.median(r[f"{p}_s"] for r in rs) for p in PARTS},
+                "from_storage": sources["storage"], "from_peer": sources["peer"],
+            })
+    return out
+
+
+def goals(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    med = {(s["scenario"], s["n"]): s["median_s"] for s in summary}
+    ns = sorted({n for _, n in med})
+    lo, hi = ns[0], ns[-1]
+    out = []
+    for scenario in ("warm", "single_flight"):
+        if (scenario, lo) in med and (scenario, hi) in med:
+            ratio = med[scenario, hi] / med[scenario, lo]
+            out.append({"goal": f"{scenario}: median at N={hi} <= 1.5 x N={lo}",
+                        "ratio": ratio, "pass": ratio <= 1.5})
+    storage = [(n, med["storage", n]) for n in ns if ("storage", n) in med]
+    if len(storage) >= 2:
+        ratio = storage[-1][1] / storage[0][1]
+        ideal = storage[-1][0] / storage[0][0]
+        fit = statistics.linear_regression([n for n, _ in storage], [m for _, m in storage])
+        r2 = statistics.correlation([n for n, _ in storage], [m for _, m in storage]) ** 2
+        out.append({"goal": f"storage: roughly linear in N (N={storage[-1][0]}/N={storage[0][0]}"
+                            f" within 0.6..1.4 x {ideal:g}, R^2 >= 0.9)",
+                    "ratio": ratio, "slope_s_per_worker": fit.slope, "r2": r2,
+                    "pass": 0.6 * ideal <= ratio <= 1.4 * ideal and r2 >= 0.9})
+    if ("warm", 1) in med and ("storage", 1) in med:
+        speedup = med["storage", 1] / med["warm", 1]
+        out.append({"goal": "warm peer at N=1 >= 5x faster than storage-only at N=1",
+                    "ratio": speedup, "pass": speedup >= 5})
+    return out
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "python": platform.python_version()}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+        info["ram_gib"] = round(kb / 2**20, 1)
+    import torch
+
+    info["torch"] = torch.__version__
+    return info
+
+
+def print_table(summary: list[dict[str, Any]]) -> None:
+    cols = ["scenario", "N", "median", "min", "max", *PARTS, "sources"]
+    lines = []
+    for s in summary:
+        src = " + ".join(f"{s[f'from_{k}']} {k}" for k in ("storage", "peer") if s[f"from_{k}"])
+        lines.append([s["scenario"], str(s["n"]), *(f"{s[k]:.2f}" for k in ("median_s", "min_s", "max_s")),
+                      *(f"{s[f'median_{p}_s']:.2f}" for p in PARTS), src])
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    print("ready time after release, seconds (parts are medians over the N workers)")
+    for row in [cols, *lines]:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+
+
+def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    labels = {"storage": "storage only", "warm": "one warm peer",
+              "single_flight": "single flight (no warm peer)"}
+    for scenario in SCENARIOS:
+        pts = [s for s in summary if s["scenario"] == scenario]
+        if not pts:
+            continue
+        ns = [s["n"] for s in pts]
+        ax.plot(ns, [s["median_s"] for s in pts], marker="o", label=labels[scenario])
+        ax.fill_between(ns, [s["min_s"] for s in pts], [s["max_s"] for s in pts], alpha=0.15)
+    ax.set_xscale("log", base=2)
+    all_n = sorted({s["n"] for s in summary})
+    ax.set_xticks(all_n, [str(n) for n in all_n])
+    ax.set_xlabel("workers starting together (N)")
+    ax.set_ylabel("cold start to verified weights (s)\nmedian; band: fastest-slowest")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--model-mb", type=float, default=256.0, help="checkpoint size in MiB")
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--storage-gbps", type=float, default=0.1,
+                   help="storage bandwidth shared by all workers, GB/s (10^9 B/s)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per round")
+    p.add_argument("--log-level", default="ERROR", help="workers' log level (default ERROR)")
+    p.add_argument("--out", default="benchmarks/out", help="directory for the JSON and CSV")
+    p.add_argument("--png", default="benchmarks/cold_start.png")
+    args = p.parse_args()
+    if args.model_mb <= 0 or args.storage_gbps <= 0 or min(args.sizes) < 1:
+        p.error("--model-mb, --storage-gbps and --sizes must be positive")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    # Other work on the machine skews every figure: record the load around the run.
+    load_before, started = list(os.getloadavg()), time.perf_counter()
+    bench = Bench(args)
+    rows: list[dict[str, Any]] = []
+    try:
+        spec = bench.prepare()
+        print(f"model {spec.nbytes / 2**20:.0f} MiB in {len(spec.shards)} shards, storage limit "
+              f"{args.storage_gbps:g} GB/s shared, {os.cpu_count()} CPUs, load average "
+              f"{load_before[0]:.1f}", flush=True)
+        for scenario in args.scenarios:
+            for n in sorted(args.sizes):
+                t = time.perf_counter()
+                got = bench.round(scenario, n, spec)
+                rows += got
+                print(f"  {scenario:<13} N={n}: median {statistics.median(r['ready_s'] for r in got):6.2f} s"
+                      f"  (round {time.perf_counter() - t:.0f} s)", flush=True)
+    finally:
+        bench.close()
+
+    summary = summarise(rows)
+    verdicts = goals(summary)
+    print()
+    print_table(summary)
+    print()
+    for g in verdicts:
+        extra = f", slope {g['slope_s_per_worker']:.2f} s/worker, R^2 {g['r2']:.3f}" if "r2" in g else ""
+        print(f"{'PASS' if g['pass'] else 'MISS'}  {g['goal']}: measured {g['ratio']:.2f}{extra}")
+
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"model_bytes": spec.nbytes, "shards": len(spec.shards),
+            "storage_gbps": args.storage_gbps, "sizes": sorted(args.sizes),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
+            "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
+            "seconds": time.perf_counter() - started}
+    with open(os.path.join(args.out, "cold_start.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary, "goals": verdicts, "workers": rows}, f, indent=1)
+    fields = ["scenario", "n", "worker", "source", "peer_id", "ready_s", *(f"{p}_s" for p in PARTS),
+              "load_s", "bytes", "verified", "fallback_reason"]
+    with open(os.path.join(args.out, "cold_start.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot(summary, args.png, f"{spec.nbytes / 2**20:.0f} MiB checkpoint, storage {args.storage_gbps:g} GB/s "
+         f"shared by the fleet, gloo on loopback, {os.cpu_count()} CPUs")
+    print(f"\nwrote {args.out}/cold_start.json, {args.out}/cold_start.csv, {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""A bandwidth-limited HTTP proxy: cloud storage's per-fleet bandwidth on loopback.
+
+Forwards every request to an upstream HTTP server (the GCS emulator) and throttles the
+response bytes of *all* connections together with one token bucket, so N workers
+downloading at once share ``--gbps`` as a fleet shares a bucket's egress. Workers
+reach it through ``STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT``. Standard library
+only; one thread per connection, HTTP/1.1 keep-alive.
+
+Run: ``.venv/bin/python benchmarks/throttle.py --upstream http://127.0.0.1:9023 --gbps 0.1``
+(prints ``listening on http://127.0.0.1:PORT`` once it accepts connections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+#: Bytes forwarded per token-bucket take: small enough that concurrent downloads
+#: interleave fairly, large enough that the proxy's own overhead stays negligible.
+PIECE = 256 << 10
+
+#: Hop-by-hop headers (RFC 9110 §7.6.1) are per connection and never forwarded.
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer",
+              "transfer-encoding", "upgrade"}
+
+
+class TokenBucket:
+    """Aggregate rate limit: ``take(n)`` blocks until ``n`` more bytes fit under ``rate``.
+
+    A virtual-time (GCRA) bucket: each take reserves the next ``n / rate`` seconds of the
+    link, in arrival order, so concurrent takers share the rate fairly; ``burst`` bytes
+    may go out ahead of the schedule.
+    """
+
+    def __init__(
+        self, rate: float, burst: float = PIECE, *,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if rate <= 0 or burst <= 0:
+            raise ValueError(f"rate {rate} and burst {burst} must be positive")
+        self.rate, self.burst = rate, burst
+        self._clock, self._sleep = clock, sleep
+        self._tat = 0.0  # when the bytes reserved so far will have been paid for
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = self._clock()
+            self._tat = max(self._tat, now) + n / self.rate
+            wait = self._tat - self.burst / self.rate - now
+        if wait > 0:
+            self._sleep(wait)
+
+
+def make_handler(upstream: str, bucket: TokenBucket, timeout: float = 60.0) -> type[BaseHTTPRequestHandler]:
+    """A request handler class forwarding to ``upstream`` (``http://host:port``)."""
+    up = urlparse(upstream)
+    if up.scheme != "http" or not up.hostname or not up.port:
+        raise ValueError(f"upstream {upstream!r}: expected http://host:port")
+    host, port = up.hostname, up.port
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass  # one line per request would drown the benchmark's output
+
+        def _forward(self) -> None:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                self.send_error(501, "chunked request bodies are not supported")
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            started = False
+            try:
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                size = resp.getheader("Content-Length")
+                # Without a length (a chunked upstream) buffer the body to send one.
+                data = None if size is not None or self.command == "HEAD" else resp.read()
+                started = True
+                self.send_response(resp.status, resp.reason)
+                for k, v in resp.getheaders():
+                    if k.lower() not in HOP_BY_HOP and not (data is not None and k.lower() == "content-length"):
+                        self.send_header(k, v)
+                if data is not None:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if data is not None:
+                    for i in range(0, len(data), PIECE):
+                        bucket.take(len(data[i:i + PIECE]))
+                        self.wfile.write(data[i:i + PIECE])
+                    return
+                while piece := resp.read(PIECE):
+                    bucket.take(len(piece))
+                    self.wfile.write(piece)
+            except (OSError, http.client.HTTPException) as e:
+                self.close_connection = True
+                # Once the response has begun, closing the connection is the only signal.
+                if not started:
+                    with contextlib.suppress(OSError):
+                        self.send_error(502, f"upstream failed: {e}")
+            finally:
+                conn.close()
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _forward
+
+    return Handler
+
+
+def serve(upstream: str, gbps: float, port: int = 0, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """A started-in-a-thread proxy limited to ``gbps`` GB/s (10^9 bytes/s) in aggregate."""
+    server = ThreadingHTTPServer((host, port), make_handler(upstream, TokenBucket(gbps * 1e9)))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True, name="throttle").start()
+    return server
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--upstream", required=True, help="http://host:port of the storage server")
+    parser.add_argument("--gbps", type=float, required=True, help="aggregate limit in GB/s (10^9 B/s)")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    if not args.gbps > 0:
+        parser.error("--gbps must be positive")
+    server = serve(args.upstream, args.gbps, args.port)
+    print(f"listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

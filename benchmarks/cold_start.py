@@ -258,6 +258,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             sources = {s: sum(r["source"] == s for r in rs) for s in ("storage", "peer")}
             out.append({
                 "scenario": scenario, "n": n, "workers": len(rs),
+                "rounds": len({r["repeat"] for r in rs}),
                 "median_s": statistics.median(ready), "min_s": min(ready), "max_s": max(ready),
                 **{f"median_{p}_s": statistics.median(r[f"{p}_s"] for r in rs) for p in PARTS},
                 "from_storage": sources["storage"], "from_peer": sources["peer"],
@@ -316,7 +317,7 @@ def print_table(summary: list[dict[str, Any]]) -> None:
         lines.append([s["scenario"], str(s["n"]), *(f"{s[k]:.2f}" for k in ("median_s", "min_s", "max_s")),
                       *(f"{s[f'median_{p}_s']:.2f}" for p in PARTS), src])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
-    print("ready time after release, seconds (parts are medians over the N workers)")
+    print("ready time after release, seconds (medians over all workers of all rounds; parts too)")
     for row in [cols, *lines]:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
 
@@ -335,8 +336,9 @@ def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
         if not pts:
             continue
         ns = [s["n"] for s in pts]
-        ax.plot(ns, [s["median_s"] for s in pts], marker="o", label=labels[scenario])
-        ax.fill_between(ns, [s["min_s"] for s in pts], [s["max_s"] for s in pts], alpha=0.15)
+        (line,) = ax.plot(ns, [s["median_s"] for s in pts], marker="o", label=labels[scenario])
+        ax.fill_between(ns, [s["min_s"] for s in pts], [s["max_s"] for s in pts],
+                        color=line.get_color(), alpha=0.15)
     ax.set_xscale("log", base=2)
     all_n = sorted({s["n"] for s in summary})
     ax.set_xticks(all_n, [str(n) for n in all_n])
@@ -359,13 +361,15 @@ def main() -> int:
                    help="storage bandwidth shared by all workers, GB/s (10^9 B/s)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    p.add_argument("--repeat", type=int, default=2,
+                   help="rounds per (scenario, N); medians are over all their workers")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per round")
     p.add_argument("--log-level", default="ERROR", help="workers' log level (default ERROR)")
     p.add_argument("--out", default="benchmarks/out", help="directory for the JSON and CSV")
     p.add_argument("--png", default="benchmarks/cold_start.png")
     args = p.parse_args()
-    if args.model_mb <= 0 or args.storage_gbps <= 0 or min(args.sizes) < 1:
-        p.error("--model-mb, --storage-gbps and --sizes must be positive")
+    if args.model_mb <= 0 or args.storage_gbps <= 0 or min(args.sizes) < 1 or args.repeat < 1:
+        p.error("--model-mb, --storage-gbps, --sizes and --repeat must be positive")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # Other work on the machine skews every figure: record the load around the run.
@@ -377,13 +381,19 @@ def main() -> int:
         print(f"model {spec.nbytes / 2**20:.0f} MiB in {len(spec.shards)} shards, storage limit "
               f"{args.storage_gbps:g} GB/s shared, {os.cpu_count()} CPUs, load average "
               f"{load_before[0]:.1f}", flush=True)
-        for scenario in args.scenarios:
-            for n in sorted(args.sizes):
-                t = time.perf_counter()
-                got = bench.round(scenario, n, spec)
-                rows += got
-                print(f"  {scenario:<13} N={n}: median {statistics.median(r['ready_s'] for r in got):6.2f} s"
-                      f"  (round {time.perf_counter() - t:.0f} s)", flush=True)
+        # Repeats go round all rounds again, so slow drifts of the machine's load are
+        # spread over every scenario rather than landing on one.
+        for rep in range(args.repeat):
+            for scenario in args.scenarios:
+                for n in sorted(args.sizes):
+                    t = time.perf_counter()
+                    got = bench.round(scenario, n, spec)
+                    for r in got:
+                        r["repeat"] = rep
+                    rows += got
+                    print(f"  [{rep + 1}/{args.repeat}] {scenario:<13} N={n}: median "
+                          f"{statistics.median(r['ready_s'] for r in got):6.2f} s"
+                          f"  (round {time.perf_counter() - t:.0f} s)", flush=True)
     finally:
         bench.close()
 
@@ -398,13 +408,13 @@ def main() -> int:
 
     os.makedirs(args.out, exist_ok=True)
     meta = {"model_bytes": spec.nbytes, "shards": len(spec.shards),
-            "storage_gbps": args.storage_gbps, "sizes": sorted(args.sizes),
+            "storage_gbps": args.storage_gbps, "sizes": sorted(args.sizes), "repeat": args.repeat,
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
             "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
             "seconds": time.perf_counter() - started}
     with open(os.path.join(args.out, "cold_start.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary, "goals": verdicts, "workers": rows}, f, indent=1)
-    fields = ["scenario", "n", "worker", "source", "peer_id", "ready_s", *(f"{p}_s" for p in PARTS),
+    fields = ["scenario", "n", "repeat", "worker", "source", "peer_id", "ready_s", *(f"{p}_s" for p in PARTS),
               "load_s", "bytes", "verified", "fallback_reason"]
     with open(os.path.join(args.out, "cold_start.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")

@@ -12,7 +12,7 @@ plane, not page faults (which a real cold start also pays; see DESIGN.md). Times
 taken on the receiver, from a 1-byte synchronising broadcast to the end.
 
     .venv/bin/python benchmarks/peer_transfer.py --gib 1 --rounds 3 \
-        --bucket-bytes 67108864 16777216 1048576
+        --bucket-bytes 67108864 16777216 1048576 [--layout consolidated|separate]
 
 The model looks like a small LLM in bf16: an embedding and N layers of q/k/v/o, a
 gated MLP and two norms, scaled to ``--gib`` (a few hundred tensors for 1 GiB).
@@ -31,6 +31,7 @@ import uuid
 import torch
 
 from nccl_back.config import Settings
+from nccl_back.skeleton import Manifest, TensorEntry, flat_layout
 from nccl_back.transport import (
     Transport,
     receiver_transport,
@@ -60,9 +61,20 @@ def model_shapes(gib: float) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def allocate(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    # ones_, not empty: touch every page before timing.
-    return {n: torch.ones(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+def allocate(shapes: dict[str, tuple[int, ...]], layout: str) -> dict[str, torch.Tensor]:
+    """The model's tensors, every page touched before timing.
+
+    ``separate``: one allocation per tensor (a model built the ordinary way);
+    ``consolidated``: views of one buffer in manifest order, as ``skeleton.build`` and
+    ``checkpoint.flat_skeleton`` lay a skeleton out (``skeleton.consolidate``).
+    """
+    if layout == "separate":
+        return {n: torch.ones(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+    man = Manifest(tuple(TensorEntry(n, s, "bfloat16") for n, s in sorted(shapes.items())))
+    offsets, total = flat_layout(man)
+    buf = torch.ones(total, dtype=torch.uint8)
+    return {e.name: buf[offsets[e.name]: offsets[e.name] + e.nbytes].view(torch.bfloat16).view(e.shape)
+            for e in man.entries}
 
 
 def rounds(transport: Transport, tensors: dict[str, torch.Tensor], flat: torch.Tensor,
@@ -92,11 +104,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-bytes", type=int, nargs="+", default=[Settings().bucket_bytes],
                         help="one or more bucket sizes, each measured against the same flat run")
+    parser.add_argument("--layout", choices=("consolidated", "separate"), default="consolidated",
+                        help="skeleton memory layout on both sides (default: as skeleton.build makes it)")
     parser.add_argument("--serve", metavar="TRANSFER_ID", help=argparse.SUPPRESS)
     args = parser.parse_args()
     settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", transfer_timeout=600)
     shapes = model_shapes(args.gib)
-    tensors = allocate(shapes)
+    tensors = allocate(shapes, args.layout)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     flat = torch.ones(nbytes, dtype=torch.uint8)
     deadline = time.monotonic() + settings.transfer_timeout
@@ -111,7 +125,7 @@ def main() -> None:
 
     tid = uuid.uuid4().hex
     cmd = [sys.executable, __file__, "--serve", tid, "--gib", str(args.gib),
-           "--rounds", str(args.rounds), "--bucket-bytes", *map(str, args.bucket_bytes)]
+           "--rounds", str(args.rounds), "--layout", args.layout, "--bucket-bytes", *map(str, args.bucket_bytes)]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
         address = json.loads(proc.stdout.readline())["address"]
@@ -123,6 +137,7 @@ def main() -> None:
     gb = nbytes / 1e9
     flat_s = statistics.median(r["flat"] for r in times)
     report: dict[str, object] = {
+        "layout": args.layout,
         "tensors": len(tensors),
         "bytes": nbytes,
         "rounds_seconds": [{k: round(v, 3) for k, v in r.items()} for r in times],

@@ -1,8 +1,9 @@
 """A bandwidth-limited HTTP proxy: cloud storage's per-fleet bandwidth on loopback.
 
-Forwards every request to an upstream HTTP server (the GCS emulator) and throttles the
-response bytes of *all* connections together with one token bucket, so N workers
-downloading at once share ``--gbps`` as a fleet shares a bucket's egress. Workers
+Forwards every request to an upstream HTTP server (the GCS emulator), reads the response
+at upstream speed, and sends it on throttled: the response bytes of *all* connections
+share one token bucket, so N workers downloading at once share ``--gbps`` as a fleet
+shares a bucket's egress. Workers
 reach it through ``STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT``. Standard library
 only; one thread per connection, HTTP/1.1 keep-alive.
 
@@ -84,25 +85,23 @@ def make_handler(upstream: str, bucket: TokenBucket, timeout: float = 60.0) -> t
             try:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
-                size = resp.getheader("Content-Length")
-                # Without a length (a chunked upstream) buffer the body to send one.
-                data = None if size is not None or self.command == "HEAD" else resp.read()
+                # Read the whole body at upstream speed first: the emulator serves one
+                # request at a time, so throttling while it writes would make its serial
+                # server, not the token bucket, the shared bottleneck (and unfair).
+                data = resp.read()
                 started = True
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
-                    if k.lower() not in HOP_BY_HOP and not (data is not None and k.lower() == "content-length"):
+                    if k.lower() not in HOP_BY_HOP and k.lower() != "content-length":
                         self.send_header(k, v)
-                if data is not None:
+                if self.command != "HEAD":
                     self.send_header("Content-Length", str(len(data)))
+                elif resp.getheader("Content-Length") is not None:
+                    self.send_header("Content-Length", str(resp.getheader("Content-Length")))
                 self.end_headers()
-                if self.command == "HEAD":
-                    return
-                if data is not None:
-                    for i in range(0, len(data), PIECE):
-                        bucket.take(len(data[i:i + PIECE]))
-                        self.wfile.write(data[i:i + PIECE])
-                    return
-                while piece := resp.read(PIECE):
+                view = memoryview(data)
+                for i in range(0, len(data), PIECE):
+                    piece = view[i:i + PIECE]
                     bucket.take(len(piece))
                     self.wfile.write(piece)
             except (OSError, http.client.HTTPException) as e:

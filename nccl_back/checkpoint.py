@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointFormatError, SkeletonError
+from .skeleton import consolidate
 from .storage import Shard, Storage
 
 if TYPE_CHECKING:
@@ -208,7 +209,7 @@ def flat_skeleton(
 
     Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
     module's ``state_dict`` names are exactly the checkpoint's names; tensors are
-    allocated with ``torch.empty`` on ``device``.
+    views of one allocation on ``device`` (:func:`nccl_back.skeleton.consolidate`).
     """
     headers = read_headers(storage or Storage(), spec.shards)
     root = nn.Module()
@@ -226,4 +227,5 @@ def flat_skeleton(
         except (KeyError, TypeError) as e:
             # e.g. both "a" and "a.b" are tensors, or a name part is empty.
             raise SkeletonError(f"checkpoint tensor name {name!r} cannot be a module path: {e}") from e
+    consolidate(root)
     return root

@@ -517,6 +517,10 @@ class WeightService:
             manifest_digest=man.digest, transport=kind, address=rv.address, source=source,
             max_sends=self.settings.max_concurrent_sends,
         )
+        if self._stop.is_set():
+            # Withdrawn (draining) while this load ran: hold the weights, serve nobody.
+            log.info("not_published_draining", peer=peer_id)
+            return info
         held = _Held(model, tensors, man, info,
                      ThreadPoolExecutor(self.settings.max_concurrent_sends,
                                         thread_name_prefix=f"nccl-back-send-{rank}"))

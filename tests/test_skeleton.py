@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nccl_back.errors import SkeletonError
-from nccl_back.skeleton import Manifest, build, manifest, named_tensors, no_init
+from nccl_back.skeleton import Manifest, build, flat_layout, manifest, named_tensors, no_init
 
 
 class Rotary(nn.Module):
@@ -102,3 +102,42 @@ def test_bad_model_type() -> None:
         named_tensors([nn.Linear(1, 1)])  # type: ignore[arg-type]
     with pytest.raises(SkeletonError, match=r"model\['a'\] is a int"):
         named_tensors({"a": 1})  # type: ignore[dict-item]
+
+
+def test_consolidate_puts_tensors_in_one_allocation() -> None:
+    """build() lays every state tensor out in one buffer, tied weights still tied."""
+    sk = build(Tied)
+    tensors, aliases = named_tensors(sk)
+    storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    assert len(storages) == 1
+    assert sk.head.weight is sk.embed.weight  # type: ignore[union-attr]
+    offsets, total = flat_layout(manifest(sk))
+    base = min(t.data_ptr() for t in tensors.values())
+    assert {n: t.data_ptr() - base for n, t in tensors.items()} == offsets
+    assert all(off % 64 == 0 for off in offsets.values())
+
+
+def test_consolidate_keeps_non_persistent_buffers() -> None:
+    """Consolidation moves only transferred tensors; inv_freq keeps its computed values."""
+    sk = build(Rotary)
+    assert torch.equal(sk.inv_freq, Rotary().inv_freq)  # type: ignore[union-attr]
+    assert sk.inv_freq.untyped_storage().data_ptr() != sk.proj.weight.untyped_storage().data_ptr()  # type: ignore[union-attr]
+
+
+def test_unconsolidated_build_is_available() -> None:
+    """build(flat=False) keeps one allocation per tensor."""
+    sk = build(Tied, flat=False)
+    tensors, _ = named_tensors(sk)
+    assert len({t.untyped_storage().data_ptr() for t in tensors.values()}) == len(tensors)
+
+
+def test_bucket_goes_in_place_only_when_laid_out() -> None:
+    """A consolidated skeleton's buckets are broadcast from its own memory, no staging copy."""
+    from nccl_back.transport.broadcast import _in_place, plan
+
+    flat, _ = named_tensors(build(Tied))
+    steps = plan(flat, 1 << 20)
+    view = _in_place(steps[0], flat)
+    assert view is not None and view.data_ptr() == flat["embed.weight"].data_ptr()
+    separate, _ = named_tensors(build(Tied, flat=False))
+    assert _in_place(plan(separate, 1 << 20)[0], separate) is None

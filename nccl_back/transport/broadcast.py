@@ -149,9 +149,13 @@ def send_tensors(
                     src = src.contiguous().clone() if corrupt else src.contiguous()
                 data = _as_bytes(src)
             else:
-                data = buffers.next(step.nbytes)
-                for slot in step.slots:
-                    _copy(_slot_view(data, slot), tensors[slot.name])
+                laid_out = None if corrupt else _in_place(step, tensors)
+                if laid_out is not None:
+                    data = laid_out
+                else:
+                    data = buffers.next(step.nbytes)
+                    for slot in step.slots:
+                        _copy(_slot_view(data, slot), tensors[slot.name])
             if corrupt:
                 _flip(data, step.slots[0])
                 corrupt = False
@@ -186,8 +190,12 @@ def recv_tensors(
                     data = _as_bytes(tmp)
                     finish = lambda dst=dst, tmp=tmp: _copy(dst, tmp)  # noqa: E731
             else:
-                data = buffers.next(step.nbytes)
-                finish = lambda data=data, slots=step.slots: _unpack(data, slots, tensors)  # noqa: E731
+                laid_out = _in_place(step, tensors)
+                if laid_out is not None:
+                    data, finish = laid_out, None
+                else:
+                    data = buffers.next(step.nbytes)
+                    finish = lambda data=data, slots=step.slots: _unpack(data, slots, tensors)  # noqa: E731
             window.add(transport.broadcast(data, SENDER_RANK), finish, data)
         window.drain()
     return _stats(steps, start)
@@ -230,6 +238,33 @@ def _agree_on_plan(transport: Transport, steps: list[Step]) -> None:
             f"transfer {transport.transfer_id}: sender and receiver planned different broadcasts"
             " (different tensors or bucket_bytes); nothing was transferred"
         )
+
+
+def _in_place(step: Step, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The bucket's bytes as a view of this side's own memory, if already laid out so.
+
+    In a consolidated skeleton (:func:`nccl_back.skeleton.consolidate`) adjacent small
+    tensors sit in one allocation at the bucket's own aligned offsets; then the bucket
+    needs no packing or unpacking: it is broadcast straight from/into the tensors.
+    (Padding bytes between them travel too; they belong to no tensor.) Returns None
+    when the layout differs, and the bucket goes through a staging buffer instead.
+    """
+    first = tensors[step.slots[0].name]
+    storage = first.untyped_storage()
+    base = first.data_ptr()
+    for slot in step.slots:
+        t = tensors[slot.name]
+        if (
+            not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.data_ptr() != base + slot.offset
+        ):
+            return None
+    start = base - storage.data_ptr()
+    if start + step.nbytes > storage.nbytes():
+        return None
+    view = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return view.set_(storage, start, (step.nbytes,), (1,))
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -302,6 +302,8 @@ class Sidecar:
         left = self.service.active_sends
         if left:
             self._log.warning("drain_timeout", active_sends=left, bound=self.drain_timeout)
+            # NCCL communicators stop at once; a gloo wait ends at its own deadline.
+            self.service.abort_sends()
             self.abandoned = True
         self._log.info("sends_drained", active_sends=left)
 

@@ -95,6 +95,8 @@ class _Held:
     thread: threading.Thread | None = None
     active: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    transports: set[Any] = field(default_factory=set)
+    """Transports of in-flight sends, so a drain past its bound can abort them."""
 
 
 class WeightService:
@@ -286,6 +288,24 @@ class WeightService:
         with contextlib.suppress(Exception):
             self.registry.close()
         self._log.info("closed", withdrawn=len(self._held))
+
+    def abort_sends(self) -> int:
+        """Abort every in-flight send's communicator (a drain past its bound).
+
+        Receivers see a transfer error and fall back; this worker's weights are
+        untouched. Returns how many sends were aborted.
+        """
+        n = 0
+        for held in list(self._held.values()):
+            with held.lock:
+                transports = list(held.transports)
+            for tr in transports:
+                with contextlib.suppress(Exception):
+                    tr.abort()
+                    n += 1
+        if n:
+            self._log.warning("sends_aborted", count=n)
+        return n
 
     def withdraw(self) -> None:
         """Stop accepting new transfers (drain): remove this worker from the registry.
@@ -567,6 +587,7 @@ class WeightService:
             held.active += 1
         self.metrics.set_claims(self.active_sends)
         ok = False
+        transport: Any = None
         try:
             if request.get("version") != held.info.version:
                 raise ManifestMismatchError(
@@ -575,6 +596,8 @@ class WeightService:
                 )
             run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
             transport = self._rendezvous[held.info.transport].sender(transfer_id)
+            with held.lock:
+                held.transports.add(transport)
             stats = run_guarded(
                 transport,
                 lambda tr: send_tensors(tr, held.tensors, s.bucket_bytes,
@@ -593,4 +616,5 @@ class WeightService:
             self.metrics.record_served(ok)
             with held.lock:
                 held.active -= 1
+                held.transports.discard(transport)
             self.metrics.set_claims(self.active_sends)

@@ -3,23 +3,29 @@
 Run: ``.venv/bin/python benchmarks/reattach.py [--gib 1.0] [--repeat 3]``
 
 A sidecar process loads a float16 model of ``--gib`` GiB from a safetensors file and
-serves it (nccl_back.handoff). Each trial builds a fresh skeleton, as a restarted
-consumer would, and fills it by (a) ``attach`` in copy mode, (b) ``attach`` in
-zero-copy mode, (c) ``safetensors.torch.load_file`` + ``copy_`` into the skeleton.
-The file is in the page cache (it was just written): (c) is the best case of a local
-disk. Skeleton allocation is timed separately and is the same for all three. Medians
-and best runs are printed: on a shared machine the best run is the least disturbed.
+serves it (nccl_back.handoff). Each trial is a fresh consumer process, as after a
+restart: it builds a skeleton and touches it (timed apart, the same for every method),
+then fills it by (a) ``attach`` in copy mode, (b) ``attach`` in zero-copy mode, or
+(c) ``safetensors.torch.load_file`` + ``copy_`` into the skeleton, with the file in the
+page cache (the best case of a local disk: safetensors maps the file, so this is one
+copy from the page cache, like (a)), or (d) the same after evicting just that file
+from the page cache (a node that has not read the checkpoint since boot). Medians and
+best runs are printed: on a shared machine the best run is the least disturbed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,6 +36,7 @@ from nccl_back.skeleton import build
 
 VERSION = "bench"
 DIM = 4096
+METHODS = ("copy", "zero_copy", "safetensors", "safetensors_cold")
 
 
 class Stack(nn.Module):
@@ -53,18 +60,50 @@ def _sidecar(path: str, socket_path: str, layers: int, ready: Any, stop: Any) ->
         stop.wait(600)
 
 
-def _timed(fn: Any) -> float:
+def _consumer(how: str, weights: str, socket_path: str, layers: int) -> None:
+    """One restarted consumer: print its timings as a JSON line."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    skeleton = build(lambda: Stack(layers))
+    if not isinstance(skeleton, Stack):
+        raise TypeError(type(skeleton))
+    with torch.no_grad():
+        for p in skeleton.parameters():  # first touch: page faults, as in a real load
+            p.zero_()
+    timings = {"alloc": time.perf_counter() - start}
+    start = time.perf_counter()
+    if how.startswith("safetensors"):
+        state = load_file(weights)
+        with torch.no_grad():
+            for name, t in skeleton.state_dict().items():
+                t.copy_(state[name])
+    else:
+        result = attach(skeleton, socket_path, how, 60.0, version=VERSION)  # type: ignore[arg-type]
+        timings.update({f"phase.{k}": v for k, v in result.timings.items()})
+    timings["fill"] = time.perf_counter() - start
+    print(json.dumps(timings))
+
+
+def _evict(path: str) -> None:
+    """Drop this one file's pages from the page cache (no other file is affected)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--consumer", nargs=3, metavar=("HOW", "WEIGHTS", "SOCKET"))
     args = parser.parse_args()
     layers = _layers(args.gib)
+    if args.consumer:
+        how, weights, socket_path = args.consumer
+        _consumer(how, weights, socket_path, layers)
+        return
     workdir = tempfile.mkdtemp(prefix="nbbench")
     weights = os.path.join(workdir, "model.safetensors")
     socket_path = os.path.join(workdir, "handoff.sock")
@@ -80,60 +119,61 @@ def main() -> None:
     proc = ctx.Process(target=_sidecar, args=(weights, socket_path, layers, ready, stop))
     proc.start()
     pack = ready.get(timeout=600)
-    results: dict[str, list[float]] = {"alloc": [], "copy": [], "zero_copy": [], "safetensors": []}
-    phases: dict[str, list[float]] = {}
+    runs: dict[str, list[dict[str, float]]] = {how: [] for how in METHODS}
     try:
         for _ in range(args.repeat):
-            hows: tuple[Literal["copy", "zero_copy", "safetensors"], ...] = (
-                "copy",
-                "zero_copy",
-                "safetensors",
-            )
-            for how in hows:
-                alloc_start = time.perf_counter()
-                skeleton = build(lambda: Stack(layers))
-                assert isinstance(skeleton, Stack)
-                for p in skeleton.parameters():  # first touch: page faults, as in a real load
-                    p.data.zero_()
-                results["alloc"].append(time.perf_counter() - alloc_start)
-                if how == "safetensors":
-
-                    def fill(model: Any = skeleton) -> None:
-                        state = load_file(weights)
-                        with torch.no_grad():
-                            for name, t in model.state_dict().items():
-                                t.copy_(state[name])
-
-                    results[how].append(_timed(fill))
-                else:
-                    start = time.perf_counter()
-                    result = attach(skeleton, socket_path, how, 60.0, version=VERSION)
-                    results[how].append(time.perf_counter() - start)
-                    for phase, seconds in result.timings.items():
-                        phases.setdefault(f"{how}.{phase}", []).append(seconds)
-                del skeleton
+            for how in METHODS:
+                if how == "safetensors_cold":
+                    _evict(weights)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--gib",
+                        str(args.gib),
+                        "--consumer",
+                        how,
+                        weights,
+                        socket_path,
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
+                runs[how].append(json.loads(out.stdout.strip().splitlines()[-1]))
     finally:
         stop.set()
         proc.join(30)
+        shutil.rmtree(workdir, ignore_errors=True)
     gb = nbytes / 1e9
-    median = {k: statistics.median(v) for k, v in results.items()}
     print(
         f"model {nbytes / (1 << 30):.2f} GiB in {layers} tensors; sidecar pack into shm {pack:.2f} s"
     )
-    print(f"skeleton alloc+touch   {median['alloc'] * 1e3:8.1f} ms (not included below)")
-    for how in ("copy", "zero_copy", "safetensors"):
+    alloc = statistics.median(r["alloc"] for rs in runs.values() for r in rs)
+    print(f"skeleton alloc+touch (median, not included below) {alloc * 1e3:.0f} ms")
+    fills = {how: [r["fill"] for r in rs] for how, rs in runs.items()}
+    for how in METHODS:
+        median = statistics.median(fills[how])
+        phases = {
+            k.removeprefix("phase."): statistics.median(r[k] for r in runs[how])
+            for k in runs[how][0]
+            if k.startswith("phase.")
+        }
+        detail = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items())
         print(
-            f"{how:22s} {median[how] * 1e3:8.1f} ms  ({gb / median[how]:.1f} GB/s)  runs {[round(x * 1e3) for x in results[how]]}"
+            f"{how:16s} median {median * 1e3:6.0f} ms ({gb / median:5.1f} GB/s)"
+            f"  runs {[round(x * 1e3) for x in fills[how]]}"
+            + (f"  phases ms: {detail}" if detail else "")
         )
-    print(
-        "attach phases (median ms): "
-        + ", ".join(f"{k} {statistics.median(v) * 1e3:.0f}" for k, v in phases.items())
-    )
-    best = {k: min(v) for k, v in results.items()}
-    print(
-        f"safetensors / attach(copy): median {median['safetensors'] / median['copy']:.1f}x,"
-        f" best {best['safetensors'] / best['copy']:.1f}x"
-    )
+    med = {how: statistics.median(v) for how, v in fills.items()}
+    best = {how: min(v) for how, v in fills.items()}
+    for how in ("safetensors", "safetensors_cold"):
+        print(
+            f"{how} / attach(copy): median {med[how] / med['copy']:.1f}x,"
+            f" best {best[how] / best['copy']:.1f}x;"
+            f" / attach(zero_copy): median {med[how] / med['zero_copy']:.1f}x"
+        )
 
 
 if __name__ == "__main__":

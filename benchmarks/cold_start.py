@@ -146,7 +146,8 @@ class Bench:
             bucket.blob(f"model/{f.name}").upload_from_filename(str(f))
         shutil.rmtree(local)
         spec = ModelSpec.from_dir(f"gs://{BUCKET}/model")
-        self.proxy = throttle.serve(self.gcs.host, self.args.storage_gbps)
+        # Uploads are done: the objects are immutable from here on, so the proxy may cache.
+        self.proxy = throttle.serve(self.gcs.host, self.args.storage_gbps, cache=True)
         return spec
 
     @property

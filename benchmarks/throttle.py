@@ -27,6 +27,9 @@ from urllib.parse import urlparse
 #: interleave fairly, large enough that the proxy's own overhead stays negligible.
 PIECE = 256 << 10
 
+#: The bucket's depth in seconds of the rate (see :func:`serve`).
+BURST_SECONDS = 0.1
+
 #: Hop-by-hop headers (RFC 9110 §7.6.1) are per connection and never forwarded.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer",
               "transfer-encoding", "upgrade"}
@@ -60,12 +63,44 @@ class TokenBucket:
             self._sleep(wait)
 
 
-def make_handler(upstream: str, bucket: TokenBucket, timeout: float = 60.0) -> type[BaseHTTPRequestHandler]:
+class _GetCache:
+    """Successful GET responses by (path, Range), each fetched from upstream once.
+
+    Only for upstreams whose objects do not change while the proxy runs (a benchmark's
+    uploaded checkpoint): then every worker's identical header and chunk reads cost the
+    upstream one request, and the token bucket, not the emulator's one-request-at-a-time
+    server, is the shared limit, as with real cloud storage.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], tuple[int, str, list[tuple[str, str]], bytes]] = {}
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get(
+        self, key: tuple[str, str], fetch: Callable[[], tuple[int, str, list[tuple[str, str]], bytes]]
+    ) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # concurrent requests for one key wait for the first fetch
+            hit = self._entries.get(key)
+            if hit is not None:
+                return hit
+            entry = fetch()
+            if 200 <= entry[0] < 300:
+                self._entries[key] = entry
+            return entry
+
+
+def make_handler(
+    upstream: str, bucket: TokenBucket, timeout: float = 60.0, cache: bool = False
+) -> type[BaseHTTPRequestHandler]:
     """A request handler class forwarding to ``upstream`` (``http://host:port``)."""
     up = urlparse(upstream)
     if up.scheme != "http" or not up.hostname or not up.port:
         raise ValueError(f"upstream {upstream!r}: expected http://host:port")
     host, port = up.hostname, up.port
+    gets = _GetCache() if cache else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -77,27 +112,40 @@ def make_handler(upstream: str, bucket: TokenBucket, timeout: float = 60.0) -> t
             if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
                 self.send_error(501, "chunked request bodies are not supported")
                 return
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else None
+            body_len = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(body_len) if body_len else None
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
-            conn = http.client.HTTPConnection(host, port, timeout=timeout)
             started = False
             try:
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                # Read the whole body at upstream speed first: the emulator serves one
-                # request at a time, so throttling while it writes would make its serial
-                # server, not the token bucket, the shared bottleneck (and unfair).
-                data = resp.read()
+                def fetch() -> tuple[int, str, list[tuple[str, str]], bytes]:
+                    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+                    try:
+                        conn.request(self.command, self.path, body=body, headers=headers)
+                        resp = conn.getresponse()
+                        # Read the whole body at upstream speed first: the emulator serves
+                        # one request at a time, so throttling while it writes would make
+                        # its serial server, not the token bucket, the shared bottleneck.
+                        return resp.status, resp.reason, resp.getheaders(), resp.read()
+                    finally:
+                        conn.close()
+
+                if gets is not None and self.command == "GET":
+                    status, reason, resp_headers, data = gets.get(
+                        (self.path, self.headers.get("Range", "")), fetch)
+                else:
+                    status, reason, resp_headers, data = fetch()
                 started = True
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in HOP_BY_HOP and k.lower() != "content-length":
+                self.send_response(status, reason)
+                length: str | None = None
+                for k, v in resp_headers:
+                    if k.lower() == "content-length":
+                        length = v
+                    elif k.lower() not in HOP_BY_HOP:
                         self.send_header(k, v)
                 if self.command != "HEAD":
-                    self.send_header("Content-Length", str(len(data)))
-                elif resp.getheader("Content-Length") is not None:
-                    self.send_header("Content-Length", str(resp.getheader("Content-Length")))
+                    length = str(len(data))
+                if length is not None:
+                    self.send_header("Content-Length", length)
                 self.end_headers()
                 view = memoryview(data)
                 for i in range(0, len(data), PIECE):
@@ -110,17 +158,23 @@ def make_handler(upstream: str, bucket: TokenBucket, timeout: float = 60.0) -> t
                 if not started:
                     with contextlib.suppress(OSError):
                         self.send_error(502, f"upstream failed: {e}")
-            finally:
-                conn.close()
 
         do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _forward
 
     return Handler
 
 
-def serve(upstream: str, gbps: float, port: int = 0, host: str = "127.0.0.1") -> ThreadingHTTPServer:
-    """A started-in-a-thread proxy limited to ``gbps`` GB/s (10^9 bytes/s) in aggregate."""
-    server = ThreadingHTTPServer((host, port), make_handler(upstream, TokenBucket(gbps * 1e9)))
+def serve(
+    upstream: str, gbps: float, port: int = 0, host: str = "127.0.0.1", *, cache: bool = False
+) -> ThreadingHTTPServer:
+    """A started-in-a-thread proxy limited to ``gbps`` GB/s (10^9 bytes/s) in aggregate.
+
+    ``cache``: serve repeated GETs from memory (see :class:`_GetCache`; immutable data only).
+    """
+    # A burst of 0.1 s of bytes lets a sender that the OS scheduled late catch up, so
+    # CPU contention does not eat into the configured rate; the long-run rate is exact.
+    bucket = TokenBucket(gbps * 1e9, burst=max(PIECE, gbps * 1e9 * BURST_SECONDS))
+    server = ThreadingHTTPServer((host, port), make_handler(upstream, bucket, cache=cache))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="throttle").start()
     return server
@@ -131,10 +185,12 @@ def main() -> int:
     parser.add_argument("--upstream", required=True, help="http://host:port of the storage server")
     parser.add_argument("--gbps", type=float, required=True, help="aggregate limit in GB/s (10^9 B/s)")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--cache", action="store_true",
+                        help="fetch each GET (path, Range) from upstream once (immutable data only)")
     args = parser.parse_args()
     if not args.gbps > 0:
         parser.error("--gbps must be positive")
-    server = serve(args.upstream, args.gbps, args.port)
+    server = serve(args.upstream, args.gbps, args.port, cache=args.cache)
     print(f"listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
         threading.Event().wait()

@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 DEMO = [sys.executable, "-m", "nccl_back.demo"]
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": ROOT}
     return subprocess.run([*DEMO, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -23,7 +25,7 @@ def _sources(stdout: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_demo_first_worker_loads_from_storage_the_others_from_peers(tmp_path: object) -> None:
+def test_demo_first_worker_loads_from_storage_the_others_from_peers() -> None:
     """With a small model and 2 workers, one row says storage and both others say peer."""
     proc = _run("--model-mb", "4", "--workers", "2", "--timeout", "60", timeout=140)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -112,7 +112,9 @@ def main() -> None:
         raw_read(files, np.empty(total, dtype=np.uint8))  # warm the page cache
 
         def fresh_raw() -> None:
-            raw_read(files, np.empty(total, dtype=np.uint8))
+            # torch's allocator, like the skeleton's: numpy asks for transparent huge
+            # pages on large arrays, torch does not, and first-touch cost differs a lot.
+            raw_read(files, torch.empty(total, dtype=torch.uint8).numpy())
 
         def fresh_load() -> None:
             load_from_storage(flat_skeleton(spec), spec)

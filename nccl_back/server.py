@@ -103,8 +103,10 @@ def resolve_factory(spec: str) -> Callable[[], Any]:
 
 def require_transformers() -> None:
     """:class:`ConfigError` unless the optional ``hf`` extra is installed."""
-    if importlib.util.find_spec("transformers") is None:
-        raise ConfigError("--hf needs transformers: pip install 'nccl-back[hf]'")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError("--hf needs transformers: pip install 'nccl-back[hf]'") from e
 
 
 def hf_factory(config: dict[str, Any]) -> Callable[[], Model]:

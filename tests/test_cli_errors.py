@@ -3,7 +3,6 @@ value, a non-zero exit, never a traceback. Every case is a real subprocess."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -35,8 +34,9 @@ def busy_port() -> Iterator[int]:
         yield int(s.getsockname()[1])
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_BACK_")}
+    env.update(extra_env or {})
     # Nothing listens here: a command that got as far as Redis would fail differently.
     env["NCCL_BACK_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"
     return subprocess.run(
@@ -98,11 +98,14 @@ def test_serve_cuda_without_cuda(ckpt: Path) -> None:
     assert_one_line_error(proc, "cuda:0")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None,
-                    reason="transformers is installed")
-def test_serve_hf_without_transformers(ckpt: Path) -> None:
+def test_serve_hf_without_transformers(ckpt: Path, tmp_path: Path) -> None:
     """--hf without the optional extra says how to install it."""
-    proc = run_cli("serve", "--model", str(ckpt), "--health-port", "0", "--hf")
+    # Shadow the installed package with one that fails to import, as if absent.
+    shadow = tmp_path / "shadow" / "transformers"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('simulated: not installed')\n")
+    proc = run_cli("serve", "--model", str(ckpt), "--health-port", "0", "--hf",
+                   extra_env={"PYTHONPATH": str(tmp_path / "shadow")})
     assert_one_line_error(proc, "pip install 'nccl-back[hf]'")
 
 

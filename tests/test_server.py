@@ -293,3 +293,27 @@ def test_drain_gives_up_on_a_stalled_send_at_the_bound(
         sidecar.close()
         sidecar.service.close()  # returns once the stalled send hits its own watchdog
         registry.close()
+
+
+@pytest.mark.timeout(120)
+def test_serve_hf_model_loads_and_serves_a_peer(
+    tmp_path: Path, env: dict[str, str], serves: list[Serve]
+) -> None:
+    """--hf builds a transformers model from config.json; a second sidecar gets it from the first."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "llama", safe_serialization=True)
+    args = ["--model", str(tmp_path / "llama"), "--hf"]
+    first = Serve(args, env, free_port())
+    serves.append(first)
+    assert first.wait_ready()["source"] == "storage"
+    second = Serve(args, env, free_port())
+    serves.append(second)
+    assert second.wait_ready()["source"] == "peer"
+    assert first.stop() == 0
+    assert second.stop() == 0

@@ -12,15 +12,26 @@ stamp=.venv/.nccl-back-installed
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
   exit 0
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+log=.venv/install.log
+: >"$log"
+pip_install() {
+  # pip's and setuptools' chatter goes to the log; shown only if the install fails.
+  if ! .venv/bin/python -m pip install -q "$@" >>"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "bootstrap: 'pip install $*' failed; full log in $log" >&2
+    return 1
+  fi
+}
+echo "setting up .venv (first run only) ..." >&2
+pip_install --upgrade pip || true
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    .venv/bin/python -m pip install -q "torch>=2.4"
+    pip_install "torch>=2.4"
   else
     # CPU-only wheel: from the local wheel cache where present, else the CPU index.
-    .venv/bin/python -m pip install -q torch==2.13.0 2>/dev/null \
-      || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    pip_install torch==2.13.0 \
+      || pip_install torch --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-.venv/bin/python -m pip install -q -e ".[dev]"
+pip_install -e ".[dev]"
 touch "$stamp"

@@ -28,9 +28,11 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip_install "torch>=2.4"
   else
-    # CPU-only wheel: from the local wheel cache where present, else the CPU index.
-    pip_install torch==2.13.0 \
-      || pip_install torch --index-url https://download.pytorch.org/whl/cpu
+    # A CPU-only build (PyPI's Linux torch is a multi-GB CUDA build): from PyTorch's
+    # CPU index, or from a local wheel directory configured for pip (find-links).
+    .venv/bin/python -m pip install -q --retries 1 --timeout 20 torch==2.13.0 \
+        --index-url https://download.pytorch.org/whl/cpu >>"$log" 2>&1 \
+      || pip_install torch==2.13.0
   fi
 fi
 pip_install -e ".[dev]"

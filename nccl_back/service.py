@@ -244,7 +244,12 @@ class WeightService:
             self.metrics.record_load("peer", man.nbytes, seconds)
             log.info("loaded", source="peer", peer=peer_id, seconds=round(seconds, 3),
                      gbps=round(result.gbps, 3))
-            self._publish(model, tensors, man, spec.version, rank, world, source="peer", log=log)
+            try:
+                self._publish(model, tensors, man, spec.version, rank, world, source="peer",
+                              log=log)
+            except NcclBackError as e:
+                # The weights are loaded and verified; only serving others is lost.
+                log.warning("publish_failed", error=str(e))
             return result
 
         return self._storage_fallback(model, spec, man, tensors, rank, world, reason, start,
@@ -510,12 +515,12 @@ class WeightService:
                     theirs = _truth_hashes(existing[1], "sampled")
                     integrity.compare(theirs, _truth_hashes(hashes, "sampled"))
             self._publish(model, tensors, man, spec.version, rank, world, source="storage", log=log)
-        except RegistryError as e:
-            log.warning("publish_failed", error=str(e))
         except WeightVerificationError as e:
             # Our bytes passed CRC32C, so the stored ground truth disagrees with storage:
             # never serve in that state, and say so loudly.
             log.error("ground_truth_disagrees_with_storage", error=str(e))
+        except NcclBackError as e:  # Redis gone, rendezvous port taken: serve nobody
+            log.warning("publish_failed", error=str(e))
         return result
 
     # -- serve --------------------------------------------------------------------------

@@ -15,8 +15,9 @@
 6. *Publication* — after a storage load the hashes become the ground truth (never
    overwritten); after a verified peer load the worker serves others too (fan-out).
 
-While the service is open, a background thread per held model answers transfer
-requests and a heartbeat keeps its registry entries alive; ``close()`` withdraws them.
+While the service is open, its :class:`~nccl_back.sender.PeerServer` answers transfer
+requests in the background and a heartbeat keeps its registry entries alive;
+``close()`` withdraws them.
 Every fallback is logged with its reason and returned in ``LoadResult.fallback_reason``.
 """
 
@@ -25,11 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,22 +46,19 @@ from .errors import (
     RegistryError,
     WeightVerificationError,
 )
-from .handshake import run_receiver, run_sender
+from .handshake import run_receiver
 from .identity import ModelSpec
 from .loader import load_from_storage
 from .log import get_logger
 from .metrics import Metrics, fallback_reason
 from .registry import PeerInfo, Registry
 from .result import LoadResult
+from .sender import PeerServer
 from .skeleton import Manifest, Model, manifest, model_device, named_tensors
 from .transport import (
-    Rendezvous,
-    open_rendezvous,
     receiver_transport,
     recv_tensors,
-    resolve_kind,
     run_guarded,
-    send_tensors,
 )
 
 MODES_KEY_SEP = "|"
@@ -81,22 +76,6 @@ def _truth_hashes(all_hashes: dict[str, str], mode: str) -> dict[str, str]:
     """The ``mode`` part of stored ground truth (keys are ``"{mode}|{layer}"``)."""
     prefix = mode + MODES_KEY_SEP
     return {k[len(prefix):]: v for k, v in all_hashes.items() if k.startswith(prefix)}
-
-
-@dataclass
-class _Held:
-    """A model this worker holds and serves."""
-
-    model: Model
-    tensors: dict[str, torch.Tensor]
-    manifest: Manifest
-    info: PeerInfo
-    sends: ThreadPoolExecutor
-    thread: threading.Thread | None = None
-    active: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    transports: set[Any] = field(default_factory=set)
-    """Transports of in-flight sends, so a drain past its bound can abort them."""
 
 
 class WeightService:
@@ -119,12 +98,8 @@ class WeightService:
         self.metrics = metrics if metrics is not None else Metrics()
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.registry = registry if registry is not None else Registry(self.settings)
-        self._corrupt = corrupt_sends_for_test
-        self._held: dict[str, _Held] = {}
-        self._rendezvous: dict[str, Rendezvous] = {}
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._heartbeat: threading.Thread | None = None
+        self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id,
+                                  corrupt_for_test=corrupt_sends_for_test)
         self._closed = False
         self._log = get_logger("nccl_back.service", worker=self.worker_id)
 
@@ -139,11 +114,12 @@ class WeightService:
     @property
     def peers(self) -> list[PeerInfo]:
         """What this worker currently publishes."""
-        return [h.info for h in self._held.values()]
+        return self._server.peers
 
     @property
     def active_sends(self) -> int:
-        return sum(h.active for h in self._held.values())
+        """Transfers this worker is sending right now."""
+        return self._server.active_sends
 
     def load(self, model: Model, spec: ModelSpec, group: Group = None) -> LoadResult:
         """Fill the skeleton ``model`` with ``spec``'s weights, from a peer if possible.
@@ -185,7 +161,7 @@ class WeightService:
         waited = time.monotonic()
 
         def peer_appeared() -> bool:
-            return any(p.peer_id not in self._held
+            return any(not self._server.holds(p.peer_id)
                        for p in self.registry.find_peers(version, rank, world))
 
         try:
@@ -245,7 +221,7 @@ class WeightService:
             log.info("loaded", source="peer", peer=peer_id, seconds=round(seconds, 3),
                      gbps=round(result.gbps, 3))
             try:
-                self._publish(model, tensors, man, spec.version, rank, world, source="peer",
+                self._server.publish(model, tensors, man, spec.version, rank, world, source="peer",
                               log=log)
             except NcclBackError as e:
                 # The weights are loaded and verified; only serving others is lost.
@@ -266,7 +242,7 @@ class WeightService:
         rank, world = rank_and_size(group)
         tensors, _ = named_tensors(model)
         log = self._log.bind(rank=rank, version=spec.version[:12])
-        return self._publish(model, tensors, manifest(model), spec.version, rank, world,
+        return self._server.publish(model, tensors, manifest(model), spec.version, rank, world,
                              source="adopted", log=log)
 
     def close(self) -> None:
@@ -274,54 +250,21 @@ class WeightService:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        for held in list(self._held.values()):
-            with contextlib.suppress(RegistryError):
-                self.registry.withdraw(held.info.peer_id, held.info.version)
-        for held in list(self._held.values()):
-            if held.thread is not None:
-                held.thread.join(self.settings.redis_timeout + 2)
-            # In-flight sends end within their own watchdog deadline.
-            held.sends.shutdown(wait=True)
-        if self._heartbeat is not None:
-            self._heartbeat.join(self.settings.heartbeat_interval + self.settings.redis_timeout + 1)
-        for rv in self._rendezvous.values():
-            with contextlib.suppress(Exception):
-                rv.close()
-        self._rendezvous.clear()
-        self.metrics.set_ready(False)
+        self._server.close()
         with contextlib.suppress(Exception):
             self.registry.close()
-        self._log.info("closed", withdrawn=len(self._held))
+        self._log.info("closed")
 
     def abort_sends(self) -> int:
-        """Abort every in-flight send's communicator (a drain past its bound).
-
-        Receivers see a transfer error and fall back; this worker's weights are
-        untouched. Returns how many sends were aborted.
-        """
-        n = 0
-        for held in list(self._held.values()):
-            with held.lock:
-                transports = list(held.transports)
-            for tr in transports:
-                with contextlib.suppress(Exception):
-                    tr.abort()
-                    n += 1
-        if n:
-            self._log.warning("sends_aborted", count=n)
-        return n
+        """Abort every in-flight send (a drain past its bound); see :class:`PeerServer`."""
+        return self._server.abort_sends()
 
     def withdraw(self) -> None:
         """Stop accepting new transfers (drain): remove this worker from the registry.
 
         In-flight sends finish; :meth:`close` still has to be called.
         """
-        self._stop.set()
-        for held in list(self._held.values()):
-            with contextlib.suppress(RegistryError):
-                self.registry.withdraw(held.info.peer_id, held.info.version)
-        self.metrics.set_ready(False)
+        self._server.withdraw()
 
     # -- receive ------------------------------------------------------------------------
 
@@ -331,7 +274,7 @@ class WeightService:
         """Usable peers, the ground-truth hashes for the verify mode, or why there are none."""
         try:
             peers = [p for p in self.registry.find_peers(version, rank, world)
-                     if p.peer_id not in self._held]
+                     if not self._server.holds(p.peer_id)]
             if not peers:
                 return [], None, NobodyHolds(
                     f"no live peer holds version {version[:12]} rank {rank}/{world}"
@@ -418,7 +361,7 @@ class WeightService:
             except RegistryError as e:
                 return None, e
             candidates = [p for p in found
-                          if p.manifest_digest == man.digest and p.peer_id not in self._held]
+                          if p.manifest_digest == man.digest and not self._server.holds(p.peer_id)]
 
     def _receive_from(
         self,
@@ -514,7 +457,7 @@ class WeightService:
                 if existing is not None and existing[0] == man.digest:
                     theirs = _truth_hashes(existing[1], "sampled")
                     integrity.compare(theirs, _truth_hashes(hashes, "sampled"))
-            self._publish(model, tensors, man, spec.version, rank, world, source="storage", log=log)
+            self._server.publish(model, tensors, man, spec.version, rank, world, source="storage", log=log)
         except WeightVerificationError as e:
             # Our bytes passed CRC32C, so the stored ground truth disagrees with storage:
             # never serve in that state, and say so loudly.
@@ -522,104 +465,3 @@ class WeightService:
         except NcclBackError as e:  # Redis gone, rendezvous port taken: serve nobody
             log.warning("publish_failed", error=str(e))
         return result
-
-    # -- serve --------------------------------------------------------------------------
-
-    def _publish(
-        self, model: Model, tensors: dict[str, torch.Tensor], man: Manifest, version: str,
-        rank: int, world: int, *, source: str, log: Any,
-    ) -> PeerInfo:
-        device = model_device(model)
-        kind = resolve_kind(self.settings, device)
-        with self._lock:
-            rv = self._rendezvous.get(kind)
-            if rv is None:
-                rv = open_rendezvous(self.settings, kind, device=device, registry=self.registry)
-                self._rendezvous[kind] = rv
-        peer_id = f"{self.worker_id}-r{rank}-{uuid.uuid4().hex[:4]}"
-        info = PeerInfo(
-            peer_id=peer_id, version=version, rank=rank, world_size=world,
-            manifest_digest=man.digest, transport=kind, address=rv.address, source=source,
-            max_sends=self.settings.max_concurrent_sends,
-        )
-        if self._stop.is_set():
-            # Withdrawn (draining) while this load ran: hold the weights, serve nobody.
-            log.info("not_published_draining", peer=peer_id)
-            return info
-        held = _Held(model, tensors, man, info,
-                     ThreadPoolExecutor(self.settings.max_concurrent_sends,
-                                        thread_name_prefix=f"nccl-back-send-{rank}"))
-        self.registry.publish_peer(info)
-        self._held[peer_id] = held
-        held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
-                                       name=f"nccl-back-serve-{rank}")
-        held.thread.start()
-        if self._heartbeat is None or not self._heartbeat.is_alive():
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                               name="nccl-back-heartbeat")
-            self._heartbeat.start()
-        self.metrics.set_ready(True)
-        log.info("published", peer=peer_id, transport=kind, address=rv.address, source=source)
-        return info
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_interval):
-            for held in list(self._held.values()):
-                try:
-                    self.registry.heartbeat(held.info)
-                except RegistryError as e:
-                    self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=str(e))
-            self.metrics.set_claims(self.active_sends)
-
-    def _serve_loop(self, held: _Held) -> None:
-        while not self._stop.is_set():
-            try:
-                request = self.registry.pop_request(held.info.peer_id, timeout=0.5)
-            except RegistryError as e:
-                self._log.warning("serve_poll_failed", peer=held.info.peer_id, error=str(e))
-                self._stop.wait(0.5)
-                continue
-            if request is None or self._stop.is_set():
-                continue
-            held.sends.submit(self._serve_one, held, request)
-
-    def _serve_one(self, held: _Held, request: dict[str, Any]) -> None:
-        s = self.settings
-        transfer_id = str(request.get("transfer_id", ""))
-        log = self._log.bind(rank=held.info.rank, version=held.info.version[:12],
-                             peer=str(request.get("receiver")), transfer_id=transfer_id)
-        with held.lock:
-            held.active += 1
-        self.metrics.set_claims(self.active_sends)
-        ok = False
-        transport: Any = None
-        try:
-            if request.get("version") != held.info.version:
-                raise ManifestMismatchError(
-                    f"request for version {str(request.get('version'))[:12]}, this peer holds"
-                    f" {held.info.version[:12]}"
-                )
-            run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
-            transport = self._rendezvous[held.info.transport].sender(transfer_id)
-            with held.lock:
-                held.transports.add(transport)
-            stats = run_guarded(
-                transport,
-                lambda tr: send_tensors(tr, held.tensors, s.bucket_bytes,
-                                        corrupt_for_test=self._corrupt),
-                time.monotonic() + s.transfer_timeout,
-            )
-            ok = True
-            log.info("served", bytes=held.manifest.nbytes, gbps=round(stats.gbps, 3))
-        except NcclBackError as e:
-            if isinstance(e, HandshakeTimeoutError):
-                self.metrics.record_handshake_timeout()
-            log.warning("serve_failed", reason=fallback_reason(e), error=str(e))
-        except Exception as e:  # a serving thread must never die silently
-            log.error("serve_crashed", error=repr(e))
-        finally:
-            self.metrics.record_served(ok)
-            with held.lock:
-                held.active -= 1
-                held.transports.discard(transport)
-            self.metrics.set_claims(self.active_sends)

@@ -129,15 +129,15 @@ class _KillAfter:
 
 
 def _install_fault(fault: str) -> None:
-    from nccl_back import service
+    from nccl_back import sender, service
 
     if fault == "kill_mid_send":
-        orig_send = service.send_tensors
+        orig_send = sender.send_tensors
 
         def send(transport: Any, *a: Any, **k: Any) -> Any:
             return orig_send(_KillAfter(transport, 3), *a, **k)
 
-        service.send_tensors = send  # type: ignore[assignment]
+        sender.send_tensors = send  # type: ignore[assignment]
     elif fault == "kill_mid_recv":
         orig_recv = service.recv_tensors
 
@@ -146,13 +146,13 @@ def _install_fault(fault: str) -> None:
 
         service.recv_tensors = recv  # type: ignore[assignment]
     elif fault == "slow_send":
-        orig_slow = service.send_tensors
+        orig_slow = sender.send_tensors
 
         def slow(transport: Any, *a: Any, **k: Any) -> Any:
             time.sleep(1.0)
             return orig_slow(transport, *a, **k)
 
-        service.send_tensors = slow  # type: ignore[assignment]
+        sender.send_tensors = slow  # type: ignore[assignment]
     elif fault == "kill_mid_download":
         def die(*a: Any, **k: Any) -> Any:
             time.sleep(0.3)

@@ -33,4 +33,4 @@ try:
 except ImportError as e:
     print("cupy missing:", e)
 PY
-exec timeout 280 "$PY" -m pytest -p no:cacheprovider -m gpu -q -rA tests/test_transport_gpu.py "$@"
+exec timeout 280 "$PY" -m pytest -p no:cacheprovider -m gpu -q -rA tests "$@"

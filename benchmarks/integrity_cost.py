@@ -15,18 +15,24 @@ import torch
 from torch import nn
 
 from nccl_back.integrity import layer_hashes
+from nccl_back.skeleton import consolidate
 
 
-def _model(total_bytes: int, n_tensors: int) -> nn.Module:
+def _model(total_bytes: int, n_tensors: int, consolidated: bool = False) -> nn.Module:
+    """``n_tensors`` float16 weights; ``consolidated``: in one allocation, as skeletons are."""
     per = total_bytes // n_tensors // 2  # float16 elements per tensor
     cols = 1024
     rows = max(1, per // cols)
     layers = nn.ModuleList()
     for _ in range(n_tensors):
-        lin = nn.Linear(cols, rows, bias=False, dtype=torch.float16)
-        nn.init.normal_(lin.weight)
-        layers.append(lin)
-    return nn.ModuleDict({"layers": layers})
+        layers.append(nn.Linear(cols, rows, bias=False, dtype=torch.float16))
+    model = nn.ModuleDict({"layers": layers})
+    if consolidated:
+        consolidate(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            nn.init.normal_(p)
+    return model
 
 
 def _best(fn: object, repeat: int) -> float:
@@ -43,8 +49,10 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--tensors", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--layout", choices=("consolidated", "separate"), default="consolidated",
+                        help="one allocation (as skeleton.build makes it) or one per tensor")
     args = parser.parse_args()
-    model = _model(int(args.gib * (1 << 30)), args.tensors)
+    model = _model(int(args.gib * (1 << 30)), args.tensors, args.layout == "consolidated")
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     flat = torch.empty(nbytes, dtype=torch.uint8)
     src = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
@@ -53,7 +61,8 @@ def main() -> None:
     full = _best(lambda: layer_hashes(model, "full"), max(1, args.repeat // 2))
     gb = nbytes / 1e9
     print(
-        f"model: {nbytes / (1 << 30):.2f} GiB in {args.tensors} tensors, torch threads {torch.get_num_threads()}"
+        f"model: {nbytes / (1 << 30):.2f} GiB in {args.tensors} tensors ({args.layout}),"
+        f" torch threads {torch.get_num_threads()}"
     )
     print(f"memcpy        {memcpy * 1e3:8.1f} ms  ({gb / memcpy:.1f} GB/s)")
     print(f"sampled hash  {sampled * 1e3:8.1f} ms  ({sampled / memcpy * 100:.2f}% of one memcpy)")

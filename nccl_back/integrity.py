@@ -173,10 +173,10 @@ def _normalise(sample: torch.Tensor) -> torch.Tensor:
 
 
 def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict[str, bytes]:
+    payloads, rest = _sampled_in_place(tensors, samples)
     by_device: dict[torch.device, list[str]] = defaultdict(list)
-    for name, t in tensors.items():
-        by_device[t.device].append(name)
-    payloads: dict[str, bytes] = {}
+    for name in rest:
+        by_device[tensors[name].device].append(name)
     for device, names in by_device.items():
         index = [sample_indices(n, tensors[n].numel(), samples) for n in names]
         # One host-to-device copy of all indices and one copy of all samples back, so a
@@ -195,6 +195,47 @@ def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict
             payloads[n] = blob[start:end].tobytes()
             start = end
     return payloads
+
+
+def _sampled_in_place(
+    tensors: Mapping[str, torch.Tensor], samples: int
+) -> tuple[dict[str, bytes], list[str]]:
+    """Sampled payloads of tensors sharing one allocation, one ``torch.take`` per dtype.
+
+    A consolidated skeleton (:func:`nccl_back.skeleton.consolidate`) keeps every tensor
+    in one storage, so the samples of all tensors of a dtype are gathered by a single
+    ``take`` over that storage, with each tensor's element offset added to its own
+    indices: the same elements, and so the same bytes, as one ``take`` per tensor, at
+    a fraction of the per-call cost. Returns the payloads and the names left for the
+    per-tensor path (non-contiguous, complex, empty or misaligned tensors).
+    """
+    groups: dict[tuple[torch.device, torch.dtype, int], list[tuple[str, torch.Tensor, int]]] = (
+        defaultdict(list)
+    )
+    rest: list[str] = []
+    for name, t in tensors.items():
+        storage = t.untyped_storage()
+        offset = t.data_ptr() - storage.data_ptr()
+        if t.numel() and t.is_contiguous() and not t.is_complex() and offset % t.element_size() == 0:
+            groups[(t.device, t.dtype, storage.data_ptr())].append((name, t, offset // t.element_size()))
+        else:
+            rest.append(name)
+    payloads: dict[str, bytes] = {}
+    for (device, dtype, _), members in groups.items():
+        index = [sample_indices(n, t.numel(), samples).numpy() + off for n, t, off in members]
+        first = members[0][1]
+        storage = first.untyped_storage()
+        whole = torch.empty(0, dtype=dtype, device=device).set_(
+            storage, 0, (storage.nbytes() // first.element_size(),), (1,)
+        )
+        flat_index = torch.from_numpy(np.concatenate(index)).to(device)
+        blob = _normalise(torch.take(whole, flat_index)).cpu().numpy().tobytes()
+        width = len(blob) // len(flat_index)  # bytes per sample after normalising
+        pos = 0
+        for (name, _, _), idx in zip(members, index, strict=True):
+            payloads[name] = blob[pos : pos + len(idx) * width]
+            pos += len(idx) * width
+    return payloads, rest
 
 
 def _full_payloads(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:

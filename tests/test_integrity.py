@@ -214,3 +214,26 @@ def test_cpu_and_cuda_hashes_agree() -> None:
     on_cpu = layer_hashes(model), layer_hashes(model, "full")
     model.cuda()
     assert (layer_hashes(model), layer_hashes(model, "full")) == on_cpu
+
+
+def test_consolidated_and_separate_layouts_hash_alike() -> None:
+    """The one-take path for a consolidated skeleton gives the per-tensor path's hashes."""
+    from nccl_back.skeleton import build, consolidate
+
+    def make() -> nn.Module:
+        m = nn.ModuleDict({
+            "emb": nn.Embedding(50, 8),
+            "layers": nn.ModuleList(nn.Linear(8, 8) for _ in range(3)),
+            "fp16": nn.Linear(4, 4).to(torch.float16),
+        })
+        m.register_buffer("steps", torch.arange(7))
+        return m
+
+    separate = build(make, flat=False)
+    torch.manual_seed(0)
+    for t in separate.state_dict().values():
+        t.copy_(torch.randn(t.shape).to(t.dtype) if t.is_floating_point() else t)
+    flat = consolidate(build(make, flat=False))
+    flat.load_state_dict(separate.state_dict())
+    assert flat["emb"].weight.untyped_storage().data_ptr() == flat["fp16"].weight.untyped_storage().data_ptr()
+    assert layer_hashes(flat) == layer_hashes(separate)

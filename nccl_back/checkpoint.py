@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointFormatError, SkeletonError
-from .skeleton import consolidate
+from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from .storage import Shard, Storage
 
 if TYPE_CHECKING:
@@ -212,9 +212,17 @@ def flat_skeleton(
     views of one allocation on ``device`` (:func:`nccl_back.skeleton.consolidate`).
     """
     headers = read_headers(storage or Storage(), spec.shards)
+    located = locate(headers)
+    man = Manifest(tuple(
+        TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))
+        for name, (_, info) in sorted(located.items())
+    ))
+    # One allocation, laid out as consolidate() would, instead of one per tensor.
+    offsets, total = flat_layout(man)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
     root = nn.Module()
-    for name, (_, info) in locate(headers).items():
-        *path, leaf = name.split(".")
+    for e in man.entries:
+        *path, leaf = e.name.split(".")
         module = root
         try:
             for part in path:
@@ -223,9 +231,11 @@ def flat_skeleton(
                     child = nn.Module()
                     module.add_module(part, child)
                 module = child
-            module.register_buffer(leaf, torch.empty(info.shape, dtype=info.dtype, device=device))
-        except (KeyError, TypeError) as e:
+            view = flat[offsets[e.name] : offsets[e.name] + e.nbytes]
+            module.register_buffer(leaf, view.view(dtype_from_name(e.dtype)).view(e.shape))
+        except (KeyError, TypeError) as err:
             # e.g. both "a" and "a.b" are tensors, or a name part is empty.
-            raise SkeletonError(f"checkpoint tensor name {name!r} cannot be a module path: {e}") from e
-    consolidate(root)
+            raise SkeletonError(
+                f"checkpoint tensor name {e.name!r} cannot be a module path: {err}"
+            ) from err
     return root

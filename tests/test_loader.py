@@ -227,3 +227,16 @@ def test_pipeline_rank_loads_only_its_submodules(tmp_path: Path) -> None:
     bad = {"vae": nn.Linear(2, 4)}
     with pytest.raises(WeightLoadError, match=r"vae.weight: skeleton expects \[4, 2\] float32"):
         load_from_storage(bad, spec)
+
+
+def test_flat_skeleton_is_one_allocation(tmp_path: Path) -> None:
+    """A header-built skeleton lives in one allocation, in manifest order, and loads exactly."""
+    model = fill_random(TinyTransformer(), 5)
+    ckpt = write_checkpoint(model, tmp_path / "ckpt", n_shards=3)
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=str(tmp_path / "cache"))
+    sk = flat_skeleton(spec)
+    tensors, _ = named_tensors(sk)
+    assert len({t.untyped_storage().data_ptr() for t in tensors.values()}) == 1
+    load_from_storage(sk, spec)
+    expected, _ = named_tensors(model)
+    assert all(torch.equal(expected[n], t) for n, t in tensors.items())

@@ -133,11 +133,7 @@ def send_tensors(
     can prove that verification catches damage in transit; never set it otherwise.
     """
     start = time.perf_counter()
-    steps = plan(tensors, bucket_bytes)
-    _check_devices(transport, tensors)
-    _agree_on_plan(transport, steps)
-    buffers = _Buffers(steps, transport.device)
-    window = _Window()
+    steps, buffers, window = _begin(transport, tensors, bucket_bytes)
     corrupt = corrupt_for_test
     with torch.no_grad():
         for step in steps:
@@ -172,11 +168,7 @@ def recv_tensors(
 ) -> TransferStats:
     """Receive into the skeleton's ``tensors`` (rank 1), written in place."""
     start = time.perf_counter()
-    steps = plan(tensors, bucket_bytes)
-    _check_devices(transport, tensors)
-    _agree_on_plan(transport, steps)
-    buffers = _Buffers(steps, transport.device)
-    window = _Window()
+    steps, buffers, window = _begin(transport, tensors, bucket_bytes)
     with torch.no_grad():
         for step in steps:
             window.make_room()
@@ -202,6 +194,16 @@ def recv_tensors(
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _begin(
+    transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int
+) -> tuple[list[Step], _Buffers, _Window]:
+    """Both sides: plan, check devices, agree on the plan, set up buffers and window."""
+    steps = plan(tensors, bucket_bytes)
+    _check_devices(transport, tensors)
+    _agree_on_plan(transport, steps)
+    return steps, _Buffers(steps, transport.device), _Window()
 
 
 def _entries(source: Mapping[str, torch.Tensor] | Manifest) -> Iterable[tuple[str, tuple[int, ...], str]]:

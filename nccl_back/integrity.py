@@ -12,17 +12,22 @@ Two modes:
 ``sampled`` (default, a few ms per GiB)
     For each tensor, ``samples`` elements at indices that depend only on the tensor's
     name and element count, gathered with ``torch.take`` on the tensor's own device (no
-    tensor is ever copied whole), and hashed. The indices come from SHAKE-128 of the
+    tensor is ever copied whole), and hashed. ``take`` reads a same-width integer view
+    of the tensor (it has no kernel for float8, uint16/32/64 or complex32), so every
+    dtype is sampled alike on every device. The indices come from SHAKE-128 of the
     name and count rather than from a ``torch.Generator``: the two sides may run
     different torch builds (a rolling upgrade, a CPU and a GPU image), and torch does
     not promise that ``randint`` streams stay the same across releases, whereas SHAKE
-    is a fixed standard. Floating values are converted to float16 before hashing, so a
-    tensor whose values are exactly representable in float16 hashes the same in any
-    wider floating dtype: a bfloat16 tensor and its float32 (or float16) upcast agree,
-    and float32 values that differ only below float16 precision usually agree.
-    A float32 tensor and its bfloat16 *downcast* differ, as they should: the
-    downcast lost information. Integer, bool and other non-floating tensors hash their
-    raw sampled bytes, because float16 cannot represent large integers exactly.
+    is a fixed standard. Floating values (float64 down to float8) are converted to
+    float16 before hashing, so a tensor whose values are exactly representable in
+    float16 hashes the same in any wider floating dtype: a bfloat16 tensor and its
+    float32 (or float16) upcast agree, and float32 values that differ only below
+    float16 precision usually agree. Every NaN hashes as one canonical NaN (a CPU
+    conversion keeps NaN payload bits that a GPU's drops). A float32 tensor and its
+    bfloat16 *downcast* differ, as they should: the downcast lost information.
+    Integer, bool and other non-floating tensors (and float8_e8m0fnu and float4,
+    which float16 cannot hold) hash their raw sampled bytes, because float16 cannot
+    represent large integers exactly.
     Catches corruption of more than a small fraction of a tensor (whole-buffer
     misplacement, zeroing, a shifted offset), not a single flipped element.
 
@@ -34,8 +39,10 @@ Two modes:
     ``sum(w_i * x_i) mod 2**64`` with odd position weights ``w_i``, and the chunk sums
     are chained in order with an odd multiplier. An odd number is invertible modulo a
     power of two, so any single changed word changes the result; integer addition is
-    associative, so CPU and GPU reductions agree bit for bit. Bit-exact: the dtypes on
-    both sides must match (the manifest check guarantees it).
+    associative, so CPU and GPU reductions agree bit for bit. Bytes are read through
+    integer views, so every dtype (float8, bool, uint64, ...) is covered. Bit-exact:
+    the dtypes on both sides must match (the manifest check guarantees it), and NaN
+    payloads count.
 """
 
 from __future__ import annotations
@@ -163,13 +170,54 @@ def _first(names: list[str]) -> str:
     return f"[{shown}{more}]"
 
 
-def _normalise(sample: torch.Tensor) -> torch.Tensor:
-    """Sampled values as a flat byte tensor: float16 for floating dtypes, raw otherwise."""
-    if sample.is_complex():
-        sample = torch.view_as_real(sample)
-    if sample.is_floating_point():
-        sample = sample.to(torch.float16)
-    return sample.contiguous().reshape(-1).view(torch.uint8)
+#: Integer dtype of each element width: ``torch.take`` has kernels for these on every
+#: device, but not for float8, uint16/32/64 or complex32, so samples are gathered
+#: through a same-width integer view and only then read as their own dtype.
+_WORD_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Floating dtypes hashed as float16: those that convert to it on CPU and GPU alike.
+#: float8_e8m0fnu (powers of two up to 2**127) would overflow and float4 has no
+#: conversion kernel: both hash their raw bytes.
+_TO_HALF = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float16", "bfloat16", "float32", "float64",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if hasattr(torch, name)
+)
+#: The one NaN every NaN hashes as: conversions keep (CPU) or drop (GPU) payload
+#: and sign bits, so NaNs are canonicalised for both sides to agree.
+_HALF_NAN = 0x7E00
+
+
+def _as_words(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype, int]:
+    """``t`` as a same-width integer tensor (any strides, no copy), its element dtype
+    as read back, and integer words per element of ``t`` (2 for complex: real pairs)."""
+    t = t.detach()
+    if t.is_complex():
+        real = torch.view_as_real(t)
+        return real.view(_WORD_DTYPE[real.element_size()]), real.dtype, 2
+    return t.view(_WORD_DTYPE[t.element_size()]), t.dtype, 1
+
+
+def _word_index(index: np.ndarray, per: int) -> np.ndarray:
+    """Element indices as word indices when each element is ``per`` words."""
+    if per == 1:
+        return index
+    return (index[:, None] * per + np.arange(per)).reshape(-1)
+
+
+def _normalise(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sampled words of element dtype ``dtype`` as a flat byte tensor: float16 with one
+    canonical NaN for the floating dtypes of ``_TO_HALF``, the raw bytes otherwise."""
+    if dtype in _TO_HALF:
+        values = words.view(dtype)
+        if dtype == torch.float64:
+            # Spelled out so that every device rounds twice the same way (via float32).
+            values = values.to(torch.float32)
+        half = values.to(torch.float16)
+        words = half.view(torch.int16).masked_fill(torch.isnan(half), _HALF_NAN)
+    return words.reshape(-1).view(torch.uint8)
 
 
 def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict[str, bytes]:
@@ -178,7 +226,11 @@ def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict
     for name in rest:
         by_device[tensors[name].device].append(name)
     for device, names in by_device.items():
-        index = [sample_indices(n, tensors[n].numel(), samples) for n in names]
+        index = []
+        for n in names:
+            per = _as_words(tensors[n])[2]
+            picks = sample_indices(n, tensors[n].numel(), samples).numpy()
+            index.append(torch.from_numpy(_word_index(picks, per)))
         # One host-to-device copy of all indices and one copy of all samples back, so a
         # GPU model costs two synchronisations rather than two per tensor.
         all_index = torch.cat(index).to(device)
@@ -186,7 +238,8 @@ def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict
         start = 0
         for n, idx in zip(names, index, strict=True):
             end = start + idx.numel()
-            picked.append(_normalise(torch.take(tensors[n].detach(), all_index[start:end])))
+            words, dtype, _ = _as_words(tensors[n])
+            picked.append(_normalise(torch.take(words, all_index[start:end]), dtype))
             start = end
         blob = torch.cat(picked).cpu().numpy() if picked else np.empty(0, np.uint8)
         start = 0
@@ -225,11 +278,12 @@ def _sampled_in_place(
         index = [sample_indices(n, t.numel(), samples).numpy() + off for n, t, off in members]
         first = members[0][1]
         storage = first.untyped_storage()
-        whole = torch.empty(0, dtype=dtype, device=device).set_(
+        word = _WORD_DTYPE[first.element_size()]
+        whole = torch.empty(0, dtype=word, device=device).set_(
             storage, 0, (storage.nbytes() // first.element_size(),), (1,)
         )
         flat_index = torch.from_numpy(np.concatenate(index)).to(device)
-        blob = _normalise(torch.take(whole, flat_index)).cpu().numpy().tobytes()
+        blob = _normalise(torch.take(whole, flat_index), dtype).cpu().numpy().tobytes()
         width = len(blob) // len(flat_index)  # bytes per sample after normalising
         pos = 0
         for (name, _, _), idx in zip(members, index, strict=True):

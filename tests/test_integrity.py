@@ -395,15 +395,16 @@ def test_narrow_floats_and_their_upcasts_sample_alike_nans_included(narrow: torc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["unkeyed", "keyed"])
 @pytest.mark.parametrize("mode", ["sampled", "full"])
-def test_cpu_and_cuda_hashes_agree_for_every_dtype(mode: str) -> None:
+def test_cpu_and_cuda_hashes_agree_for_every_dtype(mode: str, key: bytes | None) -> None:
     """The same bytes of every dtype and odd size hash alike on CPU and CUDA, both layouts."""
     model = _every_dtype()
-    on_cpu = layer_hashes(model, mode)  # type: ignore[arg-type]
-    assert layer_hashes(_consolidated(model).cuda(), mode) == on_cpu  # type: ignore[arg-type]
+    on_cpu = layer_hashes(model, mode, key=key)  # type: ignore[arg-type]
+    assert layer_hashes(_consolidated(model).cuda(), mode, key=key) == on_cpu  # type: ignore[arg-type]
     model.cuda()
     assert next(model.buffers()).is_cuda
-    assert layer_hashes(model, mode) == on_cpu  # type: ignore[arg-type]
+    assert layer_hashes(model, mode, key=key) == on_cpu  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu
@@ -415,3 +416,76 @@ def test_cpu_and_cuda_agree_on_nan_payloads(dtype: torch.dtype) -> None:
         on_cpu = layer_hashes(model), layer_hashes(model, "full")
         model.cuda()
         assert (layer_hashes(model), layer_hashes(model, "full")) == on_cpu, hex(bits)
+
+
+KEY = bytes(range(32))
+
+
+def test_keyed_hashes_depend_on_the_key() -> None:
+    """Keyed digests differ from unkeyed ones and between keys, in both modes."""
+    model = _lm()
+    for mode in ("sampled", "full"):
+        plain = layer_hashes(model, mode)  # type: ignore[arg-type]
+        a = layer_hashes(model, mode, key=KEY)  # type: ignore[arg-type]
+        b = layer_hashes(model, mode, key=KEY[::-1])  # type: ignore[arg-type]
+        assert a == layer_hashes(_lm(), mode, key=KEY)  # type: ignore[arg-type]
+        assert set(a) == set(plain) == set(b)
+        assert all(a[k] != plain[k] and a[k] != b[k] for k in a)
+    assert sample_indices("w", 10_000, key=KEY).tolist() != sample_indices("w", 10_000).tolist()
+    with pytest.raises(ConfigError, match="key: 8 bytes; use 16 to 64"):
+        layer_hashes(model, key=b"x" * 8)
+
+
+def test_a_copy_changed_outside_public_positions_is_caught_with_a_key() -> None:
+    """95% of a tensor replaced outside the unkeyed sample positions: only keyed catches it."""
+    model = nn.Module()
+    model.register_buffer("w", torch.randn(4000))
+    plain, keyed = layer_hashes(model), layer_hashes(model, key=KEY)
+    w = model.get_buffer("w")
+    public = sample_indices("w", w.numel())
+    forged = torch.full_like(w, 7.0)
+    forged[public] = w[public]
+    w.copy_(forged)
+    assert layer_hashes(model) == plain  # the attack on unkeyed positions works
+    assert layer_hashes(model, key=KEY) != keyed
+
+
+def test_a_cancelling_change_fools_the_unkeyed_checksum_not_the_keyed_one() -> None:
+    """Top bits flipped in two words cancel in the public linear sum, not in the keyed hash."""
+    model = nn.Module()
+    model.register_buffer("w", torch.randn(1000, dtype=torch.float64))
+    plain, keyed = layer_hashes(model, "full"), layer_hashes(model, "full", key=KEY)
+    words = model.get_buffer("w").view(torch.int64)
+    words[10] ^= -(1 << 63)  # sign bits: the values change
+    words[500] ^= -(1 << 63)
+    assert layer_hashes(model, "full") == plain
+    assert layer_hashes(model, "full", key=KEY) != keyed
+
+
+def test_keyed_full_catches_single_changes_at_any_position_and_size() -> None:
+    """Keyed full mode: one changed byte anywhere, odd sizes, chunk order all change the hash."""
+    gen = torch.Generator().manual_seed(5)
+    model = nn.Module()
+    model.register_buffer("big", torch.randn(2, 1 << 20, generator=gen))
+    model.register_buffer("odd", torch.randint(0, 255, (13,), dtype=torch.uint8, generator=gen))
+    before = layer_hashes(model, "full", key=KEY)
+    for name, index in (("big", 123_457), ("big", (1 << 21) - 1), ("odd", 12)):
+        raw = model.get_buffer(name).view(torch.uint8).view(-1)
+        raw[index] ^= 0x80
+        after = layer_hashes(model, "full", key=KEY)
+        assert {k for k in before if before[k] != after[k]} == {name}
+        raw[index] ^= 0x80
+    big = model.get_buffer("big")
+    big.copy_(big.flip(0))
+    assert layer_hashes(model, "full", key=KEY)["big"] != before["big"]
+
+
+def test_keyed_hashes_keep_layout_and_upcast_semantics() -> None:
+    """With a key: consolidated equals separate, strided equals copy, bf16 equals its upcast."""
+    model = _every_dtype()
+    for mode in ("sampled", "full"):
+        assert layer_hashes(_consolidated(model), mode, key=KEY) == layer_hashes(  # type: ignore[arg-type]
+            model, mode, key=KEY  # type: ignore[arg-type]
+        )
+    bf16 = _lm(dtype=torch.bfloat16)
+    assert layer_hashes(bf16, key=KEY) == layer_hashes(bf16.to(torch.float32), key=KEY)

@@ -188,7 +188,9 @@ class NcclTransport(Transport):
             store = self._store if self._store is not None else connect_store(self._address or "", left)
             prefixed = dist.PrefixStore(f"nccl/{self.transfer_id}/", store)
             opts = dist.ProcessGroupNCCL.Options()
-            opts.config.blocking = 0
+            config = opts.config  # a copy in some torch builds: set it back whole
+            config.blocking = 0
+            opts.config = config
             opts._timeout = timedelta(seconds=self._left("connect") + TORCH_TIMEOUT_SLACK_S)
             with _group_env():
                 pg = dist.ProcessGroupNCCL(prefixed, self.rank, WORLD_SIZE, opts)

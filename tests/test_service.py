@@ -181,7 +181,7 @@ def test_corruption_in_transit_is_caught(fleet: Fleet) -> None:
     full checksum covers every byte.)
     """
     fleet.settings["verify"] = "full"
-    fleet.start("sender", corrupt=True)
+    fleet.start("sender", fault="corrupt_send")
     _ok(fleet.report())
     fleet.start("receiver", serve_for=0)
     r = _ok(fleet.report())
@@ -193,7 +193,7 @@ def test_corruption_in_transit_is_caught(fleet: Fleet) -> None:
 def test_corruption_in_transit_strict_raises(fleet: Fleet) -> None:
     """With strict=True the verification failure is raised instead of falling back."""
     fleet.settings["verify"] = "full"
-    fleet.start("sender", corrupt=True)
+    fleet.start("sender", fault="corrupt_send")
     _ok(fleet.report())
     fleet.start("receiver", serve_for=0, settings={"strict": True})
     r = fleet.report()
@@ -331,4 +331,5 @@ def test_pipeline_one_rank_without_peer_all_use_storage(pipeline_fleet: Fleet) -
     _start_group(pipeline_fleet)
     got = sorted((pipeline_fleet.report() for _ in range(2)), key=lambda r: r["rank"])
     assert [(r["source"], r["identical"]) for r in got] == [("storage", True)] * 2, got
-    assert got[0]["fallback_reason"].startswith("consensus:"), got[0]
+    assert got[0]["fallback_reason"].startswith("consensus: rank 1 of this worker"), got[0]
+    assert "elected to download it" in got[1]["fallback_reason"], got[1]

@@ -66,14 +66,14 @@ def worker_main(
     *,
     model_kwargs: dict[str, Any] | None = None,
     serve_for: float = 60.0,
-    corrupt: bool = False,
     fault: str | None = None,
     adopt_as: dict[str, Any] | None = None,
 ) -> None:
     """Load (peer first), report, then keep serving until ``stop`` is set or time runs out.
 
     ``fault``: ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
-    broadcasts of a transfer (a real crash mid-transfer). ``adopt_as``: instead of
+    broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
+    byte of every send on the wire (tests/faults.py). ``adopt_as``: instead of
     loading, publish a model built with these kwargs under the checkpoint's version
     (to stage a peer whose manifest differs).
     """
@@ -87,8 +87,7 @@ def worker_main(
             _install_fault(fault)
         model = make_model(model_kwargs)
         spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
-        with WeightService(settings, worker_id=f"{role}-{os.getpid()}",
-                           corrupt_sends_for_test=corrupt) as svc:
+        with WeightService(settings, worker_id=f"{role}-{os.getpid()}") as svc:
             if adopt_as is not None:
                 info = svc.serve(make_model(adopt_as), spec)
                 out.send({"role": role, "pid": os.getpid(), "peer_id": info.peer_id})
@@ -145,6 +144,16 @@ def _install_fault(fault: str) -> None:
             return orig_recv(_KillAfter(transport, 3), *a, **k)
 
         service.recv_tensors = recv  # type: ignore[assignment]
+    elif fault == "corrupt_send":
+        from faults import CorruptingTransport  # type: ignore[import-not-found]
+
+        orig_corrupt = sender.send_tensors
+
+        def corrupt(transport: Any, *a: Any, **k: Any) -> Any:
+            # Byte 3: the most significant byte of a float32 first element.
+            return orig_corrupt(CorruptingTransport(transport, byte=3), *a, **k)
+
+        sender.send_tensors = corrupt  # type: ignore[assignment]
     elif fault == "slow_send":
         orig_slow = sender.send_tensors
 

@@ -215,3 +215,71 @@ def group_worker(
     except BaseException as e:
         out.send({"rank": rank, "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc()})
+
+
+def rank_main(
+    env: dict[str, str], ckpt: str, settings_kwargs: dict[str, Any], out: Any, stop: Any,
+    *, fault: str | None = None, withdraw: bool = False, timeout: float = 60.0,
+) -> None:
+    """One rank of a multi-rank worker, started as ``torchrun`` would start it.
+
+    ``env`` carries ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; the rank
+    joins its own gloo group through ``env://`` (the default group, as a TP/PP worker
+    would), loads its pipeline stage (:func:`make_part`), reports, then serves until
+    ``stop``. ``fault``: see :func:`_install_fault`; ``raise_in_verify`` makes the
+    integrity check raise a non-library error (as a CUDA error while hashing would).
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    report: dict[str, Any] = {"rank": rank, "group": env["MASTER_PORT"], "pid": os.getpid()}
+    try:
+        if fault == "raise_in_verify":
+            from nccl_back import integrity
+
+            def broken(*a: Any, **k: Any) -> None:
+                raise RuntimeError("simulated CUDA error while hashing")
+
+            integrity.compare = broken  # type: ignore[assignment]
+        elif fault:
+            _install_fault(fault)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        settings = settings_for(**settings_kwargs)
+        model = make_part(rank)
+        spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
+        with WeightService(settings, worker_id=f"g{env['MASTER_PORT']}-{rank}") as svc:
+            t0 = time.monotonic()
+            try:
+                result = svc.load(model, spec, group=dist.group.WORLD)
+            except Exception as e:
+                report.update(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0,
+                              failed_rank=getattr(e, "failed_rank", None))
+                out.send(report)
+                return
+            if withdraw:
+                svc.withdraw()
+            report.update(source=result.source, identical=matches_part(model, ckpt),
+                          verified=result.verified, fallback_reason=result.fallback_reason,
+                          peer_id=result.peer_id, worker_id=svc.worker_id,
+                          seconds=time.monotonic() - t0)
+            out.send(report)
+            while not stop.is_set():
+                time.sleep(0.05)
+    except BaseException as e:  # report, don't hang the parent
+        report.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        out.send(report)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def matches_part(model: dict[str, Any], ckpt: str) -> bool:
+    """Every tensor of a pipeline stage bit-identical to the checkpoint's."""
+    expected: dict[str, torch.Tensor] = {}
+    for f in sorted(p for p in os.listdir(ckpt) if p.endswith(".safetensors")):
+        expected.update(load_file(os.path.join(ckpt, f)))
+    tensors, _ = named_tensors(model)
+    return all(n in expected and torch.equal(expected[n], t) for n, t in tensors.items())

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from groups import Groups
-from models import TinyTransformer, fill_random, write_checkpoint
+
 import workers
+from models import TinyTransformer, fill_random, write_checkpoint
 
 
 @pytest.fixture

@@ -151,3 +151,31 @@ def test_peer_load_in_process_leaves_no_store_keys(settings: Settings, ckpt: str
         host, port = info.address.rsplit(":", 1)
         client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
         assert client.num_keys() == 0
+
+
+@pytest.mark.timeout(60)
+def test_cpu_receiver_skips_a_peer_of_another_transport_before_any_claim(
+    settings: Settings, ckpt: str, registry: Registry
+) -> None:
+    """A peer advertising nccl/cuda is never claimed by a CPU receiver: discovery skips it and says why."""
+    from nccl_back.skeleton import manifest
+
+    spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
+    model = build(TinyTransformer)
+    digest = manifest(model).digest
+    gpu_peer = PeerInfo(peer_id="gpu-peer", version=spec.version, rank=0, world_size=1,
+                        manifest_digest=digest, transport="nccl", address="10.0.0.9",
+                        device="cuda")
+    registry.publish_peer(gpu_peer)
+    registry.put_ground_truth(spec.version, 0, 1, digest, {"sampled|x": "0"})
+    t0 = time.monotonic()
+    with WeightService(settings) as svc:
+        result = svc.load(model, spec)
+    assert result.source == "storage"
+    assert result.fallback_reason is not None
+    assert result.fallback_reason.startswith("incompatible_peer: 1 peer(s) hold version")
+    assert "none speaks gloo on cpu (theirs: nccl on cuda)" in result.fallback_reason
+    # No request ever reached the GPU peer, no handshake was started, no timeout waited.
+    assert registry.client.llen(registry.key("req", "gpu-peer")) == 0
+    assert list(registry.scan("hs:*")) == []
+    assert time.monotonic() - t0 < settings.receiver_handshake_timeout

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import redis
+from groups import CTX  # forked from a server with torch imported (see tests/groups.py)
 
 from nccl_back.devservers import LocalRedis, free_port
 
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint
 
-CTX = mp.get_context("spawn")
 MODEL = {"n_layers": 4, "d": 64}
 
 
@@ -171,6 +171,25 @@ def test_receiver_killed_mid_transfer_sender_keeps_serving(fleet: Fleet) -> None
     fleet.start("receiver", serve_for=0)
     r = _ok(fleet.report())
     assert r["source"] == "peer"
+
+
+@pytest.mark.timeout(120)
+def test_receiver_sigkilled_with_default_timeouts_frees_the_slot_fast(fleet: Fleet) -> None:
+    """With the default transfer_timeout (120 s), a receiver SIGKILLed mid-transfer frees its
+    send slot: the next receiver gets a peer load within 15 s of the kill."""
+    defaults = {"transfer_timeout": 120.0, "receiver_handshake_timeout": 10.0}
+    fleet.start("sender", settings=defaults)
+    _ok(fleet.report())
+    go = CTX.Event()
+    fleet.start("next", serve_for=0, settings=defaults, go=go)  # ready, waiting for go
+    victim = fleet.start("victim", fault="kill_mid_recv", settings=defaults)
+    victim.join(90)
+    assert victim.exitcode == -signal.SIGKILL
+    killed = time.monotonic()
+    go.set()
+    r = _ok(fleet.report(timeout=60))
+    assert r["role"] == "next" and r["source"] == "peer", r
+    assert time.monotonic() - killed < 15, r
 
 
 @pytest.mark.timeout(90)

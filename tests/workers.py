@@ -68,6 +68,7 @@ def worker_main(
     serve_for: float = 60.0,
     fault: str | None = None,
     adopt_as: dict[str, Any] | None = None,
+    go: Any = None,
 ) -> None:
     """Load (peer first), report, then keep serving until ``stop`` is set or time runs out.
 
@@ -75,7 +76,8 @@ def worker_main(
     broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
     byte of every send on the wire (tests/faults.py). ``adopt_as``: instead of
     loading, publish a model built with these kwargs under the checkpoint's version
-    (to stage a peer whose manifest differs).
+    (to stage a peer whose manifest differs). ``go``: an Event to wait for before
+    loading (everything else is ready, so the load starts the moment it is set).
     """
     import faulthandler
 
@@ -94,9 +96,14 @@ def worker_main(
                 while not stop.is_set():
                     time.sleep(0.05)
                 return
+            if go is not None:
+                faulthandler.cancel_dump_traceback_later()
+                go.wait(120)
+                faulthandler.dump_traceback_later(40, exit=True)
+            t0 = time.monotonic()
             result = svc.load(model, spec)
             out.send({
-                "role": role, "pid": os.getpid(), "source": result.source,
+                "role": role, "load_seconds": time.monotonic() - t0, "pid": os.getpid(), "source": result.source,
                 "peer_id": result.peer_id, "fallback_reason": result.fallback_reason,
                 "verified": result.verified, "identical": matches_checkpoint(model, ckpt),
                 "seconds": result.seconds, "bytes": result.bytes,

@@ -179,3 +179,35 @@ def test_cpu_receiver_skips_a_peer_of_another_transport_before_any_claim(
     assert registry.client.llen(registry.key("req", "gpu-peer")) == 0
     assert list(registry.scan("hs:*")) == []
     assert time.monotonic() - t0 < settings.receiver_handshake_timeout
+
+
+@pytest.mark.timeout(60)
+def test_another_flavours_ground_truth_does_not_block_ours(
+    settings: Settings, ckpt: str, registry: Registry
+) -> None:
+    """Ground truth stored first by another skeleton flavour (another manifest) leaves ours its own: peers still verify."""
+    spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
+    registry.put_ground_truth(spec.version, 0, 1, "f" * 32, {"sampled|other.layout": "0"})
+    with WeightService(settings) as seed:
+        assert seed.load(build(TinyTransformer), spec).source == "storage"
+        with WeightService(settings) as receiver:
+            result = receiver.load(build(TinyTransformer), spec)
+    assert (result.source, result.fallback_reason, result.verified) == ("peer", None, True)
+
+
+@pytest.mark.timeout(60)
+def test_connect_phase_has_its_own_short_deadline(settings: Settings) -> None:
+    """A communicator that never forms fails at the connect deadline, not the transfer deadline."""
+    import torch
+
+    from nccl_back.errors import TransferTimeoutError
+    from nccl_back.transport import open_rendezvous, receiver_transport, run_guarded
+
+    with open_rendezvous(settings, "gloo", device=torch.device("cpu")) as rv:
+        # The sender never joins this transfer (it gave up, or died after the handshake).
+        transport = receiver_transport(settings, "gloo", rv.address, uuid.uuid4().hex,
+                                       device=torch.device("cpu"))
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeoutError, match="did not form by the connect deadline|timed out"):
+            run_guarded(transport, lambda tr: None, t0 + 60.0, connect_deadline=t0 + 1.0)
+        assert time.monotonic() - t0 < 15

@@ -11,8 +11,11 @@ soon never will, and the receiver must not hold its send slot for a whole transf
 timeout waiting for it.
 
 The worker thread must not outlive the attempt: transports bound every wait by the
-same deadline (gloo: a per-call timeout equal to the time left), so after ``abort`` the
-thread unwinds within ``join_grace``; the transport is closed on the way out.
+same deadline (gloo: a per-call timeout equal to the time left; NCCL: polling), so
+after ``abort`` the thread unwinds within the transport's ``join_grace``; the
+transport is closed on the way out. The watchdog only *asks* for the abort: an NCCL
+transport's owner thread carries it out, since ``ncclCommAbort`` is unsafe while
+another thread is inside NCCL.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def run_guarded(
     deadline: float,
     *,
     connect_deadline: float | None = None,
-    join_grace: float = 5.0,
+    join_grace: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """``transport.connect(...)`` then ``work(transport)``, done by ``deadline``.
@@ -59,7 +62,9 @@ def run_guarded(
             transport.connect(first)
             transport.extend_deadline(deadline)
             connected.set()
-            values.append(work(transport))
+            value = work(transport)
+            transport.finish()
+            values.append(value)
         except BaseException as e:  # handed to the caller's thread below
             errors.append(e)
         finally:
@@ -97,12 +102,15 @@ def run_guarded(
     return values[0]
 
 
-def _abort(transport: Transport, thread: threading.Thread, join_grace: float, phase: str) -> None:
+def _abort(
+    transport: Transport, thread: threading.Thread, join_grace: float | None, phase: str
+) -> None:
     log.warning("transfer_deadline_passed", transfer_id=transport.transfer_id,
                 kind=transport.kind, phase=phase)
     transport.abort()
-    thread.join(join_grace)
+    grace = transport.join_grace if join_grace is None else join_grace
+    thread.join(grace)
     if thread.is_alive():
-        # Only an uninterruptible native call can get here (ncclCommInitRank); the
-        # daemon thread is left behind, the caller still falls back.
-        log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=join_grace)
+        # Only a wait that ignores both the deadline and the abort request can get
+        # here; the daemon thread is left behind, the caller still falls back.
+        log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=grace)

@@ -63,14 +63,11 @@ from .identity import ModelSpec
 from .loader import load_from_storage
 from .log import get_logger
 from .metrics import Metrics
-from .registry import TRUTH_SEP, PeerInfo, Registry, encode_truth, truth_for_mode
+from .registry import PeerInfo, Registry, encode_truth, truth_for_mode
 from .result import LoadResult
 from .sender import PeerServer
 from .skeleton import Manifest, Model, manifest, model_device, named_tensors
 from .transport import receiver_transport, recv_tensors, resolve_kind, run_guarded
-
-#: Kept for importers of the old name; the key schema lives in registry.py.
-MODES_KEY_SEP = TRUTH_SEP
 
 # One rank's code in a consensus round (the worst code decides).
 OK, NOBODY, FAILED, RAISED = 0, 1, 2, 3

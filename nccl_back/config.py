@@ -114,6 +114,14 @@ class Settings:
     download_lease: float = 15.0
     """Seconds an elected downloader's lease lasts without renewal (a dead one is replaced)."""
 
+    single_flight_max_wait: float = 3600.0
+    """Upper bound in seconds on waiting for an elected downloader that is alive (still
+    renewing its lease) past ``single_flight_wait``: a large model can take longer."""
+
+    claim_ttl: float = 6.0
+    """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it
+    while its attempt runs, so a crashed receiver frees the slot within this bound."""
+
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
     a file that holds it), separate from the Redis password; at least 16 bytes. It signs
@@ -150,6 +158,8 @@ class Settings:
             "single_flight_wait",
             "busy_wait",
             "download_lease",
+            "single_flight_max_wait",
+            "claim_ttl",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -165,6 +175,11 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        if self.single_flight_max_wait < self.single_flight_wait:
+            raise ConfigError(
+                f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at least"
+                f" single_flight_wait={self.single_flight_wait!r}"
+            )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -195,6 +210,17 @@ class Settings:
     def heartbeat_interval(self) -> float:
         """Seconds between heartbeats: a third of the TTL, so one lost beat is harmless."""
         return self.peer_ttl / 3
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds either side waits for the communicator to form after a handshake.
+
+        Derived from the handshake timeouts: both sides proved alive a moment ago, so a
+        communicator that has not formed within them never will (and the claim must not
+        be held for a whole ``transfer_timeout``). Never longer than ``transfer_timeout``.
+        """
+        return min(self.sender_handshake_timeout + self.receiver_handshake_timeout,
+                   self.transfer_timeout)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated again)."""

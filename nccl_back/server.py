@@ -44,8 +44,9 @@ from .health import HealthServer
 from .identity import ModelSpec
 from .log import get_logger
 from .metrics import Metrics
+from .registry import truth_for_mode
 from .result import LoadResult
-from .service import MODES_KEY_SEP, WeightService
+from .service import WeightService
 from .skeleton import Model, build, manifest
 from .storage import parse_uri
 
@@ -217,6 +218,8 @@ class Sidecar:
             model = flat_skeleton(spec, opts.device)
         result = self.service.load(model, spec)
         if opts.socket_path is not None:
+            # The hand-off re-points the model into its arena; the service's sends read
+            # the model's tensors at send time, so they follow and one copy remains.
             self.handoff = HandoffServer(
                 model, spec.version, opts.socket_path, hashes=self._ground_truth(spec, model)
             ).start()
@@ -315,14 +318,11 @@ class Sidecar:
         None (the hand-off server hashes the model itself) if Redis has none that match.
         """
         try:
-            stored = self.service.registry.get_ground_truth(spec.version, 0, 1)
+            stored = self.service.registry.get_ground_truth(spec.version, 0, 1, manifest(model).digest)
         except RegistryError as e:
             self._log.warning("ground_truth_unavailable", error=str(e))
             return None
-        if stored is None or stored[0] != manifest(model).digest:
-            return None
-        prefix = "sampled" + MODES_KEY_SEP
-        return {k[len(prefix):]: v for k, v in stored[1].items() if k.startswith(prefix)}
+        return truth_for_mode(stored, "sampled") if stored is not None else None
 
     def _announce(self, result: LoadResult) -> None:
         info: dict[str, Any] = {

@@ -113,6 +113,9 @@ def _add_serve(sub: Any) -> None:
                    help="bound on in-flight transfers when draining (default: transfer timeout)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="written atomically (JSON) when ready, removed when draining")
+    p.add_argument("--drain-token-file", metavar="PATH",
+                   help="write a random token there (0600, private directory); POST /drain"
+                   " then needs it (python -m nccl_back.health drain --token-file PATH)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of falling back to storage when a peer load fails")
     for flag, type_, help_ in _SETTINGS_FLAGS:
@@ -191,6 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         health_port=args.health_port,
         drain_timeout=args.drain_timeout,
         ready_file=args.ready_file,
+        drain_token_file=args.drain_token_file,
     )
     sidecar = server.Sidecar(settings, options).start()
     with server.stop_on_signals(sidecar):

@@ -107,6 +107,19 @@ class Signer:
         return body
 
 
+def transfer_scope(key: bytes | None, transfer_id: str) -> str:
+    """The name a transfer's keys take in the sender's TCPStore.
+
+    With a key (``Settings.key("store")``) it carries a per-transfer token only the
+    two sides can compute, so a network neighbour who reaches the store (and read the
+    transfer id in Redis) can neither read nor write that transfer's keys.
+    """
+    if key is None:
+        return transfer_id
+    token = hmac.new(key, transfer_id.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{transfer_id}-{token}"
+
+
 def _mac(key: bytes, redis_key: str, body: Mapping[str, Any]) -> str:
     msg = redis_key.encode() + b"\0" + canonical(body)
     return hmac.new(key, msg, hashlib.sha256).hexdigest()

@@ -286,3 +286,34 @@ def test_sidecar_drain_needs_the_token_it_wrote(workdir: str, redis_url: str) ->
         assert sidecar.health.state == "draining"
     finally:
         sidecar.close()
+
+
+# ----------------------------------------------------------------- the transfer's network door
+
+
+def test_rendezvous_is_not_reachable_on_other_interfaces() -> None:
+    """By default the sender's store listens on the advertised address only."""
+    from nccl_back.config import Settings
+    from nccl_back.transport.gloo import GlooRendezvous
+
+    rdv = GlooRendezvous(Settings(advertise_host="127.0.0.2"))
+    try:
+        host, port = rdv.address.rsplit(":", 1)
+        assert host == "127.0.0.2"
+        socket.create_connection(("127.0.0.2", int(port)), timeout=2).close()
+        with Timed(2.0), pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+    finally:
+        rdv.close()
+
+
+def test_transfer_scope_is_unguessable_without_the_secret() -> None:
+    """With a secret a transfer's store keys carry a token derived from it and the id."""
+    from nccl_back.auth import transfer_scope
+
+    key = bytes(range(32))
+    scoped = transfer_scope(key, "a" * 32)
+    assert scoped.startswith("a" * 32 + "-") and len(scoped) == 65
+    assert scoped != transfer_scope(key[::-1], "a" * 32)
+    assert scoped != transfer_scope(key, "b" * 32)
+    assert transfer_scope(None, "a" * 32) == "a" * 32

@@ -74,7 +74,7 @@ _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("transport", str, "auto, gloo or nccl"),
     ("verify", str, "integrity check after a peer load: sampled, full or none"),
     ("advertise-host", str, "address peers use to reach this worker"),
-    ("bind-host", str, "interface the transport rendezvous listens on"),
+    ("bind-host", str, "interface the transport rendezvous listens on (default: --advertise-host)"),
     ("rendezvous-port", int, "TCP port of the gloo rendezvous (0: any free port)"),
     ("transfer-timeout", float, "watchdog deadline of one transfer, seconds"),
     ("receiver-handshake-timeout", float, "seconds a receiver waits in the handshake"),
@@ -113,6 +113,9 @@ def _add_serve(sub: Any) -> None:
                    help="bound on in-flight transfers when draining (default: transfer timeout)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="written atomically (JSON) when ready, removed when draining")
+    p.add_argument("--drain-token-file", metavar="PATH",
+                   help="write a random token there (0600, private directory); POST /drain"
+                   " then needs it (python -m nccl_back.health drain --token-file PATH)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of falling back to storage when a peer load fails")
     for flag, type_, help_ in _SETTINGS_FLAGS:
@@ -178,7 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.check_local_model(args.model)
     if args.drain_timeout is not None and args.drain_timeout <= 0:
         raise ConfigError(f"--drain-timeout {args.drain_timeout!r}: must be a positive number of seconds")
-    server.check_port_free(settings.bind_host, settings.rendezvous_port, "--rendezvous-port")
+    server.check_port_free(settings.listen_host, settings.rendezvous_port, "--rendezvous-port")
     if args.hf:
         spec_config = dict(ModelSpec.from_dir(args.model, cache_dir=settings.cache_dir).config)
         factory = server.hf_factory(spec_config)
@@ -191,6 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         health_port=args.health_port,
         drain_timeout=args.drain_timeout,
         ready_file=args.ready_file,
+        drain_token_file=args.drain_token_file,
     )
     sidecar = server.Sidecar(settings, options).start()
     with server.stop_on_signals(sidecar):

@@ -57,8 +57,10 @@ class Settings:
     advertise_host: str = field(default_factory=_default_host)
     """Address other workers use to reach this one's transport rendezvous."""
 
-    bind_host: str = "0.0.0.0"
-    """Interface this worker's transport rendezvous listens on."""
+    bind_host: str = ""
+    """Interface this worker's transport rendezvous listens on; empty (the default): the
+    advertised address, so the store is not reachable on interfaces peers don't use.
+    ``0.0.0.0`` listens on every interface."""
 
     rendezvous_port: int = 0
     """TCP port of the gloo rendezvous (0: the OS picks one; a pod sets a fixed one)."""
@@ -121,6 +123,12 @@ class Settings:
     claim_ttl: float = 6.0
     """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it
     while its attempt runs, so a crashed receiver frees the slot within this bound."""
+
+    peer_budget: float = 0.0
+    """Seconds all peer attempts of one load may take together (claims, handshakes,
+    transfers, waits for busy peers), so fake or stalling peers cannot cost more; past
+    it the worker loads from storage. 0: ``busy_wait + transfer_timeout +
+    max_peer_attempts * receiver_handshake_timeout``."""
 
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
@@ -192,6 +200,10 @@ class Settings:
                 f"secret: must be a string of at least {MIN_SECRET_BYTES} bytes"
                 " (e.g. `openssl rand -hex 32`), or unset"
             )
+        if not isinstance(self.peer_budget, (int, float)) or isinstance(self.peer_budget, bool) or (
+            self.peer_budget < 0
+        ):
+            raise ConfigError(f"peer_budget={self.peer_budget!r}: must be 0 (automatic) or positive seconds")
         port = self.rendezvous_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError(f"rendezvous_port={port!r}: must be 0 (any free port) to 65535")
@@ -205,6 +217,22 @@ class Settings:
         if self.secret is None:
             return None
         return hmac.new(self.secret.encode(), b"nccl_back/" + purpose.encode(), hashlib.sha256).digest()
+
+    @property
+    def peer_budget_seconds(self) -> float:
+        """:attr:`peer_budget`, or its automatic value when it is 0."""
+        if self.peer_budget > 0:
+            return float(self.peer_budget)
+        return (
+            self.busy_wait
+            + self.transfer_timeout
+            + self.max_peer_attempts * self.receiver_handshake_timeout
+        )
+
+    @property
+    def listen_host(self) -> str:
+        """Where the transport rendezvous listens: ``bind_host``, else ``advertise_host``."""
+        return self.bind_host or self.advertise_host
 
     @property
     def heartbeat_interval(self) -> float:

@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -40,7 +41,7 @@ from .checkpoint import flat_skeleton
 from .config import Settings
 from .errors import ConfigError, NcclBackError, RegistryError
 from .handoff import HandoffServer
-from .health import HealthServer
+from .health import HealthServer, write_token_file
 from .identity import ModelSpec
 from .log import get_logger
 from .metrics import Metrics
@@ -75,6 +76,9 @@ class ServeOptions:
     None: ``settings.transfer_timeout``."""
     ready_file: str | None = None
     """Written atomically (JSON) once ready, removed when draining starts."""
+    drain_token_file: str | None = None
+    """Where a fresh random drain token is written (0600, in a private directory) at
+    start; ``POST /drain`` then needs it. None: loopback clients drain without one."""
 
 
 def resolve_factory(spec: str) -> Callable[[], Any]:
@@ -171,8 +175,13 @@ class Sidecar:
         self.options = options
         self.metrics = metrics if metrics is not None else Metrics()
         self.service = service if service is not None else WeightService(settings, metrics=self.metrics)
+        self._drain_token = secrets.token_urlsafe(32) if options.drain_token_file else None
         self.health = HealthServer(
-            self.metrics, options.health_host, options.health_port, on_drain=self._drain
+            self.metrics,
+            options.health_host,
+            options.health_port,
+            on_drain=self._drain,
+            drain_token=self._drain_token,
         )
         self.handoff: HandoffServer | None = None
         self.result: LoadResult | None = None
@@ -201,7 +210,15 @@ class Sidecar:
         return f"http://{shown}:{self.health.port}"
 
     def start(self) -> Sidecar:
-        """Bind the health port (:class:`ConfigError` if it is in use)."""
+        """Write the drain token file, bind the health port (:class:`ConfigError` if
+        either fails)."""
+        if self.options.drain_token_file is not None:
+            try:
+                write_token_file(self.options.drain_token_file, self._drain_token)
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot write the drain token to {self.options.drain_token_file}: {e}"
+                ) from e
         self.health.start()
         self._started = True
         return self

@@ -1,9 +1,13 @@
 """Model identity: which checkpoint bytes and config a worker holds.
 
 ``ModelSpec.version`` is the MD5 of the canonical JSON of the model config together
-with every shard's URI and CRC32C. Hashing the bytes' checksums, not the safetensors
-headers, is the point: two checkpoints with identical headers and one differing tensor
-must never share a version (vLLM 0.31's header-only key did exactly that).
+with every shard's name *within the model* (its path relative to the model's root),
+size and CRC32C. It depends on content only: the same bytes in another directory, on
+another mount point or at a ``gs://`` URI instead of a local copy share one version, so
+those workers share weights; one changed byte changes it. Hashing the bytes' checksums,
+not the safetensors headers, is the point: two checkpoints with identical headers and
+one differing tensor must never share a version (vLLM 0.31's header-only key did
+exactly that).
 
 CRC32C comes for free from object metadata on ``gs://``. For local files it is
 computed once, streamed through one reused buffer, and cached on disk keyed by the
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Any
 
@@ -138,7 +143,10 @@ def _cached_crc32c(path: str, cache: _CrcCache, opener: Opener) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A checkpoint's identity: its config and its shards (kept sorted by URI)."""
+    """A checkpoint's identity: its config and its shards (kept sorted by name).
+
+    Shard URIs say where this worker reads the bytes; they are not part of the version.
+    """
 
     config: Mapping[str, Any]
     shards: tuple[Shard, ...] = field(default=())
@@ -150,17 +158,20 @@ class ModelSpec:
             json.dumps(self.config, sort_keys=True)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"ModelSpec config is not JSON-serialisable: {e}") from e
-        shards = tuple(sorted(self.shards, key=lambda s: s.uri))
-        uris = [s.uri for s in shards]
-        if len(set(uris)) != len(uris):
-            raise ConfigError(f"ModelSpec lists a shard twice: {uris}")
+        shards = tuple(sorted(self.shards, key=lambda s: s.name))
+        names = [s.name for s in shards]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"ModelSpec lists a shard name twice: {names}")
         object.__setattr__(self, "shards", shards)
 
-    @property
+    @cached_property
     def version(self) -> str:
-        """MD5 hex of the canonical JSON of the config and every shard's URI and CRC32C."""
+        """MD5 hex of the canonical JSON of the config and every shard's (name, size, CRC32C).
+
+        Content only: never a URI or absolute path.
+        """
         payload = json.dumps(
-            {"config": self.config, "shards": [[s.uri, s.crc32c] for s in self.shards]},
+            {"config": self.config, "shards": [[s.name, s.size, s.crc32c] for s in self.shards]},
             sort_keys=True,
             separators=(",", ":"),
         )
@@ -174,7 +185,7 @@ class ModelSpec:
     def to_json(self) -> dict[str, Any]:
         return {
             "config": dict(self.config),
-            "shards": [[s.uri, s.crc32c, s.size] for s in self.shards],
+            "shards": [[s.uri, s.crc32c, s.size, s.name] for s in self.shards],
         }
 
     @classmethod
@@ -182,7 +193,7 @@ class ModelSpec:
         """Inverse of :meth:`to_json` (also accepts the JSON text)."""
         try:
             raw = json.loads(data) if isinstance(data, (str, bytes)) else data
-            shards = tuple(Shard(str(u), str(c), int(n)) for u, c, n in raw["shards"])
+            shards = tuple(_shard_from_json(item) for item in raw["shards"])
             return cls(dict(raw["config"]), shards)
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"malformed ModelSpec JSON: {e!r}") from e
@@ -239,7 +250,15 @@ class ModelSpec:
             crcs = _local_crc32cs([i.uri for i in infos], cache_dir, opener)
         else:
             crcs = [_remote_crc32c(i) for i in infos]
-        return cls(config, tuple(Shard(i.uri, c, i.size) for i, c in zip(infos, crcs, strict=True)))
+        return cls(config, tuple(Shard(i.uri, c, i.size, i.name) for i, c in zip(infos, crcs, strict=True)))
+
+
+def _shard_from_json(item: Any) -> Shard:
+    """``[uri, crc32c, size]`` or ``[uri, crc32c, size, name]`` (name: the URI's last part)."""
+    if not isinstance(item, (list, tuple)) or len(item) not in (3, 4):
+        raise ValueError(f"shard entry {item!r} is not [uri, crc32c, size(, name)]")
+    uri, crc, size = str(item[0]), str(item[1]), int(item[2])
+    return Shard(uri, crc, size, str(item[3]) if len(item) == 4 else "")
 
 
 def _local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> list[str]:

@@ -318,3 +318,17 @@ def test_crc32c_from_gcs_matches_google_crc32c() -> None:
     data = b"hello weights"
     b64 = base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
     assert crc32c_from_gcs(b64) == f"{google_crc32c.value(data):08x}"
+
+
+@pytest.mark.timeout(60)
+def test_gs_and_local_copy_share_version(
+    gcs: LocalGCS, bucket: Any, tmp_path: Any, cache_dir: str
+) -> None:
+    """A checkpoint at a gs:// prefix and its local copy have the same version (content identity)."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", n_shards=2)
+    for f in sorted(os.listdir(ckpt)):
+        bucket.blob(f"deep/prefix/m/{f}").upload_from_filename(str(ckpt / f))
+    remote = ModelSpec.from_dir(f"gs://{bucket.name}/deep/prefix/m", storage=_fast(gcs.client()))
+    local = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    assert remote.version == local.version
+    assert [s.name for s in remote.shards] == [s.name for s in local.shards]

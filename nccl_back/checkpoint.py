@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .config import Settings
 from .errors import CheckpointFormatError, SkeletonError
 from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from .storage import Shard, Storage
@@ -203,15 +204,20 @@ def parse_index(data: bytes, uri: str) -> dict[str, str]:
 
 
 def flat_skeleton(
-    spec: ModelSpec, device: str | torch.device = "cpu", *, storage: Storage | None = None
+    spec: ModelSpec,
+    device: str | torch.device = "cpu",
+    *,
+    storage: Storage | None = None,
+    settings: Settings | None = None,
 ) -> nn.Module:
     """A skeleton built from the checkpoint's headers alone, without Python model code.
 
     Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
     module's ``state_dict`` names are exactly the checkpoint's names; tensors are
     views of one allocation on ``device`` (:func:`nccl_back.skeleton.consolidate`).
+    Headers are read through ``storage``, else a :class:`Storage` with ``settings``.
     """
-    headers = read_headers(storage or Storage(), spec.shards)
+    headers = read_headers(storage or Storage(settings), spec.shards)
     located = locate(headers)
     man = Manifest(tuple(
         TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))

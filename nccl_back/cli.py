@@ -125,7 +125,7 @@ def _add_serve(sub: Any) -> None:
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
     """Print the version and every shard's CRC32C."""
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=Settings.from_env())
     if args.json:
         shards = [{"uri": s.uri, "crc32c": s.crc32c, "size": s.size} for s in spec.shards]
         print(json.dumps({"version": spec.version, "shards": shards}, indent=2))
@@ -140,8 +140,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     """Load into a skeleton built from the headers; print version, bytes, seconds, GB/s."""
     device = _device(args.device)
     settings = Settings.from_env()
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
-    skeleton = flat_skeleton(spec, device=device)
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=settings)
+    skeleton = flat_skeleton(spec, device=device, settings=settings)
     result = load_from_storage(skeleton, spec, progress=_ProgressBar(), settings=settings)
     summary = {
         "version": result.version,

@@ -39,7 +39,7 @@ from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, Stor
 from .log import get_logger
 from .storage import ObjectInfo, Shard, Storage, parse_uri
 
-__all__ = ["ModelSpec", "Shard", "file_crc32c"]
+__all__ = ["CrcCache", "ModelSpec", "Shard", "cached_crc32c", "file_crc32c"]
 
 log = get_logger("nccl_back.identity")
 
@@ -73,7 +73,7 @@ def _file_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
-class _CrcCache:
+class CrcCache:
     """CRC32C of local files by absolute path, valid while the file's identity is unchanged."""
 
     def __init__(self, cache_dir: str) -> None:
@@ -117,21 +117,27 @@ def file_crc32c(
     path: str, *, cache_dir: str | None = None, opener: Opener = _open_unbuffered
 ) -> str:
     """CRC32C (8 hex digits) of a local file, from the cache in ``cache_dir`` when valid."""
-    cache = _CrcCache(cache_dir or Settings().cache_dir)
+    cache = CrcCache(cache_dir or Settings().cache_dir)
     crc = _cached_crc32c(os.path.abspath(path), cache, opener)
     cache.save()
     return crc
 
 
-def _cached_crc32c(path: str, cache: _CrcCache, opener: Opener) -> str:
+def _cached_crc32c(path: str, cache: CrcCache, opener: Opener) -> str:
     try:
         st = os.stat(path)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"shard {path!r} does not exist") from e
+    return cached_crc32c(path, st, cache, lambda: _stream_crc32c(path, opener))
+
+
+def cached_crc32c(path: str, st: os.stat_result, cache: CrcCache, compute: Callable[[], str]) -> str:
+    """CRC32C of the local file ``path`` whose stat is ``st``: from ``cache`` when its
+    identity is unchanged, else ``compute()`` (then cached when that is safe)."""
     crc = cache.get(path, st)
     if crc is None:
         started = time.time_ns()
-        crc = _stream_crc32c(path, opener)
+        crc = compute()
         # Cache only a file that was not rewritten while we read it, and whose mtime is
         # older than the file system's timestamp granularity ("racy git"): a same-size
         # rewrite within that window would keep the same key and reuse a stale CRC.
@@ -206,6 +212,7 @@ class ModelSpec:
         cache_dir: str | None = None,
         client: Any = None,
         storage: Storage | None = None,
+        settings: Settings | None = None,
         opener: Opener = _open_unbuffered,
     ) -> ModelSpec:
         """The spec of the checkpoint in a local directory or ``gs://`` prefix.
@@ -213,9 +220,12 @@ class ModelSpec:
         Reads ``config.json`` and the ``*.safetensors`` shards; when
         ``model.safetensors.index.json`` is present only the shards it lists count (a
         consolidated copy next to them is ignored). ``opener`` opens local shards for
-        checksumming (tests inject one to count reads).
+        checksumming (tests inject one to count reads). Reads go through ``storage``,
+        else a :class:`Storage` with ``settings`` (retries, workers); the CRC32C cache
+        lives in ``cache_dir``, else the settings' ``cache_dir``.
         """
-        storage = storage or Storage(client=client)
+        storage = storage or Storage(settings, client=client)
+        cache_dir = cache_dir or storage.settings.cache_dir
         root = parse_uri(path_or_uri)
         try:
             files = {i.name: i for i in storage.list_dir(root.uri)}
@@ -262,7 +272,7 @@ def _shard_from_json(item: Any) -> Shard:
 
 
 def _local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> list[str]:
-    cache = _CrcCache(cache_dir or Settings().cache_dir)
+    cache = CrcCache(cache_dir or Settings().cache_dir)
     # Threads overlap one file's read (GIL released) with another's checksum.
     workers = max(1, min(4, os.cpu_count() or 1, len(paths)))
     with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-crc") as pool:

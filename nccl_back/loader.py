@@ -15,7 +15,9 @@ checkpoint and skeleton hold exactly the same tensors, and only then copy. So a
 mismatch raises :class:`WeightLoadError` before any byte is written. Local shards are
 memory-mapped and each tensor is copied once, from a zero-copy view of the mapping
 into the skeleton's existing tensor; remote shards are downloaded into one buffer each
-and copied the same way.
+and copied the same way. Every shard's CRC32C is checked against the identity before its
+tensors are copied: downloads as they arrive, local files over their mapping (or from
+the identity's CRC32C cache, so a warm restart reads nothing twice).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .checkpoint import ShardHeader, TensorInfo, locate, read_headers
@@ -40,11 +43,11 @@ from .errors import (
     ShardNotFoundError,
     WeightLoadError,
 )
-from .identity import ModelSpec
+from .identity import CrcCache, ModelSpec, cached_crc32c
 from .log import get_logger
 from .result import LoadResult
 from .skeleton import Model, dtype_name, named_tensors
-from .storage import Shard, Storage, parse_uri
+from .storage import Shard, Storage, crc32c_hex, parse_uri
 
 log = get_logger("nccl_back.loader")
 
@@ -166,23 +169,31 @@ def _check_header(buf: Any, header: ShardHeader) -> None:
         )
 
 
-def _load_local(shard: Shard, copies: Sequence[_Copy], tracker: _Tracker) -> None:
+def _load_local(shard: Shard, copies: Sequence[_Copy], tracker: _Tracker, cache: CrcCache) -> None:
     path = parse_uri(shard.uri).path
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"shard {path!r} does not exist") from e
     try:
-        size = os.fstat(fd).st_size
-        if size != shard.size:
+        st = os.fstat(fd)
+        if st.st_size != shard.size:
             raise CheckpointFormatError(
-                f"{path}: {size} bytes, its identity says {shard.size} (changed since fingerprinted?)"
+                f"{path}: {st.st_size} bytes, its identity says {shard.size} (changed since fingerprinted?)"
             )
-        if size == 0:
+        if st.st_size == 0:
             return
         # ACCESS_COPY (private, copy-on-write) gives a writable buffer, which
         # torch.frombuffer wants; nothing writes to it, so no page is ever copied.
-        with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as mapping:
+        with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY) as mapping:
+            # Checked before any copy, over the mapping the copies then read (the
+            # checksum warms its pages); the identity's cache makes a warm restart free.
+            crc = cached_crc32c(path, st, cache, lambda: crc32c_hex(np.frombuffer(mapping, np.uint8)))
+            if crc != shard.crc32c:
+                raise ChecksumMismatchError(
+                    f"{path}: CRC32C {crc} differs from {shard.crc32c} in its identity"
+                    " (changed or corrupted since fingerprinted?)"
+                )
             _copy_from(mapping, copies, tracker)
     finally:
         os.close(fd)
@@ -203,7 +214,7 @@ def load_from_storage(
     copy), :class:`CheckpointFormatError` (bad safetensors, naming the file),
     :class:`ShardNotFoundError`, :class:`ChecksumMismatchError` or :class:`StorageError`.
     """
-    settings = settings or Settings()
+    settings = settings or (storage.settings if storage is not None else Settings())
     storage = storage or Storage(settings)
     start = clock()
     tensors, aliases = named_tensors(model)
@@ -223,9 +234,13 @@ def load_from_storage(
     if local:
         # copy_ releases the GIL: shards copy in parallel.
         workers = min(settings.storage_workers, len(local))
-        with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-load") as pool:
-            for f in [pool.submit(_load_local, s, plan[s.uri], tracker) for s in local]:
-                f.result()
+        cache = CrcCache(settings.cache_dir)
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-load") as pool:
+                for f in [pool.submit(_load_local, s, plan[s.uri], tracker, cache) for s in local]:
+                    f.result()
+        finally:
+            cache.save()
     if remote:
         headers_by_uri = {h.uri: h for h in headers}
         downloads = storage.download_many(remote)

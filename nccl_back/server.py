@@ -208,13 +208,13 @@ class Sidecar:
     def load(self) -> LoadResult:
         """Build the skeleton, load (peer first), open the hand-off socket, become ready."""
         opts = self.options
-        spec = ModelSpec.from_dir(opts.model_uri, cache_dir=self.settings.cache_dir)
+        spec = ModelSpec.from_dir(opts.model_uri, settings=self.settings)
         log = self._log.bind(version=spec.version[:12])
         log.info("skeleton_building", device=str(opts.device), factory=opts.factory is not None)
         if opts.factory is not None:
             model = build(opts.factory, opts.device)
         else:
-            model = flat_skeleton(spec, opts.device)
+            model = flat_skeleton(spec, opts.device, settings=self.settings)
         result = self.service.load(model, spec)
         if opts.socket_path is not None:
             self.handoff = HandoffServer(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -37,7 +38,7 @@ from .checkpoint import INDEX_NAME, parse_index
 from .config import Settings
 from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
 from .log import get_logger
-from .storage import ObjectInfo, Shard, Storage, parse_uri
+from .storage import Location, ObjectInfo, Shard, Storage, parse_uri
 
 __all__ = ["CrcCache", "ModelSpec", "Shard", "cached_crc32c", "file_crc32c"]
 
@@ -152,10 +153,15 @@ class ModelSpec:
     """A checkpoint's identity: its config and its shards (kept sorted by name).
 
     Shard URIs say where this worker reads the bytes; they are not part of the version.
+    For a diffusers pipeline folder ``components`` names every component of its
+    ``model_index.json`` (weightless ones too), each shard's name starts with its
+    component's folder (``unet/diffusion_pytorch_model.safetensors``) and ``config`` is
+    ``{"model_index": ..., "components": {name: {json file name: content}}}``.
     """
 
     config: Mapping[str, Any]
     shards: tuple[Shard, ...] = field(default=())
+    components: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, Mapping):
@@ -169,6 +175,14 @@ class ModelSpec:
         if len(set(names)) != len(names):
             raise ConfigError(f"ModelSpec lists a shard name twice: {names}")
         object.__setattr__(self, "shards", shards)
+        components = tuple(sorted(self.components))
+        for c in components:
+            if not _COMPONENT_RE.match(c):
+                raise ConfigError(f"pipeline component name {c!r} must be a plain identifier")
+        stray = [s.name for s in shards if components and s.name.split("/", 1)[0] not in components]
+        if stray:
+            raise ConfigError(f"ModelSpec shards outside every component: {stray}")
+        object.__setattr__(self, "components", components)
 
     @cached_property
     def version(self) -> str:
@@ -176,11 +190,12 @@ class ModelSpec:
 
         Content only: never a URI or absolute path.
         """
-        payload = json.dumps(
-            {"config": self.config, "shards": [[s.name, s.size, s.crc32c] for s in self.shards]},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        content: dict[str, Any] = {
+            "config": self.config, "shards": [[s.name, s.size, s.crc32c] for s in self.shards]
+        }
+        if self.components:
+            content["components"] = list(self.components)
+        payload = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.md5(payload.encode()).hexdigest()
 
     @property
@@ -188,11 +203,53 @@ class ModelSpec:
         """Total size of the shards in bytes."""
         return sum(s.size for s in self.shards)
 
+    # -- pipelines ------------------------------------------------------------------------
+
+    def component_of(self, shard: Shard) -> str:
+        """The pipeline component a shard belongs to ("" for a single model)."""
+        return shard.name.split("/", 1)[0] if self.components else ""
+
+    def component_shards(self, name: str) -> tuple[Shard, ...]:
+        """A pipeline component's weight files (empty for a weightless component)."""
+        self._check_component(name)
+        return tuple(s for s in self.shards if self.component_of(s) == name)
+
+    @property
+    def weighted_components(self) -> tuple[str, ...]:
+        """The components that have weight files, sorted."""
+        return tuple(sorted({self.component_of(s) for s in self.shards} - {""}))
+
+    def component_config(self, name: str, filename: str = CONFIG_NAME) -> dict[str, Any]:
+        """A component's JSON file (``config.json``, ``scheduler_config.json``) as read."""
+        self._check_component(name)
+        found = self.config["components"].get(name, {}).get(filename)
+        if not isinstance(found, dict):
+            raise ConfigError(f"pipeline component {name!r} has no {filename}")
+        return found
+
+    def component_class(self, name: str) -> tuple[str, str]:
+        """``(library, class name)`` of a component, from ``model_index.json``."""
+        self._check_component(name)
+        library, class_name = self.config["model_index"][name]
+        return str(library), str(class_name)
+
+    def _check_component(self, name: str) -> None:
+        if name not in self.components:
+            raise ConfigError(
+                f"{name!r} is not a component of this pipeline (it has {list(self.components)})"
+                if self.components else f"{name!r}: this spec is a single model, not a pipeline"
+            )
+
+    # -- serialisation --------------------------------------------------------------------
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "config": dict(self.config),
             "shards": [[s.uri, s.crc32c, s.size, s.name] for s in self.shards],
         }
+        if self.components:
+            data["components"] = list(self.components)
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | str | bytes) -> ModelSpec:
@@ -200,8 +257,9 @@ class ModelSpec:
         try:
             raw = json.loads(data) if isinstance(data, (str, bytes)) else data
             shards = tuple(_shard_from_json(item) for item in raw["shards"])
-            return cls(dict(raw["config"]), shards)
-        except (KeyError, TypeError, ValueError) as e:
+            components = tuple(str(c) for c in raw.get("components", ()))
+            return cls(dict(raw["config"]), shards, components)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"malformed ModelSpec JSON: {e!r}") from e
 
     @classmethod
@@ -217,12 +275,15 @@ class ModelSpec:
     ) -> ModelSpec:
         """The spec of the checkpoint in a local directory or ``gs://`` prefix.
 
-        Reads ``config.json`` and the ``*.safetensors`` shards; when
-        ``model.safetensors.index.json`` is present only the shards it lists count (a
-        consolidated copy next to them is ignored). ``opener`` opens local shards for
-        checksumming (tests inject one to count reads). Reads go through ``storage``,
-        else a :class:`Storage` with ``settings`` (retries, workers); the CRC32C cache
-        lives in ``cache_dir``, else the settings' ``cache_dir``.
+        Reads ``config.json`` and the ``*.safetensors`` shards; when a
+        ``*.safetensors.index.json`` is present only the shards it lists count (a
+        consolidated copy next to them is ignored). A folder with ``model_index.json``
+        is a diffusers pipeline: every component it lists must have its folder, whose
+        JSON files (configs) and weight files (chosen the same way; variants such as
+        ``*.fp16.safetensors`` are ignored) the spec covers. ``opener`` opens local
+        shards for checksumming (tests inject one to count reads). Reads go through
+        ``storage``, else a :class:`Storage` with ``settings`` (retries, workers); the
+        CRC32C cache lives in ``cache_dir``, else the settings' ``cache_dir``.
         """
         storage = storage or Storage(settings, client=client)
         cache_dir = cache_dir or storage.settings.cache_dir
@@ -232,35 +293,118 @@ class ModelSpec:
         except ShardNotFoundError as e:
             raise ShardNotFoundError(
                 f"checkpoint {root.uri!r} not found; give the directory (or gs:// prefix) "
-                "holding config.json and the *.safetensors shards"
+                "holding config.json and the *.safetensors shards (or a pipeline's model_index.json)"
             ) from e
+        if PIPELINE_INDEX_NAME in files:
+            return cls._from_pipeline(storage, root, files, cache_dir, opener)
         if CONFIG_NAME not in files:
             raise ShardNotFoundError(f"{root.join(CONFIG_NAME).uri!r} does not exist")
-        config_uri = files[CONFIG_NAME].uri
-        try:
-            config = json.loads(storage.read_bytes(config_uri).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise CheckpointFormatError(f"{config_uri}: malformed JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise CheckpointFormatError(f"{config_uri}: expected a JSON object")
-        if INDEX_NAME in files:
-            index_uri = files[INDEX_NAME].uri
-            names = sorted(set(parse_index(storage.read_bytes(index_uri), index_uri).values()))
-            missing = [n for n in names if n not in files]
-            if missing:
-                raise ShardNotFoundError(
-                    f"{index_uri} lists shards that do not exist: {[root.join(n).uri for n in missing]}"
-                )
-        else:
-            names = [n for n in files if n.endswith(".safetensors")]
-        if not names:
+        config = _read_json(storage, files[CONFIG_NAME].uri)
+        infos = _weight_files(storage, root, files, variants=True)
+        if not infos:
             raise ShardNotFoundError(f"no *.safetensors shards in {root.uri!r}")
-        infos = [files[n] for n in names]
-        if root.is_local:
-            crcs = _local_crc32cs([i.uri for i in infos], cache_dir, opener)
-        else:
-            crcs = [_remote_crc32c(i) for i in infos]
-        return cls(config, tuple(Shard(i.uri, c, i.size, i.name) for i, c in zip(infos, crcs, strict=True)))
+        return cls(config, tuple(_shards(root, infos, "", cache_dir, opener)))
+
+    @classmethod
+    def _from_pipeline(
+        cls, storage: Storage, root: Location, files: dict[str, ObjectInfo], cache_dir: str,
+        opener: Opener,
+    ) -> ModelSpec:
+        index_uri = files[PIPELINE_INDEX_NAME].uri
+        index = _read_json(storage, index_uri)
+        # Entries are [library, class]; [null, null] is an absent optional component and
+        # other values (booleans, "_class_name") are the pipeline's own arguments.
+        components = sorted(
+            k for k, v in index.items()
+            if not k.startswith("_") and isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, str) for x in v)
+        )
+        if not components:
+            raise CheckpointFormatError(f"{index_uri}: lists no components")
+        configs: dict[str, dict[str, Any]] = {}
+        shards: list[Shard] = []
+        for name in components:
+            if not _COMPONENT_RE.match(name):
+                raise CheckpointFormatError(f"{index_uri}: component name {name!r} is not a plain identifier")
+            folder = root.join(name)
+            try:
+                sub = {i.name: i for i in storage.list_dir(folder.uri)}
+            except ShardNotFoundError as e:
+                raise ShardNotFoundError(
+                    f"pipeline component {name!r} (listed in model_index.json) has no folder {folder.uri!r}"
+                ) from e
+            if not sub:
+                raise ShardNotFoundError(
+                    f"pipeline component {name!r} (listed in model_index.json): folder {folder.uri!r} is empty"
+                )
+            configs[name] = {
+                n: _read_json(storage, i.uri) for n, i in sub.items()
+                if n.endswith(".json") and not n.endswith(_INDEX_SUFFIX)
+            }
+            shards.extend(_shards(folder, _weight_files(storage, folder, sub, variants=False),
+                                  f"{name}/", cache_dir, opener))
+        config = {"model_index": index, "components": configs}
+        return cls(config, tuple(shards), tuple(components))
+
+
+#: The file that makes a folder a diffusers pipeline.
+PIPELINE_INDEX_NAME = "model_index.json"
+_INDEX_SUFFIX = ".safetensors.index.json"
+_COMPONENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _read_json(storage: Storage, uri: str) -> dict[str, Any]:
+    try:
+        data = json.loads(storage.read_bytes(uri).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointFormatError(f"{uri}: malformed JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{uri}: expected a JSON object")
+    return data
+
+
+def _weight_files(
+    storage: Storage, folder: Location, files: dict[str, ObjectInfo], *, variants: bool
+) -> list[ObjectInfo]:
+    """The safetensors files that make up the weights in ``folder``.
+
+    With an index (``model.safetensors.index.json``,
+    ``diffusion_pytorch_model.safetensors.index.json``) exactly the files it lists;
+    else every ``*.safetensors``. Without ``variants``, files named like
+    ``name.fp16.safetensors`` (and their indexes) are left out.
+    """
+    def plain(n: str, suffix: str) -> bool:
+        return variants or "." not in n[: -len(suffix)]
+
+    indexes = sorted(n for n in files if n.endswith(_INDEX_SUFFIX) and plain(n, _INDEX_SUFFIX))
+    if INDEX_NAME in indexes:
+        indexes = [INDEX_NAME]
+    if len(indexes) > 1:
+        raise CheckpointFormatError(f"{folder.uri}: several safetensors indexes {indexes}; keep one")
+    if indexes:
+        index_uri = files[indexes[0]].uri
+        names = sorted(set(parse_index(storage.read_bytes(index_uri), index_uri).values()))
+        missing = [n for n in names if n not in files]
+        if missing:
+            raise ShardNotFoundError(
+                f"{index_uri} lists shards that do not exist: {[folder.join(n).uri for n in missing]}"
+            )
+    else:
+        names = [n for n in files if n.endswith(".safetensors") and plain(n, ".safetensors")]
+    return [files[n] for n in names]
+
+
+def _shards(
+    folder: Location, infos: list[ObjectInfo], prefix: str, cache_dir: str, opener: Opener
+) -> list[Shard]:
+    """Shards named ``prefix + file name``, with CRC32C from metadata or the local cache."""
+    if not infos:
+        return []
+    if folder.is_local:
+        crcs = _local_crc32cs([i.uri for i in infos], cache_dir, opener)
+    else:
+        crcs = [_remote_crc32c(i) for i in infos]
+    return [Shard(i.uri, c, i.size, prefix + i.name) for i, c in zip(infos, crcs, strict=True)]
 
 
 def _shard_from_json(item: Any) -> Shard:

@@ -15,9 +15,16 @@ checkpoint and skeleton hold exactly the same tensors, and only then copy. So a
 mismatch raises :class:`WeightLoadError` before any byte is written. Local shards are
 memory-mapped and each tensor is copied once, from a zero-copy view of the mapping
 into the skeleton's existing tensor; remote shards are downloaded into one buffer each
-and copied the same way. Every shard's CRC32C is checked against the identity before its
-tensors are copied: downloads as they arrive, local files over their mapping (or from
-the identity's CRC32C cache, so a warm restart reads nothing twice).
+and copied the same way.
+
+A diffusers pipeline spec (:attr:`ModelSpec.components`) loads into a mapping of
+component skeletons (``{"unet": unet, "vqvae": vq}``, all or some of its components)
+or into a module with one child per component: each component's files fill the
+tensors under its name, and only the held components' files are read.
+
+Every shard's CRC32C is checked against the identity before its tensors are copied:
+downloads as they arrive, local files over their mapping (or from the identity's CRC32C
+cache, so a warm restart reads nothing twice).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint import ShardHeader, TensorInfo, locate, read_headers
+from .checkpoint import ShardHeader, TensorInfo, locate, model_headers
 from .config import Settings
 from .errors import (
     CheckpointFormatError,
@@ -199,6 +206,28 @@ def _load_local(shard: Shard, copies: Sequence[_Copy], tracker: _Tracker, cache:
         os.close(fd)
 
 
+def _held_shards(model: Model, spec: ModelSpec) -> tuple[Shard, ...]:
+    """The shards a load into ``model`` reads: for a pipeline rank, its components' only."""
+    if not spec.components or not isinstance(model, Mapping):
+        return spec.shards
+    weighted = spec.weighted_components
+    unknown = sorted(k for k in model if k not in weighted)
+    if unknown:
+        raise WeightLoadError(
+            f"pipeline component(s) {unknown} have no weights in this pipeline"
+            f" (components with weights: {list(weighted)})"
+        )
+    return tuple(s for s in spec.shards if spec.component_of(s) in model)
+
+
+def _bytes_by_component(plan: Mapping[str, Sequence[_Copy]]) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for copies in plan.values():
+        for c in copies:
+            out[c.canonical.split(".", 1)[0]] += c.info.nbytes
+    return dict(out)
+
+
 def load_from_storage(
     model: Model,
     spec: ModelSpec,
@@ -218,11 +247,19 @@ def load_from_storage(
     storage = storage or Storage(settings)
     start = clock()
     tensors, aliases = named_tensors(model)
-    headers = read_headers(storage, spec.shards)
+    needed = _held_shards(model, spec)
+    headers = model_headers(storage, spec, needed)
     # A mapping model (one rank of a pipeline) holds some sub-modules of the checkpoint:
     # tensors of the others are skipped, and shards holding only those are not read.
     held = tuple(f"{k}." for k in model) if isinstance(model, Mapping) else None
-    plan = _plan_load(tensors, aliases, headers, held)
+    try:
+        plan = _plan_load(tensors, aliases, headers, held)
+    except WeightLoadError as e:
+        if spec.components:
+            which = sorted(model) if isinstance(model, Mapping) else "all"
+            raise WeightLoadError(f"pipeline components {which}"
+                                  f" (tensors named component.tensor): {e}") from e
+        raise
     t_headers = clock() - start
     total = sum(c.info.nbytes for copies in plan.values() for c in copies)
     tracker = _Tracker(total, progress, clock)
@@ -258,6 +295,9 @@ def load_from_storage(
         finally:
             downloads.close()
     tracker.check(tensors)
+    if spec.components:
+        for component, nbytes in sorted(_bytes_by_component(plan).items()):
+            log.info("component_loaded", version=spec.version, component=component, bytes=nbytes)
     seconds = clock() - start
     timings = {"headers": t_headers, "copy": seconds - t_headers - waited}
     if remote:

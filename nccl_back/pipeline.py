@@ -153,10 +153,10 @@ def _from_config(spec: ModelSpec, name: str) -> nn.Module:
     cls = _component_class(spec, name)
     config = spec.component_config(name)
     if hasattr(cls, "from_config"):  # diffusers ModelMixin (ConfigMixin)
-        return cls.from_config(config)  # type: ignore[no-any-return]
+        return cls.from_config(config)
     config_cls = getattr(cls, "config_class", None)
     if config_cls is not None:  # transformers PreTrainedModel
-        return cls(config_cls.from_dict(config))  # type: ignore[no-any-return]
+        return cls(config_cls.from_dict(config))
     raise SkeletonError(
         f"pipeline component {name!r}: {cls.__name__} has neither from_config nor config_class;"
         " pass factory="
@@ -190,7 +190,7 @@ def _parameters_on_meta() -> Iterator[None]:
             moved = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
             module._parameters[name] = moved
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:

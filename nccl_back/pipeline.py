@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -77,7 +78,10 @@ def component_skeleton(
         )
     build = factory or (lambda: _from_config(spec, name))
     try:
-        with _parameters_on_meta():
+        with _parameters_on_meta(), warnings.catch_warnings():
+            # An eager load_state_dict into meta parameters warns once per tensor that
+            # the copy is a no-op: here that is the point.
+            warnings.filterwarnings("ignore", message=r".*to a meta parameter .* is a no-op")
             module = build()
     except (SkeletonError, ConfigError):
         raise

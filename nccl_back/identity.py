@@ -34,6 +34,7 @@ from typing import IO, Any
 import google_crc32c
 import numpy as np
 
+from . import bounded_json
 from .checkpoint import INDEX_NAME, parse_index
 from .config import Settings
 from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
@@ -46,6 +47,10 @@ log = get_logger("nccl_back.identity")
 
 CONFIG_NAME = "config.json"
 CACHE_NAME = "crc32c-v1.json"
+#: Largest config.json read (real ones are a few KiB; some embed tokenizer tables).
+MAX_CONFIG_BYTES = 16 << 20
+#: Largest CRC cache or ModelSpec JSON parsed.
+_MAX_JSON_BYTES = 256 << 20
 # Small enough to stay in CPU cache between the read and the checksum: measured
 # 8-14 GB/s with 1 MiB against ~5 GB/s with 16 MiB.
 _READ_BUFFER_BYTES = 1 << 20
@@ -81,7 +86,7 @@ class CrcCache:
         self.path = Path(cache_dir) / CACHE_NAME
         self.dirty = False
         try:
-            data = json.loads(self.path.read_text())
+            data = bounded_json.loads(self.path.read_bytes(), max_bytes=_MAX_JSON_BYTES)
             self.entries: dict[str, Any] = data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             # A missing or damaged cache only costs a recomputation.
@@ -255,7 +260,11 @@ class ModelSpec:
     def from_json(cls, data: Mapping[str, Any] | str | bytes) -> ModelSpec:
         """Inverse of :meth:`to_json` (also accepts the JSON text)."""
         try:
-            raw = json.loads(data) if isinstance(data, (str, bytes)) else data
+            raw = (
+                bounded_json.loads(data, max_bytes=_MAX_JSON_BYTES, allow_constants=True)
+                if isinstance(data, (str, bytes))
+                else data
+            )
             shards = tuple(_shard_from_json(item) for item in raw["shards"])
             components = tuple(str(c) for c in raw.get("components", ()))
             return cls(dict(raw["config"]), shards, components)
@@ -299,7 +308,7 @@ class ModelSpec:
             return cls._from_pipeline(storage, root, files, cache_dir, opener)
         if CONFIG_NAME not in files:
             raise ShardNotFoundError(f"{root.join(CONFIG_NAME).uri!r} does not exist")
-        config = _read_json(storage, files[CONFIG_NAME].uri)
+        config = _read_json(storage, files[CONFIG_NAME])
         infos = _weight_files(storage, root, files, variants=True)
         if not infos:
             raise ShardNotFoundError(f"no *.safetensors shards in {root.uri!r}")
@@ -311,7 +320,7 @@ class ModelSpec:
         opener: Opener,
     ) -> ModelSpec:
         index_uri = files[PIPELINE_INDEX_NAME].uri
-        index = _read_json(storage, index_uri)
+        index = _read_json(storage, files[PIPELINE_INDEX_NAME])
         # Entries are [library, class]; [null, null] is an absent optional component and
         # other values (booleans, "_class_name") are the pipeline's own arguments.
         components = sorted(
@@ -338,7 +347,7 @@ class ModelSpec:
                     f"pipeline component {name!r} (listed in model_index.json): folder {folder.uri!r} is empty"
                 )
             configs[name] = {
-                n: _read_json(storage, i.uri) for n, i in sub.items()
+                n: _read_json(storage, i) for n, i in sub.items()
                 if n.endswith(".json") and not n.endswith(_INDEX_SUFFIX)
             }
             shards.extend(_shards(folder, _weight_files(storage, folder, sub, variants=False),
@@ -353,10 +362,14 @@ _INDEX_SUFFIX = ".safetensors.index.json"
 _COMPONENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _read_json(storage: Storage, uri: str) -> dict[str, Any]:
+def _read_json(storage: Storage, info: ObjectInfo) -> dict[str, Any]:
+    """A config file (``config.json``, ``model_index.json``), bounded like any outside input."""
+    uri = info.uri
+    if info.size > MAX_CONFIG_BYTES:
+        raise CheckpointFormatError(f"{uri}: {info.size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")
     try:
-        data = json.loads(storage.read_bytes(uri).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        data = bounded_json.loads(storage.read_bytes(uri), max_bytes=MAX_CONFIG_BYTES, allow_constants=True)
+    except ValueError as e:
         raise CheckpointFormatError(f"{uri}: malformed JSON: {e}") from e
     if not isinstance(data, dict):
         raise CheckpointFormatError(f"{uri}: expected a JSON object")

@@ -9,14 +9,13 @@ passes only the components it holds.
 :func:`component_skeleton` builds a component without running its weight
 initialisation and without reading its weights: the component's class (from
 ``model_index.json``) is constructed from its ``config.json`` (``from_config`` for
-diffusers models, the config class for transformers models) while every
-``nn.Parameter`` is moved to the ``meta`` device as it is registered, so parameters
-cost nothing and initialisers run on ``meta`` (free). Buffers are computed by the
-constructor as usual, on the CPU, so constructor state that no checkpoint carries
-(non-persistent buffers) is real. Then the parameters and persistent buffers get one
-allocation on the target device, laid out as :func:`nccl_back.skeleton.consolidate`
-lays out a skeleton (sorted names, ``FLAT_ALIGN``-ed), which makes transfers between
-consolidated skeletons near one flat broadcast.
+diffusers models, the config class for transformers models) under
+:func:`nccl_back.skeleton.build`, so every ``nn.Parameter`` moves to the ``meta``
+device as it is registered (parameters cost nothing, initialisers run on ``meta``),
+buffers are computed by the constructor as usual (constructor state that no
+checkpoint carries is real), and then the whole component gets one allocation on the
+target device, laid out as a consolidated skeleton (sorted names, ``FLAT_ALIGN``-ed),
+which makes transfers between skeletons near one flat broadcast.
 
 Constructors that load weights eagerly (a component that calls ``from_pretrained``
 or ``load_state_dict`` on a sub-model in its ``__init__``) run under the same rule: the
@@ -32,10 +31,9 @@ only inside functions: ``pip install 'nccl-back[diffusers]'``.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +41,7 @@ from torch import nn
 
 from .errors import ConfigError, SkeletonError
 from .identity import ModelSpec
-from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
+from .skeleton import build
 
 __all__ = ["assemble", "component_skeleton", "pipeline_skeletons", "require_diffusers"]
 
@@ -76,21 +74,26 @@ def component_skeleton(
             f"pipeline component {name!r} has no weights to load"
             f" (components with weights: {list(spec.weighted_components)})"
         )
-    build = factory or (lambda: _from_config(spec, name))
-    try:
-        with _parameters_on_meta(), warnings.catch_warnings():
+    make = factory or (lambda: _from_config(spec, name))
+
+    def construct() -> nn.Module:
+        with warnings.catch_warnings():
             # An eager load_state_dict into meta parameters warns once per tensor that
             # the copy is a no-op: here that is the point.
             warnings.filterwarnings("ignore", message=r".*to a meta parameter .* is a no-op")
-            module = build()
-    except (SkeletonError, ConfigError):
-        raise
-    except Exception as e:
-        raise SkeletonError(f"pipeline component {name!r}: building its skeleton failed: {e}") from e
-    if not isinstance(module, nn.Module):
-        raise SkeletonError(f"pipeline component {name!r}: built a {type(module).__name__}, not an nn.Module")
-    _materialise(module, torch.device(device), dtype, name)
-    return module.eval()
+            module = make()
+        if not isinstance(module, nn.Module):
+            raise SkeletonError(f"built a {type(module).__name__}, not an nn.Module")
+        # On meta parameters a cast costs nothing; buffers are cast for real.
+        return module.to(dtype) if dtype is not None else module
+
+    try:
+        built = build(construct, device)
+    except SkeletonError as e:
+        raise SkeletonError(f"pipeline component {name!r}: {e}") from e
+    if not isinstance(built, nn.Module):  # construct() returns a module; for mypy
+        raise SkeletonError(f"pipeline component {name!r}: built a {type(built).__name__}")
+    return built.eval()
 
 
 def pipeline_skeletons(
@@ -177,72 +180,3 @@ def _weightless(spec: ModelSpec, name: str) -> Any:
             " pass it to assemble()"
         )
     return cls.from_config(config)
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered meanwhile moves to ``meta``; buffers stay real.
-
-    Patches ``nn.Module.register_parameter`` for the duration (process-wide: build
-    skeletons from one thread at a time).
-    """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            moved = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-            module._parameters[name] = moved
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype | None, name: str) -> None:
-    """Give parameters and persistent buffers one allocation on ``device``, in manifest order."""
-    state = module.state_dict(keep_vars=True)
-    canonical: dict[int, str] = {}  # id of a tensor object -> its first (sorted) name: ties
-    entries = []
-    for key in sorted(state):
-        t = state[key]
-        if id(t) in canonical:
-            continue
-        canonical[id(t)] = key
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        entries.append(TensorEntry(key, tuple(t.shape), dtype_name(cast)))
-    man = Manifest(tuple(entries))
-    offsets, total = flat_layout(man)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
-    views = {
-        e.name: flat[offsets[e.name] : offsets[e.name] + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
-        for e in man.entries
-    }
-    replaced: dict[int, nn.Parameter] = {}
-    with torch.no_grad():
-        for mod in module.modules():
-            for pname, p in list(mod._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) not in canonical:
-                    raise SkeletonError(f"pipeline component {name!r}: parameter {pname!r} is not in its state_dict")
-                if id(p) not in replaced:
-                    replaced[id(p)] = nn.Parameter(views[canonical[id(p)]], requires_grad=p.requires_grad)
-                mod._parameters[pname] = replaced[id(p)]
-            for bname, b in list(mod._buffers.items()):
-                if b is None:
-                    continue
-                if id(b) in canonical:
-                    view = views[canonical[id(b)]]
-                    if b.device.type != "meta":
-                        view.copy_(b)  # constructor-computed; the load overwrites it anyway
-                    mod._buffers[bname] = view
-                elif b.device.type == "meta":
-                    raise SkeletonError(
-                        f"pipeline component {name!r}: non-persistent buffer {bname!r} is on meta;"
-                        " build it with factory="
-                    )
-                else:
-                    mod._buffers[bname] = b.to(device)

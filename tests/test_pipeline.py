@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import shutil
 import time
 import warnings
@@ -31,6 +32,7 @@ from nccl_back.pipeline import assemble, component_skeleton, pipeline_skeletons
 from nccl_back.skeleton import named_tensors
 
 import pipelines
+from test_server import Serve
 
 pytest.importorskip("diffusers")
 CTX = mp.get_context("spawn")
@@ -270,3 +272,41 @@ def test_pipeline_ranks_from_storage_then_from_peers(workers: Workers) -> None:
     second = sorted((workers.report() for _ in range(2)), key=lambda r: r["rank"])
     assert [(r["components"], r["source"], r["identical"], r["verified"]) for r in second] == [
         (["vqvae"], "peer", True, True), (["unet"], "peer", True, True)], second
+
+
+# -- the sidecar --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sidecar_env(redis_url: str, namespace: str, cache_dir: str) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_BACK_")}
+    return {**clean, "NCCL_BACK_REDIS_URL": redis_url, "NCCL_BACK_NAMESPACE": namespace,
+            "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
+            "NCCL_BACK_CACHE_DIR": cache_dir, "NCCL_BACK_PEER_TTL": "3",
+            "NCCL_BACK_TRANSFER_TIMEOUT": "20"}
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    started: list[Serve] = []
+    yield started
+    for s in started:
+        s.kill()
+
+
+@pytest.mark.timeout(180)
+def test_sidecar_serves_a_pipeline_folder(
+    pipe_dir: Path, sidecar_env: dict[str, str], serves: list[Serve]
+) -> None:
+    """serve detects a pipeline folder (flat skeleton from headers); a --diffusers sidecar receives it from a peer."""
+    env = sidecar_env
+    version = ModelSpec.from_dir(str(pipe_dir), cache_dir=env["NCCL_BACK_CACHE_DIR"]).version
+    first = Serve(["--model", str(pipe_dir)], env, free_port())
+    serves.append(first)
+    ready = first.wait_ready()
+    assert (ready["version"], ready["source"]) == (version, "storage")
+    second = Serve(["--model", str(pipe_dir), "--diffusers"], env, free_port())
+    serves.append(second)
+    assert second.wait_ready()["source"] == "peer"
+    assert first.stop() == 0
+    assert second.stop() == 0

@@ -177,6 +177,26 @@ def test_storage_load_generates_the_reference_image(pipe_dir: Path, settings: Se
 
 
 @pytest.mark.timeout(60)
+def test_transformers_component_from_its_config(tmp_path: Path, settings: Settings) -> None:
+    """A transformers component (model.safetensors, config.json) gets a skeleton from its config and loads exactly."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.CLIPTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=16,
+                                      bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    reference = transformers.CLIPTextModel(cfg).eval()
+    reference.save_pretrained(tmp_path / "pipe" / "text_encoder")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps(
+        {"_class_name": "Custom", "text_encoder": ["transformers", "CLIPTextModel"], "safety_checker": [None, None]}))
+    spec = ModelSpec.from_dir(str(tmp_path / "pipe"), settings=settings)
+    assert spec.components == ("text_encoder",)
+    model = pipeline_skeletons(spec)
+    load_from_storage(model, spec, settings=settings)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model["text_encoder"](ids).last_hidden_state, reference(ids).last_hidden_state)
+
+
+@pytest.mark.timeout(60)
 def test_load_errors_name_component_and_tensor(pipe_dir: Path, settings: Settings) -> None:
     """An unknown component and a mismatched tensor are errors naming the component (and tensor)."""
     spec = ModelSpec.from_dir(str(pipe_dir), settings=settings)

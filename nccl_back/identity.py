@@ -350,8 +350,15 @@ class ModelSpec:
                 n: _read_json(storage, i) for n, i in sub.items()
                 if n.endswith(".json") and not n.endswith(_INDEX_SUFFIX)
             }
-            shards.extend(_shards(folder, _weight_files(storage, folder, sub, variants=False),
-                                  f"{name}/", cache_dir, opener))
+            weights = _weight_files(storage, folder, sub, variants=False)
+            other = sorted(n for n in sub if n.endswith(_OTHER_WEIGHTS))
+            if not weights and other:
+                # Counted as weightless, its weights would be outside the version.
+                raise CheckpointFormatError(
+                    f"pipeline component {name!r}: only non-safetensors weights {other[:3]};"
+                    " convert them to safetensors"
+                )
+            shards.extend(_shards(folder, weights, f"{name}/", cache_dir, opener))
         config = {"model_index": index, "components": configs}
         return cls(config, tuple(shards), tuple(components))
 
@@ -359,6 +366,7 @@ class ModelSpec:
 #: The file that makes a folder a diffusers pipeline.
 PIPELINE_INDEX_NAME = "model_index.json"
 _INDEX_SUFFIX = ".safetensors.index.json"
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx")
 _COMPONENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

@@ -25,7 +25,12 @@ from torch import nn
 from nccl_back.cli import main
 from nccl_back.config import Settings
 from nccl_back.devservers import LocalGCS, free_port
-from nccl_back.errors import ShardNotFoundError, SkeletonError, WeightLoadError
+from nccl_back.errors import (
+    CheckpointFormatError,
+    ShardNotFoundError,
+    SkeletonError,
+    WeightLoadError,
+)
 from nccl_back.identity import ModelSpec
 from nccl_back.loader import load_from_storage
 from nccl_back.pipeline import assemble, component_skeleton, pipeline_skeletons
@@ -98,6 +103,15 @@ def test_missing_component_folder_is_named(pipe_dir: Path, settings: Settings) -
     """A component listed in model_index.json without its folder raises ShardNotFoundError naming it."""
     shutil.rmtree(pipe_dir / "vqvae")
     with pytest.raises(ShardNotFoundError, match=r"pipeline component 'vqvae' \(listed in model_index.json\) has no folder"):
+        ModelSpec.from_dir(str(pipe_dir), settings=settings)
+
+
+@pytest.mark.timeout(60)
+def test_component_with_only_bin_weights_is_refused(pipe_dir: Path, settings: Settings) -> None:
+    """A component whose weights are not safetensors is an error, never a silently weightless component."""
+    weights = pipe_dir / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.rename(pipe_dir / "unet" / "diffusion_pytorch_model.bin")
+    with pytest.raises(CheckpointFormatError, match=r"component 'unet': only non-safetensors weights"):
         ModelSpec.from_dir(str(pipe_dir), settings=settings)
 
 

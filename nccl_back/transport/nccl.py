@@ -131,6 +131,11 @@ class NcclTransport(Transport):
     """One transfer over a fresh 2-rank, non-blocking ``ProcessGroupNCCL``."""
 
     kind = "nccl"
+    #: Non-blocking communicator (the default, and the only mode in which abort is
+    #: safe); the device probe (``scripts/nccl_probe.py``) compares it with blocking.
+    nonblocking: bool = True
+    #: Create the communicator in :meth:`connect` rather than at the first broadcast.
+    eager: bool = True
 
     def __init__(
         self,
@@ -188,17 +193,19 @@ class NcclTransport(Transport):
             store = self._store if self._store is not None else connect_store(self._address or "", left)
             prefixed = dist.PrefixStore(f"nccl/{self.transfer_id}/", store)
             opts = dist.ProcessGroupNCCL.Options()
-            config = opts.config  # a copy in some torch builds: set it back whole
-            config.blocking = 0
-            opts.config = config
+            if self.nonblocking:
+                config = opts.config  # a copy in some torch builds: set it back whole
+                config.blocking = 0
+                opts.config = config
             opts._timeout = timedelta(seconds=self._left("connect") + TORCH_TIMEOUT_SLACK_S)
             with _group_env():
                 pg = dist.ProcessGroupNCCL(prefixed, self.rank, WORLD_SIZE, opts)
             self._pg = pg
             # Create the communicator now (not at the first broadcast), then poll it:
             # with blocking=0 creation returns at once and proceeds in the background.
-            pg.eager_connect_single_device(self.device)
-            ready = getattr(pg, "_is_initialized", None)
+            if self.eager:
+                pg.eager_connect_single_device(self.device)
+            ready = getattr(pg, "_is_initialized", None) if self.eager else None
             while ready is not None and not ready():
                 self._left("connect")
                 time.sleep(self._poll * 10)

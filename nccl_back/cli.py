@@ -103,6 +103,10 @@ def _add_serve(sub: Any) -> None:
                      " from the safetensors headers); the current directory is importable")
     how.add_argument("--hf", action="store_true",
                      help="build a transformers causal LM from config.json (extra 'hf')")
+    how.add_argument("--diffusers", action="store_true",
+                     help="a diffusers pipeline folder (model_index.json): build each component"
+                     " with diffusers (extra 'diffusers'); without it a pipeline folder is"
+                     " detected and served from flat skeletons built from the headers")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket of the local hand-off server")
     p.add_argument("--health-host", default="127.0.0.1",
@@ -127,13 +131,25 @@ def _add_serve(sub: Any) -> None:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    """Print the version and every shard's CRC32C."""
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
+    """Print the version, a pipeline's components, and every shard's CRC32C."""
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=Settings.from_env())
+    components = [
+        {"name": c, "class": ".".join(spec.component_class(c)),
+         "files": len(spec.component_shards(c)),
+         "bytes": sum(s.size for s in spec.component_shards(c))}
+        for c in spec.components
+    ]
     if args.json:
         shards = [{"uri": s.uri, "crc32c": s.crc32c, "size": s.size} for s in spec.shards]
-        print(json.dumps({"version": spec.version, "shards": shards}, indent=2))
+        out: dict[str, Any] = {"version": spec.version, "shards": shards}
+        if components:
+            out["components"] = components
+        print(json.dumps(out, indent=2))
     else:
         print(f"version {spec.version}")
+        for c in components:
+            weights = f"{c['files']} weight file(s), {c['bytes']} bytes" if c["files"] else "config only"
+            print(f"component {c['name']}  {c['class']}  {weights}")
         for s in spec.shards:
             print(f"{s.crc32c}  {s.size:>14}  {s.uri}")
     return 0
@@ -143,8 +159,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     """Load into a skeleton built from the headers; print version, bytes, seconds, GB/s."""
     device = _device(args.device)
     settings = Settings.from_env()
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
-    skeleton = flat_skeleton(spec, device=device)
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=settings)
+    skeleton = flat_skeleton(spec, device=device, settings=settings)
     result = load_from_storage(skeleton, spec, progress=_ProgressBar(), settings=settings)
     summary = {
         "version": result.version,
@@ -178,6 +194,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     factory = server.resolve_factory(args.factory) if args.factory else None
     if args.hf:
         server.require_transformers()
+    if args.diffusers:
+        from . import pipeline
+
+        pipeline.require_diffusers()
     server.check_local_model(args.model)
     if args.drain_timeout is not None and args.drain_timeout <= 0:
         raise ConfigError(f"--drain-timeout {args.drain_timeout!r}: must be a positive number of seconds")
@@ -189,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_uri=args.model,
         device=device,
         factory=factory,
+        diffusers=args.diffusers,
         socket_path=args.socket,
         health_host=args.health_host,
         health_port=args.health_port,

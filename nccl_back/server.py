@@ -67,6 +67,11 @@ class ServeOptions:
     factory: Callable[[], Model] | None = None
     """Builds the skeleton (run under :func:`skeleton.build`); None: a flat skeleton
     from the safetensors headers."""
+    diffusers: bool = False
+    """The model is a diffusers pipeline folder: build each component with diffusers
+    (:func:`nccl_back.pipeline.pipeline_skeletons`). A pipeline folder is detected from
+    its ``model_index.json`` either way; without this flag its flat skeleton (one child
+    per component) is built from the headers, without diffusers."""
     socket_path: str | None = None
     """Unix socket of the local hand-off server; None: no hand-off."""
     health_host: str = "127.0.0.1"
@@ -226,13 +231,19 @@ class Sidecar:
     def load(self) -> LoadResult:
         """Build the skeleton, load (peer first), open the hand-off socket, become ready."""
         opts = self.options
-        spec = ModelSpec.from_dir(opts.model_uri, cache_dir=self.settings.cache_dir)
+        spec = ModelSpec.from_dir(opts.model_uri, settings=self.settings)
         log = self._log.bind(version=spec.version[:12])
         log.info("skeleton_building", device=str(opts.device), factory=opts.factory is not None)
         if opts.factory is not None:
             model = build(opts.factory, opts.device)
+        elif opts.diffusers:
+            if not spec.components:
+                raise ConfigError(f"--diffusers: {opts.model_uri} has no model_index.json")
+            from .pipeline import pipeline_skeletons
+
+            model = pipeline_skeletons(spec, device=opts.device)
         else:
-            model = flat_skeleton(spec, opts.device)
+            model = flat_skeleton(spec, opts.device, settings=self.settings)
         result = self.service.load(model, spec)
         if opts.socket_path is not None:
             # The hand-off re-points the model into its arena; the service's sends read

@@ -28,9 +28,9 @@ from typing import IO, Any
 import google_crc32c
 import numpy as np
 
-from .checkpoint import INDEX_NAME, parse_index
 from .config import Settings
 from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
+from .index import INDEX_NAME, parse_index
 from .log import get_logger
 from .storage import ObjectInfo, Shard, Storage, parse_uri
 

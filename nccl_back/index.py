@@ -1,0 +1,31 @@
+"""The safetensors shard index (``model.safetensors.index.json``).
+
+Kept apart from :mod:`nccl_back.checkpoint` because it needs no torch: computing a
+model's identity (``nccl-back fingerprint``) reads the index and must stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .errors import CheckpointFormatError
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def parse_index(data: bytes, uri: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
+    try:
+        raw = json.loads(data.decode("utf-8"))
+        weight_map = raw["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("weight_map must map tensor names to file names")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointFormatError(f"{uri}: malformed index: {e!r}") from e
+    for filename in set(weight_map.values()):
+        # Shards live next to the index; a path would let an index point anywhere.
+        if "/" in filename or filename in ("", ".", ".."):
+            raise CheckpointFormatError(f"{uri}: shard name {filename!r} is not a plain file name")
+    return weight_map

@@ -154,7 +154,7 @@ def connect(settings: Settings) -> Any:
             return redis.Redis.from_url(settings.redis_url, health_check_interval=30, **common, **tls)
         except ValueError as e:
             raise ConfigError(f"cannot use redis_url: {e}") from e
-    auth = {"username": target.username, "password": target.password}
+    auth: dict[str, Any] = {"username": target.username, "password": target.password}
     if target.kind == "sentinel":
         from redis.sentinel import Sentinel
 

@@ -218,7 +218,7 @@ def test_sentinel_failover_during_a_load(namespace: str, ckpt: Path, cache_dir: 
             while sentinel.master_port() == old.port:
                 assert time.monotonic() < deadline, "no failover"
                 time.sleep(0.1)
-            # ... and the sender's heartbeat re-published itself there: a new worker finds it.
+            # ... and the sender's heartbeat keeps it published there: a new worker finds it.
             reg = Registry(Settings(redis_url=url, namespace=namespace))
             deadline = time.monotonic() + 30
             while not reg.find_peers(*_version_rank(ckpt, cache_dir)):
@@ -229,7 +229,10 @@ def test_sentinel_failover_during_a_load(namespace: str, ckpt: Path, cache_dir: 
             _, err = third.communicate(timeout=90)
             assert third.returncode == 0, err[-3000:]
             after = json.loads((tmp_path / "c.json").read_text())
-            assert after["source"] == "peer" and after["verified"] is True
+            # A claim the receiver could not release when the master died keeps the sender
+            # busy until the claim's TTL: the new worker may fall back, with that reason.
+            assert after["verified"] is True
+            assert after["source"] == "peer" or after["fallback_reason"], after
             assert time.monotonic() - t < 120
         finally:
             stop.touch()

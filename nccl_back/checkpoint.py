@@ -6,12 +6,14 @@ then the tensor bytes. We parse headers ourselves rather than through the
 ``safetensors`` package because we need them from a byte range of a remote object,
 before any tensor byte is downloaded, and with offsets we can read in place (mmap,
 a downloaded buffer). Every malformation raises :class:`CheckpointFormatError` naming
-the file.
+the file. We are as strict as the reference library: the header is a JSON object
+(bounded nesting), and the tensors' ``data_offsets`` tile the data section exactly,
+in order, without gaps or overlaps, so a small file cannot declare tensors it does
+not hold (20,000 entries over the same bytes would declare a huge skeleton).
 """
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import bounded_json
 from .errors import CheckpointFormatError, SkeletonError
 from .index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
 from .index import parse_index as parse_index
@@ -109,9 +112,14 @@ def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
     total = header_length(data, uri, file_size)
     if len(data) < total:
         raise CheckpointFormatError(f"{uri}: truncated header ({len(data)} of {total} bytes)")
+    if data[8:9] != b"{":
+        # The reference library's rule too: a header is an object, nothing before it.
+        raise CheckpointFormatError(f"{uri}: malformed safetensors header: does not start with '{{'")
     try:
-        raw = json.loads(data[8:total].decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
+        raw = bounded_json.loads(
+            data[8:total], max_bytes=MAX_HEADER_BYTES, object_pairs_hook=_no_duplicates
+        )
+    except ValueError as e:
         raise CheckpointFormatError(f"{uri}: malformed safetensors header: {e}") from e
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{uri}: malformed safetensors header: not a JSON object")
@@ -123,7 +131,35 @@ def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
     tensors: dict[str, TensorInfo] = {}
     for name, entry in raw.items():
         tensors[name] = _tensor_info(name, entry, uri, total, file_size)
+    _check_tiling(tensors, uri, file_size - total, total)
     return ShardHeader(uri, file_size, tensors, metadata, bytes(data[:total]))
+
+
+def _check_tiling(
+    tensors: Mapping[str, TensorInfo], uri: str, data_bytes: int, data_start: int
+) -> None:
+    """The tensors' byte ranges must cover ``[0, data_bytes)`` of the data section
+    exactly once, as the reference library requires: no overlap, no gap, nothing after."""
+    covered = 0
+    previous = ""
+    for info in sorted(tensors.values(), key=lambda i: (i.start, i.end, i.name)):
+        begin, end = info.start - data_start, info.end - data_start
+        if begin < covered:
+            raise CheckpointFormatError(
+                f"{uri}: tensor {info.name!r} data_offsets [{begin}, {end}] overlap "
+                f"tensor {previous!r} (which ends at {covered})"
+            )
+        if begin > covered:
+            raise CheckpointFormatError(
+                f"{uri}: tensor {info.name!r} data_offsets start at {begin}, leaving bytes "
+                f"[{covered}, {begin}) of the data section to no tensor"
+            )
+        covered, previous = end, info.name
+    if covered != data_bytes:
+        raise CheckpointFormatError(
+            f"{uri}: the tensors cover {covered} bytes of a {data_bytes}-byte data section; "
+            "safetensors requires them to cover it exactly"
+        )
 
 
 def _tensor_info(name: str, entry: Any, uri: str, data_start: int, file_size: int) -> TensorInfo:
@@ -131,8 +167,12 @@ def _tensor_info(name: str, entry: Any, uri: str, data_start: int, file_size: in
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
-        if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+        if not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)
+        ):
             raise ValueError("shape and data_offsets must be non-negative integers")
+        if begin > end:
+            raise ValueError(f"data_offsets [{begin}, {end}] end before they begin")
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointFormatError(f"{uri}: malformed entry for tensor {name!r}: {e!r}") from e
     numel = 1

@@ -4,6 +4,9 @@ code in nccl_back that reads the environment."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -15,6 +18,12 @@ from .errors import ConfigError
 from .redisclient import parse_redis_url
 
 ENV_PREFIX = "NCCL_BACK_"
+#: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
+SECRET_FILE_ENV = ENV_PREFIX + "SECRET_FILE"
+#: Shortest secret accepted: 16 bytes of entropy at best, enough for an HMAC key.
+MIN_SECRET_BYTES = 16
+#: Longest secret file read (a secret is a key, not a document).
+MAX_SECRET_FILE_BYTES = 4096
 
 TransportName = Literal["auto", "gloo", "nccl"]
 VerifyMode = Literal["sampled", "full", "none"]
@@ -52,7 +61,7 @@ class Settings:
     redis_key_file: str = ""
     """PEM private key of ``redis_cert_file`` (empty: the key is in the certificate file)."""
 
-    redis_sentinel_password: str = ""
+    redis_sentinel_password: str = field(default="", repr=False)
     """Password of the sentinels themselves, if they have one (the URL's password is the
     data nodes')."""
 
@@ -122,6 +131,12 @@ class Settings:
     download_lease: float = 15.0
     """Seconds an elected downloader's lease lasts without renewal (a dead one is replaced)."""
 
+    secret: str | None = field(default=None, repr=False)
+    """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
+    a file that holds it), separate from the Redis password; at least 16 bytes. It signs
+    every coordination record and keys the integrity checks, so that whoever can write
+    to Redis cannot feed a worker weights. ``None``: unsigned, as trusting as Redis."""
+
     def __post_init__(self) -> None:
         target = parse_redis_url(self.redis_url)
         tls_files = ("redis_ca_file", "redis_cert_file", "redis_key_file")
@@ -135,9 +150,10 @@ class Settings:
                               " use rediss://, rediss+sentinel:// or rediss+cluster://")
         if self.redis_key_file and not self.redis_cert_file:
             raise ConfigError("redis_key_file given without redis_cert_file (the client certificate)")
-        if not self.namespace or any(c in self.namespace for c in " :*?[]"):
+        # No braces either: the namespace becomes a Redis Cluster hash tag, {namespace}.
+        if not self.namespace or any(c in self.namespace for c in " :*?[]{}"):
             raise ConfigError(
-                f"namespace={self.namespace!r}: must be non-empty, without spaces, ':' or glob characters"
+                f"namespace={self.namespace!r}: must be non-empty, without spaces, ':', braces or glob characters"
             )
         if self.transport not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"transport={self.transport!r}: choose auto, gloo or nccl")
@@ -167,9 +183,31 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name}={value!r}: must be a finite number")
+        if self.secret is not None and (
+            not isinstance(self.secret, str) or len(self.secret.encode()) < MIN_SECRET_BYTES
+        ):
+            # Never echo the value: it is a secret even when it is a bad one.
+            raise ConfigError(
+                f"secret: must be a string of at least {MIN_SECRET_BYTES} bytes"
+                " (e.g. `openssl rand -hex 32`), or unset"
+            )
         port = self.rendezvous_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError(f"rendezvous_port={port!r}: must be 0 (any free port) to 65535")
+
+    def key(self, purpose: str) -> bytes | None:
+        """A 32-byte key for one ``purpose`` derived from :attr:`secret` (``None`` without one).
+
+        Each use (signatures, sample positions, checksum weights) gets its own key, so
+        what one reveals says nothing about another.
+        """
+        if self.secret is None:
+            return None
+        return hmac.new(self.secret.encode(), b"nccl_back/" + purpose.encode(), hashlib.sha256).digest()
 
     @property
     def heartbeat_interval(self) -> float:
@@ -185,10 +223,19 @@ class Settings:
         """Settings from ``NCCL_BACK_<FIELD>`` variables (e.g. ``NCCL_BACK_REDIS_URL``).
 
         Unset variables keep their defaults; ``overrides`` win over the environment.
-        An unparsable value raises :class:`ConfigError` naming the variable.
+        ``NCCL_BACK_SECRET_FILE`` names a file holding the secret (trailing newline
+        dropped); setting it and ``NCCL_BACK_SECRET`` both is an error. An unparsable
+        value raises :class:`ConfigError` naming the variable.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        secret_file = env.get(SECRET_FILE_ENV)
+        if secret_file is not None:
+            if env.get(ENV_PREFIX + "SECRET") is not None:
+                raise ConfigError(
+                    f"{SECRET_FILE_ENV} and {ENV_PREFIX}SECRET are both set; set one of them"
+                )
+            values["secret"] = _read_secret_file(secret_file)
         for f in dataclasses.fields(cls):
             key = ENV_PREFIX + f.name.upper()
             raw = env.get(key)
@@ -198,6 +245,21 @@ class Settings:
             values[f.name] = _parse(key, raw, f.type)
         values.update(overrides)
         return cls(**values)
+
+
+def _read_secret_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: cannot read the secret: {e.strerror}") from e
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: over {MAX_SECRET_FILE_BYTES} bytes")
+    try:
+        # Kubernetes Secrets and `echo` leave a trailing newline that is no part of the key.
+        return data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: the secret is not UTF-8 text") from e
 
 
 def _parse(key: str, raw: str, type_: Any) -> Any:

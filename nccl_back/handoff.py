@@ -360,6 +360,9 @@ class HandoffServer:
             )
         return {
             "device": device,
+            # The index means nothing in a container with another CUDA_VISIBLE_DEVICES:
+            # the consumer finds the GPU by its UUID.
+            "uuid": gpu_uuid(int(device)),
             "handle": _b64(handle),
             "storage_size": size,
             "storage_offset": offset,
@@ -500,11 +503,32 @@ def _open_arena(reply: dict[str, Any], *, populate: bool) -> torch.Tensor:
     raise ValueError(f"unknown arena kind {reply['kind']!r}")
 
 
+def gpu_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as this process numbers it (``GPU-...``)."""
+    raw = str(torch.cuda.get_device_properties(index).uuid)
+    return raw if raw.startswith("GPU-") else f"GPU-{raw}"
+
+
+def local_gpu_index(uuid: str, visible: list[str]) -> int:
+    """This process's index of the GPU named ``uuid``; :class:`AttachError` if unseen."""
+    if not uuid:
+        raise AttachError("the sidecar did not name its GPU by UUID; upgrade the sidecar")
+    if uuid not in visible:
+        raise AttachError(
+            f"the sidecar's weights are on GPU {uuid}, which this process cannot see"
+            f" (visible: {', '.join(visible) or 'none'}); give the consumer that GPU"
+            " (CUDA_VISIBLE_DEVICES / the device plugin) or attach with a CPU skeleton"
+        )
+    return visible.index(uuid)
+
+
 def _open_cuda(info: dict[str, Any], size: int) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     if not torch.cuda.is_available():
         raise AttachError("the sidecar shares CUDA memory but this process has no CUDA")
+    visible = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    index = local_gpu_index(str(info.get("uuid", "")), visible)
     try:
         return rebuild_cuda_tensor(
             torch.Tensor,
@@ -513,7 +537,7 @@ def _open_cuda(info: dict[str, Any], size: int) -> torch.Tensor:
             int(info["tensor_offset"]),
             torch.storage.TypedStorage,
             torch.uint8,
-            int(info["device"]),
+            index,
             _unb64(info["handle"]),
             int(info["storage_size"]),
             int(info["storage_offset"]),

@@ -28,6 +28,7 @@ from typing import IO, Any
 import google_crc32c
 import numpy as np
 
+from . import bounded_json
 from .config import Settings
 from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
 from .index import INDEX_NAME, parse_index
@@ -40,6 +41,10 @@ log = get_logger("nccl_back.identity")
 
 CONFIG_NAME = "config.json"
 CACHE_NAME = "crc32c-v1.json"
+#: Largest config.json read (real ones are a few KiB; some embed tokenizer tables).
+MAX_CONFIG_BYTES = 16 << 20
+#: Largest CRC cache or ModelSpec JSON parsed.
+_MAX_JSON_BYTES = 256 << 20
 # Small enough to stay in CPU cache between the read and the checksum: measured
 # 8-14 GB/s with 1 MiB against ~5 GB/s with 16 MiB.
 _READ_BUFFER_BYTES = 1 << 20
@@ -75,7 +80,7 @@ class _CrcCache:
         self.path = Path(cache_dir) / CACHE_NAME
         self.dirty = False
         try:
-            data = json.loads(self.path.read_text())
+            data = bounded_json.loads(self.path.read_bytes(), max_bytes=_MAX_JSON_BYTES)
             self.entries: dict[str, Any] = data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             # A missing or damaged cache only costs a recomputation.
@@ -181,7 +186,11 @@ class ModelSpec:
     def from_json(cls, data: Mapping[str, Any] | str | bytes) -> ModelSpec:
         """Inverse of :meth:`to_json` (also accepts the JSON text)."""
         try:
-            raw = json.loads(data) if isinstance(data, (str, bytes)) else data
+            raw = (
+                bounded_json.loads(data, max_bytes=_MAX_JSON_BYTES, allow_constants=True)
+                if isinstance(data, (str, bytes))
+                else data
+            )
             shards = tuple(Shard(str(u), str(c), int(n)) for u, c, n in raw["shards"])
             return cls(dict(raw["config"]), shards)
         except (KeyError, TypeError, ValueError) as e:
@@ -216,9 +225,15 @@ class ModelSpec:
         if CONFIG_NAME not in files:
             raise ShardNotFoundError(f"{root.join(CONFIG_NAME).uri!r} does not exist")
         config_uri = files[CONFIG_NAME].uri
+        if files[CONFIG_NAME].size > MAX_CONFIG_BYTES:
+            raise CheckpointFormatError(
+                f"{config_uri}: {files[CONFIG_NAME].size} bytes, over the {MAX_CONFIG_BYTES}-byte limit"
+            )
         try:
-            config = json.loads(storage.read_bytes(config_uri).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
+            config = bounded_json.loads(
+                storage.read_bytes(config_uri), max_bytes=MAX_CONFIG_BYTES, allow_constants=True
+            )
+        except ValueError as e:
             raise CheckpointFormatError(f"{config_uri}: malformed JSON: {e}") from e
         if not isinstance(config, dict):
             raise CheckpointFormatError(f"{config_uri}: expected a JSON object")

@@ -6,17 +6,19 @@ model's identity (``nccl-back fingerprint``) reads the index and must stay fast.
 
 from __future__ import annotations
 
-import json
-
+from . import bounded_json
 from .errors import CheckpointFormatError
 
 INDEX_NAME = "model.safetensors.index.json"
+
+#: Largest index file read (an index of 100,000 tensors is a few MiB).
+MAX_INDEX_BYTES = 64 << 20
 
 
 def parse_index(data: bytes, uri: str) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
     try:
-        raw = json.loads(data.decode("utf-8"))
+        raw = bounded_json.loads(data, max_bytes=MAX_INDEX_BYTES)
         weight_map = raw["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

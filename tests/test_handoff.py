@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
-from nccl_back.handoff import HandoffServer, attach
+from nccl_back.handoff import HandoffServer, attach, gpu_uuid, local_gpu_index
 from nccl_back.integrity import layer_hashes
 from nccl_back.skeleton import build, manifest
 
@@ -311,6 +311,24 @@ def test_bad_arguments_raise_config_error(sock_dir: str) -> None:
         attach(_skeleton(), sock_dir, "mmap", version=VERSION)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="timeout=0"):
         attach(_skeleton(), sock_dir, timeout=0, version=VERSION)
+
+
+def test_gpu_is_found_by_uuid_not_index() -> None:
+    """The sidecar's GPU is mapped to this process's index by UUID; an unseen one is refused."""
+    visible = ["GPU-aaaa", "GPU-bbbb"]
+    assert local_gpu_index("GPU-bbbb", visible) == 1
+    with pytest.raises(AttachError, match="GPU GPU-cccc, which this process cannot see"):
+        local_gpu_index("GPU-cccc", visible)
+    with pytest.raises(AttachError, match="did not name its GPU by UUID"):
+        local_gpu_index("", visible)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(30)
+def test_gpu_uuid_names_a_visible_device() -> None:
+    """On a GPU machine, device 0's UUID maps back to index 0."""
+    uuids = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    assert uuids[0].startswith("GPU-") and local_gpu_index(uuids[0], uuids) == 0
 
 
 @pytest.mark.gpu

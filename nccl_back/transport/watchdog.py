@@ -6,8 +6,11 @@ the transport is aborted and :class:`TransferTimeoutError` raised, so a hung tra
 never keeps the worker from falling back to storage.
 
 The worker thread must not outlive the attempt: transports bound every wait by the
-same deadline (gloo: a per-call timeout equal to the time left), so after ``abort`` the
-thread unwinds within ``join_grace``; the transport is closed on the way out.
+same deadline (gloo: a per-call timeout equal to the time left; NCCL: polling), so
+after ``abort`` the thread unwinds within the transport's ``join_grace``; the
+transport is closed on the way out. The watchdog only *asks* for the abort: an NCCL
+transport's owner thread carries it out, since ``ncclCommAbort`` is unsafe while
+another thread is inside NCCL.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def run_guarded(
     work: Callable[[Transport], T],
     deadline: float,
     *,
-    join_grace: float = 5.0,
+    join_grace: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """``transport.connect(deadline)`` then ``work(transport)``, done by ``deadline``.
@@ -48,7 +51,9 @@ def run_guarded(
     def target() -> None:
         try:
             transport.connect(deadline)
-            values.append(work(transport))
+            value = work(transport)
+            transport.finish()
+            values.append(value)
         except BaseException as e:  # handed to the caller's thread below
             errors.append(e)
         finally:
@@ -65,11 +70,12 @@ def run_guarded(
     if thread.is_alive():
         log.warning("transfer_deadline_passed", transfer_id=transport.transfer_id, kind=transport.kind)
         transport.abort()
-        thread.join(join_grace)
+        grace = transport.join_grace if join_grace is None else join_grace
+        thread.join(grace)
         if thread.is_alive():
-            # Only an uninterruptible native call can get here (ncclCommInitRank); the
-            # daemon thread is left behind, the caller still falls back.
-            log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=join_grace)
+            # Only a wait that ignores both the deadline and the abort request can get
+            # here; the daemon thread is left behind, the caller still falls back.
+            log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=grace)
         raise TransferTimeoutError(
             f"{transport.kind} transfer {transport.transfer_id} did not finish by its deadline;"
             " the communicator was aborted"

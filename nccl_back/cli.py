@@ -71,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: serve flags that become Settings fields when given (flags win over NCCL_BACK_*).
 _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("redis-url", str, "coordination store, redis://[:password@]host:port/db"),
+    ("redis-url", str, "coordination store: redis://[:password@]host:port/db, rediss:// (TLS),"
+     " redis+sentinel://h1:26379,h2:26379/SERVICE/db or redis+cluster://h1:6379,h2:6379"),
+    ("redis-ca-file", str, "CA bundle (PEM) verifying the Redis server's TLS certificate"),
+    ("redis-cert-file", str, "client certificate (PEM) for mutual TLS with Redis"),
+    ("redis-key-file", str, "private key (PEM) of --redis-cert-file"),
     ("namespace", str, "prefix of every Redis key"),
     ("transport", str, "auto, gloo or nccl"),
     ("verify", str, "integrity check after a peer load: sampled, full or none"),

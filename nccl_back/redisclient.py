@@ -1,14 +1,11 @@
 """The coordination store's client: one Redis, a Sentinel-managed one, or a Redis Cluster,
 plain or over TLS, chosen by ``Settings.redis_url``.
 
-=========================================================  ===================================
-``redis://[:password@]host:6379/0``                         one server
-``rediss://...``                                            one server over TLS
-``unix:///path/redis.sock?db=0``                            one server on a Unix socket
-``redis+sentinel://[:password@]h1:26379,h2:26379/mymaster/0``  the master Sentinel names ``mymaster``
-``redis+cluster://[:password@]h1:6379,h2:6379``             a Redis Cluster (any nodes: seeds)
-``rediss+sentinel://`` / ``rediss+cluster://``              the same over TLS
-=========================================================  ===================================
+- ``redis://[:password@]host:6379/0``: one server (``unix:///path/redis.sock?db=0`` too);
+- ``redis+sentinel://[:password@]h1:26379,h2:26379/mymaster/0``: the master the
+  sentinels name ``mymaster``, followed across failovers;
+- ``redis+cluster://[:password@]h1:6379,h2:6379``: a Redis Cluster (any nodes, as seeds);
+- ``rediss://``, ``rediss+sentinel://``, ``rediss+cluster://``: the same over TLS.
 
 The URL's password is the data nodes' (``requirepass``); sentinels with their own
 password take ``Settings.redis_sentinel_password``. TLS always verifies the server's

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 from .errors import ConfigError
+from .redisclient import parse_redis_url
 
 ENV_PREFIX = "NCCL_BACK_"
 #: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
@@ -46,7 +46,24 @@ class Settings:
     """Everything a worker needs to know to load weights from a peer or from storage."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Coordination store. ``redis://`` or ``rediss://`` (TLS), password in the URL."""
+    """Coordination store, password in the URL: ``redis://`` (``rediss://`` over TLS) for
+    one server, ``redis+sentinel://h1:26379,h2:26379/SERVICE/0`` for the master Sentinel
+    names, ``redis+cluster://h1:6379,h2:6379`` for a Redis Cluster (``rediss+...`` over
+    TLS); see :mod:`nccl_back.redisclient`."""
+
+    redis_ca_file: str = ""
+    """PEM CA bundle that verifies the Redis server's certificate (TLS URLs; empty: the
+    system's CAs). Verification of the certificate and host name is always on."""
+
+    redis_cert_file: str = ""
+    """PEM client certificate presented to Redis for mutual TLS (empty: none)."""
+
+    redis_key_file: str = ""
+    """PEM private key of ``redis_cert_file`` (empty: the key is in the certificate file)."""
+
+    redis_sentinel_password: str = field(default="", repr=False)
+    """Password of the sentinels themselves, if they have one (the URL's password is the
+    data nodes')."""
 
     namespace: str = "nccl_back"
     """Prefix of every Redis key, so several fleets can share one Redis."""
@@ -137,21 +154,22 @@ class Settings:
     to Redis cannot feed a worker weights. ``None``: unsigned, as trusting as Redis."""
 
     def __post_init__(self) -> None:
-        parsed = urlparse(self.redis_url)
-        if parsed.scheme not in ("redis", "rediss", "unix"):
+        target = parse_redis_url(self.redis_url)
+        tls_files = ("redis_ca_file", "redis_cert_file", "redis_key_file")
+        for name in tls_files:
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be a file path (or empty)")
+        if not target.tls and any(getattr(self, n) for n in tls_files):
+            # Silently ignoring them would let a user believe the link is encrypted.
+            given = [n for n in tls_files if getattr(self, n)]
+            raise ConfigError(f"{', '.join(given)} given but redis_url={self.redis_url!r} is not TLS;"
+                              " use rediss://, rediss+sentinel:// or rediss+cluster://")
+        if self.redis_key_file and not self.redis_cert_file:
+            raise ConfigError("redis_key_file given without redis_cert_file (the client certificate)")
+        # No braces either: the namespace becomes a Redis Cluster hash tag, {namespace}.
+        if not self.namespace or any(c in self.namespace for c in " :*?[]{}"):
             raise ConfigError(
-                f"redis_url={self.redis_url!r}: scheme must be redis://, rediss:// or unix://"
-                " (e.g. redis://:password@host:6379/0)"
-            )
-        if parsed.scheme != "unix" and not parsed.hostname:
-            raise ConfigError(f"redis_url={self.redis_url!r}: no host; use redis://host:6379/0")
-        try:
-            _ = parsed.port
-        except ValueError as e:
-            raise ConfigError(f"redis_url={self.redis_url!r}: bad port ({e})") from e
-        if not self.namespace or any(c in self.namespace for c in " :*?[]"):
-            raise ConfigError(
-                f"namespace={self.namespace!r}: must be non-empty, without spaces, ':' or glob characters"
+                f"namespace={self.namespace!r}: must be non-empty, without spaces, ':', braces or glob characters"
             )
         if self.transport not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"transport={self.transport!r}: choose auto, gloo or nccl")

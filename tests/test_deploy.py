@@ -32,14 +32,23 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 OVERLAYS = {
     "example": DEPLOY / "overlays" / "example",
     "shared-gpu": DEPLOY / "overlays" / "shared-gpu",
+    "pre-1.29": DEPLOY / "overlays" / "pre-1.29",
 }
-# Oldest and newest Kubernetes each kustomization is validated against; resource.k8s.io/v1
-# (Dynamic Resource Allocation, used by shared-gpu) is GA from 1.34.
+#: Overlays whose sidecar is a native one (an init container with restartPolicy Always).
+NATIVE = {"example", "shared-gpu"}
+# Oldest and newest Kubernetes each kustomization is validated against. Native sidecars
+# are on by default from 1.29 (beta; GA in 1.33); the pre-1.29 overlay must also pass the
+# older schemas, where a container has no restartPolicy. resource.k8s.io/v1 (Dynamic
+# Resource Allocation, used by shared-gpu) is GA from 1.34.
 K8S_VERSIONS = {
     "base": ("1.29.0", kubernetes_validate.latest_version()),
     "example": ("1.29.0", kubernetes_validate.latest_version()),
     "shared-gpu": ("1.34.0", kubernetes_validate.latest_version()),
+    "pre-1.29": ("1.25.0", kubernetes_validate.latest_version()),
 }
+#: Seconds the native-sidecar pods leave the inference container to exit before the
+#: sidecar's own preStop starts (see the grace-period comment in base/worker.yaml).
+INFERENCE_STOP_S = 30
 KUSTOMIZATIONS = {"base": DEPLOY / "base", **OVERLAYS}
 CLUSTER_SCOPED = {"Namespace"}
 WORKER = {"app.kubernetes.io/name": "nccl-back", "app.kubernetes.io/component": "worker"}
@@ -121,10 +130,18 @@ def _pointer(path: str) -> list[str]:
 
 
 def _json_patch(obj: Obj, ops: list[Obj]) -> None:
-    """RFC 6902 test/add/remove/replace (the ops deploy/ uses)."""
+    """RFC 6902 test/add/remove/replace/move (the ops deploy/ uses)."""
     for op in ops:
+        if op["op"] == "move":
+            *parents, last = _pointer(op["from"])
+            node: Any = obj
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            value = node.pop(int(last) if isinstance(node, list) else last)
+            _json_patch(obj, [{"op": "add", "path": op["path"], "value": value}])
+            continue
         *parents, last = _pointer(op["path"])
-        node: Any = obj
+        node = obj
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
         index: Any = int(last) if isinstance(node, list) and last != "-" else last
@@ -244,8 +261,9 @@ def one(objs: list[Obj], kind: str, name_prefix: str) -> Obj:
 
 
 def container(objs: list[Obj], deployment: str, name: str) -> Obj:
+    """A container of the deployment's pod, regular or init (a native sidecar)."""
     spec = one(objs, "Deployment", deployment)["spec"]["template"]["spec"]
-    return next(c for c in spec["containers"] if c["name"] == name)
+    return next(c for c in [*spec.get("initContainers", []), *spec["containers"]] if c["name"] == name)
 
 
 def flag(args: list[str], name: str) -> str:
@@ -365,7 +383,9 @@ def test_grace_period_covers_the_drain_bound(name: str, rendered: dict[str, list
     assert flag(hook, "--token-file") == flag(sidecar["args"], "--drain-token-file")
     pre_stop_timeout = float(flag(hook, "--timeout"))
     assert pre_stop_timeout >= drain_bound
-    assert spec["terminationGracePeriodSeconds"] >= pre_stop_timeout + 5
+    # A native sidecar is stopped only after the inference container has exited.
+    first = INFERENCE_STOP_S if name in NATIVE else 0
+    assert spec["terminationGracePeriodSeconds"] >= first + pre_stop_timeout + 5
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
@@ -526,7 +546,12 @@ def test_worker_pod_shape(name: str, rendered: dict[str, list[Obj]]) -> None:
     """Two containers share the socket and /dev/shm volumes; ports declared; no hostIPC."""
     objs = rendered[name]
     spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
-    assert [c["name"] for c in spec["containers"]] == ["inference", "nccl-back"]
+    if name in NATIVE:
+        assert [c["name"] for c in spec["containers"]] == ["inference"]
+        assert [c["name"] for c in spec["initContainers"]] == ["nccl-back"]
+    else:
+        assert [c["name"] for c in spec["containers"]] == ["inference", "nccl-back"]
+        assert "initContainers" not in spec
     assert not spec.get("hostIPC") and not spec.get("hostNetwork") and not spec.get("hostPID")
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
@@ -552,6 +577,37 @@ def test_worker_pod_shape(name: str, rendered: dict[str, list[Obj]]) -> None:
         assert tag and "/" in name_, f"{c['name']}: image {c['image']} not set by the overlay"
 
 
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_sidecar_is_native(name: str, rendered: dict[str, list[Obj]]) -> None:
+    """The sidecar is the pod's first init container with restartPolicy Always (started
+    before inference, stopped after it) and a startup probe on /healthz gates inference."""
+    objs = rendered[name]
+    spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    sidecar = spec["initContainers"][0]
+    assert sidecar["name"] == "nccl-back" and sidecar["restartPolicy"] == "Always"
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    for c in spec["containers"]:
+        assert "restartPolicy" not in c
+
+
+def test_pre_1_29_overlay_keeps_the_ordinary_sidecar(rendered: dict[str, list[Obj]]) -> None:
+    """pre-1.29 is the example with the same sidecar as an ordinary second container."""
+    native = container(rendered["example"], "nccl-back-worker", "nccl-back")
+    old = container(rendered["pre-1.29"], "nccl-back-worker", "nccl-back")
+    assert "restartPolicy" not in old
+    assert old == {k: v for k, v in native.items() if k != "restartPolicy"}
+    spec = one(rendered["pre-1.29"], "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    example = one(rendered["example"], "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    assert spec["containers"][0] == example["containers"][0]
+
+
+def test_renderer_supports_move(tmp_path: Path) -> None:
+    """The renderer's JSON patch `move` takes an item out of one list into another."""
+    obj: Obj = {"a": [{"n": 1}], "b": [{"n": 0}]}
+    _json_patch(obj, [{"op": "move", "from": "/a/0", "path": "/b/-"}])
+    assert obj == {"a": [], "b": [{"n": 0}, {"n": 1}]}
+
+
 def test_gpu_goes_to_the_sidecar_in_example(rendered: dict[str, list[Obj]]) -> None:
     """In the example the device plugin's GPU is the sidecar's; no shared PID namespace."""
     objs = rendered["example"]
@@ -568,7 +624,9 @@ def test_shared_gpu_overlay_claims_one_gpu_for_both(rendered: dict[str, list[Obj
     assert template["metadata"]["namespace"] == one(objs, "Deployment", "nccl-back-worker")[
         "metadata"]["namespace"]
     assert spec["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "nccl-back-gpu"}]
-    for c in spec["containers"]:
+    both = [*spec["initContainers"], *spec["containers"]]
+    assert [c["name"] for c in both] == ["nccl-back", "inference"]
+    for c in both:
         assert c["resources"]["claims"] == [{"name": "gpu"}]
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
     assert spec["shareProcessNamespace"] is True

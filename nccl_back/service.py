@@ -28,6 +28,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +64,14 @@ from .transport import (
 
 MODES_KEY_SEP = "|"
 
+#: Fills a skeleton from storage: ``(model, spec, settings) -> LoadResult``. The default
+#: reads the checkpoint; an engine adapter passes its engine's own loader.
+StorageLoader = Callable[[Model, ModelSpec, Settings], LoadResult]
+
+
+def _load_checkpoint(model: Model, spec: ModelSpec, settings: Settings) -> LoadResult:
+    return load_from_storage(model, spec, settings=settings)
+
 
 class NobodyHolds(NoPeerError):
     """No live peer holds the version at all (the first worker of a rollout)."""
@@ -93,7 +102,9 @@ class WeightService:
         worker_id: str | None = None,
         registry: Registry | None = None,
         corrupt_sends_for_test: bool = False,
+        storage_loader: StorageLoader = _load_checkpoint,
     ) -> None:
+        self._storage_loader = storage_loader
         self.settings = settings if settings is not None else Settings.from_env()
         self.metrics = metrics if metrics is not None else Metrics()
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -433,7 +444,7 @@ class WeightService:
             self.metrics.record_fallback(code)
             log.warning("fallback_to_storage", reason=code, detail=str(reason))
         t = time.perf_counter()
-        stored = load_from_storage(model, spec, settings=self.settings)
+        stored = self._storage_loader(model, spec, self.settings)
         timings["storage"] = time.perf_counter() - t
         timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
         t = time.perf_counter()

@@ -268,9 +268,9 @@ class NcclBackModelLoader(BaseModelLoader):
         _SERVICES.append(service)
         atexit.register(service.close)
         reason = f"; fallback: {result.fallback_reason}" if result.fallback_reason else ""
-        log.info("nccl_back: loaded version %s from %s%s: %.2f GB in %.2f s (%.2f GB/s)%s",
+        log.info("nccl_back: loaded version %s from %s%s: %.1f MB in %.3f s (%.2f GB/s)%s",
                  result.version[:12], result.source,
-                 f" {result.peer_id}" if result.peer_id else "", result.bytes / 1e9,
+                 f" {result.peer_id}" if result.peer_id else "", result.bytes / 1e6,
                  result.seconds, result.gbps, reason)
 
     def _spec(self, vllm_config: VllmConfig, model_config: ModelConfig) -> ModelSpec:

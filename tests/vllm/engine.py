@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Several engines share the machine: let the OS place threads (vLLM pins to core 0).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -81,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hold:
         while not os.path.exists(args.hold):
             # Keep answering requests while held: serving weights must not block inference.
+            # Seldom: after each request vLLM's worker busy-polls for a second, and the
+            # CPUs are shared with the engine that is starting.
             llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])], params, use_tqdm=False)
-            time.sleep(0.2)
+            time.sleep(3)
     del llm
     return 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Engine
+from harness import ROOT, Engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

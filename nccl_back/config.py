@@ -24,6 +24,8 @@ SECRET_FILE_ENV = ENV_PREFIX + "SECRET_FILE"
 MIN_SECRET_BYTES = 16
 #: Longest secret file read (a secret is a key, not a document).
 MAX_SECRET_FILE_BYTES = 4096
+#: ``bucket_bytes`` per transport when the setting is 0 (see :meth:`Settings.bucket_for`).
+AUTO_BUCKET_BYTES = {"gloo": 1 << 20, "nccl": 8 << 20}
 
 TransportName = Literal["auto", "gloo", "nccl"]
 VerifyMode = Literal["sampled", "full", "none"]
@@ -112,8 +114,29 @@ class Settings:
     verify: VerifyMode = "sampled"
     """Integrity check after a peer load: sampled hashes, a full checksum, or none."""
 
-    bucket_bytes: int = 64 << 20
-    """Tensors smaller than this are coalesced into buckets of this size for the broadcast."""
+    bucket_bytes: int = 0
+    """Tensors smaller than this are coalesced into buckets of this size for the broadcast,
+    larger ones sent in place in chunks of this size; it is also the unit a relay forwards.
+    0 (the default): chosen per transport, :meth:`bucket_for` (gloo 1 MiB: measured best
+    for models of one allocation per tensor and no worse for consolidated skeletons;
+    NCCL 8 MiB, where a call costs more). Sender and receiver must agree."""
+
+    max_send_gbps: float = 0.0
+    """Cap on this worker's outgoing weight traffic in GB/s (10^9 B/s), shared by all its
+    sends and relays, so serving weights never starves the worker's own traffic.
+    0 (unset, the default): unlimited."""
+
+    cohort_window: float = 2.0
+    """Seconds during which receivers of the same version and rank that start a transfer
+    join one cohort (a pipelined relay chain) instead of queueing for whole copies."""
+
+    cohort_max_size: int = 16
+    """Most receivers in one relay chain; the next ones start another chain. 1: no
+    relay (every receiver takes a whole copy from a holder: a binomial fan-out)."""
+
+    relay_stall_timeout: float = 10.0
+    """Seconds a relay member waits for its upstream's next step before it re-attaches
+    elsewhere (another member upstream, a holder, or storage)."""
 
     storage_workers: int = 8
     """Parallel downloads (shards and ranged chunks) from storage."""
@@ -186,6 +209,8 @@ class Settings:
             "download_lease",
             "single_flight_max_wait",
             "claim_ttl",
+            "cohort_window",
+            "relay_stall_timeout",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -193,7 +218,7 @@ class Settings:
         for name in (
             "max_concurrent_sends",
             "max_peer_attempts",
-            "bucket_bytes",
+            "cohort_max_size",
             "storage_workers",
             "chunk_bytes",
             "storage_attempts",
@@ -201,6 +226,12 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        for name in ("bucket_bytes", "max_send_gbps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+                name == "bucket_bytes" and not isinstance(value, int)
+            ):
+                raise ConfigError(f"{name}={value!r}: must be 0 (automatic/unlimited) or positive")
         if self.single_flight_max_wait < self.single_flight_wait:
             raise ConfigError(
                 f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at least"
@@ -235,6 +266,12 @@ class Settings:
         if self.secret is None:
             return None
         return hmac.new(self.secret.encode(), b"nccl_back/" + purpose.encode(), hashlib.sha256).digest()
+
+    def bucket_for(self, kind: str) -> int:
+        """:attr:`bucket_bytes`, or its per-transport value when it is 0 (automatic)."""
+        if self.bucket_bytes:
+            return self.bucket_bytes
+        return AUTO_BUCKET_BYTES.get(kind, 1 << 20)
 
     @property
     def peer_budget_seconds(self) -> float:

@@ -15,6 +15,8 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
     ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
     ns:req:{peer_id}                list of request JSON       TTL peer_ttl
     ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
+    ns:cohort:{v}:{r}:{w}:{d}       hash {n, epoch}            TTL cohort_window (relay.py)
+    ns:cohort:{v}:{r}:{w}:{d}:{e}:{c}  list of member JSON     TTL transfer_timeout + busy_wait
     ns:hs:{transfer_id}:{name}      handshake / NCCL unique id short TTL (handshake.py,
                                     transport/nccl.py)
 
@@ -91,6 +93,24 @@ if ok and type(value) == 'table' and value['token'] == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
+"""
+
+
+# Take a seat in the current cohort: the n-th arrival of a window sits at position
+# (n-1) % max in chain (n-1) // max; the record is pushed in the same step, so the
+# list index is the position. A new window (the hash expired) gets a new epoch.
+_JOIN_COHORT_LUA = """
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+if n == 1 then
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+local epoch = redis.call('HGET', KEYS[1], 'epoch') or ARGV[1]
+local size = tonumber(ARGV[3])
+local chain = KEYS[1] .. ':' .. epoch .. ':' .. math.floor((n - 1) / size)
+redis.call('RPUSH', chain, ARGV[4])
+redis.call('PEXPIRE', chain, ARGV[5])
+return {chain, (n - 1) % size}
 """
 
 
@@ -195,6 +215,7 @@ class Registry:
         self._renew = self.client.register_script(_RENEW_LUA)
         self._cas = self.client.register_script(_CAS_LUA)
         self._cad = self.client.register_script(_CAD_LUA)
+        self._join_cohort = self.client.register_script(_JOIN_COHORT_LUA)
 
     # -- generic helpers ----------------------------------------------------------------
 
@@ -463,6 +484,34 @@ class Registry:
             pipe.exists(*[self._claim_key(p.peer_id, s) for s in range(max(p.max_sends, 1))])
         counts = self._call("EXISTS", pipe.execute)
         return {p.peer_id: int(c) for p, c in zip(peers, counts, strict=True)}
+
+    # -- cohorts (relay.py) ---------------------------------------------------------------
+
+    def cohort_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
+        """The current cohort of receivers of one rank's skeleton flavour."""
+        return self.key("cohort", version, rank, world_size, manifest_digest)
+
+    def join_cohort(
+        self, version: str, rank: int, world_size: int, manifest_digest: str,
+        member: dict[str, Any], *, window: float, max_size: int, ttl: float,
+    ) -> tuple[str, int]:
+        """Append ``member`` to the current cohort's chain: ``(chain key, position)``."""
+        key = self.cohort_key(version, rank, world_size, manifest_digest)
+        got = self._call("join_cohort", lambda: self._join_cohort(
+            keys=[key], args=[uuid.uuid4().hex[:12], _ms(window), max(int(max_size), 1),
+                              _dumps(member), _ms(ttl)]))
+        try:
+            chain, position = got
+            return str(chain), int(position)
+        except (TypeError, ValueError) as e:
+            raise RegistryError(f"join_cohort: unexpected reply {got!r}") from e
+
+    def chain_members(self, chain: str, first: int, last: int) -> list[str]:
+        """Raw member records at positions ``first..last`` of ``chain`` (parse each)."""
+        if not chain.startswith(self.key("cohort", "")):
+            raise RegistryError(f"{chain!r} is not a cohort chain key")
+        raws = self._call("LRANGE", lambda: self.client.lrange(chain, first, last))
+        return [str(r) for r in raws]
 
     # -- transfer requests ----------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from .metrics import Metrics
 from .registry import PeerInfo, Registry
 from .skeleton import Manifest, Model, model_device, named_tensors
 from .transport import Rendezvous, open_rendezvous, resolve_kind, run_guarded, send_tensors
+from .transport.pacing import Pacer
 
 
 @dataclass
@@ -67,8 +68,11 @@ class PeerServer:
         registry: Registry,
         metrics: Metrics,
         worker_id: str,
+        pacer: Pacer | None = None,
     ) -> None:
         self.settings = settings
+        self.pacer = pacer if pacer is not None else Pacer(settings.max_send_gbps)
+        """The worker's send-rate cap, shared by every send and relay hop."""
         self.registry = registry
         self.metrics = metrics
         self.worker_id = worker_id
@@ -153,11 +157,7 @@ class PeerServer:
         """
         device = model_device(model)
         kind = resolve_kind(self.settings, device)
-        with self._lock:
-            rv = self._rendezvous.get(kind)
-            if rv is None:
-                rv = open_rendezvous(self.settings, kind, device=device, registry=self.registry)
-                self._rendezvous[kind] = rv
+        rv = self.rendezvous(kind, device)
         peer_id = f"{self.worker_id}-r{rank}-{uuid.uuid4().hex[:4]}"
         info = PeerInfo(
             peer_id=peer_id, version=version, rank=rank, world_size=world,
@@ -184,6 +184,16 @@ class PeerServer:
         self.metrics.set_ready(True)
         log.info("published", peer=peer_id, transport=kind, address=rv.address, source=source)
         return info
+
+    def rendezvous(self, kind: str, device: torch.device) -> Rendezvous:
+        """This worker's sender endpoint for ``kind``, started on first use (a relay
+        member needs it before its own load is done)."""
+        with self._lock:
+            rv = self._rendezvous.get(kind)
+            if rv is None:
+                rv = open_rendezvous(self.settings, kind, device=device, registry=self.registry)
+                self._rendezvous[kind] = rv
+            return rv
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval):
@@ -226,6 +236,7 @@ class PeerServer:
                 refuse(self.registry, transfer_id, *refusal)
                 log.warning("request_refused", code=refusal[0], reason=refusal[1])
                 return
+            start = _start_step(request)
             run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
             transport = self._rendezvous[held.info.transport].sender(transfer_id)
             with held.lock:
@@ -234,7 +245,9 @@ class PeerServer:
             stats = run_guarded(
                 transport,
                 # Read at send time: the model may have moved since publication.
-                lambda tr: send_tensors(tr, named_tensors(held.model)[0], s.bucket_bytes),
+                lambda tr: send_tensors(tr, named_tensors(held.model)[0],
+                                        s.bucket_for(held.info.transport), start=start,
+                                        pace=self.pacer.take),
                 now + s.transfer_timeout,
                 connect_deadline=now + s.connect_timeout,
             )
@@ -273,3 +286,10 @@ class PeerServer:
                 f" this peer serves {info.transport}/{info.device}"
             )
         return None
+
+
+def _start_step(request: dict[str, Any]) -> int:
+    """The step a (resuming) receiver asks to start from; 0 when absent or malformed
+    (a bad value then fails the plan agreement, never the sender)."""
+    start = request.get("start", 0)
+    return start if isinstance(start, int) and not isinstance(start, bool) and 0 <= start < 1 << 31 else 0

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import integrity
+from . import integrity, relay
 from .config import Settings
 from .consensus import Group, gather, rank_and_size
 from .election import DownloadLease, elect
@@ -67,7 +67,8 @@ from .registry import PeerInfo, Registry, encode_truth, truth_for_mode
 from .result import LoadResult
 from .sender import PeerServer
 from .skeleton import Manifest, Model, manifest, model_device, named_tensors
-from .transport import receiver_transport, recv_tensors, resolve_kind, run_guarded
+from .transport import plan, receiver_transport, recv_tensors, resolve_kind, run_guarded
+from .transport.broadcast import resume_point
 
 # One rank's code in a consensus round (the worst code decides).
 OK, NOBODY, FAILED, RAISED = 0, 1, 2, 3
@@ -117,6 +118,8 @@ class _Attempt:
     peer_id: str | None = None
     lease: DownloadLease | None = None
     stored_bytes: int = 0
+    chain: relay.Chain | None = None
+    """This rank's seat in a cohort (relay chain) while it receives."""
 
     @property
     def code(self) -> int:
@@ -156,6 +159,8 @@ class WeightService:
         self.registry = registry if registry is not None else Registry(self.settings)
         self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id)
         self._closed = False
+        self._relays: list[relay.RelayServer] = []
+        self._relay_lock = threading.Lock()
         self._log = get_logger("nccl_back.service", worker=self.worker_id)
 
     # -- public API ---------------------------------------------------------------------
@@ -223,6 +228,10 @@ class WeightService:
         if self._closed:
             return
         self._closed = True
+        with self._relay_lock:
+            relays, self._relays = self._relays, []
+        for r in relays:
+            r.close(self.settings.redis_timeout + 1)
         self._server.close()
         with contextlib.suppress(Exception):
             self.registry.close()
@@ -402,6 +411,99 @@ class WeightService:
                 and not self._server.holds(p.peer_id)]
 
     def _receive_any(self, a: _Attempt) -> None:
+        """Receive through this rank's cohort (relay chain) if it has one upstream of
+        us, else from holders; sets ``a.peer_id`` or ``a.reason``."""
+        chain = self._join_cohort(a)
+        a.chain = chain
+        try:
+            if chain is not None and chain.position > 0 and self._receive_relayed(chain, a):
+                return
+            if a.reason is None:
+                self._receive_from_holders(a)
+        finally:
+            if chain is not None:
+                chain.end(a.peer_id is not None, str(a.reason or ""))
+
+    def _join_cohort(self, a: _Attempt) -> relay.Chain | None:
+        """A seat in the current cohort for this rank, or None (cohorts off, or Redis or
+        the rendezvous failed: then this rank receives on its own, as without cohorts)."""
+        s = self.settings
+        if s.cohort_max_size <= 1:
+            return None
+        try:
+            chain = relay.join(
+                s, self.registry, self._server.rendezvous(a.kind, a.device),
+                worker_id=self.worker_id, version=a.spec.version, rank=a.rank, world=a.world,
+                manifest_digest=a.manifest.digest, kind=a.kind, device=a.device,
+                tensors=a.tensors, pacer=self._server.pacer, log_=a.log,
+            )
+        except NcclBackError as e:
+            a.log.warning("cohort_join_failed", error=str(e))
+            return None
+        with self._relay_lock:
+            self._relays = [r for r in self._relays if r.alive] + [chain.server]
+        return chain
+
+    def _receive_relayed(self, chain: relay.Chain, a: _Attempt) -> bool:
+        """Receive from the nearest live member upstream of us, re-attaching further up
+        when one fails (resuming at the first step we lack). False: none could serve us
+        by the chain's deadline; the caller tries holders, from where we stopped."""
+        s = self.settings
+        deadline = time.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
+        while time.monotonic() < deadline:
+            try:
+                upstreams = chain.upstreams()
+            except RegistryError as e:
+                a.log.warning("cohort_read_failed", error=str(e))
+                return False
+            if not upstreams:
+                return False
+            member = upstreams[0]
+            try:
+                if member.transport != a.kind or member.device != a.device.type:
+                    raise IncompatiblePeerError(
+                        f"cohort member {member.member_id} speaks {member.transport} on {member.device}")
+                self._receive_from_member(member, chain, a, deadline)
+                a.peer_id = member.member_id
+                return True
+            except WeightVerificationError as e:
+                # The bytes are wrong, not late: resuming would keep them. Storage.
+                self.metrics.record_verification_failure()
+                a.reason = e
+                return False
+            except PeerError as e:
+                chain.failed.add(member.member_id)
+                if isinstance(e, HandshakeTimeoutError):
+                    self.metrics.record_handshake_timeout()
+                a.log.warning("relay_upstream_failed", peer=member.member_id,
+                              held_steps=chain.progress.done, reason=fallback_reason(e),
+                              error=str(e))
+            except RegistryError as e:
+                a.log.warning("relay_upstream_failed", peer=member.member_id, error=str(e))
+                return False
+        return False
+
+    def _receive_from_member(self, member: relay.Member, chain: relay.Chain, a: _Attempt,
+                             deadline: float) -> None:
+        s = self.settings
+        transfer_id = uuid.uuid4().hex
+        start = resume_point(plan(a.tensors, s.bucket_for(a.kind)), a.tensors, chain.progress.done)
+        request = {
+            "transfer_id": transfer_id, "receiver": self.worker_id, "version": a.spec.version,
+            "manifest_digest": a.manifest.digest, "transport": a.kind, "device": a.device.type,
+            "start": start,
+        }
+        t = time.perf_counter()
+        run_receiver(
+            self.registry, transfer_id, a.manifest.digest,
+            min(s.receiver_handshake_timeout, max(deadline - time.monotonic(), 0.001)),
+            after_ready=lambda: self.registry.push_request(member.member_id, request),
+        )
+        a.timings["handshake"] = time.perf_counter() - t
+        self._transfer(a, member.transport, member.address, transfer_id, start=start,
+                       deadline=deadline, stall=s.relay_stall_timeout)
+
+    def _receive_from_holders(self, a: _Attempt) -> None:
         """Try peers until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
 
         A peer whose send slots are all claimed is not a failure: the receiver waits
@@ -461,6 +563,10 @@ class WeightService:
         try:
             with _kept(self.registry, peer.peer_id, token, s.claim_ttl, a.log):
                 transfer_id = uuid.uuid4().hex
+                start = 0
+                if a.chain is not None:  # resume what an upstream member already gave us
+                    start = resume_point(plan(a.tensors, s.bucket_for(peer.transport)),
+                                         a.tensors, a.chain.progress.done)
                 request = {
                     "transfer_id": transfer_id,
                     "receiver": self.worker_id,
@@ -469,6 +575,7 @@ class WeightService:
                     "transport": a.kind,
                     "device": a.device.type,
                     "claim": token,
+                    "start": start,
                 }
                 t = time.perf_counter()
                 run_receiver(
@@ -476,24 +583,35 @@ class WeightService:
                     after_ready=lambda: self.registry.push_request(peer.peer_id, request),
                 )
                 a.timings["handshake"] = time.perf_counter() - t
-                t = time.perf_counter()
-                transport = receiver_transport(s, peer.transport, peer.address, transfer_id,
-                                               device=a.device, registry=self.registry)
-                now = time.monotonic()
-                run_guarded(
-                    transport,
-                    lambda tr: recv_tensors(tr, a.tensors, s.bucket_bytes),
-                    now + s.transfer_timeout,
-                    connect_deadline=now + s.connect_timeout,
-                )
-                a.timings["transfer"] = time.perf_counter() - t
-                if a.truth is not None:
-                    t = time.perf_counter()
-                    integrity.compare(a.truth, integrity.layer_hashes(a.model, mode=s.verify))  # type: ignore[arg-type]
-                    a.timings["verify"] = time.perf_counter() - t
+                self._transfer(a, peer.transport, peer.address, transfer_id, start=start,
+                               deadline=time.monotonic() + s.transfer_timeout)
         finally:
             with contextlib.suppress(RegistryError):
                 self.registry.release(peer.peer_id, token)
+
+    def _transfer(self, a: _Attempt, kind: str, address: str, transfer_id: str, *, start: int,
+                  deadline: float, stall: float | None = None) -> None:
+        """The guarded transfer from ``start`` (progress reported to this rank's chain),
+        then verification against the ground truth."""
+        s = self.settings
+        t = time.perf_counter()
+        transport = receiver_transport(s, kind, address, transfer_id,
+                                       device=a.device, registry=self.registry)
+        if stall is not None:
+            transport.call_timeout = stall
+        on_step = a.chain.progress.advance if a.chain is not None else None
+        now = time.monotonic()
+        run_guarded(
+            transport,
+            lambda tr: recv_tensors(tr, a.tensors, s.bucket_for(kind), start=start, on_step=on_step),
+            deadline,
+            connect_deadline=min(now + s.connect_timeout, deadline),
+        )
+        a.timings["transfer"] = time.perf_counter() - t
+        if a.truth is not None:
+            t = time.perf_counter()
+            integrity.compare(a.truth, integrity.layer_hashes(a.model, mode=s.verify))  # type: ignore[arg-type]
+            a.timings["verify"] = time.perf_counter() - t
 
     def _peer_loaded(self, a: _Attempt) -> LoadResult:
         seconds = time.perf_counter() - a.start

@@ -187,14 +187,19 @@ def test_plan_is_derived_from_the_manifest_alone() -> None:
     assert steps == plan(manifest, BUCKET)
     assert plan_digest(steps) == plan_digest(plan(skeleton_like(tensors), BUCKET))
     assert plan_digest(steps) != plan_digest(plan(tensors, BUCKET // 2))
-    direct = sorted(s.slots[0].name for s in steps if s.direct)
+    direct = sorted({s.slots[0].name for s in steps if s.direct})
     assert direct == ["a.weight", "f.big_transposed", "f.uint8"]
-    names = [x.name for s in steps for x in s.slots]
-    assert sorted(names) == sorted(n for n in tensors if n != "d.empty")
+    names = {x.name for s in steps for x in s.slots}
+    assert names == {n for n in tensors if n != "d.empty"}
     for s in steps:
+        assert s.nbytes <= BUCKET
         if not s.direct:
-            assert s.nbytes <= BUCKET
             assert all(x.offset % ALIGN == 0 for x in s.slots)
+    # A large tensor travels in chunks of at most a bucket that cover it exactly once.
+    for name in direct:
+        chunks = [s.slots[0] for s in steps if s.direct and s.slots[0].name == name]
+        assert [c.offset for c in chunks] == list(range(0, sum(c.nbytes for c in chunks), BUCKET))
+        assert sum(c.nbytes for c in chunks) == tensors[name].numel() * tensors[name].element_size()
 
 
 @pytest.mark.timeout(60)

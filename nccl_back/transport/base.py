@@ -58,6 +58,9 @@ class Transport(ABC):
         self.transfer_id = transfer_id
         self.device = device
         self._deadline = float("inf")
+        self.call_timeout = float("inf")
+        """Seconds one broadcast may wait, at most (a relay link: its upstream's stall
+        bound); transports that support it fail a longer wait as a timeout."""
 
     def extend_deadline(self, deadline: float) -> None:
         """After ``connect``: later waits may run until ``deadline`` (the transfer's,

@@ -9,8 +9,17 @@ before any tensor is touched.
 
 Tensors smaller than ``bucket_bytes`` are coalesced into flat byte buckets (packed on
 the sender, unpacked on the receiver) because a call per small tensor costs more in
-latency than in bytes; larger ones are broadcast in place. Everything travels as bytes
-(``uint8`` views), so no backend has to support bf16, bool or complex.
+latency than in bytes; larger ones are broadcast in place, cut into chunks of
+``bucket_bytes``. So no step is larger than a bucket: a relay (:mod:`nccl_back.relay`)
+forwards step k while k+1 arrives, and each hop of a chain costs one step, not one
+tensor. Everything travels as bytes (``uint8`` views), so no backend has to support
+bf16, bool or complex.
+
+A transfer may start at step ``start`` > 0 (a relay member re-attaching after its
+upstream failed resumes where it was): the digest covers ``start`` and the steps from it.
+The sender may gate each step on ``ready(k)`` (a relay forwards only what it holds) and
+pace it through ``pace(nbytes)`` (the worker's send-rate cap); the receiver reports each
+step whose bytes are in place through ``on_step(k)``.
 
 Two bucket buffers are allocated once and alternate, and at most two broadcasts are in
 flight: the sender packs bucket k+1 while bucket k is on the wire, the receiver unpacks
@@ -83,8 +92,9 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
     """The broadcast calls for ``source``, from names, shapes and dtypes alone.
 
     Tensors are visited in sorted name order; each one of ``bucket_bytes`` or more is
-    its own step, smaller ones fill the open bucket (at ``ALIGN``-ed offsets) until the
-    next would not fit. Empty tensors carry no bytes and get no step.
+    sent in place in chunks of ``bucket_bytes`` (one step each), smaller ones fill the
+    open bucket (at ``ALIGN``-ed offsets) until the next would not fit. Empty tensors
+    carry no bytes and get no step.
     """
     if bucket_bytes < 1:
         raise TransferError(f"bucket_bytes={bucket_bytes}: must be positive")
@@ -96,7 +106,11 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
         if nbytes == 0:
             continue
         if nbytes >= bucket_bytes:
-            steps.append(Step(True, nbytes, (Slot(name, shape, dtype, 0, nbytes),)))
+            # In place, in chunks of at most a bucket (a relay's unit of forwarding):
+            # a direct slot's offset is its chunk's byte offset within the tensor.
+            for at in range(0, nbytes, bucket_bytes):
+                size = min(bucket_bytes, nbytes - at)
+                steps.append(Step(True, size, (Slot(name, shape, dtype, at, size),)))
             continue
         offset = -(-used // ALIGN) * ALIGN
         if offset + nbytes > bucket_bytes:
@@ -109,11 +123,12 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
     return steps
 
 
-def plan_digest(steps: list[Step]) -> bytes:
-    """MD5 of the plan: equal on both sides iff they will issue identical calls."""
+def plan_digest(steps: list[Step], start: int = 0) -> bytes:
+    """MD5 of the plan from step ``start``: equal on both sides iff they will issue
+    identical calls."""
     payload = json.dumps(
-        [[s.direct, s.nbytes, [[x.name, list(x.shape), x.dtype, x.offset] for x in s.slots]]
-         for s in steps],
+        [start, [[s.direct, s.nbytes, [[x.name, list(x.shape), x.dtype, x.offset] for x in s.slots]]
+                 for s in steps[start:]]],
         separators=(",", ":"),
     )
     return hashlib.md5(payload.encode()).digest()
@@ -123,17 +138,33 @@ def send_tensors(
     transport: Transport,
     tensors: Mapping[str, torch.Tensor],
     bucket_bytes: int,
+    *,
+    start: int = 0,
+    ready: Callable[[int], None] | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> TransferStats:
-    """Broadcast ``tensors`` (rank 0) to the receiver; they are only read."""
-    start = time.perf_counter()
-    steps, buffers, window = _begin(transport, tensors, bucket_bytes)
+    """Broadcast ``tensors`` (rank 0) to the receiver from step ``start``; they are only read.
+
+    ``ready(k)`` returns once step k's bytes are in ``tensors`` (it raises to end the
+    transfer); ``pace(n)`` returns once ``n`` more bytes may go out.
+    """
+    began = time.perf_counter()
+    steps, buffers, window = _begin(transport, tensors, bucket_bytes, start)
+    whole: tuple[str, torch.Tensor] | None = None  # a non-contiguous source, made contiguous once
     with torch.no_grad():
-        for step in steps:
+        for k in range(start, len(steps)):
+            step = steps[k]
+            if ready is not None:
+                ready(k)
             window.make_room()
             if step.direct:
                 slot = step.slots[0]
                 src = tensors[slot.name]
-                data = _as_bytes(src.contiguous())
+                if not src.is_contiguous():
+                    if whole is None or whole[0] != slot.name:
+                        whole = (slot.name, src.contiguous())
+                    src = whole[1]
+                data = _as_bytes(src)[slot.offset: slot.offset + slot.nbytes]
             else:
                 laid_out = _in_place(step, tensors)
                 if laid_out is not None:
@@ -142,32 +173,51 @@ def send_tensors(
                     data = buffers.next(step.nbytes)
                     for slot in step.slots:
                         _copy(_slot_view(data, slot), tensors[slot.name])
+            if pace is not None:
+                pace(step.nbytes)
             # ``data`` stays referenced by the window until its broadcast is done: a
             # temporary copy must not be freed while on the wire.
             window.add(transport.broadcast(data, SENDER_RANK), None, data)
         window.drain()
         _acknowledge(transport)
-    return _stats(steps, start)
+    return _stats(steps[start:], began)
 
 
 def recv_tensors(
-    transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int
+    transport: Transport,
+    tensors: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    *,
+    start: int = 0,
+    on_step: Callable[[int], None] | None = None,
 ) -> TransferStats:
-    """Receive into the skeleton's ``tensors`` (rank 1), written in place."""
-    start = time.perf_counter()
-    steps, buffers, window = _begin(transport, tensors, bucket_bytes)
+    """Receive into the skeleton's ``tensors`` (rank 1) from step ``start``, in place.
+
+    ``on_step(k)`` is called, in step order, once step k's bytes are in ``tensors``.
+    """
+    began = time.perf_counter()
+    steps, buffers, window = _begin(transport, tensors, bucket_bytes, start)
+    staged: dict[str, torch.Tensor] = {}  # non-contiguous destinations, received whole first
     with torch.no_grad():
-        for step in steps:
+        for k in range(start, len(steps)):
+            step = steps[k]
             window.make_room()
             finish: Callable[[], None] | None
             if step.direct:
-                dst = tensors[step.slots[0].name]
+                slot = step.slots[0]
+                dst = tensors[slot.name]
                 if dst.is_contiguous():
-                    data, finish = _as_bytes(dst), None
+                    whole, finish = dst, None
                 else:
-                    tmp = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-                    data = _as_bytes(tmp)
-                    finish = lambda dst=dst, tmp=tmp: _copy(dst, tmp)  # noqa: E731
+                    if slot.name not in staged:
+                        staged[slot.name] = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+                    whole = staged[slot.name]
+                    if slot.offset + slot.nbytes == dst.numel() * dst.element_size():
+                        del staged[slot.name]
+                        finish = lambda dst=dst, tmp=whole: _copy(dst, tmp)  # noqa: E731
+                    else:
+                        finish = None
+                data = _as_bytes(whole)[slot.offset: slot.offset + slot.nbytes]
             else:
                 laid_out = _in_place(step, tensors)
                 if laid_out is not None:
@@ -175,23 +225,35 @@ def recv_tensors(
                 else:
                     data = buffers.next(step.nbytes)
                     finish = lambda data=data, slots=step.slots: _unpack(data, slots, tensors)  # noqa: E731
-            window.add(transport.broadcast(data, SENDER_RANK), finish, data)
+            window.add(transport.broadcast(data, SENDER_RANK), finish, data, k, on_step)
         window.drain()
         _acknowledge(transport)
-    return _stats(steps, start)
+    return _stats(steps[start:], began)
+
+
+def resume_point(steps: list[Step], tensors: Mapping[str, torch.Tensor], done: int) -> int:
+    """Where a receiver holding steps ``[0, done)`` resumes: ``done``, or earlier when
+    ``done`` falls inside a non-contiguous tensor's chunks (those are staged whole)."""
+    k = min(max(done, 0), len(steps))
+    while 0 < k < len(steps) and steps[k].direct and steps[k].slots[0].offset > 0 \
+            and not tensors[steps[k].slots[0].name].is_contiguous():
+        k -= 1
+    return k
 
 
 # -- helpers --------------------------------------------------------------------------------
 
 
 def _begin(
-    transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int
+    transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, start: int
 ) -> tuple[list[Step], _Buffers, _Window]:
     """Both sides: plan, check devices, agree on the plan, set up buffers and window."""
     steps = plan(tensors, bucket_bytes)
+    if not 0 <= start <= len(steps):
+        raise TransferError(f"start={start}: the plan has {len(steps)} steps")
     _check_devices(transport, tensors)
-    _agree_on_plan(transport, steps)
-    return steps, _Buffers(steps, transport.device), _Window()
+    _agree_on_plan(transport, steps, start)
+    return steps, _Buffers(steps[start:], transport.device), _Window()
 
 
 def _entries(source: Mapping[str, torch.Tensor] | Manifest) -> Iterable[tuple[str, tuple[int, ...], str]]:
@@ -216,9 +278,9 @@ def _check_devices(transport: Transport, tensors: Mapping[str, torch.Tensor]) ->
             )
 
 
-def _agree_on_plan(transport: Transport, steps: list[Step]) -> None:
+def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0) -> None:
     """Sender broadcasts the plan digest, receiver answers with a verdict byte."""
-    mine = torch.frombuffer(bytearray(plan_digest(steps)), dtype=torch.uint8).to(transport.device)
+    mine = torch.frombuffer(bytearray(plan_digest(steps, start)), dtype=torch.uint8).to(transport.device)
     theirs = mine.clone() if transport.rank == SENDER_RANK else torch.zeros_like(mine)
     transport.broadcast(theirs, SENDER_RANK).wait()
     verdict = torch.tensor([int(torch.equal(mine, theirs))], dtype=torch.uint8, device=transport.device)
@@ -226,7 +288,7 @@ def _agree_on_plan(transport: Transport, steps: list[Step]) -> None:
     if not int(verdict.item()):
         raise ManifestMismatchError(
             f"transfer {transport.transfer_id}: sender and receiver planned different broadcasts"
-            " (different tensors or bucket_bytes); nothing was transferred"
+            " (different tensors, bucket_bytes or start step); nothing was transferred"
         )
 
 
@@ -337,11 +399,14 @@ class _Window:
     """Broadcasts in flight, oldest first, each with what to do once it is done."""
 
     def __init__(self) -> None:
-        self._pending: deque[tuple[Pending, Callable[[], None] | None, torch.Tensor]] = deque()
+        self._pending: deque[tuple[Pending, Callable[[], None] | None, torch.Tensor, int,
+                                   Callable[[int], None] | None]] = deque()
 
-    def add(self, pending: Pending, finish: Callable[[], None] | None, data: torch.Tensor) -> None:
-        """Track ``pending``; ``data`` (the tensor on the wire) is held until it is done."""
-        self._pending.append((pending, finish, data))
+    def add(self, pending: Pending, finish: Callable[[], None] | None, data: torch.Tensor,
+            step: int = -1, on_step: Callable[[int], None] | None = None) -> None:
+        """Track ``pending``; ``data`` (the tensor on the wire) is held until it is done,
+        then ``finish()`` and ``on_step(step)`` run."""
+        self._pending.append((pending, finish, data, step, on_step))
 
     def make_room(self) -> None:
         while len(self._pending) >= MAX_IN_FLIGHT:
@@ -352,7 +417,9 @@ class _Window:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        pending, finish, _ = self._pending.popleft()
+        pending, finish, _, step, on_step = self._pending.popleft()
         pending.wait()
         if finish is not None:
             finish()
+        if on_step is not None:
+            on_step(step)

@@ -125,7 +125,8 @@ class GlooTransport(Transport):
             raise TransferError(f"gloo transfer {self.transfer_id}: broadcast before connect")
         try:
             # The per-call timeout: a stalled peer fails this call by the deadline.
-            work = self._pg.broadcast(tensor, src, timedelta(seconds=self._left()))  # type: ignore[attr-defined]
+            per_call = min(self._left(), self.call_timeout)
+            work = self._pg.broadcast(tensor, src, timedelta(seconds=per_call))  # type: ignore[attr-defined]
         except RuntimeError as e:
             raise self._error("broadcast", e) from e
         return _GlooPending(work, self)

@@ -1,0 +1,369 @@
+"""Cohorts: receivers that arrive together form one pipelined relay chain.
+
+With whole 2-rank copies, N receivers of one holder need a binomial tree of
+⌈log2(N+1)⌉ rounds. Instead, receivers of the same version, rank and manifest that
+start within ``cohort_window`` seconds join one *cohort* (at most ``cohort_max_size``
+members, then the next one starts), ordered by arrival::
+
+    holder -> m0 -> m1 -> m2 -> ...      (each arrow: one 2-rank link, gloo or NCCL)
+
+Member 0 (the head) receives from a holder as any receiver does. Member p > 0
+receives from member p-1, which forwards step k (a bucket, :mod:`.transport.broadcast`)
+as soon as step k is in its own tensors, while step k+1 arrives. So the chain takes
+about one transfer plus one step per member, whatever its length. A late arrival
+joins the tail: its upstream forwards what it already holds at link speed and then
+follows. Each link is a separate 2-rank communicator (not one NCCL communicator for
+the cohort, whose pipelined broadcast would be faster per byte) because a member
+that dies then breaks one link, not the whole cohort, and the same code runs on gloo
+and NCCL.
+
+Failure: a member whose upstream link fails (the upstream died: gloo raises in
+~0.3 s; or stalled: no step within ``relay_stall_timeout``) re-attaches to the
+nearest member further up, then to any holder, resuming at the first step it lacks;
+only then does it fall back to storage, with the reason. Its own downstream waits on
+its progress meanwhile and never notices. A member that gives up fails its
+downstream links at once, so they re-attach too. Every member verifies what it got
+against the ground truth, as any receiver does.
+
+Registry (keys built by :class:`~nccl_back.registry.Registry`)::
+
+    ns:cohort:{v}:{r}:{w}:{d}                 hash {n, epoch}; TTL cohort_window
+    ns:cohort:{v}:{r}:{w}:{d}:{epoch}:{c}     list of member records, in chain order
+
+A member record (JSON, parsed by :func:`parse_member`) names where to reach the
+member's relay endpoint: ``{"member_id", "address", "transport", "device"}``; the
+member answers relay requests pushed to ``ns:req:{member_id}`` with the usual
+liveness handshake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import records
+from .config import Settings
+from .errors import (
+    NcclBackError,
+    RegistryError,
+    TransferError,
+    TransferTimeoutError,
+    UntrustedRecordError,
+    fallback_reason,
+)
+from .handshake import run_sender
+from .log import get_logger
+from .registry import Registry
+from .transport import Rendezvous, run_guarded, send_tensors
+from .transport.pacing import Pacer
+
+log = get_logger(__name__)
+
+#: Seconds a member's relay endpoint stays up, idle, after its own load ended, for a
+#: downstream member that is still re-attaching.
+LINGER = 2.0
+#: Relay sends one member runs at once (its successor, plus one re-attaching from
+#: further down while the first is still unwinding).
+MAX_RELAY_SENDS = 2
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One cohort member's relay endpoint."""
+
+    member_id: str
+    address: str
+    transport: str
+    device: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"member_id": self.member_id, "address": self.address,
+                "transport": self.transport, "device": self.device}
+
+
+def parse_member(raw: str | bytes | None) -> Member:
+    """A member record read from Redis; :class:`UntrustedRecordError` if it is not one."""
+    what = "cohort member"
+    data = records.load(raw, what)
+    return Member(
+        member_id=records.ident(data, "member_id", what),
+        address=records.address(data, "address", what),
+        transport=records.choice(data, "transport", what, records.TRANSPORTS),
+        device=records.choice(data, "device", what, DEVICES),
+    )
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where a member sits: its cohort's chain key and its position in it."""
+
+    chain: str
+    position: int
+
+
+class Progress:
+    """How many leading steps of a member's transfer are in its tensors (thread-safe).
+
+    Its relay sends wait here for the step they forward next; a member that gives up
+    fails it, which ends those sends (so their receivers re-attach elsewhere).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cond = threading.Condition()
+        self._done = 0
+        self._failed: str | None = None
+        self._clock = clock
+
+    @property
+    def done(self) -> int:
+        with self._cond:
+            return self._done
+
+    def advance(self, step: int) -> None:
+        """Step ``step`` is in place (steps arrive in order, a resumed transfer included)."""
+        with self._cond:
+            self._done = max(self._done, step + 1)
+            self._cond.notify_all()
+
+    def complete(self, steps: int) -> None:
+        self.advance(steps - 1)
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self._failed is None:
+                self._failed = reason
+            self._cond.notify_all()
+
+    def wait_for(self, step: int, deadline: float) -> None:
+        """Return once step ``step`` is in place; raise if the member gave up or by ``deadline``."""
+        with self._cond:
+            while self._done <= step:
+                if self._failed is not None:
+                    raise TransferError(f"relay upstream gave up at step {self._done}: {self._failed}")
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise TransferTimeoutError(f"relay: step {step} not received by the deadline")
+                self._cond.wait(min(left, 0.5))
+
+
+class RelayServer:
+    """A member's downstream side: answers relay requests while (and shortly after) it
+    receives, forwarding each step once :class:`Progress` says it is in place."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        rendezvous: Rendezvous,
+        member: Member,
+        tensors: dict[str, torch.Tensor],
+        manifest_digest: str,
+        pacer: Pacer,
+        progress: Progress,
+        log_: Any,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.rendezvous = rendezvous
+        self.member = member
+        self.tensors = tensors
+        self.digest = manifest_digest
+        self.pacer = pacer
+        self.progress = progress
+        self._log = log_
+        self._stop = threading.Event()
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
+        self._sends: list[threading.Thread] = []
+        self._transports: set[Any] = set()
+        self.served = 0
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"nccl-back-relay-{member.member_id[-6:]}")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> RelayServer:
+        self._thread.start()
+        return self
+
+    def end(self, ok: bool, reason: str = "") -> None:
+        """The member's own load ended; failed: its downstream links fail at once.
+
+        The endpoint lingers for :data:`LINGER` seconds without requests, then stops
+        (in the background: the caller does not wait for downstream sends).
+        """
+        if not ok:
+            self.progress.fail(reason or "the member fell back")
+        self._ended.set()
+
+    def close(self, timeout: float) -> None:
+        """Stop now; abort relay sends still running; wait at most ``timeout`` s."""
+        self._stop.set()
+        with self._lock:
+            transports = list(self._transports)
+        for tr in transports:
+            with contextlib.suppress(Exception):
+                tr.abort()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        idle_since: float | None = None
+        key = self.member.member_id
+        while not self._stop.is_set():
+            with self._lock:
+                self._sends = [t for t in self._sends if t.is_alive()]
+                busy = len(self._sends)
+            if self._ended.is_set() and busy == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > LINGER:
+                    break
+            else:
+                idle_since = None
+            try:
+                request = self.registry.pop_request(key, timeout=0.2)
+            except RegistryError as e:
+                self._log.warning("relay_poll_failed", error=str(e))
+                self._stop.wait(0.2)
+                continue
+            if request is None:
+                continue
+            if busy >= MAX_RELAY_SENDS:
+                self._log.warning("relay_request_dropped", reason="busy")
+                continue
+            idle_since = None
+            t = threading.Thread(target=self._send_one, args=(request,), daemon=True,
+                                 name=f"nccl-back-relay-send-{key[-6:]}")
+            with self._lock:
+                self._sends.append(t)
+            t.start()
+        with contextlib.suppress(RegistryError):
+            self.registry.delete(self.registry.key("req", key))
+        for t in list(self._sends):
+            t.join(self.settings.transfer_timeout)
+
+    def _send_one(self, request: dict[str, Any]) -> None:
+        s = self.settings
+        transfer_id = str(request.get("transfer_id", ""))[:64]
+        start = request.get("start", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            start = 0
+        log_ = self._log.bind(transfer_id=transfer_id, peer=str(request.get("receiver"))[:200])
+        transport: Any = None
+        try:
+            run_sender(self.registry, transfer_id, self.digest, s.sender_handshake_timeout)
+            transport = self.rendezvous.sender(transfer_id)
+            with self._lock:
+                self._transports.add(transport)
+            now = time.monotonic()
+            deadline = now + s.transfer_timeout
+            stats = run_guarded(
+                transport,
+                lambda tr: send_tensors(
+                    tr, self.tensors, s.bucket_for(self.member.transport), start=start,
+                    ready=lambda k: self.progress.wait_for(k, deadline), pace=self.pacer.take),
+                deadline,
+                connect_deadline=now + s.connect_timeout,
+            )
+            self.served += 1
+            log_.info("relayed", start=start, bytes=stats.bytes, gbps=round(stats.gbps, 3))
+        except NcclBackError as e:
+            log_.warning("relay_failed", reason=fallback_reason(e), error=str(e))
+        except Exception as e:  # a relay thread must never die silently
+            log_.error("relay_crashed", error=repr(e))
+        finally:
+            with self._lock:
+                self._transports.discard(transport)
+
+
+class Chain:
+    """This receiver's place in a cohort, its progress and its relay endpoint."""
+
+    def __init__(self, seat: Seat, member: Member, progress: Progress, server: RelayServer,
+                 registry: Registry) -> None:
+        self.seat = seat
+        self.member = member
+        self.progress = progress
+        self.server = server
+        self._registry = registry
+        self.failed: set[str] = set()
+        """Member ids that failed this receiver as upstreams (never tried again)."""
+
+    @property
+    def position(self) -> int:
+        return self.seat.position
+
+    def upstreams(self) -> list[Member]:
+        """Members before this one, nearest first, without those that failed us.
+
+        A malformed record is skipped with a reason: the member behind it is then
+        served by one further up (or by a holder).
+        """
+        if self.position == 0:
+            return []
+        raws = self._registry.chain_members(self.seat.chain, 0, self.position - 1)
+        out: list[Member] = []
+        for raw in reversed(raws):
+            try:
+                m = parse_member(raw)
+            except UntrustedRecordError as e:
+                log.warning("cohort_member_skipped", chain=self.seat.chain, reason=str(e))
+                continue
+            if m.member_id not in self.failed and m.member_id != self.member.member_id:
+                out.append(m)
+        return out
+
+    def end(self, ok: bool, reason: str = "") -> None:
+        self.server.end(ok, reason)
+
+
+def join(
+    settings: Settings,
+    registry: Registry,
+    rendezvous: Rendezvous,
+    *,
+    worker_id: str,
+    version: str,
+    rank: int,
+    world: int,
+    manifest_digest: str,
+    kind: str,
+    device: torch.device,
+    tensors: dict[str, torch.Tensor],
+    pacer: Pacer,
+    log_: Any,
+) -> Chain:
+    """Take a seat in the current cohort and start this member's relay endpoint.
+
+    Raises :class:`RegistryError` (the caller then receives on its own, as without
+    cohorts).
+    """
+    member = Member(f"{worker_id}-r{rank}-relay-{uuid.uuid4().hex[:6]}"[-200:],
+                    rendezvous.address, kind, device.type)
+    progress = Progress()
+    server = RelayServer(settings, registry, rendezvous, member, tensors, manifest_digest,
+                         pacer, progress, log_.bind(member=member.member_id))
+    # The endpoint listens before anyone can read our record.
+    server.start()
+    try:
+        chain_key, position = registry.join_cohort(
+            version, rank, world, manifest_digest, member.to_dict(),
+            window=settings.cohort_window, max_size=settings.cohort_max_size,
+            ttl=settings.transfer_timeout + settings.busy_wait,
+        )
+    except RegistryError:
+        server.end(False, "could not join a cohort")
+        raise
+    seat = Seat(chain_key, position)
+    log_.info("cohort_joined", chain=chain_key.rsplit(":", 2)[-2:], position=position,
+              member=member.member_id)
+    return Chain(seat, member, progress, server, registry)

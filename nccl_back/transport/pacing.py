@@ -1,0 +1,59 @@
+"""The per-worker send-rate cap: one token bucket shared by all outgoing transfers.
+
+``Settings.max_send_gbps`` bounds the bytes a worker puts on the wire per second,
+whatever number of sends and relay hops it runs at once, so serving weights never
+starves the worker's own (inference) traffic. The data plane calls :meth:`Pacer.take`
+with a step's size before issuing it; the call returns once those bytes may go.
+
+The bucket holds at most ``burst`` seconds of bytes, so an idle worker cannot save up
+and then burst far above its rate; a step larger than the burst waits for its whole
+size (debt), so the long-run rate is exact for any step size.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+#: Seconds of bytes the bucket may hold (a late thread catches up, no longer bursts).
+DEFAULT_BURST = 0.05
+
+
+class Pacer:
+    """A token bucket of ``gbps`` (10^9 bytes/s); thread-safe; 0 or less: unlimited."""
+
+    def __init__(
+        self,
+        gbps: float,
+        *,
+        burst: float = DEFAULT_BURST,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.rate = gbps * 1e9
+        self._capacity = self.rate * burst
+        self._tokens = self._capacity
+        self._clock = clock
+        self._sleep = sleep
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    @property
+    def limited(self) -> bool:
+        return self.rate > 0
+
+    def take(self, nbytes: int) -> None:
+        """Return once ``nbytes`` more may be sent (at once when unlimited)."""
+        if self.rate <= 0 or nbytes <= 0:
+            return
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._capacity, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            # Take now, pay back by waiting: concurrent senders queue behind each other's
+            # debt, so their sum never exceeds the rate.
+            self._tokens -= nbytes
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            self._sleep(wait)

@@ -1,0 +1,179 @@
+"""Relay cohorts (issue 11): the data-plane hooks, the send-rate cap, cohort seats, and
+a 4-member chain whose middle member is SIGKILLed mid-transfer (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from groups import CTX
+from test_service import MODEL, Fleet, _ok
+from test_transport import BUCKET, in_process_pair, mismatches, model_tensors, skeleton_like
+
+from nccl_back.config import Settings
+from nccl_back.errors import TransferError, UntrustedRecordError
+from nccl_back.registry import Registry
+from nccl_back.relay import Member, Progress, parse_member
+from nccl_back.transport import plan, recv_tensors, send_tensors
+from nccl_back.transport.broadcast import resume_point
+from nccl_back.transport.pacing import Pacer
+
+from models import TinyTransformer, fill_random, write_checkpoint
+
+# -- data plane hooks ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_resumed_transfer_fills_only_the_missing_steps_and_reports_each() -> None:
+    """start=k sends steps k.. only; on_step reports them in order; the result is complete."""
+    want = model_tensors()
+    steps = plan(want, BUCKET)
+    got = skeleton_like(want)
+    k = len(steps) // 2
+    # The receiver already holds steps [0, k) (a first upstream gave them before dying).
+    first: list[int] = []
+    assert in_process_pair(lambda t: send_tensors(t, want, BUCKET),
+                           lambda t: recv_tensors(t, got, BUCKET, on_step=first.append)) == (None, None)
+    assert first == list(range(len(steps)))
+    for slot in (s for step in steps[k:] for s in step.slots):
+        got[slot.name].fill_(7)  # what the dead upstream never sent
+    start = resume_point(steps, got, k)
+    assert start <= k
+    seen: list[int] = []
+    assert in_process_pair(lambda t: send_tensors(t, want, BUCKET, start=start),
+                           lambda t: recv_tensors(t, got, BUCKET, start=start,
+                                                  on_step=seen.append)) == (None, None)
+    assert seen == list(range(start, len(steps)))
+    assert mismatches(got, want) == []
+
+
+@pytest.mark.timeout(60)
+def test_relay_forwards_only_steps_it_holds_and_stops_when_upstream_gives_up() -> None:
+    """A sender gated by Progress sends step k only after advance(k); fail() ends it."""
+    want = model_tensors()
+    steps = plan(want, BUCKET)
+    progress = Progress()
+    sent: list[int] = []
+    ahead: list[bool] = []
+
+    def ready(k: int) -> None:
+        progress.wait_for(k, time.monotonic() + 10)
+        sent.append(k)
+
+    def feed() -> None:
+        for k in range(len(steps) - 1):
+            time.sleep(0.01)
+            ahead.append(len(sent) > k)  # a step went out before we held it?
+            progress.advance(k)
+        progress.fail("upstream died")
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    s_err, r_err = in_process_pair(lambda t: send_tensors(t, want, BUCKET, ready=ready),
+                                   lambda t: recv_tensors(t, skeleton_like(want), BUCKET), timeout=10)
+    feeder.join()
+    assert isinstance(s_err, TransferError) and "upstream died" in str(s_err)
+    assert isinstance(r_err, TransferError)
+    assert sent == list(range(len(steps) - 1))
+    assert not any(ahead)
+
+
+def test_pacer_holds_the_long_run_rate_across_threads() -> None:
+    """Two senders sharing one 1 GB/s Pacer get 1 GB/s together; 0 means unlimited."""
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    pacer = Pacer(1.0, clock=lambda: now[0], sleep=sleep)
+    for _ in range(100):
+        pacer.take(10_000_000)  # sender A
+        pacer.take(10_000_000)  # sender B
+    assert now[0] == pytest.approx(2.0 - 0.05, rel=0.01)  # 2 GB at 1 GB/s, less the burst
+    free = Pacer(0.0, clock=lambda: now[0], sleep=lambda s: pytest.fail("slept"))
+    free.take(1 << 40)
+    assert not free.limited
+
+
+# -- cohort seats ---------------------------------------------------------------------------
+
+
+def test_cohort_seats_fill_chains_in_order_then_a_new_chain(redis_url: str, namespace: str) -> None:
+    """Arrivals get positions 0,1,2 in one chain, the 4th starts the next chain; records
+    round-trip through the typed parser; a new window starts a new epoch."""
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
+    member = Member("w-r0-relay-1", "127.0.0.1:5000", "gloo", "cpu").to_dict()
+    seats = [reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.3, max_size=3, ttl=10)
+             for _ in range(4)]
+    assert [p for _, p in seats] == [0, 1, 2, 0]
+    assert seats[0][0] == seats[1][0] == seats[2][0] != seats[3][0]
+    raws = reg.chain_members(seats[0][0], 0, 2)
+    assert [parse_member(r) for r in raws] == [Member(**member)] * 3
+    assert reg.ttl(reg.cohort_key("v1", 0, 1, "ab" * 16)) > 0
+    time.sleep(0.4)
+    later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.3, max_size=3, ttl=10)
+    assert pos == 0 and later not in {c for c, _ in seats}
+    with pytest.raises(UntrustedRecordError, match="address must be host:port"):
+        parse_member('{"member_id": "m", "address": "nowhere", "transport": "gloo", "device": "cpu"}')
+
+
+# -- a real chain, its middle member killed -------------------------------------------------
+
+
+@pytest.fixture
+def slow_ckpt(tmp_path: Path) -> str:
+    return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=11), tmp_path / "ckpt"))
+
+
+@pytest.mark.timeout(150)
+def test_middle_member_killed_mid_transfer_the_rest_still_verify(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """Holder -> m0 -> m1 -> m2 -> m3; SIGKILL m1 mid-transfer: m0, m2, m3 end with verified,
+    bit-identical weights from peers (m2 re-attached to m0), each within its deadline."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    chain_settings = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0}
+    try:
+        # The holder sends at 0.4 MB/s: the 0.83 MB model takes ~2 s down the chain.
+        fleet.start("holder", settings={"max_send_gbps": 0.0004})
+        _ok(fleet.report())
+        go = CTX.Event()
+        procs = {f"m{i}": fleet.start(f"m{i}", settings=chain_settings, go=go, serve_for=30)
+                 for i in range(4)}
+        time.sleep(3.0)  # every member built its skeleton and waits for go
+        t0 = time.monotonic()
+        go.set()
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        members: list[str] = []
+        while len(members) < 4 and time.monotonic() - t0 < 20:
+            chains = [k for k in client.scan_iter(f"{{{namespace}}}:cohort:*")
+                      if client.type(k) == "list"]
+            members = client.lrange(chains[0], 0, -1) if chains else []
+            time.sleep(0.05)
+        assert len(members) == 4, members
+        order = [parse_member(m).member_id for m in members]
+        roles = [mid.split("-", 1)[0] for mid in order]  # member ids start with the worker id
+        victim = procs[roles[1]]
+        time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed
+        os.kill(victim.pid, signal.SIGKILL)
+        reports: dict[str, dict[str, Any]] = {}
+        while len(reports) < 3:
+            r = fleet.report(timeout=60)
+            reports[r["role"]] = r
+        assert set(reports) == set(roles) - {roles[1]}
+        for role, r in reports.items():
+            _ok(r)
+            assert r["source"] == "peer", (role, r)
+            # Nobody waited past its own deadline (one relay deadline plus one holder one).
+            assert r["load_seconds"] < 2 * 20.0, r
+        assert reports[roles[2]]["peer_id"] == order[0]  # re-attached past the dead member
+        assert reports[roles[3]]["peer_id"] == order[2]
+        assert time.monotonic() - t0 < 40
+    finally:
+        fleet.close()

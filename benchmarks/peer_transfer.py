@@ -14,6 +14,8 @@ taken on the receiver, from a 1-byte synchronising broadcast to the end.
     .venv/bin/python benchmarks/peer_transfer.py --gib 1 --rounds 3 \
         --bucket-bytes 67108864 16777216 1048576 [--layout consolidated|separate]
 
+Default bucket: what the service uses for gloo (``Settings().bucket_for("gloo")``).
+
 The model looks like a small LLM in bf16: an embedding and N layers of q/k/v/o, a
 gated MLP and two norms, scaled to ``--gib`` (a few hundred tensors for 1 GiB).
 """
@@ -102,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bucket-bytes", type=int, nargs="+", default=[Settings().bucket_bytes],
+    parser.add_argument("--bucket-bytes", type=int, nargs="+", default=[Settings().bucket_for("gloo")],
                         help="one or more bucket sizes, each measured against the same flat run")
     parser.add_argument("--layout", choices=("consolidated", "separate"), default="consolidated",
                         help="skeleton memory layout on both sides (default: as skeleton.build makes it)")

@@ -30,6 +30,11 @@ def test_defaults_are_valid() -> None:
         ({"transfer_timeout": 0}, r"transfer_timeout=0: must be a positive number"),
         ({"max_concurrent_sends": 0}, r"max_concurrent_sends=0: must be a positive integer"),
         ({"bucket_bytes": True}, r"bucket_bytes=True"),
+        ({"bucket_bytes": -1}, r"bucket_bytes=-1: must be 0 \(automatic/unlimited\) or positive"),
+        ({"max_send_gbps": -0.5}, r"max_send_gbps=-0.5: must be 0"),
+        ({"cohort_max_size": 0}, r"cohort_max_size=0: must be a positive integer"),
+        ({"cohort_window": 0}, r"cohort_window=0: must be a positive number"),
+        ({"relay_stall_timeout": -1}, r"relay_stall_timeout=-1: must be a positive number"),
     ],
 )
 def test_bad_values_name_the_value(kwargs: dict[str, object], message: str) -> None:
@@ -138,3 +143,15 @@ def test_rendezvous_listens_on_the_advertised_address_by_default() -> None:
     """bind_host empty (default) means the advertised address; an explicit one wins."""
     assert Settings(advertise_host="10.0.0.5").listen_host == "10.0.0.5"
     assert Settings(advertise_host="10.0.0.5", bind_host="0.0.0.0").listen_host == "0.0.0.0"
+
+
+def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
+    """bucket_bytes=0 picks the per-transport bucket; an explicit value wins; the send cap
+    and cohort settings come from NCCL_BACK_* variables."""
+    auto = Settings()
+    assert (auto.bucket_for("gloo"), auto.bucket_for("nccl")) == (1 << 20, 8 << 20)
+    assert Settings(bucket_bytes=4096).bucket_for("nccl") == 4096
+    s = Settings.from_env({"NCCL_BACK_MAX_SEND_GBPS": "2.5", "NCCL_BACK_COHORT_MAX_SIZE": "4",
+                           "NCCL_BACK_COHORT_WINDOW": "0.5"})
+    assert (s.max_send_gbps, s.cohort_max_size, s.cohort_window) == (2.5, 4, 0.5)
+    assert Settings().max_send_gbps == 0.0

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import structlog
 import torch
 from torch import nn
 
@@ -27,6 +28,7 @@ from nccl_back.config import Settings
 from nccl_back.devservers import LocalGCS, free_port
 from nccl_back.errors import (
     CheckpointFormatError,
+    ConfigError,
     ShardNotFoundError,
     SkeletonError,
     WeightLoadError,
@@ -132,7 +134,15 @@ def test_gs_pipeline_matches_local_copy(gcs: LocalGCS, pipe_dir: Path, settings:
     assert pipelines.files_match(model, str(pipe_dir))
 
 
+@pytest.fixture
+def reset_logging() -> Iterator[None]:
+    """main() configures structlog onto the captured stderr; undo it for later tests."""
+    yield
+    structlog.reset_defaults()
+
+
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("reset_logging")
 def test_fingerprint_shows_components(pipe_dir: Path, cache_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     """nccl-back fingerprint lists a pipeline's components, their classes and weight files."""
     assert main(["fingerprint", str(pipe_dir), "--cache-dir", cache_dir]) == 0
@@ -158,6 +168,16 @@ def test_component_skeleton_reads_no_weights_one_allocation(pipe_dir: Path, sett
     assert not any(t.device.type == "meta" for t in unet.state_dict().values())
     with pytest.raises(SkeletonError, match="'scheduler' has no weights to load"):
         component_skeleton(spec, "scheduler")
+
+
+@pytest.mark.timeout(60)
+def test_only_diffusers_and_transformers_classes_are_built(pipe_dir: Path, settings: Settings) -> None:
+    """A model_index.json naming a class outside diffusers/transformers is refused, nothing imported."""
+    index = json.loads((pipe_dir / "model_index.json").read_text())
+    (pipe_dir / "model_index.json").write_text(json.dumps({**index, "unet": ["os", "system"]}))
+    spec = ModelSpec.from_dir(str(pipe_dir), settings=settings)
+    with pytest.raises(ConfigError, match=r"component 'unet': class os.system is not from diffusers or transformers"):
+        component_skeleton(spec, "unet")
 
 
 @pytest.mark.timeout(60)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import structlog
+import structlog.testing
 import torch
 from torch import nn
 
@@ -202,11 +203,16 @@ def test_eager_loading_constructor_is_harmless(pipe_dir: Path, settings: Setting
 
 @pytest.mark.timeout(60)
 def test_storage_load_generates_the_reference_image(pipe_dir: Path, settings: Settings) -> None:
-    """Skeletons filled from the component files generate exactly what from_pretrained does."""
+    """Skeletons filled from the component files (tracked per component) generate exactly what from_pretrained does."""
     spec = ModelSpec.from_dir(str(pipe_dir), settings=settings)
     model = pipeline_skeletons(spec)
-    result = load_from_storage(model, spec, settings=settings)
+    with structlog.testing.capture_logs() as events:
+        result = load_from_storage(model, spec, settings=settings)
     assert result.bytes == sum(t.nbytes for t in named_tensors(model)[0].values())
+    per_component = {e["component"]: e["bytes"] for e in events if e["event"] == "component_loaded"}
+    assert per_component == {
+        name: sum(t.nbytes for t in named_tensors(module)[0].values()) for name, module in model.items()
+    }
     assert np.array_equal(pipelines.generate(assemble(spec, model)), _reference_image(pipe_dir))
 
 

@@ -26,6 +26,8 @@ from torch import nn
 from . import bounded_json
 from .config import Settings
 from .errors import CheckpointFormatError, SkeletonError
+from .index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
+from .index import parse_index as parse_index
 from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from .storage import Shard, Storage
 
@@ -56,12 +58,6 @@ MAX_HEADER_BYTES = 100 << 20
 
 #: Bytes read speculatively for a header; most headers fit, larger ones cost one more read.
 HEADER_PROBE_BYTES = 256 << 10
-
-INDEX_NAME = "model.safetensors.index.json"
-
-#: Largest index file read (an index of 100,000 tensors is a few MiB).
-MAX_INDEX_BYTES = 64 << 20
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -247,24 +243,6 @@ def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, Tenso
                 )
             found[name] = (h, info)
     return dict(sorted(found.items()))
-
-
-def parse_index(data: bytes, uri: str) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
-    try:
-        raw = bounded_json.loads(data, max_bytes=MAX_INDEX_BYTES)
-        weight_map = raw["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ValueError("weight_map must map tensor names to file names")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointFormatError(f"{uri}: malformed index: {e!r}") from e
-    for filename in set(weight_map.values()):
-        # Shards live next to the index; a path would let an index point anywhere.
-        if "/" in filename or filename in ("", ".", ".."):
-            raise CheckpointFormatError(f"{uri}: shard name {filename!r} is not a plain file name")
-    return weight_map
 
 
 def flat_skeleton(

@@ -40,9 +40,9 @@ import google_crc32c
 import numpy as np
 
 from . import bounded_json
-from .checkpoint import INDEX_NAME, parse_index
 from .config import Settings
 from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
+from .index import INDEX_NAME, parse_index
 from .log import get_logger
 from .storage import Location, ObjectInfo, Shard, Storage, parse_uri
 

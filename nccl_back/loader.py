@@ -236,12 +236,14 @@ def load_from_storage(
     *,
     storage: Storage | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_download: Callable[[int], None] | None = None,
 ) -> LoadResult:
     """Fill ``model`` (a skeleton) in place from the checkpoint ``spec`` names.
 
     Raises :class:`WeightLoadError` (mismatch, missing or unexpected tensors, before any
     copy), :class:`CheckpointFormatError` (bad safetensors, naming the file),
     :class:`ShardNotFoundError`, :class:`ChecksumMismatchError` or :class:`StorageError`.
+    ``on_download(n)`` is told of each downloaded chunk of a remote shard (progress bars).
     """
     settings = settings or (storage.settings if storage is not None else Settings())
     storage = storage or Storage(settings)
@@ -280,7 +282,7 @@ def load_from_storage(
             cache.save()
     if remote:
         headers_by_uri = {h.uri: h for h in headers}
-        downloads = storage.download_many(remote)
+        downloads = storage.download_many(remote, on_bytes=on_download)
         try:
             while True:
                 t0 = clock()

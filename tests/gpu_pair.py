@@ -132,7 +132,7 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
 
             # The device probe's choice, when it ran (scripts/nccl_probe.py).
             NcclTransport.nonblocking = os.environ.get("PAIR_NCCL_NONBLOCKING", "1") == "1"
-            NcclTransport.eager = os.environ.get("PAIR_NCCL_EAGER", "1") == "1"
+            NcclTransport.eager = os.environ.get("PAIR_NCCL_EAGER", "0") == "1"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1")

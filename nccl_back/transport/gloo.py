@@ -24,7 +24,7 @@ from ..config import Settings
 from ..errors import TransferError, TransferTimeoutError
 from ..log import get_logger
 from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
-from .store import StoreRendezvous, connect_store, split_address
+from .store import StoreRendezvous, connect_store, delete_prefix, split_address
 
 log = get_logger(__name__)
 
@@ -105,7 +105,7 @@ class GlooTransport(Transport):
         try:
             if self._store is None:
                 self._store = connect_store(self._address or "", left)
-            prefixed = dist.PrefixStore(f"xfer/{self.transfer_id}/", self._store)
+            prefixed = dist.PrefixStore(self._prefix, self._store)
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=self._left())
             # Bind gloo's own sockets to the address peers can reach, not to whatever
@@ -145,3 +145,13 @@ class GlooTransport(Transport):
         self._pg = None
         if self._owns_store:
             self._store = None
+        elif self._store is not None:
+            # The sender's store lives as long as the service: without this, every
+            # transfer would leave its rendezvous keys in it forever.
+            delete_prefix(self._store, self._prefix)
+            self._store = None
+
+    @property
+    def _prefix(self) -> str:
+        return f"xfer/{self.transfer_id}/"
+

@@ -7,6 +7,7 @@ processes and real gloo groups.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -19,11 +20,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import structlog
-import structlog.testing
 import torch
 from torch import nn
 
+from nccl_back import log
 from nccl_back.cli import main
 from nccl_back.config import Settings
 from nccl_back.devservers import LocalGCS, free_port
@@ -137,9 +137,9 @@ def test_gs_pipeline_matches_local_copy(gcs: LocalGCS, pipe_dir: Path, settings:
 
 @pytest.fixture
 def reset_logging() -> Iterator[None]:
-    """main() configures structlog onto the captured stderr; undo it for later tests."""
+    """main() configures logging onto the captured stderr; undo it for later tests."""
     yield
-    structlog.reset_defaults()
+    log.reset()
 
 
 @pytest.mark.timeout(60)
@@ -202,13 +202,16 @@ def test_eager_loading_constructor_is_harmless(pipe_dir: Path, settings: Setting
 
 
 @pytest.mark.timeout(60)
-def test_storage_load_generates_the_reference_image(pipe_dir: Path, settings: Settings) -> None:
+def test_storage_load_generates_the_reference_image(
+    pipe_dir: Path, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     """Skeletons filled from the component files (tracked per component) generate exactly what from_pretrained does."""
     spec = ModelSpec.from_dir(str(pipe_dir), settings=settings)
     model = pipeline_skeletons(spec)
-    with structlog.testing.capture_logs() as events:
+    with caplog.at_level(logging.INFO, logger="nccl_back"):
         result = load_from_storage(model, spec, settings=settings)
     assert result.bytes == sum(t.nbytes for t in named_tensors(model)[0].values())
+    events = [r.nccl_back for r in caplog.records if hasattr(r, "nccl_back")]
     per_component = {e["component"]: e["bytes"] for e in events if e["event"] == "component_loaded"}
     assert per_component == {
         name: sum(t.nbytes for t in named_tensors(module)[0].values()) for name, module in model.items()

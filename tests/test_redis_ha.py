@@ -239,6 +239,18 @@ def test_sentinel_failover_during_a_load(namespace: str, ckpt: Path, cache_dir: 
             sender.communicate(timeout=30)
 
 
+def test_sentinel_with_its_own_password(namespace: str) -> None:
+    """Sentinels with their own password are reached with redis_sentinel_password; without it, a RegistryError."""
+    with LocalSentinel(password="data-pw", sentinel_password="sentinel-pw") as sentinel:
+        with pytest.raises(RegistryError, match="redis PING failed"):
+            Registry(Settings(redis_url=sentinel.url, namespace=namespace, redis_timeout=0.5)).ping()
+        reg = Registry(Settings(redis_url=sentinel.url, namespace=namespace,
+                                redis_sentinel_password="sentinel-pw"))
+        reg.publish_peer(_info("p1"))
+        assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["p1"]
+        reg.close()
+
+
 def _version_rank(ckpt: Path, cache_dir: str) -> tuple[str, int, int]:
     from nccl_back.identity import ModelSpec
 

@@ -80,7 +80,7 @@ _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("transport", str, "auto, gloo or nccl"),
     ("verify", str, "integrity check after a peer load: sampled, full or none"),
     ("advertise-host", str, "address peers use to reach this worker"),
-    ("bind-host", str, "interface the transport rendezvous listens on"),
+    ("bind-host", str, "interface the transport rendezvous listens on (default: --advertise-host)"),
     ("rendezvous-port", int, "TCP port of the gloo rendezvous (0: any free port)"),
     ("transfer-timeout", float, "watchdog deadline of one transfer, seconds"),
     ("receiver-handshake-timeout", float, "seconds a receiver waits in the handshake"),
@@ -109,6 +109,10 @@ def _add_serve(sub: Any) -> None:
                      " from the safetensors headers); the current directory is importable")
     how.add_argument("--hf", action="store_true",
                      help="build a transformers causal LM from config.json (extra 'hf')")
+    how.add_argument("--diffusers", action="store_true",
+                     help="a diffusers pipeline folder (model_index.json): build each component"
+                     " with diffusers (extra 'diffusers'); without it a pipeline folder is"
+                     " detected and served from flat skeletons built from the headers")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket of the local hand-off server")
     p.add_argument("--health-host", default="127.0.0.1",
@@ -119,6 +123,9 @@ def _add_serve(sub: Any) -> None:
                    help="bound on in-flight transfers when draining (default: transfer timeout)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="written atomically (JSON) when ready, removed when draining")
+    p.add_argument("--drain-token-file", metavar="PATH",
+                   help="write a random token there (0600, private directory); POST /drain"
+                   " then needs it (python -m nccl_back.health drain --token-file PATH)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of falling back to storage when a peer load fails")
     for flag, type_, help_ in _SETTINGS_FLAGS:
@@ -130,15 +137,27 @@ def _add_serve(sub: Any) -> None:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    """Print the version and every shard's CRC32C."""
+    """Print the version, a pipeline's components, and every shard's CRC32C."""
     from .identity import ModelSpec
 
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=Settings.from_env())
+    components = [
+        {"name": c, "class": ".".join(spec.component_class(c)),
+         "files": len(spec.component_shards(c)),
+         "bytes": sum(s.size for s in spec.component_shards(c))}
+        for c in spec.components
+    ]
     if args.json:
         shards = [{"uri": s.uri, "crc32c": s.crc32c, "size": s.size} for s in spec.shards]
-        print(json.dumps({"version": spec.version, "shards": shards}, indent=2))
+        out: dict[str, Any] = {"version": spec.version, "shards": shards}
+        if components:
+            out["components"] = components
+        print(json.dumps(out, indent=2))
     else:
         print(f"version {spec.version}")
+        for c in components:
+            weights = f"{c['files']} weight file(s), {c['bytes']} bytes" if c["files"] else "config only"
+            print(f"component {c['name']}  {c['class']}  {weights}")
         for s in spec.shards:
             print(f"{s.crc32c}  {s.size:>14}  {s.uri}")
     return 0
@@ -153,8 +172,8 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     settings = Settings.from_env()
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
-    skeleton = flat_skeleton(spec, device=device)
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=settings)
+    skeleton = flat_skeleton(spec, device=device, settings=settings)
     remote = sum(s.size for s in spec.shards if not parse_uri(s.uri).is_local)
     download = _Bar("download", remote, args.quiet) if remote else None
     load = _Bar("load", None, args.quiet)
@@ -202,10 +221,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     factory = server.resolve_factory(args.factory) if args.factory else None
     if args.hf:
         server.require_transformers()
+    if args.diffusers:
+        from . import pipeline
+
+        pipeline.require_diffusers()
     server.check_local_model(args.model)
     if args.drain_timeout is not None and args.drain_timeout <= 0:
         raise ConfigError(f"--drain-timeout {args.drain_timeout!r}: must be a positive number of seconds")
-    server.check_port_free(settings.bind_host, settings.rendezvous_port, "--rendezvous-port")
+    server.check_port_free(settings.listen_host, settings.rendezvous_port, "--rendezvous-port")
     if args.hf:
         spec_config = dict(ModelSpec.from_dir(args.model, cache_dir=settings.cache_dir).config)
         factory = server.hf_factory(spec_config)
@@ -213,11 +236,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_uri=args.model,
         device=device,
         factory=factory,
+        diffusers=args.diffusers,
         socket_path=args.socket,
         health_host=args.health_host,
         health_port=args.health_port,
         drain_timeout=args.drain_timeout,
         ready_file=args.ready_file,
+        drain_token_file=args.drain_token_file,
     )
     sidecar = server.Sidecar(settings, options).start()
     with server.stop_on_signals(sidecar):

@@ -74,8 +74,10 @@ class Settings:
     advertise_host: str = field(default_factory=_default_host)
     """Address other workers use to reach this one's transport rendezvous."""
 
-    bind_host: str = "0.0.0.0"
-    """Interface this worker's transport rendezvous listens on."""
+    bind_host: str = ""
+    """Interface this worker's transport rendezvous listens on; empty (the default): the
+    advertised address, so the store is not reachable on interfaces peers don't use.
+    ``0.0.0.0`` listens on every interface."""
 
     rendezvous_port: int = 0
     """TCP port of the gloo rendezvous (0: the OS picks one; a pod sets a fixed one)."""
@@ -131,6 +133,20 @@ class Settings:
     download_lease: float = 15.0
     """Seconds an elected downloader's lease lasts without renewal (a dead one is replaced)."""
 
+    single_flight_max_wait: float = 3600.0
+    """Upper bound in seconds on waiting for an elected downloader that is alive (still
+    renewing its lease) past ``single_flight_wait``: a large model can take longer."""
+
+    claim_ttl: float = 6.0
+    """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it
+    while its attempt runs, so a crashed receiver frees the slot within this bound."""
+
+    peer_budget: float = 0.0
+    """Seconds all peer attempts of one load may take together (claims, handshakes,
+    transfers, waits for busy peers), so fake or stalling peers cannot cost more; past
+    it the worker loads from storage. 0: ``busy_wait + transfer_timeout +
+    max_peer_attempts * receiver_handshake_timeout``."""
+
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
     a file that holds it), separate from the Redis password; at least 16 bytes. It signs
@@ -168,6 +184,8 @@ class Settings:
             "single_flight_wait",
             "busy_wait",
             "download_lease",
+            "single_flight_max_wait",
+            "claim_ttl",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -183,6 +201,11 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        if self.single_flight_max_wait < self.single_flight_wait:
+            raise ConfigError(
+                f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at least"
+                f" single_flight_wait={self.single_flight_wait!r}"
+            )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -195,6 +218,10 @@ class Settings:
                 f"secret: must be a string of at least {MIN_SECRET_BYTES} bytes"
                 " (e.g. `openssl rand -hex 32`), or unset"
             )
+        if not isinstance(self.peer_budget, (int, float)) or isinstance(self.peer_budget, bool) or (
+            self.peer_budget < 0
+        ):
+            raise ConfigError(f"peer_budget={self.peer_budget!r}: must be 0 (automatic) or positive seconds")
         port = self.rendezvous_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError(f"rendezvous_port={port!r}: must be 0 (any free port) to 65535")
@@ -210,9 +237,36 @@ class Settings:
         return hmac.new(self.secret.encode(), b"nccl_back/" + purpose.encode(), hashlib.sha256).digest()
 
     @property
+    def peer_budget_seconds(self) -> float:
+        """:attr:`peer_budget`, or its automatic value when it is 0."""
+        if self.peer_budget > 0:
+            return float(self.peer_budget)
+        return (
+            self.busy_wait
+            + self.transfer_timeout
+            + self.max_peer_attempts * self.receiver_handshake_timeout
+        )
+
+    @property
+    def listen_host(self) -> str:
+        """Where the transport rendezvous listens: ``bind_host``, else ``advertise_host``."""
+        return self.bind_host or self.advertise_host
+
+    @property
     def heartbeat_interval(self) -> float:
         """Seconds between heartbeats: a third of the TTL, so one lost beat is harmless."""
         return self.peer_ttl / 3
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds either side waits for the communicator to form after a handshake.
+
+        Derived from the handshake timeouts: both sides proved alive a moment ago, so a
+        communicator that has not formed within them never will (and the claim must not
+        be held for a whole ``transfer_timeout``). Never longer than ``transfer_timeout``.
+        """
+        return min(self.sender_handshake_timeout + self.receiver_handshake_timeout,
+                   self.transfer_timeout)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated again)."""

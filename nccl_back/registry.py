@@ -4,14 +4,19 @@ Every key lives under ``{namespace}:`` (a hash tag: one cluster slot) and carrie
 leaves nothing behind for long; every value is JSON (never pickle: a Redis shared by a
 fleet must not be able to run code in a worker).
 
-Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world size)::
+This module is the one place the key schema lives: every other module asks it for
+its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world size;
+``d`` = manifest digest)::
 
     ns:peer:{v}:{r}:{w}:{peer_id}   PeerInfo JSON              TTL peer_ttl (heartbeat refreshes)
     ns:peers:{v}:{r}:{w}            set of peer_ids (index)    TTL peer_ttl (heartbeat refreshes)
-    ns:gt:{v}:{r}:{w}               {"manifest_digest", "hashes"}, SET NX, TTL ground_truth_ttl
-    ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL given by the claimer
+    ns:gt:{v}:{r}:{w}:{d}           {"manifest_digest", "hashes"}, SET NX, TTL ground_truth_ttl
+                                    hashes keyed "{mode}|{layer}" (:func:`encode_truth`)
+    ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
     ns:req:{peer_id}                list of request JSON       TTL peer_ttl
-    ns:hs:{transfer_id}:...         handshake / rendezvous     short TTL (see handshake.py)
+    ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
+    ns:hs:{transfer_id}:{name}      handshake / NCCL unique id short TTL (handshake.py,
+                                    transport/nccl.py)
 
 The index set is only a hint to avoid ``SCAN`` on the hot path: the per-peer key with
 its TTL is the truth, and members whose key expired are dropped when read.
@@ -48,6 +53,9 @@ GROUND_TRUTH_TTL_FACTOR = 6
 
 _KEY_UNSAFE = " :*?[]"
 
+#: Separates the hash mode from the layer name in stored ground truth ("sampled|layer0").
+TRUTH_SEP = "|"
+
 # Delete a claim only if it still holds our token: a claim that expired and was taken
 # by another receiver must survive our late release.
 _RELEASE_LUA = """
@@ -59,6 +67,43 @@ if ok and type(value) == 'table' and value['token'] == ARGV[1] then
 end
 return 0
 """
+
+# Compare-and-set / compare-and-delete on the raw JSON value (handshake.py): the side
+# that loses the race learns it from the return value, never from a later read.
+_CAS_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 or 0
+end
+return 0
+"""
+_CAD_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+# Extend a claim only while it still holds our token.
+_RENEW_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, value = pcall(cjson.decode, raw)
+if ok and type(value) == 'table' and value['token'] == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+def encode_truth(by_mode: dict[str, dict[str, str]]) -> dict[str, str]:
+    """``{mode: {layer: hash}}`` -> the flat ``{"mode|layer": hash}`` stored in Redis."""
+    return {f"{mode}{TRUTH_SEP}{layer}": h for mode, hashes in by_mode.items()
+            for layer, h in hashes.items()}
+
+
+def truth_for_mode(hashes: dict[str, str], mode: str) -> dict[str, str]:
+    """The ``mode`` part of stored ground truth, keyed by layer (inverse of :func:`encode_truth`)."""
+    prefix = mode + TRUTH_SEP
+    return {k[len(prefix):]: v for k, v in hashes.items() if k.startswith(prefix)}
 
 
 @dataclass(frozen=True)
@@ -80,6 +125,8 @@ class PeerInfo:
     """Where this peer got its weights: ``storage`` or ``peer``."""
     max_sends: int = 1
     """How many receivers this peer serves at once (number of claim slots)."""
+    device: str = "cpu"
+    """Device kind its weights live on (``cpu``/``cuda``): a receiver needs the same."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -100,6 +147,7 @@ class PeerInfo:
                 started_at=float(data.get("started_at", 0.0)),
                 source=str(data.get("source", "storage")),
                 max_sends=int(data.get("max_sends", 1)),
+                device=str(data.get("device", "cuda" if data["transport"] == "nccl" else "cpu")),
             )
         except (ValueError, TypeError, KeyError) as e:
             raise RegistryError(f"malformed peer entry in Redis: {e}") from e
@@ -144,6 +192,9 @@ class Registry:
             raise ConfigError("Registry needs a redis client made with decode_responses=True")
         self.client: redis.Redis = client
         self._release = self.client.register_script(_RELEASE_LUA)
+        self._renew = self.client.register_script(_RENEW_LUA)
+        self._cas = self.client.register_script(_CAS_LUA)
+        self._cad = self.client.register_script(_CAD_LUA)
 
     # -- generic helpers ----------------------------------------------------------------
 
@@ -166,13 +217,42 @@ class Registry:
 
         Returns whether the value was written.
         """
-        raw = json.dumps(value, separators=(",", ":"))
+        raw = _dumps(value)
         return bool(self._call("SET", lambda: self.client.set(key, raw, px=_ms(ttl), nx=nx)))
 
     def get_json(self, key: str) -> Any | None:
         """The JSON value at ``key``, or None if absent."""
         raw = self._call("GET", lambda: self.client.get(key))
         return None if raw is None else _loads(key, raw)
+
+    def compare_and_set(self, key: str, expected: Any, value: Any, ttl: float) -> bool:
+        """Replace ``key``'s JSON value by ``value`` only if it is exactly ``expected``."""
+        old, new = _dumps(expected), _dumps(value)
+        return bool(self._call("CAS", lambda: self._cas(keys=[key], args=[old, new, _ms(ttl)])))
+
+    def compare_and_delete(self, key: str, expected: Any) -> bool:
+        """Delete ``key`` only if its JSON value is exactly ``expected``."""
+        old = _dumps(expected)
+        return bool(self._call("CAD", lambda: self._cad(keys=[key], args=[old])))
+
+    # -- key schema -------------------------------------------------------------------
+
+    def lease_key(self, version: str, world_size: int) -> str:
+        """The single-flight download lease of ``version`` for workers of ``world_size``
+        ranks: one per worker (taken by its rank 0), never one per rank."""
+        return self.key("dl", version, world_size)
+
+    def handshake_key(self, transfer_id: str, name: str) -> str:
+        """A per-transfer key (handshake nonces, refusals), scoped by ``transfer_id``."""
+        return self.key("hs", transfer_id, name)
+
+    def nccl_uid_key(self, transfer_id: str) -> str:
+        """Where the sender of ``transfer_id`` stores its NCCL unique id for the receiver."""
+        return self.handshake_key(transfer_id, "nccl_uid")
+
+    def ground_truth_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
+        """Ground truth of one rank's skeleton flavour (keyed by its manifest digest)."""
+        return self.key("gt", version, rank, world_size, manifest_digest)
 
     def delete(self, *keys: str) -> None:
         if keys:
@@ -227,7 +307,7 @@ class Registry:
         expired (a long GC pause, a Redis restart) becomes visible again.
         """
         self.publish_peer(info)
-        gt = self.key("gt", info.version, info.rank, info.world_size)
+        gt = self.ground_truth_key(info.version, info.rank, info.world_size, info.manifest_digest)
         req = self.key("req", info.peer_id)
         pipe = self.client.pipeline(transaction=False)
         pipe.pexpire(gt, _ms(self._ground_truth_ttl))
@@ -262,7 +342,14 @@ class Registry:
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
         if dead:
             self._call("SREM", lambda: self.client.srem(index, *dead))
-        peers = [PeerInfo.from_json(raw) for raw in raws if raw is not None]
+        peers: list[PeerInfo] = []
+        for pid, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                peers.append(PeerInfo.from_json(raw))
+            except RegistryError as e:  # one bad entry must not hide the good ones
+                log.warning("peer_entry_skipped", peer_id=pid, reason=str(e))
         claims = self._claim_counts(peers)
         random.shuffle(peers)
         peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
@@ -302,30 +389,38 @@ class Registry:
     ) -> bool:
         """Store the integrity hashes of a storage load, unless some already exist.
 
-        SET NX: ground truth is never overwritten (a worker that loaded from a peer must
-        not replace what storage said). Returns True if this call stored it.
+        Keyed by the manifest digest too, so each skeleton flavour (equally valid, with
+        another layout) has its own. SET NX: ground truth is never overwritten (a worker
+        that loaded from a peer must not replace what storage said). Returns True if this
+        call stored it.
         """
         value = {"manifest_digest": manifest_digest, "hashes": hashes}
-        return self.set_json(
-            self.key("gt", version, rank, world_size), value, self._ground_truth_ttl, nx=True
-        )
+        key = self.ground_truth_key(version, rank, world_size, manifest_digest)
+        return self.set_json(key, value, self._ground_truth_ttl, nx=True)
 
     def get_ground_truth(
-        self, version: str, rank: int, world_size: int
-    ) -> tuple[str, dict[str, str]] | None:
-        """``(manifest_digest, hashes)`` stored by a storage load, or None."""
-        key = self.key("gt", version, rank, world_size)
+        self, version: str, rank: int, world_size: int, manifest_digest: str
+    ) -> dict[str, str] | None:
+        """The hashes a storage load stored for this skeleton flavour, or None."""
+        key = self.ground_truth_key(version, rank, world_size, manifest_digest)
         value = self.get_json(key)
         if value is None:
             return None
         try:
-            return str(value["manifest_digest"]), {str(k): str(v) for k, v in value["hashes"].items()}
-        except (KeyError, TypeError, AttributeError) as e:
+            if str(value["manifest_digest"]) != manifest_digest:
+                raise ValueError(f"digest {value['manifest_digest']!r} under another key")
+            return {str(k): str(v) for k, v in value["hashes"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise RegistryError(f"malformed ground truth at {key}: {e}") from e
 
-    def has_ground_truth(self, version: str, rank: int, world_size: int) -> bool:
-        key = self.key("gt", version, rank, world_size)
-        return bool(self._call("EXISTS", lambda: self.client.exists(key)))
+    def has_ground_truth(
+        self, version: str, rank: int, world_size: int, manifest_digest: str | None = None
+    ) -> bool:
+        """Whether ground truth exists for this rank (of one flavour, or of any)."""
+        if manifest_digest is not None:
+            key = self.ground_truth_key(version, rank, world_size, manifest_digest)
+            return bool(self._call("EXISTS", lambda: self.client.exists(key)))
+        return any(True for _ in self.scan(f"gt:{version}:{rank}:{world_size}:*"))
 
     # -- send slots -----------------------------------------------------------------------
 
@@ -335,8 +430,8 @@ class Registry:
     def claim(self, peer_id: str, receiver_id: str, max_sends: int, ttl: float) -> str | None:
         """Take one of ``peer_id``'s ``max_sends`` send slots for ``ttl`` seconds.
 
-        Returns a token for :meth:`release`, or None when every slot is taken. The slot
-        expires by itself if the receiver dies holding it.
+        Returns a token for :meth:`renew_claim` and :meth:`release`, or None when every
+        slot is taken. The slot expires by itself if the receiver dies holding it.
         """
         for slot in random.sample(range(max_sends), max_sends):
             token = f"{slot}:{uuid.uuid4().hex}"
@@ -348,11 +443,13 @@ class Registry:
 
     def release(self, peer_id: str, token: str) -> None:
         """Free the slot ``token`` holds, if it still holds it (compare-and-delete)."""
-        slot, sep, _ = token.partition(":")
-        if not sep or not slot.isdigit():
-            raise RegistryError(f"malformed claim token {token!r}")
-        key = self._claim_key(peer_id, int(slot))
+        key = self._claim_key(peer_id, _claim_slot(token))
         self._call("release", lambda: self._release(keys=[key], args=[token]))
+
+    def renew_claim(self, peer_id: str, token: str, ttl: float) -> bool:
+        """Extend the slot ``token`` holds by ``ttl`` seconds; False if it is no longer ours."""
+        key = self._claim_key(peer_id, _claim_slot(token))
+        return bool(self._call("renew_claim", lambda: self._renew(keys=[key], args=[token, _ms(ttl)])))
 
     def active_claims(self, peer_id: str) -> int:
         """How many send slots of ``peer_id`` are taken now."""
@@ -395,6 +492,17 @@ class Registry:
             got = self._call("BLPOP", partial(self.client.blpop, [key], timeout=min(left, step)))
             if got is not None:
                 return _request(key, cast("tuple[str, str]", got)[1])
+
+
+def _claim_slot(token: str) -> int:
+    slot, sep, _ = token.partition(":")
+    if not sep or not slot.isdigit():
+        raise RegistryError(f"malformed claim token {token!r}")
+    return int(slot)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _redact(url: str) -> str:

@@ -95,11 +95,21 @@ def parse_uri(uri: str) -> Location:
 
 @dataclass(frozen=True)
 class Shard:
-    """One checkpoint file: its URI, CRC32C (8 lowercase hex digits) and size in bytes."""
+    """One checkpoint file: its URI, CRC32C (8 lowercase hex digits) and size in bytes.
+
+    ``name`` is the file's path *within the model* (``model-00001-of-00002.safetensors``,
+    ``unet/diffusion_pytorch_model.safetensors``): what identifies it whatever directory
+    or bucket holds the model. It defaults to the URI's last component.
+    """
 
     uri: str
     crc32c: str
     size: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.uri.rstrip("/").rsplit("/", 1)[-1])
 
 
 @dataclass(frozen=True)

@@ -123,3 +123,18 @@ def test_bad_secrets_are_config_errors_without_the_value(tmp_path: Path) -> None
     path.write_bytes(b"\xff" * 32)
     with pytest.raises(ConfigError, match="not UTF-8"):
         Settings.from_env({"NCCL_BACK_SECRET_FILE": str(path)})
+
+
+def test_peer_budget_is_automatic_or_explicit() -> None:
+    """peer_budget 0 derives the bound from the other timeouts; negative is refused."""
+    s = Settings()
+    assert s.peer_budget_seconds == s.busy_wait + s.transfer_timeout + 3 * s.receiver_handshake_timeout
+    assert Settings(peer_budget=5).peer_budget_seconds == 5
+    with pytest.raises(ConfigError, match="peer_budget=-1"):
+        Settings(peer_budget=-1)
+
+
+def test_rendezvous_listens_on_the_advertised_address_by_default() -> None:
+    """bind_host empty (default) means the advertised address; an explicit one wins."""
+    assert Settings(advertise_host="10.0.0.5").listen_host == "10.0.0.5"
+    assert Settings(advertise_host="10.0.0.5", bind_host="0.0.0.0").listen_host == "0.0.0.0"

@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from nccl_back.config import ENV_PREFIX, Settings
+from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 OVERLAYS = {
@@ -380,6 +380,7 @@ def test_grace_period_covers_the_drain_bound(name: str, rendered: dict[str, list
     hook = sidecar["lifecycle"]["preStop"]["exec"]["command"]
     assert hook[:4] == ["python", "-m", "nccl_back.health", "drain"]
     assert flag(hook, "--port") == flag(sidecar["args"], "--health-port")
+    assert flag(hook, "--token-file") == flag(sidecar["args"], "--drain-token-file")
     pre_stop_timeout = float(flag(hook, "--timeout"))
     assert pre_stop_timeout >= drain_bound
     # A native sidecar is stopped only after the inference container has exited.
@@ -453,16 +454,87 @@ def sidecar_environment(objs: list[Obj]) -> dict[str, str]:
     return env
 
 
+def mounted_secret(objs: list[Obj], path: str) -> str:
+    """The content of a file the sidecar reads from a mounted Secret volume."""
+    sidecar = container(objs, "nccl-back-worker", "nccl-back")
+    spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in sidecar["volumeMounts"]:
+        if path.startswith(mount["mountPath"] + "/"):
+            source = volumes[mount["name"]]["secret"]
+            secret = one(objs, "Secret", source["secretName"])
+            key = path.removeprefix(mount["mountPath"] + "/")
+            return base64.b64decode(secret["data"][key]).decode()
+    raise AssertionError(f"{path} is on no mounted Secret")
+
+
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
-def test_nccl_back_variables_are_settings_fields(name: str, rendered: dict[str, list[Obj]]) -> None:
+def test_fleet_secret_is_required_and_mounted_privately(
+    name: str, rendered: dict[str, list[Obj]]
+) -> None:
+    """The sidecar reads the fleet secret from a read-only 0400 Secret volume, not the env."""
+    objs = rendered[name]
+    sidecar = container(objs, "nccl-back-worker", "nccl-back")
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert "NCCL_BACK_SECRET" not in env, "the secret must not sit in an env var"
+    path = env["NCCL_BACK_SECRET_FILE"]["value"]
+    secret = mounted_secret(objs, path)
+    assert len(secret.encode()) >= 16
+    assert secret != base64.b64decode(one(objs, "Secret", "nccl-back-redis")["data"]["password"]).decode()
+    spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if "secret" in v and path.startswith("/etc/nccl-back"))
+    assert volume["secret"]["defaultMode"] == 0o400
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == volume["name"])
+    assert mount["readOnly"] is True
+    inference = container(objs, "nccl-back-worker", "inference")
+    assert all(m["name"] != volume["name"] for m in inference["volumeMounts"])
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_network_policy_admits_only_workers_to_transfer_ports(
+    name: str, rendered: dict[str, list[Obj]]
+) -> None:
+    """Worker pods admit other workers on every TCP port, anyone else on health/inference only."""
+    objs = rendered[name]
+    policy = one(objs, "NetworkPolicy", "nccl-back-worker")["spec"]
+    worker = one(objs, "Deployment", "nccl-back-worker")
+    redis = one(objs, "Deployment", "nccl-back-redis")
+    assert selects(policy["podSelector"], pod_labels(worker))
+    assert policy["policyTypes"] == ["Ingress"]
+    sidecar = container(objs, "nccl-back-worker", "nccl-back")
+    inference = container(objs, "nccl-back-worker", "inference")
+    rendezvous = int(flag(sidecar["args"], "--rendezvous-port"))
+    open_ports = {int(flag(sidecar["args"], "--health-port"))} | {
+        p["containerPort"] for p in inference["ports"]
+    }
+    for rule in policy["ingress"]:
+        if "from" in rule:
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, f"non-pod source admitted: {peer}"
+                assert selects(peer["podSelector"], pod_labels(worker))
+                assert not selects(peer["podSelector"], pod_labels(redis))
+        else:
+            ports = {p["port"] for p in rule["ports"]}
+            assert ports == open_ports, "only health and inference ports are open to all"
+            assert rendezvous not in ports
+            assert all("endPort" not in p for p in rule["ports"])
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_nccl_back_variables_are_settings_fields(
+    name: str, rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
     """Every NCCL_BACK_* variable names a Settings field, and Settings accepts their values."""
     objs = rendered[name]
-    fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
+    fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)} | {SECRET_FILE_ENV}
     mentioned = set(re.findall(r"\bNCCL_BACK_[A-Z0-9_]+\b", json.dumps(objs)))
     assert mentioned, "the manifests set no NCCL_BACK_ variable"
     assert mentioned <= fields, f"not Settings fields: {sorted(mentioned - fields)}"
     env = sidecar_environment(objs)
-    settings = Settings.from_env(env)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(mounted_secret(objs, env.pop("NCCL_BACK_SECRET_FILE")))
+    settings = Settings.from_env({**env, "NCCL_BACK_SECRET_FILE": str(secret_file)})
+    assert settings.secret is not None
     assert settings.transport == "nccl"
     assert settings.advertise_host == "10.1.2.3"
     assert settings.redis_url.startswith("redis://:") and settings.redis_url.endswith(":6379/0")
@@ -488,10 +560,13 @@ def test_worker_pod_shape(name: str, rendered: dict[str, list[Obj]]) -> None:
     socket = flag(sidecar["args"], "--socket")
     inference_env = {e["name"]: e.get("value") for e in inference["env"]}
     assert inference_env["HANDOFF_SOCKET"] == socket
+    # The socket sits in a directory of its own inside the shared volume: an emptyDir
+    # is writable by all, and attach() refuses such a directory.
+    assert flag(sidecar["args"], "--drain-token-file").startswith(str(Path(socket).parent) + "/")
     for c in (inference, sidecar):
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert mounts["/dev/shm"] == "dshm"
-        assert mounts[str(Path(socket).parent)] == "handoff"
+        assert mounts[str(Path(socket).parent.parent)] == "handoff"
     assert sidecar["command"] == ["nccl-back", "serve"]
     assert flag(sidecar["args"], "--model") == "$(MODEL_URI)"
     assert flag(sidecar["args"], "--device") == "cuda:0"

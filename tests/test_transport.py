@@ -286,18 +286,22 @@ def test_different_bucket_sizes_are_refused_before_any_data(spawn_sender: object
 
 
 @pytest.mark.timeout(60)
-def test_corrupt_for_test_damages_one_element_in_transit_only() -> None:
-    """The test hook changes the first element of the first step on the wire, not at the sender."""
+def test_corrupting_wrapper_damages_one_element_in_transit_only() -> None:
+    """The tests' fault wrapper changes the first element of the first step on the wire, not at the sender."""
+    from faults import CorruptingTransport
+
     want = model_tensors()
     pristine = {n: t.clone() for n, t in want.items()}
     got = skeleton_like(want)
+    first_slot = plan(want, BUCKET)[0].slots[0]
+    msb = first_slot.offset + want[first_slot.name].element_size() - 1
     errors = in_process_pair(
-        lambda t: send_tensors(t, want, BUCKET, corrupt_for_test=True),
+        lambda t: send_tensors(CorruptingTransport(t, byte=msb), want, BUCKET),  # type: ignore[arg-type]
         lambda t: recv_tensors(t, got, BUCKET),
     )
     assert errors == (None, None)
     assert mismatches(want, pristine) == []
-    first = plan(want, BUCKET)[0].slots[0].name
+    first = first_slot.name
     assert mismatches(got, want) == [first]
     assert not torch.equal(got[first].reshape(-1)[:1], want[first].reshape(-1)[:1])
     assert torch.equal(got[first].reshape(-1)[1:], want[first].reshape(-1)[1:])

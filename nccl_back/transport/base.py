@@ -57,6 +57,12 @@ class Transport(ABC):
         self.rank = rank
         self.transfer_id = transfer_id
         self.device = device
+        self._deadline = float("inf")
+
+    def extend_deadline(self, deadline: float) -> None:
+        """After ``connect``: later waits may run until ``deadline`` (the transfer's,
+        later than the short one the connect phase had)."""
+        self._deadline = max(self._deadline, deadline)
 
     @abstractmethod
     def connect(self, deadline: float) -> None:

@@ -105,7 +105,7 @@ class GlooTransport(Transport):
         try:
             if self._store is None:
                 self._store = connect_store(self._address or "", left)
-            prefixed = dist.PrefixStore(f"xfer/{self.transfer_id}/", self._store)
+            prefixed = dist.PrefixStore(self._prefix, self._store)
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=self._left())
             # Bind gloo's own sockets to the address peers can reach, not to whatever
@@ -145,3 +145,24 @@ class GlooTransport(Transport):
         self._pg = None
         if self._owns_store:
             self._store = None
+        elif self._store is not None:
+            # The sender's store lives as long as the service: without this, every
+            # transfer would leave its rendezvous keys in it forever.
+            _delete_prefix(self._store, self._prefix)
+            self._store = None
+
+    @property
+    def _prefix(self) -> str:
+        return f"xfer/{self.transfer_id}/"
+
+
+def _delete_prefix(store: dist.Store, prefix: str) -> None:
+    """Delete every key under ``prefix`` (gloo writes ``{prefix}/0/{rank}``); best effort."""
+    try:
+        listed = getattr(store, "list_keys", None)
+        names = ([k for k in listed() if k.startswith(prefix)] if listed is not None
+                 else [f"{prefix}/0/{r}" for r in range(WORLD_SIZE)])
+        for name in names:
+            store.delete_key(name)
+    except RuntimeError as e:  # a dead store has nothing left to clean
+        log.debug("gloo_store_cleanup_failed", prefix=prefix, error=str(e))

@@ -76,8 +76,8 @@ class StoreRendezvous(Rendezvous):
         self._make_sender = make_sender
         try:
             # TCPStore itself listens on every interface; binding our own socket and
-            # handing it over is how bind_host is honoured.
-            listener = listen(settings.bind_host, port)
+            # handing it over is how bind_host (default: the advertised address) is honoured.
+            listener = listen(settings.listen_host, port)
             self._port = int(listener.getsockname()[1])
             # wait_for_workers=False: receivers come and go for the life of the service.
             self._store: dist.TCPStore | None = dist.TCPStore(
@@ -90,7 +90,7 @@ class StoreRendezvous(Rendezvous):
             )
         except (RuntimeError, OSError) as e:
             raise TransferError(
-                f"cannot start the {kind} rendezvous on {settings.bind_host}:{port}: {e}"
+                f"cannot start the {kind} rendezvous on {settings.listen_host}:{port}: {e}"
             ) from e
         log.debug("rendezvous_started", kind=kind, address=self.address)
 

@@ -256,6 +256,17 @@ def test_sentinel_with_its_own_password(namespace: str) -> None:
         reg.close()
 
 
+def test_unreachable_cluster_or_sentinel_is_one_registry_error(namespace: str) -> None:
+    """No cluster seed answering, or no sentinel naming the master: a short RegistryError."""
+    with pytest.raises(RegistryError, match=r"cannot reach redis \(redis\+cluster://.*cannot be connected"):
+        Registry(Settings(redis_url="redis+cluster://127.0.0.1:1", namespace=namespace))
+    reg = Registry(Settings(redis_url="redis+sentinel://127.0.0.1:1/mymaster", namespace=namespace,
+                            redis_timeout=0.2))
+    with pytest.raises(RegistryError, match=r"no sentinel named a master 'mymaster'") as info:
+        reg.ping()
+    assert len(str(info.value)) < 300
+
+
 def _version_rank(ckpt: Path, cache_dir: str) -> tuple[str, int, int]:
     from nccl_back.identity import ModelSpec
 

@@ -54,12 +54,12 @@ def hash_gbps(nbytes: int, mode: str) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mib", type=int, default=2048)
+    ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     nbytes = args.mib << 20
     os.environ["PAIR_BENCH_MIB"] = str(args.mib)
-    report = run_pair("bench", deadline_s=120, limit_s=200)
+    report = run_pair("bench", deadline_s=60, limit_s=120)
     s, r = report["sender"], report["receiver"]
     ok = s.get("outcome") == r.get("outcome") == "done"
     out = {

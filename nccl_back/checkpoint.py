@@ -17,14 +17,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from . import bounded_json
+from .config import Settings
 from .errors import CheckpointFormatError, SkeletonError
+from .index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
+from .index import parse_index as parse_index
 from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from .storage import Shard, Storage
 
@@ -55,12 +58,6 @@ MAX_HEADER_BYTES = 100 << 20
 
 #: Bytes read speculatively for a header; most headers fit, larger ones cost one more read.
 HEADER_PROBE_BYTES = 256 << 10
-
-INDEX_NAME = "model.safetensors.index.json"
-
-#: Largest index file read (an index of 100,000 tensors is a few MiB).
-MAX_INDEX_BYTES = 64 << 20
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -214,6 +211,27 @@ def read_headers(storage: Storage, shards: Sequence[Shard]) -> list[ShardHeader]
         return list(pool.map(lambda s: read_header(storage, s), shards))
 
 
+def model_headers(
+    storage: Storage, spec: ModelSpec, shards: Sequence[Shard] | None = None
+) -> list[ShardHeader]:
+    """Headers of ``shards`` (default: all of ``spec``'s), tensors named as the model names them.
+
+    A pipeline component's files name their tensors without the component
+    (``conv_in.weight`` in ``unet/…safetensors``); the model (a mapping of components,
+    or a module with one child per component) names them ``unet.conv_in.weight``.
+    """
+    shards = spec.shards if shards is None else shards
+    headers = read_headers(storage, shards)
+    if not spec.components:
+        return headers
+    return [_prefixed(h, spec.component_of(s) + ".") for h, s in zip(headers, shards, strict=True)]
+
+
+def _prefixed(header: ShardHeader, prefix: str) -> ShardHeader:
+    tensors = {prefix + n: replace(i, name=prefix + n) for n, i in header.tensors.items()}
+    return replace(header, tensors=tensors)
+
+
 def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, TensorInfo]]:
     """Tensor name -> (its shard, where in it), sorted by name; a name in two shards is an error."""
     found: dict[str, tuple[ShardHeader, TensorInfo]] = {}
@@ -227,34 +245,23 @@ def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, Tenso
     return dict(sorted(found.items()))
 
 
-def parse_index(data: bytes, uri: str) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
-    try:
-        raw = bounded_json.loads(data, max_bytes=MAX_INDEX_BYTES)
-        weight_map = raw["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ValueError("weight_map must map tensor names to file names")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointFormatError(f"{uri}: malformed index: {e!r}") from e
-    for filename in set(weight_map.values()):
-        # Shards live next to the index; a path would let an index point anywhere.
-        if "/" in filename or filename in ("", ".", ".."):
-            raise CheckpointFormatError(f"{uri}: shard name {filename!r} is not a plain file name")
-    return weight_map
-
-
 def flat_skeleton(
-    spec: ModelSpec, device: str | torch.device = "cpu", *, storage: Storage | None = None
+    spec: ModelSpec,
+    device: str | torch.device = "cpu",
+    *,
+    storage: Storage | None = None,
+    settings: Settings | None = None,
 ) -> nn.Module:
     """A skeleton built from the checkpoint's headers alone, without Python model code.
 
     Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
     module's ``state_dict`` names are exactly the checkpoint's names; tensors are
     views of one allocation on ``device`` (:func:`nccl_back.skeleton.consolidate`).
+    For a pipeline the root has one child per weighted component (``unet.conv_in.weight``),
+    the names a mapping of component skeletons has, so both exchange weights.
+    Headers are read through ``storage``, else a :class:`Storage` with ``settings``.
     """
-    headers = read_headers(storage or Storage(), spec.shards)
+    headers = model_headers(storage or Storage(settings), spec)
     located = locate(headers)
     man = Manifest(tuple(
         TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))

@@ -55,6 +55,14 @@ class RegistryError(NcclBackError):
     """Redis, the coordination store, is unreachable or answered with something unexpected."""
 
 
+class UntrustedRecordError(RegistryError):
+    """A value read from Redis is not to be acted on: unsigned or badly signed while a
+    secret is set, expired, malformed or out of bounds, or kept without a TTL.
+
+    The record is skipped (logged and counted); other records are still used.
+    """
+
+
 class PeerError(NcclBackError):
     """A peer load could not be carried out; the subclasses say why. Triggers fallback."""
 

@@ -1,6 +1,6 @@
 """The Redis registry: who holds which version, ground-truth hashes, send slots, requests.
 
-Every key lives under ``{settings.namespace}:`` and carries a TTL, so a crashed worker
+Every key lives under ``{namespace}:`` (a hash tag: one cluster slot) and carries a TTL, so a crashed worker
 leaves nothing behind for long; every value is JSON (never pickle: a Redis shared by a
 fleet must not be able to run code in a worker).
 
@@ -35,7 +35,9 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.exceptions import RedisClusterException
 
+from . import redisclient
 from .config import Settings
 from .errors import ConfigError, RegistryError
 from .log import get_logger
@@ -173,17 +175,14 @@ class Registry:
         self.settings = settings
         self.ns = settings.namespace
         if client is None:
+            # One server, Sentinel or Cluster, plain or TLS (see redisclient.py).
             try:
-                client = redis.Redis.from_url(
-                    settings.redis_url,
-                    socket_timeout=settings.redis_timeout,
-                    socket_connect_timeout=settings.redis_timeout,
-                    health_check_interval=30,
-                    decode_responses=True,
-                )
-            except ValueError as e:
-                raise RegistryError(f"cannot use redis_url: {e}") from e
-        elif not client.connection_pool.connection_kwargs.get("decode_responses"):
+                client = redisclient.connect(settings)
+            except (redis.RedisError, RedisClusterException) as e:
+                raise RegistryError(
+                    f"cannot reach redis ({_redact(settings.redis_url)}): {redisclient.explain(e)}"
+                ) from e
+        elif not redisclient.decodes_responses(client):
             raise ConfigError("Registry needs a redis client made with decode_responses=True")
         self.client: redis.Redis = client
         self._release = self.client.register_script(_RELEASE_LUA)
@@ -193,14 +192,18 @@ class Registry:
     # -- generic helpers ----------------------------------------------------------------
 
     def key(self, *parts: object) -> str:
-        """``namespace:part1:part2...``."""
-        return ":".join([self.ns, *(str(p) for p in parts)])
+        """``{namespace}:part1:part2...``: the namespace is a hash tag, so on a Redis
+        Cluster every key of a namespace is in one slot (multi-key commands, transactions
+        and scripts need that); on one server it is just a prefix."""
+        return ":".join(["{" + self.ns + "}", *(str(p) for p in parts)])
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except redis.RedisError as e:
-            raise RegistryError(f"redis {what} failed ({_redact(self.settings.redis_url)}): {e}") from e
+        except (redis.RedisError, RedisClusterException) as e:
+            raise RegistryError(
+                f"redis {what} failed ({_redact(self.settings.redis_url)}): {redisclient.explain(e)}"
+            ) from e
 
     def set_json(self, key: str, value: Any, ttl: float, *, nx: bool = False) -> bool:
         """Store ``value`` as JSON at ``key`` with a TTL in seconds; ``nx``: only if absent.

@@ -74,6 +74,14 @@ OK, NOBODY, FAILED, RAISED = 0, 1, 2, 3
 _WHAT = {NOBODY: "found no peer holding the version", FAILED: "could not load from a peer",
          RAISED: "raised an error"}
 
+#: Fills a skeleton from storage: ``(model, spec, settings) -> LoadResult``. The default
+#: reads the checkpoint; an engine adapter passes its engine's own loader.
+StorageLoader = Callable[[Model, ModelSpec, Settings], LoadResult]
+
+
+def _load_checkpoint(model: Model, spec: ModelSpec, settings: Settings) -> LoadResult:
+    return load_from_storage(model, spec, settings=settings)
+
 
 class NobodyHolds(NoPeerError):
     """No live peer holds the version at all (the first worker of a rollout)."""
@@ -139,7 +147,9 @@ class WeightService:
         metrics: Metrics | None = None,
         worker_id: str | None = None,
         registry: Registry | None = None,
+        storage_loader: StorageLoader = _load_checkpoint,
     ) -> None:
+        self._storage_loader = storage_loader
         self.settings = settings if settings is not None else Settings.from_env()
         self.metrics = metrics if metrics is not None else Metrics()
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -515,7 +525,7 @@ class WeightService:
 
         def load(a: _Attempt) -> None:
             t = time.perf_counter()
-            stored = load_from_storage(a.model, a.spec, settings=self.settings)
+            stored = self._storage_loader(a.model, a.spec, self.settings)
             a.timings["storage"] = time.perf_counter() - t
             a.timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
             a.stored_bytes = stored.bytes

@@ -127,6 +127,12 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
 
         # kind="gloo" runs the same scenarios on the CPU: a self-test of this harness.
         device = torch.device("cuda", 0) if kind == "nccl" else torch.device("cpu")
+        if kind == "nccl":
+            from nccl_back.transport.nccl import NcclTransport
+
+            # The device probe's choice, when it ran (scripts/nccl_probe.py).
+            NcclTransport.nonblocking = os.environ.get("PAIR_NCCL_NONBLOCKING", "1") == "1"
+            NcclTransport.eager = os.environ.get("PAIR_NCCL_EAGER", "0") == "1"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1")
@@ -216,7 +222,7 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
         out_q.put({"rank": rank, "outcome": "error", "trace": traceback.format_exc()[-2000:]})
 
 
-def run_pair(scenario: str, deadline_s: float = 60.0, limit_s: float = 120.0,
+def run_pair(scenario: str, deadline_s: float = 40.0, limit_s: float = 100.0,
              kind: str = "nccl") -> dict[str, Any]:
     """Run ``scenario`` in a sender and a receiver process; their reports and exit codes."""
     ctx = mp.get_context("spawn")

@@ -134,3 +134,18 @@ def test_multirank_settings_are_checked_and_connect_timeout_is_derived() -> None
     s = Settings(sender_handshake_timeout=1.0, receiver_handshake_timeout=10.0)
     assert s.connect_timeout == 11.0
     assert Settings(transfer_timeout=5.0).connect_timeout == 5.0
+
+
+def test_peer_budget_is_automatic_or_explicit() -> None:
+    """peer_budget 0 derives the bound from the other timeouts; negative is refused."""
+    s = Settings()
+    assert s.peer_budget_seconds == s.busy_wait + s.transfer_timeout + 3 * s.receiver_handshake_timeout
+    assert Settings(peer_budget=5).peer_budget_seconds == 5
+    with pytest.raises(ConfigError, match="peer_budget=-1"):
+        Settings(peer_budget=-1)
+
+
+def test_rendezvous_listens_on_the_advertised_address_by_default() -> None:
+    """bind_host empty (default) means the advertised address; an explicit one wins."""
+    assert Settings(advertise_host="10.0.0.5").listen_host == "10.0.0.5"
+    assert Settings(advertise_host="10.0.0.5", bind_host="0.0.0.0").listen_host == "0.0.0.0"

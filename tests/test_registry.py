@@ -42,7 +42,7 @@ def test_every_key_has_a_ttl_and_a_json_value(redis_url: str, namespace: str) ->
     reg.claim("p1", "r1", max_sends=1, ttl=5)
     reg.push_request("p1", {"transfer_id": "t1"})
     reg.set_json(reg.key("hs", "t1", "receiver_ready"), {"value": 1}, ttl=5)
-    keys = list(reg.client.scan_iter(f"{namespace}:*"))
+    keys = list(reg.client.scan_iter(reg.key("*")))
     assert len(keys) == 6
     for key in keys:
         assert reg.client.pttl(key) > 0, key
@@ -130,10 +130,11 @@ def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace:
 def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> None:
     """Lease, NCCL unique id, handshake and ground-truth keys all come from one module."""
     reg = make_registry(redis_url, namespace)
-    assert reg.lease_key("v1", 2) == f"{namespace}:dl:v1:2"
-    assert reg.nccl_uid_key("t1") == f"{namespace}:hs:t1:nccl_uid"
-    assert reg.handshake_key("t1", "receiver_ready") == f"{namespace}:hs:t1:receiver_ready"
-    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{namespace}:gt:v1:0:2:d"
+    ns = "{" + namespace + "}"
+    assert reg.lease_key("v1", 2) == f"{ns}:dl:v1:2"
+    assert reg.nccl_uid_key("t1") == f"{ns}:hs:t1:nccl_uid"
+    assert reg.handshake_key("t1", "receiver_ready") == f"{ns}:hs:t1:receiver_ready"
+    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{ns}:gt:v1:0:2:d"
 
 
 def test_truth_encoding_round_trips() -> None:

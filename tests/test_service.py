@@ -260,7 +260,7 @@ def test_redis_killed_during_handshake(ckpt: str, namespace: str, cache_dir: str
                 settings={"receiver_handshake_timeout": 20.0, "redis_timeout": 0.5})
         client = redis.Redis.from_url(own.url)
         deadline = time.monotonic() + 30
-        while not list(client.scan_iter(f"{namespace}:hs:*")):
+        while not list(client.scan_iter(f"{{{namespace}}}:hs:*")):
             assert time.monotonic() < deadline, "receiver never started its handshake"
             time.sleep(0.02)
         own.kill()
@@ -293,7 +293,7 @@ def test_single_flight_downloader_dies(fleet: Fleet) -> None:
     # Let the doomed worker win the election before the others start.
     deadline = time.monotonic() + 30
     client = redis.Redis.from_url(fleet.settings["redis_url"])
-    while not list(client.scan_iter(f"{fleet.settings['namespace']}:dl:*")):
+    while not list(client.scan_iter(f"{{{fleet.settings['namespace']}}}:dl:*")):
         assert time.monotonic() < deadline, "nobody was elected"
         time.sleep(0.02)
     for i in range(2):

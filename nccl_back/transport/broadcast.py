@@ -146,6 +146,7 @@ def send_tensors(
             # temporary copy must not be freed while on the wire.
             window.add(transport.broadcast(data, SENDER_RANK), None, data)
         window.drain()
+        _acknowledge(transport)
     return _stats(steps, start)
 
 
@@ -176,6 +177,7 @@ def recv_tensors(
                     finish = lambda data=data, slots=step.slots: _unpack(data, slots, tensors)  # noqa: E731
             window.add(transport.broadcast(data, SENDER_RANK), finish, data)
         window.drain()
+        _acknowledge(transport)
     return _stats(steps, start)
 
 
@@ -226,6 +228,19 @@ def _agree_on_plan(transport: Transport, steps: list[Step]) -> None:
             f"transfer {transport.transfer_id}: sender and receiver planned different broadcasts"
             " (different tensors or bucket_bytes); nothing was transferred"
         )
+
+
+def _acknowledge(transport: Transport) -> None:
+    """The receiver tells the sender it holds everything; the sender waits for it.
+
+    A sender's last broadcast can complete while its bytes are still in flight (NCCL's
+    socket proxy, gloo's send buffers): tearing the communicator down then can cut the
+    receiver's tail off (seen on the GPU: the receiver never completed once the
+    sender's process moved on). After this one-byte broadcast from the receiver, the
+    sender's "done" means the receiver's "done".
+    """
+    ack = torch.ones(1, dtype=torch.uint8, device=transport.device)
+    transport.broadcast(ack, RECEIVER_RANK).wait()
 
 
 def _in_place(step: Step, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

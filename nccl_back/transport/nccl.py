@@ -16,9 +16,9 @@ Why this binding (the requirements come from NCCL's fault-tolerance guide):
   watchdog, a drain) only *signals*; the owner acts on it at its next poll.
 * **The connect phase inside the deadline.** The bootstrap goes through the sender's
   ``TCPStore`` (:mod:`.store`; the receiver's store client times out with the time
-  left), the communicator is created eagerly and polled until ready, and host-side
-  waits inside torch's non-blocking NCCL calls (since NCCL 2.22 the first collective
-  connects lazily and waits for the peer's first call) are bounded by
+  left); the communicator is created by a one-byte collective inside ``connect``, and
+  host-side waits inside torch's non-blocking NCCL calls (creation, and since NCCL
+  2.22 the lazy connect that waits for the peer's first call) are bounded by
   ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which this module sets, if the user has not, to
   :data:`NONBLOCKING_TIMEOUT_S` before its first communicator (torch reads it once).
 * **A failed transfer never kills the worker.** torch's default
@@ -52,7 +52,7 @@ from ..config import Settings
 from ..errors import TransferError, TransferTimeoutError
 from ..log import get_logger
 from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
-from .store import StoreRendezvous, connect_store, split_address
+from .store import StoreRendezvous, connect_store, delete_prefix, split_address
 
 log = get_logger(__name__)
 
@@ -131,6 +131,16 @@ class NcclTransport(Transport):
     """One transfer over a fresh 2-rank, non-blocking ``ProcessGroupNCCL``."""
 
     kind = "nccl"
+    #: Non-blocking communicator (the default, and the only mode in which abort is
+    #: safe); the device probe (``scripts/nccl_probe.py``) compares it with blocking.
+    nonblocking: bool = True
+    #: Create the communicator in :meth:`connect` rather than at the first broadcast.
+    #: Off: on the H200 check (torch 2.11, NCCL 2.28.9) a non-blocking communicator
+    #: made by ``eager_connect_single_device`` never reported ``_is_initialized()``
+    #: within 10 s and its first broadcast failed, while the same communicator made
+    #: lazily by the first collective worked (``scripts/nccl_probe.py``). Lazily, the
+    #: connect is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (above).
+    eager: bool = False
 
     def __init__(
         self,
@@ -186,22 +196,28 @@ class NcclTransport(Transport):
         left = self._left("connect")
         try:
             store = self._store if self._store is not None else connect_store(self._address or "", left)
-            prefixed = dist.PrefixStore(f"nccl/{self.transfer_id}/", store)
+            prefixed = dist.PrefixStore(self._prefix, store)
             opts = dist.ProcessGroupNCCL.Options()
-            config = opts.config  # a copy in some torch builds: set it back whole
-            config.blocking = 0
-            opts.config = config
+            if self.nonblocking:
+                config = opts.config  # a copy in some torch builds: set it back whole
+                config.blocking = 0
+                opts.config = config
             opts._timeout = timedelta(seconds=self._left("connect") + TORCH_TIMEOUT_SLACK_S)
             with _group_env():
                 pg = dist.ProcessGroupNCCL(prefixed, self.rank, WORLD_SIZE, opts)
             self._pg = pg
-            # Create the communicator now (not at the first broadcast), then poll it:
-            # with blocking=0 creation returns at once and proceeds in the background.
-            pg.eager_connect_single_device(self.device)
-            ready = getattr(pg, "_is_initialized", None)
-            while ready is not None and not ready():
-                self._left("connect")
-                time.sleep(self._poll * 10)
+            if self.eager:
+                # With blocking=0 creation returns at once and goes on in the background.
+                pg.eager_connect_single_device(self.device)
+                ready = getattr(pg, "_is_initialized", None)
+                while ready is not None and not ready():
+                    self._left("connect")
+                    time.sleep(self._poll * 10)
+            # The first collective creates the communicator (lazily) and, since NCCL
+            # 2.22, connects the two ranks: a one-byte broadcast now keeps both inside
+            # the connect deadline instead of the first data step's.
+            hello = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            self._wait_work(self._issue(hello, SENDER_RANK))
         except TransferError:
             self._abort_now()
             raise
@@ -218,12 +234,14 @@ class NcclTransport(Transport):
             raise TransferError(
                 f"nccl broadcast needs a contiguous tensor on {self.device}, got {tensor.device}"
             )
+        return _NcclPending(self._issue(tensor, src), self)
+
+    def _issue(self, tensor: torch.Tensor, src: int) -> Any:
         try:
-            work = self._pg.broadcast([tensor.reshape(-1).view(torch.uint8)], _bcast_opts(src))
+            return self._pg.broadcast([tensor.reshape(-1).view(torch.uint8)], _bcast_opts(src))
         except Exception as e:
             self._abort_now()
             raise self._error("broadcast", e) from e
-        return _NcclPending(work, self)
 
     def _wait_work(self, work: Any) -> None:
         """Poll ``work`` until done, an abort request or the deadline (owner thread only)."""
@@ -289,7 +307,14 @@ class NcclTransport(Transport):
         destroy it never waits on a peer.
         """
         self._abort_now()
+        if self._store is not None and self._address is None:
+            # The sender's store lives as long as the service: drop this transfer's keys.
+            delete_prefix(self._store, self._prefix)
         self._store = None
+
+    @property
+    def _prefix(self) -> str:
+        return f"nccl/{self.transfer_id}/"
 
 
 def _bcast_opts(src: int) -> Any:

@@ -76,8 +76,8 @@ class StoreRendezvous(Rendezvous):
         self._make_sender = make_sender
         try:
             # TCPStore itself listens on every interface; binding our own socket and
-            # handing it over is how bind_host is honoured.
-            listener = listen(settings.bind_host, port)
+            # handing it over is how bind_host (default: the advertised address) is honoured.
+            listener = listen(settings.listen_host, port)
             self._port = int(listener.getsockname()[1])
             # wait_for_workers=False: receivers come and go for the life of the service.
             self._store: dist.TCPStore | None = dist.TCPStore(
@@ -90,7 +90,7 @@ class StoreRendezvous(Rendezvous):
             )
         except (RuntimeError, OSError) as e:
             raise TransferError(
-                f"cannot start the {kind} rendezvous on {settings.bind_host}:{port}: {e}"
+                f"cannot start the {kind} rendezvous on {settings.listen_host}:{port}: {e}"
             ) from e
         log.debug("rendezvous_started", kind=kind, address=self.address)
 
@@ -106,3 +106,19 @@ class StoreRendezvous(Rendezvous):
     def close(self) -> None:
         # Dropping the last reference stops the store's server thread.
         self._store = None
+
+
+def delete_prefix(store: dist.Store, prefix: str, fallback: int = 2) -> None:
+    """Delete every key under ``prefix`` (a transfer's, from the long-lived sender store).
+
+    Best effort; where the store cannot list keys, the ``{prefix}/0/{rank}`` keys that
+    a process group of ``fallback`` ranks writes are deleted by name.
+    """
+    try:
+        listed = getattr(store, "list_keys", None)
+        names = ([k for k in listed() if k.startswith(prefix)] if listed is not None
+                 else [f"{prefix}/0/{r}" for r in range(fallback)])
+        for name in names:
+            store.delete_key(name)
+    except RuntimeError as e:  # a dead store has nothing left to clean
+        log.debug("store_cleanup_failed", prefix=prefix, error=str(e))

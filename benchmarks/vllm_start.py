@@ -1,0 +1,190 @@
+"""Benchmark: vLLM engine start with ``--load-format nccl_back`` from a live peer vs ``auto``.
+
+One run, one Llama-shaped checkpoint (``--model-mb``, default 1024 MiB, bf16, 24 layers,
+4 shards; ``nccl_back.demo.write_example_model``), real vLLM engines (the CPU build),
+one at a time, each a separate process (``tests/vllm/engine.py``):
+
+1. ``auto_cold``: ``--load-format auto`` with the checkpoint's pages evicted from the
+   page cache first (``/proc/sys/vm/drop_caches`` when writable, and
+   ``posix_fadvise(DONTNEED)`` on every shard in any case; ``fincore`` reports what
+   stayed cached);
+2. ``auto_warm``: ``auto`` again, the checkpoint now in the page cache;
+3. ``peer_source``: ``nccl_back``, first engine: vLLM's default loader (storage), then
+   it serves;
+4. ``peer``: ``nccl_back`` while ``peer_source`` runs: receives from it.
+
+For each engine: the **load phase** (filling the weights: vLLM's own ``Loading weights
+took`` for ``auto``, the nccl_back load line for ``nccl_back``), the **whole start**
+(``LLM(...)`` constructed, and to the first generated token) and vLLM's other start-up
+phases from its log. Ratios: auto cold / peer and auto warm / peer, for the load phase
+and the whole start.
+
+Run: ``.venv-vllm/bin/python benchmarks/vllm_start.py`` (``bash scripts/bootstrap_vllm.sh`` first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from nccl_back.demo import write_example_model
+from nccl_back.devservers import LocalRedis
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "tests" / "vllm" / "engine.py"
+
+_PHASES = {
+    "init_model": r"Initializing model took ([\d.]+) seconds",
+    "auto_load_weights": r"Loading weights took ([\d.]+) seconds",
+    "nccl_back_load": r"nccl_back: loaded version \w+ from \w+.*? in ([\d.]+) s",
+    "init_engine": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+}
+
+
+def evict(paths: list[Path]) -> str:
+    """Drop the checkpoint from the page cache; say how."""
+    how = []
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        how.append("drop_caches")
+    except OSError as e:
+        how.append(f"drop_caches refused ({e.strerror})")
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    how.append("posix_fadvise(DONTNEED) per shard")
+    return ", ".join(how)
+
+
+def cached(paths: list[Path]) -> str:
+    """``fincore``'s view of how much of the checkpoint is in the page cache."""
+    if shutil.which("fincore") is None:
+        return "fincore unavailable"
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
+                         capture_output=True, text=True, check=False).stdout
+    total = sum(int(x) for x in out.split() if x.isdigit())
+    return f"{total / 2**20:.0f} MiB cached"
+
+
+def run_engine(name: str, model: Path, env: dict[str, str], workdir: Path, load_format: str,
+               hold: bool = False) -> tuple[subprocess.Popen[bytes], Path, Path, Path]:
+    out, log, release = (workdir / f"{name}.json", workdir / f"{name}.log",
+                         workdir / f"{name}.release")
+    args = [sys.executable, str(ENGINE), "--model", str(model), "--load-format", load_format,
+            "--out", str(out)]
+    if hold:
+        args += ["--hold", str(release)]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=workdir)
+    return proc, out, log, release
+
+
+def wait_result(proc: subprocess.Popen[bytes], out: Path, log: Path, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not out.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            raise SystemExit(f"engine failed (exit {proc.returncode}):\n{tail}")
+        time.sleep(0.2)
+    result = dict(json.loads(out.read_text()))
+    text = log.read_text(errors="replace")
+    for phase, pattern in _PHASES.items():
+        m = re.search(pattern, text)
+        if m:
+            result[phase] = float(m.group(1))
+    src = re.search(r"nccl_back: loaded version \w+ from (\w+)", text)
+    result["source"] = src.group(1) if src else "auto"
+    result["load_s"] = result.get("nccl_back_load", result.get("auto_load_weights"))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-mb", type=float, default=1024)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    p.add_argument("--timeout", type=float, default=600)
+    args = p.parse_args(argv)
+
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="vllm-start-"))
+    model = write_example_model(work / "model", args.model_mb)
+    shards = sorted(model.glob("*.safetensors"))
+    size = sum(s.stat().st_size for s in shards)
+    redis = LocalRedis().start()
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+        "NCCL_BACK_REDIS_URL": redis.url, "NCCL_BACK_NAMESPACE": f"bench{os.getpid()}",
+        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
+        "NCCL_BACK_CACHE_DIR": str(work / "crc-cache"),
+    })
+    results: dict[str, dict[str, Any]] = {}
+    meta: dict[str, Any] = {
+        "model_bytes": size, "shards": len(shards), "cpus": os.cpu_count(),
+        "python": platform.python_version(), "load_avg_start": os.getloadavg()[0],
+    }
+    try:
+        meta["eviction"] = evict(shards)
+        meta["cached_before_auto_cold"] = cached(shards)
+        for name in ("auto_cold", "auto_warm"):
+            proc, out, log, _ = run_engine(name, model, env, work, "auto")
+            results[name] = wait_result(proc, out, log, args.timeout)
+            proc.wait(120)
+            print(f"{name}: {results[name]['load_s']:.2f} s load, "
+                  f"{results[name]['first_token_s']:.1f} s to first token", flush=True)
+        proc_a, out, log, release = run_engine("peer_source", model, env, work, "nccl_back",
+                                               hold=True)
+        results["peer_source"] = wait_result(proc_a, out, log, args.timeout)
+        proc, out, log, _ = run_engine("peer", model, env, work, "nccl_back")
+        results["peer"] = wait_result(proc, out, log, args.timeout)
+        proc.wait(120)
+        release.touch()
+        proc_a.wait(120)
+        meta["load_avg_end"] = os.getloadavg()[0]
+    finally:
+        redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    if results["peer"]["source"] != "peer":
+        raise SystemExit("the peer engine did not load from its peer; see its log")
+    cols = ("load_s", "init_model", "init_engine", "ready_s", "first_token_s")
+    print(f"\n{size / 2**30:.2f} GiB checkpoint, {len(shards)} shards; cold: {meta['eviction']}"
+          f" ({meta['cached_before_auto_cold']} before auto_cold)")
+    print(f"{'engine':<12}" + "".join(f"{c:>15}" for c in cols))
+    for name, r in results.items():
+        print(f"{name:<12}" + "".join(f"{r.get(c, float('nan')):>15.2f}" for c in cols))
+    peer = results["peer"]
+    ratios = {
+        "load_cold_auto_over_peer": results["auto_cold"]["load_s"] / peer["load_s"],
+        "load_warm_auto_over_peer": results["auto_warm"]["load_s"] / peer["load_s"],
+        "start_cold_auto_over_peer": results["auto_cold"]["first_token_s"] / peer["first_token_s"],
+        "start_warm_auto_over_peer": results["auto_warm"]["first_token_s"] / peer["first_token_s"],
+    }
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    goal = ratios["load_cold_auto_over_peer"] >= 3.0
+    print(f"goal: load phase from a peer >= 3x faster than auto from a cold page cache:"
+          f" {'PASS' if goal else 'MISS'} ({ratios['load_cold_auto_over_peer']:.2f}x)")
+    (outdir / "vllm_start.json").write_text(
+        json.dumps({"meta": meta, "results": results, "ratios": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``--load-format nccl_back`` with real vLLM engines (CPU build), real Redis, separate processes.
+
+Engines start in parallel where the scenario allows (each start is ~40 s of mostly
+CPU): the ``fleet`` starts the reference ``auto`` engine, engine A, and the two
+misconfigured engines at once. Tests run in file order; the last one kills A.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import ROOT, Engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+class Fleet:
+    def __init__(self, model: str, env: dict[str, str], workdir: Path) -> None:
+        self.model, self.env, self.workdir = model, env, workdir
+        self.engines: list[Engine] = []
+
+    def start(self, name: str, *, env: dict[str, str] | None = None, **kw: Any) -> Engine:
+        e = Engine(name, self.workdir).start(self.model, env or self.env, **kw)
+        self.engines.append(e)
+        return e
+
+    def status(self) -> dict[str, Any]:
+        """``nccl-back status --json``: what the registry holds."""
+        out = subprocess.run(
+            [str(Path(sys.executable).parent / "nccl-back"), "status", "--json"], env=self.env,
+            cwd=str(ROOT), capture_output=True, text=True, timeout=60, check=True,
+        ).stdout
+        return dict(json.loads(out))
+
+    def peers(self) -> list[dict[str, Any]]:
+        return [p for v in self.status()["versions"].values() for p in v["peers"]]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model: str, engine_env: dict[str, str], workdir: Path) -> Iterator[Fleet]:
+    f = Fleet(tiny_model, engine_env, workdir)
+    f.start("auto", load_format="auto")
+    f.start("a", hold=True)
+    f.start("bad_config", extra={"bogus": 1})
+    unreachable = dict(engine_env, NCCL_BACK_REDIS_URL="redis://127.0.0.1:9/0",
+                       NCCL_BACK_REDIS_TIMEOUT="0.5")
+    f.start("no_redis", env=unreachable)
+    yield f
+    for e in f.engines:
+        e.kill()
+
+
+def by_name(fleet: Fleet, name: str) -> Engine:
+    return next(e for e in fleet.engines if e.name == name)
+
+
+def test_bad_extra_config_is_one_clear_error(fleet: Fleet) -> None:
+    """An unknown model_loader_extra_config key stops the engine with one ConfigError, before any load."""
+    bad = by_name(fleet, "bad_config")
+    assert bad.wait_exit() != 0
+    log = bad.log()
+    assert "ConfigError: model_loader_extra_config: unknown key(s) ['bogus'] for load format 'nccl_back'" in log
+    assert "Loading weights took" not in log and "nccl_back: loaded" not in log
+
+
+def test_unreachable_redis_falls_back_to_storage(fleet: Fleet) -> None:
+    """With Redis unreachable the engine loads from storage, says why, and generates as `auto` does."""
+    engine = by_name(fleet, "no_redis")
+    tokens = engine.wait_ready()["tokens"]
+    loaded = engine.loaded()
+    assert loaded["source"] == "storage"
+    assert loaded["reason"] is not None and loaded["reason"].startswith("registry_error:")
+    assert tokens == by_name(fleet, "auto").wait_ready()["tokens"]
+
+
+def test_peer_load_matches_auto(fleet: Fleet) -> None:
+    """B, started once A is ready, loads from A (status: source peer); A, B and `auto` generate alike."""
+    a = by_name(fleet, "a")
+    a_tokens = a.wait_ready()["tokens"]
+    assert a.loaded()["source"] == "storage"
+    b = fleet.start("b", hold=True)
+    b_tokens = b.wait_ready()["tokens"]
+    loaded = b.loaded()
+    assert loaded["source"] == "peer", b.tail()
+    assert loaded["version"] == a.loaded()["version"]
+    peers = {p["peer_id"]: p for p in fleet.peers()}
+    assert peers[loaded["peer"]]["source"] == "storage"  # A, which B loaded from
+    assert sorted(p["source"] for p in peers.values()) == ["peer", "storage"]
+    assert a_tokens == b_tokens == by_name(fleet, "auto").wait_ready()["tokens"]
+
+    assert b.release() == 0
+    # Gone at once (the TTL is 60 s): B withdrew its entry when the engine shut down.
+    assert [p["peer_id"] for p in fleet.peers()] == [loaded["peer"]]
+
+
+def test_other_dtype_never_receives(fleet: Fleet) -> None:
+    """A float16 engine never receives A's bfloat16 weights, and generates as `auto` in float16 does."""
+    a = by_name(fleet, "a")
+    a.wait_ready()
+    c = fleet.start("c_fp16", dtype="float16")
+    ref = fleet.start("auto_fp16", load_format="auto", dtype="float16")
+    tokens = c.wait_ready()["tokens"]
+    loaded = c.loaded()
+    assert loaded["source"] == "storage"
+    assert loaded["version"] != a.loaded()["version"]
+    assert "no live peer holds version" in (loaded["reason"] or "")
+    assert tokens == ref.wait_ready()["tokens"]
+
+
+def test_peer_killed_while_starting_falls_back(fleet: Fleet) -> None:
+    """A killed while B starts: B finds A's stale entry, falls back to storage with the reason, serves correctly."""
+    a = by_name(fleet, "a")
+    a.wait_ready()
+    b = fleet.start("b_after_kill")
+    a.kill()
+    tokens = b.wait_ready()["tokens"]
+    loaded = b.loaded()
+    assert loaded["source"] == "storage"
+    assert (loaded["reason"] or "").startswith(("handshake_timeout:", "transfer_error:")), b.tail()
+    assert tokens == by_name(fleet, "auto").wait_ready()["tokens"]
+    assert os.path.exists(b.out)

@@ -15,8 +15,7 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
     ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
     ns:req:{peer_id}                list of request JSON       TTL peer_ttl
     ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
-    ns:hs:{transfer_id}:{name}      handshake / NCCL unique id short TTL (handshake.py,
-                                    transport/nccl.py)
+    ns:hs:{transfer_id}:{name}      handshake values, refusals  short TTL (handshake.py)
 
 The index set is only a hint to avoid ``SCAN`` on the hot path: the per-peer key with
 its TTL is the truth, and members whose key expired are dropped when read.
@@ -233,10 +232,6 @@ class Registry:
     def handshake_key(self, transfer_id: str, name: str) -> str:
         """A per-transfer key (handshake nonces, refusals), scoped by ``transfer_id``."""
         return self.key("hs", transfer_id, name)
-
-    def nccl_uid_key(self, transfer_id: str) -> str:
-        """Where the sender of ``transfer_id`` stores its NCCL unique id for the receiver."""
-        return self.handshake_key(transfer_id, "nccl_uid")
 
     def ground_truth_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
         """Ground truth of one rank's skeleton flavour (keyed by its manifest digest)."""

@@ -141,7 +141,7 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     reg.release("p1", token)  # a Lua compare-and-delete
     assert reg.active_claims("p1") == 0
     assert reg.put_ground_truth("v1", 0, 1, "d" * 32, {"layer": "h"})
-    assert reg.get_ground_truth("v1", 0, 1) == ("d" * 32, {"layer": "h"})
+    assert reg.get_ground_truth("v1", 0, 1, "d" * 32) == {"layer": "h"}
     reg.push_request("p1", {"transfer_id": "t"})
     assert reg.pop_request("p1", 1.0) == {"transfer_id": "t"}
     reg.heartbeat(_info("p1"))
@@ -158,8 +158,8 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
 def test_cluster_download_lease_scripts(cluster: LocalRedisCluster, namespace: str) -> None:
     """The single-flight lease (SET NX, Lua renew and release) works on the cluster."""
     reg = Registry(Settings(redis_url=cluster.url, namespace=namespace))
-    a = DownloadLease(reg, "v1", 0, 1, "a", ttl=0.6)
-    b = DownloadLease(reg, "v1", 0, 1, "b", ttl=0.6)
+    a = DownloadLease(reg, "v1", 1, "a", ttl=0.6)
+    b = DownloadLease(reg, "v1", 1, "b", ttl=0.6)
     assert a.try_acquire() and not b.try_acquire()
     time.sleep(1.0)  # renewed by a's thread past its TTL
     assert a.holder() == "a"

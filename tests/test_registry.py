@@ -128,13 +128,11 @@ def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace:
 
 
 def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> None:
-    """Lease, NCCL unique id, handshake and ground-truth keys all come from one module."""
+    """Lease, handshake and ground-truth keys all come from one module, under one hash tag."""
     reg = make_registry(redis_url, namespace)
-    ns = "{" + namespace + "}"
-    assert reg.lease_key("v1", 2) == f"{ns}:dl:v1:2"
-    assert reg.nccl_uid_key("t1") == f"{ns}:hs:t1:nccl_uid"
-    assert reg.handshake_key("t1", "receiver_ready") == f"{ns}:hs:t1:receiver_ready"
-    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{ns}:gt:v1:0:2:d"
+    assert reg.lease_key("v1", 2) == f"{{{namespace}}}:dl:v1:2"
+    assert reg.handshake_key("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
+    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{{{namespace}}}:gt:v1:0:2:d"
 
 
 def test_truth_encoding_round_trips() -> None:

@@ -67,17 +67,11 @@ end
 return 0
 """
 
-# Compare-and-set / compare-and-delete on the raw JSON value (handshake.py): the side
+# Compare-and-set on the raw JSON value (handshake.py): the side
 # that loses the race learns it from the return value, never from a later read.
 _CAS_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 or 0
-end
-return 0
-"""
-_CAD_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
 end
 return 0
 """
@@ -193,7 +187,6 @@ class Registry:
         self._release = self.client.register_script(_RELEASE_LUA)
         self._renew = self.client.register_script(_RENEW_LUA)
         self._cas = self.client.register_script(_CAS_LUA)
-        self._cad = self.client.register_script(_CAD_LUA)
 
     # -- generic helpers ----------------------------------------------------------------
 
@@ -228,11 +221,6 @@ class Registry:
         """Replace ``key``'s JSON value by ``value`` only if it is exactly ``expected``."""
         old, new = _dumps(expected), _dumps(value)
         return bool(self._call("CAS", lambda: self._cas(keys=[key], args=[old, new, _ms(ttl)])))
-
-    def compare_and_delete(self, key: str, expected: Any) -> bool:
-        """Delete ``key`` only if its JSON value is exactly ``expected``."""
-        old = _dumps(expected)
-        return bool(self._call("CAD", lambda: self._cad(keys=[key], args=[old])))
 
     # -- key schema -------------------------------------------------------------------
 

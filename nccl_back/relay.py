@@ -66,9 +66,14 @@ from .transport.pacing import Pacer
 
 log = get_logger(__name__)
 
-#: Seconds a member's relay endpoint stays up, idle, after its own load ended, for a
-#: downstream member that is still re-attaching.
+#: Seconds a member's relay endpoint stays up, idle, after its own load ended and the
+#: cohort window passed, for a downstream member that is still re-attaching. A late
+#: arrival (within the window) may sit behind a member that already finished: the
+#: endpoint stays up ``cohort_window`` + this, so it still finds it.
 LINGER = 2.0
+#: Seconds a member waits in the handshake with a relay upstream: a live one answers
+#: within its poll interval, so a dead one costs little.
+RELAY_HANDSHAKE = 3.0
 #: Relay sends one member runs at once (its successor, plus one re-attaching from
 #: further down while the first is still unwinding).
 MAX_RELAY_SENDS = 2
@@ -199,7 +204,8 @@ class RelayServer:
     def end(self, ok: bool, reason: str = "") -> None:
         """The member's own load ended; failed: its downstream links fail at once.
 
-        The endpoint lingers for :data:`LINGER` seconds without requests, then stops
+        The endpoint lingers ``cohort_window`` + :data:`LINGER` seconds without
+        requests, then stops
         (in the background: the caller does not wait for downstream sends).
         """
         if not ok:
@@ -225,7 +231,7 @@ class RelayServer:
                 busy = len(self._sends)
             if self._ended.is_set() and busy == 0:
                 idle_since = idle_since or time.monotonic()
-                if time.monotonic() - idle_since > LINGER:
+                if time.monotonic() - idle_since > LINGER + self.settings.cohort_window:
                     break
             else:
                 idle_since = None

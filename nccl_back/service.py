@@ -496,7 +496,8 @@ class WeightService:
         t = time.perf_counter()
         run_receiver(
             self.registry, transfer_id, a.manifest.digest,
-            min(s.receiver_handshake_timeout, max(deadline - time.monotonic(), 0.001)),
+            min(s.receiver_handshake_timeout, relay.RELAY_HANDSHAKE,
+                max(deadline - time.monotonic(), 0.001)),
             after_ready=lambda: self.registry.push_request(member.member_id, request),
         )
         a.timings["handshake"] = time.perf_counter() - t

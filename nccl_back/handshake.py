@@ -29,7 +29,9 @@ flaky receiver) and ``settings.receiver_handshake_timeout`` (10 s: the peer may 
 be busy). Past it: :class:`HandshakeTimeoutError` naming the state; no communicator
 exists yet, so there is nothing to clean up but the keys. Both sides carry their
 manifest digest, so a mismatch stops both before any data moves. Redis failures
-surface as :class:`RegistryError` (the caller falls back).
+surface as :class:`RegistryError` (the caller falls back). With a secret every value
+is signed for its key with an expiry (:mod:`.auth`), and a value that does not
+verify is ignored as if absent: a Redis writer cannot complete a handshake.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import HandshakeTimeoutError, ManifestMismatchError, RegistryError
+from . import records
+from .errors import (
+    HandshakeTimeoutError,
+    ManifestMismatchError,
+    RegistryError,
+    UntrustedRecordError,
+)
 from .log import get_logger
 from .registry import Registry
 
@@ -85,7 +93,7 @@ def run_receiver(
     deadline = clock() + timeout
     x = _nonce()
     try:
-        registry.set_json(r_key, _entry("receiver", x, manifest_digest), key_ttl)
+        registry.set_signed(r_key, _entry("receiver", x, manifest_digest), key_ttl)
         if after_ready is not None:
             after_ready()
         ack = _wait(registry, r_key, lambda v: v.get("value") == x + 1 and v.get("by") == "sender",
@@ -93,7 +101,7 @@ def run_receiver(
         _check_digest(manifest_digest, ack, "sender", transfer_id)
         got = _wait(registry, s_key, lambda v: v.get("by") == "sender",
                     deadline, "R2 WAIT_Y", transfer_id, clock, sleep, poll)
-        registry.set_json(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest), key_ttl)
+        registry.set_signed(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest), key_ttl)
     except BaseException:
         _cleanup(registry, r_key, s_key)
         raise
@@ -122,10 +130,10 @@ def run_sender(
     try:
         got = _wait(registry, r_key, lambda v: v.get("by") == "receiver",
                     deadline, "S0 WAIT_X", transfer_id, clock, sleep, poll)
-        registry.set_json(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest), key_ttl)
+        registry.set_signed(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest), key_ttl)
         _check_digest(manifest_digest, got, "receiver", transfer_id)
         y = _nonce()
-        registry.set_json(s_key, _entry("sender", y, manifest_digest), key_ttl)
+        registry.set_signed(s_key, _entry("sender", y, manifest_digest), key_ttl)
         _wait(registry, s_key, lambda v: v.get("value") == y + 1 and v.get("by") == "receiver",
               deadline, "S3 WAIT_ACK", transfer_id, clock, sleep, poll)
     except (HandshakeTimeoutError, RegistryError):
@@ -174,8 +182,10 @@ def _wait(
 ) -> dict[str, Any]:
     """Poll ``key`` until its JSON value satisfies ``ready``, or the deadline passes."""
     while True:
-        value = registry.get_json(key)
-        if isinstance(value, dict) and ready(value):
+        # Unsigned, forged, expired or malformed values are skipped (logged, counted):
+        # only the genuine other side can move the handshake on.
+        value = registry.get_signed(key, "handshake")
+        if value is not None and _well_formed(value, key, registry) and ready(value):
             return value
         left = deadline - clock()
         if left <= 0:
@@ -184,6 +194,15 @@ def _wait(
                 " (the peer did not answer in time)"
             )
         sleep(min(poll, left))
+
+
+def _well_formed(value: dict[str, Any], key: str, registry: Registry) -> bool:
+    try:
+        records.handshake(value)
+    except UntrustedRecordError as e:
+        registry.reject("handshake", key, str(e))
+        return False
+    return True
 
 
 def _cleanup(registry: Registry, *keys_: str) -> None:

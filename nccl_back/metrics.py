@@ -27,6 +27,7 @@ from .errors import (
     RegistryError,
     TransferError,
     TransferTimeoutError,
+    UntrustedRecordError,
     WeightVerificationError,
 )
 
@@ -42,12 +43,18 @@ FALLBACK_REASONS = (
     "verification_failed",
     "registry_error",
     "consensus",
+    "untrusted_record",
     "other",
 )
 """Stable codes for why a worker loaded from storage instead of a peer."""
 
+RECORD_KINDS = ("peer", "ground_truth", "request", "handshake")
+"""Kinds of Redis records that are verified and may be rejected."""
+
 # Most specific class first: TransferTimeoutError is also a TransferError.
 _REASON_BY_ERROR: tuple[tuple[type[BaseException], str], ...] = (
+    # First: a peer list of only rejected records is also a NoPeerError.
+    (UntrustedRecordError, "untrusted_record"),
     (NoPeerError, "no_peer"),
     (HandshakeTimeoutError, "handshake_timeout"),
     (TransferTimeoutError, "transfer_timeout"),
@@ -121,6 +128,18 @@ class Metrics:
             "Liveness handshakes that timed out (either side).",
             registry=r,
         )
+        self.records_rejected = Counter(
+            f"{prefix}_records_rejected",
+            "Redis values skipped as unsigned, badly signed, expired, malformed or without"
+            " a TTL, by record kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.requests_dropped = Counter(
+            f"{prefix}_requests_dropped",
+            "Transfer requests dropped because this worker's send queue was full.",
+            registry=r,
+        )
         self.claims = Gauge(
             f"{prefix}_active_claims",
             "Receivers currently holding a send slot on this worker.",
@@ -139,6 +158,8 @@ class Metrics:
             self.fallbacks.labels(reason=reason)
         for outcome in ("ok", "failed"):
             self.transfers_served.labels(outcome=outcome)
+        for kind in RECORD_KINDS:
+            self.records_rejected.labels(kind=kind)
 
     def record_load(self, source: str, nbytes: int, seconds: float) -> None:
         """Count one completed load of ``nbytes`` that took ``seconds`` from ``source``."""
@@ -160,6 +181,13 @@ class Metrics:
 
     def record_handshake_timeout(self) -> None:
         self.handshake_timeouts.inc()
+
+    def record_untrusted(self, kind: str) -> None:
+        """Count one rejected Redis record; ``kind`` is one of :data:`RECORD_KINDS`."""
+        self.records_rejected.labels(kind=_check(kind, RECORD_KINDS, "kind")).inc()
+
+    def record_request_dropped(self) -> None:
+        self.requests_dropped.inc()
 
     def set_claims(self, n: int) -> None:
         """Current number of receivers holding a send slot on this worker."""

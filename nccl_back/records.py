@@ -36,7 +36,6 @@ HANDSHAKE_SIDES = ("receiver", "sender")
 MAX_NONCE = 1 << 53
 
 _IDENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
-_HEX = re.compile(r"[0-9a-f]{8,128}")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 _LAYER = 1024
 
@@ -65,9 +64,10 @@ def ident(data: dict[str, Any], name: str, what: str) -> str:
 
 
 def hexdigest(data: dict[str, Any], name: str, what: str) -> str:
+    """A digest: a short token of letters, digits and ``._-`` (hex in practice)."""
     value = data.get(name)
-    if not isinstance(value, str) or not _HEX.fullmatch(value):
-        raise UntrustedRecordError(f"{what}: {name} must be a lowercase hex digest, got {_show(value)}")
+    if not isinstance(value, str) or not _IDENT.fullmatch(value):
+        raise UntrustedRecordError(f"{what}: {name} must be a digest, got {_show(value)}")
     return value
 
 
@@ -151,8 +151,8 @@ def ground_truth(data: dict[str, Any], what: str = "ground truth") -> tuple[str,
     if not isinstance(hashes, dict):
         raise UntrustedRecordError(f"{what}: hashes must be an object")
     for k, v in hashes.items():
-        if len(k) > _LAYER or not isinstance(v, str) or not _HEX.fullmatch(v):
-            raise UntrustedRecordError(f"{what}: hashes must map layer names to hex digests")
+        if len(k) > _LAYER or not isinstance(v, str) or not _IDENT.fullmatch(v):
+            raise UntrustedRecordError(f"{what}: hashes must map layer names to digests")
     return digest, dict(hashes)
 
 

@@ -6,6 +6,12 @@ transfer requests in the background: for each request, the sender half of the
 liveness handshake, then the guarded broadcast of its tensors. At most
 ``max_concurrent_sends`` at once. The model is only read, so a failed send leaves it
 untouched and the worker goes on serving.
+
+Requests come from Redis, so nothing in them is trusted: the registry hands over only
+requests that verify and parse (:mod:`.records`), a request for another version or
+transport is refused before anything is created, at most ``QUEUE_PER_SLOT`` requests
+per send slot wait (more are dropped and counted), and the serve loop survives
+anything a request or Redis does.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .auth import transfer_scope
 from .config import Settings
 from .errors import HandshakeTimeoutError, ManifestMismatchError, NcclBackError, RegistryError
 from .handshake import run_sender
@@ -28,6 +35,9 @@ from .metrics import Metrics, fallback_reason
 from .registry import PeerInfo, Registry
 from .skeleton import Manifest, Model, model_device
 from .transport import Rendezvous, open_rendezvous, resolve_kind, run_guarded, send_tensors
+
+#: Requests that may wait per send slot; a flood beyond it is dropped, not queued.
+QUEUE_PER_SLOT = 4
 
 
 @dataclass
@@ -41,6 +51,8 @@ class _Held:
     sends: ThreadPoolExecutor
     thread: threading.Thread | None = None
     active: int = 0
+    queued: int = 0
+    """Requests submitted and not finished (running or waiting for a slot)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     transports: set[Any] = field(default_factory=set)
     """Transports of in-flight sends, so a drain past its bound can abort them."""
@@ -178,16 +190,28 @@ class PeerServer:
             self.metrics.set_claims(self.active_sends)
 
     def _serve_loop(self, held: _Held) -> None:
+        bound = QUEUE_PER_SLOT * held.info.max_sends
         while not self._stop.is_set():
             try:
                 request = self.registry.pop_request(held.info.peer_id, timeout=0.5)
+                if request is None or self._stop.is_set():
+                    continue
+                with held.lock:
+                    full = held.queued >= bound
+                    if not full:
+                        held.queued += 1
+                if full:
+                    self.metrics.record_request_dropped()
+                    self._log.warning("request_dropped", peer=held.info.peer_id, queued=bound,
+                                      receiver=str(request.get("receiver")))
+                    continue
+                held.sends.submit(self._serve_one, held, request)
             except RegistryError as e:
                 self._log.warning("serve_poll_failed", peer=held.info.peer_id, error=str(e))
                 self._stop.wait(0.5)
-                continue
-            if request is None or self._stop.is_set():
-                continue
-            held.sends.submit(self._serve_one, held, request)
+            except Exception as e:  # the loop must outlive anything a request does
+                self._log.error("serve_loop_error", peer=held.info.peer_id, error=repr(e))
+                self._stop.wait(0.5)
 
     def _serve_one(self, held: _Held, request: dict[str, Any]) -> None:
         s = self.settings
@@ -205,8 +229,14 @@ class PeerServer:
                     f"request for version {str(request.get('version'))[:12]}, this peer holds"
                     f" {held.info.version[:12]}"
                 )
+            if request.get("transport") != held.info.transport:
+                raise ManifestMismatchError(
+                    f"request for transport {request.get('transport')!r}, this peer serves"
+                    f" {held.info.transport!r}"
+                )
             run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
-            transport = self._rendezvous[held.info.transport].sender(transfer_id)
+            scope = transfer_scope(s.key("store"), transfer_id)
+            transport = self._rendezvous[held.info.transport].sender(scope)
             with held.lock:
                 held.transports.add(transport)
             stats = run_guarded(
@@ -227,5 +257,6 @@ class PeerServer:
             self.metrics.record_served(ok)
             with held.lock:
                 held.active -= 1
+                held.queued -= 1
                 held.transports.discard(transport)
             self.metrics.set_claims(self.active_sends)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from . import integrity
+from .auth import transfer_scope
 from .config import Settings
 from .consensus import Group, agree, rank_and_size
 from .election import DownloadLease, wait_for_peer_or_lease
@@ -44,6 +45,7 @@ from .errors import (
     NoPeerError,
     PeerError,
     RegistryError,
+    UntrustedRecordError,
     WeightVerificationError,
 )
 from .handshake import run_receiver
@@ -66,6 +68,10 @@ MODES_KEY_SEP = "|"
 
 class NobodyHolds(NoPeerError):
     """No live peer holds the version at all (the first worker of a rollout)."""
+
+
+class NobodyTrusted(NobodyHolds, UntrustedRecordError):
+    """Entries for the version exist, but none could be trusted (all were rejected)."""
 
 
 class PeerBusy(Exception):
@@ -98,6 +104,7 @@ class WeightService:
         self.metrics = metrics if metrics is not None else Metrics()
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.registry = registry if registry is not None else Registry(self.settings)
+        self.registry.on_untrusted = self.metrics.record_untrusted
         self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id,
                                   corrupt_for_test=corrupt_sends_for_test)
         self._closed = False
@@ -273,8 +280,14 @@ class WeightService:
     ) -> tuple[list[PeerInfo], dict[str, str] | None, NcclBackError | None]:
         """Usable peers, the ground-truth hashes for the verify mode, or why there are none."""
         try:
+            rejected = self.registry.rejected
             peers = [p for p in self.registry.find_peers(version, rank, world)
                      if not self._server.holds(p.peer_id)]
+            if not peers and self.registry.rejected > rejected:
+                return [], None, NobodyTrusted(
+                    f"no trusted peer holds version {version[:12]} rank {rank}/{world}:"
+                    f" {self.registry.rejected - rejected} entries rejected (see record_rejected)"
+                )
             if not peers:
                 return [], None, NobodyHolds(
                     f"no live peer holds version {version[:12]} rank {rank}/{world}"
@@ -327,13 +340,20 @@ class WeightService:
         last: NcclBackError = NoPeerError("no peer tried")
         failed: set[str] = set()
         deadline = time.monotonic() + s.busy_wait
+        # All attempts together: fake or stalling peers cannot cost more than this.
+        budget = time.monotonic() + s.peer_budget_seconds
         while True:
             busy = 0
             for peer in candidates:
                 if peer.peer_id in failed:
                     continue
+                if time.monotonic() >= budget:
+                    return None, NoPeerError(
+                        f"peer attempts spent their budget of {s.peer_budget_seconds:g} s"
+                        f" (peer_budget); last: {last}"
+                    )
                 try:
-                    self._receive_from(peer, model, tensors, man, truth, timings)
+                    self._receive_from(peer, model, tensors, man, truth, timings, budget)
                     return peer.peer_id, None
                 except PeerBusy:
                     busy += 1
@@ -351,7 +371,7 @@ class WeightService:
                         return None, last
                 except RegistryError as e:
                     return None, e
-            if busy == 0 or time.monotonic() >= deadline:
+            if busy == 0 or time.monotonic() >= min(deadline, budget):
                 if busy:
                     last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
                 return None, last
@@ -371,6 +391,7 @@ class WeightService:
         man: Manifest,
         truth: dict[str, str] | None,
         timings: dict[str, float],
+        budget: float,
     ) -> None:
         s = self.settings
         device = model_device(model)
@@ -389,29 +410,56 @@ class WeightService:
             }
             t = time.perf_counter()
             run_receiver(
-                self.registry, transfer_id, man.digest, s.receiver_handshake_timeout,
+                self.registry, transfer_id, man.digest,
+                max(min(s.receiver_handshake_timeout, budget - time.monotonic()), 0.001),
                 after_ready=lambda: self.registry.push_request(peer.peer_id, request),
             )
             timings["handshake"] = time.perf_counter() - t
             t = time.perf_counter()
+            scope = transfer_scope(s.key("store"), transfer_id)
             transport = receiver_transport(
-                s, peer.transport, peer.address, transfer_id, device=device, registry=self.registry
+                s, peer.transport, peer.address, scope, device=device, registry=self.registry
             )
             run_guarded(
                 transport,
                 lambda tr: recv_tensors(tr, tensors, s.bucket_bytes),
-                time.monotonic() + s.transfer_timeout,
+                min(time.monotonic() + s.transfer_timeout, budget),
             )
             timings["transfer"] = time.perf_counter() - t
             if truth is not None:
                 t = time.perf_counter()
-                integrity.compare(truth, integrity.layer_hashes(model, mode=s.verify))  # type: ignore[arg-type]
+                actual = integrity.layer_hashes(model, mode=s.verify, key=s.key("integrity"))  # type: ignore[arg-type]
+                integrity.compare(truth, actual)
                 timings["verify"] = time.perf_counter() - t
         finally:
             with contextlib.suppress(RegistryError):
                 self.registry.release(peer.peer_id, token)
 
     # -- storage ------------------------------------------------------------------------
+
+    def _claim_ground_truth(
+        self, version: str, rank: int, world: int, man: Manifest, hashes: dict[str, str], log: Any
+    ) -> None:
+        """Store our hashes as the ground truth; if a stored record is untrusted or
+        disagrees with ours (same manifest), ours win: this worker holds bytes that
+        passed CRC32C against storage, so it replaces the record and says so."""
+        reg = self.registry
+        if reg.put_ground_truth(version, rank, world, man.digest, hashes):
+            return
+        try:
+            existing = reg.get_ground_truth(version, rank, world)
+        except UntrustedRecordError as e:
+            existing, why = None, f"untrusted: {e}"
+        else:
+            if existing is None or existing[0] != man.digest:
+                return  # expired meanwhile, or another skeleton flavour's: leave it
+            try:
+                integrity.compare(_truth_hashes(existing[1], "sampled"), _truth_hashes(hashes, "sampled"))
+                return
+            except WeightVerificationError as e:
+                why = f"disagrees with storage: {e}"
+        reg.replace_ground_truth(version, rank, world, man.digest, hashes)
+        log.error("ground_truth_replaced", reason=why)
 
     def _storage_fallback(
         self,
@@ -437,11 +485,12 @@ class WeightService:
         timings["storage"] = time.perf_counter() - t
         timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
         t = time.perf_counter()
+        key = self.settings.key("integrity")
         hashes = {f"sampled{MODES_KEY_SEP}{k}": v
-                  for k, v in integrity.layer_hashes(model, mode="sampled").items()}
+                  for k, v in integrity.layer_hashes(model, mode="sampled", key=key).items()}
         if self.settings.verify == "full":
             hashes.update({f"full{MODES_KEY_SEP}{k}": v
-                           for k, v in integrity.layer_hashes(model, mode="full").items()})
+                           for k, v in integrity.layer_hashes(model, mode="full", key=key).items()})
         timings["hash"] = time.perf_counter() - t
         seconds = time.perf_counter() - start
         detail = f"{code}: {reason}" if reason is not None else None
@@ -452,16 +501,8 @@ class WeightService:
         self.metrics.record_load("storage", stored.bytes, seconds)
         log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
         try:
-            if not self.registry.put_ground_truth(spec.version, rank, world, man.digest, hashes):
-                existing = self.registry.get_ground_truth(spec.version, rank, world)
-                if existing is not None and existing[0] == man.digest:
-                    theirs = _truth_hashes(existing[1], "sampled")
-                    integrity.compare(theirs, _truth_hashes(hashes, "sampled"))
+            self._claim_ground_truth(spec.version, rank, world, man, hashes, log)
             self._server.publish(model, tensors, man, spec.version, rank, world, source="storage", log=log)
-        except WeightVerificationError as e:
-            # Our bytes passed CRC32C, so the stored ground truth disagrees with storage:
-            # never serve in that state, and say so loudly.
-            log.error("ground_truth_disagrees_with_storage", error=str(e))
         except NcclBackError as e:  # Redis gone, rendezvous port taken: serve nobody
             log.warning("publish_failed", error=str(e))
         return result

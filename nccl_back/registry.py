@@ -13,7 +13,7 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
     ns:gt:{v}:{r}:{w}:{d}           {"manifest_digest", "hashes"}, SET NX, TTL ground_truth_ttl
                                     hashes keyed "{mode}|{layer}" (:func:`encode_truth`)
     ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
-    ns:req:{peer_id}                list of request JSON       TTL peer_ttl
+    ns:req:{peer_id}                list of request JSON       TTL peer_ttl, newest 256 kept
     ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
     ns:hs:{transfer_id}:{name}      handshake / NCCL unique id short TTL (handshake.py,
                                     transport/nccl.py)
@@ -61,6 +61,9 @@ T = TypeVar("T")
 GROUND_TRUTH_TTL_FACTOR = 6
 
 _KEY_UNSAFE = " :*?[]"
+
+#: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
+MAX_QUEUED_REQUESTS = 256
 
 #: Separates the hash mode from the layer name in stored ground truth ("sampled|layer0").
 TRUTH_SEP = "|"
@@ -445,6 +448,7 @@ class Registry:
                 try:
                     out += [self._call("GET", partial(self.client.get, key)), self.ttl(key)]
                 except RegistryError:
+                    self.reject("peer", key, "wrong Redis type")
                     out += [None, -2]
         return list(out[::2]), [int(t) for t in out[1::2]]
 
@@ -594,6 +598,8 @@ class Registry:
         key = self.key("req", peer_id)
         pipe = self.client.pipeline(transaction=True)
         pipe.rpush(key, self.signed(key, request, self.settings.peer_ttl))
+        # Keep only the newest requests: a flood written before ours cannot bury it.
+        pipe.ltrim(key, -MAX_QUEUED_REQUESTS, -1)
         pipe.pexpire(key, _ms(self.settings.peer_ttl))
         self._call("push_request", pipe.execute)
 
@@ -611,9 +617,11 @@ class Registry:
             left = deadline - clock()
             if left <= 0.001:
                 # BLPOP 0 blocks forever: a last non-blocking look instead.
-                raw = self._call("LPOP", lambda: self.client.lpop(key))
+                raw = self._call("RPOP", lambda: self.client.rpop(key))
                 return None if raw is None else self._request(key, cast(str, raw))
-            got = self._call("BLPOP", partial(self.client.blpop, [key], timeout=min(left, step)))
+            # Newest first: its receiver is still waiting; older ones may have given up,
+            # and a flood pushed earlier must not delay it.
+            got = self._call("BRPOP", partial(self.client.brpop, [key], timeout=min(left, step)))
             if got is not None:
                 request = self._request(key, cast("tuple[str, str]", got)[1])
                 if request is not None:

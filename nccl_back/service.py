@@ -339,9 +339,9 @@ class WeightService:
         elif outcome == "elected":
             a.log.info("single_flight_elected", waited=waited)
             if isinstance(a.reason, NobodyHolds):
-                a.reason = NobodyHolds(
-                    f"no live peer holds version {version[:12]} rank {a.rank}/{a.world};"
-                    " this worker was elected to download it (single flight)"
+                # Same class: "nobody trusted" keeps its own fallback reason.
+                a.reason = type(a.reason)(
+                    f"{a.reason}; this worker was elected to download it (single flight)"
                 )
         elif outcome == "timeout":
             a.reason = NoPeerError(

@@ -217,15 +217,19 @@ def test_release_deletes_only_our_own_claim(redis_url: str, namespace: str) -> N
 
 @pytest.mark.timeout(20)
 def test_requests_are_queued_and_popped_with_a_bounded_wait(redis_url: str, namespace: str) -> None:
-    """Requests come out in order; an empty queue returns None after the timeout."""
+    """Requests come out newest first (a flood pushed earlier cannot delay a live
+    receiver's); an empty queue returns None after the timeout; the queue is bounded."""
     reg = make_registry(redis_url, namespace, redis_timeout=0.4)
     req = {"receiver": "w", "version": "v1", "manifest_digest": "d" * 32, "transport": "gloo"}
     reg.push_request("p", {"transfer_id": "t1", **req})
     reg.push_request("p", {"transfer_id": "t2", **req})
-    assert reg.pop_request("p", timeout=1) == {"transfer_id": "t1", **req}
-    assert reg.pop_request("p", timeout=0) == {"transfer_id": "t2", **req}
+    assert reg.pop_request("p", timeout=1) == {"transfer_id": "t2", **req}
+    assert reg.pop_request("p", timeout=0) == {"transfer_id": "t1", **req}
     # Longer than the socket timeout: the wait is split so it is not taken for a dead link.
     assert reg.pop_request("p", timeout=0.9) is None
+    for i in range(300):
+        reg.push_request("p", {"transfer_id": f"f{i}", **req})
+    assert reg.client.llen(reg.key("req", "p")) == 256
 
 
 def test_list_all_groups_peers_by_version(redis_url: str, namespace: str) -> None:

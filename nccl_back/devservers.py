@@ -217,6 +217,8 @@ class LocalSentinel:
 
     service: str = "mymaster"
     password: str | None = None
+    sentinel_password: str | None = None
+    """The sentinels' own ``requirepass`` (``Settings.redis_sentinel_password``)."""
     down_after_ms: int = 1000
     servers: list[LocalRedis] = field(default_factory=list, init=False)
     sentinels: list[LocalRedis] = field(default_factory=list, init=False)
@@ -232,7 +234,8 @@ class LocalSentinel:
         """The port of the server the sentinels currently name as master."""
         import redis
 
-        with redis.Redis(port=self.sentinels[0].port, decode_responses=True) as s:
+        with redis.Redis(port=self.sentinels[0].port, password=self.sentinel_password,
+                         decode_responses=True) as s:
             return int(s.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)[1])
 
     def master(self) -> LocalRedis:
@@ -260,6 +263,10 @@ class LocalSentinel:
                 ]
                 if self.password:
                     lines.append(f"sentinel auth-pass {self.service} {self.password}")
+                if self.sentinel_password:
+                    # Sentinels authenticate to each other with sentinel-pass.
+                    lines += [f"requirepass {self.sentinel_password}",
+                              f"sentinel sentinel-pass {self.sentinel_password}"]
                 conf.write_text("\n".join(lines) + "\n")  # sentinel rewrites its config file
                 sentinel = LocalRedis(port=port)
                 sentinel.extra = [str(conf), "--sentinel"]
@@ -268,7 +275,8 @@ class LocalSentinel:
 
             def ready() -> bool:
                 for s in self.sentinels:
-                    with redis.Redis(port=s.port, decode_responses=True) as c:
+                    with redis.Redis(port=s.port, password=self.sentinel_password,
+                                     decode_responses=True) as c:
                         replicas = c.execute_command("SENTINEL REPLICAS", self.service)
                         others = c.execute_command("SENTINEL SENTINELS", self.service)
                         if len(replicas) != 1 or len(others) != 2:

@@ -25,16 +25,18 @@ satisfy this one::
                  only if S is still {sender, Y}
                  (atomic compare-and-set)
                                                 S3 WAIT_ACK  poll S until value=Y+1 -> done
-                                                             deadline: delete S only if
-                                                             still {sender, Y} (atomic):
-                                                             deleted -> abandoned
-                                                             not deleted -> the ack landed
+                                                             deadline: S := {sender,
+                                                             abandoned} only if still
+                                                             {sender, Y} (atomic):
+                                                             swapped -> abandoned
+                                                             not swapped -> the ack landed
 
 The last step is a race by nature: the receiver's acknowledgement can land just as the
 sender's deadline passes. Both sides settle it with one atomic operation on ``S``, so
 exactly one wins: either the ack is stored (the sender sees it and goes on, even past
-its deadline) or the sender's abandonment is (the receiver's compare-and-set fails and
-it raises at once). A receiver never believes in a transfer its sender gave up.
+its deadline) or the sender's abandonment is (a receiver still in R2 reads it, one in
+R3 sees its compare-and-set fail; either raises at once). A receiver never believes in
+a transfer its sender gave up.
 
 A sender that will not serve a request (another transport, draining, another version)
 says so before creating anything, by :func:`refuse`: ``R := {sender, refused: code}``.
@@ -148,6 +150,11 @@ def run_receiver(
         _check_digest(manifest_digest, ack, "sender", transfer_id)
         got, got_raw = _wait_raw(registry, s_key, lambda v: v.get("by") == "sender",
                                  deadline, "R2 WAIT_Y", transfer_id, clock, sleep, poll)
+        if got.get("abandoned"):
+            raise HandshakeTimeoutError(
+                f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
+                " passed) before we read its nonce, state R2 WAIT_Y"
+            )
         mine = registry.signed(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest),
                                key_ttl)
         if not registry.compare_and_set(s_key, got_raw, mine, key_ttl):
@@ -180,6 +187,7 @@ def run_sender(
     """
     r_key, s_key = keys(registry, transfer_id)
     deadline = clock() + timeout
+    abandoned = False
     try:
         got = _wait(registry, r_key, lambda v: v.get("by") == "receiver",
                     deadline, "S0 WAIT_X", transfer_id, clock, sleep, poll)
@@ -193,8 +201,11 @@ def run_sender(
                   deadline, "S3 WAIT_ACK", transfer_id, clock, sleep, poll)
         except HandshakeTimeoutError:
             # Abandon atomically: if the ack landed meanwhile, the receiver is committed
-            # and waits for us, so we go on instead.
-            if registry.compare_and_delete(s_key, offer):
+            # and waits for us, so we go on instead. The marker stays (with its TTL) for
+            # the receiver to read.
+            if registry.compare_and_set(s_key, offer, registry.signed(s_key, _ABANDONED, key_ttl),
+                                        key_ttl):
+                abandoned = True
                 raise
             found = registry.get_signed(s_key, "handshake")
             late = found[0] if found is not None else None
@@ -204,10 +215,14 @@ def run_sender(
             log.info("handshake_late_ack_accepted", transfer_id=transfer_id)
     except (HandshakeTimeoutError, RegistryError):
         # The receiver is gone or Redis is; a mismatch instead leaves the keys for the
-        # receiver to read our digest.
-        _cleanup(registry, r_key, s_key)
+        # receiver to read our digest, an abandonment its marker.
+        if not abandoned:
+            _cleanup(registry, r_key, s_key)
         raise
     log.debug("handshake_done", side="sender", transfer_id=transfer_id)
+
+
+_ABANDONED: dict[str, Any] = {"by": "sender", "abandoned": True}
 
 
 def _nonce() -> int:

@@ -13,7 +13,12 @@ CRC32C comes for free from object metadata on ``gs://``. For local files it is
 computed once, streamed through one reused buffer, and cached on disk keyed by the
 file's identity (path, size, mtime, inode, ctime), so a restart reads no shard bytes.
 A file modified less than 2 s before it is checksummed is not cached: a same-size
-rewrite within the file system's timestamp granularity would keep the same key.
+rewrite within the file system's timestamp granularity would keep the same key. The
+loader checks local shards against the same cache (:func:`cached_crc32c`).
+
+A diffusers pipeline folder (``model_index.json`` at the root, one folder per
+component) is one spec: its version covers ``model_index.json``, every component's
+JSON files and every weight file, named ``component/file``.
 """
 
 from __future__ import annotations

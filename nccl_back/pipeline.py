@@ -74,7 +74,8 @@ def component_skeleton(
             f"pipeline component {name!r} has no weights to load"
             f" (components with weights: {list(spec.weighted_components)})"
         )
-    make = factory or (lambda: _from_config(spec, name))
+    # Resolved before building, so a bad model_index.json entry is its own ConfigError.
+    make = factory or _from_config(spec, name)
 
     def construct() -> nn.Module:
         with warnings.catch_warnings():
@@ -144,8 +145,18 @@ def assemble(spec: ModelSpec, modules: Mapping[str, nn.Module], **extra: Any) ->
 # -- construction -----------------------------------------------------------------------
 
 
+#: Libraries whose classes model_index.json may name: the file comes from storage, and
+#: importing whatever module it names would run code nobody chose.
+_LIBRARIES = ("diffusers", "transformers")
+
+
 def _component_class(spec: ModelSpec, name: str) -> Any:
     library, class_name = spec.component_class(name)
+    if library not in _LIBRARIES:
+        raise ConfigError(
+            f"pipeline component {name!r}: class {library}.{class_name} is not from"
+            f" {' or '.join(_LIBRARIES)}; build it yourself (factory=, or assemble(..., {name}=...))"
+        )
     try:
         module = importlib.import_module(library)
     except ImportError as e:
@@ -156,14 +167,17 @@ def _component_class(spec: ModelSpec, name: str) -> Any:
     return cls
 
 
-def _from_config(spec: ModelSpec, name: str) -> nn.Module:
+def _from_config(spec: ModelSpec, name: str) -> Callable[[], nn.Module]:
+    """A factory building component ``name`` from its config.json."""
     cls = _component_class(spec, name)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise SkeletonError(f"pipeline component {name!r}: {cls!r} is not an nn.Module class")
     config = spec.component_config(name)
     if hasattr(cls, "from_config"):  # diffusers ModelMixin (ConfigMixin)
-        return cls.from_config(config)
+        return lambda: cls.from_config(config)
     config_cls = getattr(cls, "config_class", None)
     if config_cls is not None:  # transformers PreTrainedModel
-        return cls(config_cls.from_dict(config))
+        return lambda: cls(config_cls.from_dict(config))
     raise SkeletonError(
         f"pipeline component {name!r}: {cls.__name__} has neither from_config nor config_class;"
         " pass factory="

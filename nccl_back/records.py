@@ -197,7 +197,7 @@ def request(data: dict[str, Any], what: str = "transfer request") -> TransferReq
 @dataclass(frozen=True)
 class HandshakeValue:
     """One side's nonce (or its acknowledgement) in the liveness handshake, or a
-    sender's refusal (``refused`` set, ``value`` -1)."""
+    sender's refusal (``refused`` set) or abandonment marker (both: ``value`` -1)."""
 
     by: str
     value: int
@@ -207,6 +207,8 @@ class HandshakeValue:
 
 def handshake(data: dict[str, Any], what: str = "handshake value") -> HandshakeValue:
     by = choice(data, "by", what, HANDSHAKE_SIDES)
+    if data.get("abandoned") is True and by == "sender":
+        return HandshakeValue(by, -1, "")
     if "refused" in data:
         message = data.get("message", "")
         if by != "sender" or not isinstance(message, str) or len(message) > 1000:

@@ -181,8 +181,15 @@ def decodes_responses(client: Any) -> bool:
 
 
 def explain(error: BaseException) -> str:
-    """A redis-py error as one line, with the fix for the common TLS mistakes."""
+    """A redis-py error as one line, with the fix for the common TLS and Sentinel mistakes."""
+    from redis.sentinel import MasterNotFoundError
+
     text = str(error)
+    if isinstance(error, MasterNotFoundError):
+        # redis-py appends the repr of every sentinel connection: one line is enough.
+        name = text.split(" : ", 1)[0].removeprefix("No master found for ")
+        return (f"no sentinel named a master {name} (sentinels unreachable, the service name"
+                " wrong, or redis_sentinel_password missing)")
     cause: BaseException | None = error
     while cause is not None and not isinstance(cause, ssl.SSLError):
         cause = cause.__cause__ or cause.__context__

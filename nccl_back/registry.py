@@ -15,8 +15,7 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
     ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
     ns:req:{peer_id}                list of request JSON       TTL peer_ttl, newest 256 kept
     ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
-    ns:hs:{transfer_id}:{name}      handshake / NCCL unique id short TTL (handshake.py,
-                                    transport/nccl.py)
+    ns:hs:{transfer_id}:{name}      handshake values, refusals  short TTL (handshake.py)
 
 The index set is only a hint to avoid ``SCAN`` on the hot path: the per-peer key with
 its TTL is the truth, and members whose key expired are dropped when read.
@@ -88,17 +87,11 @@ if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
 return 0
 """
 
-# Compare-and-set / compare-and-delete on the raw JSON value (handshake.py): the side
+# Compare-and-set on the raw JSON value (handshake.py): the side
 # that loses the race learns it from the return value, never from a later read.
 _CAS_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 or 0
-end
-return 0
-"""
-_CAD_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
 end
 return 0
 """
@@ -204,7 +197,6 @@ class Registry:
         self._release = self.client.register_script(_RELEASE_LUA)
         self._renew = self.client.register_script(_RENEW_LUA)
         self._cas = self.client.register_script(_CAS_LUA)
-        self._cad = self.client.register_script(_CAD_LUA)
         self._set_nx = self.client.register_script(_SET_NX_LUA)
         self.signer = Signer.from_settings(settings)
         self.on_untrusted: Callable[[str], None] | None = None
@@ -298,11 +290,6 @@ class Registry:
         new = value if isinstance(value, _Raw) else _dumps(value)
         return bool(self._call("CAS", lambda: self._cas(keys=[key], args=[old, new, _ms(ttl)])))
 
-    def compare_and_delete(self, key: str, expected: Any) -> bool:
-        """Delete ``key`` only if its JSON value is exactly ``expected``."""
-        old = expected if isinstance(expected, _Raw) else _dumps(expected)
-        return bool(self._call("CAD", lambda: self._cad(keys=[key], args=[old])))
-
     # -- key schema -------------------------------------------------------------------
 
     def lease_key(self, version: str, world_size: int) -> str:
@@ -313,10 +300,6 @@ class Registry:
     def handshake_key(self, transfer_id: str, name: str) -> str:
         """A per-transfer key (handshake nonces, refusals), scoped by ``transfer_id``."""
         return self.key("hs", transfer_id, name)
-
-    def nccl_uid_key(self, transfer_id: str) -> str:
-        """Where the sender of ``transfer_id`` stores its NCCL unique id for the receiver."""
-        return self.handshake_key(transfer_id, "nccl_uid")
 
     def ground_truth_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
         """Ground truth of one rank's skeleton flavour (keyed by its manifest digest)."""

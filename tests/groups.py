@@ -33,8 +33,12 @@ class Groups:
     def start(
         self, world: int = 2, *, settings: dict[str, Any] | None = None,
         faults: dict[int, str] | None = None, withdraw: tuple[int, ...] = (),
+        delays: dict[int, float] | None = None,
     ) -> str:
-        """Start one worker of ``world`` ranks; returns its id (the group's port)."""
+        """Start one worker of ``world`` ranks; returns its id (the group's port).
+
+        ``faults``/``delays``: per rank, see :func:`workers.rank_main`.
+        """
         port = str(free_port())
         for rank in range(world):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -44,7 +48,8 @@ class Groups:
             p = CTX.Process(
                 target=workers.rank_main, daemon=True,
                 args=(env, self.ckpt, {**self.settings, **(settings or {})}, writer, self.stop),
-                kwargs={"fault": (faults or {}).get(rank), "withdraw": rank in withdraw},
+                kwargs={"fault": (faults or {}).get(rank), "withdraw": rank in withdraw,
+                        "delay": (delays or {}).get(rank, 0.0)},
             )
             p.start()
             self.procs.append(p)

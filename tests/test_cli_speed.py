@@ -61,3 +61,18 @@ def test_metadata_commands_take_a_fraction_of_a_torch_import(commands: dict[str,
     for name, argv in commands.items():
         took = _best([EXE, *argv])
         assert took < 0.5 * torch_import, f"{name}: {took:.3f} s vs import torch {torch_import:.3f} s"
+
+
+def test_package_import_is_lazy() -> None:
+    """`import nccl_back` and its light names leave torch unimported; WeightService imports it."""
+    code = (
+        "import sys, nccl_back\n"
+        "assert 'torch' not in sys.modules\n"
+        "nccl_back.Settings, nccl_back.NcclBackError, nccl_back.ModelSpec\n"
+        "assert 'torch' not in sys.modules, 'light names imported torch'\n"
+        "from nccl_back import WeightService\n"
+        "assert 'torch' in sys.modules and WeightService.__name__ == 'WeightService'\n"
+        "assert set(nccl_back.__all__) <= set(dir(nccl_back))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -125,6 +125,17 @@ def test_bad_secrets_are_config_errors_without_the_value(tmp_path: Path) -> None
         Settings.from_env({"NCCL_BACK_SECRET_FILE": str(path)})
 
 
+def test_multirank_settings_are_checked_and_connect_timeout_is_derived() -> None:
+    """single_flight_max_wait >= single_flight_wait, claim_ttl > 0; connect_timeout = both handshake timeouts."""
+    with pytest.raises(ConfigError, match="single_flight_max_wait=10.*at least single_flight_wait=300"):
+        Settings(single_flight_max_wait=10.0)
+    with pytest.raises(ConfigError, match="claim_ttl=0"):
+        Settings(claim_ttl=0)
+    s = Settings(sender_handshake_timeout=1.0, receiver_handshake_timeout=10.0)
+    assert s.connect_timeout == 11.0
+    assert Settings(transfer_timeout=5.0).connect_timeout == 5.0
+
+
 def test_peer_budget_is_automatic_or_explicit() -> None:
     """peer_budget 0 derives the bound from the other timeouts; negative is refused."""
     s = Settings()

@@ -162,26 +162,22 @@ def test_redis_down_raises_registry_error(namespace: str) -> None:
 
 
 class SlowCas(Registry):
-    """A registry whose compare-and-set / compare-and-delete land ``delay`` s late."""
+    """A registry whose compare-and-set lands ``delay`` s late (a slow Redis round trip)."""
 
-    def __init__(self, settings: Settings, *, cas: float = 0.0, cad: float = 0.0) -> None:
+    def __init__(self, settings: Settings, *, delay: float) -> None:
         super().__init__(settings)
-        self._cas_delay, self._cad_delay = cas, cad
+        self._delay = delay
 
     def compare_and_set(self, *a: object, **k: object) -> bool:
-        time.sleep(self._cas_delay)
+        time.sleep(self._delay)
         return super().compare_and_set(*a, **k)  # type: ignore[arg-type]
-
-    def compare_and_delete(self, *a: object, **k: object) -> bool:
-        time.sleep(self._cad_delay)
-        return super().compare_and_delete(*a, **k)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(30)
 def test_late_ack_after_the_sender_gave_up_is_refused(registry: Registry) -> None:
     """The receiver's last reply lands after the sender abandoned: the receiver raises at once."""
     tid = uuid.uuid4().hex
-    late = SlowCas(registry.settings, cas=1.0)
+    late = SlowCas(registry.settings, delay=1.0)
     thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "m", 0.3))
     t0 = time.monotonic()
     with pytest.raises(HandshakeTimeoutError, match="the sender gave up"):
@@ -197,12 +193,25 @@ def test_ack_landing_as_the_sender_gives_up_is_honoured(registry: Registry) -> N
     """An ack that lands between the sender's deadline and its abandonment wins: both sides go on."""
     tid = uuid.uuid4().hex
     # The sender's abandonment is slow, so the receiver's ack (after 0.5 s) gets there first.
-    hesitant = SlowCas(registry.settings, cad=1.0)
-    slow_receiver = SlowCas(registry.settings, cas=0.5)
+    hesitant = SlowCas(registry.settings, delay=1.0)
+    slow_receiver = SlowCas(registry.settings, delay=0.5)
     thread, errors = in_thread(lambda: handshake.run_sender(hesitant, tid, "m", 0.3))
     handshake.run_receiver(slow_receiver, tid, "m", 10.0)
     thread.join(10)
     assert errors == []
+
+
+@pytest.mark.timeout(30)
+def test_abandonment_is_read_by_a_receiver_still_waiting_for_the_nonce(registry: Registry) -> None:
+    """A receiver that reaches R2 after the sender abandoned reads the marker and raises at once."""
+    tid = uuid.uuid4().hex
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "m", 0.3))
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeTimeoutError, match="before we read its nonce"):
+        handshake.run_receiver(registry, tid, "m", 10.0, after_ready=lambda: time.sleep(1.0))
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], HandshakeTimeoutError), errors
+    assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.timeout(30)

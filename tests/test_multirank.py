@@ -36,11 +36,17 @@ def _ok(r: dict[str, Any]) -> dict[str, Any]:
     return r
 
 
+# Which ranks reach load() late (seconds), per worker: together, and the crossed orders
+# in which a per-rank election would give worker A rank 0 and worker B rank 1.
+ORDERS = [({}, {}), ({1: 0.5}, {0: 0.5}), ({0: 0.5}, {1: 0.5})]
+
+
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize("trial", range(6))
 def test_two_workers_starting_together_one_downloads_one_receives(groups: Groups, trial: int) -> None:
     """Two 2-rank workers started together: one downloads, the other receives from it, no stall."""
-    a, b = groups.start(), groups.start()
+    late_a, late_b = ORDERS[trial % len(ORDERS)]
+    a, b = groups.start(delays=late_a), groups.start(delays=late_b)
     reports = [_ok(r) for r in groups.reports(4, timeout=80)]
     by = groups.by_group(reports)
     sources = {g: [r["source"] for r in rs] for g, rs in by.items()}

@@ -7,6 +7,7 @@ processes and real gloo groups.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -22,11 +23,13 @@ import pytest
 import torch
 from torch import nn
 
+from nccl_back import log
 from nccl_back.cli import main
 from nccl_back.config import Settings
 from nccl_back.devservers import LocalGCS, free_port
 from nccl_back.errors import (
     CheckpointFormatError,
+    ConfigError,
     ShardNotFoundError,
     SkeletonError,
     WeightLoadError,
@@ -132,7 +135,15 @@ def test_gs_pipeline_matches_local_copy(gcs: LocalGCS, pipe_dir: Path, settings:
     assert pipelines.files_match(model, str(pipe_dir))
 
 
+@pytest.fixture
+def reset_logging() -> Iterator[None]:
+    """main() configures logging onto the captured stderr; undo it for later tests."""
+    yield
+    log.reset()
+
+
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("reset_logging")
 def test_fingerprint_shows_components(pipe_dir: Path, cache_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     """nccl-back fingerprint lists a pipeline's components, their classes and weight files."""
     assert main(["fingerprint", str(pipe_dir), "--cache-dir", cache_dir]) == 0
@@ -161,6 +172,16 @@ def test_component_skeleton_reads_no_weights_one_allocation(pipe_dir: Path, sett
 
 
 @pytest.mark.timeout(60)
+def test_only_diffusers_and_transformers_classes_are_built(pipe_dir: Path, settings: Settings) -> None:
+    """A model_index.json naming a class outside diffusers/transformers is refused, nothing imported."""
+    index = json.loads((pipe_dir / "model_index.json").read_text())
+    (pipe_dir / "model_index.json").write_text(json.dumps({**index, "unet": ["os", "system"]}))
+    spec = ModelSpec.from_dir(str(pipe_dir), settings=settings)
+    with pytest.raises(ConfigError, match=r"component 'unet': class os.system is not from diffusers or transformers"):
+        component_skeleton(spec, "unet")
+
+
+@pytest.mark.timeout(60)
 def test_eager_loading_constructor_is_harmless(pipe_dir: Path, settings: Settings) -> None:
     """A constructor that loads weights eagerly allocates nothing for them; storage fills the skeleton."""
     from diffusers import VQModel
@@ -181,12 +202,20 @@ def test_eager_loading_constructor_is_harmless(pipe_dir: Path, settings: Setting
 
 
 @pytest.mark.timeout(60)
-def test_storage_load_generates_the_reference_image(pipe_dir: Path, settings: Settings) -> None:
-    """Skeletons filled from the component files generate exactly what from_pretrained does."""
+def test_storage_load_generates_the_reference_image(
+    pipe_dir: Path, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Skeletons filled from the component files (tracked per component) generate exactly what from_pretrained does."""
     spec = ModelSpec.from_dir(str(pipe_dir), settings=settings)
     model = pipeline_skeletons(spec)
-    result = load_from_storage(model, spec, settings=settings)
+    with caplog.at_level(logging.INFO, logger="nccl_back"):
+        result = load_from_storage(model, spec, settings=settings)
     assert result.bytes == sum(t.nbytes for t in named_tensors(model)[0].values())
+    events = [r.nccl_back for r in caplog.records if hasattr(r, "nccl_back")]
+    per_component = {e["component"]: e["bytes"] for e in events if e["event"] == "component_loaded"}
+    assert per_component == {
+        name: sum(t.nbytes for t in named_tensors(module)[0].values()) for name, module in model.items()
+    }
     assert np.array_equal(pipelines.generate(assemble(spec, model)), _reference_image(pipe_dir))
 
 

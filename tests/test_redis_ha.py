@@ -138,10 +138,15 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     token = reg.claim("p1", "r1", max_sends=1, ttl=5)
     assert token is not None and reg.claim("p1", "r2", max_sends=1, ttl=5) is None
     assert reg.active_claims("p1") == 1
-    reg.release("p1", token)  # a Lua compare-and-delete
+    assert reg.renew_claim("p1", token, ttl=5)  # Lua scripts from here on
+    reg.release("p1", token)
     assert reg.active_claims("p1") == 0
+    hs = reg.handshake_key("t", "receiver_ready")
+    reg.set_json(hs, {"value": 1}, ttl=5)
+    assert reg.compare_and_set(hs, {"value": 1}, {"value": 2}, ttl=5)
+    assert reg.compare_and_delete(hs, {"value": 2}) and reg.get_json(hs) is None
     assert reg.put_ground_truth("v1", 0, 1, "d" * 32, {"layer": "h"})
-    assert reg.get_ground_truth("v1", 0, 1) == ("d" * 32, {"layer": "h"})
+    assert reg.get_ground_truth("v1", 0, 1, "d" * 32) == {"layer": "h"}
     reg.push_request("p1", {"transfer_id": "t"})
     assert reg.pop_request("p1", 1.0) == {"transfer_id": "t"}
     reg.heartbeat(_info("p1"))
@@ -158,8 +163,8 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
 def test_cluster_download_lease_scripts(cluster: LocalRedisCluster, namespace: str) -> None:
     """The single-flight lease (SET NX, Lua renew and release) works on the cluster."""
     reg = Registry(Settings(redis_url=cluster.url, namespace=namespace))
-    a = DownloadLease(reg, "v1", 0, 1, "a", ttl=0.6)
-    b = DownloadLease(reg, "v1", 0, 1, "b", ttl=0.6)
+    a = DownloadLease(reg, "v1", 1, "a", ttl=0.6)
+    b = DownloadLease(reg, "v1", 1, "b", ttl=0.6)
     assert a.try_acquire() and not b.try_acquire()
     time.sleep(1.0)  # renewed by a's thread past its TTL
     assert a.holder() == "a"
@@ -237,6 +242,29 @@ def test_sentinel_failover_during_a_load(namespace: str, ckpt: Path, cache_dir: 
         finally:
             stop.touch()
             sender.communicate(timeout=30)
+
+
+def test_sentinel_with_its_own_password(namespace: str) -> None:
+    """Sentinels with their own password are reached with redis_sentinel_password; without it, a RegistryError."""
+    with LocalSentinel(password="data-pw", sentinel_password="sentinel-pw") as sentinel:
+        with pytest.raises(RegistryError, match="redis PING failed"):
+            Registry(Settings(redis_url=sentinel.url, namespace=namespace, redis_timeout=0.5)).ping()
+        reg = Registry(Settings(redis_url=sentinel.url, namespace=namespace,
+                                redis_sentinel_password="sentinel-pw"))
+        reg.publish_peer(_info("p1"))
+        assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["p1"]
+        reg.close()
+
+
+def test_unreachable_cluster_or_sentinel_is_one_registry_error(namespace: str) -> None:
+    """No cluster seed answering, or no sentinel naming the master: a short RegistryError."""
+    with pytest.raises(RegistryError, match=r"cannot reach redis \(redis\+cluster://.*cannot be connected"):
+        Registry(Settings(redis_url="redis+cluster://127.0.0.1:1", namespace=namespace))
+    reg = Registry(Settings(redis_url="redis+sentinel://127.0.0.1:1/mymaster", namespace=namespace,
+                            redis_timeout=0.2))
+    with pytest.raises(RegistryError, match=r"no sentinel named a master 'mymaster'") as info:
+        reg.ping()
+    assert len(str(info.value)) < 300
 
 
 def _version_rank(ckpt: Path, cache_dir: str) -> tuple[str, int, int]:

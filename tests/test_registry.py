@@ -128,12 +128,11 @@ def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace:
 
 
 def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> None:
-    """Lease, NCCL unique id, handshake and ground-truth keys all come from one module."""
+    """Lease, handshake and ground-truth keys all come from one module, under one hash tag."""
     reg = make_registry(redis_url, namespace)
-    assert reg.lease_key("v1", 2) == f"{namespace}:dl:v1:2"
-    assert reg.nccl_uid_key("t1") == f"{namespace}:hs:t1:nccl_uid"
-    assert reg.handshake_key("t1", "receiver_ready") == f"{namespace}:hs:t1:receiver_ready"
-    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{namespace}:gt:v1:0:2:d"
+    assert reg.lease_key("v1", 2) == f"{{{namespace}}}:dl:v1:2"
+    assert reg.handshake_key("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
+    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{{{namespace}}}:gt:v1:0:2:d"
 
 
 def test_truth_encoding_round_trips() -> None:
@@ -162,18 +161,17 @@ def test_claim_renewal_keeps_only_our_own_claim(redis_url: str, namespace: str) 
     assert not reg.renew_claim("p", token, 5)
 
 
-def test_compare_and_set_and_delete(redis_url: str, namespace: str) -> None:
-    """CAS and compare-and-delete act only on the exact expected JSON value."""
+def test_compare_and_set(redis_url: str, namespace: str) -> None:
+    """Compare-and-set acts only on the exact expected JSON value."""
     reg = make_registry(redis_url, namespace)
     key = reg.key("x")
     reg.set_json(key, {"v": 1}, 5)
     assert not reg.compare_and_set(key, {"v": 2}, {"v": 3}, 5)
     assert reg.compare_and_set(key, {"v": 1}, {"v": 3}, 5)
     assert reg.get_json(key) == {"v": 3}
-    assert not reg.compare_and_delete(key, {"v": 1})
-    assert reg.compare_and_delete(key, {"v": 3})
-    assert reg.get_json(key) is None
+    reg.delete(key)
     assert not reg.compare_and_set(key, {"v": 3}, {"v": 4}, 5)
+    assert reg.get_json(key) is None
 
 
 def test_malformed_peer_entry_is_skipped(redis_url: str, namespace: str) -> None:

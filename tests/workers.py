@@ -227,6 +227,7 @@ def group_worker(
 def rank_main(
     env: dict[str, str], ckpt: str, settings_kwargs: dict[str, Any], out: Any, stop: Any,
     *, fault: str | None = None, withdraw: bool = False, timeout: float = 60.0,
+    delay: float = 0.0,
 ) -> None:
     """One rank of a multi-rank worker, started as ``torchrun`` would start it.
 
@@ -235,6 +236,7 @@ def rank_main(
     would), loads its pipeline stage (:func:`make_part`), reports, then serves until
     ``stop``. ``fault``: see :func:`_install_fault`; ``raise_in_verify`` makes the
     integrity check raise a non-library error (as a CUDA error while hashing would).
+    ``delay``: seconds this rank waits before ``load`` (a rank whose skeleton builds slower).
     """
     from datetime import timedelta
 
@@ -258,6 +260,7 @@ def rank_main(
         model = make_part(rank)
         spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
         with WeightService(settings, worker_id=f"g{env['MASTER_PORT']}-{rank}") as svc:
+            time.sleep(delay)
             t0 = time.monotonic()
             try:
                 result = svc.load(model, spec, group=dist.group.WORLD)

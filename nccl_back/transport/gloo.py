@@ -24,7 +24,7 @@ from ..config import Settings
 from ..errors import TransferError, TransferTimeoutError
 from ..log import get_logger
 from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
-from .store import StoreRendezvous, connect_store, split_address
+from .store import StoreRendezvous, connect_store, delete_prefix, split_address
 
 log = get_logger(__name__)
 
@@ -148,21 +148,10 @@ class GlooTransport(Transport):
         elif self._store is not None:
             # The sender's store lives as long as the service: without this, every
             # transfer would leave its rendezvous keys in it forever.
-            _delete_prefix(self._store, self._prefix)
+            delete_prefix(self._store, self._prefix)
             self._store = None
 
     @property
     def _prefix(self) -> str:
         return f"xfer/{self.transfer_id}/"
 
-
-def _delete_prefix(store: dist.Store, prefix: str) -> None:
-    """Delete every key under ``prefix`` (gloo writes ``{prefix}/0/{rank}``); best effort."""
-    try:
-        listed = getattr(store, "list_keys", None)
-        names = ([k for k in listed() if k.startswith(prefix)] if listed is not None
-                 else [f"{prefix}/0/{r}" for r in range(WORLD_SIZE)])
-        for name in names:
-            store.delete_key(name)
-    except RuntimeError as e:  # a dead store has nothing left to clean
-        log.debug("gloo_store_cleanup_failed", prefix=prefix, error=str(e))

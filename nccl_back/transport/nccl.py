@@ -16,7 +16,7 @@ Why this binding (the requirements come from NCCL's fault-tolerance guide):
   watchdog, a drain) only *signals*; the owner acts on it at its next poll.
 * **The connect phase inside the deadline.** The bootstrap goes through the sender's
   ``TCPStore`` (:mod:`.store`; the receiver's store client times out with the time
-  left); the communicator is created by the first collective (the plan digest), and
+  left); the communicator is created by a one-byte collective inside ``connect``, and
   host-side waits inside torch's non-blocking NCCL calls (creation, and since NCCL
   2.22 the lazy connect that waits for the peer's first call) are bounded by
   ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which this module sets, if the user has not, to
@@ -52,7 +52,7 @@ from ..config import Settings
 from ..errors import TransferError, TransferTimeoutError
 from ..log import get_logger
 from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
-from .store import StoreRendezvous, connect_store, split_address
+from .store import StoreRendezvous, connect_store, delete_prefix, split_address
 
 log = get_logger(__name__)
 
@@ -196,7 +196,7 @@ class NcclTransport(Transport):
         left = self._left("connect")
         try:
             store = self._store if self._store is not None else connect_store(self._address or "", left)
-            prefixed = dist.PrefixStore(f"nccl/{self.transfer_id}/", store)
+            prefixed = dist.PrefixStore(self._prefix, store)
             opts = dist.ProcessGroupNCCL.Options()
             if self.nonblocking:
                 config = opts.config  # a copy in some torch builds: set it back whole
@@ -213,6 +213,11 @@ class NcclTransport(Transport):
                 while ready is not None and not ready():
                     self._left("connect")
                     time.sleep(self._poll * 10)
+            # The first collective creates the communicator (lazily) and, since NCCL
+            # 2.22, connects the two ranks: a one-byte broadcast now keeps both inside
+            # the connect deadline instead of the first data step's.
+            hello = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            self._wait_work(self._issue(hello, SENDER_RANK))
         except TransferError:
             self._abort_now()
             raise
@@ -229,12 +234,14 @@ class NcclTransport(Transport):
             raise TransferError(
                 f"nccl broadcast needs a contiguous tensor on {self.device}, got {tensor.device}"
             )
+        return _NcclPending(self._issue(tensor, src), self)
+
+    def _issue(self, tensor: torch.Tensor, src: int) -> Any:
         try:
-            work = self._pg.broadcast([tensor.reshape(-1).view(torch.uint8)], _bcast_opts(src))
+            return self._pg.broadcast([tensor.reshape(-1).view(torch.uint8)], _bcast_opts(src))
         except Exception as e:
             self._abort_now()
             raise self._error("broadcast", e) from e
-        return _NcclPending(work, self)
 
     def _wait_work(self, work: Any) -> None:
         """Poll ``work`` until done, an abort request or the deadline (owner thread only)."""
@@ -300,7 +307,14 @@ class NcclTransport(Transport):
         destroy it never waits on a peer.
         """
         self._abort_now()
+        if self._store is not None and self._address is None:
+            # The sender's store lives as long as the service: drop this transfer's keys.
+            delete_prefix(self._store, self._prefix)
         self._store = None
+
+    @property
+    def _prefix(self) -> str:
+        return f"nccl/{self.transfer_id}/"
 
 
 def _bcast_opts(src: int) -> Any:

@@ -106,3 +106,19 @@ class StoreRendezvous(Rendezvous):
     def close(self) -> None:
         # Dropping the last reference stops the store's server thread.
         self._store = None
+
+
+def delete_prefix(store: dist.Store, prefix: str, fallback: int = 2) -> None:
+    """Delete every key under ``prefix`` (a transfer's, from the long-lived sender store).
+
+    Best effort; where the store cannot list keys, the ``{prefix}/0/{rank}`` keys that
+    a process group of ``fallback`` ranks writes are deleted by name.
+    """
+    try:
+        listed = getattr(store, "list_keys", None)
+        names = ([k for k in listed() if k.startswith(prefix)] if listed is not None
+                 else [f"{prefix}/0/{r}" for r in range(fallback)])
+        for name in names:
+            store.delete_key(name)
+    except RuntimeError as e:  # a dead store has nothing left to clean
+        log.debug("store_cleanup_failed", prefix=prefix, error=str(e))

@@ -161,8 +161,6 @@ class WeightService:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.registry = registry if registry is not None else Registry(self.settings)
         self.registry.on_untrusted = self.metrics.record_untrusted
-        if self.settings.secret is None:
-            warn_unsigned()  # once per process: a worker trusts whoever writes to Redis
         self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id)
         self._closed = False
         self._log = get_logger("nccl_back.service", worker=self.worker_id)
@@ -201,6 +199,8 @@ class WeightService:
         """
         if self._closed:
             raise NcclBackError("WeightService is closed")
+        if self.settings.secret is None:
+            warn_unsigned()  # once per process: this worker trusts whoever writes to Redis
         rank, world = rank_and_size(group)
         a = _Attempt(model, spec, group, rank, world,
                      log=self._log.bind(rank=rank, version=spec.version[:12]),
@@ -219,6 +219,8 @@ class WeightService:
         """
         if self._closed:
             raise NcclBackError("WeightService is closed")
+        if self.settings.secret is None:
+            warn_unsigned()  # once per process: this worker trusts whoever writes to Redis
         rank, world = rank_and_size(group)
         log = self._log.bind(rank=rank, version=spec.version[:12])
         return self._server.publish(model, manifest(model), spec.version, rank, world,

@@ -2,8 +2,9 @@
 
 Run: ``.venv/bin/python benchmarks/integrity_cost.py [--gib 1.0] [--tensors 300] [--repeat 5]``
 
-Prints the best-of-N time of ``layer_hashes`` in each mode and, for scale, the time
-of a plain memcpy of the same bytes (a lower bound on loading them from anywhere).
+Prints the best-of-N time of ``layer_hashes`` in each mode, unkeyed and keyed (as
+with ``Settings.secret``), and, for scale, the time of a plain memcpy of the same
+bytes (a lower bound on loading them from anywhere).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def main() -> None:
     memcpy = _best(lambda: flat.copy_(src), args.repeat)
     sampled = _best(lambda: layer_hashes(model, "sampled"), args.repeat)
     full = _best(lambda: layer_hashes(model, "full"), max(1, args.repeat // 2))
+    key = bytes(range(32))
+    layer_hashes(model, "full", key=key)  # derives and caches the weights, as a worker does once
+    sampled_k = _best(lambda: layer_hashes(model, "sampled", key=key), args.repeat)
+    full_k = _best(lambda: layer_hashes(model, "full", key=key), max(1, args.repeat // 2))
     gb = nbytes / 1e9
     print(
         f"model: {nbytes / (1 << 30):.2f} GiB in {args.tensors} tensors ({args.layout}),"
@@ -67,6 +72,8 @@ def main() -> None:
     print(f"memcpy        {memcpy * 1e3:8.1f} ms  ({gb / memcpy:.1f} GB/s)")
     print(f"sampled hash  {sampled * 1e3:8.1f} ms  ({sampled / memcpy * 100:.2f}% of one memcpy)")
     print(f"full hash     {full * 1e3:8.1f} ms  ({gb / full:.2f} GB/s)")
+    print(f"sampled keyed {sampled_k * 1e3:8.1f} ms  ({sampled_k / sampled:.2f}x unkeyed)")
+    print(f"full keyed    {full_k * 1e3:8.1f} ms  ({gb / full_k:.2f} GB/s, {full_k / full:.2f}x unkeyed)")
 
 
 if __name__ == "__main__":

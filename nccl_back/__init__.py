@@ -1,12 +1,35 @@
-"""nccl_back: receive model weights from a live peer instead of cloud storage."""
+"""nccl_back: receive model weights from a live peer instead of cloud storage.
 
-from .config import Settings
-from .errors import NcclBackError
-from .handoff import HandoffServer, attach
-from .identity import ModelSpec, Shard
-from .loader import load_from_storage
-from .result import LoadResult
-from .service import WeightService
+The public names are imported on first use (PEP 562), so ``import nccl_back`` and the
+metadata commands of the CLI stay fast: only what needs tensors imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Settings
+    from .errors import NcclBackError
+    from .handoff import HandoffServer, attach
+    from .identity import ModelSpec, Shard
+    from .loader import load_from_storage
+    from .result import LoadResult
+    from .service import WeightService
+
+#: public name -> module that defines it
+_EXPORTS = {
+    "HandoffServer": "handoff",
+    "LoadResult": "result",
+    "ModelSpec": "identity",
+    "NcclBackError": "errors",
+    "Settings": "config",
+    "Shard": "identity",
+    "WeightService": "service",
+    "attach": "handoff",
+    "load_from_storage": "loader",
+}
 
 __all__ = [
     "HandoffServer",
@@ -20,3 +43,16 @@ __all__ = [
     "load_from_storage",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nccl_back' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -6,22 +6,28 @@ then the tensor bytes. We parse headers ourselves rather than through the
 ``safetensors`` package because we need them from a byte range of a remote object,
 before any tensor byte is downloaded, and with offsets we can read in place (mmap,
 a downloaded buffer). Every malformation raises :class:`CheckpointFormatError` naming
-the file.
+the file. We are as strict as the reference library: the header is a JSON object
+(bounded nesting), and the tensors' ``data_offsets`` tile the data section exactly,
+in order, without gaps or overlaps, so a small file cannot declare tensors it does
+not hold (20,000 entries over the same bytes would declare a huge skeleton).
 """
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from . import bounded_json
+from .config import Settings
 from .errors import CheckpointFormatError, SkeletonError
+from .index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
+from .index import parse_index as parse_index
 from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from .storage import Shard, Storage
 
@@ -52,9 +58,6 @@ MAX_HEADER_BYTES = 100 << 20
 
 #: Bytes read speculatively for a header; most headers fit, larger ones cost one more read.
 HEADER_PROBE_BYTES = 256 << 10
-
-INDEX_NAME = "model.safetensors.index.json"
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -110,9 +113,14 @@ def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
     total = header_length(data, uri, file_size)
     if len(data) < total:
         raise CheckpointFormatError(f"{uri}: truncated header ({len(data)} of {total} bytes)")
+    if data[8:9] != b"{":
+        # The reference library's rule too: a header is an object, nothing before it.
+        raise CheckpointFormatError(f"{uri}: malformed safetensors header: does not start with '{{'")
     try:
-        raw = json.loads(data[8:total].decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
+        raw = bounded_json.loads(
+            data[8:total], max_bytes=MAX_HEADER_BYTES, object_pairs_hook=_no_duplicates
+        )
+    except ValueError as e:
         raise CheckpointFormatError(f"{uri}: malformed safetensors header: {e}") from e
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{uri}: malformed safetensors header: not a JSON object")
@@ -124,7 +132,35 @@ def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
     tensors: dict[str, TensorInfo] = {}
     for name, entry in raw.items():
         tensors[name] = _tensor_info(name, entry, uri, total, file_size)
+    _check_tiling(tensors, uri, file_size - total, total)
     return ShardHeader(uri, file_size, tensors, metadata, bytes(data[:total]))
+
+
+def _check_tiling(
+    tensors: Mapping[str, TensorInfo], uri: str, data_bytes: int, data_start: int
+) -> None:
+    """The tensors' byte ranges must cover ``[0, data_bytes)`` of the data section
+    exactly once, as the reference library requires: no overlap, no gap, nothing after."""
+    covered = 0
+    previous = ""
+    for info in sorted(tensors.values(), key=lambda i: (i.start, i.end, i.name)):
+        begin, end = info.start - data_start, info.end - data_start
+        if begin < covered:
+            raise CheckpointFormatError(
+                f"{uri}: tensor {info.name!r} data_offsets [{begin}, {end}] overlap "
+                f"tensor {previous!r} (which ends at {covered})"
+            )
+        if begin > covered:
+            raise CheckpointFormatError(
+                f"{uri}: tensor {info.name!r} data_offsets start at {begin}, leaving bytes "
+                f"[{covered}, {begin}) of the data section to no tensor"
+            )
+        covered, previous = end, info.name
+    if covered != data_bytes:
+        raise CheckpointFormatError(
+            f"{uri}: the tensors cover {covered} bytes of a {data_bytes}-byte data section; "
+            "safetensors requires them to cover it exactly"
+        )
 
 
 def _tensor_info(name: str, entry: Any, uri: str, data_start: int, file_size: int) -> TensorInfo:
@@ -132,8 +168,12 @@ def _tensor_info(name: str, entry: Any, uri: str, data_start: int, file_size: in
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
-        if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+        if not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)
+        ):
             raise ValueError("shape and data_offsets must be non-negative integers")
+        if begin > end:
+            raise ValueError(f"data_offsets [{begin}, {end}] end before they begin")
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointFormatError(f"{uri}: malformed entry for tensor {name!r}: {e!r}") from e
     numel = 1
@@ -171,6 +211,27 @@ def read_headers(storage: Storage, shards: Sequence[Shard]) -> list[ShardHeader]
         return list(pool.map(lambda s: read_header(storage, s), shards))
 
 
+def model_headers(
+    storage: Storage, spec: ModelSpec, shards: Sequence[Shard] | None = None
+) -> list[ShardHeader]:
+    """Headers of ``shards`` (default: all of ``spec``'s), tensors named as the model names them.
+
+    A pipeline component's files name their tensors without the component
+    (``conv_in.weight`` in ``unet/…safetensors``); the model (a mapping of components,
+    or a module with one child per component) names them ``unet.conv_in.weight``.
+    """
+    shards = spec.shards if shards is None else shards
+    headers = read_headers(storage, shards)
+    if not spec.components:
+        return headers
+    return [_prefixed(h, spec.component_of(s) + ".") for h, s in zip(headers, shards, strict=True)]
+
+
+def _prefixed(header: ShardHeader, prefix: str) -> ShardHeader:
+    tensors = {prefix + n: replace(i, name=prefix + n) for n, i in header.tensors.items()}
+    return replace(header, tensors=tensors)
+
+
 def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, TensorInfo]]:
     """Tensor name -> (its shard, where in it), sorted by name; a name in two shards is an error."""
     found: dict[str, tuple[ShardHeader, TensorInfo]] = {}
@@ -184,34 +245,23 @@ def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, Tenso
     return dict(sorted(found.items()))
 
 
-def parse_index(data: bytes, uri: str) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
-    try:
-        raw = json.loads(data.decode("utf-8"))
-        weight_map = raw["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ValueError("weight_map must map tensor names to file names")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointFormatError(f"{uri}: malformed index: {e!r}") from e
-    for filename in set(weight_map.values()):
-        # Shards live next to the index; a path would let an index point anywhere.
-        if "/" in filename or filename in ("", ".", ".."):
-            raise CheckpointFormatError(f"{uri}: shard name {filename!r} is not a plain file name")
-    return weight_map
-
-
 def flat_skeleton(
-    spec: ModelSpec, device: str | torch.device = "cpu", *, storage: Storage | None = None
+    spec: ModelSpec,
+    device: str | torch.device = "cpu",
+    *,
+    storage: Storage | None = None,
+    settings: Settings | None = None,
 ) -> nn.Module:
     """A skeleton built from the checkpoint's headers alone, without Python model code.
 
     Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
     module's ``state_dict`` names are exactly the checkpoint's names; tensors are
     views of one allocation on ``device`` (:func:`nccl_back.skeleton.consolidate`).
+    For a pipeline the root has one child per weighted component (``unet.conv_in.weight``),
+    the names a mapping of component skeletons has, so both exchange weights.
+    Headers are read through ``storage``, else a :class:`Storage` with ``settings``.
     """
-    headers = read_headers(storage or Storage(), spec.shards)
+    headers = model_headers(storage or Storage(settings), spec)
     located = locate(headers)
     man = Manifest(tuple(
         TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))

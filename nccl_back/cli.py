@@ -12,19 +12,19 @@ import argparse
 import json
 import os
 import sys
-import time
+import threading
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-
-from . import log, server
-from .checkpoint import flat_skeleton
+# Only light modules at the top: `--help`, `fingerprint` and `status` must not pay for
+# torch (seconds). Each command imports what it needs (see tests/test_cli_speed.py).
 from .config import Settings
 from .errors import ConfigError, NcclBackError
-from .identity import ModelSpec
-from .loader import load_from_storage
-from .registry import PeerStatus, Registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from .registry import PeerStatus, Registry
 
 PROG = "nccl-back"
 
@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device for the tensors (default cpu)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bars (they are drawn only when stderr is a terminal)")
     p.set_defaults(func=cmd_load)
 
     _add_serve(sub)
@@ -69,12 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: serve flags that become Settings fields when given (flags win over NCCL_BACK_*).
 _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("redis-url", str, "coordination store, redis://[:password@]host:port/db"),
+    ("redis-url", str, "coordination store: redis://[:password@]host:port/db, rediss:// (TLS),"
+     " redis+sentinel://h1:26379,h2:26379/SERVICE/db or redis+cluster://h1:6379,h2:6379"),
+    ("redis-ca-file", str, "CA bundle (PEM) verifying the Redis server's TLS certificate"),
+    ("redis-cert-file", str, "client certificate (PEM) for mutual TLS with Redis"),
+    ("redis-key-file", str, "private key (PEM) of --redis-cert-file"),
     ("namespace", str, "prefix of every Redis key"),
     ("transport", str, "auto, gloo or nccl"),
     ("verify", str, "integrity check after a peer load: sampled, full or none"),
     ("advertise-host", str, "address peers use to reach this worker"),
-    ("bind-host", str, "interface the transport rendezvous listens on"),
+    ("bind-host", str, "interface the transport rendezvous listens on (default: --advertise-host)"),
     ("rendezvous-port", int, "TCP port of the gloo rendezvous (0: any free port)"),
     ("transfer-timeout", float, "watchdog deadline of one transfer, seconds"),
     ("receiver-handshake-timeout", float, "seconds a receiver waits in the handshake"),
@@ -103,6 +109,10 @@ def _add_serve(sub: Any) -> None:
                      " from the safetensors headers); the current directory is importable")
     how.add_argument("--hf", action="store_true",
                      help="build a transformers causal LM from config.json (extra 'hf')")
+    how.add_argument("--diffusers", action="store_true",
+                     help="a diffusers pipeline folder (model_index.json): build each component"
+                     " with diffusers (extra 'diffusers'); without it a pipeline folder is"
+                     " detected and served from flat skeletons built from the headers")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket of the local hand-off server")
     p.add_argument("--health-host", default="127.0.0.1",
@@ -113,6 +123,9 @@ def _add_serve(sub: Any) -> None:
                    help="bound on in-flight transfers when draining (default: transfer timeout)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="written atomically (JSON) when ready, removed when draining")
+    p.add_argument("--drain-token-file", metavar="PATH",
+                   help="write a random token there (0600, private directory); POST /drain"
+                   " then needs it (python -m nccl_back.health drain --token-file PATH)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of falling back to storage when a peer load fails")
     for flag, type_, help_ in _SETTINGS_FLAGS:
@@ -124,13 +137,27 @@ def _add_serve(sub: Any) -> None:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    """Print the version and every shard's CRC32C."""
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
+    """Print the version, a pipeline's components, and every shard's CRC32C."""
+    from .identity import ModelSpec
+
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=Settings.from_env())
+    components = [
+        {"name": c, "class": ".".join(spec.component_class(c)),
+         "files": len(spec.component_shards(c)),
+         "bytes": sum(s.size for s in spec.component_shards(c))}
+        for c in spec.components
+    ]
     if args.json:
         shards = [{"uri": s.uri, "crc32c": s.crc32c, "size": s.size} for s in spec.shards]
-        print(json.dumps({"version": spec.version, "shards": shards}, indent=2))
+        out: dict[str, Any] = {"version": spec.version, "shards": shards}
+        if components:
+            out["components"] = components
+        print(json.dumps(out, indent=2))
     else:
         print(f"version {spec.version}")
+        for c in components:
+            weights = f"{c['files']} weight file(s), {c['bytes']} bytes" if c["files"] else "config only"
+            print(f"component {c['name']}  {c['class']}  {weights}")
         for s in spec.shards:
             print(f"{s.crc32c}  {s.size:>14}  {s.uri}")
     return 0
@@ -138,11 +165,27 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 def cmd_load(args: argparse.Namespace) -> int:
     """Load into a skeleton built from the headers; print version, bytes, seconds, GB/s."""
+    from .checkpoint import flat_skeleton
+    from .identity import ModelSpec
+    from .loader import load_from_storage
+    from .storage import parse_uri
+
     device = _device(args.device)
     settings = Settings.from_env()
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args))
-    skeleton = flat_skeleton(spec, device=device)
-    result = load_from_storage(skeleton, spec, progress=_ProgressBar(), settings=settings)
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=settings)
+    skeleton = flat_skeleton(spec, device=device, settings=settings)
+    remote = sum(s.size for s in spec.shards if not parse_uri(s.uri).is_local)
+    download = _Bar("download", remote, args.quiet) if remote else None
+    load = _Bar("load", None, args.quiet)
+    try:
+        result = load_from_storage(
+            skeleton, spec, progress=load, settings=settings,
+            on_download=download.add if download else None,
+        )
+    finally:
+        if download:
+            download.close()
+        load.close()
     summary = {
         "version": result.version,
         "bytes": result.bytes,
@@ -162,6 +205,9 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Validate everything up front, then run the sidecar until SIGTERM/SIGINT."""
+    from . import log, server
+    from .identity import ModelSpec
+
     log.configure(level=args.serve_log_level or "INFO", json=args.log_json)
     overrides = {
         f.replace("-", "_"): getattr(args, f.replace("-", "_"))
@@ -175,10 +221,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     factory = server.resolve_factory(args.factory) if args.factory else None
     if args.hf:
         server.require_transformers()
+    if args.diffusers:
+        from . import pipeline
+
+        pipeline.require_diffusers()
     server.check_local_model(args.model)
     if args.drain_timeout is not None and args.drain_timeout <= 0:
         raise ConfigError(f"--drain-timeout {args.drain_timeout!r}: must be a positive number of seconds")
-    server.check_port_free(settings.bind_host, settings.rendezvous_port, "--rendezvous-port")
+    server.check_port_free(settings.listen_host, settings.rendezvous_port, "--rendezvous-port")
     if args.hf:
         spec_config = dict(ModelSpec.from_dir(args.model, cache_dir=settings.cache_dir).config)
         factory = server.hf_factory(spec_config)
@@ -186,11 +236,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_uri=args.model,
         device=device,
         factory=factory,
+        diffusers=args.diffusers,
         socket_path=args.socket,
         health_host=args.health_host,
         health_port=args.health_port,
         drain_timeout=args.drain_timeout,
         ready_file=args.ready_file,
+        drain_token_file=args.drain_token_file,
     )
     sidecar = server.Sidecar(settings, options).start()
     with server.stop_on_signals(sidecar):
@@ -206,6 +258,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print every version and peer the registry holds (table, or JSON with --json)."""
+    from .registry import Registry
+
     overrides = {k: v for k in ("redis_url", "namespace") if (v := getattr(args, k)) is not None}
     settings = Settings.from_env(**overrides)
     registry = Registry(settings)
@@ -270,24 +324,35 @@ def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> 
     return report
 
 
-class _ProgressBar:
-    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+class _Bar:
+    """A tqdm progress bar of bytes on stderr: drawn only on a terminal, never with --quiet.
 
-    def __init__(self) -> None:
-        self.last = 0.0
+    Called as the loader's ``progress(done, total, rate)``, or with :meth:`add` from
+    download threads as chunks arrive.
+    """
+
+    def __init__(self, desc: str, total: int | None, quiet: bool) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+            file=sys.stderr, mininterval=0.1, dynamic_ncols=True,
+            disable=quiet or not sys.stderr.isatty(),
+        )
+        self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int, rate: float) -> None:
-        now = time.monotonic()
-        if done < total and now - self.last < 0.1:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        end = "\n" if done >= total else ""
-        sys.stderr.write(
-            f"\r[{bar:<30}] {frac:6.1%} {done / 1e9:.2f}/{total / 1e9:.2f} GB {rate / 1e9:.2f} GB/s{end}"
-        )
-        sys.stderr.flush()
+        with self._lock:
+            if self._bar.total != total:
+                self._bar.total = total
+            self._bar.update(done - self._bar.n)
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def _cache_dir(args: argparse.Namespace) -> str:
@@ -295,6 +360,8 @@ def _cache_dir(args: argparse.Namespace) -> str:
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     try:
         device = torch.device(name)
     except RuntimeError as e:
@@ -308,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nccl-back`` console script; returns the exit status."""
     args: Any = build_parser().parse_args(argv)
     try:
+        from . import log
+
         log.configure(level=args.log_level)
         return int(args.func(args))
     except NcclBackError as e:

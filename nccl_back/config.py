@@ -4,17 +4,26 @@ code in nccl_back that reads the environment."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import math
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 from .errors import ConfigError
+from .redisclient import parse_redis_url
 
 ENV_PREFIX = "NCCL_BACK_"
+#: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
+SECRET_FILE_ENV = ENV_PREFIX + "SECRET_FILE"
+#: Shortest secret accepted: 16 bytes of entropy at best, enough for an HMAC key.
+MIN_SECRET_BYTES = 16
+#: Longest secret file read (a secret is a key, not a document).
+MAX_SECRET_FILE_BYTES = 4096
 
 TransportName = Literal["auto", "gloo", "nccl"]
 VerifyMode = Literal["sampled", "full", "none"]
@@ -37,7 +46,24 @@ class Settings:
     """Everything a worker needs to know to load weights from a peer or from storage."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Coordination store. ``redis://`` or ``rediss://`` (TLS), password in the URL."""
+    """Coordination store, password in the URL: ``redis://`` (``rediss://`` over TLS) for
+    one server, ``redis+sentinel://h1:26379,h2:26379/SERVICE/0`` for the master Sentinel
+    names, ``redis+cluster://h1:6379,h2:6379`` for a Redis Cluster (``rediss+...`` over
+    TLS); see :mod:`nccl_back.redisclient`."""
+
+    redis_ca_file: str = ""
+    """PEM CA bundle that verifies the Redis server's certificate (TLS URLs; empty: the
+    system's CAs). Verification of the certificate and host name is always on."""
+
+    redis_cert_file: str = ""
+    """PEM client certificate presented to Redis for mutual TLS (empty: none)."""
+
+    redis_key_file: str = ""
+    """PEM private key of ``redis_cert_file`` (empty: the key is in the certificate file)."""
+
+    redis_sentinel_password: str = field(default="", repr=False)
+    """Password of the sentinels themselves, if they have one (the URL's password is the
+    data nodes')."""
 
     namespace: str = "nccl_back"
     """Prefix of every Redis key, so several fleets can share one Redis."""
@@ -48,8 +74,10 @@ class Settings:
     advertise_host: str = field(default_factory=_default_host)
     """Address other workers use to reach this one's transport rendezvous."""
 
-    bind_host: str = "0.0.0.0"
-    """Interface this worker's transport rendezvous listens on."""
+    bind_host: str = ""
+    """Interface this worker's transport rendezvous listens on; empty (the default): the
+    advertised address, so the store is not reachable on interfaces peers don't use.
+    ``0.0.0.0`` listens on every interface."""
 
     rendezvous_port: int = 0
     """TCP port of the gloo rendezvous (0: the OS picks one; a pod sets a fixed one)."""
@@ -105,22 +133,43 @@ class Settings:
     download_lease: float = 15.0
     """Seconds an elected downloader's lease lasts without renewal (a dead one is replaced)."""
 
+    single_flight_max_wait: float = 3600.0
+    """Upper bound in seconds on waiting for an elected downloader that is alive (still
+    renewing its lease) past ``single_flight_wait``: a large model can take longer."""
+
+    claim_ttl: float = 6.0
+    """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it
+    while its attempt runs, so a crashed receiver frees the slot within this bound."""
+
+    peer_budget: float = 0.0
+    """Seconds all peer attempts of one load may take together (claims, handshakes,
+    transfers, waits for busy peers), so fake or stalling peers cannot cost more; past
+    it the worker loads from storage. 0: ``busy_wait + transfer_timeout +
+    max_peer_attempts * receiver_handshake_timeout``."""
+
+    secret: str | None = field(default=None, repr=False)
+    """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
+    a file that holds it), separate from the Redis password; at least 16 bytes. It signs
+    every coordination record and keys the integrity checks, so that whoever can write
+    to Redis cannot feed a worker weights. ``None``: unsigned, as trusting as Redis."""
+
     def __post_init__(self) -> None:
-        parsed = urlparse(self.redis_url)
-        if parsed.scheme not in ("redis", "rediss", "unix"):
+        target = parse_redis_url(self.redis_url)
+        tls_files = ("redis_ca_file", "redis_cert_file", "redis_key_file")
+        for name in tls_files:
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be a file path (or empty)")
+        if not target.tls and any(getattr(self, n) for n in tls_files):
+            # Silently ignoring them would let a user believe the link is encrypted.
+            given = [n for n in tls_files if getattr(self, n)]
+            raise ConfigError(f"{', '.join(given)} given but redis_url={self.redis_url!r} is not TLS;"
+                              " use rediss://, rediss+sentinel:// or rediss+cluster://")
+        if self.redis_key_file and not self.redis_cert_file:
+            raise ConfigError("redis_key_file given without redis_cert_file (the client certificate)")
+        # No braces either: the namespace becomes a Redis Cluster hash tag, {namespace}.
+        if not self.namespace or any(c in self.namespace for c in " :*?[]{}"):
             raise ConfigError(
-                f"redis_url={self.redis_url!r}: scheme must be redis://, rediss:// or unix://"
-                " (e.g. redis://:password@host:6379/0)"
-            )
-        if parsed.scheme != "unix" and not parsed.hostname:
-            raise ConfigError(f"redis_url={self.redis_url!r}: no host; use redis://host:6379/0")
-        try:
-            _ = parsed.port
-        except ValueError as e:
-            raise ConfigError(f"redis_url={self.redis_url!r}: bad port ({e})") from e
-        if not self.namespace or any(c in self.namespace for c in " :*?[]"):
-            raise ConfigError(
-                f"namespace={self.namespace!r}: must be non-empty, without spaces, ':' or glob characters"
+                f"namespace={self.namespace!r}: must be non-empty, without spaces, ':', braces or glob characters"
             )
         if self.transport not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"transport={self.transport!r}: choose auto, gloo or nccl")
@@ -135,6 +184,8 @@ class Settings:
             "single_flight_wait",
             "busy_wait",
             "download_lease",
+            "single_flight_max_wait",
+            "claim_ttl",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -150,14 +201,72 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        if self.single_flight_max_wait < self.single_flight_wait:
+            raise ConfigError(
+                f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at least"
+                f" single_flight_wait={self.single_flight_wait!r}"
+            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name}={value!r}: must be a finite number")
+        if self.secret is not None and (
+            not isinstance(self.secret, str) or len(self.secret.encode()) < MIN_SECRET_BYTES
+        ):
+            # Never echo the value: it is a secret even when it is a bad one.
+            raise ConfigError(
+                f"secret: must be a string of at least {MIN_SECRET_BYTES} bytes"
+                " (e.g. `openssl rand -hex 32`), or unset"
+            )
+        if not isinstance(self.peer_budget, (int, float)) or isinstance(self.peer_budget, bool) or (
+            self.peer_budget < 0
+        ):
+            raise ConfigError(f"peer_budget={self.peer_budget!r}: must be 0 (automatic) or positive seconds")
         port = self.rendezvous_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError(f"rendezvous_port={port!r}: must be 0 (any free port) to 65535")
+
+    def key(self, purpose: str) -> bytes | None:
+        """A 32-byte key for one ``purpose`` derived from :attr:`secret` (``None`` without one).
+
+        Each use (signatures, sample positions, checksum weights) gets its own key, so
+        what one reveals says nothing about another.
+        """
+        if self.secret is None:
+            return None
+        return hmac.new(self.secret.encode(), b"nccl_back/" + purpose.encode(), hashlib.sha256).digest()
+
+    @property
+    def peer_budget_seconds(self) -> float:
+        """:attr:`peer_budget`, or its automatic value when it is 0."""
+        if self.peer_budget > 0:
+            return float(self.peer_budget)
+        return (
+            self.busy_wait
+            + self.transfer_timeout
+            + self.max_peer_attempts * self.receiver_handshake_timeout
+        )
+
+    @property
+    def listen_host(self) -> str:
+        """Where the transport rendezvous listens: ``bind_host``, else ``advertise_host``."""
+        return self.bind_host or self.advertise_host
 
     @property
     def heartbeat_interval(self) -> float:
         """Seconds between heartbeats: a third of the TTL, so one lost beat is harmless."""
         return self.peer_ttl / 3
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds either side waits for the communicator to form after a handshake.
+
+        Derived from the handshake timeouts: both sides proved alive a moment ago, so a
+        communicator that has not formed within them never will (and the claim must not
+        be held for a whole ``transfer_timeout``). Never longer than ``transfer_timeout``.
+        """
+        return min(self.sender_handshake_timeout + self.receiver_handshake_timeout,
+                   self.transfer_timeout)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated again)."""
@@ -168,10 +277,19 @@ class Settings:
         """Settings from ``NCCL_BACK_<FIELD>`` variables (e.g. ``NCCL_BACK_REDIS_URL``).
 
         Unset variables keep their defaults; ``overrides`` win over the environment.
-        An unparsable value raises :class:`ConfigError` naming the variable.
+        ``NCCL_BACK_SECRET_FILE`` names a file holding the secret (trailing newline
+        dropped); setting it and ``NCCL_BACK_SECRET`` both is an error. An unparsable
+        value raises :class:`ConfigError` naming the variable.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        secret_file = env.get(SECRET_FILE_ENV)
+        if secret_file is not None:
+            if env.get(ENV_PREFIX + "SECRET") is not None:
+                raise ConfigError(
+                    f"{SECRET_FILE_ENV} and {ENV_PREFIX}SECRET are both set; set one of them"
+                )
+            values["secret"] = _read_secret_file(secret_file)
         for f in dataclasses.fields(cls):
             key = ENV_PREFIX + f.name.upper()
             raw = env.get(key)
@@ -181,6 +299,21 @@ class Settings:
             values[f.name] = _parse(key, raw, f.type)
         values.update(overrides)
         return cls(**values)
+
+
+def _read_secret_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: cannot read the secret: {e.strerror}") from e
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: over {MAX_SECRET_FILE_BYTES} bytes")
+    try:
+        # Kubernetes Secrets and `echo` leave a trailing newline that is no part of the key.
+        return data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: the secret is not UTF-8 text") from e
 
 
 def _parse(key: str, raw: str, type_: Any) -> Any:

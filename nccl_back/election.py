@@ -1,13 +1,24 @@
-"""Single-flight download: one worker per version (and rank) downloads, the rest wait.
+"""Single-flight download: one *worker* per version downloads, the others wait for it.
 
 When N workers of a version start together and no peer holds it yet, they would all
-hit storage at once (the thundering herd). Instead one is elected with a Redis lease
-(``SET NX`` with a TTL, renewed while it downloads); the others poll for a peer, and
-receive from it as soon as it publishes (then from each other: every receiver becomes
-a sender). If the elected worker dies, its lease expires and a waiter takes over.
-A waiter gives up after ``Settings.single_flight_wait`` and downloads itself.
+hit storage at once (the thundering herd). Instead one worker is elected with a Redis
+lease (``SET NX`` with a TTL, renewed while it downloads); the others poll for a peer
+and receive from it as soon as it publishes (then from each other: every receiver
+becomes a sender). If the elected worker dies, its lease expires and a waiter takes over.
 
-Key: ``ns:dl:{version}:{rank}:{world}`` -> ``{"owner": worker_id}``, TTL = lease.
+The election is a *group* decision. A worker of several ranks is elected as a whole:
+only its rank 0 tries the lease, and every poll ends in one collective
+(:func:`nccl_back.consensus.gather`) that carries rank 0's result and every rank's "I
+see a peer" to all ranks, so all ranks leave the wait together with the same outcome.
+(Electing per rank would let worker A win rank 0 while worker B wins rank 1: each
+would then wait for a peer that can only appear after its own group's consensus.)
+
+A waiter gives up after ``Settings.single_flight_wait`` unless the elected downloader
+is still alive (its lease is still being renewed): then it keeps waiting, up to
+``Settings.single_flight_max_wait``, because a large model can take longer.
+
+Key: :meth:`Registry.lease_key` -> ``{"owner": worker_id}``, TTL = lease, keyed by
+version and world size (one per worker, never per rank).
 """
 
 from __future__ import annotations
@@ -15,11 +26,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
+from .config import Settings
+from .consensus import Group, gather
+from .errors import NcclBackError
 from .log import get_logger
 from .registry import Registry
 
 log = get_logger("nccl_back.election")
+
+Outcome = Literal["peer", "elected", "timeout", "error"]
+
+# Per-rank bits of one poll's code.
+_SEES_PEER = 1
+_ELECTED = 2  # rank 0 only
+_GIVE_UP = 4  # rank 0 only
+_FAILED = 8  # this rank could not poll (Redis): the group stops waiting
 
 # Renew/release only while the lease is still ours: after an expiry another worker
 # may hold it, and a late renewal or release must not take it from them.
@@ -40,13 +63,11 @@ return 0
 
 
 class DownloadLease:
-    """The right to be the one worker downloading ``version`` for ``rank``/``world``."""
+    """The right to be the one worker (of ``world`` ranks) downloading ``version``."""
 
-    def __init__(
-        self, registry: Registry, version: str, rank: int, world: int, owner: str, ttl: float
-    ) -> None:
+    def __init__(self, registry: Registry, version: str, world: int, owner: str, ttl: float) -> None:
         self.registry = registry
-        self.key = registry.key("dl", version, rank, world)
+        self.key = registry.lease_key(version, world)
         self.owner = owner
         self.ttl = ttl
         self._renew = registry.client.register_script(_RENEW_LUA)
@@ -54,10 +75,18 @@ class DownloadLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def held(self) -> bool:
+        """Whether this process took the lease (and has not released it)."""
+        return self._thread is not None
+
     def try_acquire(self) -> bool:
         """Take the lease if nobody holds it; start renewing it if taken."""
+        if self._thread is not None:
+            return True
         got = self.registry.set_json(self.key, {"owner": self.owner}, self.ttl, nx=True)
         if got:
+            self._stop.clear()
             self._thread = threading.Thread(target=self._renew_loop, daemon=True,
                                             name="nccl-back-lease")
             self._thread.start()
@@ -67,7 +96,7 @@ class DownloadLease:
     def holder(self) -> str | None:
         """The worker holding the lease now, or None."""
         value = self.registry.get_json(self.key)
-        return None if value is None else str(value.get("owner"))
+        return None if not isinstance(value, dict) else str(value.get("owner"))
 
     def release(self) -> None:
         """Stop renewing and drop the lease if it is still ours."""
@@ -90,28 +119,61 @@ class DownloadLease:
                 log.warning("download_lease_renew_failed", key=self.key, error=str(e))
 
 
-def wait_for_peer_or_lease(
-    lease: DownloadLease,
-    find: Callable[[], bool],
-    timeout: float,
+def elect(
+    lease: DownloadLease | None,
+    sees_peer: Callable[[], bool],
+    group: Group,
+    rank: int,
+    settings: Settings,
     *,
     poll: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-) -> str:
-    """Wait until a peer appears (``find()`` is true) or this worker wins the lease.
+) -> tuple[Outcome, int | None, NcclBackError | None]:
+    """Wait, as a group, until every rank sees a peer or rank 0 wins ``lease``.
 
-    Returns ``"peer"``, ``"elected"`` (this worker must download) or ``"timeout"``
-    (nobody published within ``timeout``: download yourself). Raises
-    :class:`RegistryError` if Redis fails.
+    Every rank of ``group`` calls this (``lease`` matters on rank 0 only). Returns
+    ``(outcome, rank, error)``: ``"peer"`` (every rank sees a peer), ``"elected"``
+    (rank 0 holds the lease: this worker downloads), ``"timeout"`` (nobody published in
+    time: download too) or ``"error"`` (``rank`` could not poll; ``error`` is its
+    :class:`NcclBackError` on that rank, None on the others). Same result on every rank.
     """
-    deadline = clock() + timeout
+    start = clock()
     while True:
-        if find():
-            return "peer"
-        if lease.try_acquire():
-            return "elected"
-        if clock() >= deadline:
-            return "timeout"
+        code = 0
+        error: NcclBackError | None = None
+        try:
+            if sees_peer():
+                code |= _SEES_PEER
+            if rank == 0 and lease is not None:
+                if lease.try_acquire():
+                    code |= _ELECTED
+                elif _give_up(lease, clock() - start, settings):
+                    code |= _GIVE_UP
+        except NcclBackError as e:
+            error, code = e, _FAILED
+        codes = gather(code, group)
+        failed = [r for r, c in enumerate(codes) if c & _FAILED]
+        if failed:
+            return "error", failed[0], error
+        if all(c & _SEES_PEER for c in codes):
+            if lease is not None and lease.held:
+                lease.release()  # a peer is there after all: let nobody wait on us
+            return "peer", None, None
+        if codes[0] & _ELECTED:
+            return "elected", 0, None
+        if codes[0] & _GIVE_UP:
+            return "timeout", 0, None
         sleep(poll)
 
+
+def _give_up(lease: DownloadLease, waited: float, settings: Settings) -> bool:
+    """Past ``single_flight_wait``, wait on only while the downloader renews its lease."""
+    if waited < settings.single_flight_wait:
+        return False
+    if waited >= settings.single_flight_max_wait:
+        return True
+    holder = lease.holder()
+    if holder is not None:
+        log.debug("single_flight_still_waiting", key=lease.key, holder=holder, waited=round(waited, 1))
+    return holder is None

@@ -55,6 +55,14 @@ class RegistryError(NcclBackError):
     """Redis, the coordination store, is unreachable or answered with something unexpected."""
 
 
+class UntrustedRecordError(RegistryError):
+    """A value read from Redis is not to be acted on: unsigned or badly signed while a
+    secret is set, expired, malformed or out of bounds, or kept without a TTL.
+
+    The record is skipped (logged and counted); other records are still used.
+    """
+
+
 class PeerError(NcclBackError):
     """A peer load could not be carried out; the subclasses say why. Triggers fallback."""
 
@@ -82,9 +90,62 @@ class TransferTimeoutError(TransferError, TimeoutError):
     """
 
 
+class IncompatiblePeerError(PeerError):
+    """The peers holding this version cannot serve this receiver: they speak another
+    transport or hold their weights on another device kind. Raised at discovery (before
+    any claim) or when a sender refuses the request before creating anything."""
+
+
 class ConsensusError(PeerError):
-    """The worker's ranks could not agree (a collective over the worker's group failed)."""
+    """The worker's ranks could not agree: a collective over the worker's group failed, or
+    another rank failed (the message names it) and this rank follows it.
+
+    ``failed_rank`` is the rank whose failure this one follows (None: the group itself failed).
+    """
+
+    def __init__(self, message: str, failed_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
 
 
 class AttachError(NcclBackError):
     """A local hand-off from a sidecar was refused or failed (version/manifest mismatch, I/O)."""
+
+
+# -- fallback codes ---------------------------------------------------------------------
+
+FALLBACK_REASONS = (
+    "no_peer",
+    "incompatible_peer",
+    "handshake_timeout",
+    "transfer_timeout",
+    "transfer_error",
+    "manifest_mismatch",
+    "verification_failed",
+    "registry_error",
+    "consensus",
+    "other",
+)
+"""Stable codes for why a worker loaded from storage instead of a peer (metric labels,
+the prefix of ``LoadResult.fallback_reason``)."""
+
+# Most specific class first: TransferTimeoutError is also a TransferError.
+_REASON_BY_ERROR: tuple[tuple[type[BaseException], str], ...] = (
+    (NoPeerError, "no_peer"),
+    (IncompatiblePeerError, "incompatible_peer"),
+    (HandshakeTimeoutError, "handshake_timeout"),
+    (TransferTimeoutError, "transfer_timeout"),
+    (TransferError, "transfer_error"),
+    (ManifestMismatchError, "manifest_mismatch"),
+    (WeightVerificationError, "verification_failed"),
+    (RegistryError, "registry_error"),
+    (ConsensusError, "consensus"),
+)
+
+
+def fallback_reason(error: BaseException) -> str:
+    """The :data:`FALLBACK_REASONS` code for an error that made a peer load fall back."""
+    for cls, reason in _REASON_BY_ERROR:
+        if isinstance(error, cls):
+            return reason
+    return "other"

@@ -55,6 +55,14 @@ model's, zero-copy consumers') goes away.
 
 After mapping, the consumer recomputes :func:`nccl_back.integrity.layer_hashes` and
 compares them with the hashes the server sent (:class:`WeightVerificationError`).
+
+Local doors. The socket lives in a directory that nobody but its owner (or root) can
+write: the server creates it 0700 when missing and refuses one that others can write
+(a squatter there could replace the socket), and binds the socket 0600 under a
+restrictive umask. :func:`attach` refuses such a directory too, then checks with
+``SO_PEERCRED`` that the process listening on the socket runs as ``expected_uid``
+(default: the consumer's own), so a socket someone else put there is never trusted;
+the server likewise answers only its own user (or root).
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ import re
 import secrets
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -79,6 +88,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import bounded_json
 from .errors import AttachError, ConfigError, SkeletonError
 from .integrity import HashMode, compare, layer_hashes
 from .log import get_logger
@@ -98,6 +108,10 @@ _MAX_REQUEST = 1 << 20
 _MAX_REPLY = 256 << 20
 _ACCEPT_POLL = 0.1
 _HANDLER_THREADS = 8
+#: ``struct ucred`` (pid, uid, gid) as ``SO_PEERCRED`` returns it on Linux.
+_UCRED = struct.Struct("3i")
+# os.umask is process-wide: one binder at a time, restored right after.
+_UMASK_LOCK = threading.Lock()
 
 _log = get_logger(__name__)
 
@@ -258,6 +272,7 @@ class HandoffServer:
 
     def _bind(self) -> socket.socket:
         path = self.socket_path
+        private_dir(os.path.dirname(os.path.abspath(path)), create=True)
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise AttachError(f"{path} exists and is not a socket; refusing to replace it")
@@ -266,7 +281,13 @@ class HandoffServer:
             os.unlink(path)  # left behind by a server that crashed
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind(path)
+            with _UMASK_LOCK:
+                # Created 0600 from the start: a chmod after bind leaves a window.
+                old = os.umask(0o177)
+                try:
+                    listener.bind(path)
+                finally:
+                    os.umask(old)
             os.chmod(path, 0o600)
             listener.listen(16)
             listener.settimeout(_ACCEPT_POLL)
@@ -298,8 +319,15 @@ class HandoffServer:
     def _handle(self, conn: socket.socket) -> None:
         with conn:
             deadline = time.monotonic() + self.io_timeout
+            uid = peer_uid(conn)
+            if uid not in (os.geteuid(), 0):
+                # The socket is 0600 in a private directory; refuse anyone else anyway.
+                self._log.warning("handoff_peer_refused", uid=uid)
+                return
             try:
-                request = json.loads(_recv_line(conn, deadline, _MAX_REQUEST))
+                request = bounded_json.loads(
+                    _recv_line(conn, deadline, _MAX_REQUEST), max_bytes=_MAX_REQUEST
+                )
                 reply = self._answer(request)
                 _send_line(conn, reply, deadline)
             except (OSError, ValueError) as e:  # a consumer that went away or sent garbage
@@ -360,6 +388,9 @@ class HandoffServer:
             )
         return {
             "device": device,
+            # The index means nothing in a container with another CUDA_VISIBLE_DEVICES:
+            # the consumer finds the GPU by its UUID.
+            "uuid": gpu_uuid(int(device)),
             "handle": _b64(handle),
             "storage_size": size,
             "storage_offset": offset,
@@ -379,8 +410,14 @@ def attach(
     *,
     version: str,
     verify: bool = True,
+    expected_uid: int | None = None,
 ) -> LoadResult:
     """Fill ``model`` (a skeleton) from the sidecar listening at ``endpoint`` (a socket path).
+
+    The socket's directory must be writable by its owner only, and the process
+    listening must run as ``expected_uid`` (default: this process's effective uid),
+    checked with ``SO_PEERCRED``; otherwise :class:`AttachError`, before any byte is
+    sent.
 
     The sidecar must serve the same ``version`` and the same manifest (tensor names,
     shapes, dtypes) as the skeleton, or :class:`AttachError` names the difference
@@ -395,6 +432,7 @@ def attach(
         raise ConfigError(f"mode={mode!r}: choose 'copy' or 'zero_copy'")
     if timeout <= 0:
         raise ConfigError(f"timeout={timeout!r}: must be a positive number of seconds")
+    uid = os.geteuid() if expected_uid is None else expected_uid
     log = _log.bind(endpoint=endpoint, version=version, mode=mode)
     started = time.perf_counter()
     mine = manifest(model)
@@ -402,6 +440,7 @@ def attach(
         endpoint,
         {"protocol": PROTOCOL, "version": version, "manifest_digest": mine.digest, "mode": mode},
         timeout,
+        uid,
     )
     if not reply.get("ok"):
         raise AttachError(_refusal_message(endpoint, version, mine, reply))
@@ -443,14 +482,25 @@ def attach(
 # -- consumer helpers ----------------------------------------------------------------
 
 
-def _request(endpoint: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _request(
+    endpoint: str, request: dict[str, Any], timeout: float, expected_uid: int
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
+    directory = os.path.dirname(os.path.abspath(endpoint))
+    if os.path.isdir(directory):  # a missing one is reported as a missing socket below
+        private_dir(directory, create=False, owner=expected_uid)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout)
             conn.connect(endpoint)
+            served_by = peer_uid(conn)
+            if served_by != expected_uid:
+                raise AttachError(
+                    f"the socket at {endpoint} is served by uid {served_by}, expected uid"
+                    f" {expected_uid}; refusing it (another user's socket?)"
+                )
             _send_line(conn, request, deadline)
-            reply = json.loads(_recv_line(conn, deadline, _MAX_REPLY))
+            reply = bounded_json.loads(_recv_line(conn, deadline, _MAX_REPLY), max_bytes=_MAX_REPLY)
     except FileNotFoundError as e:
         raise AttachError(f"no hand-off socket at {endpoint} (is the sidecar running?)") from e
     except ConnectionRefusedError as e:
@@ -500,11 +550,32 @@ def _open_arena(reply: dict[str, Any], *, populate: bool) -> torch.Tensor:
     raise ValueError(f"unknown arena kind {reply['kind']!r}")
 
 
+def gpu_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as this process numbers it (``GPU-...``)."""
+    raw = str(torch.cuda.get_device_properties(index).uuid)
+    return raw if raw.startswith("GPU-") else f"GPU-{raw}"
+
+
+def local_gpu_index(uuid: str, visible: list[str]) -> int:
+    """This process's index of the GPU named ``uuid``; :class:`AttachError` if unseen."""
+    if not uuid:
+        raise AttachError("the sidecar did not name its GPU by UUID; upgrade the sidecar")
+    if uuid not in visible:
+        raise AttachError(
+            f"the sidecar's weights are on GPU {uuid}, which this process cannot see"
+            f" (visible: {', '.join(visible) or 'none'}); give the consumer that GPU"
+            " (CUDA_VISIBLE_DEVICES / the device plugin) or attach with a CPU skeleton"
+        )
+    return visible.index(uuid)
+
+
 def _open_cuda(info: dict[str, Any], size: int) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     if not torch.cuda.is_available():
         raise AttachError("the sidecar shares CUDA memory but this process has no CUDA")
+    visible = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    index = local_gpu_index(str(info.get("uuid", "")), visible)
     try:
         return rebuild_cuda_tensor(
             torch.Tensor,
@@ -513,7 +584,7 @@ def _open_cuda(info: dict[str, Any], size: int) -> torch.Tensor:
             int(info["tensor_offset"]),
             torch.storage.TypedStorage,
             torch.uint8,
-            int(info["device"]),
+            index,
             _unb64(info["handle"]),
             int(info["storage_size"]),
             int(info["storage_offset"]),
@@ -562,6 +633,43 @@ def _zero_copy(model: Model, views: Mapping[str, torch.Tensor], aliases: Mapping
 
 
 # -- shared helpers ------------------------------------------------------------------
+
+
+def private_dir(directory: str, *, create: bool, owner: int | None = None) -> None:
+    """Make sure ``directory`` is one only ``owner`` (default: this process) or root can
+    write: created 0700 when missing and ``create``; :class:`AttachError` when it is a
+    link or not a directory, belongs to someone else, or its group or others may write.
+    """
+    uid = os.geteuid() if owner is None else owner
+    if create and not os.path.lexists(directory):
+        with _UMASK_LOCK:
+            old = os.umask(0o077)
+            try:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            finally:
+                os.umask(old)
+    try:
+        st = os.lstat(directory)
+    except OSError as e:
+        raise AttachError(f"socket directory {directory}: {e.strerror}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise AttachError(f"socket directory {directory} is not a directory (a symlink?)")
+    if st.st_uid not in (uid, 0):
+        raise AttachError(
+            f"socket directory {directory} belongs to uid {st.st_uid}, not {uid} (or root);"
+            " refusing it"
+        )
+    if st.st_mode & 0o022:
+        raise AttachError(
+            f"socket directory {directory} is writable by others (mode {st.st_mode & 0o7777:o});"
+            " put the socket in a directory of its own (the server creates it 0700)"
+        )
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return int(_UCRED.unpack(raw)[1])
 
 
 def _aligned(n: int) -> int:

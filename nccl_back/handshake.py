@@ -19,9 +19,28 @@ satisfy this one::
                                                 S2 WRITE_Y   S := {sender, Y, d_s}
     R1 WAIT_ACK  poll R until value=X+1
                  d_s != d_r -> ManifestMismatchError
+                 R = {sender, refused} -> the sender refused (see below)
     R2 WAIT_Y    poll S until by=sender
     R3 ACK_Y     S := {receiver, Y+1, d_r}    -> done
+                 only if S is still {sender, Y}
+                 (atomic compare-and-set)
                                                 S3 WAIT_ACK  poll S until value=Y+1 -> done
+                                                             deadline: S := {sender,
+                                                             abandoned} only if still
+                                                             {sender, Y} (atomic):
+                                                             swapped -> abandoned
+                                                             not swapped -> the ack landed
+
+The last step is a race by nature: the receiver's acknowledgement can land just as the
+sender's deadline passes. Both sides settle it with one atomic operation on ``S``, so
+exactly one wins: either the ack is stored (the sender sees it and goes on, even past
+its deadline) or the sender's abandonment is (a receiver still in R2 reads it, one in
+R3 sees its compare-and-set fail; either raises at once). A receiver never believes in
+a transfer its sender gave up.
+
+A sender that will not serve a request (another transport, draining, another version)
+says so before creating anything, by :func:`refuse`: ``R := {sender, refused: code}``.
+The receiver raises at once instead of waiting out its timeout.
 
 Each side checks "I wrote my nonce and the other side made it +1". Every wait shares
 one deadline per side: ``settings.sender_handshake_timeout`` (1 s: don't wait on a
@@ -40,7 +59,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import HandshakeTimeoutError, ManifestMismatchError, RegistryError
+from .errors import (
+    HandshakeTimeoutError,
+    IncompatiblePeerError,
+    ManifestMismatchError,
+    NoPeerError,
+    PeerError,
+    RegistryError,
+)
 from .log import get_logger
 from .registry import Registry
 
@@ -54,12 +80,30 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], None]
 
 
+#: Refusal codes a sender may write, and what the receiver raises for each.
+REFUSALS: dict[str, type[PeerError]] = {
+    "incompatible": IncompatiblePeerError,
+    "draining": NoPeerError,
+    "version": ManifestMismatchError,
+}
+
+
 def keys(registry: Registry, transfer_id: str) -> tuple[str, str]:
     """The ``(receiver_ready, sender_ready)`` keys of one transfer."""
     return (
-        registry.key("hs", transfer_id, "receiver_ready"),
-        registry.key("hs", transfer_id, "sender_ready"),
+        registry.handshake_key(transfer_id, "receiver_ready"),
+        registry.handshake_key(transfer_id, "sender_ready"),
     )
+
+
+def refuse(registry: Registry, transfer_id: str, code: str, message: str,
+           *, key_ttl: float = HANDSHAKE_KEY_TTL) -> None:
+    """The sender declines ``transfer_id`` (``code`` in :data:`REFUSALS`) before creating
+    anything; the receiver waiting in R1 raises the matching error at once."""
+    if code not in REFUSALS:
+        raise ValueError(f"refusal code {code!r}: choose one of {sorted(REFUSALS)}")
+    r_key, _ = keys(registry, transfer_id)
+    registry.set_json(r_key, {"by": "sender", "refused": code, "message": message[:500]}, key_ttl)
 
 
 def run_receiver(
@@ -78,8 +122,10 @@ def run_receiver(
 
     ``after_ready`` runs right after X is stored (R0), e.g. to push the transfer
     request, so the sender's short timeout starts only once X is there to find.
-    Raises :class:`HandshakeTimeoutError`, :class:`ManifestMismatchError` or
-    :class:`RegistryError`; on any of them the handshake keys are removed.
+    Raises :class:`HandshakeTimeoutError` (also when the sender abandoned the transfer
+    just before our last write), :class:`ManifestMismatchError`, the error a refusal
+    maps to (:data:`REFUSALS`) or :class:`RegistryError`; on any of them the handshake
+    keys are removed.
     """
     r_key, s_key = keys(registry, transfer_id)
     deadline = clock() + timeout
@@ -88,12 +134,27 @@ def run_receiver(
         registry.set_json(r_key, _entry("receiver", x, manifest_digest), key_ttl)
         if after_ready is not None:
             after_ready()
-        ack = _wait(registry, r_key, lambda v: v.get("value") == x + 1 and v.get("by") == "sender",
+        ack = _wait(registry, r_key,
+                    lambda v: v.get("by") == "sender" and (v.get("value") == x + 1 or "refused" in v),
                     deadline, "R1 WAIT_ACK", transfer_id, clock, sleep, poll)
+        if "refused" in ack:
+            cls = REFUSALS.get(str(ack.get("refused")), PeerError)
+            raise cls(f"transfer {transfer_id}: the sender refused it ({ack.get('refused')}):"
+                      f" {str(ack.get('message', ''))[:500]}")
         _check_digest(manifest_digest, ack, "sender", transfer_id)
         got = _wait(registry, s_key, lambda v: v.get("by") == "sender",
                     deadline, "R2 WAIT_Y", transfer_id, clock, sleep, poll)
-        registry.set_json(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest), key_ttl)
+        if got.get("abandoned"):
+            raise HandshakeTimeoutError(
+                f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
+                " passed) before we read its nonce, state R2 WAIT_Y"
+            )
+        mine = _entry("receiver", _int(got, s_key) + 1, manifest_digest)
+        if not registry.compare_and_set(s_key, got, mine, key_ttl):
+            raise HandshakeTimeoutError(
+                f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
+                " passed) before our acknowledgement landed, state R3 ACK_Y"
+            )
     except BaseException:
         _cleanup(registry, r_key, s_key)
         raise
@@ -119,21 +180,40 @@ def run_sender(
     """
     r_key, s_key = keys(registry, transfer_id)
     deadline = clock() + timeout
+    abandoned = False
     try:
         got = _wait(registry, r_key, lambda v: v.get("by") == "receiver",
                     deadline, "S0 WAIT_X", transfer_id, clock, sleep, poll)
         registry.set_json(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest), key_ttl)
         _check_digest(manifest_digest, got, "receiver", transfer_id)
         y = _nonce()
-        registry.set_json(s_key, _entry("sender", y, manifest_digest), key_ttl)
-        _wait(registry, s_key, lambda v: v.get("value") == y + 1 and v.get("by") == "receiver",
-              deadline, "S3 WAIT_ACK", transfer_id, clock, sleep, poll)
+        offer = _entry("sender", y, manifest_digest)
+        registry.set_json(s_key, offer, key_ttl)
+        try:
+            _wait(registry, s_key, lambda v: v.get("value") == y + 1 and v.get("by") == "receiver",
+                  deadline, "S3 WAIT_ACK", transfer_id, clock, sleep, poll)
+        except HandshakeTimeoutError:
+            # Abandon atomically: if the ack landed meanwhile, the receiver is committed
+            # and waits for us, so we go on instead. The marker stays (with its TTL) for
+            # the receiver to read.
+            if registry.compare_and_set(s_key, offer, _ABANDONED, key_ttl):
+                abandoned = True
+                raise
+            late = registry.get_json(s_key)
+            if not (isinstance(late, dict) and late.get("value") == y + 1
+                    and late.get("by") == "receiver"):
+                raise
+            log.info("handshake_late_ack_accepted", transfer_id=transfer_id)
     except (HandshakeTimeoutError, RegistryError):
         # The receiver is gone or Redis is; a mismatch instead leaves the keys for the
-        # receiver to read our digest.
-        _cleanup(registry, r_key, s_key)
+        # receiver to read our digest, an abandonment its marker.
+        if not abandoned:
+            _cleanup(registry, r_key, s_key)
         raise
     log.debug("handshake_done", side="sender", transfer_id=transfer_id)
+
+
+_ABANDONED: dict[str, Any] = {"by": "sender", "abandoned": True}
 
 
 def _nonce() -> int:

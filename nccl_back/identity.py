@@ -1,15 +1,24 @@
 """Model identity: which checkpoint bytes and config a worker holds.
 
 ``ModelSpec.version`` is the MD5 of the canonical JSON of the model config together
-with every shard's URI and CRC32C. Hashing the bytes' checksums, not the safetensors
-headers, is the point: two checkpoints with identical headers and one differing tensor
-must never share a version (vLLM 0.31's header-only key did exactly that).
+with every shard's name *within the model* (its path relative to the model's root),
+size and CRC32C. It depends on content only: the same bytes in another directory, on
+another mount point or at a ``gs://`` URI instead of a local copy share one version, so
+those workers share weights; one changed byte changes it. Hashing the bytes' checksums,
+not the safetensors headers, is the point: two checkpoints with identical headers and
+one differing tensor must never share a version (vLLM 0.31's header-only key did
+exactly that).
 
 CRC32C comes for free from object metadata on ``gs://``. For local files it is
 computed once, streamed through one reused buffer, and cached on disk keyed by the
 file's identity (path, size, mtime, inode, ctime), so a restart reads no shard bytes.
 A file modified less than 2 s before it is checksummed is not cached: a same-size
-rewrite within the file system's timestamp granularity would keep the same key.
+rewrite within the file system's timestamp granularity would keep the same key. The
+loader checks local shards against the same cache (:func:`cached_crc32c`).
+
+A diffusers pipeline folder (``model_index.json`` at the root, one folder per
+component) is one spec: its version covers ``model_index.json``, every component's
+JSON files and every weight file, named ``component/file``.
 """
 
 from __future__ import annotations
@@ -17,29 +26,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Any
 
 import google_crc32c
 import numpy as np
 
-from .checkpoint import INDEX_NAME, parse_index
+from . import bounded_json
 from .config import Settings
 from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
+from .index import INDEX_NAME, parse_index
 from .log import get_logger
-from .storage import ObjectInfo, Shard, Storage, parse_uri
+from .storage import Location, ObjectInfo, Shard, Storage, parse_uri
 
-__all__ = ["ModelSpec", "Shard", "file_crc32c"]
+__all__ = ["CrcCache", "ModelSpec", "Shard", "cached_crc32c", "file_crc32c"]
 
 log = get_logger("nccl_back.identity")
 
 CONFIG_NAME = "config.json"
 CACHE_NAME = "crc32c-v1.json"
+#: Largest config.json read (real ones are a few KiB; some embed tokenizer tables).
+MAX_CONFIG_BYTES = 16 << 20
+#: Largest CRC cache or ModelSpec JSON parsed.
+_MAX_JSON_BYTES = 256 << 20
 # Small enough to stay in CPU cache between the read and the checksum: measured
 # 8-14 GB/s with 1 MiB against ~5 GB/s with 16 MiB.
 _READ_BUFFER_BYTES = 1 << 20
@@ -68,14 +84,14 @@ def _file_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
-class _CrcCache:
+class CrcCache:
     """CRC32C of local files by absolute path, valid while the file's identity is unchanged."""
 
     def __init__(self, cache_dir: str) -> None:
         self.path = Path(cache_dir) / CACHE_NAME
         self.dirty = False
         try:
-            data = json.loads(self.path.read_text())
+            data = bounded_json.loads(self.path.read_bytes(), max_bytes=_MAX_JSON_BYTES)
             self.entries: dict[str, Any] = data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             # A missing or damaged cache only costs a recomputation.
@@ -112,21 +128,27 @@ def file_crc32c(
     path: str, *, cache_dir: str | None = None, opener: Opener = _open_unbuffered
 ) -> str:
     """CRC32C (8 hex digits) of a local file, from the cache in ``cache_dir`` when valid."""
-    cache = _CrcCache(cache_dir or Settings().cache_dir)
+    cache = CrcCache(cache_dir or Settings().cache_dir)
     crc = _cached_crc32c(os.path.abspath(path), cache, opener)
     cache.save()
     return crc
 
 
-def _cached_crc32c(path: str, cache: _CrcCache, opener: Opener) -> str:
+def _cached_crc32c(path: str, cache: CrcCache, opener: Opener) -> str:
     try:
         st = os.stat(path)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"shard {path!r} does not exist") from e
+    return cached_crc32c(path, st, cache, lambda: _stream_crc32c(path, opener))
+
+
+def cached_crc32c(path: str, st: os.stat_result, cache: CrcCache, compute: Callable[[], str]) -> str:
+    """CRC32C of the local file ``path`` whose stat is ``st``: from ``cache`` when its
+    identity is unchanged, else ``compute()`` (then cached when that is safe)."""
     crc = cache.get(path, st)
     if crc is None:
         started = time.time_ns()
-        crc = _stream_crc32c(path, opener)
+        crc = compute()
         # Cache only a file that was not rewritten while we read it, and whose mtime is
         # older than the file system's timestamp granularity ("racy git"): a same-size
         # rewrite within that window would keep the same key and reuse a stale CRC.
@@ -138,10 +160,18 @@ def _cached_crc32c(path: str, cache: _CrcCache, opener: Opener) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A checkpoint's identity: its config and its shards (kept sorted by URI)."""
+    """A checkpoint's identity: its config and its shards (kept sorted by name).
+
+    Shard URIs say where this worker reads the bytes; they are not part of the version.
+    For a diffusers pipeline folder ``components`` names every component of its
+    ``model_index.json`` (weightless ones too), each shard's name starts with its
+    component's folder (``unet/diffusion_pytorch_model.safetensors``) and ``config`` is
+    ``{"model_index": ..., "components": {name: {json file name: content}}}``.
+    """
 
     config: Mapping[str, Any]
     shards: tuple[Shard, ...] = field(default=())
+    components: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, Mapping):
@@ -150,20 +180,32 @@ class ModelSpec:
             json.dumps(self.config, sort_keys=True)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"ModelSpec config is not JSON-serialisable: {e}") from e
-        shards = tuple(sorted(self.shards, key=lambda s: s.uri))
-        uris = [s.uri for s in shards]
-        if len(set(uris)) != len(uris):
-            raise ConfigError(f"ModelSpec lists a shard twice: {uris}")
+        shards = tuple(sorted(self.shards, key=lambda s: s.name))
+        names = [s.name for s in shards]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"ModelSpec lists a shard name twice: {names}")
         object.__setattr__(self, "shards", shards)
+        components = tuple(sorted(self.components))
+        for c in components:
+            if not _COMPONENT_RE.match(c):
+                raise ConfigError(f"pipeline component name {c!r} must be a plain identifier")
+        stray = [s.name for s in shards if components and s.name.split("/", 1)[0] not in components]
+        if stray:
+            raise ConfigError(f"ModelSpec shards outside every component: {stray}")
+        object.__setattr__(self, "components", components)
 
-    @property
+    @cached_property
     def version(self) -> str:
-        """MD5 hex of the canonical JSON of the config and every shard's URI and CRC32C."""
-        payload = json.dumps(
-            {"config": self.config, "shards": [[s.uri, s.crc32c] for s in self.shards]},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        """MD5 hex of the canonical JSON of the config and every shard's (name, size, CRC32C).
+
+        Content only: never a URI or absolute path.
+        """
+        content: dict[str, Any] = {
+            "config": self.config, "shards": [[s.name, s.size, s.crc32c] for s in self.shards]
+        }
+        if self.components:
+            content["components"] = list(self.components)
+        payload = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.md5(payload.encode()).hexdigest()
 
     @property
@@ -171,20 +213,67 @@ class ModelSpec:
         """Total size of the shards in bytes."""
         return sum(s.size for s in self.shards)
 
+    # -- pipelines ------------------------------------------------------------------------
+
+    def component_of(self, shard: Shard) -> str:
+        """The pipeline component a shard belongs to ("" for a single model)."""
+        return shard.name.split("/", 1)[0] if self.components else ""
+
+    def component_shards(self, name: str) -> tuple[Shard, ...]:
+        """A pipeline component's weight files (empty for a weightless component)."""
+        self._check_component(name)
+        return tuple(s for s in self.shards if self.component_of(s) == name)
+
+    @property
+    def weighted_components(self) -> tuple[str, ...]:
+        """The components that have weight files, sorted."""
+        return tuple(sorted({self.component_of(s) for s in self.shards} - {""}))
+
+    def component_config(self, name: str, filename: str = CONFIG_NAME) -> dict[str, Any]:
+        """A component's JSON file (``config.json``, ``scheduler_config.json``) as read."""
+        self._check_component(name)
+        found = self.config["components"].get(name, {}).get(filename)
+        if not isinstance(found, dict):
+            raise ConfigError(f"pipeline component {name!r} has no {filename}")
+        return found
+
+    def component_class(self, name: str) -> tuple[str, str]:
+        """``(library, class name)`` of a component, from ``model_index.json``."""
+        self._check_component(name)
+        library, class_name = self.config["model_index"][name]
+        return str(library), str(class_name)
+
+    def _check_component(self, name: str) -> None:
+        if name not in self.components:
+            raise ConfigError(
+                f"{name!r} is not a component of this pipeline (it has {list(self.components)})"
+                if self.components else f"{name!r}: this spec is a single model, not a pipeline"
+            )
+
+    # -- serialisation --------------------------------------------------------------------
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "config": dict(self.config),
-            "shards": [[s.uri, s.crc32c, s.size] for s in self.shards],
+            "shards": [[s.uri, s.crc32c, s.size, s.name] for s in self.shards],
         }
+        if self.components:
+            data["components"] = list(self.components)
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | str | bytes) -> ModelSpec:
         """Inverse of :meth:`to_json` (also accepts the JSON text)."""
         try:
-            raw = json.loads(data) if isinstance(data, (str, bytes)) else data
-            shards = tuple(Shard(str(u), str(c), int(n)) for u, c, n in raw["shards"])
-            return cls(dict(raw["config"]), shards)
-        except (KeyError, TypeError, ValueError) as e:
+            raw = (
+                bounded_json.loads(data, max_bytes=_MAX_JSON_BYTES, allow_constants=True)
+                if isinstance(data, (str, bytes))
+                else data
+            )
+            shards = tuple(_shard_from_json(item) for item in raw["shards"])
+            components = tuple(str(c) for c in raw.get("components", ()))
+            return cls(dict(raw["config"]), shards, components)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"malformed ModelSpec JSON: {e!r}") from e
 
     @classmethod
@@ -195,55 +284,165 @@ class ModelSpec:
         cache_dir: str | None = None,
         client: Any = None,
         storage: Storage | None = None,
+        settings: Settings | None = None,
         opener: Opener = _open_unbuffered,
     ) -> ModelSpec:
         """The spec of the checkpoint in a local directory or ``gs://`` prefix.
 
-        Reads ``config.json`` and the ``*.safetensors`` shards; when
-        ``model.safetensors.index.json`` is present only the shards it lists count (a
-        consolidated copy next to them is ignored). ``opener`` opens local shards for
-        checksumming (tests inject one to count reads).
+        Reads ``config.json`` and the ``*.safetensors`` shards; when a
+        ``*.safetensors.index.json`` is present only the shards it lists count (a
+        consolidated copy next to them is ignored). A folder with ``model_index.json``
+        is a diffusers pipeline: every component it lists must have its folder, whose
+        JSON files (configs) and weight files (chosen the same way; variants such as
+        ``*.fp16.safetensors`` are ignored) the spec covers. ``opener`` opens local
+        shards for checksumming (tests inject one to count reads). Reads go through
+        ``storage``, else a :class:`Storage` with ``settings`` (retries, workers); the
+        CRC32C cache lives in ``cache_dir``, else the settings' ``cache_dir``.
         """
-        storage = storage or Storage(client=client)
+        storage = storage or Storage(settings, client=client)
+        cache_dir = cache_dir or storage.settings.cache_dir
         root = parse_uri(path_or_uri)
         try:
             files = {i.name: i for i in storage.list_dir(root.uri)}
         except ShardNotFoundError as e:
             raise ShardNotFoundError(
                 f"checkpoint {root.uri!r} not found; give the directory (or gs:// prefix) "
-                "holding config.json and the *.safetensors shards"
+                "holding config.json and the *.safetensors shards (or a pipeline's model_index.json)"
             ) from e
+        if PIPELINE_INDEX_NAME in files:
+            return cls._from_pipeline(storage, root, files, cache_dir, opener)
         if CONFIG_NAME not in files:
             raise ShardNotFoundError(f"{root.join(CONFIG_NAME).uri!r} does not exist")
-        config_uri = files[CONFIG_NAME].uri
-        try:
-            config = json.loads(storage.read_bytes(config_uri).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise CheckpointFormatError(f"{config_uri}: malformed JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise CheckpointFormatError(f"{config_uri}: expected a JSON object")
-        if INDEX_NAME in files:
-            index_uri = files[INDEX_NAME].uri
-            names = sorted(set(parse_index(storage.read_bytes(index_uri), index_uri).values()))
-            missing = [n for n in names if n not in files]
-            if missing:
-                raise ShardNotFoundError(
-                    f"{index_uri} lists shards that do not exist: {[root.join(n).uri for n in missing]}"
-                )
-        else:
-            names = [n for n in files if n.endswith(".safetensors")]
-        if not names:
+        config = _read_json(storage, files[CONFIG_NAME])
+        infos = _weight_files(storage, root, files, variants=True)
+        if not infos:
             raise ShardNotFoundError(f"no *.safetensors shards in {root.uri!r}")
-        infos = [files[n] for n in names]
-        if root.is_local:
-            crcs = _local_crc32cs([i.uri for i in infos], cache_dir, opener)
-        else:
-            crcs = [_remote_crc32c(i) for i in infos]
-        return cls(config, tuple(Shard(i.uri, c, i.size) for i, c in zip(infos, crcs, strict=True)))
+        return cls(config, tuple(_shards(root, infos, "", cache_dir, opener)))
+
+    @classmethod
+    def _from_pipeline(
+        cls, storage: Storage, root: Location, files: dict[str, ObjectInfo], cache_dir: str,
+        opener: Opener,
+    ) -> ModelSpec:
+        index_uri = files[PIPELINE_INDEX_NAME].uri
+        index = _read_json(storage, files[PIPELINE_INDEX_NAME])
+        # Entries are [library, class]; [null, null] is an absent optional component and
+        # other values (booleans, "_class_name") are the pipeline's own arguments.
+        components = sorted(
+            k for k, v in index.items()
+            if not k.startswith("_") and isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, str) for x in v)
+        )
+        if not components:
+            raise CheckpointFormatError(f"{index_uri}: lists no components")
+        configs: dict[str, dict[str, Any]] = {}
+        shards: list[Shard] = []
+        for name in components:
+            if not _COMPONENT_RE.match(name):
+                raise CheckpointFormatError(f"{index_uri}: component name {name!r} is not a plain identifier")
+            folder = root.join(name)
+            try:
+                sub = {i.name: i for i in storage.list_dir(folder.uri)}
+            except ShardNotFoundError as e:
+                raise ShardNotFoundError(
+                    f"pipeline component {name!r} (listed in model_index.json) has no folder {folder.uri!r}"
+                ) from e
+            if not sub:
+                raise ShardNotFoundError(
+                    f"pipeline component {name!r} (listed in model_index.json): folder {folder.uri!r} is empty"
+                )
+            configs[name] = {
+                n: _read_json(storage, i) for n, i in sub.items()
+                if n.endswith(".json") and not n.endswith(_INDEX_SUFFIX)
+            }
+            weights = _weight_files(storage, folder, sub, variants=False)
+            other = sorted(n for n in sub if n.endswith(_OTHER_WEIGHTS))
+            if not weights and other:
+                # Counted as weightless, its weights would be outside the version.
+                raise CheckpointFormatError(
+                    f"pipeline component {name!r}: only non-safetensors weights {other[:3]};"
+                    " convert them to safetensors"
+                )
+            shards.extend(_shards(folder, weights, f"{name}/", cache_dir, opener))
+        config = {"model_index": index, "components": configs}
+        return cls(config, tuple(shards), tuple(components))
+
+
+#: The file that makes a folder a diffusers pipeline.
+PIPELINE_INDEX_NAME = "model_index.json"
+_INDEX_SUFFIX = ".safetensors.index.json"
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx")
+_COMPONENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _read_json(storage: Storage, info: ObjectInfo) -> dict[str, Any]:
+    """A config file (``config.json``, ``model_index.json``), bounded like any outside input."""
+    uri = info.uri
+    if info.size > MAX_CONFIG_BYTES:
+        raise CheckpointFormatError(f"{uri}: {info.size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")
+    try:
+        data = bounded_json.loads(storage.read_bytes(uri), max_bytes=MAX_CONFIG_BYTES, allow_constants=True)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{uri}: malformed JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{uri}: expected a JSON object")
+    return data
+
+
+def _weight_files(
+    storage: Storage, folder: Location, files: dict[str, ObjectInfo], *, variants: bool
+) -> list[ObjectInfo]:
+    """The safetensors files that make up the weights in ``folder``.
+
+    With an index (``model.safetensors.index.json``,
+    ``diffusion_pytorch_model.safetensors.index.json``) exactly the files it lists;
+    else every ``*.safetensors``. Without ``variants``, files named like
+    ``name.fp16.safetensors`` (and their indexes) are left out.
+    """
+    def plain(n: str, suffix: str) -> bool:
+        return variants or "." not in n[: -len(suffix)]
+
+    indexes = sorted(n for n in files if n.endswith(_INDEX_SUFFIX) and plain(n, _INDEX_SUFFIX))
+    if INDEX_NAME in indexes:
+        indexes = [INDEX_NAME]
+    if len(indexes) > 1:
+        raise CheckpointFormatError(f"{folder.uri}: several safetensors indexes {indexes}; keep one")
+    if indexes:
+        index_uri = files[indexes[0]].uri
+        names = sorted(set(parse_index(storage.read_bytes(index_uri), index_uri).values()))
+        missing = [n for n in names if n not in files]
+        if missing:
+            raise ShardNotFoundError(
+                f"{index_uri} lists shards that do not exist: {[folder.join(n).uri for n in missing]}"
+            )
+    else:
+        names = [n for n in files if n.endswith(".safetensors") and plain(n, ".safetensors")]
+    return [files[n] for n in names]
+
+
+def _shards(
+    folder: Location, infos: list[ObjectInfo], prefix: str, cache_dir: str, opener: Opener
+) -> list[Shard]:
+    """Shards named ``prefix + file name``, with CRC32C from metadata or the local cache."""
+    if not infos:
+        return []
+    if folder.is_local:
+        crcs = _local_crc32cs([i.uri for i in infos], cache_dir, opener)
+    else:
+        crcs = [_remote_crc32c(i) for i in infos]
+    return [Shard(i.uri, c, i.size, prefix + i.name) for i, c in zip(infos, crcs, strict=True)]
+
+
+def _shard_from_json(item: Any) -> Shard:
+    """``[uri, crc32c, size]`` or ``[uri, crc32c, size, name]`` (name: the URI's last part)."""
+    if not isinstance(item, (list, tuple)) or len(item) not in (3, 4):
+        raise ValueError(f"shard entry {item!r} is not [uri, crc32c, size(, name)]")
+    uri, crc, size = str(item[0]), str(item[1]), int(item[2])
+    return Shard(uri, crc, size, str(item[3]) if len(item) == 4 else "")
 
 
 def _local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> list[str]:
-    cache = _CrcCache(cache_dir or Settings().cache_dir)
+    cache = CrcCache(cache_dir or Settings().cache_dir)
     # Threads overlap one file's read (GIL released) with another's checksum.
     workers = max(1, min(4, os.cpu_count() or 1, len(paths)))
     with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-crc") as pool:

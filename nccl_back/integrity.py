@@ -12,19 +12,26 @@ Two modes:
 ``sampled`` (default, a few ms per GiB)
     For each tensor, ``samples`` elements at indices that depend only on the tensor's
     name and element count, gathered with ``torch.take`` on the tensor's own device (no
-    tensor is ever copied whole), and hashed. The indices come from SHAKE-128 of the
+    tensor is ever copied whole), and hashed. ``take`` reads a same-width integer view
+    of the tensor (it has no kernel for float8, uint16/32/64 or complex32), so every
+    dtype is sampled alike on every device. The indices come from SHAKE-128 of the
     name and count rather than from a ``torch.Generator``: the two sides may run
     different torch builds (a rolling upgrade, a CPU and a GPU image), and torch does
     not promise that ``randint`` streams stay the same across releases, whereas SHAKE
-    is a fixed standard. Floating values are converted to float16 before hashing, so a
-    tensor whose values are exactly representable in float16 hashes the same in any
-    wider floating dtype: a bfloat16 tensor and its float32 (or float16) upcast agree,
-    and float32 values that differ only below float16 precision usually agree.
-    A float32 tensor and its bfloat16 *downcast* differ, as they should: the
-    downcast lost information. Integer, bool and other non-floating tensors hash their
-    raw sampled bytes, because float16 cannot represent large integers exactly.
+    is a fixed standard. Floating values (float64 down to float8) are converted to
+    float16 before hashing, so a tensor whose values are exactly representable in
+    float16 hashes the same in any wider floating dtype: a bfloat16 tensor and its
+    float32 (or float16) upcast agree, and float32 values that differ only below
+    float16 precision usually agree. Every NaN hashes as one canonical NaN (a CPU
+    conversion keeps NaN payload bits that a GPU's drops). A float32 tensor and its
+    bfloat16 *downcast* differ, as they should: the downcast lost information.
+    Integer, bool and other non-floating tensors (and float8_e8m0fnu and float4,
+    which float16 cannot hold) hash their raw sampled bytes, because float16 cannot
+    represent large integers exactly.
     Catches corruption of more than a small fraction of a tensor (whole-buffer
-    misplacement, zeroing, a shifted offset), not a single flipped element.
+    misplacement, zeroing, a shifted offset), not a single flipped element. It is a
+    *corruption* check: without a key, anyone can compute the positions and change
+    every other element.
 
 ``full``
     A checksum of every byte, computed with integer torch ops on the tensor's own
@@ -34,16 +41,38 @@ Two modes:
     ``sum(w_i * x_i) mod 2**64`` with odd position weights ``w_i``, and the chunk sums
     are chained in order with an odd multiplier. An odd number is invertible modulo a
     power of two, so any single changed word changes the result; integer addition is
-    associative, so CPU and GPU reductions agree bit for bit. Bit-exact: the dtypes on
-    both sides must match (the manifest check guarantees it).
+    associative, so CPU and GPU reductions agree bit for bit. Bytes are read through
+    integer views, so every dtype (float8, bool, uint64, ...) is covered. Bit-exact:
+    the dtypes on both sides must match (the manifest check guarantees it), and NaN
+    payloads count. Unkeyed, it detects accidents, not an adversary: the weights are
+    public, so changes can be built to cancel.
+
+Keyed (``key=``, derived from ``Settings.secret``)
+    With a key, the two sides share something an adversary lacks. The sample
+    positions come from SHAKE-128 of the key, name and count, so they are secret:
+    a copy that changes a fraction ``f`` of a tensor passes with probability
+    ``(1 - f) ** samples``. The full checksum becomes a keyed universal hash, the
+    multilinear hash of Lemire and Kaser ("Strongly universal string hashing is
+    fast", 2014): the bytes are read as unsigned 32-bit words ``x_i`` (single bytes
+    when the size is not a multiple of 4), each chunk of 2**19 words gives
+    ``((m + sum(k_i * x_i)) mod 2**64) >> 32`` with 64-bit weights ``k_i`` and ``m``
+    drawn from SHAKE-256 of the key, and the chunk values are kept in order. Any two
+    different tensors collide with probability about ``2**-31`` over the key, so a
+    payload built without the key passes with that probability per attempt. It runs
+    on the tensor's device with the same int64 torch ops (wrapping multiplication and
+    addition), so CPU and GPU agree bit for bit. In both modes the layer digest is a
+    BLAKE2b keyed by the key, so what Redis holds reveals nothing about positions or
+    weights.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import threading
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -83,42 +112,63 @@ def layer_of(name: str) -> str:
     return ".".join(parts[:-1]) or name
 
 
-def sample_indices(name: str, numel: int, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _shake(key: bytes | None) -> Any:
+    """SHAKE-128 state having absorbed the key (copied per use, absorbed once)."""
+    # A length-prefixed key keeps the framing unambiguous; no key absorbs nothing.
+    return hashlib.shake_128(b"" if key is None else len(key).to_bytes(2, "little") + key)
+
+
+def sample_indices(
+    name: str, numel: int, samples: int = DEFAULT_SAMPLES, key: bytes | None = None
+) -> torch.Tensor:
     """The flat indices sampled from tensor ``name`` with ``numel`` elements (CPU, int64).
 
     A pure function of its arguments, identical on every machine; all indices when
-    ``numel <= samples``.
+    ``numel <= samples``. With a ``key`` they cannot be predicted without it.
     """
     if numel <= samples:
         return torch.arange(numel, dtype=torch.int64)
-    stream = hashlib.shake_128(f"{name}\0{numel}".encode()).digest(8 * samples)
+    text = f"{name}\0{numel}".encode()
+    stream = _shake(key).copy()
+    stream.update(text)
     # The modulo bias is below numel / 2**64: irrelevant for choosing samples.
-    picks = np.frombuffer(stream, dtype="<u8") % np.uint64(numel)
+    picks = np.frombuffer(stream.digest(8 * samples), dtype="<u8") % np.uint64(numel)
     return torch.from_numpy(picks.astype(np.int64))
 
 
 def layer_hashes(
-    model: Model, mode: HashMode = "sampled", samples: int = DEFAULT_SAMPLES
+    model: Model,
+    mode: HashMode = "sampled",
+    samples: int = DEFAULT_SAMPLES,
+    key: bytes | None = None,
 ) -> dict[str, str]:
     """``{layer: hex digest}`` over the model's canonical tensors (tied ones counted once).
 
     ``mode`` is ``"sampled"`` (``samples`` elements per tensor) or ``"full"`` (every
-    byte); see the module docstring for what each catches and tolerates. A bad
-    ``mode`` or ``samples`` raises :class:`ConfigError`.
+    byte); see the module docstring for what each catches and tolerates. ``key`` (16
+    to 64 bytes, e.g. ``Settings.key("integrity")``) keys positions, checksum and
+    digest; both sides must use the same one. A bad ``mode``, ``samples`` or ``key``
+    raises :class:`ConfigError`.
     """
     if mode not in ("sampled", "full"):
         raise ConfigError(f"mode={mode!r}: choose 'sampled' or 'full'")
     if samples < 1:
         raise ConfigError(f"samples={samples!r}: must be at least 1")
+    if key is not None and not 16 <= len(key) <= 64:
+        raise ConfigError(f"key: {len(key)} bytes; use 16 to 64 (Settings.key gives 32)")
     tensors, _ = named_tensors(model)
-    payloads = _sampled_payloads(tensors, samples) if mode == "sampled" else _full_payloads(tensors)
+    if mode == "sampled":
+        payloads = _sampled_payloads(tensors, samples, key)
+    else:
+        payloads = _full_payloads(tensors) if key is None else _keyed_full_payloads(tensors, key)
     layers: dict[str, hashlib.blake2b] = {}
     for name in sorted(tensors):
         t = tensors[name]
         layer = layer_of(name)
         h = layers.get(layer)
         if h is None:
-            h = layers[layer] = hashlib.blake2b(digest_size=16)
+            h = layers[layer] = hashlib.blake2b(digest_size=16, key=key or b"")
         payload = payloads[name]
         # Length-prefixed framing, so no two different inputs concatenate alike.
         h.update(f"{name}\0{list(t.shape)}\0{len(payload)}\0".encode())
@@ -163,22 +213,69 @@ def _first(names: list[str]) -> str:
     return f"[{shown}{more}]"
 
 
-def _normalise(sample: torch.Tensor) -> torch.Tensor:
-    """Sampled values as a flat byte tensor: float16 for floating dtypes, raw otherwise."""
-    if sample.is_complex():
-        sample = torch.view_as_real(sample)
-    if sample.is_floating_point():
-        sample = sample.to(torch.float16)
-    return sample.contiguous().reshape(-1).view(torch.uint8)
+#: Integer dtype of each element width: ``torch.take`` has kernels for these on every
+#: device, but not for float8, uint16/32/64 or complex32, so samples are gathered
+#: through a same-width integer view and only then read as their own dtype.
+_WORD_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Floating dtypes hashed as float16: those that convert to it on CPU and GPU alike.
+#: float8_e8m0fnu (powers of two up to 2**127) would overflow and float4 has no
+#: conversion kernel: both hash their raw bytes.
+_TO_HALF = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float16", "bfloat16", "float32", "float64",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if hasattr(torch, name)
+)
+#: The one NaN every NaN hashes as: conversions keep (CPU) or drop (GPU) payload
+#: and sign bits, so NaNs are canonicalised for both sides to agree.
+_HALF_NAN = 0x7E00
 
 
-def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict[str, bytes]:
-    payloads, rest = _sampled_in_place(tensors, samples)
+def _as_words(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype, int]:
+    """``t`` as a same-width integer tensor (any strides, no copy), its element dtype
+    as read back, and integer words per element of ``t`` (2 for complex: real pairs)."""
+    t = t.detach()
+    if t.is_complex():
+        real = torch.view_as_real(t)
+        return real.view(_WORD_DTYPE[real.element_size()]), real.dtype, 2
+    return t.view(_WORD_DTYPE[t.element_size()]), t.dtype, 1
+
+
+def _word_index(index: np.ndarray, per: int) -> np.ndarray:
+    """Element indices as word indices when each element is ``per`` words."""
+    if per == 1:
+        return index
+    return (index[:, None] * per + np.arange(per)).reshape(-1)
+
+
+def _normalise(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sampled words of element dtype ``dtype`` as a flat byte tensor: float16 with one
+    canonical NaN for the floating dtypes of ``_TO_HALF``, the raw bytes otherwise."""
+    if dtype in _TO_HALF:
+        values = words.view(dtype)
+        if dtype == torch.float64:
+            # Spelled out so that every device rounds twice the same way (via float32).
+            values = values.to(torch.float32)
+        half = values.to(torch.float16)
+        words = half.view(torch.int16).masked_fill(torch.isnan(half), _HALF_NAN)
+    return words.reshape(-1).view(torch.uint8)
+
+
+def _sampled_payloads(
+    tensors: Mapping[str, torch.Tensor], samples: int, key: bytes | None
+) -> dict[str, bytes]:
+    payloads, rest = _sampled_in_place(tensors, samples, key)
     by_device: dict[torch.device, list[str]] = defaultdict(list)
     for name in rest:
         by_device[tensors[name].device].append(name)
     for device, names in by_device.items():
-        index = [sample_indices(n, tensors[n].numel(), samples) for n in names]
+        index = []
+        for n in names:
+            per = _as_words(tensors[n])[2]
+            picks = sample_indices(n, tensors[n].numel(), samples, key).numpy()
+            index.append(torch.from_numpy(_word_index(picks, per)))
         # One host-to-device copy of all indices and one copy of all samples back, so a
         # GPU model costs two synchronisations rather than two per tensor.
         all_index = torch.cat(index).to(device)
@@ -186,7 +283,8 @@ def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict
         start = 0
         for n, idx in zip(names, index, strict=True):
             end = start + idx.numel()
-            picked.append(_normalise(torch.take(tensors[n].detach(), all_index[start:end])))
+            words, dtype, _ = _as_words(tensors[n])
+            picked.append(_normalise(torch.take(words, all_index[start:end]), dtype))
             start = end
         blob = torch.cat(picked).cpu().numpy() if picked else np.empty(0, np.uint8)
         start = 0
@@ -198,7 +296,7 @@ def _sampled_payloads(tensors: Mapping[str, torch.Tensor], samples: int) -> dict
 
 
 def _sampled_in_place(
-    tensors: Mapping[str, torch.Tensor], samples: int
+    tensors: Mapping[str, torch.Tensor], samples: int, key: bytes | None
 ) -> tuple[dict[str, bytes], list[str]]:
     """Sampled payloads of tensors sharing one allocation, one ``torch.take`` per dtype.
 
@@ -222,14 +320,15 @@ def _sampled_in_place(
             rest.append(name)
     payloads: dict[str, bytes] = {}
     for (device, dtype, _), members in groups.items():
-        index = [sample_indices(n, t.numel(), samples).numpy() + off for n, t, off in members]
+        index = [sample_indices(n, t.numel(), samples, key).numpy() + off for n, t, off in members]
         first = members[0][1]
         storage = first.untyped_storage()
-        whole = torch.empty(0, dtype=dtype, device=device).set_(
+        word = _WORD_DTYPE[first.element_size()]
+        whole = torch.empty(0, dtype=word, device=device).set_(
             storage, 0, (storage.nbytes() // first.element_size(),), (1,)
         )
         flat_index = torch.from_numpy(np.concatenate(index)).to(device)
-        blob = _normalise(torch.take(whole, flat_index)).cpu().numpy().tobytes()
+        blob = _normalise(torch.take(whole, flat_index), dtype).cpu().numpy().tobytes()
         width = len(blob) // len(flat_index)  # bytes per sample after normalising
         pos = 0
         for (name, _, _), idx in zip(members, index, strict=True):
@@ -291,5 +390,92 @@ def _chunk_sums(
             torch.mul(chunk.view(torch.int64), weights[:n], out=out)
         else:
             out.copy_(chunk).mul_(weights[:n])
+        sums.append(out.sum())  # int64 additions wrap mod 2**64, in any order
+    return sums
+
+
+class _KeyedWeights:
+    """SHAKE-256 weights of the keyed checksum, per key and device, grown on demand.
+
+    SHAKE's output for a longer length starts with its output for a shorter one, so
+    a cached prefix stays valid; a small model never pays for a full chunk's weights.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[bytes, torch.device], torch.Tensor] = {}
+
+    def get(self, key: bytes, n: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            have = self._cache.get((key, device))
+            if have is None or have.numel() < n + 1:
+                stream = hashlib.shake_256(b"nccl_back/weights\0" + key).digest(8 * (n + 1))
+                words = np.frombuffer(stream, dtype="<u8").view(np.int64)
+                have = torch.from_numpy(words.copy()).to(device)
+                if len(self._cache) >= 8:
+                    self._cache.clear()  # keys rarely change; bound memory all the same
+                self._cache[(key, device)] = have
+            return have
+
+
+_KEYED_WEIGHTS = _KeyedWeights()
+
+
+def _keyed_word_count(t: torch.Tensor) -> int:
+    nbytes = t.numel() * t.element_size()
+    return nbytes // 4 if nbytes % 4 == 0 else nbytes
+
+
+def _keyed_full_payloads(tensors: Mapping[str, torch.Tensor], key: bytes) -> dict[str, bytes]:
+    """Per tensor, the keyed multilinear hash of each chunk, 4 bytes each, in order."""
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for name, t in tensors.items():
+        by_device[t.device].append(name)
+    payloads: dict[str, bytes] = {}
+    for device, names in by_device.items():
+        longest = max((_keyed_word_count(tensors[n]) for n in names), default=0)
+        n_weights = min(longest, _CHUNK_WORDS)
+        stream = _KEYED_WEIGHTS.get(key, n_weights, device)
+        # Word 0 of the stream is the additive key m; the weights k_i follow it.
+        offset = int(stream[0].item()) & _MASK64 if stream.numel() else 0
+        weights = stream[1 : n_weights + 1]
+        scratch = torch.empty(n_weights, dtype=torch.int64, device=device)
+        partials: list[torch.Tensor] = []
+        counts: list[int] = []
+        for n in names:
+            chunk_sums = _keyed_chunk_sums(tensors[n], weights, scratch)
+            partials.extend(chunk_sums)
+            counts.append(len(chunk_sums))
+        sums = torch.stack(partials).cpu().tolist() if partials else []
+        start = 0
+        for n, count in zip(names, counts, strict=True):
+            payloads[n] = b"".join(
+                (((s + offset) & _MASK64) >> 32).to_bytes(4, "little")
+                for s in sums[start : start + count]
+            )
+            start += count
+    return payloads
+
+
+def _keyed_chunk_sums(
+    t: torch.Tensor, weights: torch.Tensor, scratch: torch.Tensor
+) -> list[torch.Tensor]:
+    """``sum(k_i * x_i) mod 2**64`` per chunk of unsigned 32-bit words (or bytes)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    word = 4 if flat.numel() % 4 == 0 else 1
+    chunk_bytes = _CHUNK_WORDS * word
+    sums: list[torch.Tensor] = []
+    for start in range(0, flat.numel(), chunk_bytes):
+        chunk = flat[start : start + chunk_bytes]
+        n = chunk.numel() // word
+        out = scratch[:n]
+        if word == 4:
+            if chunk.storage_offset() % 4:
+                chunk = chunk.clone()  # a misaligned view cannot be read as int32
+            # Sign-extended into int64, then masked: the word as an unsigned 32-bit value.
+            out.copy_(chunk.view(torch.int32)).bitwise_and_(0xFFFFFFFF)
+        else:
+            out.copy_(chunk)
+        out.mul_(weights[:n])
         sums.append(out.sum())  # int64 additions wrap mod 2**64, in any order
     return sums

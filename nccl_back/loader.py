@@ -16,6 +16,15 @@ mismatch raises :class:`WeightLoadError` before any byte is written. Local shard
 memory-mapped and each tensor is copied once, from a zero-copy view of the mapping
 into the skeleton's existing tensor; remote shards are downloaded into one buffer each
 and copied the same way.
+
+A diffusers pipeline spec (:attr:`ModelSpec.components`) loads into a mapping of
+component skeletons (``{"unet": unet, "vqvae": vq}``, all or some of its components)
+or into a module with one child per component: each component's files fill the
+tensors under its name, and only the held components' files are read.
+
+Every shard's CRC32C is checked against the identity before its tensors are copied:
+downloads as they arrive, local files over their mapping (or from the identity's CRC32C
+cache, so a warm restart reads nothing twice).
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from .checkpoint import ShardHeader, TensorInfo, locate, read_headers
+from .checkpoint import ShardHeader, TensorInfo, locate, model_headers
 from .config import Settings
 from .errors import (
     CheckpointFormatError,
@@ -40,11 +50,11 @@ from .errors import (
     ShardNotFoundError,
     WeightLoadError,
 )
-from .identity import ModelSpec
+from .identity import CrcCache, ModelSpec, cached_crc32c
 from .log import get_logger
 from .result import LoadResult
 from .skeleton import Model, dtype_name, named_tensors
-from .storage import Shard, Storage, parse_uri
+from .storage import Shard, Storage, crc32c_hex, parse_uri
 
 log = get_logger("nccl_back.loader")
 
@@ -166,26 +176,56 @@ def _check_header(buf: Any, header: ShardHeader) -> None:
         )
 
 
-def _load_local(shard: Shard, copies: Sequence[_Copy], tracker: _Tracker) -> None:
+def _load_local(shard: Shard, copies: Sequence[_Copy], tracker: _Tracker, cache: CrcCache) -> None:
     path = parse_uri(shard.uri).path
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"shard {path!r} does not exist") from e
     try:
-        size = os.fstat(fd).st_size
-        if size != shard.size:
+        st = os.fstat(fd)
+        if st.st_size != shard.size:
             raise CheckpointFormatError(
-                f"{path}: {size} bytes, its identity says {shard.size} (changed since fingerprinted?)"
+                f"{path}: {st.st_size} bytes, its identity says {shard.size} (changed since fingerprinted?)"
             )
-        if size == 0:
+        if st.st_size == 0:
             return
         # ACCESS_COPY (private, copy-on-write) gives a writable buffer, which
         # torch.frombuffer wants; nothing writes to it, so no page is ever copied.
-        with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as mapping:
+        with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY) as mapping:
+            # Checked before any copy, over the mapping the copies then read (the
+            # checksum warms its pages); the identity's cache makes a warm restart free.
+            crc = cached_crc32c(path, st, cache, lambda: crc32c_hex(np.frombuffer(mapping, np.uint8)))
+            if crc != shard.crc32c:
+                raise ChecksumMismatchError(
+                    f"{path}: CRC32C {crc} differs from {shard.crc32c} in its identity"
+                    " (changed or corrupted since fingerprinted?)"
+                )
             _copy_from(mapping, copies, tracker)
     finally:
         os.close(fd)
+
+
+def _held_shards(model: Model, spec: ModelSpec) -> tuple[Shard, ...]:
+    """The shards a load into ``model`` reads: for a pipeline rank, its components' only."""
+    if not spec.components or not isinstance(model, Mapping):
+        return spec.shards
+    weighted = spec.weighted_components
+    unknown = sorted(k for k in model if k not in weighted)
+    if unknown:
+        raise WeightLoadError(
+            f"pipeline component(s) {unknown} have no weights in this pipeline"
+            f" (components with weights: {list(weighted)})"
+        )
+    return tuple(s for s in spec.shards if spec.component_of(s) in model)
+
+
+def _bytes_by_component(plan: Mapping[str, Sequence[_Copy]]) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for copies in plan.values():
+        for c in copies:
+            out[c.canonical.split(".", 1)[0]] += c.info.nbytes
+    return dict(out)
 
 
 def load_from_storage(
@@ -196,22 +236,32 @@ def load_from_storage(
     *,
     storage: Storage | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_download: Callable[[int], None] | None = None,
 ) -> LoadResult:
     """Fill ``model`` (a skeleton) in place from the checkpoint ``spec`` names.
 
     Raises :class:`WeightLoadError` (mismatch, missing or unexpected tensors, before any
     copy), :class:`CheckpointFormatError` (bad safetensors, naming the file),
     :class:`ShardNotFoundError`, :class:`ChecksumMismatchError` or :class:`StorageError`.
+    ``on_download(n)`` is told of each downloaded chunk of a remote shard (progress bars).
     """
-    settings = settings or Settings()
+    settings = settings or (storage.settings if storage is not None else Settings())
     storage = storage or Storage(settings)
     start = clock()
     tensors, aliases = named_tensors(model)
-    headers = read_headers(storage, spec.shards)
+    needed = _held_shards(model, spec)
+    headers = model_headers(storage, spec, needed)
     # A mapping model (one rank of a pipeline) holds some sub-modules of the checkpoint:
     # tensors of the others are skipped, and shards holding only those are not read.
     held = tuple(f"{k}." for k in model) if isinstance(model, Mapping) else None
-    plan = _plan_load(tensors, aliases, headers, held)
+    try:
+        plan = _plan_load(tensors, aliases, headers, held)
+    except WeightLoadError as e:
+        if spec.components:
+            which = sorted(model) if isinstance(model, Mapping) else "all"
+            raise WeightLoadError(f"pipeline components {which}"
+                                  f" (tensors named component.tensor): {e}") from e
+        raise
     t_headers = clock() - start
     total = sum(c.info.nbytes for copies in plan.values() for c in copies)
     tracker = _Tracker(total, progress, clock)
@@ -223,12 +273,16 @@ def load_from_storage(
     if local:
         # copy_ releases the GIL: shards copy in parallel.
         workers = min(settings.storage_workers, len(local))
-        with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-load") as pool:
-            for f in [pool.submit(_load_local, s, plan[s.uri], tracker) for s in local]:
-                f.result()
+        cache = CrcCache(settings.cache_dir)
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-load") as pool:
+                for f in [pool.submit(_load_local, s, plan[s.uri], tracker, cache) for s in local]:
+                    f.result()
+        finally:
+            cache.save()
     if remote:
         headers_by_uri = {h.uri: h for h in headers}
-        downloads = storage.download_many(remote)
+        downloads = storage.download_many(remote, on_bytes=on_download)
         try:
             while True:
                 t0 = clock()
@@ -243,6 +297,9 @@ def load_from_storage(
         finally:
             downloads.close()
     tracker.check(tensors)
+    if spec.components:
+        for component, nbytes in sorted(_bytes_by_component(plan).items()):
+            log.info("component_loaded", version=spec.version, component=component, bytes=nbytes)
     seconds = clock() - start
     timings = {"headers": t_headers, "copy": seconds - t_headers - waited}
     if remote:

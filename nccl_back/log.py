@@ -1,76 +1,137 @@
-"""Structured logging.
+"""Structured logging through the standard ``logging`` module.
 
-The library only *emits* events through ``get_logger``; it never configures logging
-on import. Applications (and our CLI) call :func:`configure` once.
+The library only *emits* events, through :func:`get_logger`: each is a record on the
+stdlib logger ``nccl_back`` (or a child such as ``nccl_back.service``), whose message
+is ``event key=value ...`` and whose attributes carry the same fields (``record.rank``,
+``record.version``, ``record.peer`` ...; the whole event dict is ``record.nccl_back``).
+So an embedding application sees our events only through its own logging
+configuration, and nothing at all if it configures none: the ``nccl_back`` logger
+carries a ``NullHandler`` (the standard library-author practice), which keeps Python's
+last-resort handler from printing our warnings.
+
+Our CLI, the demo and the benchmarks call :func:`configure` to print events on stderr
+as JSON lines or readable text.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from datetime import datetime, timezone
+from typing import Any, TextIO
 
 import structlog
 
+ROOT = "nccl_back"
 
-def get_logger(name: str = "nccl_back", **bound: Any) -> Any:
-    """A structlog-style logger; events carry ``bound`` keys (rank, version, peer ...).
+# The one thing done on import, and the documented practice for libraries: it makes
+# the logger "handled" so an application without logging config sees nothing from us.
+logging.getLogger(ROOT).addHandler(logging.NullHandler())
 
-    The target is chosen at each call, not at creation, so module-level loggers made
-    at import follow a later :func:`configure`. Until an application configures
-    structlog (our CLI calls :func:`configure`), events go to the standard ``logging``
-    logger ``name`` as key=value lines: an application that configured nothing sees
-    only warnings and errors (Python's last-resort handler), never stdout noise.
+# LogRecord attributes an event field must not overwrite (logging raises on a clash).
+_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+_kv = structlog.processors.KeyValueRenderer(sort_keys=False)
+
+
+def _to_record(logger: Any, method: str, event_dict: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Last processor: one stdlib call whose message reads well in any formatter and
+    whose ``extra`` carries every field, for JSON formatters and :func:`configure`."""
+    extra = {k: v for k, v in event_dict.items() if k not in _RESERVED}
+    extra[ROOT] = dict(event_dict)
+    rest = {k: v for k, v in event_dict.items() if k != "event"}
+    message = f"{event_dict.get('event', '')} {_kv(logger, method, rest)}".rstrip()
+    return (message,), {"extra": extra}
+
+
+_PROCESSORS: list[Any] = [
+    # Skip the rendering work for events the stdlib logger would drop anyway.
+    structlog.stdlib.filter_by_level,
+    structlog.contextvars.merge_contextvars,
+    structlog.processors.format_exc_info,
+    _to_record,
+]
+
+
+def get_logger(name: str = ROOT, **bound: Any) -> Any:
+    """A structlog bound logger over the stdlib logger ``name`` (keep it under ``nccl_back``);
+    events carry the ``bound`` keys (rank, version, peer ...)."""
+    return structlog.wrap_logger(
+        logging.getLogger(name),
+        processors=_PROCESSORS,
+        wrapper_class=structlog.stdlib.BoundLogger,
+    ).bind(**bound)
+
+
+class _Formatter(logging.Formatter):
+    """Renders one of our records (or any other) with a structlog renderer."""
+
+    def __init__(self, json: bool) -> None:
+        super().__init__()
+        self._render: Any = (
+            structlog.processors.JSONRenderer()
+            if json
+            else structlog.dev.ConsoleRenderer(colors=False)
+        )
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, ROOT, None)
+        event: dict[str, Any] = (
+            {"event": fields.get("event"), **fields}
+            if isinstance(fields, dict)
+            else {"event": record.getMessage()}
+        )
+        event["level"] = record.levelname.lower()
+        event["timestamp"] = datetime.fromtimestamp(record.created, timezone.utc).isoformat()
+        event["logger"] = record.name
+        if record.exc_info and "exception" not in event:
+            event["exception"] = self.formatException(record.exc_info)
+        return str(self._render(None, record.levelname.lower(), event))
+
+
+class _Handler(logging.StreamHandler):
+    """A stream handler that writes to the *current* ``sys.stderr`` unless given a stream
+    (so a test that swaps stderr, or a daemon that redirects it, still gets the lines)."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._fixed = stream
+        super().__init__(stream)
+
+    @property
+    def stream(self) -> TextIO:
+        return self._fixed or sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO | None) -> None:
+        self._fixed = value if value is not sys.stderr else self._fixed
+
+
+def configure(level: str = "INFO", json: bool = False, stream: TextIO | None = None) -> None:
+    """Print nccl_back's events on ``stream`` (default stderr) as JSON lines or readable text.
+
+    For the CLI, the demo and benchmarks; an embedding application configures
+    ``logging`` itself instead. Calling it again replaces the earlier configuration.
     """
-    return _LazyLogger(name, dict(bound))
-
-
-class _LazyLogger:
-    def __init__(self, name: str, bound: dict[str, Any]) -> None:
-        self._name = name
-        self._bound = bound
-
-    def bind(self, **more: Any) -> _LazyLogger:
-        return _LazyLogger(self._name, {**self._bound, **more})
-
-    def _resolve(self) -> Any:
-        if structlog.is_configured():
-            return structlog.get_logger(self._name).bind(**self._bound)
-        return structlog.wrap_logger(
-            logging.getLogger(self._name),
-            processors=[
-                structlog.processors.add_log_level,
-                structlog.processors.format_exc_info,
-                structlog.processors.KeyValueRenderer(key_order=["event"]),
-            ],
-            wrapper_class=structlog.stdlib.BoundLogger,
-        ).bind(**self._bound)
-
-    def __getattr__(self, method: str) -> Any:
-        return getattr(self._resolve(), method)
-
-
-def configure(level: str = "INFO", json: bool = False, stream: Any = None) -> None:
-    """Route nccl_back's events to ``stream`` (stderr) as JSON lines or readable text."""
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         from .errors import ConfigError
 
         raise ConfigError(f"log level {level!r}: choose DEBUG, INFO, WARNING or ERROR")
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if json
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
-        cache_logger_on_first_use=False,
-    )
+    reset()
+    handler = _Handler(stream)
+    handler.setFormatter(_Formatter(json))
+    logger = logging.getLogger(ROOT)
+    logger.addHandler(handler)
+    logger.setLevel(lvl)
+    # The CLI owns the process's output: events must not also reach a root handler.
+    logger.propagate = False
+
+
+def reset() -> None:
+    """Undo :func:`configure`: back to the library default (silent unless the app logs)."""
+    logger = logging.getLogger(ROOT)
+    for h in list(logger.handlers):
+        if isinstance(h, _Handler):
+            logger.removeHandler(h)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True

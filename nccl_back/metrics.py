@@ -18,45 +18,12 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .errors import (
-    ConfigError,
-    ConsensusError,
-    HandshakeTimeoutError,
-    ManifestMismatchError,
-    NoPeerError,
-    RegistryError,
-    TransferError,
-    TransferTimeoutError,
-    WeightVerificationError,
-)
+from .errors import FALLBACK_REASONS, ConfigError, fallback_reason
 
 SOURCES = ("peer", "storage", "local")
 """Where a load's weights came from (``LoadResult.source``)."""
 
-FALLBACK_REASONS = (
-    "no_peer",
-    "handshake_timeout",
-    "transfer_timeout",
-    "transfer_error",
-    "manifest_mismatch",
-    "verification_failed",
-    "registry_error",
-    "consensus",
-    "other",
-)
-"""Stable codes for why a worker loaded from storage instead of a peer."""
-
-# Most specific class first: TransferTimeoutError is also a TransferError.
-_REASON_BY_ERROR: tuple[tuple[type[BaseException], str], ...] = (
-    (NoPeerError, "no_peer"),
-    (HandshakeTimeoutError, "handshake_timeout"),
-    (TransferTimeoutError, "transfer_timeout"),
-    (TransferError, "transfer_error"),
-    (ManifestMismatchError, "manifest_mismatch"),
-    (WeightVerificationError, "verification_failed"),
-    (RegistryError, "registry_error"),
-    (ConsensusError, "consensus"),
-)
+__all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SOURCES", "Metrics", "fallback_reason"]
 
 # Cold starts range from sub-second (local hand-off) to many minutes (large model from
 # storage); the default buckets stop at 10 s.
@@ -64,14 +31,6 @@ LOAD_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """HTTP ``Content-Type`` of :meth:`Metrics.render`'s output."""
-
-
-def fallback_reason(error: BaseException) -> str:
-    """The :data:`FALLBACK_REASONS` code for an error that made a peer load fall back."""
-    for cls, reason in _REASON_BY_ERROR:
-        if isinstance(error, cls):
-            return reason
-    return "other"
 
 
 def _check(value: str, allowed: tuple[str, ...], what: str) -> str:

@@ -1,17 +1,21 @@
 """The Redis registry: who holds which version, ground-truth hashes, send slots, requests.
 
-Every key lives under ``{settings.namespace}:`` and carries a TTL, so a crashed worker
+Every key lives under ``{namespace}:`` (a hash tag: one cluster slot) and carries a TTL, so a crashed worker
 leaves nothing behind for long; every value is JSON (never pickle: a Redis shared by a
 fleet must not be able to run code in a worker).
 
-Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world size)::
+This module is the one place the key schema lives: every other module asks it for
+its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world size;
+``d`` = manifest digest)::
 
     ns:peer:{v}:{r}:{w}:{peer_id}   PeerInfo JSON              TTL peer_ttl (heartbeat refreshes)
     ns:peers:{v}:{r}:{w}            set of peer_ids (index)    TTL peer_ttl (heartbeat refreshes)
-    ns:gt:{v}:{r}:{w}               {"manifest_digest", "hashes"}, SET NX, TTL ground_truth_ttl
-    ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL given by the claimer
+    ns:gt:{v}:{r}:{w}:{d}           {"manifest_digest", "hashes"}, SET NX, TTL ground_truth_ttl
+                                    hashes keyed "{mode}|{layer}" (:func:`encode_truth`)
+    ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
     ns:req:{peer_id}                list of request JSON       TTL peer_ttl
-    ns:hs:{transfer_id}:...         handshake / rendezvous     short TTL (see handshake.py)
+    ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
+    ns:hs:{transfer_id}:{name}      handshake values, refusals  short TTL (handshake.py)
 
 The index set is only a hint to avoid ``SCAN`` on the hot path: the per-peer key with
 its TTL is the truth, and members whose key expired are dropped when read.
@@ -30,7 +34,9 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.exceptions import RedisClusterException
 
+from . import redisclient
 from .config import Settings
 from .errors import ConfigError, RegistryError
 from .log import get_logger
@@ -46,6 +52,9 @@ GROUND_TRUTH_TTL_FACTOR = 6
 
 _KEY_UNSAFE = " :*?[]"
 
+#: Separates the hash mode from the layer name in stored ground truth ("sampled|layer0").
+TRUTH_SEP = "|"
+
 # Delete a claim only if it still holds our token: a claim that expired and was taken
 # by another receiver must survive our late release.
 _RELEASE_LUA = """
@@ -57,6 +66,37 @@ if ok and type(value) == 'table' and value['token'] == ARGV[1] then
 end
 return 0
 """
+
+# Compare-and-set on the raw JSON value (handshake.py): the side
+# that loses the race learns it from the return value, never from a later read.
+_CAS_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 or 0
+end
+return 0
+"""
+# Extend a claim only while it still holds our token.
+_RENEW_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, value = pcall(cjson.decode, raw)
+if ok and type(value) == 'table' and value['token'] == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+def encode_truth(by_mode: dict[str, dict[str, str]]) -> dict[str, str]:
+    """``{mode: {layer: hash}}`` -> the flat ``{"mode|layer": hash}`` stored in Redis."""
+    return {f"{mode}{TRUTH_SEP}{layer}": h for mode, hashes in by_mode.items()
+            for layer, h in hashes.items()}
+
+
+def truth_for_mode(hashes: dict[str, str], mode: str) -> dict[str, str]:
+    """The ``mode`` part of stored ground truth, keyed by layer (inverse of :func:`encode_truth`)."""
+    prefix = mode + TRUTH_SEP
+    return {k[len(prefix):]: v for k, v in hashes.items() if k.startswith(prefix)}
 
 
 @dataclass(frozen=True)
@@ -78,6 +118,8 @@ class PeerInfo:
     """Where this peer got its weights: ``storage`` or ``peer``."""
     max_sends: int = 1
     """How many receivers this peer serves at once (number of claim slots)."""
+    device: str = "cpu"
+    """Device kind its weights live on (``cpu``/``cuda``): a receiver needs the same."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -98,6 +140,7 @@ class PeerInfo:
                 started_at=float(data.get("started_at", 0.0)),
                 source=str(data.get("source", "storage")),
                 max_sends=int(data.get("max_sends", 1)),
+                device=str(data.get("device", "cuda" if data["transport"] == "nccl" else "cpu")),
             )
         except (ValueError, TypeError, KeyError) as e:
             raise RegistryError(f"malformed peer entry in Redis: {e}") from e
@@ -131,45 +174,68 @@ class Registry:
         self.settings = settings
         self.ns = settings.namespace
         if client is None:
+            # One server, Sentinel or Cluster, plain or TLS (see redisclient.py).
             try:
-                client = redis.Redis.from_url(
-                    settings.redis_url,
-                    socket_timeout=settings.redis_timeout,
-                    socket_connect_timeout=settings.redis_timeout,
-                    health_check_interval=30,
-                    decode_responses=True,
-                )
-            except ValueError as e:
-                raise RegistryError(f"cannot use redis_url: {e}") from e
-        elif not client.connection_pool.connection_kwargs.get("decode_responses"):
+                client = redisclient.connect(settings)
+            except (redis.RedisError, RedisClusterException) as e:
+                raise RegistryError(
+                    f"cannot reach redis ({_redact(settings.redis_url)}): {redisclient.explain(e)}"
+                ) from e
+        elif not redisclient.decodes_responses(client):
             raise ConfigError("Registry needs a redis client made with decode_responses=True")
         self.client: redis.Redis = client
         self._release = self.client.register_script(_RELEASE_LUA)
+        self._renew = self.client.register_script(_RENEW_LUA)
+        self._cas = self.client.register_script(_CAS_LUA)
 
     # -- generic helpers ----------------------------------------------------------------
 
     def key(self, *parts: object) -> str:
-        """``namespace:part1:part2...``."""
-        return ":".join([self.ns, *(str(p) for p in parts)])
+        """``{namespace}:part1:part2...``: the namespace is a hash tag, so on a Redis
+        Cluster every key of a namespace is in one slot (multi-key commands, transactions
+        and scripts need that); on one server it is just a prefix."""
+        return ":".join(["{" + self.ns + "}", *(str(p) for p in parts)])
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except redis.RedisError as e:
-            raise RegistryError(f"redis {what} failed ({_redact(self.settings.redis_url)}): {e}") from e
+        except (redis.RedisError, RedisClusterException) as e:
+            raise RegistryError(
+                f"redis {what} failed ({_redact(self.settings.redis_url)}): {redisclient.explain(e)}"
+            ) from e
 
     def set_json(self, key: str, value: Any, ttl: float, *, nx: bool = False) -> bool:
         """Store ``value`` as JSON at ``key`` with a TTL in seconds; ``nx``: only if absent.
 
         Returns whether the value was written.
         """
-        raw = json.dumps(value, separators=(",", ":"))
+        raw = _dumps(value)
         return bool(self._call("SET", lambda: self.client.set(key, raw, px=_ms(ttl), nx=nx)))
 
     def get_json(self, key: str) -> Any | None:
         """The JSON value at ``key``, or None if absent."""
         raw = self._call("GET", lambda: self.client.get(key))
         return None if raw is None else _loads(key, raw)
+
+    def compare_and_set(self, key: str, expected: Any, value: Any, ttl: float) -> bool:
+        """Replace ``key``'s JSON value by ``value`` only if it is exactly ``expected``."""
+        old, new = _dumps(expected), _dumps(value)
+        return bool(self._call("CAS", lambda: self._cas(keys=[key], args=[old, new, _ms(ttl)])))
+
+    # -- key schema -------------------------------------------------------------------
+
+    def lease_key(self, version: str, world_size: int) -> str:
+        """The single-flight download lease of ``version`` for workers of ``world_size``
+        ranks: one per worker (taken by its rank 0), never one per rank."""
+        return self.key("dl", version, world_size)
+
+    def handshake_key(self, transfer_id: str, name: str) -> str:
+        """A per-transfer key (handshake nonces, refusals), scoped by ``transfer_id``."""
+        return self.key("hs", transfer_id, name)
+
+    def ground_truth_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
+        """Ground truth of one rank's skeleton flavour (keyed by its manifest digest)."""
+        return self.key("gt", version, rank, world_size, manifest_digest)
 
     def delete(self, *keys: str) -> None:
         if keys:
@@ -224,7 +290,7 @@ class Registry:
         expired (a long GC pause, a Redis restart) becomes visible again.
         """
         self.publish_peer(info)
-        gt = self.key("gt", info.version, info.rank, info.world_size)
+        gt = self.ground_truth_key(info.version, info.rank, info.world_size, info.manifest_digest)
         req = self.key("req", info.peer_id)
         pipe = self.client.pipeline(transaction=False)
         pipe.pexpire(gt, _ms(self._ground_truth_ttl))
@@ -259,7 +325,14 @@ class Registry:
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
         if dead:
             self._call("SREM", lambda: self.client.srem(index, *dead))
-        peers = [PeerInfo.from_json(raw) for raw in raws if raw is not None]
+        peers: list[PeerInfo] = []
+        for pid, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                peers.append(PeerInfo.from_json(raw))
+            except RegistryError as e:  # one bad entry must not hide the good ones
+                log.warning("peer_entry_skipped", peer_id=pid, reason=str(e))
         claims = self._claim_counts(peers)
         random.shuffle(peers)
         peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
@@ -299,30 +372,38 @@ class Registry:
     ) -> bool:
         """Store the integrity hashes of a storage load, unless some already exist.
 
-        SET NX: ground truth is never overwritten (a worker that loaded from a peer must
-        not replace what storage said). Returns True if this call stored it.
+        Keyed by the manifest digest too, so each skeleton flavour (equally valid, with
+        another layout) has its own. SET NX: ground truth is never overwritten (a worker
+        that loaded from a peer must not replace what storage said). Returns True if this
+        call stored it.
         """
         value = {"manifest_digest": manifest_digest, "hashes": hashes}
-        return self.set_json(
-            self.key("gt", version, rank, world_size), value, self._ground_truth_ttl, nx=True
-        )
+        key = self.ground_truth_key(version, rank, world_size, manifest_digest)
+        return self.set_json(key, value, self._ground_truth_ttl, nx=True)
 
     def get_ground_truth(
-        self, version: str, rank: int, world_size: int
-    ) -> tuple[str, dict[str, str]] | None:
-        """``(manifest_digest, hashes)`` stored by a storage load, or None."""
-        key = self.key("gt", version, rank, world_size)
+        self, version: str, rank: int, world_size: int, manifest_digest: str
+    ) -> dict[str, str] | None:
+        """The hashes a storage load stored for this skeleton flavour, or None."""
+        key = self.ground_truth_key(version, rank, world_size, manifest_digest)
         value = self.get_json(key)
         if value is None:
             return None
         try:
-            return str(value["manifest_digest"]), {str(k): str(v) for k, v in value["hashes"].items()}
-        except (KeyError, TypeError, AttributeError) as e:
+            if str(value["manifest_digest"]) != manifest_digest:
+                raise ValueError(f"digest {value['manifest_digest']!r} under another key")
+            return {str(k): str(v) for k, v in value["hashes"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise RegistryError(f"malformed ground truth at {key}: {e}") from e
 
-    def has_ground_truth(self, version: str, rank: int, world_size: int) -> bool:
-        key = self.key("gt", version, rank, world_size)
-        return bool(self._call("EXISTS", lambda: self.client.exists(key)))
+    def has_ground_truth(
+        self, version: str, rank: int, world_size: int, manifest_digest: str | None = None
+    ) -> bool:
+        """Whether ground truth exists for this rank (of one flavour, or of any)."""
+        if manifest_digest is not None:
+            key = self.ground_truth_key(version, rank, world_size, manifest_digest)
+            return bool(self._call("EXISTS", lambda: self.client.exists(key)))
+        return any(True for _ in self.scan(f"gt:{version}:{rank}:{world_size}:*"))
 
     # -- send slots -----------------------------------------------------------------------
 
@@ -332,8 +413,8 @@ class Registry:
     def claim(self, peer_id: str, receiver_id: str, max_sends: int, ttl: float) -> str | None:
         """Take one of ``peer_id``'s ``max_sends`` send slots for ``ttl`` seconds.
 
-        Returns a token for :meth:`release`, or None when every slot is taken. The slot
-        expires by itself if the receiver dies holding it.
+        Returns a token for :meth:`renew_claim` and :meth:`release`, or None when every
+        slot is taken. The slot expires by itself if the receiver dies holding it.
         """
         for slot in random.sample(range(max_sends), max_sends):
             token = f"{slot}:{uuid.uuid4().hex}"
@@ -345,11 +426,13 @@ class Registry:
 
     def release(self, peer_id: str, token: str) -> None:
         """Free the slot ``token`` holds, if it still holds it (compare-and-delete)."""
-        slot, sep, _ = token.partition(":")
-        if not sep or not slot.isdigit():
-            raise RegistryError(f"malformed claim token {token!r}")
-        key = self._claim_key(peer_id, int(slot))
+        key = self._claim_key(peer_id, _claim_slot(token))
         self._call("release", lambda: self._release(keys=[key], args=[token]))
+
+    def renew_claim(self, peer_id: str, token: str, ttl: float) -> bool:
+        """Extend the slot ``token`` holds by ``ttl`` seconds; False if it is no longer ours."""
+        key = self._claim_key(peer_id, _claim_slot(token))
+        return bool(self._call("renew_claim", lambda: self._renew(keys=[key], args=[token, _ms(ttl)])))
 
     def active_claims(self, peer_id: str) -> int:
         """How many send slots of ``peer_id`` are taken now."""
@@ -392,6 +475,17 @@ class Registry:
             got = self._call("BLPOP", partial(self.client.blpop, [key], timeout=min(left, step)))
             if got is not None:
                 return _request(key, cast("tuple[str, str]", got)[1])
+
+
+def _claim_slot(token: str) -> int:
+    slot, sep, _ = token.partition(":")
+    if not sep or not slot.isdigit():
+        raise RegistryError(f"malformed claim token {token!r}")
+    return int(slot)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _redact(url: str) -> str:

@@ -6,6 +6,19 @@ transfer requests in the background: for each request, the sender half of the
 liveness handshake, then the guarded broadcast of its tensors. At most
 ``max_concurrent_sends`` at once. The model is only read, so a failed send leaves it
 untouched and the worker goes on serving.
+
+Sends read the model's tensors at the time of each send, never references taken at
+publication: whoever re-points the model's storage afterwards (the sidecar's hand-off
+arena) leaves one copy in memory, not two.
+
+A request this sender cannot serve (another transport or device kind, another version,
+or arriving while draining) is refused through the handshake before anything is created
+(:func:`handshake.refuse`), so the receiver moves on at once. When a send fails, the
+sender frees the receiver's send slot itself: a crashed receiver does not keep it.
+
+Withdrawal is final: publication, heartbeats and withdrawal all take one lock and the
+heartbeat re-checks the stop flag under it, so no entry of this worker reappears after
+:meth:`withdraw` returns.
 """
 
 from __future__ import annotations
@@ -21,12 +34,12 @@ from typing import Any
 import torch
 
 from .config import Settings
-from .errors import HandshakeTimeoutError, ManifestMismatchError, NcclBackError, RegistryError
-from .handshake import run_sender
+from .errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
+from .handshake import refuse, run_sender
 from .log import get_logger
-from .metrics import Metrics, fallback_reason
+from .metrics import Metrics
 from .registry import PeerInfo, Registry
-from .skeleton import Manifest, Model, model_device
+from .skeleton import Manifest, Model, model_device, named_tensors
 from .transport import Rendezvous, open_rendezvous, resolve_kind, run_guarded, send_tensors
 
 
@@ -35,7 +48,6 @@ class _Held:
     """A model this worker holds and serves."""
 
     model: Model
-    tensors: dict[str, torch.Tensor]
     manifest: Manifest
     info: PeerInfo
     sends: ThreadPoolExecutor
@@ -55,18 +67,17 @@ class PeerServer:
         registry: Registry,
         metrics: Metrics,
         worker_id: str,
-        *,
-        corrupt_for_test: bool = False,
     ) -> None:
         self.settings = settings
         self.registry = registry
         self.metrics = metrics
         self.worker_id = worker_id
-        self._corrupt = corrupt_for_test
         self._held: dict[str, _Held] = {}
         self._rendezvous: dict[str, Rendezvous] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        # Serialises every write of availability entries (publish, heartbeat, withdraw).
+        self._entries_lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
         self._log = get_logger("nccl_back.sender", worker=worker_id)
 
@@ -82,6 +93,10 @@ class PeerServer:
     def holds(self, peer_id: str) -> bool:
         """Whether ``peer_id`` is one of this worker's own entries (never its own peer)."""
         return peer_id in self._held
+
+    def served_tensors(self, peer_id: str) -> dict[str, torch.Tensor]:
+        """The tensors a send of ``peer_id`` reads now (the model's current storage)."""
+        return named_tensors(self._held[peer_id].model)[0]
 
     def close(self) -> None:
         """Stop serving, withdraw every published entry, release sockets and threads."""
@@ -121,15 +136,16 @@ class PeerServer:
 
         In-flight sends finish; :meth:`close` still has to be called.
         """
-        self._stop.set()
-        for held in list(self._held.values()):
-            with contextlib.suppress(RegistryError):
-                self.registry.withdraw(held.info.peer_id, held.info.version)
+        with self._entries_lock:
+            self._stop.set()
+            for held in list(self._held.values()):
+                with contextlib.suppress(RegistryError):
+                    self.registry.withdraw(held.info.peer_id, held.info.version)
         self.metrics.set_ready(False)
 
     def publish(
-        self, model: Model, tensors: dict[str, torch.Tensor], man: Manifest, version: str,
-        rank: int, world: int, *, source: str, log: Any,
+        self, model: Model, man: Manifest, version: str, rank: int, world: int, *,
+        source: str, log: Any,
     ) -> PeerInfo:
         """Publish ``model`` (loaded and verified) and start serving it.
 
@@ -146,17 +162,18 @@ class PeerServer:
         info = PeerInfo(
             peer_id=peer_id, version=version, rank=rank, world_size=world,
             manifest_digest=man.digest, transport=kind, address=rv.address, source=source,
-            max_sends=self.settings.max_concurrent_sends,
+            max_sends=self.settings.max_concurrent_sends, device=device.type,
         )
-        if self._stop.is_set():
-            # Withdrawn (draining) while this load ran: hold the weights, serve nobody.
-            log.info("not_published_draining", peer=peer_id)
-            return info
-        held = _Held(model, tensors, man, info,
-                     ThreadPoolExecutor(self.settings.max_concurrent_sends,
-                                        thread_name_prefix=f"nccl-back-send-{rank}"))
-        self.registry.publish_peer(info)
-        self._held[peer_id] = held
+        with self._entries_lock:
+            if self._stop.is_set():
+                # Withdrawn (draining) while this load ran: hold the weights, serve nobody.
+                log.info("not_published_draining", peer=peer_id)
+                return info
+            self.registry.publish_peer(info)
+            held = _Held(model, man, info,
+                         ThreadPoolExecutor(self.settings.max_concurrent_sends,
+                                            thread_name_prefix=f"nccl-back-send-{rank}"))
+            self._held[peer_id] = held
         held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
         held.thread.start()
@@ -171,10 +188,13 @@ class PeerServer:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval):
             for held in list(self._held.values()):
-                try:
-                    self.registry.heartbeat(held.info)
-                except RegistryError as e:
-                    self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=str(e))
+                with self._entries_lock:
+                    if self._stop.is_set():  # withdrawn meanwhile: never re-publish
+                        return
+                    try:
+                        self.registry.heartbeat(held.info)
+                    except RegistryError as e:
+                        self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=str(e))
             self.metrics.set_claims(self.active_sends)
 
     def _serve_loop(self, held: _Held) -> None:
@@ -192,6 +212,7 @@ class PeerServer:
     def _serve_one(self, held: _Held, request: dict[str, Any]) -> None:
         s = self.settings
         transfer_id = str(request.get("transfer_id", ""))
+        claim = request.get("claim")
         log = self._log.bind(rank=held.info.rank, version=held.info.version[:12],
                              peer=str(request.get("receiver")), transfer_id=transfer_id)
         with held.lock:
@@ -200,20 +221,22 @@ class PeerServer:
         ok = False
         transport: Any = None
         try:
-            if request.get("version") != held.info.version:
-                raise ManifestMismatchError(
-                    f"request for version {str(request.get('version'))[:12]}, this peer holds"
-                    f" {held.info.version[:12]}"
-                )
+            refusal = self._refusal(held, request)
+            if refusal is not None:
+                refuse(self.registry, transfer_id, *refusal)
+                log.warning("request_refused", code=refusal[0], reason=refusal[1])
+                return
             run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
             transport = self._rendezvous[held.info.transport].sender(transfer_id)
             with held.lock:
                 held.transports.add(transport)
+            now = time.monotonic()
             stats = run_guarded(
                 transport,
-                lambda tr: send_tensors(tr, held.tensors, s.bucket_bytes,
-                                        corrupt_for_test=self._corrupt),
-                time.monotonic() + s.transfer_timeout,
+                # Read at send time: the model may have moved since publication.
+                lambda tr: send_tensors(tr, named_tensors(held.model)[0], s.bucket_bytes),
+                now + s.transfer_timeout,
+                connect_deadline=now + s.connect_timeout,
             )
             ok = True
             log.info("served", bytes=held.manifest.nbytes, gbps=round(stats.gbps, 3))
@@ -224,8 +247,29 @@ class PeerServer:
         except Exception as e:  # a serving thread must never die silently
             log.error("serve_crashed", error=repr(e))
         finally:
+            if not ok and isinstance(claim, str):
+                # Our side failed (receiver crashed, gave up, or was refused): free its
+                # slot now rather than when the claim expires.
+                with contextlib.suppress(RegistryError):
+                    self.registry.release(held.info.peer_id, claim)
             self.metrics.record_served(ok)
             with held.lock:
                 held.active -= 1
                 held.transports.discard(transport)
             self.metrics.set_claims(self.active_sends)
+
+    def _refusal(self, held: _Held, request: dict[str, Any]) -> tuple[str, str] | None:
+        """Why this request must not be served, as ``(code, message)``; None to serve it."""
+        info = held.info
+        if self._stop.is_set():
+            # Queued before the drain began: a drain reported done must stay done.
+            return "draining", "the peer is draining"
+        if request.get("version") != info.version:
+            return "version", (f"request for version {str(request.get('version'))[:12]},"
+                               f" this peer holds {info.version[:12]}")
+        if request.get("transport") != info.transport or request.get("device", info.device) != info.device:
+            return "incompatible", (
+                f"request for {str(request.get('transport'))[:16]}/{str(request.get('device'))[:16]},"
+                f" this peer serves {info.transport}/{info.device}"
+            )
+        return None

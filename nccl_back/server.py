@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -40,12 +41,13 @@ from .checkpoint import flat_skeleton
 from .config import Settings
 from .errors import ConfigError, NcclBackError, RegistryError
 from .handoff import HandoffServer
-from .health import HealthServer
+from .health import HealthServer, write_token_file
 from .identity import ModelSpec
 from .log import get_logger
 from .metrics import Metrics
+from .registry import truth_for_mode
 from .result import LoadResult
-from .service import MODES_KEY_SEP, WeightService
+from .service import WeightService
 from .skeleton import Model, build, manifest
 from .storage import parse_uri
 
@@ -65,6 +67,11 @@ class ServeOptions:
     factory: Callable[[], Model] | None = None
     """Builds the skeleton (run under :func:`skeleton.build`); None: a flat skeleton
     from the safetensors headers."""
+    diffusers: bool = False
+    """The model is a diffusers pipeline folder: build each component with diffusers
+    (:func:`nccl_back.pipeline.pipeline_skeletons`). A pipeline folder is detected from
+    its ``model_index.json`` either way; without this flag its flat skeleton (one child
+    per component) is built from the headers, without diffusers."""
     socket_path: str | None = None
     """Unix socket of the local hand-off server; None: no hand-off."""
     health_host: str = "127.0.0.1"
@@ -74,6 +81,9 @@ class ServeOptions:
     None: ``settings.transfer_timeout``."""
     ready_file: str | None = None
     """Written atomically (JSON) once ready, removed when draining starts."""
+    drain_token_file: str | None = None
+    """Where a fresh random drain token is written (0600, in a private directory) at
+    start; ``POST /drain`` then needs it. None: loopback clients drain without one."""
 
 
 def resolve_factory(spec: str) -> Callable[[], Any]:
@@ -170,8 +180,13 @@ class Sidecar:
         self.options = options
         self.metrics = metrics if metrics is not None else Metrics()
         self.service = service if service is not None else WeightService(settings, metrics=self.metrics)
+        self._drain_token = secrets.token_urlsafe(32) if options.drain_token_file else None
         self.health = HealthServer(
-            self.metrics, options.health_host, options.health_port, on_drain=self._drain
+            self.metrics,
+            options.health_host,
+            options.health_port,
+            on_drain=self._drain,
+            drain_token=self._drain_token,
         )
         self.handoff: HandoffServer | None = None
         self.result: LoadResult | None = None
@@ -200,7 +215,15 @@ class Sidecar:
         return f"http://{shown}:{self.health.port}"
 
     def start(self) -> Sidecar:
-        """Bind the health port (:class:`ConfigError` if it is in use)."""
+        """Write the drain token file, bind the health port (:class:`ConfigError` if
+        either fails)."""
+        if self.options.drain_token_file is not None:
+            try:
+                write_token_file(self.options.drain_token_file, self._drain_token)
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot write the drain token to {self.options.drain_token_file}: {e}"
+                ) from e
         self.health.start()
         self._started = True
         return self
@@ -208,15 +231,23 @@ class Sidecar:
     def load(self) -> LoadResult:
         """Build the skeleton, load (peer first), open the hand-off socket, become ready."""
         opts = self.options
-        spec = ModelSpec.from_dir(opts.model_uri, cache_dir=self.settings.cache_dir)
+        spec = ModelSpec.from_dir(opts.model_uri, settings=self.settings)
         log = self._log.bind(version=spec.version[:12])
         log.info("skeleton_building", device=str(opts.device), factory=opts.factory is not None)
         if opts.factory is not None:
             model = build(opts.factory, opts.device)
+        elif opts.diffusers:
+            if not spec.components:
+                raise ConfigError(f"--diffusers: {opts.model_uri} has no model_index.json")
+            from .pipeline import pipeline_skeletons
+
+            model = pipeline_skeletons(spec, device=opts.device)
         else:
-            model = flat_skeleton(spec, opts.device)
+            model = flat_skeleton(spec, opts.device, settings=self.settings)
         result = self.service.load(model, spec)
         if opts.socket_path is not None:
+            # The hand-off re-points the model into its arena; the service's sends read
+            # the model's tensors at send time, so they follow and one copy remains.
             self.handoff = HandoffServer(
                 model, spec.version, opts.socket_path, hashes=self._ground_truth(spec, model)
             ).start()
@@ -315,14 +346,11 @@ class Sidecar:
         None (the hand-off server hashes the model itself) if Redis has none that match.
         """
         try:
-            stored = self.service.registry.get_ground_truth(spec.version, 0, 1)
+            stored = self.service.registry.get_ground_truth(spec.version, 0, 1, manifest(model).digest)
         except RegistryError as e:
             self._log.warning("ground_truth_unavailable", error=str(e))
             return None
-        if stored is None or stored[0] != manifest(model).digest:
-            return None
-        prefix = "sampled" + MODES_KEY_SEP
-        return {k[len(prefix):]: v for k, v in stored[1].items() if k.startswith(prefix)}
+        return truth_for_mode(stored, "sampled") if stored is not None else None
 
     def _announce(self, result: LoadResult) -> None:
         info: dict[str, Any] = {

@@ -2,18 +2,25 @@
 
 ``WeightService.load(model, spec, group)`` on each rank of a worker:
 
-1. *Discovery* — live peers holding ``spec.version`` for this rank (registry), the
-   ground-truth hashes, and whether their manifest matches this skeleton's.
-2. *Single flight* — when nobody holds the version yet, one worker per version and
-   rank is elected (a Redis lease) to download; the others wait, bounded, for a peer.
-3. *Consensus* — every rank votes; ``all_reduce(MIN)``; unless all found a usable
-   peer, all load from storage.
-4. *Peer attempts* — claim a send slot, liveness handshake, guarded transfer,
+1. *Discovery* — live peers holding ``spec.version`` for this rank that speak this
+   rank's transport on its device kind (registry), the ground-truth hashes of this
+   skeleton flavour, and whether the peers' manifest matches this skeleton's.
+2. *Single flight* — when some rank finds nobody holding the version, the worker as a
+   whole waits: its rank 0 tries the download lease, and one collective per poll tells
+   every rank whether all of them see a peer or rank 0 was elected (election.py).
+3. *Peer attempts* — claim a send slot (short TTL, renewed while the attempt runs),
+   liveness handshake, guarded transfer (a short connect deadline, then the transfer's),
    verification against the ground truth; on failure the next peer.
-5. *Consensus again* — unless every rank succeeded, every rank loads from storage,
-   so the group ends in one consistent state.
-6. *Publication* — after a storage load the hashes become the ground truth (never
+4. *Storage* — unless every rank succeeded, every rank loads from storage.
+5. *Publication* — after a storage load the hashes become the ground truth (never
    overwritten); after a verified peer load the worker serves others too (fan-out).
+
+Between the phases every rank takes part in a consensus round
+(:func:`nccl_back.consensus.gather`): each rank's code (ok / no peer at all / peer load
+failed / raised) reaches every rank, and every rank takes the same decision from the
+same codes. So all ranks return the same ``source``, or all raise: a rank that raised
+re-raises its own error, the others a :class:`ConsensusError` naming it. ``strict`` is
+decided from the same codes, after the round, so it too is all or nothing.
 
 While the service is open, its :class:`~nccl_back.sender.PeerServer` answers transfer
 requests in the background and a heartbeat keeps its registry entries alive;
@@ -26,43 +33,46 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import integrity
 from .config import Settings
-from .consensus import Group, agree, rank_and_size
-from .election import DownloadLease, wait_for_peer_or_lease
+from .consensus import Group, gather, rank_and_size
+from .election import DownloadLease, elect
 from .errors import (
     ConsensusError,
     HandshakeTimeoutError,
+    IncompatiblePeerError,
     ManifestMismatchError,
     NcclBackError,
     NoPeerError,
     PeerError,
     RegistryError,
     WeightVerificationError,
+    fallback_reason,
 )
 from .handshake import run_receiver
 from .identity import ModelSpec
 from .loader import load_from_storage
 from .log import get_logger
-from .metrics import Metrics, fallback_reason
-from .registry import PeerInfo, Registry
+from .metrics import Metrics
+from .registry import PeerInfo, Registry, encode_truth, truth_for_mode
 from .result import LoadResult
 from .sender import PeerServer
 from .skeleton import Manifest, Model, manifest, model_device, named_tensors
-from .transport import (
-    receiver_transport,
-    recv_tensors,
-    run_guarded,
-)
+from .transport import receiver_transport, recv_tensors, resolve_kind, run_guarded
 
-MODES_KEY_SEP = "|"
+# One rank's code in a consensus round (the worst code decides).
+OK, NOBODY, FAILED, RAISED = 0, 1, 2, 3
+_WHAT = {NOBODY: "found no peer holding the version", FAILED: "could not load from a peer",
+         RAISED: "raised an error"}
 
 #: Fills a skeleton from storage: ``(model, spec, settings) -> LoadResult``. The default
 #: reads the checkpoint; an engine adapter passes its engine's own loader.
@@ -81,10 +91,46 @@ class PeerBusy(Exception):
     """Internal: every send slot of this peer is claimed (wait, don't count a failure)."""
 
 
-def _truth_hashes(all_hashes: dict[str, str], mode: str) -> dict[str, str]:
-    """The ``mode`` part of stored ground truth (keys are ``"{mode}|{layer}"``)."""
-    prefix = mode + MODES_KEY_SEP
-    return {k[len(prefix):]: v for k, v in all_hashes.items() if k.startswith(prefix)}
+@dataclass
+class _Attempt:
+    """One ``load`` on this rank: its inputs and what each phase found."""
+
+    model: Model
+    spec: ModelSpec
+    group: Group
+    rank: int
+    world: int
+    log: Any
+    start: float
+    timings: dict[str, float] = field(default_factory=dict)
+    man: Manifest | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    kind: str = ""
+    """Transport this rank speaks (``gloo``/``nccl``), from its device and settings."""
+    candidates: list[PeerInfo] = field(default_factory=list)
+    truth: dict[str, str] | None = None
+    reason: NcclBackError | None = None
+    """Why this rank cannot (or could not) load from a peer; None while it can."""
+    error: Exception | None = None
+    """What this rank raised unexpectedly; every rank then stops."""
+    peer_id: str | None = None
+    lease: DownloadLease | None = None
+    stored_bytes: int = 0
+
+    @property
+    def code(self) -> int:
+        if self.error is not None:
+            return RAISED
+        if self.reason is None:
+            return OK
+        return NOBODY if isinstance(self.reason, NobodyHolds) else FAILED
+
+    @property
+    def manifest(self) -> Manifest:
+        if self.man is None:
+            raise NcclBackError("internal: the skeleton's manifest was never computed")
+        return self.man
 
 
 class WeightService:
@@ -101,7 +147,6 @@ class WeightService:
         metrics: Metrics | None = None,
         worker_id: str | None = None,
         registry: Registry | None = None,
-        corrupt_sends_for_test: bool = False,
         storage_loader: StorageLoader = _load_checkpoint,
     ) -> None:
         self._storage_loader = storage_loader
@@ -109,8 +154,7 @@ class WeightService:
         self.metrics = metrics if metrics is not None else Metrics()
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.registry = registry if registry is not None else Registry(self.settings)
-        self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id,
-                                  corrupt_for_test=corrupt_sends_for_test)
+        self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id)
         self._closed = False
         self._log = get_logger("nccl_back.service", worker=self.worker_id)
 
@@ -132,115 +176,31 @@ class WeightService:
         """Transfers this worker is sending right now."""
         return self._server.active_sends
 
+    def served_tensors(self, peer_id: str) -> dict[str, torch.Tensor]:
+        """The tensors a send of this worker's entry ``peer_id`` would read now."""
+        return self._server.served_tensors(peer_id)
+
     def load(self, model: Model, spec: ModelSpec, group: Group = None) -> LoadResult:
         """Fill the skeleton ``model`` with ``spec``'s weights, from a peer if possible.
 
         ``group`` is the worker's own process group (tensor/pipeline parallel) or None.
-        Every rank of the group must call ``load`` with its own sub-module skeleton.
-        Returns a verified :class:`LoadResult`. With ``Settings(strict=True)`` a failed
-        peer load raises instead of falling back (having no peer at all is not a failure).
+        Every rank of the group must call ``load`` with its own sub-module skeleton; all
+        of them return the same ``source`` or all raise (a rank that failed raises its
+        own error, the others :class:`ConsensusError` naming it). Returns a verified
+        :class:`LoadResult`. With ``Settings(strict=True)`` a failed peer load on any rank
+        makes every rank raise instead of falling back (no peer at all is not a failure).
         """
         if self._closed:
             raise NcclBackError("WeightService is closed")
-        start = time.perf_counter()
         rank, world = rank_and_size(group)
-        man = manifest(model)
-        tensors, _ = named_tensors(model)
-        log = self._log.bind(rank=rank, version=spec.version[:12])
-        timings: dict[str, float] = {}
-
-        t = time.perf_counter()
-        candidates, truth, reason = self._discover(spec.version, rank, world, man)
-        lease: DownloadLease | None = None
-        if isinstance(reason, NobodyHolds):
-            lease = DownloadLease(self.registry, spec.version, rank, world, self.worker_id,
-                                  self.settings.download_lease)
-            candidates, truth, reason = self._single_flight(lease, spec.version, rank, world, man)
-        timings["discovery"] = time.perf_counter() - t
+        a = _Attempt(model, spec, group, rank, world,
+                     log=self._log.bind(rank=rank, version=spec.version[:12]),
+                     start=time.perf_counter())
         try:
-            return self._load(model, spec, group, man, tensors, rank, world, candidates, truth,
-                              reason, start, timings, log)
+            return self._load(a)
         finally:
-            if lease is not None:
-                lease.release()
-
-    def _single_flight(
-        self, lease: DownloadLease, version: str, rank: int, world: int, man: Manifest
-    ) -> tuple[list[PeerInfo], dict[str, str] | None, NcclBackError | None]:
-        """Nobody holds the version: wait for the elected downloader, or be it."""
-        s = self.settings
-        waited = time.monotonic()
-
-        def peer_appeared() -> bool:
-            return any(not self._server.holds(p.peer_id)
-                       for p in self.registry.find_peers(version, rank, world))
-
-        try:
-            outcome = wait_for_peer_or_lease(lease, peer_appeared, s.single_flight_wait)
-        except RegistryError as e:
-            return [], None, e
-        if outcome == "peer":
-            self._log.info("single_flight_peer_appeared", version=version[:12], rank=rank,
-                           waited=round(time.monotonic() - waited, 3))
-            return self._discover(version, rank, world, man)
-        if outcome == "elected":
-            return [], None, NobodyHolds(
-                f"no live peer holds version {version[:12]} rank {rank}/{world};"
-                " this worker was elected to download it (single flight)"
-            )
-        return [], None, NoPeerError(
-            f"waited {s.single_flight_wait:g} s (single_flight_wait) for the elected downloader"
-            " to publish; downloading too"
-        )
-
-    def _load(
-        self,
-        model: Model,
-        spec: ModelSpec,
-        group: Group,
-        man: Manifest,
-        tensors: dict[str, torch.Tensor],
-        rank: int,
-        world: int,
-        candidates: list[PeerInfo],
-        truth: dict[str, str] | None,
-        reason: NcclBackError | None,
-        start: float,
-        timings: dict[str, float],
-        log: Any,
-    ) -> LoadResult:
-        if not agree(reason is None, group) and reason is None:
-            reason = ConsensusError("another rank of this worker found no usable peer")
-
-        peer_id: str | None = None
-        if reason is None:
-            t = time.perf_counter()
-            peer_id, reason = self._receive_any(model, tensors, man, spec.version, rank, world,
-                                                candidates, truth, log, timings)
-            timings["peer"] = time.perf_counter() - t
-            if not agree(reason is None, group) and reason is None:
-                reason = ConsensusError("another rank of this worker failed its peer load")
-                peer_id = None
-
-        if reason is None and peer_id is not None:
-            seconds = time.perf_counter() - start
-            result = LoadResult(
-                source="peer", version=spec.version, bytes=man.nbytes, seconds=seconds,
-                peer_id=peer_id, verified=self.settings.verify != "none", timings=timings,
-            )
-            self.metrics.record_load("peer", man.nbytes, seconds)
-            log.info("loaded", source="peer", peer=peer_id, seconds=round(seconds, 3),
-                     gbps=round(result.gbps, 3))
-            try:
-                self._server.publish(model, tensors, man, spec.version, rank, world, source="peer",
-                              log=log)
-            except NcclBackError as e:
-                # The weights are loaded and verified; only serving others is lost.
-                log.warning("publish_failed", error=str(e))
-            return result
-
-        return self._storage_fallback(model, spec, man, tensors, rank, world, reason, start,
-                                      timings, log)
+            if a.lease is not None:
+                a.lease.release()
 
     def serve(self, model: Model, spec: ModelSpec, group: Group = None) -> PeerInfo:
         """Publish a model this worker already holds (loaded by its own code) and serve it.
@@ -251,13 +211,15 @@ class WeightService:
         if self._closed:
             raise NcclBackError("WeightService is closed")
         rank, world = rank_and_size(group)
-        tensors, _ = named_tensors(model)
         log = self._log.bind(rank=rank, version=spec.version[:12])
-        return self._server.publish(model, tensors, manifest(model), spec.version, rank, world,
-                             source="adopted", log=log)
+        return self._server.publish(model, manifest(model), spec.version, rank, world,
+                                    source="adopted", log=log)
 
     def close(self) -> None:
-        """Stop serving, withdraw every published entry, release sockets and threads."""
+        """Stop serving, withdraw every published entry, release sockets and threads.
+
+        Once it returns, no registry entry of this worker reappears.
+        """
         if self._closed:
             return
         self._closed = True
@@ -273,62 +235,174 @@ class WeightService:
     def withdraw(self) -> None:
         """Stop accepting new transfers (drain): remove this worker from the registry.
 
-        In-flight sends finish; :meth:`close` still has to be called.
+        In-flight sends finish; queued ones are refused; :meth:`close` still has to be called.
         """
         self._server.withdraw()
 
+    # -- the phases -----------------------------------------------------------------------
+
+    def _load(self, a: _Attempt) -> LoadResult:
+        t = time.perf_counter()
+        self._step(a, self._prepare)
+        codes = self._round(a, "discovery")
+        if max(codes) == NOBODY:
+            self._single_flight(a)
+            codes = self._round(a, "single flight")
+        a.timings["discovery"] = time.perf_counter() - t
+
+        if max(codes) == OK:
+            t = time.perf_counter()
+            self._step(a, self._receive_any)
+            a.timings["peer"] = time.perf_counter() - t
+            codes = self._round(a, "peer load")
+            if max(codes) == OK:
+                return self._peer_loaded(a)
+
+        self._follow(a, codes)
+        if self.settings.strict and FAILED in codes:
+            self._raise_strict(a, codes)
+        return self._storage(a)
+
+    def _step(self, a: _Attempt, phase: Callable[[_Attempt], None]) -> None:
+        """Run ``phase``; whatever it raises becomes this rank's vote, never an early exit."""
+        try:
+            phase(a)
+        except Exception as e:
+            a.error = e
+            a.log.error("rank_failed", phase=phase.__name__.strip("_"), error=repr(e))
+
+    def _round(self, a: _Attempt, what: str) -> list[int]:
+        """One consensus round: every rank's code, on every rank; raise if any rank raised."""
+        codes = gather(a.code, a.group)
+        raised = [r for r, c in enumerate(codes) if c == RAISED]
+        if raised:
+            if a.error is not None:
+                raise a.error
+            raise ConsensusError(
+                f"rank {raised[0]} of this worker raised an error during {what};"
+                " every rank stops (see that rank's error)", failed_rank=raised[0],
+            )
+        return codes
+
+    def _follow(self, a: _Attempt, codes: list[int]) -> None:
+        """The group goes to storage: a rank that could have gone on says which rank didn't."""
+        a.peer_id = None
+        if a.reason is None:
+            worst = max(codes)
+            r = codes.index(worst)
+            a.reason = ConsensusError(f"rank {r} of this worker {_WHAT[worst]}", failed_rank=r)
+
+    def _raise_strict(self, a: _Attempt, codes: list[int]) -> None:
+        if codes[a.rank] == FAILED and a.reason is not None:
+            raise a.reason
+        r = codes.index(FAILED)
+        raise ConsensusError(
+            f"strict: rank {r} of this worker could not load from a peer; every rank raises",
+            failed_rank=r,
+        )
+
+    def _prepare(self, a: _Attempt) -> None:
+        a.man = manifest(a.model)
+        a.tensors, _ = named_tensors(a.model)
+        a.device = model_device(a.model)
+        a.kind = resolve_kind(self.settings, a.device)
+        self._discover(a)
+
+    def _single_flight(self, a: _Attempt) -> None:
+        """Some rank found nobody holding the version: wait as a group, or download."""
+        if a.error is not None:
+            return
+        s = self.settings
+        version = a.spec.version
+        if a.rank == 0:
+            a.lease = DownloadLease(self.registry, version, a.world, self.worker_id, s.download_lease)
+        waited = time.monotonic()
+
+        def sees_peer() -> bool:
+            return any(not self._server.holds(p.peer_id)
+                       for p in self.registry.find_peers(version, a.rank, a.world))
+
+        outcome, who, error = elect(a.lease, sees_peer, a.group, a.rank, s)
+        waited = round(time.monotonic() - waited, 3)
+        if outcome == "peer":
+            a.log.info("single_flight_peer_appeared", waited=waited)
+            self._step(a, self._discover)
+        elif outcome == "elected":
+            a.log.info("single_flight_elected", waited=waited)
+            if isinstance(a.reason, NobodyHolds):
+                a.reason = NobodyHolds(
+                    f"no live peer holds version {version[:12]} rank {a.rank}/{a.world};"
+                    " this worker was elected to download it (single flight)"
+                )
+        elif outcome == "timeout":
+            a.reason = NoPeerError(
+                f"waited {waited:g} s (single_flight_wait {s.single_flight_wait:g} s, at most"
+                f" single_flight_max_wait {s.single_flight_max_wait:g} s while the elected"
+                " downloader lives) for it to publish; downloading too"
+            )
+        elif error is not None:  # this rank could not poll; the others follow it
+            if isinstance(error, NcclBackError):
+                a.reason = error
+            else:
+                a.error = error
+        else:
+            a.log.warning("single_flight_rank_failed", failed_rank=who)
+
     # -- receive ------------------------------------------------------------------------
 
-    def _discover(
-        self, version: str, rank: int, world: int, man: Manifest
-    ) -> tuple[list[PeerInfo], dict[str, str] | None, NcclBackError | None]:
-        """Usable peers, the ground-truth hashes for the verify mode, or why there are none."""
+    def _discover(self, a: _Attempt) -> None:
+        """Usable peers and the ground-truth hashes for the verify mode, or why there are none."""
+        a.candidates, a.truth, a.reason = [], None, None
+        version, man, s = a.spec.version, a.manifest, self.settings
         try:
-            peers = [p for p in self.registry.find_peers(version, rank, world)
+            peers = [p for p in self.registry.find_peers(version, a.rank, a.world)
                      if not self._server.holds(p.peer_id)]
             if not peers:
-                return [], None, NobodyHolds(
-                    f"no live peer holds version {version[:12]} rank {rank}/{world}"
+                a.reason = NobodyHolds(
+                    f"no live peer holds version {version[:12]} rank {a.rank}/{a.world}"
                 )
-            matching = [p for p in peers if p.manifest_digest == man.digest]
+                return
+            usable = self._usable(peers, a)
+            if not usable:
+                a.reason = IncompatiblePeerError(
+                    f"{len(peers)} peer(s) hold version {version[:12]} but none speaks"
+                    f" {a.kind} on {a.device.type} (theirs: {peers[0].transport} on {peers[0].device})"
+                )
+                return
+            matching = [p for p in usable if p.manifest_digest == man.digest]
             if not matching:
-                return [], None, ManifestMismatchError(
-                    f"{len(peers)} peer(s) hold version {version[:12]} with a different manifest"
-                    f" (theirs {peers[0].manifest_digest[:12]}, ours {man.digest[:12]})"
+                a.reason = ManifestMismatchError(
+                    f"{len(usable)} peer(s) hold version {version[:12]} with a different manifest"
+                    f" (theirs {usable[0].manifest_digest[:12]}, ours {man.digest[:12]})"
                 )
-            if self.settings.verify == "none":
-                return matching, None, None
-            stored = self.registry.get_ground_truth(version, rank, world)
+                return
+            if s.verify == "none":
+                a.candidates = matching
+                return
+            stored = self.registry.get_ground_truth(version, a.rank, a.world, man.digest)
             if stored is None:
-                return [], None, NoPeerError("peers exist but no ground-truth hashes to verify against")
-            digest, hashes = stored
-            if digest != man.digest:
-                return [], None, ManifestMismatchError(
-                    f"ground truth was computed for manifest {digest[:12]}, ours is {man.digest[:12]}"
+                a.reason = NoPeerError(
+                    f"peers exist but no ground-truth hashes for manifest {man.digest[:12]}"
+                    " to verify against"
                 )
-            expected = _truth_hashes(hashes, self.settings.verify)
+                return
+            expected = truth_for_mode(stored, s.verify)
             if not expected:
-                return [], None, NoPeerError(
-                    f"ground truth has no {self.settings.verify!r} hashes (set verify on the storage loader too)"
+                a.reason = NoPeerError(
+                    f"ground truth has no {s.verify!r} hashes (set verify on the storage loader too)"
                 )
-            return matching, expected, None
+                return
+            a.candidates, a.truth = matching, expected
         except RegistryError as e:
-            return [], None, e
+            a.reason = e
 
-    def _receive_any(
-        self,
-        model: Model,
-        tensors: dict[str, torch.Tensor],
-        man: Manifest,
-        spec_version: str,
-        rank: int,
-        world: int,
-        candidates: list[PeerInfo],
-        truth: dict[str, str] | None,
-        log: Any,
-        timings: dict[str, float],
-    ) -> tuple[str | None, NcclBackError | None]:
-        """Try peers until one transfer verifies; returns ``(peer_id, None)`` or ``(None, why)``.
+    def _usable(self, peers: list[PeerInfo], a: _Attempt) -> list[PeerInfo]:
+        """Peers this rank can talk to: same transport, same device kind, not itself."""
+        return [p for p in peers if p.transport == a.kind and p.device == a.device.type
+                and not self._server.holds(p.peer_id)]
+
+    def _receive_any(self, a: _Attempt) -> None:
+        """Try peers until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
 
         A peer whose send slots are all claimed is not a failure: the receiver waits
         (re-discovering, so receivers that finished meanwhile become candidates) up to
@@ -338,14 +412,16 @@ class WeightService:
         last: NcclBackError = NoPeerError("no peer tried")
         failed: set[str] = set()
         deadline = time.monotonic() + s.busy_wait
+        candidates = a.candidates
         while True:
             busy = 0
             for peer in candidates:
                 if peer.peer_id in failed:
                     continue
                 try:
-                    self._receive_from(peer, model, tensors, man, truth, timings)
-                    return peer.peer_id, None
+                    self._receive_from(peer, a)
+                    a.peer_id = peer.peer_id
+                    return
                 except PeerBusy:
                     busy += 1
                     continue
@@ -356,123 +432,165 @@ class WeightService:
                         self.metrics.record_verification_failure()
                     if isinstance(e, HandshakeTimeoutError):
                         self.metrics.record_handshake_timeout()
-                    log.warning("peer_attempt_failed", peer=peer.peer_id,
-                                reason=fallback_reason(e), error=str(e))
+                    a.log.warning("peer_attempt_failed", peer=peer.peer_id,
+                                  reason=fallback_reason(e), error=str(e))
                     if len(failed) >= s.max_peer_attempts:
-                        return None, last
+                        a.reason = last
+                        return
                 except RegistryError as e:
-                    return None, e
+                    a.reason = e
+                    return
             if busy == 0 or time.monotonic() >= deadline:
                 if busy:
                     last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
-                return None, last
+                a.reason = last
+                return
             time.sleep(0.05)
             try:
-                found = self.registry.find_peers(spec_version, rank, world)
+                found = self.registry.find_peers(a.spec.version, a.rank, a.world)
             except RegistryError as e:
-                return None, e
-            candidates = [p for p in found
-                          if p.manifest_digest == man.digest and not self._server.holds(p.peer_id)]
+                a.reason = e
+                return
+            candidates = [p for p in self._usable(found, a) if p.manifest_digest == a.manifest.digest]
 
-    def _receive_from(
-        self,
-        peer: PeerInfo,
-        model: Model,
-        tensors: dict[str, torch.Tensor],
-        man: Manifest,
-        truth: dict[str, str] | None,
-        timings: dict[str, float],
-    ) -> None:
+    def _receive_from(self, peer: PeerInfo, a: _Attempt) -> None:
         s = self.settings
-        device = model_device(model)
-        claim_ttl = s.receiver_handshake_timeout + s.transfer_timeout + 5
-        token = self.registry.claim(peer.peer_id, self.worker_id, peer.max_sends, claim_ttl)
+        token = self.registry.claim(peer.peer_id, self.worker_id, peer.max_sends, s.claim_ttl)
         if token is None:
             raise PeerBusy(peer.peer_id)
         try:
-            transfer_id = uuid.uuid4().hex
-            request = {
-                "transfer_id": transfer_id,
-                "receiver": self.worker_id,
-                "version": peer.version,
-                "manifest_digest": man.digest,
-                "transport": peer.transport,
-            }
-            t = time.perf_counter()
-            run_receiver(
-                self.registry, transfer_id, man.digest, s.receiver_handshake_timeout,
-                after_ready=lambda: self.registry.push_request(peer.peer_id, request),
-            )
-            timings["handshake"] = time.perf_counter() - t
-            t = time.perf_counter()
-            transport = receiver_transport(
-                s, peer.transport, peer.address, transfer_id, device=device, registry=self.registry
-            )
-            run_guarded(
-                transport,
-                lambda tr: recv_tensors(tr, tensors, s.bucket_bytes),
-                time.monotonic() + s.transfer_timeout,
-            )
-            timings["transfer"] = time.perf_counter() - t
-            if truth is not None:
+            with _kept(self.registry, peer.peer_id, token, s.claim_ttl, a.log):
+                transfer_id = uuid.uuid4().hex
+                request = {
+                    "transfer_id": transfer_id,
+                    "receiver": self.worker_id,
+                    "version": peer.version,
+                    "manifest_digest": a.manifest.digest,
+                    "transport": a.kind,
+                    "device": a.device.type,
+                    "claim": token,
+                }
                 t = time.perf_counter()
-                integrity.compare(truth, integrity.layer_hashes(model, mode=s.verify))  # type: ignore[arg-type]
-                timings["verify"] = time.perf_counter() - t
+                run_receiver(
+                    self.registry, transfer_id, a.manifest.digest, s.receiver_handshake_timeout,
+                    after_ready=lambda: self.registry.push_request(peer.peer_id, request),
+                )
+                a.timings["handshake"] = time.perf_counter() - t
+                t = time.perf_counter()
+                transport = receiver_transport(s, peer.transport, peer.address, transfer_id,
+                                               device=a.device, registry=self.registry)
+                now = time.monotonic()
+                run_guarded(
+                    transport,
+                    lambda tr: recv_tensors(tr, a.tensors, s.bucket_bytes),
+                    now + s.transfer_timeout,
+                    connect_deadline=now + s.connect_timeout,
+                )
+                a.timings["transfer"] = time.perf_counter() - t
+                if a.truth is not None:
+                    t = time.perf_counter()
+                    integrity.compare(a.truth, integrity.layer_hashes(a.model, mode=s.verify))  # type: ignore[arg-type]
+                    a.timings["verify"] = time.perf_counter() - t
         finally:
             with contextlib.suppress(RegistryError):
                 self.registry.release(peer.peer_id, token)
 
+    def _peer_loaded(self, a: _Attempt) -> LoadResult:
+        seconds = time.perf_counter() - a.start
+        man = a.manifest
+        result = LoadResult(
+            source="peer", version=a.spec.version, bytes=man.nbytes, seconds=seconds,
+            peer_id=a.peer_id, verified=self.settings.verify != "none", timings=a.timings,
+        )
+        self.metrics.record_load("peer", man.nbytes, seconds)
+        a.log.info("loaded", source="peer", peer=a.peer_id, seconds=round(seconds, 3),
+                   gbps=round(result.gbps, 3))
+        try:
+            self._server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer",
+                                 log=a.log)
+        except Exception as e:
+            # The weights are loaded and verified; only serving others is lost.
+            a.log.warning("publish_failed", error=str(e))
+        return result
+
     # -- storage ------------------------------------------------------------------------
 
-    def _storage_fallback(
-        self,
-        model: Model,
-        spec: ModelSpec,
-        man: Manifest,
-        tensors: dict[str, torch.Tensor],
-        rank: int,
-        world: int,
-        reason: NcclBackError | None,
-        start: float,
-        timings: dict[str, float],
-        log: Any,
-    ) -> LoadResult:
+    def _storage(self, a: _Attempt) -> LoadResult:
+        reason = a.reason
         code = fallback_reason(reason) if reason is not None else "other"
-        if self.settings.strict and reason is not None and not isinstance(reason, NobodyHolds):
-            raise reason
         if reason is not None:
             self.metrics.record_fallback(code)
-            log.warning("fallback_to_storage", reason=code, detail=str(reason))
-        t = time.perf_counter()
-        stored = self._storage_loader(model, spec, self.settings)
-        timings["storage"] = time.perf_counter() - t
-        timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
-        t = time.perf_counter()
-        hashes = {f"sampled{MODES_KEY_SEP}{k}": v
-                  for k, v in integrity.layer_hashes(model, mode="sampled").items()}
-        if self.settings.verify == "full":
-            hashes.update({f"full{MODES_KEY_SEP}{k}": v
-                           for k, v in integrity.layer_hashes(model, mode="full").items()})
-        timings["hash"] = time.perf_counter() - t
-        seconds = time.perf_counter() - start
+            a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
+        hashes: dict[str, str] = {}
+
+        def load(a: _Attempt) -> None:
+            t = time.perf_counter()
+            stored = self._storage_loader(a.model, a.spec, self.settings)
+            a.timings["storage"] = time.perf_counter() - t
+            a.timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
+            a.stored_bytes = stored.bytes
+            t = time.perf_counter()
+            by_mode = {"sampled": integrity.layer_hashes(a.model, mode="sampled")}
+            if self.settings.verify == "full":
+                by_mode["full"] = integrity.layer_hashes(a.model, mode="full")
+            hashes.update(encode_truth(by_mode))
+            a.timings["hash"] = time.perf_counter() - t
+
+        self._step(a, load)
+        self._round(a, "storage load")
+        seconds = time.perf_counter() - a.start
         detail = f"{code}: {reason}" if reason is not None else None
         result = LoadResult(
-            source="storage", version=spec.version, bytes=stored.bytes, seconds=seconds,
-            fallback_reason=detail, verified=True, timings=timings,
+            source="storage", version=a.spec.version, bytes=a.stored_bytes, seconds=seconds,
+            fallback_reason=detail, verified=True, timings=a.timings,
         )
-        self.metrics.record_load("storage", stored.bytes, seconds)
-        log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
+        self.metrics.record_load("storage", a.stored_bytes, seconds)
+        a.log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
+        self._publish_stored(a, hashes)
+        # Every rank has published (or logged why not) before rank 0 lets go of the
+        # download lease: waiters then find every rank's peer at once.
+        gather(OK, a.group)
+        return result
+
+    def _publish_stored(self, a: _Attempt, hashes: dict[str, str]) -> None:
+        version, man = a.spec.version, a.manifest
         try:
-            if not self.registry.put_ground_truth(spec.version, rank, world, man.digest, hashes):
-                existing = self.registry.get_ground_truth(spec.version, rank, world)
-                if existing is not None and existing[0] == man.digest:
-                    theirs = _truth_hashes(existing[1], "sampled")
-                    integrity.compare(theirs, _truth_hashes(hashes, "sampled"))
-            self._server.publish(model, tensors, man, spec.version, rank, world, source="storage", log=log)
+            if not self.registry.put_ground_truth(version, a.rank, a.world, man.digest, hashes):
+                existing = self.registry.get_ground_truth(version, a.rank, a.world, man.digest)
+                if existing is not None:
+                    integrity.compare(truth_for_mode(existing, "sampled"),
+                                      truth_for_mode(hashes, "sampled"))
+            self._server.publish(a.model, man, version, a.rank, a.world, source="storage", log=a.log)
         except WeightVerificationError as e:
             # Our bytes passed CRC32C, so the stored ground truth disagrees with storage:
             # never serve in that state, and say so loudly.
-            log.error("ground_truth_disagrees_with_storage", error=str(e))
-        except NcclBackError as e:  # Redis gone, rendezvous port taken: serve nobody
-            log.warning("publish_failed", error=str(e))
-        return result
+            a.log.error("ground_truth_disagrees_with_storage", error=str(e))
+        except Exception as e:  # Redis gone, rendezvous port taken: serve nobody
+            a.log.warning("publish_failed", error=str(e))
+
+
+@contextlib.contextmanager
+def _kept(registry: Registry, peer_id: str, token: str, ttl: float, log: Any) -> Iterator[None]:
+    """Renew the claim ``token`` every third of ``ttl`` while the block runs.
+
+    The claim then lives exactly as long as its holder: a receiver that crashes stops
+    renewing, and its slot frees itself within ``ttl``.
+    """
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(ttl / 3):
+            try:
+                if not registry.renew_claim(peer_id, token, ttl):
+                    log.warning("claim_lost", peer=peer_id)
+                    return
+            except RegistryError as e:
+                log.warning("claim_renew_failed", peer=peer_id, error=str(e))
+
+    thread = threading.Thread(target=renew, name="nccl-back-claim", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(ttl)

@@ -166,8 +166,6 @@ def _iter_modules(model: Model) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
-    if t.device.type == "meta":
-        return ("id", id(t))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
 
 
@@ -180,15 +178,18 @@ def named_tensors(model: Model) -> tuple[dict[str, torch.Tensor], dict[str, str]
     name of a tied tensor to its canonical name.
     """
     everything: dict[str, torch.Tensor] = {}
+    identity: dict[str, int] = {}
     for prefix, module in _iter_modules(model):
         for name, t in module.state_dict(keep_vars=True).items():
+            # ``.data`` is a new object each time: tie meta tensors by the original's id.
+            identity[prefix + name] = id(t)
             everything[prefix + name] = t.data if isinstance(t, nn.Parameter) else t
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
     for name in sorted(everything):
         t = everything[name]
-        key = _storage_key(t)
+        key = ("id", identity[name]) if t.device.type == "meta" else _storage_key(t)
         if key in seen:
             aliases[name] = seen[key]
             continue
@@ -264,34 +265,102 @@ def consolidate(model: Model) -> Model:
     Tensors become views of a single allocation (one per model), ``FLAT_ALIGN``-ed, in
     sorted name order. A transfer between two consolidated skeletons then moves large
     contiguous ranges in place instead of packing and unpacking small tensors: close to
-    one flat broadcast. Values are *not* copied (a skeleton holds none yet); tied
-    tensors stay tied; non-persistent buffers are left as they are.
+    one flat broadcast. Parameter values are *not* copied (a skeleton holds none yet),
+    buffer values are; tied tensors stay tied; non-persistent buffers are left as they are. Parameters on the
+    ``meta`` device (:func:`build` makes them so) get their first real storage here:
+    the model is allocated once, never twice.
     """
     man = manifest(model)
     tensors, aliases = named_tensors(model)
     if not tensors:
         return model
-    device = model_device(model)
+    devices = {t.device for t in tensors.values() if t.device.type != "meta"}
+    if len(devices) > 1:
+        raise SkeletonError(f"model spans several devices {sorted(map(str, devices))}; expected one")
+    device = devices.pop() if devices else torch.device("cpu")
+    return _rehome(model, man, aliases, device)
+
+
+def _rehome(model: Model, man: Manifest, aliases: Mapping[str, str], device: torch.device) -> Model:
     offsets, total = flat_layout(man)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     views: dict[str, torch.Tensor] = {}
     for e in man.entries:
         off = offsets[e.name]
         views[e.name] = flat[off : off + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+    # A tied parameter is one object registered under several names: replace it once.
+    replaced: dict[int, nn.Parameter] = {}
     for prefix, root in _iter_modules(model):
         for mod_name, mod in root.named_modules(remove_duplicate=False):
             base = prefix + (mod_name + "." if mod_name else "")
             for pname, param in mod._parameters.items():
-                if param is not None:
-                    name = aliases.get(base + pname, base + pname)
-                    if name in views:
-                        param.data = views[name]
+                if param is None:
+                    continue
+                name = aliases.get(base + pname, base + pname)
+                if name not in views:
+                    continue
+                if param.device.type != "meta":
+                    param.data = views[name]
+                    continue
+                if id(param) not in replaced:
+                    replaced[id(param)] = _real_parameter(param, views[name])
+                mod._parameters[pname] = replaced[id(param)]
             for bname, buf in mod._buffers.items():
                 if buf is not None and bname not in mod._non_persistent_buffers_set:
                     name = aliases.get(base + bname, base + bname)
-                    if name in views:
+                    if name in views and views[name] is not buf:
+                        if buf.device.type != "meta":
+                            # Constructor-computed values (cheap to keep) stay valid.
+                            views[name].copy_(buf)
                         mod._buffers[bname] = views[name]
     return model
+
+
+def _real_parameter(meta: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter like ``meta`` (class, ``requires_grad``, attributes) holding ``data``.
+
+    ``.data`` cannot be swapped from the meta device to a real one, so the parameter
+    object is replaced; engines hang attributes (``weight_loader``) on theirs.
+    """
+    try:
+        new = type(meta)(data, requires_grad=meta.requires_grad)
+    except Exception:  # a subclass with its own constructor: a plain Parameter will do
+        new = nn.Parameter(data, requires_grad=meta.requires_grad)
+    new.__dict__.update(meta.__dict__)
+    return new
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Within this block, every registered parameter is moved to the ``meta`` device.
+
+    Constructors still run on the real device, so buffers they compute (``inv_freq``)
+    are real; each parameter's real allocation is dropped as soon as it is registered,
+    so building costs at most one parameter of device memory until :func:`consolidate`
+    allocates the whole model once.
+    """
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None and param.device.type != "meta":
+            self._parameters[name] = _meta_parameter(param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
+    meta = param.data.to("meta")
+    try:
+        new = type(param)(meta, requires_grad=param.requires_grad)
+    except Exception:
+        new = nn.Parameter(meta, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
 
 
 def build(
@@ -301,23 +370,47 @@ def build(
 
     ``factory`` builds the model (or mapping of sub-modules) exactly as the worker
     would, minus any checkpoint loading (pass your own ``skip_checkpoint=True``-style
-    flag inside it). With ``flat`` (the default) the tensors are then
-    :func:`consolidate`-d into one allocation, which makes peer transfers faster.
-    Raises :class:`SkeletonError` if the result has tensors on another device or on
-    ``meta``.
+    flag inside it). With ``flat`` (the default) parameters are created on the
+    ``meta`` device while the factory runs (:func:`params_on_meta`) and then laid out
+    in one allocation (:func:`consolidate`): the model's memory is allocated once,
+    so a model that fills most of a GPU can still be built, and peer transfers move
+    large contiguous ranges. Raises :class:`SkeletonError` if the result has tensors
+    on another device, or on ``meta`` after the layout.
     """
     dev = torch.device(device)
+    meta = params_on_meta() if flat else contextlib.nullcontext()
     try:
-        with no_init(), dev:
+        with no_init(), dev, meta:
             model = factory()
     except SkeletonError:
         raise
     except Exception as e:
         raise SkeletonError(f"skeleton factory {getattr(factory, '__name__', factory)!r} failed: {e}") from e
+    if flat:
+        man = manifest(model)
+        tensors, aliases = named_tensors(model)
+        _check_devices(tensors, dev, allow_meta=True)
+        if tensors:
+            model = _rehome(model, man, aliases, dev if dev.index is not None or dev.type == "cpu"
+                            else _real_device(tensors, dev))
     tensors, _ = named_tensors(model)
+    _check_devices(tensors, dev, allow_meta=False)
+    return model
+
+
+def _real_device(tensors: Mapping[str, torch.Tensor], dev: torch.device) -> torch.device:
+    """``cuda`` without an index: the index the factory's real tensors got, else current."""
+    for t in tensors.values():
+        if t.device.type == dev.type:
+            return t.device
+    return torch.device(dev.type, torch.cuda.current_device()) if dev.type == "cuda" else dev
+
+
+def _check_devices(tensors: Mapping[str, torch.Tensor], dev: torch.device, *, allow_meta: bool) -> None:
     for name, t in tensors.items():
         if t.device.type == "meta":
+            if allow_meta:
+                continue
             raise SkeletonError(f"{name} is on the meta device; a skeleton needs real storage")
         if t.device != dev and not (dev.type == t.device.type and dev.index is None):
             raise SkeletonError(f"{name} is on {t.device}, expected {dev}")
-    return consolidate(model) if flat else model

@@ -95,11 +95,21 @@ def parse_uri(uri: str) -> Location:
 
 @dataclass(frozen=True)
 class Shard:
-    """One checkpoint file: its URI, CRC32C (8 lowercase hex digits) and size in bytes."""
+    """One checkpoint file: its URI, CRC32C (8 lowercase hex digits) and size in bytes.
+
+    ``name`` is the file's path *within the model* (``model-00001-of-00002.safetensors``,
+    ``unet/diffusion_pytorch_model.safetensors``): what identifies it whatever directory
+    or bucket holds the model. It defaults to the URI's last component.
+    """
 
     uri: str
     crc32c: str
     size: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.uri.rstrip("/").rsplit("/", 1)[-1])
 
 
 @dataclass(frozen=True)
@@ -311,18 +321,22 @@ class Storage:
 
         return self._call(f"downloading {loc.uri} [{start}, {start + len(view)})", fetch)
 
-    def _start(self, shard: Shard, pool: ThreadPoolExecutor) -> tuple[np.ndarray, list[Future[int]]]:
+    def _start(
+        self, shard: Shard, pool: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None = None
+    ) -> tuple[np.ndarray, list[Future[int]]]:
         loc = parse_uri(shard.uri)
         if loc.is_local:
             raise ConfigError(f"{shard.uri!r} is local; read it in place instead of downloading")
         buf = np.empty(shard.size, dtype=np.uint8)
         view = buf.data
         step = self.settings.chunk_bytes
-        futures = [
-            pool.submit(self._fetch_into, loc, view[off : off + step], off)
-            for off in range(0, shard.size, step)
-        ]
-        return buf, futures
+        def fetch(off: int) -> int:
+            got = self._fetch_into(loc, view[off : off + step], off)
+            if on_bytes is not None:
+                on_bytes(got)
+            return got
+
+        return buf, [pool.submit(fetch, off) for off in range(0, shard.size, step)]
 
     def _finish(self, shard: Shard, buf: np.ndarray, futures: list[Future[int]]) -> bool:
         """Wait for a shard's chunks; True if it is complete and its CRC32C matches."""
@@ -335,8 +349,13 @@ class Storage:
         log.warning("checksum_mismatch", uri=shard.uri, expected=shard.crc32c, actual=actual)
         return False
 
-    def download_many(self, shards: Sequence[Shard]) -> Generator[tuple[Shard, np.ndarray], None, None]:
+    def download_many(
+        self, shards: Sequence[Shard], on_bytes: Callable[[int], None] | None = None
+    ) -> Generator[tuple[Shard, np.ndarray], None, None]:
         """Download ``shards`` in parallel; yield each (in order) with its verified bytes.
+
+        ``on_bytes(n)`` is called from the download threads as each chunk of ``n`` bytes
+        arrives (for a progress bar).
 
         Enough shards are in flight to keep ``storage_workers`` ranged requests busy, so
         memory stays near ``storage_workers * chunk_bytes`` plus the shard being consumed.
@@ -354,7 +373,7 @@ class Storage:
                     len(pending) < 2 or sum(p[0].size for p in pending) < budget
                 ):
                     shard = todo.popleft()
-                    pending.append((shard, *self._start(shard, pool)))
+                    pending.append((shard, *self._start(shard, pool, on_bytes)))
                 shard, buf, futures = pending.popleft()
                 attempt = 1
                 while not self._finish(shard, buf, futures):
@@ -363,7 +382,7 @@ class Storage:
                             f"{shard.uri}: CRC32C differs from {shard.crc32c} after {attempt} downloads"
                         )
                     attempt += 1
-                    buf, futures = self._start(shard, pool)
+                    buf, futures = self._start(shard, pool, on_bytes)
                 yield shard, buf
                 del buf
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nccl_back.config import Settings
@@ -82,3 +84,68 @@ def test_settings_are_frozen() -> None:
         s.namespace = "x"  # type: ignore[misc]
     with pytest.raises(ConfigError, match="peer_ttl=-1"):
         s.replace(peer_ttl=-1)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+def test_nan_and_infinite_values_are_rejected(value: str) -> None:
+    """NaN or infinite seconds (from the environment or code) are a ConfigError."""
+    with pytest.raises(ConfigError, match=r"NCCL_BACK_|transfer_timeout=(nan|inf|-inf)"):
+        Settings.from_env({"NCCL_BACK_TRANSFER_TIMEOUT": value})
+    with pytest.raises(ConfigError, match=r"busy_wait=(nan|inf|-inf): must be"):
+        Settings(busy_wait=float(value))
+
+
+def test_secret_from_variable_or_file_never_shown(tmp_path: Path) -> None:
+    """The secret comes from NCCL_BACK_SECRET or a file (newline dropped), never in repr."""
+    secret = "s3cret-" + "x" * 20
+    assert Settings.from_env({"NCCL_BACK_SECRET": secret}).secret == secret
+    path = Path(str(tmp_path)) / "secret"
+    path.write_text(secret + "\n")
+    s = Settings.from_env({"NCCL_BACK_SECRET_FILE": str(path)})
+    assert s.secret == secret
+    assert secret not in repr(s)
+    assert Settings().secret is None and Settings().key("sign") is None
+    keys = {s.key("sign"), s.key("samples"), Settings(secret=secret + "!").key("sign")}
+    assert len(keys) == 3 and all(k is not None and len(k) == 32 for k in keys)
+
+
+def test_bad_secrets_are_config_errors_without_the_value(tmp_path: Path) -> None:
+    """Short secrets, unreadable files and both sources set are errors naming no secret."""
+    with pytest.raises(ConfigError, match="at least 16 bytes") as info:
+        Settings(secret="short")
+    assert "short" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"NCCL_BACK_SECRET_FILE='/nonexistent/s': cannot read"):
+        Settings.from_env({"NCCL_BACK_SECRET_FILE": "/nonexistent/s"})
+    path = Path(str(tmp_path)) / "secret"
+    path.write_text("y" * 32)
+    with pytest.raises(ConfigError, match="both set"):
+        Settings.from_env({"NCCL_BACK_SECRET_FILE": str(path), "NCCL_BACK_SECRET": "z" * 32})
+    path.write_bytes(b"\xff" * 32)
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        Settings.from_env({"NCCL_BACK_SECRET_FILE": str(path)})
+
+
+def test_multirank_settings_are_checked_and_connect_timeout_is_derived() -> None:
+    """single_flight_max_wait >= single_flight_wait, claim_ttl > 0; connect_timeout = both handshake timeouts."""
+    with pytest.raises(ConfigError, match="single_flight_max_wait=10.*at least single_flight_wait=300"):
+        Settings(single_flight_max_wait=10.0)
+    with pytest.raises(ConfigError, match="claim_ttl=0"):
+        Settings(claim_ttl=0)
+    s = Settings(sender_handshake_timeout=1.0, receiver_handshake_timeout=10.0)
+    assert s.connect_timeout == 11.0
+    assert Settings(transfer_timeout=5.0).connect_timeout == 5.0
+
+
+def test_peer_budget_is_automatic_or_explicit() -> None:
+    """peer_budget 0 derives the bound from the other timeouts; negative is refused."""
+    s = Settings()
+    assert s.peer_budget_seconds == s.busy_wait + s.transfer_timeout + 3 * s.receiver_handshake_timeout
+    assert Settings(peer_budget=5).peer_budget_seconds == 5
+    with pytest.raises(ConfigError, match="peer_budget=-1"):
+        Settings(peer_budget=-1)
+
+
+def test_rendezvous_listens_on_the_advertised_address_by_default() -> None:
+    """bind_host empty (default) means the advertised address; an explicit one wins."""
+    assert Settings(advertise_host="10.0.0.5").listen_host == "10.0.0.5"
+    assert Settings(advertise_host="10.0.0.5", bind_host="0.0.0.0").listen_host == "0.0.0.0"

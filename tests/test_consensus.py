@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from nccl_back.consensus import agree, rank_and_size
+from nccl_back.consensus import agree, gather, rank_and_size
 from nccl_back.devservers import free_port
 
 
@@ -19,7 +19,8 @@ def _rank_main(rank: int, port: int, votes: list[bool], out: mp.Queue) -> None: 
     )
     try:
         group = dist.group.WORLD
-        out.put((rank, rank_and_size(group), agree(votes[rank], group)))
+        out.put((rank, rank_and_size(group), agree(votes[rank], group),
+                 gather(rank * 2 + int(votes[rank]), group)))
     finally:
         dist.destroy_process_group()
 
@@ -32,11 +33,16 @@ def _run(votes: list[bool]) -> dict[int, tuple[tuple[int, int], bool]]:
     for p in procs:
         p.start()
     results = {}
+    gathered: list[list[int]] = []
     for _ in procs:
-        rank, rs, decision = q.get(timeout=60)
+        rank, rs, decision, codes = q.get(timeout=60)
         results[rank] = (rs, decision)
+        gathered.append(codes)
     for p in procs:
         p.join(10)
+    # gather(): every rank learns every rank's code, in rank order.
+    expected = [r * 2 + int(v) for r, v in enumerate(votes)]
+    assert gathered == [expected, expected], gathered
     return results
 
 
@@ -45,11 +51,12 @@ def test_single_process_vote_decides() -> None:
     assert agree(True, None) is True
     assert agree(False, None) is False
     assert rank_and_size(None) == (0, 1)
+    assert gather(3, None) == [3]
 
 
 @pytest.mark.timeout(90)
 def test_unanimous_yes_and_one_no() -> None:
-    """Two ranks agree only when both vote yes; one 'no' makes both decide 'no'."""
+    """Two ranks agree only when both vote yes (one no: both decide no); gather gives every rank every code."""
     yes = _run([True, True])
     assert yes == {0: ((0, 2), True), 1: ((1, 2), True)}
     split = _run([True, False])

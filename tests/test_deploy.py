@@ -26,20 +26,29 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from nccl_back.config import ENV_PREFIX, Settings
+from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 OVERLAYS = {
     "example": DEPLOY / "overlays" / "example",
     "shared-gpu": DEPLOY / "overlays" / "shared-gpu",
+    "pre-1.29": DEPLOY / "overlays" / "pre-1.29",
 }
-# Oldest and newest Kubernetes each kustomization is validated against; resource.k8s.io/v1
-# (Dynamic Resource Allocation, used by shared-gpu) is GA from 1.34.
+#: Overlays whose sidecar is a native one (an init container with restartPolicy Always).
+NATIVE = {"example", "shared-gpu"}
+# Oldest and newest Kubernetes each kustomization is validated against. Native sidecars
+# are on by default from 1.29 (beta; GA in 1.33); the pre-1.29 overlay must also pass the
+# older schemas, where a container has no restartPolicy. resource.k8s.io/v1 (Dynamic
+# Resource Allocation, used by shared-gpu) is GA from 1.34.
 K8S_VERSIONS = {
     "base": ("1.29.0", kubernetes_validate.latest_version()),
     "example": ("1.29.0", kubernetes_validate.latest_version()),
     "shared-gpu": ("1.34.0", kubernetes_validate.latest_version()),
+    "pre-1.29": ("1.25.0", kubernetes_validate.latest_version()),
 }
+#: Seconds the native-sidecar pods leave the inference container to exit before the
+#: sidecar's own preStop starts (see the grace-period comment in base/worker.yaml).
+INFERENCE_STOP_S = 30
 KUSTOMIZATIONS = {"base": DEPLOY / "base", **OVERLAYS}
 CLUSTER_SCOPED = {"Namespace"}
 WORKER = {"app.kubernetes.io/name": "nccl-back", "app.kubernetes.io/component": "worker"}
@@ -121,10 +130,18 @@ def _pointer(path: str) -> list[str]:
 
 
 def _json_patch(obj: Obj, ops: list[Obj]) -> None:
-    """RFC 6902 test/add/remove/replace (the ops deploy/ uses)."""
+    """RFC 6902 test/add/remove/replace/move (the ops deploy/ uses)."""
     for op in ops:
+        if op["op"] == "move":
+            *parents, last = _pointer(op["from"])
+            node: Any = obj
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            value = node.pop(int(last) if isinstance(node, list) else last)
+            _json_patch(obj, [{"op": "add", "path": op["path"], "value": value}])
+            continue
         *parents, last = _pointer(op["path"])
-        node: Any = obj
+        node = obj
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
         index: Any = int(last) if isinstance(node, list) and last != "-" else last
@@ -244,8 +261,9 @@ def one(objs: list[Obj], kind: str, name_prefix: str) -> Obj:
 
 
 def container(objs: list[Obj], deployment: str, name: str) -> Obj:
+    """A container of the deployment's pod, regular or init (a native sidecar)."""
     spec = one(objs, "Deployment", deployment)["spec"]["template"]["spec"]
-    return next(c for c in spec["containers"] if c["name"] == name)
+    return next(c for c in [*spec.get("initContainers", []), *spec["containers"]] if c["name"] == name)
 
 
 def flag(args: list[str], name: str) -> str:
@@ -362,9 +380,12 @@ def test_grace_period_covers_the_drain_bound(name: str, rendered: dict[str, list
     hook = sidecar["lifecycle"]["preStop"]["exec"]["command"]
     assert hook[:4] == ["python", "-m", "nccl_back.health", "drain"]
     assert flag(hook, "--port") == flag(sidecar["args"], "--health-port")
+    assert flag(hook, "--token-file") == flag(sidecar["args"], "--drain-token-file")
     pre_stop_timeout = float(flag(hook, "--timeout"))
     assert pre_stop_timeout >= drain_bound
-    assert spec["terminationGracePeriodSeconds"] >= pre_stop_timeout + 5
+    # A native sidecar is stopped only after the inference container has exited.
+    first = INFERENCE_STOP_S if name in NATIVE else 0
+    assert spec["terminationGracePeriodSeconds"] >= first + pre_stop_timeout + 5
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
@@ -433,16 +454,87 @@ def sidecar_environment(objs: list[Obj]) -> dict[str, str]:
     return env
 
 
+def mounted_secret(objs: list[Obj], path: str) -> str:
+    """The content of a file the sidecar reads from a mounted Secret volume."""
+    sidecar = container(objs, "nccl-back-worker", "nccl-back")
+    spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in sidecar["volumeMounts"]:
+        if path.startswith(mount["mountPath"] + "/"):
+            source = volumes[mount["name"]]["secret"]
+            secret = one(objs, "Secret", source["secretName"])
+            key = path.removeprefix(mount["mountPath"] + "/")
+            return base64.b64decode(secret["data"][key]).decode()
+    raise AssertionError(f"{path} is on no mounted Secret")
+
+
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
-def test_nccl_back_variables_are_settings_fields(name: str, rendered: dict[str, list[Obj]]) -> None:
+def test_fleet_secret_is_required_and_mounted_privately(
+    name: str, rendered: dict[str, list[Obj]]
+) -> None:
+    """The sidecar reads the fleet secret from a read-only 0400 Secret volume, not the env."""
+    objs = rendered[name]
+    sidecar = container(objs, "nccl-back-worker", "nccl-back")
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert "NCCL_BACK_SECRET" not in env, "the secret must not sit in an env var"
+    path = env["NCCL_BACK_SECRET_FILE"]["value"]
+    secret = mounted_secret(objs, path)
+    assert len(secret.encode()) >= 16
+    assert secret != base64.b64decode(one(objs, "Secret", "nccl-back-redis")["data"]["password"]).decode()
+    spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if "secret" in v and path.startswith("/etc/nccl-back"))
+    assert volume["secret"]["defaultMode"] == 0o400
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == volume["name"])
+    assert mount["readOnly"] is True
+    inference = container(objs, "nccl-back-worker", "inference")
+    assert all(m["name"] != volume["name"] for m in inference["volumeMounts"])
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_network_policy_admits_only_workers_to_transfer_ports(
+    name: str, rendered: dict[str, list[Obj]]
+) -> None:
+    """Worker pods admit other workers on every TCP port, anyone else on health/inference only."""
+    objs = rendered[name]
+    policy = one(objs, "NetworkPolicy", "nccl-back-worker")["spec"]
+    worker = one(objs, "Deployment", "nccl-back-worker")
+    redis = one(objs, "Deployment", "nccl-back-redis")
+    assert selects(policy["podSelector"], pod_labels(worker))
+    assert policy["policyTypes"] == ["Ingress"]
+    sidecar = container(objs, "nccl-back-worker", "nccl-back")
+    inference = container(objs, "nccl-back-worker", "inference")
+    rendezvous = int(flag(sidecar["args"], "--rendezvous-port"))
+    open_ports = {int(flag(sidecar["args"], "--health-port"))} | {
+        p["containerPort"] for p in inference["ports"]
+    }
+    for rule in policy["ingress"]:
+        if "from" in rule:
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, f"non-pod source admitted: {peer}"
+                assert selects(peer["podSelector"], pod_labels(worker))
+                assert not selects(peer["podSelector"], pod_labels(redis))
+        else:
+            ports = {p["port"] for p in rule["ports"]}
+            assert ports == open_ports, "only health and inference ports are open to all"
+            assert rendezvous not in ports
+            assert all("endPort" not in p for p in rule["ports"])
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_nccl_back_variables_are_settings_fields(
+    name: str, rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
     """Every NCCL_BACK_* variable names a Settings field, and Settings accepts their values."""
     objs = rendered[name]
-    fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
+    fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)} | {SECRET_FILE_ENV}
     mentioned = set(re.findall(r"\bNCCL_BACK_[A-Z0-9_]+\b", json.dumps(objs)))
     assert mentioned, "the manifests set no NCCL_BACK_ variable"
     assert mentioned <= fields, f"not Settings fields: {sorted(mentioned - fields)}"
     env = sidecar_environment(objs)
-    settings = Settings.from_env(env)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(mounted_secret(objs, env.pop("NCCL_BACK_SECRET_FILE")))
+    settings = Settings.from_env({**env, "NCCL_BACK_SECRET_FILE": str(secret_file)})
+    assert settings.secret is not None
     assert settings.transport == "nccl"
     assert settings.advertise_host == "10.1.2.3"
     assert settings.redis_url.startswith("redis://:") and settings.redis_url.endswith(":6379/0")
@@ -454,7 +546,12 @@ def test_worker_pod_shape(name: str, rendered: dict[str, list[Obj]]) -> None:
     """Two containers share the socket and /dev/shm volumes; ports declared; no hostIPC."""
     objs = rendered[name]
     spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
-    assert [c["name"] for c in spec["containers"]] == ["inference", "nccl-back"]
+    if name in NATIVE:
+        assert [c["name"] for c in spec["containers"]] == ["inference"]
+        assert [c["name"] for c in spec["initContainers"]] == ["nccl-back"]
+    else:
+        assert [c["name"] for c in spec["containers"]] == ["inference", "nccl-back"]
+        assert "initContainers" not in spec
     assert not spec.get("hostIPC") and not spec.get("hostNetwork") and not spec.get("hostPID")
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
@@ -463,10 +560,13 @@ def test_worker_pod_shape(name: str, rendered: dict[str, list[Obj]]) -> None:
     socket = flag(sidecar["args"], "--socket")
     inference_env = {e["name"]: e.get("value") for e in inference["env"]}
     assert inference_env["HANDOFF_SOCKET"] == socket
+    # The socket sits in a directory of its own inside the shared volume: an emptyDir
+    # is writable by all, and attach() refuses such a directory.
+    assert flag(sidecar["args"], "--drain-token-file").startswith(str(Path(socket).parent) + "/")
     for c in (inference, sidecar):
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert mounts["/dev/shm"] == "dshm"
-        assert mounts[str(Path(socket).parent)] == "handoff"
+        assert mounts[str(Path(socket).parent.parent)] == "handoff"
     assert sidecar["command"] == ["nccl-back", "serve"]
     assert flag(sidecar["args"], "--model") == "$(MODEL_URI)"
     assert flag(sidecar["args"], "--device") == "cuda:0"
@@ -475,6 +575,37 @@ def test_worker_pod_shape(name: str, rendered: dict[str, list[Obj]]) -> None:
     for c in (inference, sidecar):
         name_, tag = _split_image(c["image"])
         assert tag and "/" in name_, f"{c['name']}: image {c['image']} not set by the overlay"
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_sidecar_is_native(name: str, rendered: dict[str, list[Obj]]) -> None:
+    """The sidecar is the pod's first init container with restartPolicy Always (started
+    before inference, stopped after it) and a startup probe on /healthz gates inference."""
+    objs = rendered[name]
+    spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    sidecar = spec["initContainers"][0]
+    assert sidecar["name"] == "nccl-back" and sidecar["restartPolicy"] == "Always"
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    for c in spec["containers"]:
+        assert "restartPolicy" not in c
+
+
+def test_pre_1_29_overlay_keeps_the_ordinary_sidecar(rendered: dict[str, list[Obj]]) -> None:
+    """pre-1.29 is the example with the same sidecar as an ordinary second container."""
+    native = container(rendered["example"], "nccl-back-worker", "nccl-back")
+    old = container(rendered["pre-1.29"], "nccl-back-worker", "nccl-back")
+    assert "restartPolicy" not in old
+    assert old == {k: v for k, v in native.items() if k != "restartPolicy"}
+    spec = one(rendered["pre-1.29"], "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    example = one(rendered["example"], "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
+    assert spec["containers"][0] == example["containers"][0]
+
+
+def test_renderer_supports_move(tmp_path: Path) -> None:
+    """The renderer's JSON patch `move` takes an item out of one list into another."""
+    obj: Obj = {"a": [{"n": 1}], "b": [{"n": 0}]}
+    _json_patch(obj, [{"op": "move", "from": "/a/0", "path": "/b/-"}])
+    assert obj == {"a": [], "b": [{"n": 0}, {"n": 1}]}
 
 
 def test_gpu_goes_to_the_sidecar_in_example(rendered: dict[str, list[Obj]]) -> None:
@@ -493,7 +624,9 @@ def test_shared_gpu_overlay_claims_one_gpu_for_both(rendered: dict[str, list[Obj
     assert template["metadata"]["namespace"] == one(objs, "Deployment", "nccl-back-worker")[
         "metadata"]["namespace"]
     assert spec["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "nccl-back-gpu"}]
-    for c in spec["containers"]:
+    both = [*spec["initContainers"], *spec["containers"]]
+    assert [c["name"] for c in both] == ["nccl-back", "inference"]
+    for c in both:
         assert c["resources"]["claims"] == [{"name": "gpu"}]
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
     assert spec["shareProcessNamespace"] is True

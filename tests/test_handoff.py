@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
-from nccl_back.handoff import HandoffServer, attach
+from nccl_back.handoff import HandoffServer, attach, gpu_uuid, local_gpu_index
 from nccl_back.integrity import layer_hashes
 from nccl_back.skeleton import build, manifest
 
@@ -65,7 +65,12 @@ def _assert_identical(model: nn.Module, reference: dict[str, torch.Tensor]) -> N
     assert sorted(state) == sorted(reference)
     for name, t in state.items():
         assert t.dtype == reference[name].dtype, name
-        assert torch.equal(t.detach().cpu(), reference[name]), name
+        # Bitwise: an untouched skeleton may hold NaN patterns, and NaN != NaN.
+        assert torch.equal(_bits(t.detach().cpu()), _bits(reference[name])), name
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _sidecar(path: str, dtype: str, device: str, ready: Any, stop: Any) -> None:
@@ -311,6 +316,24 @@ def test_bad_arguments_raise_config_error(sock_dir: str) -> None:
         attach(_skeleton(), sock_dir, "mmap", version=VERSION)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="timeout=0"):
         attach(_skeleton(), sock_dir, timeout=0, version=VERSION)
+
+
+def test_gpu_is_found_by_uuid_not_index() -> None:
+    """The sidecar's GPU is mapped to this process's index by UUID; an unseen one is refused."""
+    visible = ["GPU-aaaa", "GPU-bbbb"]
+    assert local_gpu_index("GPU-bbbb", visible) == 1
+    with pytest.raises(AttachError, match="GPU GPU-cccc, which this process cannot see"):
+        local_gpu_index("GPU-cccc", visible)
+    with pytest.raises(AttachError, match="did not name its GPU by UUID"):
+        local_gpu_index("", visible)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(30)
+def test_gpu_uuid_names_a_visible_device() -> None:
+    """On a GPU machine, device 0's UUID maps back to index 0."""
+    uuids = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    assert uuids[0].startswith("GPU-") and local_gpu_index(uuids[0], uuids) == 0
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -11,7 +12,12 @@ import pytest
 from nccl_back import handshake
 from nccl_back.config import Settings
 from nccl_back.devservers import LocalRedis
-from nccl_back.errors import HandshakeTimeoutError, ManifestMismatchError, RegistryError
+from nccl_back.errors import (
+    HandshakeTimeoutError,
+    IncompatiblePeerError,
+    ManifestMismatchError,
+    RegistryError,
+)
 from nccl_back.registry import Registry
 
 
@@ -153,3 +159,69 @@ def test_redis_down_raises_registry_error(namespace: str) -> None:
     with pytest.raises(RegistryError, match="redis SET failed"):
         handshake.run_receiver(registry, uuid.uuid4().hex, "m", 1.0)
     server.stop()
+
+
+class SlowCas(Registry):
+    """A registry whose compare-and-set lands ``delay`` s late (a slow Redis round trip)."""
+
+    def __init__(self, settings: Settings, *, delay: float) -> None:
+        super().__init__(settings)
+        self._delay = delay
+
+    def compare_and_set(self, *a: object, **k: object) -> bool:
+        time.sleep(self._delay)
+        return super().compare_and_set(*a, **k)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_late_ack_after_the_sender_gave_up_is_refused(registry: Registry) -> None:
+    """The receiver's last reply lands after the sender abandoned: the receiver raises at once."""
+    tid = uuid.uuid4().hex
+    late = SlowCas(registry.settings, delay=1.0)
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "m", 0.3))
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeTimeoutError, match="the sender gave up"):
+        handshake.run_receiver(late, tid, "m", 10.0)
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], HandshakeTimeoutError), errors
+    # Seconds, not the receiver's 10 s timeout (nor a transfer timeout after it).
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(30)
+def test_ack_landing_as_the_sender_gives_up_is_honoured(registry: Registry) -> None:
+    """An ack that lands between the sender's deadline and its abandonment wins: both sides go on."""
+    tid = uuid.uuid4().hex
+    # The sender's abandonment is slow, so the receiver's ack (after 0.5 s) gets there first.
+    hesitant = SlowCas(registry.settings, delay=1.0)
+    slow_receiver = SlowCas(registry.settings, delay=0.5)
+    thread, errors = in_thread(lambda: handshake.run_sender(hesitant, tid, "m", 0.3))
+    handshake.run_receiver(slow_receiver, tid, "m", 10.0)
+    thread.join(10)
+    assert errors == []
+
+
+@pytest.mark.timeout(30)
+def test_abandonment_is_read_by_a_receiver_still_waiting_for_the_nonce(registry: Registry) -> None:
+    """A receiver that reaches R2 after the sender abandoned reads the marker and raises at once."""
+    tid = uuid.uuid4().hex
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "m", 0.3))
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeTimeoutError, match="before we read its nonce"):
+        handshake.run_receiver(registry, tid, "m", 10.0, after_ready=lambda: time.sleep(1.0))
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], HandshakeTimeoutError), errors
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(30)
+def test_refusal_reaches_the_receiver_at_once(registry: Registry) -> None:
+    """A sender's refusal (another transport) raises IncompatiblePeerError without waiting out the timeout."""
+    tid = uuid.uuid4().hex
+    t0 = time.monotonic()
+    with pytest.raises(IncompatiblePeerError, match="refused it \\(incompatible\\): nccl only"):
+        handshake.run_receiver(
+            registry, tid, "m", 10.0,
+            after_ready=lambda: handshake.refuse(registry, tid, "incompatible", "nccl only"),
+        )
+    assert time.monotonic() - t0 < 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -78,10 +79,36 @@ def test_config_key_order_does_not_matter(tmp_path: Path, cache_dir: str) -> Non
 
 
 def test_version_is_md5_of_canonical_json() -> None:
-    """The version is the MD5 of sorted-key, compact JSON of config and (URI, CRC32C) pairs."""
+    """The version is the MD5 of sorted-key, compact JSON of config and (name, size, CRC32C)."""
     spec = ModelSpec({"b": 1, "a": "x"}, (Shard("gs://b/m/1.safetensors", "0a0b0c0d", 9),))
-    canonical = '{"config":{"a":"x","b":1},"shards":[["gs://b/m/1.safetensors","0a0b0c0d"]]}'
+    canonical = '{"config":{"a":"x","b":1},"shards":[["1.safetensors",9,"0a0b0c0d"]]}'
     assert spec.version == hashlib.md5(canonical.encode()).hexdigest()
+
+
+def test_version_ignores_location(tmp_path: Path, cache_dir: str) -> None:
+    """The same bytes in another directory share the version; one changed byte changes it."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "a" / "ckpt", n_shards=2)
+    copy = tmp_path / "elsewhere" / "other-name"
+    shutil.copytree(ckpt, copy)
+    first = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    moved = ModelSpec.from_dir(f"file://{copy}", cache_dir=cache_dir)
+    assert [s.uri for s in moved.shards] != [s.uri for s in first.shards]
+    assert moved.version == first.version
+    shard = copy / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert ModelSpec.from_dir(str(copy), cache_dir=cache_dir).version != first.version
+
+
+def test_version_covers_names_and_sizes() -> None:
+    """A renamed shard (same bytes) or another size (same CRC) gives another version."""
+    base = ModelSpec({}, (Shard("/m/a.safetensors", "00000001", 5),))
+    renamed = ModelSpec({}, (Shard("/m/b.safetensors", "00000001", 5),))
+    resized = ModelSpec({}, (Shard("/m/a.safetensors", "00000001", 6),))
+    relocated = ModelSpec({}, (Shard("gs://bkt/x/y/a.safetensors", "00000001", 5),))
+    assert len({base.version, renamed.version, resized.version}) == 3
+    assert relocated.version == base.version
 
 
 def test_warm_cache_reads_no_shard_bytes(tmp_path: Path, cache_dir: str) -> None:
@@ -173,10 +200,13 @@ def test_incomplete_directories(tmp_path: Path, cache_dir: str, setup: str, mess
 
 def test_json_round_trip() -> None:
     """to_json/from_json (also through JSON text) give back an equal spec and version."""
-    spec = ModelSpec({"d": 32}, (Shard("gs://b/m/2.safetensors", "00ff00ff", 7), Shard("/x", "12345678", 1)))
+    spec = ModelSpec({"d": 32}, (Shard("gs://b/m/2.safetensors", "00ff00ff", 7),
+                                 Shard("/x", "12345678", 1, "sub/x.safetensors")))
     assert ModelSpec.from_json(spec.to_json()) == spec
     again = ModelSpec.from_json(json.dumps(spec.to_json()))
     assert again.version == spec.version and again.shards == spec.shards
+    old_form = {"config": {"d": 32}, "shards": [["gs://b/m/2.safetensors", "00ff00ff", 7]]}
+    assert ModelSpec.from_json(old_form).shards[0].name == "2.safetensors"
 
 
 @pytest.mark.parametrize("bad", ['{"config": {}}', "[1, 2]", '{"config": {}, "shards": [["u", "c"]]}'])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nccl_back.checkpoint import INDEX_NAME, flat_skeleton
-from nccl_back.errors import CheckpointFormatError, ShardNotFoundError, WeightLoadError
-from nccl_back.identity import ModelSpec
+from nccl_back.config import Settings
+from nccl_back.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    ShardNotFoundError,
+    WeightLoadError,
+)
+from nccl_back.identity import CACHE_NAME, ModelSpec
 from nccl_back.loader import load_from_storage
 from nccl_back.skeleton import build, manifest, named_tensors
 
@@ -240,3 +248,53 @@ def test_flat_skeleton_is_one_allocation(tmp_path: Path) -> None:
     load_from_storage(sk, spec)
     expected, _ = named_tensors(model)
     assert all(torch.equal(expected[n], t) for n, t in tensors.items())
+
+
+def _flip_data_byte(path: Path) -> None:
+    """Change one tensor byte in place, keeping the file's size (and header)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_changed_local_shard_fails_its_crc(tmp_path: Path) -> None:
+    """A local shard whose bytes changed (same size) since fingerprinting fails its CRC32C, before any copy."""
+    settings = Settings(cache_dir=str(tmp_path / "cache"))
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", n_shards=1)
+    spec = ModelSpec.from_dir(str(ckpt), settings=settings)
+    _flip_data_byte(ckpt / "model-00001-of-00001.safetensors")
+    skeleton = build(TinyTransformer)
+    before = _snapshot(skeleton)
+    with pytest.raises(ChecksumMismatchError, match=rf"00001.safetensors: CRC32C \w+ differs from {spec.shards[0].crc32c}"):
+        load_from_storage(skeleton, spec, settings=settings)
+    after = _snapshot(skeleton)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_local_crc_comes_from_the_cache(tmp_path: Path) -> None:
+    """A warm restart takes a local shard's CRC32C from the on-disk cache: nothing is re-checksummed."""
+    settings = Settings(cache_dir=str(tmp_path / "cache"))
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", n_shards=1)
+    past = time.time() - 60
+    os.utime(ckpt / "model-00001-of-00001.safetensors", (past, past))
+    spec = ModelSpec.from_dir(str(ckpt), settings=settings)
+    load_from_storage(build(TinyTransformer), spec, settings=settings)  # cached, passes
+    # Poison the cached value (the file's identity key unchanged): a load that consulted
+    # only the cache now refuses; one that recomputed would pass.
+    cache_file = tmp_path / "cache" / CACHE_NAME
+    entries = json.loads(cache_file.read_text())
+    (entry,) = entries.values()
+    entry["crc32c"] = "deadbeef"
+    cache_file.write_text(json.dumps(entries))
+    with pytest.raises(ChecksumMismatchError, match="CRC32C deadbeef differs"):
+        load_from_storage(build(TinyTransformer), spec, settings=settings)
+
+
+def test_fingerprint_uses_the_settings_cache_dir(tmp_path: Path) -> None:
+    """ModelSpec.from_dir with settings keeps its CRC32C cache in the settings' cache_dir."""
+    settings = Settings(cache_dir=str(tmp_path / "mine"))
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", n_shards=1)
+    past = time.time() - 60
+    os.utime(ckpt / "model-00001-of-00001.safetensors", (past, past))
+    ModelSpec.from_dir(str(ckpt), settings=settings)
+    assert (tmp_path / "mine" / CACHE_NAME).exists()

@@ -42,7 +42,7 @@ def test_every_key_has_a_ttl_and_a_json_value(redis_url: str, namespace: str) ->
     reg.claim("p1", "r1", max_sends=1, ttl=5)
     reg.push_request("p1", {"transfer_id": "t1"})
     reg.set_json(reg.key("hs", "t1", "receiver_ready"), {"value": 1}, ttl=5)
-    keys = list(reg.client.scan_iter(f"{namespace}:*"))
+    keys = list(reg.client.scan_iter(reg.key("*")))
     assert len(keys) == 6
     for key in keys:
         assert reg.client.pttl(key) > 0, key
@@ -97,14 +97,90 @@ def test_dead_peer_vanishes_after_its_ttl(redis_url: str, namespace: str) -> Non
 
 
 def test_ground_truth_is_never_overwritten(redis_url: str, namespace: str) -> None:
-    """The first storage load's hashes stay; a later put is refused."""
+    """The first storage load's hashes for a manifest stay; a later put for it is refused."""
     reg = make_registry(redis_url, namespace)
-    assert reg.get_ground_truth("v1", 0, 1) is None
+    assert reg.get_ground_truth("v1", 0, 1, "m1") is None
     assert reg.put_ground_truth("v1", 0, 1, "m1", {"a": "1"}) is True
-    assert reg.put_ground_truth("v1", 0, 1, "m2", {"a": "2"}) is False
-    assert reg.get_ground_truth("v1", 0, 1) == ("m1", {"a": "1"})
+    assert reg.put_ground_truth("v1", 0, 1, "m1", {"a": "2"}) is False
+    assert reg.get_ground_truth("v1", 0, 1, "m1") == {"a": "1"}
     assert reg.has_ground_truth("v1", 0, 1)
+    assert reg.has_ground_truth("v1", 0, 1, "m1")
     assert not reg.has_ground_truth("v1", 1, 1)
+
+
+def test_ground_truth_is_kept_per_manifest_flavour(redis_url: str, namespace: str) -> None:
+    """Two skeleton flavours of one version each get their own ground truth; neither wins."""
+    reg = make_registry(redis_url, namespace)
+    assert reg.put_ground_truth("v1", 0, 1, "flat", {"sampled|a": "1"}) is True
+    assert reg.put_ground_truth("v1", 0, 1, "module", {"sampled|b": "2"}) is True
+    assert reg.get_ground_truth("v1", 0, 1, "flat") == {"sampled|a": "1"}
+    assert reg.get_ground_truth("v1", 0, 1, "module") == {"sampled|b": "2"}
+    assert not reg.has_ground_truth("v1", 0, 1, "other")
+
+
+def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace: str) -> None:
+    """A record whose digest differs from its key's is malformed (RegistryError), never used."""
+    reg = make_registry(redis_url, namespace)
+    reg.set_json(reg.ground_truth_key("v1", 0, 1, "m1"),
+                 {"manifest_digest": "m2", "hashes": {}}, ttl=5)
+    with pytest.raises(RegistryError, match="malformed ground truth"):
+        reg.get_ground_truth("v1", 0, 1, "m1")
+
+
+def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> None:
+    """Lease, handshake and ground-truth keys all come from one module, under one hash tag."""
+    reg = make_registry(redis_url, namespace)
+    assert reg.lease_key("v1", 2) == f"{{{namespace}}}:dl:v1:2"
+    assert reg.handshake_key("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
+    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{{{namespace}}}:gt:v1:0:2:d"
+
+
+def test_truth_encoding_round_trips() -> None:
+    """``{mode: {layer: hash}}`` flattens to "mode|layer" keys and back, one mode at a time."""
+    from nccl_back.registry import encode_truth, truth_for_mode
+
+    flat = encode_truth({"sampled": {"a": "1"}, "full": {"a": "2"}})
+    assert flat == {"sampled|a": "1", "full|a": "2"}
+    assert truth_for_mode(flat, "full") == {"a": "2"}
+
+
+@pytest.mark.timeout(20)
+def test_claim_renewal_keeps_only_our_own_claim(redis_url: str, namespace: str) -> None:
+    """A renewed claim outlives its TTL; one that expired and was retaken is not renewed."""
+    reg = make_registry(redis_url, namespace)
+    token = reg.claim("p", "r", max_sends=1, ttl=0.4)
+    assert token is not None
+    for _ in range(4):
+        time.sleep(0.2)
+        assert reg.renew_claim("p", token, 0.4)
+    assert reg.active_claims("p") == 1
+    time.sleep(0.6)
+    assert reg.active_claims("p") == 0
+    other = reg.claim("p", "next", max_sends=1, ttl=5)
+    assert other is not None
+    assert not reg.renew_claim("p", token, 5)
+
+
+def test_compare_and_set(redis_url: str, namespace: str) -> None:
+    """Compare-and-set acts only on the exact expected JSON value."""
+    reg = make_registry(redis_url, namespace)
+    key = reg.key("x")
+    reg.set_json(key, {"v": 1}, 5)
+    assert not reg.compare_and_set(key, {"v": 2}, {"v": 3}, 5)
+    assert reg.compare_and_set(key, {"v": 1}, {"v": 3}, 5)
+    assert reg.get_json(key) == {"v": 3}
+    reg.delete(key)
+    assert not reg.compare_and_set(key, {"v": 3}, {"v": 4}, 5)
+    assert reg.get_json(key) is None
+
+
+def test_malformed_peer_entry_is_skipped(redis_url: str, namespace: str) -> None:
+    """A bad entry in the index is skipped with a reason; the good peers are still found."""
+    reg = make_registry(redis_url, namespace)
+    reg.publish_peer(peer("good"))
+    reg.client.set(reg.key("peer", "v1", 0, 1, "bad"), '{"peer_id": "bad"}', px=5000)
+    reg.client.sadd(reg.key("peers", "v1", 0, 1), "bad")
+    assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["good"]
 
 
 def test_claims_are_exclusive_up_to_max_sends(redis_url: str, namespace: str) -> None:
@@ -164,12 +240,13 @@ def test_list_all_groups_peers_by_version(redis_url: str, namespace: str) -> Non
 
 
 def test_malformed_peer_entry_raises_registry_error(redis_url: str, namespace: str) -> None:
-    """A value that is not a PeerInfo is reported, not half-parsed."""
+    """A value that is not a PeerInfo is reported, not half-parsed; discovery skips it."""
     reg = make_registry(redis_url, namespace)
     reg.publish_peer(peer("a"))
     reg.client.set(reg.key("peer", "v1", 0, 1, "a"), json.dumps({"peer_id": "a"}), ex=5)
     with pytest.raises(RegistryError, match="malformed peer entry"):
-        reg.find_peers("v1", 0, 1)
+        PeerInfo.from_json(json.dumps({"peer_id": "a"}))
+    assert reg.find_peers("v1", 0, 1) == []
 
 
 @pytest.mark.timeout(30)

@@ -317,3 +317,39 @@ def test_serve_hf_model_loads_and_serves_a_peer(
     assert second.wait_ready()["source"] == "peer"
     assert first.stop() == 0
     assert second.stop() == 0
+
+
+def _mapped_ranges(segment: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of the shared-memory segment ``segment``."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith("/" + segment):
+                lo, hi = line.split()[0].split("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+@pytest.mark.timeout(60)
+def test_sidecar_with_handoff_keeps_one_copy(
+    ckpt: Path, redis_url: str, namespace: str, cache_dir: str, tmp_path: Path
+) -> None:
+    """With --factory and a socket, every tensor the sidecar serves to peers lives in the hand-off arena."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
+                        bind_host="127.0.0.1", cache_dir=cache_dir, peer_ttl=3.0)
+    options = ServeOptions(str(ckpt), torch.device("cpu"), factory=TinyTransformer,
+                           socket_path=str(tmp_path / "handoff.sock"))
+    sidecar = Sidecar(settings, options, out=io.StringIO()).start()
+    try:
+        sidecar.load()
+        assert sidecar.handoff is not None and sidecar.handoff.segment_name is not None
+        ranges = _mapped_ranges(sidecar.handoff.segment_name)
+        assert ranges
+        (peer,) = sidecar.service.peers
+        served = sidecar.service.served_tensors(peer.peer_id)
+        assert served
+        outside = [n for n, t in served.items()
+                   if not any(lo <= t.data_ptr() < hi for lo, hi in ranges)]
+        assert outside == []
+    finally:
+        sidecar.close()

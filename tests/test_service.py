@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import redis
+from groups import CTX  # forked from a server with torch imported (see tests/groups.py)
 
 from nccl_back.devservers import LocalRedis, free_port
 
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint
 
-CTX = mp.get_context("spawn")
 MODEL = {"n_layers": 4, "d": 64}
 
 
@@ -173,6 +173,25 @@ def test_receiver_killed_mid_transfer_sender_keeps_serving(fleet: Fleet) -> None
     assert r["source"] == "peer"
 
 
+@pytest.mark.timeout(120)
+def test_receiver_sigkilled_with_default_timeouts_frees_the_slot_fast(fleet: Fleet) -> None:
+    """With the default transfer_timeout (120 s), a receiver SIGKILLed mid-transfer frees its
+    send slot: the next receiver gets a peer load within 15 s of the kill."""
+    defaults = {"transfer_timeout": 120.0, "receiver_handshake_timeout": 10.0}
+    fleet.start("sender", settings=defaults)
+    _ok(fleet.report())
+    go = CTX.Event()
+    fleet.start("next", serve_for=0, settings=defaults, go=go)  # ready, waiting for go
+    victim = fleet.start("victim", fault="kill_mid_recv", settings=defaults)
+    victim.join(90)
+    assert victim.exitcode == -signal.SIGKILL
+    killed = time.monotonic()
+    go.set()
+    r = _ok(fleet.report(timeout=60))
+    assert r["role"] == "next" and r["source"] == "peer", r
+    assert time.monotonic() - killed < 15, r
+
+
 @pytest.mark.timeout(90)
 def test_corruption_in_transit_is_caught(fleet: Fleet) -> None:
     """One byte flipped on the wire fails full verification; the receiver falls back to storage.
@@ -181,7 +200,7 @@ def test_corruption_in_transit_is_caught(fleet: Fleet) -> None:
     full checksum covers every byte.)
     """
     fleet.settings["verify"] = "full"
-    fleet.start("sender", corrupt=True)
+    fleet.start("sender", fault="corrupt_send")
     _ok(fleet.report())
     fleet.start("receiver", serve_for=0)
     r = _ok(fleet.report())
@@ -193,7 +212,7 @@ def test_corruption_in_transit_is_caught(fleet: Fleet) -> None:
 def test_corruption_in_transit_strict_raises(fleet: Fleet) -> None:
     """With strict=True the verification failure is raised instead of falling back."""
     fleet.settings["verify"] = "full"
-    fleet.start("sender", corrupt=True)
+    fleet.start("sender", fault="corrupt_send")
     _ok(fleet.report())
     fleet.start("receiver", serve_for=0, settings={"strict": True})
     r = fleet.report()
@@ -241,7 +260,7 @@ def test_redis_killed_during_handshake(ckpt: str, namespace: str, cache_dir: str
                 settings={"receiver_handshake_timeout": 20.0, "redis_timeout": 0.5})
         client = redis.Redis.from_url(own.url)
         deadline = time.monotonic() + 30
-        while not list(client.scan_iter(f"{namespace}:hs:*")):
+        while not list(client.scan_iter(f"{{{namespace}}}:hs:*")):
             assert time.monotonic() < deadline, "receiver never started its handshake"
             time.sleep(0.02)
         own.kill()
@@ -274,7 +293,7 @@ def test_single_flight_downloader_dies(fleet: Fleet) -> None:
     # Let the doomed worker win the election before the others start.
     deadline = time.monotonic() + 30
     client = redis.Redis.from_url(fleet.settings["redis_url"])
-    while not list(client.scan_iter(f"{fleet.settings['namespace']}:dl:*")):
+    while not list(client.scan_iter(f"{{{fleet.settings['namespace']}}}:dl:*")):
         assert time.monotonic() < deadline, "nobody was elected"
         time.sleep(0.02)
     for i in range(2):
@@ -331,4 +350,5 @@ def test_pipeline_one_rank_without_peer_all_use_storage(pipeline_fleet: Fleet) -
     _start_group(pipeline_fleet)
     got = sorted((pipeline_fleet.report() for _ in range(2)), key=lambda r: r["rank"])
     assert [(r["source"], r["identical"]) for r in got] == [("storage", True)] * 2, got
-    assert got[0]["fallback_reason"].startswith("consensus:"), got[0]
+    assert got[0]["fallback_reason"].startswith("consensus: rank 1 of this worker"), got[0]
+    assert "elected to download it" in got[1]["fallback_reason"], got[1]

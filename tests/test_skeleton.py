@@ -91,9 +91,47 @@ def test_build_reports_factory_failure() -> None:
 
 
 def test_build_rejects_meta_tensors() -> None:
-    """A skeleton with meta tensors is refused: a broadcast needs real buffers."""
+    """An unconsolidated skeleton with meta tensors is refused: a broadcast needs real buffers."""
     with pytest.raises(SkeletonError, match="meta device"):
-        build(lambda: nn.Linear(2, 2, device="meta"))
+        build(lambda: nn.Linear(2, 2, device="meta"), flat=False)
+
+
+def test_flat_build_allocates_parameters_once() -> None:
+    """While the factory runs, parameters live on meta; afterwards all share one allocation."""
+    seen: list[bool] = []
+
+    def factory() -> nn.Module:
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        seen.extend(p.is_meta for p in m.parameters())
+        m.register_buffer("table", torch.arange(5.0))  # computed in the constructor: real
+        return m
+
+    model = build(factory)
+    assert seen and all(seen)
+    tensors, _ = named_tensors(model)
+    assert {t.untyped_storage().data_ptr() for t in tensors.values()} == {
+        tensors["0.weight"].untyped_storage().data_ptr()
+    }
+    assert torch.equal(model.table, torch.arange(5.0))
+    assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in model.parameters())
+
+
+def test_flat_build_keeps_ties_and_parameter_attributes() -> None:
+    """A tied meta parameter becomes one real parameter; attributes hung on it survive."""
+
+    def factory() -> nn.Module:
+        m = nn.Module()
+        m.emb = nn.Embedding(10, 4)
+        m.head = nn.Linear(4, 10, bias=False)
+        m.head.weight = m.emb.weight
+        m.emb.weight.weight_loader = "custom"  # type: ignore[attr-defined]
+        return m
+
+    model = build(factory)
+    assert model.head.weight is model.emb.weight
+    assert not model.emb.weight.is_meta
+    assert model.emb.weight.weight_loader == "custom"
+    assert manifest(model).aliases == {"head.weight": "emb.weight"}
 
 
 def test_bad_model_type() -> None:

@@ -25,6 +25,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
 from tenacity import wait_none
 
+from nccl_back.checkpoint import flat_skeleton
 from nccl_back.config import Settings
 from nccl_back.devservers import LocalGCS
 from nccl_back.errors import (
@@ -318,3 +319,36 @@ def test_crc32c_from_gcs_matches_google_crc32c() -> None:
     data = b"hello weights"
     b64 = base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
     assert crc32c_from_gcs(b64) == f"{google_crc32c.value(data):08x}"
+
+
+@pytest.mark.timeout(60)
+def test_gs_and_local_copy_share_version(
+    gcs: LocalGCS, bucket: Any, tmp_path: Any, cache_dir: str
+) -> None:
+    """A checkpoint at a gs:// prefix and its local copy have the same version (content identity)."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", n_shards=2)
+    for f in sorted(os.listdir(ckpt)):
+        bucket.blob(f"deep/prefix/m/{f}").upload_from_filename(str(ckpt / f))
+    remote = ModelSpec.from_dir(f"gs://{bucket.name}/deep/prefix/m", storage=_fast(gcs.client()))
+    local = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
+    assert remote.version == local.version
+    assert [s.name for s in remote.shards] == [s.name for s in local.shards]
+
+
+@pytest.mark.timeout(60)
+def test_flat_skeleton_reads_with_the_given_settings(
+    gcs: LocalGCS, bucket: Any, proxy: FaultProxy, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """from_dir and flat_skeleton read through Storage(settings): the user's storage_attempts apply."""
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt")
+    for f in sorted(os.listdir(ckpt)):
+        bucket.blob(f"m/{f}").upload_from_filename(str(ckpt / f))
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.host)
+    one_try = Settings(storage_attempts=1, cache_dir=str(tmp_path / "cache"))
+    spec = ModelSpec.from_dir(f"gs://{bucket.name}/m", settings=one_try)
+    proxy.fail = 1  # the header read gets a 503; one attempt means no retry
+    with pytest.raises(StorageError, match="failed after 1 attempts"):
+        flat_skeleton(spec, settings=one_try)
+    proxy.fail = 1
+    with pytest.raises(StorageError, match="failed after 1 attempts"):
+        ModelSpec.from_dir(f"gs://{bucket.name}/m", settings=one_try)  # config.json read

@@ -10,10 +10,8 @@ way.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -46,7 +44,7 @@ from nccl_back.transport import (
 )
 from nccl_back.transport.broadcast import ALIGN, plan_digest
 from nccl_back.transport.gloo import GlooRendezvous
-from nccl_back.transport.nccl import load_nccl
+from nccl_back.transport.nccl import NcclTransport, check_available
 
 BUCKET = 64 << 10
 CPU = torch.device("cpu")
@@ -288,18 +286,22 @@ def test_different_bucket_sizes_are_refused_before_any_data(spawn_sender: object
 
 
 @pytest.mark.timeout(60)
-def test_corrupt_for_test_damages_one_element_in_transit_only() -> None:
-    """The test hook changes the first element of the first step on the wire, not at the sender."""
+def test_corrupting_wrapper_damages_one_element_in_transit_only() -> None:
+    """The tests' fault wrapper changes the first element of the first step on the wire, not at the sender."""
+    from faults import CorruptingTransport
+
     want = model_tensors()
     pristine = {n: t.clone() for n, t in want.items()}
     got = skeleton_like(want)
+    first_slot = plan(want, BUCKET)[0].slots[0]
+    msb = first_slot.offset + want[first_slot.name].element_size() - 1
     errors = in_process_pair(
-        lambda t: send_tensors(t, want, BUCKET, corrupt_for_test=True),
+        lambda t: send_tensors(CorruptingTransport(t, byte=msb), want, BUCKET),  # type: ignore[arg-type]
         lambda t: recv_tensors(t, got, BUCKET),
     )
     assert errors == (None, None)
     assert mismatches(want, pristine) == []
-    first = plan(want, BUCKET)[0].slots[0].name
+    first = first_slot.name
     assert mismatches(got, want) == [first]
     assert not torch.equal(got[first].reshape(-1)[:1], want[first].reshape(-1)[:1])
     assert torch.equal(got[first].reshape(-1)[1:], want[first].reshape(-1)[1:])
@@ -332,11 +334,17 @@ def test_rendezvous_listens_on_bind_host_and_stops_on_close() -> None:
         rdv.sender("t")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed")
-def test_nccl_without_cupy_says_how_to_install_it() -> None:
-    """No gpu extra: a clear TransferError naming the extra, before any CUDA call."""
-    with pytest.raises(TransferError, match=re.escape("pip install 'nccl-back[gpu]'")):
-        load_nccl()
+def test_nccl_on_a_cpu_tensor_is_refused_clearly() -> None:
+    """The nccl transport on a CPU device: a TransferError naming the device, nothing built."""
+    with pytest.raises(TransferError, match="needs a CUDA device, got cpu"):
+        NcclTransport.receiver("127.0.0.1:1", "t", device=torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_nccl_without_cuda_says_what_is_missing() -> None:
+    """A CUDA device named on a machine without one: a clear TransferError, no CUDA call."""
+    with pytest.raises(TransferError, match="needs torch built with CUDA and NCCL"):
+        check_available(torch.device("cuda", 0))
 
 
 if __name__ == "__main__":

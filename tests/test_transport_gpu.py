@@ -1,9 +1,8 @@
-"""NCCL transport and CUDA tensors, on a machine with one GPU (``scripts/gpu_check.sh``).
+"""The NCCL transport on a real GPU (``scripts/gpu_check.sh``): two processes, one device.
 
-NCCL refuses two ranks of one communicator on the same GPU, so with one GPU these
-tests cover what one device allows: the unique-id exchange through Redis, a 1-rank
-communicator's broadcast, the receiver's bounded wait for an id that never comes,
-and CUDA tensors through the gloo data plane (both ranks in this process).
+Every test here needs CUDA and is marked ``gpu``; without a GPU they are skipped, and
+the device check fails if any of them is. Two ranks share the one GPU as NCCL allows
+(``tests/gpu_pair.py`` says how).
 """
 
 from __future__ import annotations
@@ -14,13 +13,11 @@ import uuid
 
 import pytest
 import torch
+from gpu_pair import STALL_DEADLINE, run_pair
 
 from nccl_back.config import Settings
-from nccl_back.errors import NcclBackError, TransferTimeoutError
-from nccl_back.registry import Registry
+from nccl_back.errors import NcclBackError
 from nccl_back.transport import (
-    RECEIVER_RANK,
-    SENDER_RANK,
     Transport,
     open_rendezvous,
     receiver_transport,
@@ -28,46 +25,49 @@ from nccl_back.transport import (
     run_guarded,
     send_tensors,
 )
-from nccl_back.transport.nccl import NcclTransport, decode_uid, encode_uid, load_nccl, uid_key
+from nccl_back.transport.nccl import nonblocking_timeout
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
 
 
-@pytest.fixture
-def registry(redis_url: str, namespace: str) -> Registry:
-    return Registry(Settings(redis_url=redis_url, namespace=namespace))
+def _assert_clean_transfer(report: dict) -> None:
+    s, r = report["sender"], report["receiver"]
+    assert not report["hung"] and report["exitcodes"] == [0, 0], report
+    assert s.get("outcome") == r.get("outcome") == "done", report
+    assert s["hashes"] == r["hashes"], "sender and receiver hashes differ"
+    assert s["cpu_gpu_equal"] and r["cpu_gpu_equal"], "CPU and GPU hashes of the same bytes differ"
 
 
-def test_unique_id_survives_the_trip_through_redis(registry: Registry) -> None:
-    """The sender's NCCL id, stored as base64 JSON, decodes to the same signed bytes."""
-    nccl = load_nccl()
-    uid = nccl.get_unique_id()
-    registry.set_json(uid_key(registry, "t"), {"uid": encode_uid(uid)}, 10)
-    value = registry.get_json(uid_key(registry, "t"))
-    assert value is not None and decode_uid(value["uid"]) == tuple(uid)
+@pytest.mark.timeout(180)
+def test_every_dtype_arrives_bit_identical_between_two_processes() -> None:
+    """bf16 (NaN payloads), fp32, fp16, fp8 x2, int8, bool, non-contiguous, odd-sized,
+    larger than a bucket and exactly one bucket: byte-equal, hashes equal on CPU and GPU."""
+    report = run_pair("ok")
+    _assert_clean_transfer(report)
+    assert report["receiver"]["bad"] == []
 
 
-@pytest.mark.timeout(60)
-def test_single_rank_communicator_broadcasts_and_closes(registry: Registry) -> None:
-    """A 1-rank communicator built from an id published in Redis runs a broadcast."""
-    transport = NcclTransport(SENDER_RANK, uuid.uuid4().hex, device=CUDA, registry=registry,
-                              world_size=1)
-    data = torch.arange(1 << 20, dtype=torch.float32, device=CUDA)
-    expected = data.clone()
-    run_guarded(transport, lambda t: t.broadcast(data).wait(), time.monotonic() + 30)
-    assert torch.equal(data, expected)
-    assert registry.get_json(uid_key(registry, transport.transfer_id)) is not None
+@pytest.mark.timeout(180)
+def test_consolidated_skeletons_transfer_in_place() -> None:
+    """Two skeletons built flat on the GPU (meta, then one allocation) transfer exactly."""
+    _assert_clean_transfer(run_pair("flat"))
 
 
-@pytest.mark.timeout(60)
-def test_receiver_without_a_sender_times_out(registry: Registry) -> None:
-    """No unique id ever arrives: the receiver gives up at its deadline, no communicator."""
-    transport = NcclTransport(RECEIVER_RANK, uuid.uuid4().hex, device=CUDA, registry=registry)
-    start = time.monotonic()
-    with pytest.raises(TransferTimeoutError):
-        run_guarded(transport, lambda t: None, time.monotonic() + 1.0)
-    assert time.monotonic() - start < 10
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("scenario", ["stall_connect", "stall_kernel"])
+def test_stalled_receiver_is_aborted_cleanly_by_the_sender(scenario: str) -> None:
+    """A receiver that stops before (or after) its first collective: the sender's transfer
+    ends with a timeout near its deadline, no thread left, CUDA usable, inference unblocked."""
+    report = run_pair(scenario, deadline_s=STALL_DEADLINE)
+    s = report["sender"]
+    assert report["exitcodes"][0] == 0 and not any("pair-0" in h for h in report["hung"]), report
+    assert "Timeout" in s["outcome"], s
+    assert s["seconds"] <= STALL_DEADLINE + nonblocking_timeout() + 5, s
+    assert s["stuck_threads"] == 0, s
+    assert s["cuda_usable"], s
+    # Default-stream kernels never queued behind the stalled transfer.
+    assert s["default_stream_max_s"] is not None and s["default_stream_max_s"] < 1.0, s
 
 
 @pytest.mark.timeout(120)

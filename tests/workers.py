@@ -66,16 +66,18 @@ def worker_main(
     *,
     model_kwargs: dict[str, Any] | None = None,
     serve_for: float = 60.0,
-    corrupt: bool = False,
     fault: str | None = None,
     adopt_as: dict[str, Any] | None = None,
+    go: Any = None,
 ) -> None:
     """Load (peer first), report, then keep serving until ``stop`` is set or time runs out.
 
     ``fault``: ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
-    broadcasts of a transfer (a real crash mid-transfer). ``adopt_as``: instead of
+    broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
+    byte of every send on the wire (tests/faults.py). ``adopt_as``: instead of
     loading, publish a model built with these kwargs under the checkpoint's version
-    (to stage a peer whose manifest differs).
+    (to stage a peer whose manifest differs). ``go``: an Event to wait for before
+    loading (everything else is ready, so the load starts the moment it is set).
     """
     import faulthandler
 
@@ -87,17 +89,21 @@ def worker_main(
             _install_fault(fault)
         model = make_model(model_kwargs)
         spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
-        with WeightService(settings, worker_id=f"{role}-{os.getpid()}",
-                           corrupt_sends_for_test=corrupt) as svc:
+        with WeightService(settings, worker_id=f"{role}-{os.getpid()}") as svc:
             if adopt_as is not None:
                 info = svc.serve(make_model(adopt_as), spec)
                 out.send({"role": role, "pid": os.getpid(), "peer_id": info.peer_id})
                 while not stop.is_set():
                     time.sleep(0.05)
                 return
+            if go is not None:
+                faulthandler.cancel_dump_traceback_later()
+                go.wait(120)
+                faulthandler.dump_traceback_later(40, exit=True)
+            t0 = time.monotonic()
             result = svc.load(model, spec)
             out.send({
-                "role": role, "pid": os.getpid(), "source": result.source,
+                "role": role, "load_seconds": time.monotonic() - t0, "pid": os.getpid(), "source": result.source,
                 "peer_id": result.peer_id, "fallback_reason": result.fallback_reason,
                 "verified": result.verified, "identical": matches_checkpoint(model, ckpt),
                 "seconds": result.seconds, "bytes": result.bytes,
@@ -145,6 +151,16 @@ def _install_fault(fault: str) -> None:
             return orig_recv(_KillAfter(transport, 3), *a, **k)
 
         service.recv_tensors = recv  # type: ignore[assignment]
+    elif fault == "corrupt_send":
+        from faults import CorruptingTransport  # type: ignore[import-not-found]
+
+        orig_corrupt = sender.send_tensors
+
+        def corrupt(transport: Any, *a: Any, **k: Any) -> Any:
+            # Byte 3: the most significant byte of a float32 first element.
+            return orig_corrupt(CorruptingTransport(transport, byte=3), *a, **k)
+
+        sender.send_tensors = corrupt  # type: ignore[assignment]
     elif fault == "slow_send":
         orig_slow = sender.send_tensors
 
@@ -206,3 +222,74 @@ def group_worker(
     except BaseException as e:
         out.send({"rank": rank, "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc()})
+
+
+def rank_main(
+    env: dict[str, str], ckpt: str, settings_kwargs: dict[str, Any], out: Any, stop: Any,
+    *, fault: str | None = None, withdraw: bool = False, timeout: float = 60.0,
+    delay: float = 0.0,
+) -> None:
+    """One rank of a multi-rank worker, started as ``torchrun`` would start it.
+
+    ``env`` carries ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; the rank
+    joins its own gloo group through ``env://`` (the default group, as a TP/PP worker
+    would), loads its pipeline stage (:func:`make_part`), reports, then serves until
+    ``stop``. ``fault``: see :func:`_install_fault`; ``raise_in_verify`` makes the
+    integrity check raise a non-library error (as a CUDA error while hashing would).
+    ``delay``: seconds this rank waits before ``load`` (a rank whose skeleton builds slower).
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    report: dict[str, Any] = {"rank": rank, "group": env["MASTER_PORT"], "pid": os.getpid()}
+    try:
+        if fault == "raise_in_verify":
+            from nccl_back import integrity
+
+            def broken(*a: Any, **k: Any) -> None:
+                raise RuntimeError("simulated CUDA error while hashing")
+
+            integrity.compare = broken  # type: ignore[assignment]
+        elif fault:
+            _install_fault(fault)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        settings = settings_for(**settings_kwargs)
+        model = make_part(rank)
+        spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
+        with WeightService(settings, worker_id=f"g{env['MASTER_PORT']}-{rank}") as svc:
+            time.sleep(delay)
+            t0 = time.monotonic()
+            try:
+                result = svc.load(model, spec, group=dist.group.WORLD)
+            except Exception as e:
+                report.update(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0,
+                              failed_rank=getattr(e, "failed_rank", None))
+                out.send(report)
+                return
+            if withdraw:
+                svc.withdraw()
+            report.update(source=result.source, identical=matches_part(model, ckpt),
+                          verified=result.verified, fallback_reason=result.fallback_reason,
+                          peer_id=result.peer_id, worker_id=svc.worker_id,
+                          seconds=time.monotonic() - t0)
+            out.send(report)
+            while not stop.is_set():
+                time.sleep(0.05)
+    except BaseException as e:  # report, don't hang the parent
+        report.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        out.send(report)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def matches_part(model: dict[str, Any], ckpt: str) -> bool:
+    """Every tensor of a pipeline stage bit-identical to the checkpoint's."""
+    expected: dict[str, torch.Tensor] = {}
+    for f in sorted(p for p in os.listdir(ckpt) if p.endswith(".safetensors")):
+        expected.update(load_file(os.path.join(ckpt, f)))
+    tensors, _ = named_tensors(model)
+    return all(n in expected and torch.equal(expected[n], t) for n, t in tensors.items())

@@ -8,10 +8,10 @@ hang. ``abort`` may be called from another thread (the watchdog) at any time.
 
 The sender side also has a long-lived :class:`Rendezvous`: what receivers reach
 (``address`` is published in the registry) and what makes one sender transport per
-transfer. For gloo it is one ``TCPStore`` for the life of the service, each transfer
-using its own ``PrefixStore`` (a timed-out group is dead; the next transfer gets a
-fresh prefix). The default process group is never touched: the user's worker may
-already have one.
+transfer. For both kinds it is one ``TCPStore`` for the life of the service, each
+transfer using its own ``PrefixStore`` (a timed-out group is dead; the next transfer
+gets a fresh prefix), see :mod:`.store`. The default process group is never
+touched: the user's worker may already have one.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ class Transport(ABC):
         self.rank = rank
         self.transfer_id = transfer_id
         self.device = device
+        self._deadline = float("inf")
+
+    def extend_deadline(self, deadline: float) -> None:
+        """After ``connect``: later waits may run until ``deadline`` (the transfer's,
+        later than the short one the connect phase had)."""
+        self._deadline = max(self._deadline, deadline)
 
     @abstractmethod
     def connect(self, deadline: float) -> None:
@@ -73,9 +79,26 @@ class Transport(ABC):
         :class:`Pending` is waited on, neither side may touch it.
         """
 
+    def finish(self) -> None:
+        """After the last broadcast: wait, bounded by the deadline, until this side's
+        results are ready (queued device copies done). Called by the watchdog's worker.
+
+        Nothing to wait for where the data plane's copies are synchronous (gloo/CPU).
+        """
+        return None
+
+    @property
+    def join_grace(self) -> float:
+        """Seconds the watchdog waits for the worker thread after asking for an abort."""
+        return 5.0
+
     @abstractmethod
     def abort(self) -> None:
-        """Tear the communicator down now, from any thread; pending and later calls fail."""
+        """Abort the transfer, from any thread; pending and later calls fail.
+
+        Transports whose native abort is unsafe while another thread is inside the
+        library (NCCL) only signal here, and their owner thread aborts.
+        """
 
     @abstractmethod
     def close(self) -> None:
@@ -131,7 +154,8 @@ def open_rendezvous(
 ) -> Rendezvous:
     """Start the sender endpoint for ``kind`` (``gloo`` or ``nccl``) on ``device``.
 
-    ``registry`` is needed by nccl only (the unique id travels through Redis).
+    Both listen on one ``TCPStore`` (:mod:`.store`); ``registry`` is accepted for
+    callers' convenience and unused.
     """
     if kind == "gloo":
         from .gloo import GlooRendezvous
@@ -140,7 +164,7 @@ def open_rendezvous(
     if kind == "nccl":
         from .nccl import NcclRendezvous
 
-        return NcclRendezvous(settings, device=device, registry=_need(registry))
+        return NcclRendezvous(settings, device=device, port=settings.rendezvous_port)
     raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
 
 
@@ -155,7 +179,8 @@ def receiver_transport(
 ) -> Transport:
     """A new, unconnected rank-1 transport reaching the sender at ``address``.
 
-    ``registry`` is needed by nccl only (the unique id travels through Redis).
+    Call it on the thread whose CUDA stream holds the work the transfer must follow
+    (the loader's): an NCCL transport orders itself after that stream's queued work.
     """
     if kind == "gloo":
         from .gloo import GlooTransport
@@ -164,11 +189,5 @@ def receiver_transport(
     if kind == "nccl":
         from .nccl import NcclTransport
 
-        return NcclTransport(RECEIVER_RANK, transfer_id, device=device, registry=_need(registry))
+        return NcclTransport.receiver(address, transfer_id, device=device)
     raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
-
-
-def _need(registry: Registry | None) -> Registry:
-    if registry is None:
-        raise ConfigError("the nccl transport needs a Registry: its unique id travels through Redis")
-    return registry

@@ -123,43 +123,30 @@ def send_tensors(
     transport: Transport,
     tensors: Mapping[str, torch.Tensor],
     bucket_bytes: int,
-    *,
-    corrupt_for_test: bool = False,
 ) -> TransferStats:
-    """Broadcast ``tensors`` (rank 0) to the receiver; they are only read.
-
-    ``corrupt_for_test`` flips the most significant byte of the first element of the
-    first step after packing (in a copy, never in the sender's own tensors), so a test
-    can prove that verification catches damage in transit; never set it otherwise.
-    """
+    """Broadcast ``tensors`` (rank 0) to the receiver; they are only read."""
     start = time.perf_counter()
     steps, buffers, window = _begin(transport, tensors, bucket_bytes)
-    corrupt = corrupt_for_test
     with torch.no_grad():
         for step in steps:
             window.make_room()
             if step.direct:
                 slot = step.slots[0]
                 src = tensors[slot.name]
-                if not src.is_contiguous() or corrupt:
-                    src = src.contiguous().clone() if corrupt else src.contiguous()
-                data = _as_bytes(src)
+                data = _as_bytes(src.contiguous())
             else:
-                laid_out = None if corrupt else _in_place(step, tensors)
+                laid_out = _in_place(step, tensors)
                 if laid_out is not None:
                     data = laid_out
                 else:
                     data = buffers.next(step.nbytes)
                     for slot in step.slots:
                         _copy(_slot_view(data, slot), tensors[slot.name])
-            if corrupt:
-                _flip(data, step.slots[0])
-                corrupt = False
-                log.warning("transfer_corrupted_for_test", transfer_id=transport.transfer_id)
             # ``data`` stays referenced by the window until its broadcast is done: a
             # temporary copy must not be freed while on the wire.
             window.add(transport.broadcast(data, SENDER_RANK), None, data)
         window.drain()
+        _acknowledge(transport)
     return _stats(steps, start)
 
 
@@ -190,6 +177,7 @@ def recv_tensors(
                     finish = lambda data=data, slots=step.slots: _unpack(data, slots, tensors)  # noqa: E731
             window.add(transport.broadcast(data, SENDER_RANK), finish, data)
         window.drain()
+        _acknowledge(transport)
     return _stats(steps, start)
 
 
@@ -240,6 +228,19 @@ def _agree_on_plan(transport: Transport, steps: list[Step]) -> None:
             f"transfer {transport.transfer_id}: sender and receiver planned different broadcasts"
             " (different tensors or bucket_bytes); nothing was transferred"
         )
+
+
+def _acknowledge(transport: Transport) -> None:
+    """The receiver tells the sender it holds everything; the sender waits for it.
+
+    A sender's last broadcast can complete while its bytes are still in flight (NCCL's
+    socket proxy, gloo's send buffers): tearing the communicator down then can cut the
+    receiver's tail off (seen on the GPU: the receiver never completed once the
+    sender's process moved on). After this one-byte broadcast from the receiver, the
+    sender's "done" means the receiver's "done".
+    """
+    ack = torch.ones(1, dtype=torch.uint8, device=transport.device)
+    transport.broadcast(ack, RECEIVER_RANK).wait()
 
 
 def _in_place(step: Step, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -304,13 +305,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     with torch.no_grad():
         dst.copy_(src)
-
-
-def _flip(data: torch.Tensor, slot: Slot) -> None:
-    # The most significant byte of a little-endian element (sign and exponent of a
-    # float) so the damage survives the float16 conversion of the sampled hashes.
-    index = slot.offset + dtype_from_name(slot.dtype).itemsize - 1
-    data[index] ^= 0xFF
 
 
 def _stats(steps: list[Step], start: float) -> TransferStats:

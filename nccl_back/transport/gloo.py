@@ -1,7 +1,7 @@
 """Gloo transport: CPU tensors over TCP, built without any default process group.
 
-The sender hosts one ``TCPStore`` for the life of the service (:class:`GlooRendezvous`);
-each transfer builds a fresh ``ProcessGroupGloo`` on ``PrefixStore("xfer/{id}/")``,
+The sender's ``TCPStore`` rendezvous is shared with NCCL (:mod:`.store`); each
+transfer builds a fresh ``ProcessGroupGloo`` on ``PrefixStore("xfer/{id}/")``,
 because a gloo group that timed out is dead and keys of an earlier attempt must not
 meet this one. ``init_process_group`` is never called.
 
@@ -13,7 +13,6 @@ its own timeout, so the watchdog's worker thread always unwinds by the deadline.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -22,76 +21,25 @@ import torch
 import torch.distributed as dist
 
 from ..config import Settings
-from ..errors import ConfigError, TransferError, TransferTimeoutError
+from ..errors import TransferError, TransferTimeoutError
 from ..log import get_logger
-from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Rendezvous, Transport
+from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
+from .store import StoreRendezvous, connect_store, delete_prefix, split_address
 
 log = get_logger(__name__)
 
 
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"transport address {address!r}: expected host:port")
-    return host.strip("[]"), int(port)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: a free one), IPv4 or IPv6."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-class GlooRendezvous(Rendezvous):
-    """The sender's long-lived ``TCPStore``; receivers reach it at :attr:`address`."""
-
-    kind = "gloo"
+class GlooRendezvous(StoreRendezvous):
+    """The sender's long-lived ``TCPStore`` for gloo transfers (see :mod:`.store`)."""
 
     def __init__(self, settings: Settings, *, device: torch.device | None = None, port: int = 0) -> None:
-        self.settings = settings
-        self.device = device or torch.device("cpu")
-        try:
-            # TCPStore itself listens on every interface; binding our own socket and
-            # handing it over is how bind_host is honoured.
-            listener = _listen(settings.bind_host, port)
-            self._port = int(listener.getsockname()[1])
-            # wait_for_workers=False: receivers come and go for the life of the service.
-            self._store: dist.TCPStore | None = dist.TCPStore(
-                settings.advertise_host,
-                self._port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=settings.transfer_timeout),
-                master_listen_fd=listener.detach(),  # the store owns (and closes) it now
-            )
-        except (RuntimeError, OSError) as e:
-            raise TransferError(
-                f"cannot start the gloo rendezvous on {settings.bind_host}:{port}: {e}"
-            ) from e
-        log.debug("gloo_rendezvous_started", address=self.address)
+        super().__init__(settings, "gloo", _gloo_sender, device=device or torch.device("cpu"),
+                         port=port)
 
-    @property
-    def address(self) -> str:
-        return f"{self.settings.advertise_host}:{self._port}"
 
-    def sender(self, transfer_id: str) -> GlooTransport:
-        if self._store is None:
-            raise TransferError("the gloo rendezvous is closed")
-        return GlooTransport(SENDER_RANK, transfer_id, self._store, self.settings, device=self.device)
-
-    def close(self) -> None:
-        # Dropping the last reference stops the store's server thread.
-        self._store = None
+def _gloo_sender(transfer_id: str, store: dist.Store, settings: Settings,
+                 device: torch.device) -> GlooTransport:
+    return GlooTransport(SENDER_RANK, transfer_id, store, settings, device=device)
 
 
 class _GlooPending:
@@ -135,7 +83,7 @@ class GlooTransport(Transport):
         cls, settings: Settings, address: str, transfer_id: str, *, device: torch.device | None = None
     ) -> GlooTransport:
         """The rank-1 side; it connects a client store to the sender's ``address``."""
-        _split_address(address)
+        split_address(address)
         return cls(RECEIVER_RANK, transfer_id, None, settings, device=device, address=address)
 
     def _left(self) -> float:
@@ -156,11 +104,8 @@ class GlooTransport(Transport):
         left = self._left()
         try:
             if self._store is None:
-                host, port = _split_address(self._address or "")
-                self._store = dist.TCPStore(
-                    host, port, is_master=False, timeout=timedelta(seconds=left)
-                )
-            prefixed = dist.PrefixStore(f"xfer/{self.transfer_id}/", self._store)
+                self._store = connect_store(self._address or "", left)
+            prefixed = dist.PrefixStore(self._prefix, self._store)
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=self._left())
             # Bind gloo's own sockets to the address peers can reach, not to whatever
@@ -200,3 +145,13 @@ class GlooTransport(Transport):
         self._pg = None
         if self._owns_store:
             self._store = None
+        elif self._store is not None:
+            # The sender's store lives as long as the service: without this, every
+            # transfer would leave its rendezvous keys in it forever.
+            delete_prefix(self._store, self._prefix)
+            self._store = None
+
+    @property
+    def _prefix(self) -> str:
+        return f"xfer/{self.transfer_id}/"
+

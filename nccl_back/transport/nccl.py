@@ -1,107 +1,146 @@
-"""NCCL transport: GPU tensors through cupy's NCCL binding (the ``gpu`` extra).
+"""NCCL transport: GPU tensors through torch's own ``ProcessGroupNCCL``.
 
-The sender draws the NCCL unique id and stores it in Redis (JSON, base64) under the
-transfer's keys; the receiver polls for it until the deadline; both then build a
-2-rank ``NcclCommunicator``. Broadcasts are enqueued on torch's current CUDA stream,
-so they are ordered with the packing/unpacking copies of the data plane, and a
-:class:`_NcclPending` polls a CUDA event, checking ``check_async_error`` and the
-deadline between polls, because a blocking synchronize could never be interrupted.
+Why this binding (the requirements come from NCCL's fault-tolerance guide):
 
-``ncclCommInitRank`` itself has no timeout and cupy offers no non-blocking init: that
-is why the liveness handshake comes first. If a peer still dies inside it, the
-watchdog raises :class:`TransferTimeoutError` and leaves that thread behind.
-
-One GPU per rank: NCCL refuses two ranks of one communicator on the same device.
+* ``ncclCommAbort`` is safe only on a **non-blocking** communicator with no other
+  thread inside an NCCL call. cupy's ``NcclConfig`` cannot ask for non-blocking
+  (and since cupy 14 its unique ids are ``bytes``, which broke the old receiver);
+  torch's ``ProcessGroupNCCL`` can (``Options.config.blocking = 0``), has ``abort()``,
+  and uses the NCCL that the user's torch already ships (CUDA 12 or 13), so the
+  process never loads a second ``libnccl``. nccl4py would also meet the bar but is
+  one more native dependency that must match torch's NCCL.
+* **Every NCCL call from the thread that owns the communicator.** The transfer's
+  worker thread (:func:`~nccl_back.transport.run_guarded`) builds the group, issues
+  every broadcast, polls for completion and, on a deadline or an abort request,
+  calls ``abort()`` itself. :meth:`NcclTransport.abort` from any other thread (the
+  watchdog, a drain) only *signals*; the owner acts on it at its next poll.
+* **The connect phase inside the deadline.** The bootstrap goes through the sender's
+  ``TCPStore`` (:mod:`.store`; the receiver's store client times out with the time
+  left); the communicator is created by a one-byte collective inside ``connect``, and
+  host-side waits inside torch's non-blocking NCCL calls (creation, and since NCCL
+  2.22 the lazy connect that waits for the peer's first call) are bounded by
+  ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which this module sets, if the user has not, to
+  :data:`NONBLOCKING_TIMEOUT_S` before its first communicator (torch reads it once).
+* **A failed transfer never kills the worker.** torch's default
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` tears the process down on an NCCL error or a
+  timeout; each of our groups is built with it set to ``0`` (no handling: the error
+  surfaces in the work, we abort), torch's own timeout far beyond ours, and
+  its heartbeat monitor off for our groups.
+* **Off the inference stream.** Each transfer runs on its own CUDA stream, ordered
+  after the caller's stream at the moment the transport was made (an event), and
+  packing/unpacking run on it. NCCL kernels run on the group's own stream, which
+  torch orders after ours. Before the transfer counts as done the receiver waits for
+  its stream (:meth:`NcclTransport.finish`), so ``load`` returns ready tensors, and a
+  slow receiver never queues work on the worker's default stream.
 """
 
 from __future__ import annotations
 
-import base64
+import contextlib
+import math
+import os
 import threading
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import Settings
 from ..errors import TransferError, TransferTimeoutError
 from ..log import get_logger
-from ..registry import Registry
-from .base import SENDER_RANK, WORLD_SIZE, Pending, Rendezvous, Transport
+from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
+from .store import StoreRendezvous, connect_store, delete_prefix, split_address
 
 log = get_logger(__name__)
 
-#: Seconds the unique id stays in Redis: only the receiver's connect needs it.
-UID_TTL = 60.0
+GPU_HINT = (
+    "the nccl transport needs torch built with CUDA and NCCL on a machine with a GPU"
+    " (torch.distributed.is_nccl_available() is False or no CUDA device is visible)"
+)
 
-GPU_EXTRA_HINT = "nccl transport needs the gpu extra: pip install 'nccl-back[gpu]'"
+#: Bound, in seconds, on host-side waits inside torch's non-blocking NCCL calls (the
+#: lazy connect of the first collective). Used only when the environment sets none.
+NONBLOCKING_TIMEOUT_S = 10
 
+#: torch's own per-collective timeout is set this far past our deadline, so that our
+#: deadline (and our abort, on the owner thread) always acts first.
+TORCH_TIMEOUT_SLACK_S = 600.0
 
-def load_nccl() -> Any:
-    """cupy's NCCL module, or :class:`TransferError` saying how to install it."""
-    try:
-        from cupy.cuda import nccl
-    except ImportError as e:
-        raise TransferError(GPU_EXTRA_HINT) from e
-    if not getattr(nccl, "available", False):
-        raise TransferError(f"{GPU_EXTRA_HINT} (cupy found no NCCL library: nvidia-nccl-cu12)")
-    return nccl
-
-
-def encode_uid(uid: tuple[int, ...]) -> str:
-    """cupy's unique id (a tuple of signed chars) as base64 text for JSON."""
-    return base64.b64encode(bytes(b & 0xFF for b in uid)).decode("ascii")
-
-
-def decode_uid(text: str) -> tuple[int, ...]:
-    """Inverse of :func:`encode_uid`."""
-    try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-    except (ValueError, UnicodeEncodeError) as e:
-        raise TransferError(f"malformed NCCL unique id in Redis: {e}") from e
-    return tuple(b - 256 if b > 127 else b for b in raw)
+_ENV_LOCK = threading.Lock()
+# Read by ProcessGroupNCCL's constructor: no teardown on errors, no heartbeat monitor
+# that could kill the process, no debug dumps on our (expected) timeouts.
+_GROUP_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
 
 
-def uid_key(registry: Registry, transfer_id: str) -> str:
-    return registry.key("hs", transfer_id, "nccl_uid")
+def check_available(device: torch.device) -> None:
+    """Raise :class:`TransferError` unless NCCL and the CUDA ``device`` are usable."""
+    if device.type != "cuda":
+        raise TransferError(f"the nccl transport needs a CUDA device, got {device}")
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        raise TransferError(GPU_HINT)
 
 
-class NcclRendezvous(Rendezvous):
-    """Sender side for NCCL: nothing listens; the unique id goes through Redis."""
+@contextlib.contextmanager
+def _group_env() -> Iterator[None]:
+    """Our settings for the duration of one ``ProcessGroupNCCL`` construction."""
+    with _ENV_LOCK:
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(NONBLOCKING_TIMEOUT_S))
+        saved = {k: os.environ.get(k) for k in _GROUP_ENV}
+        os.environ.update(_GROUP_ENV)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
-    kind = "nccl"
 
-    def __init__(self, settings: Settings, *, device: torch.device, registry: Registry) -> None:
-        load_nccl()
-        self.settings = settings
-        self.device = device
-        self.registry = registry
+class NcclRendezvous(StoreRendezvous):
+    """The sender's ``TCPStore`` for NCCL transfers (see :mod:`.store`)."""
 
-    @property
-    def address(self) -> str:
-        # Informational: NCCL bootstraps from the unique id, which names the sender.
-        return self.settings.advertise_host
+    def __init__(self, settings: Settings, *, device: torch.device, port: int = 0) -> None:
+        check_available(device)
+        super().__init__(settings, "nccl", _nccl_sender, device=device, port=port)
 
-    def sender(self, transfer_id: str) -> NcclTransport:
-        return NcclTransport(SENDER_RANK, transfer_id, device=self.device, registry=self.registry)
 
-    def close(self) -> None:
-        """Nothing to release: each transfer owns its communicator."""
+def _nccl_sender(
+    transfer_id: str, store: dist.Store, settings: Settings, device: torch.device
+) -> NcclTransport:
+    return NcclTransport(SENDER_RANK, transfer_id, device=device, store=store)
 
 
 class _NcclPending:
-    def __init__(self, event: torch.cuda.Event, transport: NcclTransport) -> None:
-        self._event = event
+    def __init__(self, work: Any, transport: NcclTransport) -> None:
+        self._work = work
         self._transport = transport
 
     def wait(self) -> None:
-        self._transport._wait_event(self._event)
+        self._transport._wait_work(self._work)
 
 
 class NcclTransport(Transport):
-    """One transfer over a 2-rank NCCL communicator (one GPU per side)."""
+    """One transfer over a fresh 2-rank, non-blocking ``ProcessGroupNCCL``."""
 
     kind = "nccl"
+    #: Non-blocking communicator (the default, and the only mode in which abort is
+    #: safe); the device probe (``scripts/nccl_probe.py``) compares it with blocking.
+    nonblocking: bool = True
+    #: Create the communicator in :meth:`connect` rather than at the first broadcast.
+    #: Off: on the H200 check (torch 2.11, NCCL 2.28.9) a non-blocking communicator
+    #: made by ``eager_connect_single_device`` never reported ``_is_initialized()``
+    #: within 10 s and its first broadcast failed, while the same communicator made
+    #: lazily by the first collective worked (``scripts/nccl_probe.py``). Lazily, the
+    #: connect is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (above).
+    eager: bool = False
 
     def __init__(
         self,
@@ -109,120 +148,187 @@ class NcclTransport(Transport):
         transfer_id: str,
         *,
         device: torch.device,
-        registry: Registry,
-        poll: float = 0.001,
-        world_size: int = WORLD_SIZE,
+        store: dist.Store | None = None,
+        address: str | None = None,
+        poll: float = 0.0005,
     ) -> None:
-        if device.type != "cuda":
-            raise TransferError(f"the nccl transport needs a CUDA device, got {device}")
+        check_available(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(rank, transfer_id, device)
-        self.registry = registry
+        if (store is None) == (address is None):
+            raise TransferError("an nccl transport needs the sender's store or its address")
+        self._store = store
+        self._address = address
         self._poll = poll
-        # world_size 1 exists only for single-GPU tests (NCCL refuses 2 ranks on 1 GPU).
-        self._world = world_size
-        self._nccl: Any = None
-        self._comm: Any = None
         self._deadline = float("inf")
-        self._aborted = threading.Event()
-        self._lock = threading.Lock()
-        self._last_event: torch.cuda.Event | None = None
+        self._abort_requested = threading.Event()
+        self._pg: Any = None
+        self._stream: torch.cuda.Stream | None = None
+        # The caller's stream at creation: the transfer must not read or write the
+        # model before work already queued on it (a load, a consolidate) is done.
+        self._after = torch.cuda.current_stream(device).record_event()
+
+    @classmethod
+    def receiver(cls, address: str, transfer_id: str, *, device: torch.device) -> NcclTransport:
+        """The rank-1 side; it connects a client store to the sender's ``address``."""
+        split_address(address)
+        return cls(RECEIVER_RANK, transfer_id, device=device, address=address)
+
+    # -- the owner thread ------------------------------------------------------------------
+
+    def _left(self, what: str) -> float:
+        if self._abort_requested.is_set():
+            raise TransferTimeoutError(f"nccl transfer {self.transfer_id} aborted during {what}")
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"nccl transfer {self.transfer_id}: {what} passed the deadline")
+        return left
 
     def connect(self, deadline: float) -> None:
         self._deadline = deadline
-        nccl = load_nccl()
-        self._nccl = nccl
-        key = uid_key(self.registry, self.transfer_id)
-        if self.rank == SENDER_RANK:
-            uid = nccl.get_unique_id()
-            self.registry.set_json(key, {"uid": encode_uid(uid)}, UID_TTL)
-        else:
-            uid = self._await_uid(key)
+        torch.cuda.set_device(self.device)
+        self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_event(self._after)
+        # The current stream is per thread: this worker thread's copies and the
+        # group's stream ordering all follow the transfer's own stream from here on.
+        torch.cuda.set_stream(self._stream)
+        left = self._left("connect")
         try:
-            import cupy
-
-            with cupy.cuda.Device(self.device.index):
-                comm = nccl.NcclCommunicator(self._world, uid, self.rank)
-        except Exception as e:  # cupy raises NcclError / CUDARuntimeError
-            raise TransferError(f"nccl communicator for {self.transfer_id} failed: {e}") from e
-        with self._lock:
-            self._comm = comm
-            if self._aborted.is_set():
-                self._abort_comm()
-                raise TransferTimeoutError(f"nccl transfer {self.transfer_id} aborted during connect")
+            store = self._store if self._store is not None else connect_store(self._address or "", left)
+            prefixed = dist.PrefixStore(self._prefix, store)
+            opts = dist.ProcessGroupNCCL.Options()
+            if self.nonblocking:
+                config = opts.config  # a copy in some torch builds: set it back whole
+                config.blocking = 0
+                opts.config = config
+            opts._timeout = timedelta(seconds=self._left("connect") + TORCH_TIMEOUT_SLACK_S)
+            with _group_env():
+                pg = dist.ProcessGroupNCCL(prefixed, self.rank, WORLD_SIZE, opts)
+            self._pg = pg
+            if self.eager:
+                # With blocking=0 creation returns at once and goes on in the background.
+                pg.eager_connect_single_device(self.device)
+                ready = getattr(pg, "_is_initialized", None)
+                while ready is not None and not ready():
+                    self._left("connect")
+                    time.sleep(self._poll * 10)
+            # The first collective creates the communicator (lazily) and, since NCCL
+            # 2.22, connects the two ranks: a one-byte broadcast now keeps both inside
+            # the connect deadline instead of the first data step's.
+            hello = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            self._wait_work(self._issue(hello, SENDER_RANK))
+        except TransferError:
+            self._abort_now()
+            raise
+        except Exception as e:  # torch raises RuntimeError / DistBackendError / DistStoreError
+            self._abort_now()
+            raise self._error("connect", e) from e
         log.debug("nccl_connected", transfer_id=self.transfer_id, rank=self.rank)
 
-    def _await_uid(self, key: str) -> tuple[int, ...]:
-        while True:
-            value = self.registry.get_json(key)
-            if isinstance(value, dict) and isinstance(value.get("uid"), str):
-                return decode_uid(value["uid"])
-            if self._aborted.is_set() or time.monotonic() >= self._deadline:
-                raise TransferTimeoutError(
-                    f"nccl transfer {self.transfer_id}: the sender's unique id never arrived"
-                )
-            time.sleep(self._poll * 5)
-
     def broadcast(self, tensor: torch.Tensor, src: int = SENDER_RANK) -> Pending:
-        if self._aborted.is_set():
-            raise TransferTimeoutError(f"nccl transfer {self.transfer_id} was aborted")
-        if self._comm is None:
+        self._left("broadcast")
+        if self._pg is None:
             raise TransferError(f"nccl transfer {self.transfer_id}: broadcast before connect")
         if tensor.device != self.device or not tensor.is_contiguous():
             raise TransferError(
                 f"nccl broadcast needs a contiguous tensor on {self.device}, got {tensor.device}"
             )
-        data = tensor.reshape(-1).view(torch.uint8)
-        stream = torch.cuda.current_stream(self.device)
+        return _NcclPending(self._issue(tensor, src), self)
+
+    def _issue(self, tensor: torch.Tensor, src: int) -> Any:
         try:
-            self._comm.bcast(
-                data.data_ptr(), data.numel(), self._nccl.NCCL_UINT8, src, stream.cuda_stream
-            )
+            return self._pg.broadcast([tensor.reshape(-1).view(torch.uint8)], _bcast_opts(src))
         except Exception as e:
-            raise TransferError(f"nccl broadcast in {self.transfer_id} failed: {e}") from e
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._last_event = event
-        return _NcclPending(event, self)
+            self._abort_now()
+            raise self._error("broadcast", e) from e
 
-    def _wait_event(self, event: torch.cuda.Event) -> None:
-        while not event.query():
-            comm = self._comm
-            if self._aborted.is_set() or comm is None:
-                raise TransferTimeoutError(f"nccl transfer {self.transfer_id} was aborted")
-            try:
-                comm.check_async_error()
-            except Exception as e:
-                raise TransferError(f"nccl transfer {self.transfer_id} failed: {e}") from e
-            if time.monotonic() >= self._deadline:
-                self.abort()
-                raise TransferTimeoutError(f"nccl transfer {self.transfer_id}: deadline passed")
-            time.sleep(self._poll)
+    def _wait_work(self, work: Any) -> None:
+        """Poll ``work`` until done, an abort request or the deadline (owner thread only)."""
+        try:
+            while not work.is_completed():
+                self._left("broadcast")
+                time.sleep(self._poll)
+            # Orders this thread's stream after the collective (no host wait) and
+            # raises the error the collective ended with, if any.
+            work.wait()
+        except TransferError:
+            self._abort_now()
+            raise
+        except Exception as e:
+            self._abort_now()
+            raise self._error("broadcast", e) from e
 
-    def _abort_comm(self) -> None:
-        comm, self._comm = self._comm, None
-        if comm is not None:
+    def finish(self) -> None:
+        """Wait (polling, bounded) until every copy queued on the transfer's stream ran."""
+        if self._stream is None:
+            return
+        done = self._stream.record_event()
+        try:
+            while not done.query():
+                self._left("finishing")
+                time.sleep(self._poll)
+        except TransferError:
+            self._abort_now()
+            raise
+
+    def _error(self, what: str, e: BaseException) -> TransferError:
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        if timed_out or self._abort_requested.is_set() or time.monotonic() >= self._deadline:
+            return TransferTimeoutError(f"nccl transfer {self.transfer_id}: {what} timed out: {e}")
+        return TransferError(f"nccl transfer {self.transfer_id}: {what} failed (peer gone?): {e}")
+
+    def _abort_now(self) -> None:
+        """``ncclCommAbort`` from the owner thread: kernels stuck on a dead peer exit."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
             try:
-                comm.abort()
-            except Exception as e:  # already broken: nothing more to release
+                pg.abort()
+            except Exception as e:  # already torn down: nothing more to release
                 log.debug("nccl_abort_failed", transfer_id=self.transfer_id, error=str(e))
 
+    # -- any thread ------------------------------------------------------------------------
+
+    @property
+    def join_grace(self) -> float:
+        # The owner may sit in one host-side wait inside torch (bounded, see above)
+        # before it sees the abort request.
+        return nonblocking_timeout() + 5.0
+
     def abort(self) -> None:
-        self._aborted.set()
-        with self._lock:
-            self._abort_comm()
+        """Ask the owner thread to abort; it does at its next poll (never from here)."""
+        self._abort_requested.set()
 
     def close(self) -> None:
-        event = self._last_event
-        if event is not None and not event.query():
-            # Work still queued (an error path): destroy would wait for it, abort won't.
-            self.abort()
-            return
-        with self._lock:
-            comm, self._comm = self._comm, None
-        if comm is not None:
-            try:
-                comm.destroy()
-            except Exception as e:
-                log.debug("nccl_destroy_failed", transfer_id=self.transfer_id, error=str(e))
+        """Release the communicator (owner thread); idempotent.
+
+        ``abort`` both on success and failure: the group is used for one transfer, all
+        of whose work has completed or must be cancelled, and unlike a graceful
+        destroy it never waits on a peer.
+        """
+        self._abort_now()
+        if self._store is not None and self._address is None:
+            # The sender's store lives as long as the service: drop this transfer's keys.
+            delete_prefix(self._store, self._prefix)
+        self._store = None
+
+    @property
+    def _prefix(self) -> str:
+        return f"nccl/{self.transfer_id}/"
+
+
+def _bcast_opts(src: int) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return opts
+
+
+def nonblocking_timeout() -> float:
+    """The bound on torch's host-side non-blocking waits in force for this process."""
+    raw = os.environ.get("TORCH_NCCL_NONBLOCKING_TIMEOUT", "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return float(NONBLOCKING_TIMEOUT_S)
+    return value if math.isfinite(value) and value > 0 else float(NONBLOCKING_TIMEOUT_S)

@@ -5,9 +5,17 @@ runs in a worker thread while the caller waits at most until the deadline. Past 
 the transport is aborted and :class:`TransferTimeoutError` raised, so a hung transfer
 never keeps the worker from falling back to storage.
 
+Communicator creation may get its own, shorter deadline (``connect_deadline``): both
+sides proved alive in the handshake a moment ago, so a communicator that has not formed
+soon never will, and the receiver must not hold its send slot for a whole transfer
+timeout waiting for it.
+
 The worker thread must not outlive the attempt: transports bound every wait by the
-same deadline (gloo: a per-call timeout equal to the time left), so after ``abort`` the
-thread unwinds within ``join_grace``; the transport is closed on the way out.
+same deadline (gloo: a per-call timeout equal to the time left; NCCL: polling), so
+after ``abort`` the thread unwinds within the transport's ``join_grace``; the
+transport is closed on the way out. The watchdog only *asks* for the abort: an NCCL
+transport's owner thread carries it out, since ``ncclCommAbort`` is unsafe while
+another thread is inside NCCL.
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ def run_guarded(
     work: Callable[[Transport], T],
     deadline: float,
     *,
-    join_grace: float = 5.0,
+    connect_deadline: float | None = None,
+    join_grace: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """``transport.connect(deadline)`` then ``work(transport)``, done by ``deadline``.
+    """``transport.connect(...)`` then ``work(transport)``, done by ``deadline``.
 
-    ``deadline`` is on ``clock`` (``time.monotonic``). Returns what ``work`` returns.
+    ``deadline`` is on ``clock`` (``time.monotonic``); the connect phase must also end
+    by ``connect_deadline`` when given. Returns what ``work`` returns.
     Raises :class:`TransferTimeoutError` past the deadline (after aborting the
     transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
     wrapping any other exception. The transport is closed in every case.
@@ -44,11 +54,17 @@ def run_guarded(
     # One-element lists: the worker thread's result or error, typed for the caller.
     values: list[T] = []
     errors: list[BaseException] = []
+    connected = threading.Event()
+    first = deadline if connect_deadline is None else min(deadline, connect_deadline)
 
     def target() -> None:
         try:
-            transport.connect(deadline)
-            values.append(work(transport))
+            transport.connect(first)
+            transport.extend_deadline(deadline)
+            connected.set()
+            value = work(transport)
+            transport.finish()
+            values.append(value)
         except BaseException as e:  # handed to the caller's thread below
             errors.append(e)
         finally:
@@ -61,15 +77,17 @@ def run_guarded(
         target=target, name=f"nccl-back-transfer-{transport.transfer_id}", daemon=True
     )
     thread.start()
+    if first < deadline:
+        thread.join(max(first - clock(), 0.0))
+        if thread.is_alive() and not connected.is_set():
+            _abort(transport, thread, join_grace, "connect")
+            raise TransferTimeoutError(
+                f"{transport.kind} transfer {transport.transfer_id}: the communicator did not"
+                " form by the connect deadline (the peer gave up or is gone); aborted"
+            )
     thread.join(max(deadline - clock(), 0.0))
     if thread.is_alive():
-        log.warning("transfer_deadline_passed", transfer_id=transport.transfer_id, kind=transport.kind)
-        transport.abort()
-        thread.join(join_grace)
-        if thread.is_alive():
-            # Only an uninterruptible native call can get here (ncclCommInitRank); the
-            # daemon thread is left behind, the caller still falls back.
-            log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=join_grace)
+        _abort(transport, thread, join_grace, "transfer")
         raise TransferTimeoutError(
             f"{transport.kind} transfer {transport.transfer_id} did not finish by its deadline;"
             " the communicator was aborted"
@@ -82,3 +100,17 @@ def run_guarded(
             f"{transport.kind} transfer {transport.transfer_id} failed: {error}"
         ) from error
     return values[0]
+
+
+def _abort(
+    transport: Transport, thread: threading.Thread, join_grace: float | None, phase: str
+) -> None:
+    log.warning("transfer_deadline_passed", transfer_id=transport.transfer_id,
+                kind=transport.kind, phase=phase)
+    transport.abort()
+    grace = transport.join_grace if join_grace is None else join_grace
+    thread.join(grace)
+    if thread.is_alive():
+        # Only a wait that ignores both the deadline and the abort request can get
+        # here; the daemon thread is left behind, the caller still falls back.
+        log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=grace)

@@ -1,0 +1,138 @@
+"""Signed coordination records: HMAC-SHA256 over canonical JSON, bound to a Redis key.
+
+Whoever can write to Redis could otherwise tell a worker whom to receive weights from
+and what hashes to expect. With ``Settings.secret`` set, every record a worker acts on
+(peer entries, ground truth, transfer requests, handshake values) carries ``"sig"``:
+the hex HMAC-SHA256, under a key derived from the secret (``Settings.key("sign")``),
+of the record's canonical JSON (sorted keys, no spaces, ASCII, no NaN) without
+``"sig"``, prefixed by the Redis key it is stored at. Binding the key means a genuine
+record cannot be replayed elsewhere (another version's ground truth, another
+transfer's handshake). Records that live briefly also carry ``"exp"`` (Unix time)
+inside the signed bytes, so an old one cannot be replayed later at the same key.
+
+``verify`` returns the record without ``sig``/``exp`` or raises
+:class:`~nccl_back.errors.UntrustedRecordError` saying why (unsigned, bad signature,
+expired); callers skip that record, log and count it, never act on it.
+
+Without a secret, records are written unsigned and accepted as they are (every Redis
+writer is trusted); :func:`warn_unsigned` says so once per process, loudly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .config import Settings
+from .errors import UntrustedRecordError
+from .log import get_logger
+
+log = get_logger(__name__)
+
+SIG = "sig"
+EXP = "exp"
+#: Seconds a record's ``exp`` may lie in the past: clocks of a fleet drift a little.
+CLOCK_SKEW = 5.0
+
+_warned = threading.Event()
+
+
+def canonical(value: Mapping[str, Any]) -> bytes:
+    """The one byte string a JSON object signs as (ValueError for NaN/inf)."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
+
+
+class Signer:
+    """Signs and verifies records with one key (``None``: unsigned mode)."""
+
+    def __init__(self, key: bytes | None, *, clock: Callable[[], float] = time.time) -> None:
+        self.key = key
+        self._clock = clock
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Signer:
+        """The signer of ``settings.secret``; warns once when there is none."""
+        key = settings.key("sign")
+        if key is None:
+            warn_unsigned()
+        return cls(key)
+
+    @property
+    def enabled(self) -> bool:
+        return self.key is not None
+
+
+    def sign(self, redis_key: str, record: Mapping[str, Any], ttl: float | None = None) -> dict[str, Any]:
+        """``record`` as stored at ``redis_key``: with ``exp`` (when ``ttl`` is given)
+        and ``sig`` if this signer has a key, unchanged otherwise."""
+        out = {k: v for k, v in record.items() if k not in (SIG, EXP)}
+        if self.key is None:
+            return out
+        if ttl is not None:
+            out[EXP] = round(self._clock() + ttl, 3)
+        out[SIG] = _mac(self.key, redis_key, out)
+        return out
+
+    def verify(self, redis_key: str, value: Any) -> dict[str, Any]:
+        """The record stored at ``redis_key`` without ``sig``/``exp``, if it is to be
+        trusted; :class:`UntrustedRecordError` otherwise."""
+        if not isinstance(value, dict):
+            raise UntrustedRecordError(f"{redis_key}: not a JSON object")
+        body = {k: v for k, v in value.items() if k != SIG}
+        if self.key is not None:
+            sig = value.get(SIG)
+            if not isinstance(sig, str):
+                raise UntrustedRecordError(f"{redis_key}: unsigned record (a secret is set)")
+            try:
+                expected = _mac(self.key, redis_key, body)
+            except (TypeError, ValueError) as e:
+                raise UntrustedRecordError(f"{redis_key}: record cannot be canonicalised: {e}") from e
+            if not hmac.compare_digest(sig, expected):
+                raise UntrustedRecordError(f"{redis_key}: bad signature")
+            exp = body.get(EXP)
+            if exp is not None:
+                if not isinstance(exp, (int, float)) or isinstance(exp, bool) or not math.isfinite(exp):
+                    raise UntrustedRecordError(f"{redis_key}: malformed expiry")
+                if exp + CLOCK_SKEW < self._clock():
+                    raise UntrustedRecordError(f"{redis_key}: expired record (a replay?)")
+        body.pop(EXP, None)
+        return body
+
+
+def transfer_scope(key: bytes | None, transfer_id: str) -> str:
+    """The name a transfer's keys take in the sender's TCPStore.
+
+    With a key (``Settings.key("store")``) it carries a per-transfer token only the
+    two sides can compute, so a network neighbour who reaches the store (and read the
+    transfer id in Redis) can neither read nor write that transfer's keys.
+    """
+    if key is None:
+        return transfer_id
+    token = hmac.new(key, transfer_id.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{transfer_id}-{token}"
+
+
+def _mac(key: bytes, redis_key: str, body: Mapping[str, Any]) -> str:
+    msg = redis_key.encode() + b"\0" + canonical(body)
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def warn_unsigned() -> None:
+    """Say once per process that, without a secret, any Redis writer is trusted."""
+    if _warned.is_set():
+        return
+    _warned.set()
+    log.warning(
+        "no_secret",
+        message="NCCL_BACK_SECRET is not set: coordination records are unsigned and the"
+        " integrity checks unkeyed, so anyone who can write to Redis can make this worker"
+        " load weights of their choosing. Set NCCL_BACK_SECRET or NCCL_BACK_SECRET_FILE.",
+    )

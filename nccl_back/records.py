@@ -1,0 +1,207 @@
+"""Typed, bounded records for every value read from Redis.
+
+Anyone who can write to Redis can put anything there: a ``max_sends`` of ``1e400``,
+JSON nested a million deep, an address that is no address, a list where an object
+belongs. Each parser here turns one raw value into a typed record or raises
+:class:`~nccl_back.errors.UntrustedRecordError` saying what is wrong, so the caller
+skips that one value (logged, counted) and goes on with the others; nothing else
+ever escapes. Bounds are generous for real fleets and tight for hostile input.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from . import bounded_json
+from .errors import UntrustedRecordError
+
+#: Bytes of one peer entry, request or handshake value (real ones are < 1 KiB).
+MAX_RECORD_BYTES = 16 << 10
+#: Bytes of one ground-truth record (a hash per layer and mode: ~60 bytes each).
+MAX_GROUND_TRUTH_BYTES = 16 << 20
+#: Nesting of any coordination record (ground truth is the deepest: 2).
+MAX_DEPTH = 4
+#: Send slots a peer may advertise: each is a Redis key a receiver may probe.
+MAX_SENDS = 64
+#: World size of one worker (tensor x pipeline parallel ranks).
+MAX_WORLD = 1 << 16
+TRANSPORTS = ("gloo", "nccl")
+PEER_SOURCES = ("storage", "peer", "adopted")
+HANDSHAKE_SIDES = ("receiver", "sender")
+#: Nonces stay below 2**52 (exact in any JSON implementation), their +1 too.
+MAX_NONCE = 1 << 53
+
+_IDENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
+_HEX = re.compile(r"[0-9a-f]{8,128}")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+_LAYER = 1024
+
+
+def load(raw: str | bytes | None, what: str, max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any]:
+    """A JSON object within bounds, or :class:`UntrustedRecordError` naming ``what``."""
+    if raw is None:
+        raise UntrustedRecordError(f"{what}: absent")
+    if not isinstance(raw, (str, bytes)):
+        raise UntrustedRecordError(f"{what}: not a string value (wrong Redis type?)")
+    try:
+        value = bounded_json.loads(raw, max_bytes=max_bytes, max_depth=MAX_DEPTH)
+    except ValueError as e:
+        raise UntrustedRecordError(f"{what}: {e}") from e
+    if not isinstance(value, dict):
+        raise UntrustedRecordError(f"{what}: not a JSON object")
+    return value
+
+
+def ident(data: dict[str, Any], name: str, what: str) -> str:
+    """A name safe in key names and logs: letters, digits, ``._-``, 1 to 200 of them."""
+    value = data.get(name)
+    if not isinstance(value, str) or not _IDENT.fullmatch(value):
+        raise UntrustedRecordError(f"{what}: {name} must be a name of [A-Za-z0-9._-], got {_show(value)}")
+    return value
+
+
+def hexdigest(data: dict[str, Any], name: str, what: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str) or not _HEX.fullmatch(value):
+        raise UntrustedRecordError(f"{what}: {name} must be a lowercase hex digest, got {_show(value)}")
+    return value
+
+
+def integer(data: dict[str, Any], name: str, what: str, lo: int, hi: int, default: int | None = None) -> int:
+    """An integer (not a bool, not a float) in ``[lo, hi]``."""
+    value = data.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise UntrustedRecordError(f"{what}: {name} must be an integer in [{lo}, {hi}], got {_show(value)}")
+    return value
+
+
+def number(data: dict[str, Any], name: str, what: str, default: float = 0.0) -> float:
+    """A finite number (``1e400`` parses as infinity: refused)."""
+    value = data.get(name, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise UntrustedRecordError(f"{what}: {name} must be a finite number, got {_show(value)}")
+    return float(value)
+
+
+def choice(data: dict[str, Any], name: str, what: str, allowed: tuple[str, ...], default: str | None = None) -> str:
+    value = data.get(name, default)
+    if value not in allowed:
+        raise UntrustedRecordError(f"{what}: {name} must be one of {', '.join(allowed)}, got {_show(value)}")
+    return str(value)
+
+
+def address(data: dict[str, Any], name: str, what: str) -> str:
+    """``host:port`` with a hostname or an IP (IPv6 in brackets) and a port 1-65535."""
+    value = data.get(name)
+    if not isinstance(value, str) or len(value) > 300:
+        raise UntrustedRecordError(f"{what}: {name} must be host:port, got {_show(value)}")
+    host, sep, port = value.rpartition(":")
+    ok = bool(sep) and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535
+    if ok and host.startswith("[") and host.endswith("]"):
+        ok = _is_ip(host[1:-1], version=6)
+    elif ok:
+        ok = _is_ip(host, version=4) or bool(_HOSTNAME.fullmatch(host))
+    if not ok:
+        raise UntrustedRecordError(f"{what}: {name} must be host:port, got {_show(value)}")
+    return value
+
+
+@dataclass(frozen=True)
+class PeerFields:
+    """The validated fields of a peer entry (``registry.PeerInfo`` is built from them)."""
+
+    peer_id: str
+    version: str
+    rank: int
+    world_size: int
+    manifest_digest: str
+    transport: str
+    address: str
+    started_at: float
+    source: str
+    max_sends: int
+
+
+def peer(data: dict[str, Any], what: str = "peer entry") -> PeerFields:
+    """A peer entry: names, ``0 <= rank < world_size``, known transport, ``host:port``,
+    ``1 <= max_sends <= 64``."""
+    world = integer(data, "world_size", what, 1, MAX_WORLD)
+    return PeerFields(
+        peer_id=ident(data, "peer_id", what),
+        version=ident(data, "version", what),
+        rank=integer(data, "rank", what, 0, world - 1),
+        world_size=world,
+        manifest_digest=hexdigest(data, "manifest_digest", what),
+        transport=choice(data, "transport", what, TRANSPORTS),
+        address=address(data, "address", what),
+        started_at=number(data, "started_at", what),
+        source=choice(data, "source", what, PEER_SOURCES, "storage"),
+        max_sends=integer(data, "max_sends", what, 1, MAX_SENDS, 1),
+    )
+
+
+def ground_truth(data: dict[str, Any], what: str = "ground truth") -> tuple[str, dict[str, str]]:
+    """``(manifest_digest, {"mode|layer": hex digest})``."""
+    digest = hexdigest(data, "manifest_digest", what)
+    hashes = data.get("hashes")
+    if not isinstance(hashes, dict):
+        raise UntrustedRecordError(f"{what}: hashes must be an object")
+    for k, v in hashes.items():
+        if len(k) > _LAYER or not isinstance(v, str) or not _HEX.fullmatch(v):
+            raise UntrustedRecordError(f"{what}: hashes must map layer names to hex digests")
+    return digest, dict(hashes)
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """A receiver's request that a peer serve it one transfer."""
+
+    transfer_id: str
+    receiver: str
+    version: str
+    manifest_digest: str
+    transport: str
+
+
+def request(data: dict[str, Any], what: str = "transfer request") -> TransferRequest:
+    return TransferRequest(
+        transfer_id=ident(data, "transfer_id", what),
+        receiver=ident(data, "receiver", what),
+        version=ident(data, "version", what),
+        manifest_digest=hexdigest(data, "manifest_digest", what),
+        transport=choice(data, "transport", what, TRANSPORTS),
+    )
+
+
+@dataclass(frozen=True)
+class HandshakeValue:
+    """One side's nonce (or its acknowledgement) in the liveness handshake."""
+
+    by: str
+    value: int
+    digest: str
+
+
+def handshake(data: dict[str, Any], what: str = "handshake value") -> HandshakeValue:
+    return HandshakeValue(
+        by=choice(data, "by", what, HANDSHAKE_SIDES),
+        value=integer(data, "value", what, 0, MAX_NONCE),
+        digest=ident(data, "digest", what),
+    )
+
+
+def _is_ip(text: str, version: int) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == version
+    except ValueError:
+        return False
+
+
+def _show(value: Any) -> str:
+    """A short, safe rendering of a hostile value for a message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

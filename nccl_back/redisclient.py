@@ -1,0 +1,199 @@
+"""The coordination store's client: one Redis, a Sentinel-managed one, or a Redis Cluster,
+plain or over TLS, chosen by ``Settings.redis_url``.
+
+- ``redis://[:password@]host:6379/0``: one server (``unix:///path/redis.sock?db=0`` too);
+- ``redis+sentinel://[:password@]h1:26379,h2:26379/mymaster/0``: the master the
+  sentinels name ``mymaster``, followed across failovers;
+- ``redis+cluster://[:password@]h1:6379,h2:6379``: a Redis Cluster (any nodes, as seeds);
+- ``rediss://``, ``rediss+sentinel://``, ``rediss+cluster://``: the same over TLS.
+
+The URL's password is the data nodes' (``requirepass``); sentinels with their own
+password take ``Settings.redis_sentinel_password``. TLS always verifies the server's
+certificate and host name, against ``Settings.redis_ca_file`` (or the system's CAs),
+and presents ``Settings.redis_cert_file`` / ``redis_key_file`` when given (mutual TLS).
+
+On a cluster every key of one namespace shares one hash slot (``Registry.key`` puts the
+namespace in a ``{hash tag}``), so multi-key commands, transactions and Lua scripts
+work as on one server. Parsing needs no ``redis`` import: :class:`Settings` validates
+URLs with it and the metadata CLI commands stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import unquote, urlsplit
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Settings
+
+Kind = Literal["single", "sentinel", "cluster"]
+
+_SCHEMES: dict[str, tuple[Kind, bool]] = {
+    "redis": ("single", False),
+    "rediss": ("single", True),
+    "unix": ("single", False),
+    "redis+sentinel": ("sentinel", False),
+    "rediss+sentinel": ("sentinel", True),
+    "redis+cluster": ("cluster", False),
+    "rediss+cluster": ("cluster", True),
+}
+_DEFAULT_PORT = {"single": 6379, "sentinel": 26379, "cluster": 6379}
+_EXAMPLE = (
+    "redis://[:password@]host:6379/0, rediss://..., unix:///path.sock,"
+    " redis+sentinel://[:password@]h1:26379,h2:26379/SERVICE/0 or redis+cluster://h1:6379,h2:6379"
+)
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """What a ``redis_url`` names, parsed and checked."""
+
+    kind: Kind
+    tls: bool
+    hosts: tuple[tuple[str, int], ...]
+    """``(host, port)`` of the server, the sentinels, or the cluster's seed nodes."""
+    username: str | None
+    password: str | None
+    db: int
+    service: str | None
+    """The master's name in Sentinel (``sentinel`` only)."""
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Parse a coordination-store URL; :class:`ConfigError` naming the problem otherwise."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        raise ConfigError(f"redis_url={url!r}: scheme must be redis://, rediss:// or unix:// ({_EXAMPLE})")
+    kind, tls = _SCHEMES[scheme]
+    if scheme == "unix":
+        return RedisTarget(kind, tls, (), parts.username, parts.password, 0, None)
+    userinfo, sep, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if sep:
+        user, _, pw = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(pw) or None
+    hosts = tuple(_host_port(url, h, _DEFAULT_PORT[kind]) for h in hostlist.split(","))
+    if kind == "single" and len(hosts) > 1:
+        raise ConfigError(
+            f"redis_url={url!r}: several hosts; use redis+sentinel:// or redis+cluster:// for those"
+        )
+    path = [p for p in parts.path.split("/") if p]
+    service = None
+    if kind == "sentinel":
+        if not path:
+            raise ConfigError(f"redis_url={url!r}: name the master, redis+sentinel://h1:26379,h2:26379/SERVICE/0")
+        service, path = unquote(path[0]), path[1:]
+    if len(path) > 1 or (path and not path[0].isdigit()):
+        raise ConfigError(f"redis_url={url!r}: the database must be a number, e.g. /0")
+    db = int(path[0]) if path else 0
+    if kind == "cluster" and db != 0:
+        raise ConfigError(f"redis_url={url!r}: a Redis Cluster has only database 0")
+    return RedisTarget(kind, tls, hosts, username, password, db, service)
+
+
+def _host_port(url: str, item: str, default: int) -> tuple[str, int]:
+    if not item:
+        raise ConfigError(f"redis_url={url!r}: no host; use redis://host:6379/0")
+    if item.startswith("["):  # [IPv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise ConfigError(f"redis_url={url!r}: no host; use redis://host:6379/0")
+    if not port_text:
+        return host, default
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"redis_url={url!r}: bad port ({port_text!r})")
+    return host, int(port_text)
+
+
+def _tls_kwargs(settings: Settings) -> dict[str, Any]:
+    for name in ("redis_ca_file", "redis_cert_file", "redis_key_file"):
+        path = getattr(settings, name)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{name}={path!r}: no such file")
+    return {
+        "ssl": True,
+        "ssl_cert_reqs": "required",
+        "ssl_check_hostname": True,
+        "ssl_ca_certs": settings.redis_ca_file or None,
+        "ssl_certfile": settings.redis_cert_file or None,
+        "ssl_keyfile": settings.redis_key_file or None,
+    }
+
+
+def connect(settings: Settings) -> Any:
+    """A redis-py client for ``settings.redis_url`` (``Redis``, Sentinel-managed ``Redis``
+    or ``RedisCluster``), answers decoded to ``str``, every call bounded by
+    ``settings.redis_timeout``. Raises :class:`ConfigError` for a bad URL or TLS file;
+    a cluster is contacted here (redis-py discovers its slots on construction), so an
+    unreachable one raises redis-py's error, which :class:`Registry` maps."""
+    import redis
+
+    target = parse_redis_url(settings.redis_url)
+    common: dict[str, Any] = {
+        "socket_timeout": settings.redis_timeout,
+        "socket_connect_timeout": settings.redis_timeout,
+        "decode_responses": True,
+    }
+    tls = _tls_kwargs(settings) if target.tls else {}
+    if target.kind == "single":
+        if target.tls:
+            tls.pop("ssl")  # implied by rediss://
+        try:
+            return redis.Redis.from_url(settings.redis_url, health_check_interval=30, **common, **tls)
+        except ValueError as e:
+            raise ConfigError(f"cannot use redis_url: {e}") from e
+    auth: dict[str, Any] = {"username": target.username, "password": target.password}
+    if target.kind == "sentinel":
+        from redis.sentinel import Sentinel
+
+        sentinel_kwargs = {
+            **common, **tls, "password": settings.redis_sentinel_password or None,
+        }
+        sentinel = Sentinel(
+            list(target.hosts), sentinel_kwargs=sentinel_kwargs,
+            db=target.db, health_check_interval=30, **common, **tls, **auth,
+        )
+        return sentinel.master_for(target.service or "", redis_class=redis.Redis)
+    from redis.cluster import ClusterNode, RedisCluster
+
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], **common, **tls, **auth,
+    )
+
+
+def decodes_responses(client: Any) -> bool:
+    """Whether a redis-py client (``Redis`` or ``RedisCluster``) decodes answers to str."""
+    kwargs = (
+        client.get_connection_kwargs()
+        if hasattr(client, "get_connection_kwargs")
+        else client.connection_pool.connection_kwargs
+    )
+    return bool(kwargs.get("decode_responses"))
+
+
+def explain(error: BaseException) -> str:
+    """A redis-py error as one line, with the fix for the common TLS and Sentinel mistakes."""
+    from redis.sentinel import MasterNotFoundError
+
+    text = str(error)
+    if isinstance(error, MasterNotFoundError):
+        # redis-py appends the repr of every sentinel connection: one line is enough.
+        name = text.split(" : ", 1)[0].removeprefix("No master found for ")
+        return (f"no sentinel named a master {name} (sentinels unreachable, the service name"
+                " wrong, or redis_sentinel_password missing)")
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
+        return (f"TLS certificate verification failed ({text}); set redis_ca_file"
+                " (NCCL_BACK_REDIS_CA_FILE) to the CA bundle that signed the Redis server's certificate")
+    return text

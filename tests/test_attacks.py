@@ -41,7 +41,10 @@ NOBODY = 65534
 
 
 class Timed:
-    """Asserts the block ran within ``bound`` seconds."""
+    """Asserts the block ran within ``bound`` seconds.
+
+    Bounds prove "no hang, no stall past a deadline", not speed: they sit well above
+    what a loaded 2-core CI machine adds to the operation."""
 
     def __init__(self, bound: float) -> None:
         self.bound = bound
@@ -84,7 +87,7 @@ def test_socket_squatter_in_a_shared_directory_is_refused(workdir: str) -> None:
     os.mkdir(shared)
     os.chmod(shared, 0o1777)
     path = os.path.join(shared, "handoff.sock")
-    with _listen(path), Timed(1.0), pytest.raises(
+    with _listen(path), Timed(5.0), pytest.raises(
         AttachError, match=r"socket directory .*shared is writable by others \(mode 1777\)"
     ):
         attach(_tiny(), path, version=VERSION)
@@ -111,7 +114,7 @@ def test_socket_served_by_another_user_is_refused(workdir: str) -> None:
     squatter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert squatter.stdout is not None and squatter.stdout.readline() == "ready\n"
-        with Timed(1.0), pytest.raises(
+        with Timed(5.0), pytest.raises(
             AttachError, match=rf"served by uid {NOBODY}, expected uid 0; refusing it"
         ):
             attach(_tiny(), path, version=VERSION)
@@ -126,7 +129,7 @@ def test_sidecar_of_an_unexpected_uid_is_refused(workdir: str) -> None:
     """attach(expected_uid=...) refuses a live sidecar that runs as another user."""
     path = os.path.join(workdir, "h.sock")
     with HandoffServer(_tiny(), VERSION, path):
-        with Timed(1.0), pytest.raises(
+        with Timed(5.0), pytest.raises(
             AttachError, match=rf"served by uid {os.geteuid()}, expected uid 4242"
         ):
             attach(_tiny(), path, version=VERSION, expected_uid=4242)
@@ -150,7 +153,7 @@ def test_deep_json_request_to_the_hand_off_server_is_survived(workdir: str) -> N
     """A request nested 100,000 deep is dropped; the server keeps serving."""
     path = os.path.join(workdir, "h.sock")
     with HandoffServer(_tiny(), VERSION, path):
-        with Timed(2.0), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        with Timed(10.0), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
             raw.settimeout(5)
             raw.connect(path)
             raw.sendall(b"[" * 100_000 + b"]" * 100_000 + b"\n")
@@ -185,7 +188,7 @@ def test_unauthenticated_drain_is_refused(workdir: str) -> None:
     token = write_token_file(token_file)
     drained: list[bool] = []
     with HealthServer(Metrics(), on_drain=lambda: drained.append(True), drain_token=token) as server:
-        with Timed(2.0):
+        with Timed(10.0):
             assert _post(server.port, "/drain") == 403
             assert _post(server.port, "/drain", {"X-Drain-Token": "guess"}) == 403
         assert server.state == "not_ready" and not drained
@@ -254,7 +257,7 @@ def test_overlapping_safetensors_offsets_are_refused() -> None:
 def test_deep_json_safetensors_header_is_refused() -> None:
     """A header nested 1,000,000 deep is a CheckpointFormatError, not a RecursionError."""
     blob = _safetensors(b'{"a":' + b"[" * 1_000_000 + b"]" * 1_000_000 + b"}", b"")
-    with Timed(2.0), pytest.raises(CheckpointFormatError, match="nested 1000001 deep"):
+    with Timed(10.0), pytest.raises(CheckpointFormatError, match="nested 1000001 deep"):
         parse_header(blob, "evil.safetensors", len(blob))
 
 
@@ -266,7 +269,7 @@ def test_deep_json_config_is_refused(tmp_path: Path) -> None:
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_bytes(b"[" * 1_000_000 + b"]" * 1_000_000)
-    with Timed(3.0), pytest.raises(CheckpointFormatError, match="nested 1000000 deep"):
+    with Timed(10.0), pytest.raises(CheckpointFormatError, match="nested 1000000 deep"):
         ModelSpec.from_dir(str(tmp_path), cache_dir=str(tmp_path / "cache"))
 
 
@@ -302,7 +305,7 @@ def test_rendezvous_is_not_reachable_on_other_interfaces() -> None:
         host, port = rdv.address.rsplit(":", 1)
         assert host == "127.0.0.2"
         socket.create_connection(("127.0.0.2", int(port)), timeout=2).close()
-        with Timed(2.0), pytest.raises(ConnectionRefusedError):
+        with Timed(10.0), pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
     finally:
         rdv.close()

@@ -107,6 +107,10 @@ def wait_result(proc: subprocess.Popen[bytes], out: Path, log: Path, timeout: fl
         m = re.search(pattern, text)
         if m:
             result[phase] = float(m.group(1))
+    phases = re.search(r"nccl_back: loaded version .*? \[(.*?)\]", text)
+    if phases:
+        result["nccl_back_phases"] = {k: float(v) for k, v in
+                                      (p.rsplit(" ", 1) for p in phases.group(1).split(", "))}
     src = re.search(r"nccl_back: loaded version \w+ from (\w+)", text)
     result["source"] = src.group(1) if src else "auto"
     result["load_s"] = result.get("nccl_back_load", result.get("auto_load_weights"))
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'engine':<12}" + "".join(f"{c:>15}" for c in cols))
     for name, r in results.items():
         print(f"{name:<12}" + "".join(f"{r.get(c, float('nan')):>15.2f}" for c in cols))
+    for name in ("peer_source", "peer"):
+        print(f"{name} load phases (s): {results[name].get('nccl_back_phases')}")
     peer = results["peer"]
     ratios = {
         "load_cold_auto_over_peer": results["auto_cold"]["load_s"] / peer["load_s"],

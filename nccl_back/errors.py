@@ -124,13 +124,19 @@ FALLBACK_REASONS = (
     "verification_failed",
     "registry_error",
     "consensus",
+    "untrusted_record",
     "other",
 )
 """Stable codes for why a worker loaded from storage instead of a peer (metric labels,
 the prefix of ``LoadResult.fallback_reason``)."""
 
+RECORD_KINDS = ("peer", "ground_truth", "request", "handshake")
+"""Kinds of Redis records that are verified and may be rejected (a metric label)."""
+
 # Most specific class first: TransferTimeoutError is also a TransferError.
 _REASON_BY_ERROR: tuple[tuple[type[BaseException], str], ...] = (
+    # First: a peer list of only rejected records is also a NoPeerError.
+    (UntrustedRecordError, "untrusted_record"),
     (NoPeerError, "no_peer"),
     (IncompatiblePeerError, "incompatible_peer"),
     (HandshakeTimeoutError, "handshake_timeout"),

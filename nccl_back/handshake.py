@@ -48,7 +48,11 @@ flaky receiver) and ``settings.receiver_handshake_timeout`` (10 s: the peer may 
 be busy). Past it: :class:`HandshakeTimeoutError` naming the state; no communicator
 exists yet, so there is nothing to clean up but the keys. Both sides carry their
 manifest digest, so a mismatch stops both before any data moves. Redis failures
-surface as :class:`RegistryError` (the caller falls back).
+surface as :class:`RegistryError` (the caller falls back). With a secret every value
+(refusals included) is signed for its key with an expiry (:mod:`.auth`), and a value
+that does not verify or parse is ignored as if absent (logged, counted): a Redis
+writer can neither complete nor refuse a handshake. The compare-and-set steps compare
+the raw signed values.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import records
 from .errors import (
     HandshakeTimeoutError,
     IncompatiblePeerError,
@@ -66,6 +71,7 @@ from .errors import (
     NoPeerError,
     PeerError,
     RegistryError,
+    UntrustedRecordError,
 )
 from .log import get_logger
 from .registry import Registry
@@ -103,7 +109,7 @@ def refuse(registry: Registry, transfer_id: str, code: str, message: str,
     if code not in REFUSALS:
         raise ValueError(f"refusal code {code!r}: choose one of {sorted(REFUSALS)}")
     r_key, _ = keys(registry, transfer_id)
-    registry.set_json(r_key, {"by": "sender", "refused": code, "message": message[:500]}, key_ttl)
+    registry.set_signed(r_key, {"by": "sender", "refused": code, "message": message[:500]}, key_ttl)
 
 
 def run_receiver(
@@ -131,7 +137,7 @@ def run_receiver(
     deadline = clock() + timeout
     x = _nonce()
     try:
-        registry.set_json(r_key, _entry("receiver", x, manifest_digest), key_ttl)
+        registry.set_signed(r_key, _entry("receiver", x, manifest_digest), key_ttl)
         if after_ready is not None:
             after_ready()
         ack = _wait(registry, r_key,
@@ -142,15 +148,16 @@ def run_receiver(
             raise cls(f"transfer {transfer_id}: the sender refused it ({ack.get('refused')}):"
                       f" {str(ack.get('message', ''))[:500]}")
         _check_digest(manifest_digest, ack, "sender", transfer_id)
-        got = _wait(registry, s_key, lambda v: v.get("by") == "sender",
-                    deadline, "R2 WAIT_Y", transfer_id, clock, sleep, poll)
+        got, got_raw = _wait_raw(registry, s_key, lambda v: v.get("by") == "sender",
+                                 deadline, "R2 WAIT_Y", transfer_id, clock, sleep, poll)
         if got.get("abandoned"):
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
                 " passed) before we read its nonce, state R2 WAIT_Y"
             )
-        mine = _entry("receiver", _int(got, s_key) + 1, manifest_digest)
-        if not registry.compare_and_set(s_key, got, mine, key_ttl):
+        mine = registry.signed(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest),
+                               key_ttl)
+        if not registry.compare_and_set(s_key, got_raw, mine, key_ttl):
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
                 " passed) before our acknowledgement landed, state R3 ACK_Y"
@@ -184,10 +191,10 @@ def run_sender(
     try:
         got = _wait(registry, r_key, lambda v: v.get("by") == "receiver",
                     deadline, "S0 WAIT_X", transfer_id, clock, sleep, poll)
-        registry.set_json(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest), key_ttl)
+        registry.set_signed(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest), key_ttl)
         _check_digest(manifest_digest, got, "receiver", transfer_id)
         y = _nonce()
-        offer = _entry("sender", y, manifest_digest)
+        offer = registry.signed(s_key, _entry("sender", y, manifest_digest), key_ttl)
         registry.set_json(s_key, offer, key_ttl)
         try:
             _wait(registry, s_key, lambda v: v.get("value") == y + 1 and v.get("by") == "receiver",
@@ -196,10 +203,12 @@ def run_sender(
             # Abandon atomically: if the ack landed meanwhile, the receiver is committed
             # and waits for us, so we go on instead. The marker stays (with its TTL) for
             # the receiver to read.
-            if registry.compare_and_set(s_key, offer, _ABANDONED, key_ttl):
+            if registry.compare_and_set(s_key, offer, registry.signed(s_key, _ABANDONED, key_ttl),
+                                        key_ttl):
                 abandoned = True
                 raise
-            late = registry.get_json(s_key)
+            found = registry.get_signed(s_key, "handshake")
+            late = found[0] if found is not None else None
             if not (isinstance(late, dict) and late.get("value") == y + 1
                     and late.get("by") == "receiver"):
                 raise
@@ -252,11 +261,28 @@ def _wait(
     sleep: Sleep,
     poll: float,
 ) -> dict[str, Any]:
-    """Poll ``key`` until its JSON value satisfies ``ready``, or the deadline passes."""
+    """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes."""
+    return _wait_raw(registry, key, ready, deadline, state, transfer_id, clock, sleep, poll)[0]
+
+
+def _wait_raw(
+    registry: Registry,
+    key: str,
+    ready: Callable[[dict[str, Any]], bool],
+    deadline: float,
+    state: str,
+    transfer_id: str,
+    clock: Clock,
+    sleep: Sleep,
+    poll: float,
+) -> tuple[dict[str, Any], str]:
+    """:func:`_wait`, also returning the raw stored value (for a compare-and-set)."""
     while True:
-        value = registry.get_json(key)
-        if isinstance(value, dict) and ready(value):
-            return value
+        # Unsigned, forged, expired or malformed values are skipped (logged, counted):
+        # only the genuine other side can move the handshake on.
+        found = registry.get_signed(key, "handshake")
+        if found is not None and _well_formed(found[0], key, registry) and ready(found[0]):
+            return found
         left = deadline - clock()
         if left <= 0:
             raise HandshakeTimeoutError(
@@ -264,6 +290,15 @@ def _wait(
                 " (the peer did not answer in time)"
             )
         sleep(min(poll, left))
+
+
+def _well_formed(value: dict[str, Any], key: str, registry: Registry) -> bool:
+    try:
+        records.handshake(value)
+    except UntrustedRecordError as e:
+        registry.reject("handshake", key, str(e))
+        return False
+    return True
 
 
 def _cleanup(registry: Registry, *keys_: str) -> None:

@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .errors import FALLBACK_REASONS, ConfigError, fallback_reason
+from .errors import FALLBACK_REASONS, RECORD_KINDS, ConfigError, fallback_reason
 
 SOURCES = ("peer", "storage", "local")
 """Where a load's weights came from (``LoadResult.source``)."""
@@ -75,6 +75,18 @@ class Metrics:
             "Peer loads whose integrity hashes differed from the ground truth.",
             registry=r,
         )
+        self.records_rejected = Counter(
+            f"{prefix}_records_rejected",
+            "Redis values skipped as unsigned, badly signed, expired, malformed or without"
+            " a TTL, by record kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.requests_dropped = Counter(
+            f"{prefix}_requests_dropped",
+            "Transfer requests dropped because this worker's send queue was full.",
+            registry=r,
+        )
         self.handshake_timeouts = Counter(
             f"{prefix}_handshake_timeouts",
             "Liveness handshakes that timed out (either side).",
@@ -98,6 +110,8 @@ class Metrics:
             self.fallbacks.labels(reason=reason)
         for outcome in ("ok", "failed"):
             self.transfers_served.labels(outcome=outcome)
+        for kind in RECORD_KINDS:
+            self.records_rejected.labels(kind=kind)
 
     def record_load(self, source: str, nbytes: int, seconds: float) -> None:
         """Count one completed load of ``nbytes`` that took ``seconds`` from ``source``."""
@@ -119,6 +133,13 @@ class Metrics:
 
     def record_handshake_timeout(self) -> None:
         self.handshake_timeouts.inc()
+
+    def record_untrusted(self, kind: str) -> None:
+        """Count one rejected Redis record; ``kind`` is one of :data:`RECORD_KINDS`."""
+        self.records_rejected.labels(kind=_check(kind, RECORD_KINDS, "kind")).inc()
+
+    def record_request_dropped(self) -> None:
+        self.requests_dropped.inc()
 
     def set_claims(self, n: int) -> None:
         """Current number of receivers holding a send slot on this worker."""

@@ -30,13 +30,16 @@ MAX_SENDS = 64
 #: World size of one worker (tensor x pipeline parallel ranks).
 MAX_WORLD = 1 << 16
 TRANSPORTS = ("gloo", "nccl")
+#: Steps of one transfer (a resumed transfer's ``start``): far beyond any real model.
+MAX_START = 1 << 31
 PEER_SOURCES = ("storage", "peer", "adopted")
+DEVICES = ("cpu", "cuda")
 HANDSHAKE_SIDES = ("receiver", "sender")
 #: Nonces stay below 2**52 (exact in any JSON implementation), their +1 too.
 MAX_NONCE = 1 << 53
 
 _IDENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
-_HEX = re.compile(r"[0-9a-f]{8,128}")
+_CLAIM = re.compile(r"[0-9]{1,3}:[0-9a-f]{32}")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 _LAYER = 1024
 
@@ -65,9 +68,10 @@ def ident(data: dict[str, Any], name: str, what: str) -> str:
 
 
 def hexdigest(data: dict[str, Any], name: str, what: str) -> str:
+    """A digest: a short token of letters, digits and ``._-`` (hex in practice)."""
     value = data.get(name)
-    if not isinstance(value, str) or not _HEX.fullmatch(value):
-        raise UntrustedRecordError(f"{what}: {name} must be a lowercase hex digest, got {_show(value)}")
+    if not isinstance(value, str) or not _IDENT.fullmatch(value):
+        raise UntrustedRecordError(f"{what}: {name} must be a digest, got {_show(value)}")
     return value
 
 
@@ -124,6 +128,7 @@ class PeerFields:
     started_at: float
     source: str
     max_sends: int
+    device: str
 
 
 def peer(data: dict[str, Any], what: str = "peer entry") -> PeerFields:
@@ -141,6 +146,8 @@ def peer(data: dict[str, Any], what: str = "peer entry") -> PeerFields:
         started_at=number(data, "started_at", what),
         source=choice(data, "source", what, PEER_SOURCES, "storage"),
         max_sends=integer(data, "max_sends", what, 1, MAX_SENDS, 1),
+        device=choice(data, "device", what, DEVICES,
+                      "cuda" if data.get("transport") == "nccl" else "cpu"),
     )
 
 
@@ -151,8 +158,8 @@ def ground_truth(data: dict[str, Any], what: str = "ground truth") -> tuple[str,
     if not isinstance(hashes, dict):
         raise UntrustedRecordError(f"{what}: hashes must be an object")
     for k, v in hashes.items():
-        if len(k) > _LAYER or not isinstance(v, str) or not _HEX.fullmatch(v):
-            raise UntrustedRecordError(f"{what}: hashes must map layer names to hex digests")
+        if len(k) > _LAYER or not isinstance(v, str) or not _IDENT.fullmatch(v):
+            raise UntrustedRecordError(f"{what}: hashes must map layer names to digests")
     return digest, dict(hashes)
 
 
@@ -165,30 +172,55 @@ class TransferRequest:
     version: str
     manifest_digest: str
     transport: str
+    device: str | None = None
+    claim: str | None = None
+    """The receiver's claim token, so the sender can free the slot if the send fails."""
+    start: int | None = None
+    """The step to start from (a relay member resuming after its upstream failed)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that are set (absent optional ones stay absent)."""
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 def request(data: dict[str, Any], what: str = "transfer request") -> TransferRequest:
+    claim = data.get("claim")
+    if claim is not None and (not isinstance(claim, str) or not _CLAIM.fullmatch(claim)):
+        raise UntrustedRecordError(f"{what}: claim must be a claim token, got {_show(claim)}")
     return TransferRequest(
         transfer_id=ident(data, "transfer_id", what),
         receiver=ident(data, "receiver", what),
         version=ident(data, "version", what),
         manifest_digest=hexdigest(data, "manifest_digest", what),
         transport=choice(data, "transport", what, TRANSPORTS),
+        device=choice(data, "device", what, DEVICES) if "device" in data else None,
+        claim=claim,
+        start=integer(data, "start", what, 0, MAX_START) if "start" in data else None,
     )
 
 
 @dataclass(frozen=True)
 class HandshakeValue:
-    """One side's nonce (or its acknowledgement) in the liveness handshake."""
+    """One side's nonce (or its acknowledgement) in the liveness handshake, or a
+    sender's refusal (``refused`` set) or abandonment marker (both: ``value`` -1)."""
 
     by: str
     value: int
     digest: str
+    refused: str | None = None
 
 
 def handshake(data: dict[str, Any], what: str = "handshake value") -> HandshakeValue:
+    by = choice(data, "by", what, HANDSHAKE_SIDES)
+    if data.get("abandoned") is True and by == "sender":
+        return HandshakeValue(by, -1, "")
+    if "refused" in data:
+        message = data.get("message", "")
+        if by != "sender" or not isinstance(message, str) or len(message) > 1000:
+            raise UntrustedRecordError(f"{what}: malformed refusal")
+        return HandshakeValue(by, -1, "", ident(data, "refused", what))
     return HandshakeValue(
-        by=choice(data, "by", what, HANDSHAKE_SIDES),
+        by=by,
         value=integer(data, "value", what, 0, MAX_NONCE),
         digest=ident(data, "digest", what),
     )

@@ -13,7 +13,7 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
     ns:gt:{v}:{r}:{w}:{d}           {"manifest_digest", "hashes"}, SET NX, TTL ground_truth_ttl
                                     hashes keyed "{mode}|{layer}" (:func:`encode_truth`)
     ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
-    ns:req:{peer_id}                list of request JSON       TTL peer_ttl
+    ns:req:{peer_id}                list of request JSON       TTL peer_ttl, newest 256 kept
     ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
     ns:cohort:{v}:{r}:{w}:{d}       hash {n, epoch}            TTL cohort_window (relay.py)
     ns:cohort:{v}:{r}:{w}:{d}:{e}:{c}  list of member JSON     TTL transfer_timeout + busy_wait
@@ -21,6 +21,14 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
 
 The index set is only a hint to avoid ``SCAN`` on the hot path: the per-peer key with
 its TTL is the truth, and members whose key expired are dropped when read.
+
+Trust (DESIGN.md layer 9). Every record a worker acts on (peer entries, ground truth,
+requests, handshake values) is signed when ``Settings.secret`` is set (:mod:`.auth`)
+and parsed into a typed, bounded record (:mod:`.records`) when read. A value that is
+unsigned, badly signed, expired, malformed or kept without a TTL is skipped, logged
+(``record_rejected``) and counted (``on_untrusted``); it never raises out of a list.
+``SET NX`` also takes over a key kept without a TTL (it would otherwise hold a claim,
+a lease or the ground truth forever).
 """
 
 from __future__ import annotations
@@ -38,9 +46,10 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.exceptions import RedisClusterException
 
-from . import redisclient
+from . import records, redisclient
+from .auth import Signer
 from .config import Settings
-from .errors import ConfigError, RegistryError
+from .errors import ConfigError, RegistryError, UntrustedRecordError
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -54,6 +63,9 @@ GROUND_TRUTH_TTL_FACTOR = 6
 
 _KEY_UNSAFE = " :*?[]"
 
+#: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
+MAX_QUEUED_REQUESTS = 256
+
 #: Separates the hash mode from the layer name in stored ground truth ("sampled|layer0").
 TRUTH_SEP = "|"
 
@@ -66,6 +78,14 @@ local ok, value = pcall(cjson.decode, raw)
 if ok and type(value) == 'table' and value['token'] == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
+return 0
+"""
+
+# SET NX that first drops a key kept without a TTL: written by hand or by an attacker,
+# such a key would hold its claim, lease or ground truth forever.
+_SET_NX_LUA = """
+if redis.call('PTTL', KEYS[1]) == -1 then redis.call('DEL', KEYS[1]) end
+if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
 return 0
 """
 
@@ -146,24 +166,14 @@ class PeerInfo:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> PeerInfo:
-        """Parse a registry value; :class:`RegistryError` if it is not a PeerInfo."""
-        try:
-            data = json.loads(raw)
-            return cls(
-                peer_id=str(data["peer_id"]),
-                version=str(data["version"]),
-                rank=int(data["rank"]),
-                world_size=int(data["world_size"]),
-                manifest_digest=str(data["manifest_digest"]),
-                transport=str(data["transport"]),
-                address=str(data["address"]),
-                started_at=float(data.get("started_at", 0.0)),
-                source=str(data.get("source", "storage")),
-                max_sends=int(data.get("max_sends", 1)),
-                device=str(data.get("device", "cuda" if data["transport"] == "nccl" else "cpu")),
-            )
-        except (ValueError, TypeError, KeyError) as e:
-            raise RegistryError(f"malformed peer entry in Redis: {e}") from e
+        """Parse a registry value; :class:`UntrustedRecordError` (a
+        :class:`RegistryError`) if it is not a valid, bounded PeerInfo."""
+        return cls.from_record(records.load(raw, "peer entry"))
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> PeerInfo:
+        """From a parsed (and verified) record; :class:`UntrustedRecordError` if invalid."""
+        return cls(**vars(records.peer(data)))
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,12 @@ class Registry:
         self._renew = self.client.register_script(_RENEW_LUA)
         self._cas = self.client.register_script(_CAS_LUA)
         self._join_cohort = self.client.register_script(_JOIN_COHORT_LUA)
+        self._set_nx = self.client.register_script(_SET_NX_LUA)
+        self.signer = Signer.from_settings(settings)
+        self.on_untrusted: Callable[[str], None] | None = None
+        """Called with the record kind each time a record is rejected (metrics)."""
+        self.rejected = 0
+        """Records rejected so far (a caller compares it before and after a read)."""
 
     # -- generic helpers ----------------------------------------------------------------
 
@@ -230,8 +246,59 @@ class Registry:
 
         Returns whether the value was written.
         """
-        raw = _dumps(value)
-        return bool(self._call("SET", lambda: self.client.set(key, raw, px=_ms(ttl), nx=nx)))
+        raw = value if isinstance(value, _Raw) else _dumps(value)
+        if nx:
+            return bool(self._call("SET NX", lambda: self._set_nx(keys=[key], args=[raw, _ms(ttl)])))
+        return bool(self._call("SET", lambda: self.client.set(key, raw, px=_ms(ttl))))
+
+    def signed(self, key: str, value: dict[str, Any], ttl: float, *, expires: bool = True) -> _Raw:
+        """``value`` signed for ``key`` and serialised, ready for :meth:`set_json` or a
+        compare-and-set (with an expiry inside the signature unless ``expires`` is
+        False, for records kept alive by ``PEXPIRE``)."""
+        return _Raw(_dumps(self.signer.sign(key, value, ttl if expires else None)))
+
+    def set_signed(
+        self, key: str, value: dict[str, Any], ttl: float, *, nx: bool = False, expires: bool = True
+    ) -> bool:
+        """:meth:`set_json` of ``value`` signed for ``key`` (see :meth:`signed`)."""
+        return self.set_json(key, self.signed(key, value, ttl, expires=expires), ttl, nx=nx)
+
+    def get_signed(self, key: str, kind: str) -> tuple[dict[str, Any], _Raw] | None:
+        """The verified record at ``key`` and its raw value (for a compare-and-set);
+        None if absent or rejected (logged, counted)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(key)
+        pipe.pttl(key)
+        try:
+            raw, ttl_ms = self._call("GET", pipe.execute)
+        except RegistryError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            self.reject(kind, key, "wrong Redis type")
+            return None
+        if raw is None:
+            return None
+        try:
+            return self.verify(key, raw, kind, ttl_ms), _Raw(raw)
+        except UntrustedRecordError as e:
+            self.reject(kind, key, str(e))
+            return None
+
+    def verify(
+        self, key: str, raw: Any, kind: str, ttl_ms: int | None = None,
+        max_bytes: int = records.MAX_RECORD_BYTES,
+    ) -> dict[str, Any]:
+        """Bounded JSON, a TTL, a good signature: the record, or UntrustedRecordError."""
+        if ttl_ms is not None and int(ttl_ms) == -1:
+            raise UntrustedRecordError(f"{key}: kept without a TTL")
+        return self.signer.verify(key, records.load(raw, kind, max_bytes))
+
+    def reject(self, kind: str, key: str, reason: str) -> None:
+        """Log and count one rejected record."""
+        log.warning("record_rejected", kind=kind, key=key, reason=reason)
+        self.rejected += 1
+        if self.on_untrusted is not None:
+            self.on_untrusted(kind)
 
     def get_json(self, key: str) -> Any | None:
         """The JSON value at ``key``, or None if absent."""
@@ -240,7 +307,8 @@ class Registry:
 
     def compare_and_set(self, key: str, expected: Any, value: Any, ttl: float) -> bool:
         """Replace ``key``'s JSON value by ``value`` only if it is exactly ``expected``."""
-        old, new = _dumps(expected), _dumps(value)
+        old = expected if isinstance(expected, _Raw) else _dumps(expected)
+        new = value if isinstance(value, _Raw) else _dumps(value)
         return bool(self._call("CAS", lambda: self._cas(keys=[key], args=[old, new, _ms(ttl)])))
 
     # -- key schema -------------------------------------------------------------------
@@ -295,9 +363,11 @@ class Registry:
             if not value or any(c in value for c in _KEY_UNSAFE):
                 raise ConfigError(f"{field_name}={value!r}: must be non-empty, without ':', spaces or globs")
         ttl = _ms(self.settings.peer_ttl)
+        key = self._peer_key(info.version, info.rank, info.world_size, info.peer_id)
+        # Re-signed at every heartbeat, so the expiry inside the signature moves too.
+        value = self.signed(key, asdict(info), self.settings.peer_ttl)
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(self._peer_key(info.version, info.rank, info.world_size, info.peer_id),
-                 info.to_json(), px=ttl)
+        pipe.set(key, value, px=ttl)
         index = self._index_key(info.version, info.rank, info.world_size)
         pipe.sadd(index, info.peer_id)
         pipe.pexpire(index, ttl)
@@ -342,22 +412,49 @@ class Registry:
         if not ids:
             return []
         keys = [self._peer_key(version, rank, world_size, pid) for pid in ids]
-        raws = self._call("MGET", lambda: self.client.mget(keys))
+        raws, ttls = self._get_with_ttls(keys)
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
         if dead:
             self._call("SREM", lambda: self.client.srem(index, *dead))
         peers: list[PeerInfo] = []
-        for pid, raw in zip(ids, raws, strict=True):
+        for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
             if raw is None:
                 continue
-            try:
-                peers.append(PeerInfo.from_json(raw))
-            except RegistryError as e:  # one bad entry must not hide the good ones
-                log.warning("peer_entry_skipped", peer_id=pid, reason=str(e))
+            try:  # one bad entry must not hide the good ones
+                info = PeerInfo.from_record(self.verify(key, raw, "peer", ttl_ms))
+                if key != self._peer_key(info.version, info.rank, info.world_size, info.peer_id) or (
+                    (info.version, info.rank, info.world_size) != (version, rank, world_size)
+                ):
+                    raise UntrustedRecordError(f"{key}: the entry describes another key")
+            except UntrustedRecordError as e:
+                self.reject("peer", key, str(e))
+                continue
+            peers.append(info)
         claims = self._claim_counts(peers)
         random.shuffle(peers)
         peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
         return peers
+
+    def _get_with_ttls(self, keys: list[str]) -> tuple[list[Any], list[int]]:
+        """Values (None for absent or non-string keys) and PTTLs, in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:  # GETs, not MGET: a cluster pipeline refuses MGET
+            pipe.get(key)
+            pipe.pttl(key)
+        try:
+            out = self._call("GET", pipe.execute)
+        except RegistryError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            # Some key holds a list or a set: read them one by one, wrong types as absent.
+            out = []
+            for key in keys:
+                try:
+                    out += [self._call("GET", partial(self.client.get, key)), self.ttl(key)]
+                except RegistryError:
+                    self.reject("peer", key, "wrong Redis type")
+                    out += [None, -2]
+        return list(out[::2]), [int(t) for t in out[1::2]]
 
     def list_all(self) -> dict[str, list[PeerStatus]]:
         """Every live peer, grouped by version (for ``nccl-back status``)."""
@@ -370,9 +467,14 @@ class Registry:
             pipe.pttl(key)
         values = self._call("list", pipe.execute)
         peers: list[tuple[PeerInfo, float]] = []
-        for raw, ttl_ms in zip(values[::2], values[1::2], strict=True):
+        for key, raw, ttl_ms in zip(keys, values[::2], values[1::2], strict=True):
             if raw is not None:
-                peers.append((PeerInfo.from_json(raw), max(int(ttl_ms), 0) / 1000))
+                try:
+                    info = PeerInfo.from_record(self.verify(key, raw, "peer", ttl_ms))
+                except UntrustedRecordError as e:
+                    self.reject("peer", key, str(e))
+                    continue
+                peers.append((info, max(int(ttl_ms), 0) / 1000))
         claims = self._claim_counts([p for p, _ in peers])
         now = time.time()
         out: dict[str, list[PeerStatus]] = {}
@@ -400,22 +502,47 @@ class Registry:
         """
         value = {"manifest_digest": manifest_digest, "hashes": hashes}
         key = self.ground_truth_key(version, rank, world_size, manifest_digest)
-        return self.set_json(key, value, self._ground_truth_ttl, nx=True)
+        # No expiry inside the signature: heartbeats keep it alive with PEXPIRE.
+        return self.set_signed(key, value, self._ground_truth_ttl, nx=True, expires=False)
+
+    def replace_ground_truth(
+        self, version: str, rank: int, world_size: int, manifest_digest: str, hashes: dict[str, str]
+    ) -> None:
+        """Overwrite the ground truth: a storage loader holds CRC32C-checked bytes, so
+        its view wins over a stored record that is untrusted or disagrees with it."""
+        value = {"manifest_digest": manifest_digest, "hashes": hashes}
+        key = self.ground_truth_key(version, rank, world_size, manifest_digest)
+        self.set_signed(key, value, self._ground_truth_ttl, expires=False)
 
     def get_ground_truth(
         self, version: str, rank: int, world_size: int, manifest_digest: str
     ) -> dict[str, str] | None:
-        """The hashes a storage load stored for this skeleton flavour, or None."""
+        """The hashes a storage load stored for this skeleton flavour, or None.
+
+        :class:`UntrustedRecordError` (logged, counted) if the stored record is
+        unsigned, badly signed, malformed or kept without a TTL: never acted on.
+        """
         key = self.ground_truth_key(version, rank, world_size, manifest_digest)
-        value = self.get_json(key)
-        if value is None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(key)
+        pipe.pttl(key)
+        try:
+            raw, ttl_ms = self._call("GET", pipe.execute)
+        except RegistryError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            raw, ttl_ms = [], -2  # a list or set: refused below as a wrong type
+        if raw is None:
             return None
         try:
-            if str(value["manifest_digest"]) != manifest_digest:
-                raise ValueError(f"digest {value['manifest_digest']!r} under another key")
-            return {str(k): str(v) for k, v in value["hashes"].items()}
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise RegistryError(f"malformed ground truth at {key}: {e}") from e
+            value = self.verify(key, raw, "ground_truth", ttl_ms, records.MAX_GROUND_TRUTH_BYTES)
+            digest, hashes = records.ground_truth(value)
+            if digest != manifest_digest:
+                raise UntrustedRecordError(f"{key}: digest {digest!r} under another key")
+            return hashes
+        except UntrustedRecordError as e:
+            self.reject("ground_truth", key, str(e))
+            raise
 
     def has_ground_truth(
         self, version: str, rank: int, world_size: int, manifest_digest: str | None = None
@@ -480,21 +607,31 @@ class Registry:
     ) -> tuple[str, int]:
         """Append ``member`` to the current cohort's chain: ``(chain key, position)``."""
         key = self.cohort_key(version, rank, world_size, manifest_digest)
+        record = self.signed(key, member, ttl)  # bound to the cohort, like every record
         got = self._call("join_cohort", lambda: self._join_cohort(
             keys=[key], args=[uuid.uuid4().hex[:12], _ms(window), max(int(max_size), 1),
-                              _dumps(member), _ms(ttl)]))
+                              str(record), _ms(ttl)]))
         try:
             chain, position = got
             return str(chain), int(position)
         except (TypeError, ValueError) as e:
             raise RegistryError(f"join_cohort: unexpected reply {got!r}") from e
 
-    def chain_members(self, chain: str, first: int, last: int) -> list[str]:
-        """Raw member records at positions ``first..last`` of ``chain`` (parse each)."""
+    def chain_members(self, chain: str, first: int, last: int) -> list[dict[str, Any] | None]:
+        """Member records at positions ``first..last`` of ``chain``, signature checked
+        (None where a record is untrusted: skipped with a reason, counted)."""
         if not chain.startswith(self.key("cohort", "")):
             raise RegistryError(f"{chain!r} is not a cohort chain key")
+        cohort = chain.rsplit(":", 2)[0]
         raws = self._call("LRANGE", lambda: self.client.lrange(chain, first, last))
-        return [str(r) for r in raws]
+        out: list[dict[str, Any] | None] = []
+        for raw in raws:
+            try:
+                out.append(self.verify(cohort, raw, "cohort member"))
+            except UntrustedRecordError as e:
+                self.reject("cohort member", chain, str(e))
+                out.append(None)
+        return out
 
     # -- transfer requests ----------------------------------------------------------------
 
@@ -502,14 +639,17 @@ class Registry:
         """Ask ``peer_id`` to serve one transfer (``request`` is JSON-serialisable)."""
         key = self.key("req", peer_id)
         pipe = self.client.pipeline(transaction=True)
-        pipe.rpush(key, json.dumps(request, separators=(",", ":")))
+        pipe.rpush(key, self.signed(key, request, self.settings.peer_ttl))
+        # Keep only the newest requests: a flood written before ours cannot bury it.
+        pipe.ltrim(key, -MAX_QUEUED_REQUESTS, -1)
         pipe.pexpire(key, _ms(self.settings.peer_ttl))
         self._call("push_request", pipe.execute)
 
     def pop_request(
         self, peer_id: str, timeout: float, *, clock: Callable[[], float] = time.monotonic
     ) -> dict[str, Any] | None:
-        """The next request for ``peer_id``, waiting at most ``timeout`` seconds; else None."""
+        """The next valid request for ``peer_id``, waiting at most ``timeout`` seconds;
+        else None. Invalid ones (unsigned, malformed, expired) are skipped and counted."""
         key = self.key("req", peer_id)
         deadline = clock() + timeout
         # Each BLPOP must end well within the socket timeout, or redis-py would report a
@@ -519,11 +659,22 @@ class Registry:
             left = deadline - clock()
             if left <= 0.001:
                 # BLPOP 0 blocks forever: a last non-blocking look instead.
-                raw = self._call("LPOP", lambda: self.client.lpop(key))
-                return None if raw is None else _request(key, cast(str, raw))
-            got = self._call("BLPOP", partial(self.client.blpop, [key], timeout=min(left, step)))
+                raw = self._call("RPOP", lambda: self.client.rpop(key))
+                return None if raw is None else self._request(key, cast(str, raw))
+            # Newest first: its receiver is still waiting; older ones may have given up,
+            # and a flood pushed earlier must not delay it.
+            got = self._call("BRPOP", partial(self.client.brpop, [key], timeout=min(left, step)))
             if got is not None:
-                return _request(key, cast("tuple[str, str]", got)[1])
+                request = self._request(key, cast("tuple[str, str]", got)[1])
+                if request is not None:
+                    return request
+
+    def _request(self, key: str, raw: str) -> dict[str, Any] | None:
+        try:
+            return records.request(self.verify(key, raw, "request")).to_dict()
+        except UntrustedRecordError as e:
+            self.reject("request", key, str(e))
+            return None
 
 
 def _claim_slot(token: str) -> int:
@@ -531,6 +682,10 @@ def _claim_slot(token: str) -> int:
     if not sep or not slot.isdigit():
         raise RegistryError(f"malformed claim token {token!r}")
     return int(slot)
+
+
+class _Raw(str):
+    """A value already serialised (and signed): stored and compared as it is."""
 
 
 def _dumps(value: Any) -> str:
@@ -553,13 +708,6 @@ def _ms(seconds: float) -> int:
 
 def _loads(key: str, raw: str | bytes) -> Any:
     try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise RegistryError(f"value at {key} is not JSON: {e}") from e
-
-
-def _request(key: str, raw: str | bytes) -> dict[str, Any]:
-    value = _loads(key, raw)
-    if not isinstance(value, dict):
-        raise RegistryError(f"request at {key} is not a JSON object: {raw!r}")
-    return value
+        return records.load(raw, key, records.MAX_GROUND_TRUTH_BYTES)
+    except UntrustedRecordError as e:
+        raise RegistryError(f"value at {key} is not a bounded JSON object: {e}") from e

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from . import records
+from .auth import transfer_scope
 from .config import Settings
 from .errors import (
     NcclBackError,
@@ -94,10 +95,12 @@ class Member:
                 "transport": self.transport, "device": self.device}
 
 
-def parse_member(raw: str | bytes | None) -> Member:
-    """A member record read from Redis; :class:`UntrustedRecordError` if it is not one."""
+def parse_member(data: dict[str, Any] | str | bytes | None) -> Member:
+    """A member record (as verified by the registry, or raw JSON);
+    :class:`UntrustedRecordError` if it is not one."""
     what = "cohort member"
-    data = records.load(raw, what)
+    if not isinstance(data, dict):
+        data = records.load(data, what)
     return Member(
         member_id=records.ident(data, "member_id", what),
         address=records.address(data, "address", what),
@@ -267,7 +270,7 @@ class RelayServer:
         transport: Any = None
         try:
             run_sender(self.registry, transfer_id, self.digest, s.sender_handshake_timeout)
-            transport = self.rendezvous.sender(transfer_id)
+            transport = self.rendezvous.sender(transfer_scope(s.key("store"), transfer_id))
             with self._lock:
                 self._transports.add(transport)
             now = time.monotonic()
@@ -319,6 +322,8 @@ class Chain:
         raws = self._registry.chain_members(self.seat.chain, 0, self.position - 1)
         out: list[Member] = []
         for raw in reversed(raws):
+            if raw is None:  # untrusted: the registry said why
+                continue
             try:
                 m = parse_member(raw)
             except UntrustedRecordError as e:

@@ -16,6 +16,12 @@ or arriving while draining) is refused through the handshake before anything is 
 (:func:`handshake.refuse`), so the receiver moves on at once. When a send fails, the
 sender frees the receiver's send slot itself: a crashed receiver does not keep it.
 
+Requests come from Redis, so nothing in them is trusted: the registry hands over only
+requests that verify and parse (:mod:`.records`), at most ``QUEUE_PER_SLOT`` requests
+per send slot wait (more are dropped and counted), and the serve loop survives
+anything a request or Redis does. With a secret, the transfer's keys in the store
+carry a token derived from it (:func:`.auth.transfer_scope`).
+
 Withdrawal is final: publication, heartbeats and withdrawal all take one lock and the
 heartbeat re-checks the stop flag under it, so no entry of this worker reappears after
 :meth:`withdraw` returns.
@@ -33,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .auth import transfer_scope
 from .config import Settings
 from .errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
 from .handshake import refuse, run_sender
@@ -42,6 +49,9 @@ from .registry import PeerInfo, Registry
 from .skeleton import Manifest, Model, model_device, named_tensors
 from .transport import Rendezvous, open_rendezvous, resolve_kind, run_guarded, send_tensors
 from .transport.pacing import Pacer
+
+#: Requests that may wait per send slot; a flood beyond it is dropped, not queued.
+QUEUE_PER_SLOT = 4
 
 
 @dataclass
@@ -54,6 +64,8 @@ class _Held:
     sends: ThreadPoolExecutor
     thread: threading.Thread | None = None
     active: int = 0
+    queued: int = 0
+    """Requests submitted and not finished (running or waiting for a slot)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     transports: set[Any] = field(default_factory=set)
     """Transports of in-flight sends, so a drain past its bound can abort them."""
@@ -208,16 +220,28 @@ class PeerServer:
             self.metrics.set_claims(self.active_sends)
 
     def _serve_loop(self, held: _Held) -> None:
+        bound = QUEUE_PER_SLOT * held.info.max_sends
         while not self._stop.is_set():
             try:
                 request = self.registry.pop_request(held.info.peer_id, timeout=0.5)
+                if request is None or self._stop.is_set():
+                    continue
+                with held.lock:
+                    full = held.queued >= bound
+                    if not full:
+                        held.queued += 1
+                if full:
+                    self.metrics.record_request_dropped()
+                    self._log.warning("request_dropped", peer=held.info.peer_id, queued=bound,
+                                      receiver=str(request.get("receiver")))
+                    continue
+                held.sends.submit(self._serve_one, held, request)
             except RegistryError as e:
                 self._log.warning("serve_poll_failed", peer=held.info.peer_id, error=str(e))
                 self._stop.wait(0.5)
-                continue
-            if request is None or self._stop.is_set():
-                continue
-            held.sends.submit(self._serve_one, held, request)
+            except Exception as e:  # the loop must outlive anything a request does
+                self._log.error("serve_loop_error", peer=held.info.peer_id, error=repr(e))
+                self._stop.wait(0.5)
 
     def _serve_one(self, held: _Held, request: dict[str, Any]) -> None:
         s = self.settings
@@ -238,7 +262,8 @@ class PeerServer:
                 return
             start = _start_step(request)
             run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
-            transport = self._rendezvous[held.info.transport].sender(transfer_id)
+            scope = transfer_scope(s.key("store"), transfer_id)
+            transport = self._rendezvous[held.info.transport].sender(scope)
             with held.lock:
                 held.transports.add(transport)
             now = time.monotonic()
@@ -268,6 +293,7 @@ class PeerServer:
             self.metrics.record_served(ok)
             with held.lock:
                 held.active -= 1
+                held.queued -= 1
                 held.transports.discard(transport)
             self.metrics.set_claims(self.active_sends)
 

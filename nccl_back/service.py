@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from . import integrity, relay
+from .auth import transfer_scope, warn_unsigned
 from .config import Settings
 from .consensus import Group, gather, rank_and_size
 from .election import DownloadLease, elect
@@ -55,6 +56,7 @@ from .errors import (
     NoPeerError,
     PeerError,
     RegistryError,
+    UntrustedRecordError,
     WeightVerificationError,
     fallback_reason,
 )
@@ -86,6 +88,10 @@ def _load_checkpoint(model: Model, spec: ModelSpec, settings: Settings) -> LoadR
 
 class NobodyHolds(NoPeerError):
     """No live peer holds the version at all (the first worker of a rollout)."""
+
+
+class NobodyTrusted(NobodyHolds, UntrustedRecordError):
+    """Entries for the version exist, but none could be trusted (all were rejected)."""
 
 
 class PeerBusy(Exception):
@@ -157,6 +163,7 @@ class WeightService:
         self.metrics = metrics if metrics is not None else Metrics()
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.registry = registry if registry is not None else Registry(self.settings)
+        self.registry.on_untrusted = self.metrics.record_untrusted
         self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id)
         self._closed = False
         self._relays: list[relay.RelayServer] = []
@@ -197,6 +204,8 @@ class WeightService:
         """
         if self._closed:
             raise NcclBackError("WeightService is closed")
+        if self.settings.secret is None:
+            warn_unsigned()  # once per process: this worker trusts whoever writes to Redis
         rank, world = rank_and_size(group)
         a = _Attempt(model, spec, group, rank, world,
                      log=self._log.bind(rank=rank, version=spec.version[:12]),
@@ -215,6 +224,8 @@ class WeightService:
         """
         if self._closed:
             raise NcclBackError("WeightService is closed")
+        if self.settings.secret is None:
+            warn_unsigned()  # once per process: this worker trusts whoever writes to Redis
         rank, world = rank_and_size(group)
         log = self._log.bind(rank=rank, version=spec.version[:12])
         return self._server.publish(model, manifest(model), spec.version, rank, world,
@@ -339,9 +350,9 @@ class WeightService:
         elif outcome == "elected":
             a.log.info("single_flight_elected", waited=waited)
             if isinstance(a.reason, NobodyHolds):
-                a.reason = NobodyHolds(
-                    f"no live peer holds version {version[:12]} rank {a.rank}/{a.world};"
-                    " this worker was elected to download it (single flight)"
+                # Same class: "nobody trusted" keeps its own fallback reason.
+                a.reason = type(a.reason)(
+                    f"{a.reason}; this worker was elected to download it (single flight)"
                 )
         elif outcome == "timeout":
             a.reason = NoPeerError(
@@ -364,8 +375,15 @@ class WeightService:
         a.candidates, a.truth, a.reason = [], None, None
         version, man, s = a.spec.version, a.manifest, self.settings
         try:
+            rejected = self.registry.rejected
             peers = [p for p in self.registry.find_peers(version, a.rank, a.world)
                      if not self._server.holds(p.peer_id)]
+            if not peers and self.registry.rejected > rejected:
+                a.reason = NobodyTrusted(
+                    f"no trusted peer holds version {version[:12]} rank {a.rank}/{a.world}:"
+                    f" {self.registry.rejected - rejected} entries rejected (see record_rejected)"
+                )
+                return
             if not peers:
                 a.reason = NobodyHolds(
                     f"no live peer holds version {version[:12]} rank {a.rank}/{a.world}"
@@ -515,14 +533,22 @@ class WeightService:
         last: NcclBackError = NoPeerError("no peer tried")
         failed: set[str] = set()
         deadline = time.monotonic() + s.busy_wait
+        # All attempts together: fake or stalling peers cannot cost more than this.
+        budget = time.monotonic() + s.peer_budget_seconds
         candidates = a.candidates
         while True:
             busy = 0
             for peer in candidates:
                 if peer.peer_id in failed:
                     continue
+                if time.monotonic() >= budget:
+                    a.reason = NoPeerError(
+                        f"peer attempts spent their budget of {s.peer_budget_seconds:g} s"
+                        f" (peer_budget); last: {last}"
+                    )
+                    return
                 try:
-                    self._receive_from(peer, a)
+                    self._receive_from(peer, a, budget)
                     a.peer_id = peer.peer_id
                     return
                 except PeerBusy:
@@ -543,7 +569,7 @@ class WeightService:
                 except RegistryError as e:
                     a.reason = e
                     return
-            if busy == 0 or time.monotonic() >= deadline:
+            if busy == 0 or time.monotonic() >= min(deadline, budget):
                 if busy:
                     last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
                 a.reason = last
@@ -556,7 +582,7 @@ class WeightService:
                 return
             candidates = [p for p in self._usable(found, a) if p.manifest_digest == a.manifest.digest]
 
-    def _receive_from(self, peer: PeerInfo, a: _Attempt) -> None:
+    def _receive_from(self, peer: PeerInfo, a: _Attempt, budget: float) -> None:
         s = self.settings
         token = self.registry.claim(peer.peer_id, self.worker_id, peer.max_sends, s.claim_ttl)
         if token is None:
@@ -580,12 +606,13 @@ class WeightService:
                 }
                 t = time.perf_counter()
                 run_receiver(
-                    self.registry, transfer_id, a.manifest.digest, s.receiver_handshake_timeout,
+                    self.registry, transfer_id, a.manifest.digest,
+                    max(min(s.receiver_handshake_timeout, budget - time.monotonic()), 0.001),
                     after_ready=lambda: self.registry.push_request(peer.peer_id, request),
                 )
                 a.timings["handshake"] = time.perf_counter() - t
                 self._transfer(a, peer.transport, peer.address, transfer_id, start=start,
-                               deadline=time.monotonic() + s.transfer_timeout)
+                               deadline=min(time.monotonic() + s.transfer_timeout, budget))
         finally:
             with contextlib.suppress(RegistryError):
                 self.registry.release(peer.peer_id, token)
@@ -596,7 +623,7 @@ class WeightService:
         then verification against the ground truth."""
         s = self.settings
         t = time.perf_counter()
-        transport = receiver_transport(s, kind, address, transfer_id,
+        transport = receiver_transport(s, kind, address, transfer_scope(s.key("store"), transfer_id),
                                        device=a.device, registry=self.registry)
         if stall is not None:
             transport.call_timeout = stall
@@ -611,7 +638,9 @@ class WeightService:
         a.timings["transfer"] = time.perf_counter() - t
         if a.truth is not None:
             t = time.perf_counter()
-            integrity.compare(a.truth, integrity.layer_hashes(a.model, mode=s.verify))  # type: ignore[arg-type]
+            actual = integrity.layer_hashes(a.model, mode=s.verify,  # type: ignore[arg-type]
+                                            key=s.key("integrity"))
+            integrity.compare(a.truth, actual)
             a.timings["verify"] = time.perf_counter() - t
 
     def _peer_loaded(self, a: _Attempt) -> LoadResult:
@@ -649,9 +678,10 @@ class WeightService:
             a.timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
             a.stored_bytes = stored.bytes
             t = time.perf_counter()
-            by_mode = {"sampled": integrity.layer_hashes(a.model, mode="sampled")}
+            key = self.settings.key("integrity")
+            by_mode = {"sampled": integrity.layer_hashes(a.model, mode="sampled", key=key)}
             if self.settings.verify == "full":
-                by_mode["full"] = integrity.layer_hashes(a.model, mode="full")
+                by_mode["full"] = integrity.layer_hashes(a.model, mode="full", key=key)
             hashes.update(encode_truth(by_mode))
             a.timings["hash"] = time.perf_counter() - t
 
@@ -674,18 +704,30 @@ class WeightService:
     def _publish_stored(self, a: _Attempt, hashes: dict[str, str]) -> None:
         version, man = a.spec.version, a.manifest
         try:
-            if not self.registry.put_ground_truth(version, a.rank, a.world, man.digest, hashes):
-                existing = self.registry.get_ground_truth(version, a.rank, a.world, man.digest)
-                if existing is not None:
-                    integrity.compare(truth_for_mode(existing, "sampled"),
-                                      truth_for_mode(hashes, "sampled"))
+            self._claim_ground_truth(a, hashes)
             self._server.publish(a.model, man, version, a.rank, a.world, source="storage", log=a.log)
-        except WeightVerificationError as e:
-            # Our bytes passed CRC32C, so the stored ground truth disagrees with storage:
-            # never serve in that state, and say so loudly.
-            a.log.error("ground_truth_disagrees_with_storage", error=str(e))
         except Exception as e:  # Redis gone, rendezvous port taken: serve nobody
             a.log.warning("publish_failed", error=str(e))
+
+
+    def _claim_ground_truth(self, a: _Attempt, hashes: dict[str, str]) -> None:
+        """Store our hashes as the ground truth; if a stored record is untrusted or
+        disagrees with ours, ours win: this worker holds bytes that passed CRC32C
+        against storage, so it replaces the record (and says so) instead of letting
+        whoever wrote first keep every worker of the version from a verified peer load."""
+        reg, version, man = self.registry, a.spec.version, a.manifest
+        if reg.put_ground_truth(version, a.rank, a.world, man.digest, hashes):
+            return
+        try:
+            existing = reg.get_ground_truth(version, a.rank, a.world, man.digest)
+            if existing is None:
+                return  # expired meanwhile; the next storage loader writes it
+            integrity.compare(truth_for_mode(existing, "sampled"), truth_for_mode(hashes, "sampled"))
+            return
+        except (UntrustedRecordError, WeightVerificationError) as e:
+            why = str(e)
+        reg.replace_ground_truth(version, a.rank, a.world, man.digest, hashes)
+        a.log.error("ground_truth_replaced", reason=why)
 
 
 @contextlib.contextmanager

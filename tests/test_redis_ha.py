@@ -144,11 +144,14 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     hs = reg.handshake_key("t", "receiver_ready")
     reg.set_json(hs, {"value": 1}, ttl=5)
     assert reg.compare_and_set(hs, {"value": 1}, {"value": 2}, ttl=5)
-    assert reg.compare_and_delete(hs, {"value": 2}) and reg.get_json(hs) is None
+    reg.delete(hs)
+    assert reg.get_json(hs) is None
     assert reg.put_ground_truth("v1", 0, 1, "d" * 32, {"layer": "h"})
     assert reg.get_ground_truth("v1", 0, 1, "d" * 32) == {"layer": "h"}
-    reg.push_request("p1", {"transfer_id": "t"})
-    assert reg.pop_request("p1", 1.0) == {"transfer_id": "t"}
+    req = {"transfer_id": "t", "receiver": "w", "version": "v1", "manifest_digest": "d" * 32,
+           "transport": "gloo"}
+    reg.push_request("p1", req)
+    assert reg.pop_request("p1", 1.0) == req
     reg.heartbeat(_info("p1"))
     assert list(reg.list_all()) == ["v1"]
     keys = list(reg.scan("*"))

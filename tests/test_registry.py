@@ -123,7 +123,7 @@ def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace:
     reg = make_registry(redis_url, namespace)
     reg.set_json(reg.ground_truth_key("v1", 0, 1, "m1"),
                  {"manifest_digest": "m2", "hashes": {}}, ttl=5)
-    with pytest.raises(RegistryError, match="malformed ground truth"):
+    with pytest.raises(RegistryError, match="digest .m2. under another key"):
         reg.get_ground_truth("v1", 0, 1, "m1")
 
 
@@ -215,14 +215,19 @@ def test_release_deletes_only_our_own_claim(redis_url: str, namespace: str) -> N
 
 @pytest.mark.timeout(20)
 def test_requests_are_queued_and_popped_with_a_bounded_wait(redis_url: str, namespace: str) -> None:
-    """Requests come out in order; an empty queue returns None after the timeout."""
+    """Requests come out newest first (a flood pushed earlier cannot delay a live
+    receiver's); an empty queue returns None after the timeout; the queue is bounded."""
     reg = make_registry(redis_url, namespace, redis_timeout=0.4)
-    reg.push_request("p", {"transfer_id": "t1"})
-    reg.push_request("p", {"transfer_id": "t2"})
-    assert reg.pop_request("p", timeout=1) == {"transfer_id": "t1"}
-    assert reg.pop_request("p", timeout=0) == {"transfer_id": "t2"}
+    req = {"receiver": "w", "version": "v1", "manifest_digest": "d" * 32, "transport": "gloo"}
+    reg.push_request("p", {"transfer_id": "t1", **req})
+    reg.push_request("p", {"transfer_id": "t2", **req})
+    assert reg.pop_request("p", timeout=1) == {"transfer_id": "t2", **req}
+    assert reg.pop_request("p", timeout=0) == {"transfer_id": "t1", **req}
     # Longer than the socket timeout: the wait is split so it is not taken for a dead link.
     assert reg.pop_request("p", timeout=0.9) is None
+    for i in range(300):
+        reg.push_request("p", {"transfer_id": f"f{i}", **req})
+    assert reg.client.llen(reg.key("req", "p")) == 256
 
 
 def test_list_all_groups_peers_by_version(redis_url: str, namespace: str) -> None:
@@ -240,13 +245,17 @@ def test_list_all_groups_peers_by_version(redis_url: str, namespace: str) -> Non
 
 
 def test_malformed_peer_entry_raises_registry_error(redis_url: str, namespace: str) -> None:
-    """A value that is not a PeerInfo is reported, not half-parsed; discovery skips it."""
+    """A value that is not a PeerInfo is reported, not half-parsed; discovery skips it
+    and counts it."""
     reg = make_registry(redis_url, namespace)
+    rejected: list[str] = []
+    reg.on_untrusted = rejected.append
     reg.publish_peer(peer("a"))
     reg.client.set(reg.key("peer", "v1", 0, 1, "a"), json.dumps({"peer_id": "a"}), ex=5)
-    with pytest.raises(RegistryError, match="malformed peer entry"):
+    with pytest.raises(RegistryError, match="peer entry: world_size must be an integer"):
         PeerInfo.from_json(json.dumps({"peer_id": "a"}))
     assert reg.find_peers("v1", 0, 1) == []
+    assert rejected == ["peer"]
 
 
 @pytest.mark.timeout(30)

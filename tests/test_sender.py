@@ -164,7 +164,7 @@ def test_cpu_receiver_skips_a_peer_of_another_transport_before_any_claim(
     model = build(TinyTransformer)
     digest = manifest(model).digest
     gpu_peer = PeerInfo(peer_id="gpu-peer", version=spec.version, rank=0, world_size=1,
-                        manifest_digest=digest, transport="nccl", address="10.0.0.9",
+                        manifest_digest=digest, transport="nccl", address="10.0.0.9:29500",
                         device="cuda")
     registry.publish_peer(gpu_peer)
     registry.put_ground_truth(spec.version, 0, 1, digest, {"sampled|x": "0"})

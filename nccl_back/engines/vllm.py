@@ -242,12 +242,14 @@ class NcclBackModelLoader(BaseModelLoader):
             from vllm.config import get_current_vllm_config
 
             vllm_config = get_current_vllm_config()
+        started = time.perf_counter()
         try:
             spec = self._spec(vllm_config, model_config)
         except NcclBackError as e:
             log.warning("nccl_back: no peer loading (%s); using vLLM's default loader", e)
             self._default.load_weights(model, model_config)
             return
+        identity_s = time.perf_counter() - started
         state = loaded_state(model)
         meta = [n for n, t in named_tensors(state)[0].items() if t.device.type == "meta"]
         if meta:
@@ -268,10 +270,12 @@ class NcclBackModelLoader(BaseModelLoader):
         _SERVICES.append(service)
         atexit.register(service.close)
         reason = f"; fallback: {result.fallback_reason}" if result.fallback_reason else ""
-        log.info("nccl_back: loaded version %s from %s%s: %.1f MB in %.3f s (%.2f GB/s)%s",
-                 result.version[:12], result.source,
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in {"identity": identity_s,
+                                                       **result.timings}.items())
+        log.info("nccl_back: loaded version %s from %s%s: %.1f MB in %.3f s (%.2f GB/s)"
+                 " [%s]%s", result.version[:12], result.source,
                  f" {result.peer_id}" if result.peer_id else "", result.bytes / 1e6,
-                 result.seconds, result.gbps, reason)
+                 result.seconds, result.gbps, phases, reason)
 
     def _spec(self, vllm_config: VllmConfig, model_config: ModelConfig) -> ModelSpec:
         path = model_config.model

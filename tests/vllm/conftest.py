@@ -36,9 +36,9 @@ def engine_env(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> d
         "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1",
         "NCCL_BACK_BIND_HOST": "127.0.0.1",
         "NCCL_BACK_CACHE_DIR": str(tmp_path_factory.mktemp("crc-cache")),
-        # Long enough that an entry gone after a clean exit was withdrawn, not expired;
-        # a crashed peer's entry outlives it, as in production.
-        "NCCL_BACK_PEER_TTL": "60",
+        # Long enough that an entry gone after a clean exit was withdrawn, not expired,
+        # and that a crashed peer's entry outlives an engine start on a loaded machine.
+        "NCCL_BACK_PEER_TTL": "600",
         "NCCL_BACK_RECEIVER_HANDSHAKE_TIMEOUT": "3",
     })
     return env

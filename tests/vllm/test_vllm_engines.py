@@ -96,7 +96,7 @@ def test_peer_load_matches_auto(fleet: Fleet) -> None:
     assert a_tokens == b_tokens == by_name(fleet, "auto").wait_ready()["tokens"]
 
     assert b.release() == 0
-    # Gone at once (the TTL is 60 s): B withdrew its entry when the engine shut down.
+    # Gone at once (the TTL is 600 s): B withdrew its entry when the engine shut down.
     assert [p["peer_id"] for p in fleet.peers()] == [loaded["peer"]]
 
 
@@ -112,12 +112,14 @@ def test_other_dtype_never_receives(fleet: Fleet) -> None:
     assert loaded["version"] != a.loaded()["version"]
     assert "no live peer holds version" in (loaded["reason"] or "")
     assert tokens == ref.wait_ready()["tokens"]
+    assert a.proc.poll() is None, a.tail()  # A kept serving all along
 
 
 def test_peer_killed_while_starting_falls_back(fleet: Fleet) -> None:
     """A killed while B starts: B finds A's stale entry, falls back to storage with the reason, serves correctly."""
     a = by_name(fleet, "a")
     a.wait_ready()
+    assert a.proc.poll() is None, a.tail()
     b = fleet.start("b_after_kill")
     a.kill()
     tokens = b.wait_ready()["tokens"]

@@ -14,7 +14,7 @@ consumer then raises :class:`AttachError` naming what differs (for a manifest, t
 tensors, from the server's manifest sent with the refusal).
 
 Where the bytes are. At ``start()`` the server packs every canonical tensor into one
-*arena* (256-byte aligned offsets, a name -> offset layout) and re-points its own
+*arena* (``skeleton.ALIGN``-ed offsets, the consolidated layout, a name -> offset map) and re-points its own
 model's tensors into it, so the host (or GPU) holds one copy. After ``start()`` the
 server's model must be treated as read-only and its tensors are contiguous.
 
@@ -93,12 +93,21 @@ from .errors import AttachError, ConfigError, SkeletonError
 from .integrity import HashMode, compare, layer_hashes
 from .log import get_logger
 from .result import LoadResult
-from .skeleton import Manifest, Model, dtype_from_name, manifest, model_device, named_tensors
+from .skeleton import (
+    ALIGN,
+    Manifest,
+    Model,
+    dtype_from_name,
+    flat_layout,
+    manifest,
+    model_device,
+    named_tensors,
+)
 
 AttachMode = Literal["copy", "zero_copy"]
 
-PROTOCOL = 1
-_ALIGN = 256
+# 2: arena offsets are skeleton.ALIGN (64) multiples, the consolidated layout.
+PROTOCOL = 2
 _SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"nccl_back_[0-9a-f]{16}")
 #: Linux >= 5.14; Python < 3.13 lacks the constant. Maps all pages in one call, which
@@ -234,14 +243,19 @@ class HandoffServer:
         tensors, _ = named_tensors(self.model)
         self._manifest = manifest(self.model)
         device = model_device(self.model)
-        offset = 0
-        for name, t in tensors.items():
-            self._layout.append((name, offset))
-            offset += _aligned(t.numel() * t.element_size())
-        total = max(offset, 1)  # a segment cannot be empty
+        # The arena's layout is the consolidated skeleton's (same order, same ALIGN).
+        offsets, end = flat_layout(self._manifest)
+        self._layout.extend(offsets.items())
+        total = max(end, 1)  # a segment cannot be empty
         if device.type == "cpu":
             arena = self._create_segment(total)
         elif device.type == "cuda":
+            laid_out = _laid_out(tensors, offsets, total)
+            if laid_out is not None:
+                # A consolidated skeleton already is the arena: export it as it is,
+                # no second copy of the model on the GPU.
+                self._arena = laid_out
+                return
             arena = torch.empty(total, dtype=torch.uint8, device=device)
         else:
             raise AttachError(f"cannot serve a model on {device}: only cpu and cuda")
@@ -604,7 +618,7 @@ def _layout(reply: dict[str, Any], mine: Manifest, size: int) -> dict[str, int]:
         raise ValueError("layout names differ from the manifest")
     for entry in mine.entries:
         offset = layout[entry.name]
-        if offset < 0 or offset % _ALIGN or offset + entry.nbytes > size:
+        if offset < 0 or offset % ALIGN or offset + entry.nbytes > size:
             raise ValueError(f"offset {offset} of {entry.name} is outside the arena")
     return layout
 
@@ -672,8 +686,24 @@ def peer_uid(conn: socket.socket) -> int:
     return int(_UCRED.unpack(raw)[1])
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _laid_out(
+    tensors: dict[str, torch.Tensor], offsets: dict[str, int], total: int
+) -> torch.Tensor | None:
+    """The one allocation holding every tensor at its arena offset, as uint8, or None."""
+    if not tensors:
+        return None
+    first = next(iter(tensors.values()))
+    storage = first.untyped_storage()
+    base = first.data_ptr() - offsets[next(iter(tensors))]
+    for name, t in tensors.items():
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.data_ptr() != base + offsets[name]):
+            return None
+    start = base - storage.data_ptr()
+    if start < 0 or start + total > storage.nbytes():
+        return None
+    view = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return view.set_(storage, start, (total,), (1,))
 
 
 def _map_segment(name: str, size: int, *, writable: bool, populate: bool = False) -> torch.Tensor:

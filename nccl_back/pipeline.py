@@ -14,7 +14,7 @@ diffusers models, the config class for transformers models) under
 device as it is registered (parameters cost nothing, initialisers run on ``meta``),
 buffers are computed by the constructor as usual (constructor state that no
 checkpoint carries is real), and then the whole component gets one allocation on the
-target device, laid out as a consolidated skeleton (sorted names, ``FLAT_ALIGN``-ed),
+target device, laid out as a consolidated skeleton (sorted names, ``ALIGN``-ed),
 which makes transfers between skeletons near one flat broadcast.
 
 Constructors that load weights eagerly (a component that calls ``from_pretrained``

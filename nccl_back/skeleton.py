@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -75,10 +76,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -242,10 +240,12 @@ def _return_first(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tens
     return tensor
 
 
-#: Tensors in a consolidated skeleton start at multiples of this many bytes, the same
-#: alignment the broadcast plan uses inside a bucket (``transport.broadcast.ALIGN``), so
-#: a bucket of adjacent tensors is already laid out as it travels.
-FLAT_ALIGN = 64
+#: The one alignment, in bytes, of every layout nccl_back makes: tensors of a
+#: consolidated skeleton, slots inside a broadcast bucket and the sidecar's hand-off
+#: arena all start at multiples of it. One value, so a consolidated skeleton is already
+#: laid out as its buckets travel and as the arena maps it (no repacking); 64 bytes
+#: hold any dtype's alignment and a cache line.
+ALIGN = 64
 
 
 def flat_layout(man: Manifest) -> tuple[dict[str, int], int]:
@@ -253,7 +253,7 @@ def flat_layout(man: Manifest) -> tuple[dict[str, int], int]:
     offsets: dict[str, int] = {}
     end = 0
     for e in man.entries:
-        start = -(-end // FLAT_ALIGN) * FLAT_ALIGN
+        start = -(-end // ALIGN) * ALIGN
         offsets[e.name] = start
         end = start + e.nbytes
     return offsets, end
@@ -262,7 +262,7 @@ def flat_layout(man: Manifest) -> tuple[dict[str, int], int]:
 def consolidate(model: Model) -> Model:
     """Re-home every tensor of a skeleton into one flat buffer, in manifest order.
 
-    Tensors become views of a single allocation (one per model), ``FLAT_ALIGN``-ed, in
+    Tensors become views of a single allocation (one per model), ``ALIGN``-ed, in
     sorted name order. A transfer between two consolidated skeletons then moves large
     contiguous ranges in place instead of packing and unpacking small tensors: close to
     one flat broadcast. Parameter values are *not* copied (a skeleton holds none yet),

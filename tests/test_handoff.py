@@ -360,3 +360,22 @@ def test_cuda_ipc_copy_and_zero_copy(sock_dir: str) -> None:
         torch.cuda.synchronize()
     finally:
         side.close()
+
+
+def test_a_consolidated_skeleton_is_its_own_arena() -> None:
+    """A skeleton laid out by skeleton.build is exported as it is (no second copy on a
+    GPU); a model of separate allocations is not, and gets an arena of its own."""
+    from nccl_back.handoff import _laid_out
+    from nccl_back.skeleton import flat_layout, manifest, named_tensors
+
+    flat = build(TinyNet, "cpu")
+    tensors, _ = named_tensors(flat)
+    offsets, total = flat_layout(manifest(flat))
+    arena = _laid_out(tensors, offsets, total)
+    assert arena is not None and arena.numel() == total
+    assert all(t.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+               for t in tensors.values())
+    separate = _trained()
+    tensors, _ = named_tensors(separate)
+    offsets, total = flat_layout(manifest(separate))
+    assert _laid_out(tensors, offsets, total) is None

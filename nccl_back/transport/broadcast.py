@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -40,14 +41,13 @@ import torch
 
 from ..errors import ManifestMismatchError, TransferError
 from ..log import get_logger
-from ..skeleton import Manifest, dtype_from_name, dtype_name
+from ..skeleton import ALIGN, Manifest, dtype_from_name, dtype_name
 from .base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
 
 log = get_logger(__name__)
 
-#: Offsets inside a bucket are multiples of this, so every slot can be viewed as any
-#: dtype and copies stay aligned.
-ALIGN = 64
+#: Offsets inside a bucket are multiples of ``ALIGN`` (:mod:`nccl_back.skeleton`'s, the
+#: one alignment), so every slot can be viewed as any dtype and copies stay aligned.
 
 #: Broadcasts in flight at once: one on the wire while the host packs/unpacks the next.
 MAX_IN_FLIGHT = 2
@@ -102,7 +102,7 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
     bucket: list[Slot] = []
     used = 0
     for name, shape, dtype in sorted(_entries(source)):
-        nbytes = _numel(shape) * dtype_from_name(dtype).itemsize
+        nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
         if nbytes == 0:
             continue
         if nbytes >= bucket_bytes:
@@ -261,12 +261,6 @@ def _entries(source: Mapping[str, torch.Tensor] | Manifest) -> Iterable[tuple[st
         return [(e.name, tuple(e.shape), e.dtype) for e in source.entries]
     return [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in source.items()]
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _check_devices(transport: Transport, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -71,7 +71,7 @@ import functools
 import hashlib
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -374,24 +374,31 @@ def _chunk_sums(
     t: torch.Tensor, weights: torch.Tensor, scratch: torch.Tensor
 ) -> list[torch.Tensor]:
     """Weighted sums of the tensor's words, one 0-d int64 tensor per chunk, in order."""
-    # Non-contiguous tensors are copied once; state dict tensors practically never are.
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    # The word size depends only on the byte count, so both sides read the same words.
-    word = 8 if flat.numel() % 8 == 0 else 1
-    chunk_bytes = _CHUNK_WORDS * word
     sums: list[torch.Tensor] = []
-    for start in range(0, flat.numel(), chunk_bytes):
-        chunk = flat[start : start + chunk_bytes]
+    for chunk, word in _word_chunks(t, 8):
         n = chunk.numel() // word
         out = scratch[:n]
         if word == 8:
-            if chunk.storage_offset() % 8:
-                chunk = chunk.clone()  # a misaligned view cannot be read as int64
             torch.mul(chunk.view(torch.int64), weights[:n], out=out)
         else:
             out.copy_(chunk).mul_(weights[:n])
         sums.append(out.sum())  # int64 additions wrap mod 2**64, in any order
     return sums
+
+
+def _word_chunks(t: torch.Tensor, size: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """The tensor's bytes in chunks of ``_CHUNK_WORDS`` words, each aligned for a view
+    as ``size``-byte words, with the word size: ``size``, or 1 when the byte count is
+    not a multiple of it (it depends on the count alone, so both sides read alike)."""
+    # Non-contiguous tensors are copied once; state dict tensors practically never are.
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    word = size if flat.numel() % size == 0 else 1
+    chunk_bytes = _CHUNK_WORDS * word
+    for start in range(0, flat.numel(), chunk_bytes):
+        chunk = flat[start : start + chunk_bytes]
+        if word > 1 and chunk.storage_offset() % word:
+            chunk = chunk.clone()  # a misaligned view cannot be read as wider words
+        yield chunk, word
 
 
 class _KeyedWeights:
@@ -461,17 +468,11 @@ def _keyed_chunk_sums(
     t: torch.Tensor, weights: torch.Tensor, scratch: torch.Tensor
 ) -> list[torch.Tensor]:
     """``sum(k_i * x_i) mod 2**64`` per chunk of unsigned 32-bit words (or bytes)."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    word = 4 if flat.numel() % 4 == 0 else 1
-    chunk_bytes = _CHUNK_WORDS * word
     sums: list[torch.Tensor] = []
-    for start in range(0, flat.numel(), chunk_bytes):
-        chunk = flat[start : start + chunk_bytes]
+    for chunk, word in _word_chunks(t, 4):
         n = chunk.numel() // word
         out = scratch[:n]
         if word == 4:
-            if chunk.storage_offset() % 4:
-                chunk = chunk.clone()  # a misaligned view cannot be read as int32
             # Sign-extended into int64, then masked: the word as an unsigned 32-bit value.
             out.copy_(chunk.view(torch.int32)).bitwise_and_(0xFFFFFFFF)
         else:

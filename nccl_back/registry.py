@@ -56,6 +56,9 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
+#: What :meth:`Registry._get_with_ttl` returns for a key of another Redis type.
+_WRONG_TYPE: Any = object()
+
 #: Ground truth outlives a few missed heartbeats and the gap between a storage load and
 #: the loader's first publish; once nobody relying on it is alive it may expire, and the
 #: next storage loader writes it again.
@@ -263,9 +266,9 @@ class Registry:
         """:meth:`set_json` of ``value`` signed for ``key`` (see :meth:`signed`)."""
         return self.set_json(key, self.signed(key, value, ttl, expires=expires), ttl, nx=nx)
 
-    def get_signed(self, key: str, kind: str) -> tuple[dict[str, Any], _Raw] | None:
-        """The verified record at ``key`` and its raw value (for a compare-and-set);
-        None if absent or rejected (logged, counted)."""
+    def _get_with_ttl(self, key: str) -> tuple[Any, int]:
+        """``(raw value or None, PTTL in ms)`` in one round trip; ``_WRONG_TYPE`` as the
+        value when the key holds a list, set or hash (another writer's, never ours)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.get(key)
         pipe.pttl(key)
@@ -274,6 +277,14 @@ class Registry:
         except RegistryError as e:
             if "WRONGTYPE" not in str(e):
                 raise
+            return _WRONG_TYPE, -2
+        return raw, int(ttl_ms)
+
+    def get_signed(self, key: str, kind: str) -> tuple[dict[str, Any], _Raw] | None:
+        """The verified record at ``key`` and its raw value (for a compare-and-set);
+        None if absent or rejected (logged, counted)."""
+        raw, ttl_ms = self._get_with_ttl(key)
+        if raw is _WRONG_TYPE:
             self.reject(kind, key, "wrong Redis type")
             return None
         if raw is None:
@@ -523,15 +534,9 @@ class Registry:
         unsigned, badly signed, malformed or kept without a TTL: never acted on.
         """
         key = self.ground_truth_key(version, rank, world_size, manifest_digest)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(key)
-        pipe.pttl(key)
-        try:
-            raw, ttl_ms = self._call("GET", pipe.execute)
-        except RegistryError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
-            raw, ttl_ms = [], -2  # a list or set: refused below as a wrong type
+        raw, ttl_ms = self._get_with_ttl(key)
+        if raw is _WRONG_TYPE:
+            raw = []  # a list or set: refused below as a wrong type
         if raw is None:
             return None
         try:

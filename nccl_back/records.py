@@ -11,9 +11,11 @@ ever escapes. Bounds are generous for real fleets and tight for hostile input.
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import bounded_json
@@ -115,8 +117,8 @@ def address(data: dict[str, Any], name: str, what: str) -> str:
 
 
 @dataclass(frozen=True)
-class PeerFields:
-    """The validated fields of a peer entry (``registry.PeerInfo`` is built from them)."""
+class PeerInfo:
+    """A worker rank that holds ``version`` and can send it to a receiver."""
 
     peer_id: str
     version: str
@@ -124,18 +126,39 @@ class PeerFields:
     world_size: int
     manifest_digest: str
     transport: str
+    """``gloo`` or ``nccl``: what the receiver must speak."""
     address: str
-    started_at: float
-    source: str
-    max_sends: int
-    device: str
+    """``host:port`` of the sender's transport rendezvous (its TCPStore)."""
+    started_at: float = field(default_factory=time.time)
+    """Wall-clock time the peer finished loading (for ``status``)."""
+    source: str = "storage"
+    """Where this peer got its weights: ``storage`` or ``peer``."""
+    max_sends: int = 1
+    """How many receivers this peer serves at once (number of claim slots)."""
+    device: str = "cpu"
+    """Device kind its weights live on (``cpu``/``cuda``): a receiver needs the same."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> PeerInfo:
+        """Parse a registry value; :class:`UntrustedRecordError` (a
+        :class:`RegistryError`) if it is not a valid, bounded PeerInfo."""
+        return peer(load(raw, "peer entry"))
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> PeerInfo:
+        """From a parsed (and verified) record; :class:`UntrustedRecordError` if invalid."""
+        return peer(data)
 
 
-def peer(data: dict[str, Any], what: str = "peer entry") -> PeerFields:
+
+def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:
     """A peer entry: names, ``0 <= rank < world_size``, known transport, ``host:port``,
     ``1 <= max_sends <= 64``."""
     world = integer(data, "world_size", what, 1, MAX_WORLD)
-    return PeerFields(
+    return PeerInfo(
         peer_id=ident(data, "peer_id", what),
         version=ident(data, "version", what),
         rank=integer(data, "rank", what, 0, world - 1),

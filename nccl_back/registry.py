@@ -38,7 +38,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -51,6 +51,7 @@ from .auth import Signer
 from .config import Settings
 from .errors import ConfigError, RegistryError, UntrustedRecordError
 from .log import get_logger
+from .records import PeerInfo
 
 log = get_logger(__name__)
 
@@ -140,43 +141,6 @@ def truth_for_mode(hashes: dict[str, str], mode: str) -> dict[str, str]:
     """The ``mode`` part of stored ground truth, keyed by layer (inverse of :func:`encode_truth`)."""
     prefix = mode + TRUTH_SEP
     return {k[len(prefix):]: v for k, v in hashes.items() if k.startswith(prefix)}
-
-
-@dataclass(frozen=True)
-class PeerInfo:
-    """A worker rank that holds ``version`` and can send it to a receiver."""
-
-    peer_id: str
-    version: str
-    rank: int
-    world_size: int
-    manifest_digest: str
-    transport: str
-    """``gloo`` or ``nccl``: what the receiver must speak."""
-    address: str
-    """``host:port`` of the sender's transport rendezvous (its TCPStore)."""
-    started_at: float = field(default_factory=time.time)
-    """Wall-clock time the peer finished loading (for ``status``)."""
-    source: str = "storage"
-    """Where this peer got its weights: ``storage`` or ``peer``."""
-    max_sends: int = 1
-    """How many receivers this peer serves at once (number of claim slots)."""
-    device: str = "cpu"
-    """Device kind its weights live on (``cpu``/``cuda``): a receiver needs the same."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> PeerInfo:
-        """Parse a registry value; :class:`UntrustedRecordError` (a
-        :class:`RegistryError`) if it is not a valid, bounded PeerInfo."""
-        return cls.from_record(records.load(raw, "peer entry"))
-
-    @classmethod
-    def from_record(cls, data: dict[str, Any]) -> PeerInfo:
-        """From a parsed (and verified) record; :class:`UntrustedRecordError` if invalid."""
-        return cls(**vars(records.peer(data)))
 
 
 @dataclass(frozen=True)

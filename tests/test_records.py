@@ -20,7 +20,7 @@ PEER = {
 
 
 def test_a_genuine_peer_entry_parses() -> None:
-    """Real values, IPv6 and hostname addresses included, parse into PeerFields."""
+    """Real values, IPv6 and hostname addresses included, parse into a PeerInfo."""
     fields = records.peer(records.load(json.dumps(PEER), "p"))
     assert fields.max_sends == 2 and fields.transport == "nccl" and fields.rank == 1
     for addr in ("[fe80::1]:1", "worker-0.svc.cluster.local:29500", "localhost:65535"):

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--hold", default=None, help="keep serving until this file exists")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.extra:
         kwargs["model_loader_extra_config"] = json.loads(args.extra)
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
-              skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, **kwargs)
+              skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+              tensor_parallel_size=args.tp, **kwargs)
     ready = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     t1 = time.perf_counter()

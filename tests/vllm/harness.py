@@ -50,9 +50,9 @@ class Engine:
 
     def start(self, model: str, env: dict[str, str], *, load_format: str = "nccl_back",
               dtype: str = "bfloat16", extra: dict[str, Any] | None = None,
-              hold: bool = False) -> Engine:
+              hold: bool = False, tp: int = 1) -> Engine:
         args = [sys.executable, str(ENGINE), "--model", model, "--load-format", load_format,
-                "--dtype", dtype, "--out", str(self.out)]
+                "--dtype", dtype, "--out", str(self.out), "--tp", str(tp)]
         if extra is not None:
             args += ["--extra", json.dumps(extra)]
         if hold:
@@ -109,6 +109,10 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+
+    def loaded_ranks(self) -> list[dict[str, str | None]]:
+        """The nccl_back load line of each rank (one per vLLM worker), in log order."""
+        return [m.groupdict() for m in _LOADED.finditer(self.log())]
 
     def loaded(self) -> dict[str, str | None]:
         """What the nccl_back loader logged: version, source, peer and fallback reason."""

@@ -128,3 +128,38 @@ def test_peer_killed_while_starting_falls_back(fleet: Fleet) -> None:
     assert (loaded["reason"] or "").startswith(("handshake_timeout:", "transfer_error:")), b.tail()
     assert tokens == by_name(fleet, "auto").wait_ready()["tokens"]
     assert os.path.exists(b.out)
+
+
+def test_tensor_parallel_engines_share_only_with_their_layout(fleet: Fleet) -> None:
+    """TP=2 engines: B2 loads from A2 on both ranks; a TP=1 engine never receives from them."""
+    # Only TP=2 engines serve from here on (A's entry, if A was killed, is stale).
+    by_name(fleet, "a").kill()
+    a2 = fleet.start("a2_tp2", hold=True, tp=2)
+    a2_tokens = a2.wait_ready()["tokens"]
+    a2_ranks = a2.loaded_ranks()
+    # Both ranks from storage, as one engine: no TP=2 engine was serving.
+    assert [r["source"] for r in a2_ranks] == ["storage", "storage"], a2.tail()
+    assert all("no live peer holds version" in (r["reason"] or "") for r in a2_ranks)
+    a2_versions = {r["version"] for r in a2_ranks}
+    assert len(a2_versions) == 2  # each rank holds its own shard: one version per rank
+
+    b2 = fleet.start("b2_tp2", tp=2, hold=True)
+    c1 = fleet.start("c1_tp1")
+    b2_tokens = b2.wait_ready()["tokens"]
+    b2_ranks = b2.loaded_ranks()
+    assert [r["source"] for r in b2_ranks] == ["peer", "peer"], b2.tail()
+    assert {r["version"] for r in b2_ranks} == a2_versions
+    peers = {p["peer_id"]: p for p in fleet.peers()}
+    # Each rank loaded from A2's rank of the same index, and now serves as a peer-loaded copy.
+    assert sorted((peers[r["peer"] or ""]["rank"], peers[r["peer"] or ""]["source"])
+                  for r in b2_ranks) == [(0, "storage"), (1, "storage")]
+    assert sorted((p["rank"], p["source"]) for p in peers.values() if p["source"] == "peer") == [
+        (0, "peer"), (1, "peer")]
+    assert b2_tokens == a2_tokens
+
+    c1_tokens = c1.wait_ready()["tokens"]
+    c1_loaded = c1.loaded()
+    assert c1_loaded["source"] == "storage", c1.tail()
+    assert c1_loaded["version"] not in a2_versions
+    assert c1_tokens == by_name(fleet, "auto").wait_ready()["tokens"]
+    assert b2.release() == 0 and a2.release() == 0

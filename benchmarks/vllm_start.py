@@ -81,13 +81,14 @@ def cached(paths: list[Path]) -> str:
 
 
 def run_engine(name: str, model: Path, env: dict[str, str], workdir: Path, load_format: str,
-               hold: bool = False) -> tuple[subprocess.Popen[bytes], Path, Path, Path]:
+               hold: bool = False, serve_every: float = 3.0,
+               ) -> tuple[subprocess.Popen[bytes], Path, Path, Path]:
     out, log, release = (workdir / f"{name}.json", workdir / f"{name}.log",
                          workdir / f"{name}.release")
     args = [sys.executable, str(ENGINE), "--model", str(model), "--load-format", load_format,
             "--out", str(out)]
     if hold:
-        args += ["--hold", str(release)]
+        args += ["--hold", str(release), "--serve-every", str(serve_every)]
     with open(log, "wb") as f:
         proc = subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=workdir)
     return proc, out, log, release
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-mb", type=float, default=1024)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--serve-every", type=float, default=3.0,
+                   help="peer_source answers a request every this many seconds while it serves"
+                        " (0: none, to measure the transfer without the source's own inference)")
     args = p.parse_args(argv)
 
     outdir = Path(args.out)
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "model_bytes": size, "shards": len(shards), "cpus": os.cpu_count(),
         "python": platform.python_version(), "load_avg_start": os.getloadavg()[0],
+        "serve_every": args.serve_every,
     }
     try:
         meta["eviction"] = evict(shards)
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {results[name]['load_s']:.2f} s load, "
                   f"{results[name]['first_token_s']:.1f} s to first token", flush=True)
         proc_a, out, log, release = run_engine("peer_source", model, env, work, "nccl_back",
-                                               hold=True)
+                                               hold=True, serve_every=args.serve_every)
         results["peer_source"] = wait_result(proc_a, out, log, args.timeout)
         proc, out, log, _ = run_engine("peer", model, env, work, "nccl_back")
         results["peer"] = wait_result(proc, out, log, args.timeout)
@@ -169,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the peer engine did not load from its peer; see its log")
     cols = ("load_s", "init_model", "init_engine", "ready_s", "first_token_s")
     print(f"\n{size / 2**30:.2f} GiB checkpoint, {len(shards)} shards; cold: {meta['eviction']}"
-          f" ({meta['cached_before_auto_cold']} before auto_cold)")
+          f" ({meta['cached_before_auto_cold']} before auto_cold); peer_source answers a request"
+          f" every {args.serve_every:g} s; load average {meta['load_avg_start']:.1f} ->"
+          f" {meta['load_avg_end']:.1f}")
     print(f"{'engine':<12}" + "".join(f"{c:>15}" for c in cols))
     for name, r in results.items():
         print(f"{name:<12}" + "".join(f"{r.get(c, float('nan')):>15.2f}" for c in cols))

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold", default=None, help="keep serving until this file exists")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--serve-every", type=float, default=3.0,
+                   help="while held, answer a request every this many seconds (0: none)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -87,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             # Keep answering requests while held: serving weights must not block inference.
             # Seldom: after each request vLLM's worker busy-polls for a second, and the
             # CPUs are shared with the engine that is starting.
-            llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])], params, use_tqdm=False)
-            time.sleep(3)
+            if args.serve_every > 0:
+                llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])], params, use_tqdm=False)
+            time.sleep(args.serve_every or 0.2)
     del llm
     return 0
 

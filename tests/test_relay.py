@@ -212,3 +212,66 @@ def test_late_arrival_joins_the_tail_of_a_finished_member(
         assert late["peer_id"].startswith(first["worker_id"] + "-r0-relay-"), late["peer_id"]
     finally:
         fleet.close()
+
+
+# -- a single-flight download streamed to the waiting workers -------------------------------
+
+
+def _wait_for_lease(redis_url: str, namespace: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 30
+    while not list(client.scan_iter(f"{{{namespace}}}:dl:*")):
+        assert time.monotonic() < deadline, "nobody was elected"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(120)
+def test_waiters_receive_the_download_as_it_streams(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """The elected downloader streams its download: the waiting workers' cohort head
+    receives from the stream (not from a published peer), and all verify against the
+    ground truth the downloader publishes at its end."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    try:
+        fleet.start("downloader", fault="slow_download", serve_for=20)
+        _wait_for_lease(redis_url, namespace)
+        for i in range(3):
+            fleet.start(f"w{i}", serve_for=20)
+        reports = {r["role"]: _ok(r) for r in (fleet.report() for _ in range(4))}
+        assert reports["downloader"]["source"] == "storage"
+        downloader = reports["downloader"]["worker_id"]
+        waiters = [reports[f"w{i}"] for i in range(3)]
+        assert all(w["source"] == "peer" for w in waiters), waiters
+        fed = [w for w in waiters if w["peer_id"].startswith(downloader + "-r0-stream-")]
+        assert len(fed) == 1, waiters  # the cohort's head; the others relay behind it
+        assert all("-relay-" in w["peer_id"] for w in waiters if w not in fed), waiters
+        # The head got its bytes before the truth existed, then waited for it.
+        assert "await_truth" in fed[0]["timings"], fed[0]
+    finally:
+        fleet.close()
+
+
+@pytest.mark.timeout(150)
+def test_downloader_killed_mid_stream_the_waiters_still_load(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """SIGKILL the elected downloader halfway through its streamed download: its
+    waiters go back to the election, one downloads, the other receives from it, both
+    verified; nobody waits on the dead stream past the lease."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    fleet.settings["download_lease"] = 1.5
+    try:
+        doomed = fleet.start("doomed", fault="kill_mid_stream")
+        _wait_for_lease(redis_url, namespace)
+        for i in range(2):
+            fleet.start(f"w{i}", serve_for=20)
+        doomed.join(30)
+        assert doomed.exitcode == -signal.SIGKILL
+        reports = [_ok(fleet.report()) for _ in range(2)]
+        assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
+        assert all(r["load_seconds"] < 30 for r in reports), reports
+        second = next(r for r in reports if r["source"] == "storage")
+        assert second["fallback_reason"].startswith("no_peer: the download streamed"), second
+    finally:
+        fleet.close()

@@ -366,7 +366,7 @@ def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     labels = {"storage": "storage only", "warm": "one warm peer, relay chain",
               "warm_tree": "one warm peer, binomial tree (old)",
-              "single_flight": "single flight, relay chain",
+              "single_flight": "single flight, streamed relay chain",
               "single_flight_tree": "single flight, binomial tree (old)"}
     for scenario in SCENARIOS:
         pts = [s for s in summary if s["scenario"] == scenario]

@@ -75,7 +75,7 @@ from .errors import (
     UntrustedRecordError,
     fallback_reason,
 )
-from .handshake import run_sender
+from .handshake import refuse, run_sender
 from .log import get_logger
 from .registry import Registry
 from .transport import Rendezvous, Step, plan, run_guarded, send_tensors
@@ -272,7 +272,12 @@ class RelayServer:
             if request is None:
                 continue
             if busy >= self.max_sends:
-                self._log.warning("relay_request_dropped", reason="busy")
+                # Said at once, so the requester tries its next upstream now rather
+                # than after its handshake timeout.
+                self._log.warning("relay_request_refused", reason="busy")
+                with contextlib.suppress(RegistryError):
+                    refuse(self.registry, str(request.get("transfer_id", ""))[:64], "busy",
+                           f"relay endpoint {key} serves {busy} already")
                 continue
             idle_since = None
             t = threading.Thread(target=self._send_one, args=(request,), daemon=True,

@@ -13,15 +13,18 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 from groups import CTX
 from test_service import MODEL, Fleet, _ok
 from test_transport import BUCKET, in_process_pair, mismatches, model_tensors, skeleton_like
 
 from nccl_back.config import Settings
-from nccl_back.errors import TransferError, UntrustedRecordError
+from nccl_back.errors import NoPeerError, TransferError, UntrustedRecordError
+from nccl_back.handshake import run_receiver
+from nccl_back.log import get_logger
 from nccl_back.registry import Registry
-from nccl_back.relay import Member, Progress, parse_member
-from nccl_back.transport import plan, recv_tensors, send_tensors
+from nccl_back.relay import Fills, Member, Progress, RelayServer, parse_member
+from nccl_back.transport import open_rendezvous, plan, recv_tensors, send_tensors
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.pacing import Pacer
 
@@ -83,6 +86,46 @@ def test_relay_forwards_only_steps_it_holds_and_stops_when_upstream_gives_up() -
     assert isinstance(r_err, TransferError)
     assert sent == list(range(len(steps) - 1))
     assert not any(ahead)
+
+
+def test_fills_advance_a_step_once_every_tensor_it_carries_is_in() -> None:
+    """Storage fills in any order become step progress in plan order: a step counts once
+    all its tensors are filled, and only after every step before it."""
+    want = model_tensors()
+    steps = plan(want, BUCKET)
+    progress = Progress()
+    fills = Fills(steps, progress)
+    names = list(dict.fromkeys(slot.name for step in steps for slot in step.slots))
+    for name in reversed(names[1:]):  # everything but the first tensor, backwards
+        fills.filled(name)
+    assert progress.done == 0  # step 0 still lacks its first tensor
+    fills.filled(names[0])
+    assert progress.done == len(steps)
+
+
+@pytest.mark.timeout(30)
+def test_busy_relay_endpoint_refuses_at_once(redis_url: str, namespace: str) -> None:
+    """A relay endpoint with every send slot taken refuses a request through the handshake,
+    so the requester moves on at once instead of waiting out its handshake timeout."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
+                        advertise_host="127.0.0.1", bind_host="127.0.0.1")
+    reg = Registry(settings)
+    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"))
+    member = Member("busy-r0-stream-1", rdv.address, "gloo", "cpu")
+    tensors = model_tensors()
+    server = RelayServer(settings, reg, rdv, member, tensors, "ab" * 16, Pacer(0.0), Progress(),
+                         get_logger("test"), max_sends=0).start()
+    try:
+        t0 = time.monotonic()
+        request = {"transfer_id": "t-busy", "receiver": "r", "version": "v1",
+                   "manifest_digest": "ab" * 16, "transport": "gloo", "device": "cpu", "start": 0}
+        with pytest.raises(NoPeerError, match=r"refused it \(busy\)"):
+            run_receiver(reg, "t-busy", "ab" * 16, 10.0,
+                         after_ready=lambda: reg.push_request(member.member_id, request))
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        server.close(2.0)
+        rdv.close()
 
 
 def test_pacer_holds_the_long_run_rate_across_threads() -> None:

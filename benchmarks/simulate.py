@@ -12,7 +12,10 @@ together, for three designs:
   verified: a binomial tree of ⌈log2(N+1)⌉ rounds.
 * ``storage``: every worker downloads behind one storage limit shared by the fleet.
 
-and ``single_flight`` (one download, then a chain from the downloader).
+and ``single_flight``: one worker downloads and streams each shard to the waiting
+cohorts as it arrives (at most ``STREAM_SENDS`` cohort heads at once, sharing the
+downloader's link; later cohorts start from holders); ``single_flight_tree``: one
+download, then whole copies.
 
 Costs, all from one `cold_start.py` run (its JSON): the fixed per-load cost outside the
 transfer (skeleton, discovery, verification: warm N=1 minus its transfer), the
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SIM_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: Cohort heads a streamed download serves at once (``nccl_back.relay.STREAM_SENDS``).
+STREAM_SENDS = 4
 
 
 @dataclass(frozen=True)
@@ -50,29 +55,37 @@ class Costs:
     download: float
     """One worker's storage download when it has the storage limit to itself."""
     cohort_max: int = 16
+    shards: int = 1
+    """Checkpoint shards: a streamed download forwards a shard once it is in (CRC32C)."""
 
     @property
     def transfer(self) -> float:
         return self.setup + self.steps * self.step
 
 
-def chain(n: int, c: Costs, holders_at: float = 0.0) -> list[float]:
+def _members(size: int, c: Costs, start: float, head: list[float]) -> list[float]:
+    """Finish times of a chain's ``size`` members, given when member 0 holds each step."""
+    prev, finishes = head, [head[-1]]
+    for _ in range(1, size):
+        row: list[float] = []
+        for k in range(c.steps):
+            row.append(max(prev[k], row[-1] if row else start) + c.step)
+        prev = row
+        finishes.append(row[-1])
+    return finishes
+
+
+def chain(n: int, c: Costs, holders_at: float | list[float] = 0.0) -> list[float]:
     """Finish times of ``n`` receivers in relay chains of at most ``c.cohort_max``."""
-    holders = [holders_at]  # heap of times at which a holder can start a new chain
+    # A heap of times at which a holder can start a new chain.
+    holders = sorted(holders_at) if isinstance(holders_at, list) else [holders_at]
     done: list[float] = []
     left = n
     while left:
         size = min(left, c.cohort_max)
         left -= size
         start = heapq.heappop(holders) + c.setup
-        prev = [start + (k + 1) * c.step for k in range(c.steps)]  # member 0
-        finishes = [prev[-1]]
-        for _ in range(1, size):
-            row: list[float] = []
-            for k in range(c.steps):
-                row.append(max(prev[k], row[-1] if row else start) + c.step)
-            prev = row
-            finishes.append(row[-1])
+        finishes = _members(size, c, start, [start + (k + 1) * c.step for k in range(c.steps)])
         # The chain's holder is free once member 0 has everything; members serve once
         # they hold (and verified) everything.
         heapq.heappush(holders, finishes[0])
@@ -100,9 +113,29 @@ def storage(n: int, c: Costs) -> list[float]:
 
 
 def single_flight(n: int, c: Costs, relay: bool = True) -> list[float]:
-    first = c.download + c.fixed
-    rest = (chain if relay else tree)(n - 1, c, holders_at=first) if n > 1 else []
-    return [first, *rest]
+    first = c.download + c.fixed  # the downloader, holding and verified
+    if not relay:
+        return [first, *(tree(n - 1, c, holders_at=first) if n > 1 else [])]
+    waiters, done = n - 1, [first]
+    streamed = min(-(-waiters // c.cohort_max), STREAM_SENDS)
+    # Step k can leave the downloader once its shard is in; the stream's heads share
+    # the downloader's link.
+    ready = [(k * c.shards // c.steps + 1) * c.download / c.shards for k in range(c.steps)]
+    holders = [first]
+    for _ in range(streamed):
+        size = min(waiters, c.cohort_max)
+        waiters -= size
+        start = c.setup
+        head: list[float] = []
+        for k in range(c.steps):
+            head.append(max(ready[k], head[-1] if head else start) + c.step * streamed)
+        # Members verify against the truth the downloader publishes at ``first``.
+        finishes = [max(f, first) + c.fixed for f in _members(size, c, start, head)]
+        holders += finishes
+        done += finishes
+    if waiters:
+        done += chain(waiters, c, holders_at=holders)
+    return done
 
 
 def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int, float]]:
@@ -129,11 +162,12 @@ def calibrate(measured: dict[str, Any], bucket: int, cohort_max: int) -> Costs:
     store = rows.get(("storage", 1)) or rows.get(("single_flight", 1))
     download = store["median_download_s"] if store else 10 * transfer
     return Costs(fixed=fixed, setup=setup, step=transfer / steps, steps=steps,
-                 download=download, cohort_max=cohort_max)
+                 download=download, cohort_max=cohort_max,
+                 shards=int(measured["meta"].get("shards", 1)))
 
 
 LABELS = {"storage": "storage only", "warm": "warm peer, relay chain",
-          "warm_tree": "warm peer, binomial tree (old)", "single_flight": "single flight, relay chain",
+          "warm_tree": "warm peer, binomial tree (old)", "single_flight": "single flight, streamed relay chain",
           "single_flight_tree": "single flight, binomial tree (old)"}
 
 

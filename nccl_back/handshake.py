@@ -38,8 +38,8 @@ its deadline) or the sender's abandonment is (a receiver still in R2 reads it, o
 R3 sees its compare-and-set fail; either raises at once). A receiver never believes in
 a transfer its sender gave up.
 
-A sender that will not serve a request (another transport, draining, another version)
-says so before creating anything, by :func:`refuse`: ``R := {sender, refused: code}``.
+A sender that will not serve a request (another transport, draining, another version,
+a relay endpoint with every send slot taken) says so before creating anything, by :func:`refuse`: ``R := {sender, refused: code}``.
 The receiver raises at once instead of waiting out its timeout.
 
 Each side checks "I wrote my nonce and the other side made it +1". Every wait shares
@@ -90,6 +90,7 @@ Sleep = Callable[[float], None]
 REFUSALS: dict[str, type[PeerError]] = {
     "incompatible": IncompatiblePeerError,
     "draining": NoPeerError,
+    "busy": NoPeerError,
     "version": ManifestMismatchError,
 }
 

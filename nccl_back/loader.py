@@ -127,8 +127,10 @@ def _plan_load(
 class _Tracker:
     """Counts fills per tensor and reports progress; shared by the copy threads."""
 
-    def __init__(self, total: int, progress: Progress | None, clock: Callable[[], float]) -> None:
+    def __init__(self, total: int, progress: Progress | None, clock: Callable[[], float],
+                 on_filled: Callable[[str], None] | None = None) -> None:
         self.total = total
+        self.on_filled = on_filled
         self.done = 0
         self.fills: Counter[str] = Counter()
         self.progress = progress
@@ -144,6 +146,8 @@ class _Tracker:
             if self.progress is not None:
                 elapsed = self.clock() - self.start
                 self.progress(self.done, self.total, self.done / elapsed if elapsed > 0 else 0.0)
+            if self.on_filled is not None:
+                self.on_filled(c.canonical)
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         wrong = sorted(n for n in tensors if self.fills[n] != 1)
@@ -237,6 +241,7 @@ def load_from_storage(
     storage: Storage | None = None,
     clock: Callable[[], float] = time.perf_counter,
     on_download: Callable[[int], None] | None = None,
+    on_filled: Callable[[str], None] | None = None,
 ) -> LoadResult:
     """Fill ``model`` (a skeleton) in place from the checkpoint ``spec`` names.
 
@@ -244,6 +249,8 @@ def load_from_storage(
     copy), :class:`CheckpointFormatError` (bad safetensors, naming the file),
     :class:`ShardNotFoundError`, :class:`ChecksumMismatchError` or :class:`StorageError`.
     ``on_download(n)`` is told of each downloaded chunk of a remote shard (progress bars).
+    ``on_filled(name)`` is told of each skeleton tensor once its bytes are in place, after
+    its shard's CRC32C passed (a download streamed to waiting workers, relay.py).
     """
     settings = settings or (storage.settings if storage is not None else Settings())
     storage = storage or Storage(settings)
@@ -264,7 +271,7 @@ def load_from_storage(
         raise
     t_headers = clock() - start
     total = sum(c.info.nbytes for copies in plan.values() for c in copies)
-    tracker = _Tracker(total, progress, clock)
+    tracker = _Tracker(total, progress, clock, on_filled)
 
     shards = [s for s in spec.shards if s.uri in plan]
     local = [s for s in shards if parse_uri(s.uri).is_local]

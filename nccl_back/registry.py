@@ -101,6 +101,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+_CAD_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 # Extend a claim only while it still holds our token.
 _RENEW_LUA = """
 local raw = redis.call('GET', KEYS[1])
@@ -184,6 +190,7 @@ class Registry:
         self._release = self.client.register_script(_RELEASE_LUA)
         self._renew = self.client.register_script(_RENEW_LUA)
         self._cas = self.client.register_script(_CAS_LUA)
+        self._cad = self.client.register_script(_CAD_LUA)
         self._join_cohort = self.client.register_script(_JOIN_COHORT_LUA)
         self._set_nx = self.client.register_script(_SET_NX_LUA)
         self.signer = Signer.from_settings(settings)
@@ -601,6 +608,32 @@ class Registry:
                 self.reject("cohort member", chain, str(e))
                 out.append(None)
         return out
+
+    # -- downloads streamed to waiting workers (relay.py) ----------------------------------
+
+    def stream_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
+        """The relay endpoint of the worker downloading one rank's skeleton flavour."""
+        return self.key("stream", version, rank, world_size, manifest_digest)
+
+    def put_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
+                   member: dict[str, Any], ttl: float) -> None:
+        """Announce (signed, with a TTL) the relay endpoint a download is streamed from."""
+        self.set_signed(self.stream_key(version, rank, world_size, manifest_digest), member, ttl)
+
+    def get_stream(self, version: str, rank: int, world_size: int,
+                   manifest_digest: str) -> dict[str, Any] | None:
+        """The verified stream record, or None (absent, or untrusted: skipped with a reason)."""
+        got = self.get_signed(self.stream_key(version, rank, world_size, manifest_digest),
+                              "download stream")
+        return None if got is None else got[0]
+
+    def drop_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
+                    member_id: str) -> None:
+        """Remove the stream record if it is still ours (a new downloader's stays)."""
+        key = self.stream_key(version, rank, world_size, manifest_digest)
+        got = self.get_signed(key, "download stream")
+        if got is not None and got[0].get("member_id") == member_id:
+            self._call("DEL", lambda: self._cad(keys=[key], args=[str(got[1])]))
 
     # -- transfer requests ----------------------------------------------------------------
 

@@ -25,10 +25,26 @@ its progress meanwhile and never notices. A member that gives up fails its
 downstream links at once, so they re-attach too. Every member verifies what it got
 against the ground truth, as any receiver does.
 
+Streamed downloads (single flight). The worker elected to download a version
+announces a relay endpoint of its own (:func:`stream`) before it reads storage, and
+tells it which tensors are in place as the storage loader fills them (each after its
+shard's CRC32C passed): step k can be forwarded once every tensor it carries is
+(:class:`Fills`; steps follow sorted names, as checkpoints are sharded, so progress is
+a prefix). Waiting workers that see the stream record join a cohort as usual and its
+head receives from the stream, so the cohort finishes about one bucket per member after
+the download does, instead of after the download, the publication and a whole relayed
+transfer. The stream's receivers have no ground truth yet: they verify against the
+hashes the downloader publishes once its load is complete. If the download fails, its
+stream fails and its receivers go back to the election (another worker downloads, or
+the first one publishes); a stream-fed link allows ``max(relay_stall_timeout,
+download_lease)`` between steps, since its pace is storage's.
+
 Registry (keys built by :class:`~nccl_back.registry.Registry`)::
 
     ns:cohort:{v}:{r}:{w}:{d}                 hash {n, epoch}; TTL cohort_window
     ns:cohort:{v}:{r}:{w}:{d}:{epoch}:{c}     list of member records, in chain order
+    ns:stream:{v}:{r}:{w}:{d}                 the downloader's member record; dropped
+                                              when its load ends (TTL as a bound)
 
 A member record (JSON, parsed by :func:`parse_member`) names where to reach the
 member's relay endpoint: ``{"member_id", "address", "transport", "device"}``; the
@@ -59,10 +75,10 @@ from .errors import (
     UntrustedRecordError,
     fallback_reason,
 )
-from .handshake import run_sender
+from .handshake import refuse, run_sender
 from .log import get_logger
 from .registry import Registry
-from .transport import Rendezvous, run_guarded, send_tensors
+from .transport import Rendezvous, Step, plan, run_guarded, send_tensors
 from .transport.pacing import Pacer
 
 log = get_logger(__name__)
@@ -78,6 +94,10 @@ RELAY_HANDSHAKE = 3.0
 #: Relay sends one member runs at once (its successor, plus one re-attaching from
 #: further down while the first is still unwinding).
 MAX_RELAY_SENDS = 2
+#: Relay sends a streamed download serves at once: the heads of the cohorts that formed
+#: while it downloads (waiters arriving more than ``cohort_window`` apart), plus
+#: re-attaching members. Its worker's ``max_send_gbps`` is shared by all of them.
+STREAM_SENDS = 4
 DEVICES = ("cpu", "cuda")
 
 
@@ -177,8 +197,13 @@ class RelayServer:
         pacer: Pacer,
         progress: Progress,
         log_: Any,
+        *,
+        max_sends: int = MAX_RELAY_SENDS,
+        send_timeout: float | None = None,
     ) -> None:
         self.settings = settings
+        self.max_sends = max_sends
+        self.send_timeout = settings.transfer_timeout if send_timeout is None else send_timeout
         self.registry = registry
         self.rendezvous = rendezvous
         self.member = member
@@ -246,8 +271,13 @@ class RelayServer:
                 continue
             if request is None:
                 continue
-            if busy >= MAX_RELAY_SENDS:
-                self._log.warning("relay_request_dropped", reason="busy")
+            if busy >= self.max_sends:
+                # Said at once, so the requester tries its next upstream now rather
+                # than after its handshake timeout.
+                self._log.warning("relay_request_refused", reason="busy")
+                with contextlib.suppress(RegistryError):
+                    refuse(self.registry, str(request.get("transfer_id", ""))[:64], "busy",
+                           f"relay endpoint {key} serves {busy} already")
                 continue
             idle_since = None
             t = threading.Thread(target=self._send_one, args=(request,), daemon=True,
@@ -274,7 +304,7 @@ class RelayServer:
             with self._lock:
                 self._transports.add(transport)
             now = time.monotonic()
-            deadline = now + s.transfer_timeout
+            deadline = now + self.send_timeout
             stats = run_guarded(
                 transport,
                 lambda tr: send_tensors(
@@ -378,3 +408,93 @@ def join(
     log_.info("cohort_joined", chain=chain_key.rsplit(":", 2)[-2:], position=position,
               member=member.member_id)
     return Chain(seat, member, progress, server, registry)
+
+
+class Fills:
+    """A storage load's per-tensor fills as relay progress: step k is in place once every
+    tensor it carries is (thread-safe; the loader's copy threads call :meth:`filled`)."""
+
+    def __init__(self, steps: list[Step], progress: Progress) -> None:
+        self._need = [frozenset(slot.name for slot in step.slots) for step in steps]
+        self._filled: set[str] = set()
+        self._next = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def filled(self, name: str) -> None:
+        with self._lock:
+            self._filled.add(name)
+            while self._next < len(self._need) and self._need[self._next] <= self._filled:
+                self._progress.advance(self._next)
+                self._next += 1
+
+
+class Stream:
+    """The elected downloader's relay endpoint for one rank (see the module docstring)."""
+
+    def __init__(self, registry: Registry, server: RelayServer, steps: list[Step],
+                 key: tuple[str, int, int, str]) -> None:
+        self.server = server
+        self.fills = Fills(steps, server.progress)
+        self._steps = len(steps)
+        self._registry = registry
+        self._key = key
+
+    @property
+    def member(self) -> Member:
+        return self.server.member
+
+    def filled(self, name: str) -> None:
+        self.fills.filled(name)
+
+    def loaded(self) -> None:
+        """Every tensor is in place (also what a loader without per-tensor fills says)."""
+        if self._steps:
+            self.server.progress.complete(self._steps)
+
+    def end(self, ok: bool, reason: str = "") -> None:
+        """The download ended (``ok``: loaded and published): no new receiver finds the
+        stream; a failed one fails its receivers' links at once."""
+        self.server.end(ok, reason)
+        with contextlib.suppress(RegistryError):
+            self._registry.drop_stream(*self._key, self.member.member_id)
+
+
+def stream(
+    settings: Settings,
+    registry: Registry,
+    rendezvous: Rendezvous,
+    *,
+    worker_id: str,
+    version: str,
+    rank: int,
+    world: int,
+    manifest_digest: str,
+    kind: str,
+    device: torch.device,
+    tensors: dict[str, torch.Tensor],
+    pacer: Pacer,
+    log_: Any,
+) -> Stream:
+    """Start the relay endpoint a download is streamed from and announce it.
+
+    Raises :class:`RegistryError` (the worker then downloads without streaming).
+    """
+    member = Member(f"{worker_id}-r{rank}-stream-{uuid.uuid4().hex[:6]}"[-200:],
+                    rendezvous.address, kind, device.type)
+    # A receiver of the stream may wait for the whole download, as it would have in the
+    # election: the same bound.
+    wait = settings.transfer_timeout + settings.single_flight_max_wait
+    server = RelayServer(settings, registry, rendezvous, member, tensors, manifest_digest,
+                         pacer, Progress(), log_.bind(member=member.member_id),
+                         max_sends=STREAM_SENDS, send_timeout=wait)
+    server.start()  # listening before anyone can read the record
+    key = (version, rank, world, manifest_digest)
+    try:
+        registry.put_stream(*key, member.to_dict(), ttl=wait)
+    except RegistryError:
+        server.end(False, "could not announce the stream")
+        raise
+    steps = plan(tensors, settings.bucket_for(kind))
+    log_.info("download_streamed", member=member.member_id, steps=len(steps))
+    return Stream(registry, server, steps, key)

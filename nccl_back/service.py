@@ -56,6 +56,7 @@ from .errors import (
     NoPeerError,
     PeerError,
     RegistryError,
+    TransferTimeoutError,
     UntrustedRecordError,
     WeightVerificationError,
     fallback_reason,
@@ -82,8 +83,9 @@ _WHAT = {NOBODY: "found no peer holding the version", FAILED: "could not load fr
 StorageLoader = Callable[[Model, ModelSpec, Settings], LoadResult]
 
 
-def _load_checkpoint(model: Model, spec: ModelSpec, settings: Settings) -> LoadResult:
-    return load_from_storage(model, spec, settings=settings)
+def _load_checkpoint(model: Model, spec: ModelSpec, settings: Settings,
+                     on_filled: Callable[[str], None] | None = None) -> LoadResult:
+    return load_from_storage(model, spec, settings=settings, on_filled=on_filled)
 
 
 class NobodyHolds(NoPeerError):
@@ -92,6 +94,11 @@ class NobodyHolds(NoPeerError):
 
 class NobodyTrusted(NobodyHolds, UntrustedRecordError):
     """Entries for the version exist, but none could be trusted (all were rejected)."""
+
+
+class StreamLost(NobodyHolds):
+    """The download streamed to this rank failed and nobody holds the version yet: the
+    worker goes back to the election (single flight) once more."""
 
 
 class PeerBusy(Exception):
@@ -126,6 +133,13 @@ class _Attempt:
     stored_bytes: int = 0
     chain: relay.Chain | None = None
     """This rank's seat in a cohort (relay chain) while it receives."""
+    elected: bool = False
+    """This worker was elected to download (single flight): it streams its download."""
+    stream: relay.Member | None = None
+    """The elected downloader's stream this rank's cohort is fed from (no holder yet)."""
+    failed_streams: set[str] = field(default_factory=set)
+    relay_error: NcclBackError | None = None
+    """The last upstream failure in a relay chain (the reason if nothing else serves us)."""
 
     @property
     def code(self) -> int:
@@ -265,18 +279,23 @@ class WeightService:
         t = time.perf_counter()
         self._step(a, self._prepare)
         codes = self._round(a, "discovery")
-        if max(codes) == NOBODY:
-            self._single_flight(a)
-            codes = self._round(a, "single flight")
-        a.timings["discovery"] = time.perf_counter() - t
-
-        if max(codes) == OK:
+        # Twice at most: again when the download streamed to us failed (StreamLost).
+        for _ in range(2):
+            if max(codes) == NOBODY:
+                self._single_flight(a)
+                codes = self._round(a, "single flight")
+            a.timings["discovery"] = time.perf_counter() - t
+            if max(codes) != OK:
+                break
             t = time.perf_counter()
             self._step(a, self._receive_any)
             a.timings["peer"] = time.perf_counter() - t
             codes = self._round(a, "peer load")
             if max(codes) == OK:
                 return self._peer_loaded(a)
+            if max(codes) != NOBODY:  # NOBODY now: some rank's stream was lost
+                break
+            t = time.perf_counter()
 
         self._follow(a, codes)
         if self.settings.strict and FAILED in codes:
@@ -340,7 +359,8 @@ class WeightService:
 
         def sees_peer() -> bool:
             return any(not self._server.holds(p.peer_id)
-                       for p in self.registry.find_peers(version, a.rank, a.world))
+                       for p in self.registry.find_peers(version, a.rank, a.world)
+                       ) or self._find_stream(a) is not None
 
         outcome, who, error = elect(a.lease, sees_peer, a.group, a.rank, s)
         waited = round(time.monotonic() - waited, 3)
@@ -349,6 +369,7 @@ class WeightService:
             self._step(a, self._discover)
         elif outcome == "elected":
             a.log.info("single_flight_elected", waited=waited)
+            a.elected = True
             if isinstance(a.reason, NobodyHolds):
                 # Same class: "nobody trusted" keeps its own fallback reason.
                 a.reason = type(a.reason)(
@@ -372,7 +393,7 @@ class WeightService:
 
     def _discover(self, a: _Attempt) -> None:
         """Usable peers and the ground-truth hashes for the verify mode, or why there are none."""
-        a.candidates, a.truth, a.reason = [], None, None
+        a.candidates, a.truth, a.reason, a.stream = [], None, None, None
         version, man, s = a.spec.version, a.manifest, self.settings
         try:
             rejected = self.registry.rejected
@@ -385,9 +406,12 @@ class WeightService:
                 )
                 return
             if not peers:
-                a.reason = NobodyHolds(
-                    f"no live peer holds version {version[:12]} rank {a.rank}/{a.world}"
-                )
+                a.stream = self._find_stream(a)
+                if a.stream is None:
+                    a.reason = NobodyHolds(
+                        f"no live peer holds version {version[:12]} rank {a.rank}/{a.world}"
+                    )
+                # else: the elected downloader streams it; ground truth comes at its end
                 return
             usable = self._usable(peers, a)
             if not usable:
@@ -423,6 +447,24 @@ class WeightService:
         except RegistryError as e:
             a.reason = e
 
+    def _find_stream(self, a: _Attempt) -> relay.Member | None:
+        """The elected downloader's stream of this rank's flavour, if one is announced,
+        speaks our transport and has not failed us (cohorts only: it feeds a chain)."""
+        if self.settings.cohort_max_size <= 1 or a.man is None:
+            return None
+        raw = self.registry.get_stream(a.spec.version, a.rank, a.world, a.man.digest)
+        if raw is None:
+            return None
+        try:
+            m = relay.parse_member(raw)
+        except UntrustedRecordError as e:
+            a.log.warning("stream_record_skipped", reason=str(e))
+            return None
+        if (m.member_id in a.failed_streams or m.member_id.startswith(self.worker_id + "-")
+                or m.transport != a.kind or m.device != a.device.type):
+            return None
+        return m
+
     def _usable(self, peers: list[PeerInfo], a: _Attempt) -> list[PeerInfo]:
         """Peers this rank can talk to: same transport, same device kind, not itself."""
         return [p for p in peers if p.transport == a.kind and p.device == a.device.type
@@ -434,8 +476,16 @@ class WeightService:
         chain = self._join_cohort(a)
         a.chain = chain
         try:
-            if chain is not None and chain.position > 0 and self._receive_relayed(chain, a):
+            if (chain is not None and (chain.position > 0 or a.stream is not None)
+                    and self._receive_relayed(chain, a)):
                 return
+            if a.reason is None and not a.candidates:
+                # Fed by a stream that failed us: the downloader may have published since.
+                self._discover(a)
+                if not a.candidates and (a.reason is None or isinstance(a.reason, NobodyHolds)):
+                    a.reason = StreamLost(
+                        f"the download streamed to this rank failed ({a.relay_error}) and no"
+                        " peer holds the version yet; back to the election")
             if a.reason is None:
                 self._receive_from_holders(a)
         finally:
@@ -468,12 +518,16 @@ class WeightService:
         by the chain's deadline; the caller tries holders, from where we stopped."""
         s = self.settings
         deadline = time.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
+        if a.stream is not None:  # we may wait for the whole download, as in the election
+            deadline += s.single_flight_max_wait
         while time.monotonic() < deadline:
             try:
                 upstreams = chain.upstreams()
             except RegistryError as e:
                 a.log.warning("cohort_read_failed", error=str(e))
                 return False
+            if a.stream is not None and a.stream.member_id not in chain.failed:
+                upstreams.append(a.stream)  # the cohort's source, or past every member
             if not upstreams:
                 return False
             member = upstreams[0]
@@ -491,6 +545,9 @@ class WeightService:
                 return False
             except PeerError as e:
                 chain.failed.add(member.member_id)
+                a.relay_error = e
+                if a.stream is not None and member.member_id == a.stream.member_id:
+                    a.failed_streams.add(member.member_id)
                 if isinstance(e, HandshakeTimeoutError):
                     self.metrics.record_handshake_timeout()
                 a.log.warning("relay_upstream_failed", peer=member.member_id,
@@ -519,8 +576,12 @@ class WeightService:
             after_ready=lambda: self.registry.push_request(member.member_id, request),
         )
         a.timings["handshake"] = time.perf_counter() - t
+        # A chain fed by a download moves at storage's pace: a step may take a shard's
+        # download; a downloader that stops renewing its lease is given up on as long.
+        stall = (max(s.relay_stall_timeout, s.download_lease) if a.stream is not None
+                 else s.relay_stall_timeout)
         self._transfer(a, member.transport, member.address, transfer_id, start=start,
-                       deadline=deadline, stall=s.relay_stall_timeout)
+                       deadline=deadline, stall=stall)
 
     def _receive_from_holders(self, a: _Attempt) -> None:
         """Try peers until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
@@ -636,12 +697,39 @@ class WeightService:
             connect_deadline=min(now + s.connect_timeout, deadline),
         )
         a.timings["transfer"] = time.perf_counter() - t
+        if a.truth is None and a.stream is not None and s.verify != "none":
+            t = time.perf_counter()
+            a.truth = self._await_truth(a, deadline)
+            a.timings["await_truth"] = time.perf_counter() - t
         if a.truth is not None:
             t = time.perf_counter()
             actual = integrity.layer_hashes(a.model, mode=s.verify,  # type: ignore[arg-type]
                                             key=s.key("integrity"))
             integrity.compare(a.truth, actual)
             a.timings["verify"] = time.perf_counter() - t
+
+    def _await_truth(self, a: _Attempt, deadline: float, poll: float = 0.05) -> dict[str, str]:
+        """The ground truth a streaming downloader publishes once its load is complete
+        (it hashes what it streamed); :class:`TransferError` if none comes by ``deadline``
+        or the stream's downloader gave up (its relay endpoint is gone)."""
+        version, digest, mode = a.spec.version, a.manifest.digest, self.settings.verify
+        reg = self.registry
+        while True:
+            # Read "still loading" before the truth: the downloader writes the truth before
+            # it drops its stream record and releases its lease, so no truth after "gone"
+            # means none is coming.
+            loading = (reg.get_stream(version, a.rank, a.world, digest) is not None
+                       or reg.get_json(reg.lease_key(version, a.world)) is not None)
+            stored = reg.get_ground_truth(version, a.rank, a.world, digest)
+            expected = truth_for_mode(stored, mode) if stored is not None else {}
+            if expected:
+                return expected
+            if not loading or time.monotonic() >= deadline:
+                raise TransferTimeoutError(
+                    f"the downloader streamed version {version[:12]} but published no {mode!r}"
+                    " ground truth " + ("by the deadline" if loading else "before it stopped")
+                    + ": nothing to verify against")
+            time.sleep(poll)
 
     def _peer_loaded(self, a: _Attempt) -> LoadResult:
         seconds = time.perf_counter() - a.start
@@ -670,10 +758,15 @@ class WeightService:
             self.metrics.record_fallback(code)
             a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
         hashes: dict[str, str] = {}
+        stream = self._open_stream(a) if a.elected else None
 
         def load(a: _Attempt) -> None:
             t = time.perf_counter()
-            stored = self._storage_loader(a.model, a.spec, self.settings)
+            if stream is not None:
+                stored = _load_checkpoint(a.model, a.spec, self.settings, on_filled=stream.filled)
+                stream.loaded()
+            else:
+                stored = self._storage_loader(a.model, a.spec, self.settings)
             a.timings["storage"] = time.perf_counter() - t
             a.timings.update({f"storage.{k}": v for k, v in stored.timings.items()})
             a.stored_bytes = stored.bytes
@@ -686,7 +779,12 @@ class WeightService:
             a.timings["hash"] = time.perf_counter() - t
 
         self._step(a, load)
-        self._round(a, "storage load")
+        try:
+            self._round(a, "storage load")
+        except BaseException as e:
+            if stream is not None:
+                stream.end(False, f"the download failed: {e!r}"[:300])
+            raise
         seconds = time.perf_counter() - a.start
         detail = f"{code}: {reason}" if reason is not None else None
         result = LoadResult(
@@ -696,10 +794,33 @@ class WeightService:
         self.metrics.record_load("storage", a.stored_bytes, seconds)
         a.log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
         self._publish_stored(a, hashes)
+        if stream is not None:  # the truth is out: receivers of the stream can verify
+            stream.end(True)
         # Every rank has published (or logged why not) before rank 0 lets go of the
         # download lease: waiters then find every rank's peer at once.
         gather(OK, a.group)
         return result
+
+    def _open_stream(self, a: _Attempt) -> relay.Stream | None:
+        """Stream this rank's download to waiting workers' cohorts, or None: cohorts off,
+        an engine's own storage loader (it may rewrite tensors after loading them, and
+        reports no per-tensor fills), or the announcement failed (logged)."""
+        s = self.settings
+        if a.error is not None or s.cohort_max_size <= 1 or self._storage_loader is not _load_checkpoint:
+            return None
+        try:
+            stream = relay.stream(
+                s, self.registry, self._server.rendezvous(a.kind, a.device),
+                worker_id=self.worker_id, version=a.spec.version, rank=a.rank, world=a.world,
+                manifest_digest=a.manifest.digest, kind=a.kind, device=a.device,
+                tensors=a.tensors, pacer=self._server.pacer, log_=a.log,
+            )
+        except NcclBackError as e:
+            a.log.warning("stream_not_announced", error=str(e))
+            return None
+        with self._relay_lock:
+            self._relays = [r for r in self._relays if r.alive] + [stream.server]
+        return stream
 
     def _publish_stored(self, a: _Attempt, hashes: dict[str, str]) -> None:
         version, man = a.spec.version, a.manifest

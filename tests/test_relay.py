@@ -13,15 +13,18 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 from groups import CTX
 from test_service import MODEL, Fleet, _ok
 from test_transport import BUCKET, in_process_pair, mismatches, model_tensors, skeleton_like
 
 from nccl_back.config import Settings
-from nccl_back.errors import TransferError, UntrustedRecordError
+from nccl_back.errors import NoPeerError, TransferError, UntrustedRecordError
+from nccl_back.handshake import run_receiver
+from nccl_back.log import get_logger
 from nccl_back.registry import Registry
-from nccl_back.relay import Member, Progress, parse_member
-from nccl_back.transport import plan, recv_tensors, send_tensors
+from nccl_back.relay import Fills, Member, Progress, RelayServer, parse_member
+from nccl_back.transport import open_rendezvous, plan, recv_tensors, send_tensors
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.pacing import Pacer
 
@@ -83,6 +86,46 @@ def test_relay_forwards_only_steps_it_holds_and_stops_when_upstream_gives_up() -
     assert isinstance(r_err, TransferError)
     assert sent == list(range(len(steps) - 1))
     assert not any(ahead)
+
+
+def test_fills_advance_a_step_once_every_tensor_it_carries_is_in() -> None:
+    """Storage fills in any order become step progress in plan order: a step counts once
+    all its tensors are filled, and only after every step before it."""
+    want = model_tensors()
+    steps = plan(want, BUCKET)
+    progress = Progress()
+    fills = Fills(steps, progress)
+    names = list(dict.fromkeys(slot.name for step in steps for slot in step.slots))
+    for name in reversed(names[1:]):  # everything but the first tensor, backwards
+        fills.filled(name)
+    assert progress.done == 0  # step 0 still lacks its first tensor
+    fills.filled(names[0])
+    assert progress.done == len(steps)
+
+
+@pytest.mark.timeout(30)
+def test_busy_relay_endpoint_refuses_at_once(redis_url: str, namespace: str) -> None:
+    """A relay endpoint with every send slot taken refuses a request through the handshake,
+    so the requester moves on at once instead of waiting out its handshake timeout."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
+                        advertise_host="127.0.0.1", bind_host="127.0.0.1")
+    reg = Registry(settings)
+    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"))
+    member = Member("busy-r0-stream-1", rdv.address, "gloo", "cpu")
+    tensors = model_tensors()
+    server = RelayServer(settings, reg, rdv, member, tensors, "ab" * 16, Pacer(0.0), Progress(),
+                         get_logger("test"), max_sends=0).start()
+    try:
+        t0 = time.monotonic()
+        request = {"transfer_id": "t-busy", "receiver": "r", "version": "v1",
+                   "manifest_digest": "ab" * 16, "transport": "gloo", "device": "cpu", "start": 0}
+        with pytest.raises(NoPeerError, match=r"refused it \(busy\)"):
+            run_receiver(reg, "t-busy", "ab" * 16, 10.0,
+                         after_ready=lambda: reg.push_request(member.member_id, request))
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        server.close(2.0)
+        rdv.close()
 
 
 def test_pacer_holds_the_long_run_rate_across_threads() -> None:
@@ -210,5 +253,68 @@ def test_late_arrival_joins_the_tail_of_a_finished_member(
         late = _ok(fleet.report())
         assert late["source"] == "peer"
         assert late["peer_id"].startswith(first["worker_id"] + "-r0-relay-"), late["peer_id"]
+    finally:
+        fleet.close()
+
+
+# -- a single-flight download streamed to the waiting workers -------------------------------
+
+
+def _wait_for_lease(redis_url: str, namespace: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 30
+    while not list(client.scan_iter(f"{{{namespace}}}:dl:*")):
+        assert time.monotonic() < deadline, "nobody was elected"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(120)
+def test_waiters_receive_the_download_as_it_streams(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """The elected downloader streams its download: the waiting workers' cohort head
+    receives from the stream (not from a published peer), and all verify against the
+    ground truth the downloader publishes at its end."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    try:
+        fleet.start("downloader", fault="slow_download", serve_for=20)
+        _wait_for_lease(redis_url, namespace)
+        for i in range(3):
+            fleet.start(f"w{i}", serve_for=20)
+        reports = {r["role"]: _ok(r) for r in (fleet.report() for _ in range(4))}
+        assert reports["downloader"]["source"] == "storage"
+        downloader = reports["downloader"]["worker_id"]
+        waiters = [reports[f"w{i}"] for i in range(3)]
+        assert all(w["source"] == "peer" for w in waiters), waiters
+        fed = [w for w in waiters if w["peer_id"].startswith(downloader + "-r0-stream-")]
+        assert len(fed) == 1, waiters  # the cohort's head; the others relay behind it
+        assert all("-relay-" in w["peer_id"] for w in waiters if w not in fed), waiters
+        # The head got its bytes before the truth existed, then waited for it.
+        assert "await_truth" in fed[0]["timings"], fed[0]
+    finally:
+        fleet.close()
+
+
+@pytest.mark.timeout(150)
+def test_downloader_killed_mid_stream_the_waiters_still_load(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """SIGKILL the elected downloader halfway through its streamed download: its
+    waiters go back to the election, one downloads, the other receives from it, both
+    verified; nobody waits on the dead stream past the lease."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    fleet.settings["download_lease"] = 1.5
+    try:
+        doomed = fleet.start("doomed", fault="kill_mid_stream")
+        _wait_for_lease(redis_url, namespace)
+        for i in range(2):
+            fleet.start(f"w{i}", serve_for=20)
+        doomed.join(30)
+        assert doomed.exitcode == -signal.SIGKILL
+        reports = [_ok(fleet.report()) for _ in range(2)]
+        assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
+        assert all(r["load_seconds"] < 30 for r in reports), reports
+        second = next(r for r in reports if r["source"] == "storage")
+        assert second["fallback_reason"].startswith("no_peer: the download streamed"), second
     finally:
         fleet.close()

@@ -175,6 +175,20 @@ def _install_fault(fault: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         service.load_from_storage = die  # type: ignore[assignment]
+    elif fault in ("slow_download", "kill_mid_stream"):
+        # Each tensor's fill takes 50 ms (a slow storage link); kill_mid_stream: SIGKILL
+        # once half of them are in place, while waiters receive the download's stream.
+        from nccl_back import loader
+
+        orig_copied = loader._Tracker.copied
+
+        def copied(self: Any, c: Any) -> None:
+            time.sleep(0.05)
+            orig_copied(self, c)
+            if fault == "kill_mid_stream" and self.done >= self.total // 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        loader._Tracker.copied = copied  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown fault {fault!r}")
 

@@ -38,6 +38,8 @@ T = TypeVar("T")
 
 #: Seconds one HTTP request to GCS may take (connect and each read).
 DEFAULT_TIMEOUT = 60.0
+#: Smallest ranged request a shard is cut into (smaller shards are one request).
+MIN_CHUNK_BYTES = 1 << 20
 
 # GCS bucket names: 3-222 characters of lowercase letters, digits, '-', '_' and '.'.
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
@@ -321,6 +323,13 @@ class Storage:
 
         return self._call(f"downloading {loc.uri} [{start}, {start + len(view)})", fetch)
 
+    def chunk_for(self, shard: Shard) -> int:
+        """Bytes per ranged request of ``shard``: at most ``chunk_bytes``, and small
+        enough that the shard alone keeps every storage worker busy, down to
+        :data:`MIN_CHUNK_BYTES`."""
+        per_worker = -(-shard.size // max(self.settings.storage_workers, 1))
+        return min(self.settings.chunk_bytes, max(per_worker, MIN_CHUNK_BYTES))
+
     def _start(
         self, shard: Shard, pool: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None = None
     ) -> tuple[np.ndarray, list[Future[int]]]:
@@ -329,7 +338,7 @@ class Storage:
             raise ConfigError(f"{shard.uri!r} is local; read it in place instead of downloading")
         buf = np.empty(shard.size, dtype=np.uint8)
         view = buf.data
-        step = self.settings.chunk_bytes
+        step = self.chunk_for(shard)
         def fetch(off: int) -> int:
             got = self._fetch_into(loc, view[off : off + step], off)
             if on_bytes is not None:
@@ -357,20 +366,22 @@ class Storage:
         ``on_bytes(n)`` is called from the download threads as each chunk of ``n`` bytes
         arrives (for a progress bar).
 
-        Enough shards are in flight to keep ``storage_workers`` ranged requests busy, so
-        memory stays near ``storage_workers * chunk_bytes`` plus the shard being consumed.
+        Shards complete in order: each is cut into enough ranged requests to keep every
+        worker busy (:meth:`chunk_for`) and the pool takes requests first in, first out,
+        so shard i's bytes come in before shard i+1's (what lets a streamed download,
+        relay.py, forward early). Beyond two shards (the next one downloads while the
+        caller copies the current one), more start only while fewer than
+        ``storage_workers`` requests are outstanding, so memory stays near two shards.
         """
         workers = self.settings.storage_workers
-        budget = workers * self.settings.chunk_bytes
         pool = ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-download")
         pending: deque[tuple[Shard, np.ndarray, list[Future[int]]]] = deque()
         todo = deque(shards)
         try:
             while todo or pending:
-                # Launch shards while the bytes in flight are under budget (at least two,
-                # so the next one downloads while the caller copies the current one).
                 while todo and (
-                    len(pending) < 2 or sum(p[0].size for p in pending) < budget
+                    len(pending) < 2
+                    or sum(not f.done() for p in pending for f in p[2]) < workers
                 ):
                     shard = todo.popleft()
                     pending.append((shard, *self._start(shard, pool, on_bytes)))

@@ -352,3 +352,16 @@ def test_flat_skeleton_reads_with_the_given_settings(
     proxy.fail = 1
     with pytest.raises(StorageError, match="failed after 1 attempts"):
         ModelSpec.from_dir(f"gs://{bucket.name}/m", settings=one_try)  # config.json read
+
+
+def test_each_shard_alone_keeps_every_storage_worker_busy() -> None:
+    """A shard is cut into one ranged request per storage worker (so shards complete in
+    order, first in first out), never above chunk_bytes nor below 1 MiB."""
+    store = Storage(Settings(storage_workers=8, chunk_bytes=64 << 20), client=object())
+    shard = lambda size: Shard("gs://b/m/x.safetensors", "00000000", size)  # noqa: E731
+    assert store.chunk_for(shard(8 << 20)) == 1 << 20  # 8 MiB: 8 requests
+    assert store.chunk_for(shard(5 << 30)) == 64 << 20  # 5 GiB: capped at chunk_bytes
+    assert store.chunk_for(shard(100 << 20)) == -(-(100 << 20) // 8)
+    assert store.chunk_for(shard(1000)) == 1 << 20  # tiny: one request
+    small = Storage(Settings(storage_workers=8, chunk_bytes=8192), client=object())
+    assert small.chunk_for(shard(1 << 20)) == 8192  # an explicit small chunk still rules

@@ -14,7 +14,8 @@ taken on the receiver, from a 1-byte synchronising broadcast to the end.
     .venv/bin/python benchmarks/peer_transfer.py --gib 1 --rounds 3 \
         --bucket-bytes 67108864 16777216 1048576 [--layout consolidated|separate]
 
-Default bucket: what the service uses for gloo (``Settings().bucket_for("gloo")``).
+Default bucket: what the service uses for gloo and this model
+(``Settings().bucket_for("gloo", model_bytes)``).
 
 The model looks like a small LLM in bf16: an embedding and N layers of q/k/v/o, a
 gated MLP and two norms, scaled to ``--gib`` (a few hundred tensors for 1 GiB).
@@ -104,8 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bucket-bytes", type=int, nargs="+", default=[Settings().bucket_for("gloo")],
-                        help="one or more bucket sizes, each measured against the same flat run")
+    parser.add_argument("--bucket-bytes", type=int, nargs="+", default=None,
+                        help="one or more bucket sizes, each measured against the same flat run"
+                             " (default: what the service chooses for gloo and this model)")
     parser.add_argument("--layout", choices=("consolidated", "separate"), default="consolidated",
                         help="skeleton memory layout on both sides (default: as skeleton.build makes it)")
     parser.add_argument("--serve", metavar="TRANSFER_ID", help=argparse.SUPPRESS)
@@ -114,6 +116,8 @@ def main() -> None:
     shapes = model_shapes(args.gib)
     tensors = allocate(shapes, args.layout)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if args.bucket_bytes is None:
+        args.bucket_bytes = [Settings().bucket_for("gloo", nbytes)]
     flat = torch.ones(nbytes, dtype=torch.uint8)
     deadline = time.monotonic() + settings.transfer_timeout
 

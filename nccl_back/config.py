@@ -24,8 +24,12 @@ SECRET_FILE_ENV = ENV_PREFIX + "SECRET_FILE"
 MIN_SECRET_BYTES = 16
 #: Longest secret file read (a secret is a key, not a document).
 MAX_SECRET_FILE_BYTES = 4096
-#: ``bucket_bytes`` per transport when the setting is 0 (see :meth:`Settings.bucket_for`).
-AUTO_BUCKET_BYTES = {"gloo": 1 << 20, "nccl": 8 << 20}
+#: Automatic ``bucket_bytes`` (the setting at 0, :meth:`Settings.bucket_for`): about
+#: 1/:data:`STEPS_PER_MODEL` of the model, a power of two within the transport's range.
+AUTO_BUCKET_BYTES = {"gloo": (1 << 20, 8 << 20), "nccl": (8 << 20, 8 << 20)}
+#: Steps a model is cut into at least, within the range above: a relay hop costs one step,
+#: so a chain of N members costs one transfer x (1 + (N - 1) / STEPS_PER_MODEL).
+STEPS_PER_MODEL = 128
 
 TransportName = Literal["auto", "gloo", "nccl"]
 VerifyMode = Literal["sampled", "full", "none"]
@@ -117,9 +121,10 @@ class Settings:
     bucket_bytes: int = 0
     """Tensors smaller than this are coalesced into buckets of this size for the broadcast,
     larger ones sent in place in chunks of this size; it is also the unit a relay forwards.
-    0 (the default): chosen per transport, :meth:`bucket_for` (gloo 1 MiB: measured best
-    for models of one allocation per tensor and no worse for consolidated skeletons;
-    NCCL 8 MiB, where a call costs more). Sender and receiver must agree."""
+    0 (the default): chosen per transport and model size, :meth:`bucket_for` (gloo: about
+    1/128 of the model, 1 to 8 MiB, which keeps the per-call cost small for large models
+    and a relay hop short for small ones; NCCL 8 MiB, where a call costs more). Sender
+    and receiver must agree (both derive it from the same manifest)."""
 
     max_send_gbps: float = 0.0
     """Cap on this worker's outgoing weight traffic in GB/s (10^9 B/s), shared by all its
@@ -267,11 +272,17 @@ class Settings:
             return None
         return hmac.new(self.secret.encode(), b"nccl_back/" + purpose.encode(), hashlib.sha256).digest()
 
-    def bucket_for(self, kind: str) -> int:
-        """:attr:`bucket_bytes`, or its per-transport value when it is 0 (automatic)."""
+    def bucket_for(self, kind: str, model_bytes: int = 0) -> int:
+        """:attr:`bucket_bytes`, or when it is 0 (automatic) the power of two nearest to
+        ``model_bytes`` / :data:`STEPS_PER_MODEL`, within ``kind``'s
+        :data:`AUTO_BUCKET_BYTES` range (measured on gloo, 1 GiB of
+        separate tensors: 1 MiB reaches 0.57 of a flat broadcast, 8 MiB 0.90)."""
         if self.bucket_bytes:
             return self.bucket_bytes
-        return AUTO_BUCKET_BYTES.get(kind, 1 << 20)
+        lo, hi = AUTO_BUCKET_BYTES.get(kind, (1 << 20, 1 << 20))
+        want = model_bytes // STEPS_PER_MODEL
+        nearest = 1 << round(math.log2(want)) if want > 0 else lo  # in log scale
+        return min(max(nearest, lo), hi)
 
     @property
     def peer_budget_seconds(self) -> float:

@@ -78,7 +78,7 @@ from .errors import (
 from .handshake import refuse, run_sender
 from .log import get_logger
 from .registry import Registry
-from .transport import Rendezvous, Step, plan, run_guarded, send_tensors
+from .transport import Rendezvous, Step, payload_bytes, plan, run_guarded, send_tensors
 from .transport.pacing import Pacer
 
 log = get_logger(__name__)
@@ -308,7 +308,8 @@ class RelayServer:
             stats = run_guarded(
                 transport,
                 lambda tr: send_tensors(
-                    tr, self.tensors, s.bucket_for(self.member.transport), start=start,
+                    tr, self.tensors, s.bucket_for(self.member.transport, payload_bytes(self.tensors)),
+                    start=start,
                     ready=lambda k: self.progress.wait_for(k, deadline), pace=self.pacer.take),
                 deadline,
                 connect_deadline=now + s.connect_timeout,
@@ -495,6 +496,6 @@ def stream(
     except RegistryError:
         server.end(False, "could not announce the stream")
         raise
-    steps = plan(tensors, settings.bucket_for(kind))
+    steps = plan(tensors, settings.bucket_for(kind, payload_bytes(tensors)))
     log_.info("download_streamed", member=member.member_id, steps=len(steps))
     return Stream(registry, server, steps, key)

@@ -47,7 +47,14 @@ from .log import get_logger
 from .metrics import Metrics
 from .registry import PeerInfo, Registry
 from .skeleton import Manifest, Model, model_device, named_tensors
-from .transport import Rendezvous, open_rendezvous, resolve_kind, run_guarded, send_tensors
+from .transport import (
+    Rendezvous,
+    open_rendezvous,
+    payload_bytes,
+    resolve_kind,
+    run_guarded,
+    send_tensors,
+)
 from .transport.pacing import Pacer
 
 #: Requests that may wait per send slot; a flood beyond it is dropped, not queued.
@@ -267,12 +274,16 @@ class PeerServer:
             with held.lock:
                 held.transports.add(transport)
             now = time.monotonic()
+
+            def send(tr: Any) -> Any:
+                # Read at send time: the model may have moved since publication.
+                tensors = named_tensors(held.model)[0]
+                bucket = s.bucket_for(held.info.transport, payload_bytes(tensors))
+                return send_tensors(tr, tensors, bucket, start=start, pace=self.pacer.take)
+
             stats = run_guarded(
                 transport,
-                # Read at send time: the model may have moved since publication.
-                lambda tr: send_tensors(tr, named_tensors(held.model)[0],
-                                        s.bucket_for(held.info.transport), start=start,
-                                        pace=self.pacer.take),
+                send,
                 now + s.transfer_timeout,
                 connect_deadline=now + s.connect_timeout,
             )

@@ -70,7 +70,14 @@ from .registry import PeerInfo, Registry, encode_truth, truth_for_mode
 from .result import LoadResult
 from .sender import PeerServer
 from .skeleton import Manifest, Model, manifest, model_device, named_tensors
-from .transport import plan, receiver_transport, recv_tensors, resolve_kind, run_guarded
+from .transport import (
+    payload_bytes,
+    plan,
+    receiver_transport,
+    recv_tensors,
+    resolve_kind,
+    run_guarded,
+)
 from .transport.broadcast import resume_point
 
 # One rank's code in a consensus round (the worst code decides).
@@ -562,7 +569,8 @@ class WeightService:
                              deadline: float) -> None:
         s = self.settings
         transfer_id = uuid.uuid4().hex
-        start = resume_point(plan(a.tensors, s.bucket_for(a.kind)), a.tensors, chain.progress.done)
+        start = resume_point(plan(a.tensors, s.bucket_for(a.kind, payload_bytes(a.tensors))),
+                             a.tensors, chain.progress.done)
         request = {
             "transfer_id": transfer_id, "receiver": self.worker_id, "version": a.spec.version,
             "manifest_digest": a.manifest.digest, "transport": a.kind, "device": a.device.type,
@@ -653,7 +661,8 @@ class WeightService:
                 transfer_id = uuid.uuid4().hex
                 start = 0
                 if a.chain is not None:  # resume what an upstream member already gave us
-                    start = resume_point(plan(a.tensors, s.bucket_for(peer.transport)),
+                    start = resume_point(plan(a.tensors, s.bucket_for(peer.transport,
+                                                                      payload_bytes(a.tensors))),
                                          a.tensors, a.chain.progress.done)
                 request = {
                     "transfer_id": transfer_id,
@@ -692,7 +701,8 @@ class WeightService:
         now = time.monotonic()
         run_guarded(
             transport,
-            lambda tr: recv_tensors(tr, a.tensors, s.bucket_for(kind), start=start, on_step=on_step),
+            lambda tr: recv_tensors(tr, a.tensors, s.bucket_for(kind, payload_bytes(a.tensors)),
+                                    start=start, on_step=on_step),
             deadline,
             connect_deadline=min(now + s.connect_timeout, deadline),
         )

@@ -11,7 +11,7 @@ from .base import (
     receiver_transport,
     resolve_kind,
 )
-from .broadcast import Step, TransferStats, plan, recv_tensors, send_tensors
+from .broadcast import Step, TransferStats, payload_bytes, plan, recv_tensors, send_tensors
 from .watchdog import run_guarded
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "TransferStats",
     "Transport",
     "open_rendezvous",
+    "payload_bytes",
     "plan",
     "receiver_transport",
     "recv_tensors",

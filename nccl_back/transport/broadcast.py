@@ -123,6 +123,11 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
     return steps
 
 
+def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes a transfer of ``tensors`` moves (what the automatic bucket size scales with)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def plan_digest(steps: list[Step], start: int = 0) -> bytes:
     """MD5 of the plan from step ``start``: equal on both sides iff they will issue
     identical calls."""

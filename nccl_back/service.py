@@ -145,6 +145,7 @@ class _Attempt:
     stream: relay.Member | None = None
     """The elected downloader's stream this rank's cohort is fed from (no holder yet)."""
     failed_streams: set[str] = field(default_factory=set)
+    """Streams that failed this rank (never tried again, nor counted as a peer)."""
     relay_error: NcclBackError | None = None
     """The last upstream failure in a relay chain (the reason if nothing else serves us)."""
 
@@ -155,6 +156,10 @@ class _Attempt:
         if self.reason is None:
             return OK
         return NOBODY if isinstance(self.reason, NobodyHolds) else FAILED
+
+    def bucket(self, settings: Settings, kind: str) -> int:
+        """This rank's step size over ``kind``: derived from its tensors, as the sender's."""
+        return settings.bucket_for(kind, payload_bytes(self.tensors))
 
     @property
     def manifest(self) -> Manifest:
@@ -569,8 +574,7 @@ class WeightService:
                              deadline: float) -> None:
         s = self.settings
         transfer_id = uuid.uuid4().hex
-        start = resume_point(plan(a.tensors, s.bucket_for(a.kind, payload_bytes(a.tensors))),
-                             a.tensors, chain.progress.done)
+        start = resume_point(plan(a.tensors, a.bucket(s, a.kind)), a.tensors, chain.progress.done)
         request = {
             "transfer_id": transfer_id, "receiver": self.worker_id, "version": a.spec.version,
             "manifest_digest": a.manifest.digest, "transport": a.kind, "device": a.device.type,
@@ -661,8 +665,7 @@ class WeightService:
                 transfer_id = uuid.uuid4().hex
                 start = 0
                 if a.chain is not None:  # resume what an upstream member already gave us
-                    start = resume_point(plan(a.tensors, s.bucket_for(peer.transport,
-                                                                      payload_bytes(a.tensors))),
+                    start = resume_point(plan(a.tensors, a.bucket(s, peer.transport)),
                                          a.tensors, a.chain.progress.done)
                 request = {
                     "transfer_id": transfer_id,
@@ -701,8 +704,7 @@ class WeightService:
         now = time.monotonic()
         run_guarded(
             transport,
-            lambda tr: recv_tensors(tr, a.tensors, s.bucket_for(kind, payload_bytes(a.tensors)),
-                                    start=start, on_step=on_step),
+            lambda tr: recv_tensors(tr, a.tensors, a.bucket(s, kind), start=start, on_step=on_step),
             deadline,
             connect_deadline=min(now + s.connect_timeout, deadline),
         )

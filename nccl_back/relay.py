@@ -368,47 +368,60 @@ class Chain:
         self.server.end(ok, reason)
 
 
-def join(
-    settings: Settings,
-    registry: Registry,
-    rendezvous: Rendezvous,
-    *,
-    worker_id: str,
-    version: str,
-    rank: int,
-    world: int,
-    manifest_digest: str,
-    kind: str,
-    device: torch.device,
-    tensors: dict[str, torch.Tensor],
-    pacer: Pacer,
-    log_: Any,
-) -> Chain:
+@dataclass(frozen=True)
+class Place:
+    """Where one rank's relay endpoints live and what they serve: the same for a chain
+    member (:func:`join`) and a streamed download (:func:`stream`)."""
+
+    settings: Settings
+    registry: Registry
+    rendezvous: Rendezvous
+    worker_id: str
+    version: str
+    rank: int
+    world: int
+    manifest_digest: str
+    kind: str
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+    pacer: Pacer
+    log: Any
+
+    @property
+    def key(self) -> tuple[str, int, int, str]:
+        """``(version, rank, world, manifest digest)``: what the registry keys it by."""
+        return (self.version, self.rank, self.world, self.manifest_digest)
+
+    def server(self, role: str, **options: Any) -> RelayServer:
+        """A relay endpoint (not started) of a fresh member ``{worker}-r{rank}-{role}-…``."""
+        member = Member(f"{self.worker_id}-r{self.rank}-{role}-{uuid.uuid4().hex[:6]}"[-200:],
+                        self.rendezvous.address, self.kind, self.device.type)
+        return RelayServer(self.settings, self.registry, self.rendezvous, member, self.tensors,
+                           self.manifest_digest, self.pacer, Progress(),
+                           self.log.bind(member=member.member_id), **options)
+
+
+def join(p: Place) -> Chain:
     """Take a seat in the current cohort and start this member's relay endpoint.
 
     Raises :class:`RegistryError` (the caller then receives on its own, as without
     cohorts).
     """
-    member = Member(f"{worker_id}-r{rank}-relay-{uuid.uuid4().hex[:6]}"[-200:],
-                    rendezvous.address, kind, device.type)
-    progress = Progress()
-    server = RelayServer(settings, registry, rendezvous, member, tensors, manifest_digest,
-                         pacer, progress, log_.bind(member=member.member_id))
-    # The endpoint listens before anyone can read our record.
-    server.start()
+    s = p.settings
+    server = p.server("relay").start()  # listening before anyone can read our record
+    member = server.member
     try:
-        chain_key, position = registry.join_cohort(
-            version, rank, world, manifest_digest, member.to_dict(),
-            window=settings.cohort_window, max_size=settings.cohort_max_size,
-            ttl=settings.transfer_timeout + settings.busy_wait,
+        chain_key, position = p.registry.join_cohort(
+            *p.key, member.to_dict(), window=s.cohort_window, max_size=s.cohort_max_size,
+            ttl=s.transfer_timeout + s.busy_wait,
         )
     except RegistryError:
         server.end(False, "could not join a cohort")
         raise
     seat = Seat(chain_key, position)
-    log_.info("cohort_joined", chain=chain_key.rsplit(":", 2)[-2:], position=position,
-              member=member.member_id)
-    return Chain(seat, member, progress, server, registry)
+    p.log.info("cohort_joined", chain=chain_key.rsplit(":", 2)[-2:], position=position,
+               member=member.member_id)
+    return Chain(seat, member, server.progress, server, p.registry)
 
 
 class Fills:
@@ -461,41 +474,20 @@ class Stream:
             self._registry.drop_stream(*self._key, self.member.member_id)
 
 
-def stream(
-    settings: Settings,
-    registry: Registry,
-    rendezvous: Rendezvous,
-    *,
-    worker_id: str,
-    version: str,
-    rank: int,
-    world: int,
-    manifest_digest: str,
-    kind: str,
-    device: torch.device,
-    tensors: dict[str, torch.Tensor],
-    pacer: Pacer,
-    log_: Any,
-) -> Stream:
+def stream(p: Place) -> Stream:
     """Start the relay endpoint a download is streamed from and announce it.
 
     Raises :class:`RegistryError` (the worker then downloads without streaming).
     """
-    member = Member(f"{worker_id}-r{rank}-stream-{uuid.uuid4().hex[:6]}"[-200:],
-                    rendezvous.address, kind, device.type)
     # A receiver of the stream may wait for the whole download, as it would have in the
     # election: the same bound.
-    wait = settings.transfer_timeout + settings.single_flight_max_wait
-    server = RelayServer(settings, registry, rendezvous, member, tensors, manifest_digest,
-                         pacer, Progress(), log_.bind(member=member.member_id),
-                         max_sends=STREAM_SENDS, send_timeout=wait)
-    server.start()  # listening before anyone can read the record
-    key = (version, rank, world, manifest_digest)
+    wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
+    server = p.server("stream", max_sends=STREAM_SENDS, send_timeout=wait).start()
     try:
-        registry.put_stream(*key, member.to_dict(), ttl=wait)
+        p.registry.put_stream(*p.key, server.member.to_dict(), ttl=wait)
     except RegistryError:
         server.end(False, "could not announce the stream")
         raise
-    steps = plan(tensors, settings.bucket_for(kind, payload_bytes(tensors)))
-    log_.info("download_streamed", member=member.member_id, steps=len(steps))
-    return Stream(registry, server, steps, key)
+    steps = plan(p.tensors, p.settings.bucket_for(p.kind, payload_bytes(p.tensors)))
+    p.log.info("download_streamed", member=server.member.member_id, steps=len(steps))
+    return Stream(p.registry, server, steps, p.key)

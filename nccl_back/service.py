@@ -511,18 +511,25 @@ class WeightService:
         if s.cohort_max_size <= 1:
             return None
         try:
-            chain = relay.join(
-                s, self.registry, self._server.rendezvous(a.kind, a.device),
-                worker_id=self.worker_id, version=a.spec.version, rank=a.rank, world=a.world,
-                manifest_digest=a.manifest.digest, kind=a.kind, device=a.device,
-                tensors=a.tensors, pacer=self._server.pacer, log_=a.log,
-            )
+            chain = relay.join(self._relay_place(a))
         except NcclBackError as e:
             a.log.warning("cohort_join_failed", error=str(e))
             return None
-        with self._relay_lock:
-            self._relays = [r for r in self._relays if r.alive] + [chain.server]
+        self._track(chain.server)
         return chain
+
+    def _relay_place(self, a: _Attempt) -> relay.Place:
+        """Where this rank's relay endpoints live (raises if the rendezvous fails)."""
+        return relay.Place(
+            self.settings, self.registry, self._server.rendezvous(a.kind, a.device),
+            self.worker_id, a.spec.version, a.rank, a.world, a.manifest.digest, a.kind,
+            a.device, a.tensors, self._server.pacer, a.log,
+        )
+
+    def _track(self, server: relay.RelayServer) -> None:
+        """Keep ``server`` for :meth:`close` (dropping the endpoints that stopped)."""
+        with self._relay_lock:
+            self._relays = [r for r in self._relays if r.alive] + [server]
 
     def _receive_relayed(self, chain: relay.Chain, a: _Attempt) -> bool:
         """Receive from the nearest live member upstream of us, re-attaching further up
@@ -821,17 +828,11 @@ class WeightService:
         if a.error is not None or s.cohort_max_size <= 1 or self._storage_loader is not _load_checkpoint:
             return None
         try:
-            stream = relay.stream(
-                s, self.registry, self._server.rendezvous(a.kind, a.device),
-                worker_id=self.worker_id, version=a.spec.version, rank=a.rank, world=a.world,
-                manifest_digest=a.manifest.digest, kind=a.kind, device=a.device,
-                tensors=a.tensors, pacer=self._server.pacer, log_=a.log,
-            )
+            stream = relay.stream(self._relay_place(a))
         except NcclBackError as e:
             a.log.warning("stream_not_announced", error=str(e))
             return None
-        with self._relay_lock:
-            self._relays = [r for r in self._relays if r.alive] + [stream.server]
+        self._track(stream.server)
         return stream
 
     def _publish_stored(self, a: _Attempt, hashes: dict[str, str]) -> None:

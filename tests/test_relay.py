@@ -15,7 +15,7 @@ import pytest
 import redis
 import torch
 from groups import CTX
-from test_service import MODEL, Fleet, _ok
+from test_service import MODEL, Fleet, _ok, wait_for_lease
 from test_transport import BUCKET, in_process_pair, mismatches, model_tensors, skeleton_like
 
 from nccl_back.config import Settings
@@ -260,14 +260,6 @@ def test_late_arrival_joins_the_tail_of_a_finished_member(
 # -- a single-flight download streamed to the waiting workers -------------------------------
 
 
-def _wait_for_lease(redis_url: str, namespace: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + 30
-    while not list(client.scan_iter(f"{{{namespace}}}:dl:*")):
-        assert time.monotonic() < deadline, "nobody was elected"
-        time.sleep(0.02)
-
-
 @pytest.mark.timeout(120)
 def test_waiters_receive_the_download_as_it_streams(
     slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
@@ -278,7 +270,7 @@ def test_waiters_receive_the_download_as_it_streams(
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     try:
         fleet.start("downloader", fault="slow_download", serve_for=20)
-        _wait_for_lease(redis_url, namespace)
+        wait_for_lease(redis_url, namespace)
         for i in range(3):
             fleet.start(f"w{i}", serve_for=20)
         reports = {r["role"]: _ok(r) for r in (fleet.report() for _ in range(4))}
@@ -306,7 +298,7 @@ def test_downloader_killed_mid_stream_the_waiters_still_load(
     fleet.settings["download_lease"] = 1.5
     try:
         doomed = fleet.start("doomed", fault="kill_mid_stream")
-        _wait_for_lease(redis_url, namespace)
+        wait_for_lease(redis_url, namespace)
         for i in range(2):
             fleet.start(f"w{i}", serve_for=20)
         doomed.join(30)

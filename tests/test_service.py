@@ -89,6 +89,15 @@ def fleet(ckpt: str, redis_url: str, namespace: str, cache_dir: str) -> Any:
     f.close()
 
 
+def wait_for_lease(redis_url: str, namespace: str) -> None:
+    """Return once some worker holds a single-flight download lease (30 s at most)."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 30
+    while not list(client.scan_iter(f"{{{namespace}}}:dl:*")):
+        assert time.monotonic() < deadline, "nobody was elected"
+        time.sleep(0.02)
+
+
 def _ok(report: dict[str, Any]) -> dict[str, Any]:
     assert "error" not in report, report.get("traceback")
     assert report["identical"], report
@@ -291,11 +300,7 @@ def test_single_flight_downloader_dies(fleet: Fleet) -> None:
     fleet.settings["download_lease"] = 1.5
     doomed = fleet.start("doomed", fault="kill_mid_download")
     # Let the doomed worker win the election before the others start.
-    deadline = time.monotonic() + 30
-    client = redis.Redis.from_url(fleet.settings["redis_url"])
-    while not list(client.scan_iter(f"{{{fleet.settings['namespace']}}}:dl:*")):
-        assert time.monotonic() < deadline, "nobody was elected"
-        time.sleep(0.02)
+    wait_for_lease(fleet.settings["redis_url"], fleet.settings["namespace"])
     for i in range(2):
         fleet.start(f"w{i}", serve_for=20)
     doomed.join(30)

@@ -2,7 +2,7 @@
 
 For N in ``--sizes`` (default 1 2 4 8), N worker processes start at the same moment and
 each loads the same checkpoint with ``WeightService.load``. Storage is the GCS emulator
-(``LocalGCS``) behind ``throttle.py``: one token bucket for the response bytes of *all*
+(``LocalGCS``) behind ``nccl_back/devthrottle.py``: one token bucket for the response bytes of *all*
 workers (``--storage-gbps``, in GB/s = 10^9 B/s), standing in for a bucket's per-fleet
 egress. Peer transfers use gloo on loopback. Three scenarios:
 
@@ -55,8 +55,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import throttle  # benchmarks/throttle.py, next to this file
-
+from nccl_back import devthrottle as throttle
 from nccl_back.config import Settings
 from nccl_back.demo import write_example_model
 from nccl_back.devservers import LocalGCS, LocalRedis

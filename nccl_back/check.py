@@ -396,7 +396,7 @@ def run_checks(
 
 
 def failed(checks: list[Check]) -> bool:
-    """Whether any check failed, or one was skipped because another failed."""
+    """Whether any check failed (a check skipped for another's failure implies one)."""
     return any(c.status == "fail" for c in checks)
 
 

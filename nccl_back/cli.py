@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_load)
 
     _add_serve(sub)
+    _add_check(sub)
 
     p = sub.add_parser("status", help="what Redis holds: versions, peers, claims, ground truth")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -134,6 +135,50 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--log-level", dest="serve_log_level", metavar="LEVEL",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.set_defaults(func=cmd_serve)
+
+
+def _add_check(sub: Any) -> None:
+    from .check import NAMES
+
+    p = sub.add_parser(
+        "check",
+        help="preflight: can this worker reach Redis, bind its ports, read its model?",
+        description="Run every check a worker needs before a rollout, with the settings"
+        " `serve` would use (NCCL_BACK_* variables; flags win); one line per check, exit 1"
+        f" if any fails. Checks: {', '.join(NAMES)}.",
+    )
+    p.add_argument("--model", metavar="PATH_OR_URI",
+                   help="checkpoint directory or gs://bucket/prefix to read (storage check)")
+    p.add_argument("--health-host", default="127.0.0.1",
+                   help="interface of the health server, as for serve (default 127.0.0.1)")
+    p.add_argument("--health-port", type=int, default=9400,
+                   help="port of the health server, as for serve (default 9400)")
+    p.add_argument("--skip", default="", metavar="NAME[,NAME]",
+                   help="checks to leave out (e.g. transports: answers without importing torch)")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    for flag, type_, help_ in _SETTINGS_FLAGS:
+        p.add_argument(f"--{flag}", type=type_, help=help_)
+    p.set_defaults(func=cmd_check)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Print one line per preflight check (or JSON); 1 if any failed."""
+    from . import check
+
+    overrides = {
+        f.replace("-", "_"): getattr(args, f.replace("-", "_"))
+        for f, _, _ in _SETTINGS_FLAGS
+        if getattr(args, f.replace("-", "_")) is not None
+    }
+    target = check.Target(args.model, args.health_host, args.health_port)
+    skip = frozenset(n.strip() for n in args.skip.split(",") if n.strip())
+    results = check.run_checks(os.environ, overrides, target, skip)
+    if args.json:
+        print(json.dumps(check.as_json(results), indent=2))
+    else:
+        for c in results:
+            print(c.line())
+    return 1 if check.failed(results) else 0
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:

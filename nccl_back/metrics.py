@@ -9,6 +9,9 @@ is created at zero up front, so ``rate()`` works from the first scrape.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -23,7 +26,10 @@ from .errors import FALLBACK_REASONS, RECORD_KINDS, ConfigError, fallback_reason
 SOURCES = ("peer", "storage", "local")
 """Where a load's weights came from (``LoadResult.source``)."""
 
-__all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SOURCES", "Metrics", "fallback_reason"]
+SEND_ROLES = ("holder", "relay")
+"""Who sent weights to a receiver: a published holder, or a cohort member relaying."""
+
+__all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SEND_ROLES", "SOURCES", "Metrics", "fallback_reason"]
 
 # Cold starts range from sub-second (local hand-off) to many minutes (large model from
 # storage); the default buckets stop at 10 s.
@@ -102,6 +108,29 @@ class Metrics:
             "1 once weights are loaded, verified and published; 0 before and while draining.",
             registry=r,
         )
+        # Sends, by role: bytes and seconds give GB/s (rate of one over rate of the other).
+        self.sent_bytes = Counter(
+            f"{prefix}_sent_bytes",
+            "Payload bytes of completed sends to receivers, by role (holder or relay).",
+            ["role"],
+            registry=r,
+        )
+        self.send_seconds = Counter(
+            f"{prefix}_send_seconds",
+            "Wall seconds of completed sends to receivers (communicator and broadcast), by role.",
+            ["role"],
+            registry=r,
+        )
+        self.sends_in_flight = Gauge(
+            f"{prefix}_sends_in_flight",
+            "Sends to receivers running now, by role (holder or relay).",
+            ["role"],
+            registry=r,
+        )
+        for role in SEND_ROLES:
+            self.sent_bytes.labels(role=role)
+            self.send_seconds.labels(role=role)
+            self.sends_in_flight.labels(role=role)
         for source in SOURCES:
             self.loads.labels(source=source)
             self.loaded_bytes.labels(source=source)
@@ -127,6 +156,22 @@ class Metrics:
     def record_served(self, ok: bool) -> None:
         """Count one transfer this worker sent, successful or not."""
         self.transfers_served.labels(outcome="ok" if ok else "failed").inc()
+
+    @contextmanager
+    def sending(self, role: str) -> Iterator[None]:
+        """Count a send in flight for the duration of the block; ``role`` is a :data:`SEND_ROLES`."""
+        gauge = self.sends_in_flight.labels(role=_check(role, SEND_ROLES, "role"))
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()
+
+    def record_sent(self, role: str, nbytes: int, seconds: float) -> None:
+        """Count one completed send of ``nbytes`` payload bytes that took ``seconds``."""
+        _check(role, SEND_ROLES, "role")
+        self.sent_bytes.labels(role=role).inc(nbytes)
+        self.send_seconds.labels(role=role).inc(seconds)
 
     def record_verification_failure(self) -> None:
         self.verification_failures.inc()

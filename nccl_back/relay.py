@@ -77,6 +77,7 @@ from .errors import (
 )
 from .handshake import refuse, run_sender
 from .log import get_logger
+from .metrics import Metrics
 from .registry import Registry
 from .transport import Rendezvous, Step, payload_bytes, plan, run_guarded, send_tensors
 from .transport.pacing import Pacer
@@ -200,8 +201,10 @@ class RelayServer:
         *,
         max_sends: int = MAX_RELAY_SENDS,
         send_timeout: float | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics if metrics is not None else Metrics()
         self.max_sends = max_sends
         self.send_timeout = settings.transfer_timeout if send_timeout is None else send_timeout
         self.registry = registry
@@ -305,15 +308,18 @@ class RelayServer:
                 self._transports.add(transport)
             now = time.monotonic()
             deadline = now + self.send_timeout
-            stats = run_guarded(
-                transport,
-                lambda tr: send_tensors(
-                    tr, self.tensors, s.bucket_for(self.member.transport, payload_bytes(self.tensors)),
-                    start=start,
-                    ready=lambda k: self.progress.wait_for(k, deadline), pace=self.pacer.take),
-                deadline,
-                connect_deadline=now + s.connect_timeout,
-            )
+            with self.metrics.sending("relay"):
+                stats = run_guarded(
+                    transport,
+                    lambda tr: send_tensors(
+                        tr, self.tensors,
+                        s.bucket_for(self.member.transport, payload_bytes(self.tensors)),
+                        start=start,
+                        ready=lambda k: self.progress.wait_for(k, deadline), pace=self.pacer.take),
+                    deadline,
+                    connect_deadline=now + s.connect_timeout,
+                )
+            self.metrics.record_sent("relay", stats.bytes, stats.seconds)
             self.served += 1
             log_.info("relayed", start=start, bytes=stats.bytes, gbps=round(stats.gbps, 3))
         except NcclBackError as e:
@@ -386,6 +392,8 @@ class Place:
     tensors: dict[str, torch.Tensor]
     pacer: Pacer
     log: Any
+    metrics: Metrics | None = None
+    """Where relay sends are counted (the service's); None: counted nowhere visible."""
 
     @property
     def key(self) -> tuple[str, int, int, str]:
@@ -398,7 +406,8 @@ class Place:
                         self.rendezvous.address, self.kind, self.device.type)
         return RelayServer(self.settings, self.registry, self.rendezvous, member, self.tensors,
                            self.manifest_digest, self.pacer, Progress(),
-                           self.log.bind(member=member.member_id), **options)
+                           self.log.bind(member=member.member_id), metrics=self.metrics,
+                           **options)
 
 
 def join(p: Place) -> Chain:

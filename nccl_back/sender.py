@@ -281,12 +281,14 @@ class PeerServer:
                 bucket = s.bucket_for(held.info.transport, payload_bytes(tensors))
                 return send_tensors(tr, tensors, bucket, start=start, pace=self.pacer.take)
 
-            stats = run_guarded(
-                transport,
-                send,
-                now + s.transfer_timeout,
-                connect_deadline=now + s.connect_timeout,
-            )
+            with self.metrics.sending("holder"):
+                stats = run_guarded(
+                    transport,
+                    send,
+                    now + s.transfer_timeout,
+                    connect_deadline=now + s.connect_timeout,
+                )
+            self.metrics.record_sent("holder", stats.bytes, stats.seconds)
             ok = True
             log.info("served", bytes=held.manifest.nbytes, gbps=round(stats.gbps, 3))
         except NcclBackError as e:

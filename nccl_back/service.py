@@ -523,7 +523,7 @@ class WeightService:
         return relay.Place(
             self.settings, self.registry, self._server.rendezvous(a.kind, a.device),
             self.worker_id, a.spec.version, a.rank, a.world, a.manifest.digest, a.kind,
-            a.device, a.tensors, self._server.pacer, a.log,
+            a.device, a.tensors, self._server.pacer, a.log, self.metrics,
         )
 
     def _track(self, server: relay.RelayServer) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import promql_parser  # the dev extra: a missing parser fails the run, never skips it
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,9 +25,6 @@ from nccl_back.metrics import Metrics
 
 from models import TinyTransformer, fill_random, write_checkpoint
 from test_server import Serve
-
-promql_parser = pytest.importorskip(
-    "promql_parser", reason="needs promql-parser (pip install -e '.[dev]')")
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -409,3 +409,64 @@ def test_service_endpoints_release_the_model_once_they_stop(
             assert svc.peers  # still serving, from the new tensors
     finally:
         fleet.close()
+
+
+# -- one budget for every peer attempt of a load -------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_relay_upstreams_and_holders_share_one_peer_budget(
+    redis_url: str, namespace: str, cache_dir: str, tmp_path: Path,
+) -> None:
+    """Three fake cohort members ahead of the receiver and three fake holders, all of
+    which answer the handshake and then stall: the relay attempts and the holder
+    attempts together cost at most peer_budget (plus one attempt's unwinding), where
+    each part used to get its own deadline."""
+    import threading
+
+    from test_attacks import Tarpit, _fake_peer, _spec_and_model
+
+    from nccl_back import handshake
+    from nccl_back.skeleton import manifest
+
+    ckpt = str(write_checkpoint(fill_random(TinyTransformer(), seed=11), tmp_path / "ckpt"))
+    settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
+                        cache_dir=cache_dir, peer_ttl=3.0, transfer_timeout=60.0,
+                        receiver_handshake_timeout=3.0, single_flight_wait=20.0, busy_wait=5.0,
+                        peer_budget=3.0, cohort_window=30.0)
+    spec, model = _spec_and_model(ckpt, settings)
+    digest = manifest(model).digest
+    attacker, tarpit, stop = Registry(settings), Tarpit(), threading.Event()
+    ids = [_fake_peer(attacker, spec, model, f"stall-{i}", tarpit.address).peer_id for i in range(3)]
+    attacker.put_ground_truth(spec.version, 0, 1, digest, {"sampled|x": "0" * 32})
+    for i in range(3):
+        member = Member(f"fake-r0-relay-{i}", tarpit.address, "gloo", "cpu")
+        attacker.join_cohort(spec.version, 0, 1, digest, member.to_dict(), window=30.0,
+                             max_size=16, ttl=60.0)
+        ids.append(member.member_id)
+
+    def answer(peer_id: str) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                request = attacker.pop_request(peer_id, timeout=0.2)
+                if request is not None:
+                    handshake.run_sender(attacker, request["transfer_id"], digest, 2.0)
+
+    threads = [threading.Thread(target=answer, args=(i,), daemon=True) for i in ids]
+    for t in threads:
+        t.start()
+    try:
+        with WeightService(settings, worker_id="receiver") as svc:
+            start = time.monotonic()
+            result = svc.load(model, spec)
+            peer_phase = result.timings.get("peer", time.monotonic() - start)
+        assert result.source == "storage"
+        assert result.fallback_reason is not None
+        assert "peer_budget" in result.fallback_reason, result.fallback_reason
+        grace = 5.0  # Transport.join_grace of gloo: one aborted attempt unwinding
+        assert peer_phase < 3.0 + grace + 1.5, result.timings
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        tarpit.close()

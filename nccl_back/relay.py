@@ -23,7 +23,11 @@ nearest member further up, then to any holder, resuming at the first step it lac
 only then does it fall back to storage, with the reason. Its own downstream waits on
 its progress meanwhile and never notices. A member that gives up fails its
 downstream links at once, so they re-attach too. Every member verifies what it got
-against the ground truth, as any receiver does.
+against the ground truth, as any receiver does. A member whose verification fails
+forwards nothing more (its endpoint refuses every request while it lingers); its
+downstream, which may hold some of those bytes, finds them in its own verification,
+blames the sources that sent the failing steps (:class:`Held`), discards what they
+sent and receives it again from someone else.
 
 Streamed downloads (single flight). The worker elected to download a version
 announces a relay endpoint of its own (:func:`stream`) before it reads storage, and

@@ -182,6 +182,7 @@ class _Attempt:
 
     @property
     def holding(self) -> relay.Held:
+        """:attr:`held`, once the receive phase has started."""
         if self.held is None:
             raise NcclBackError("internal: the receive phase never started")
         return self.held

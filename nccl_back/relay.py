@@ -23,7 +23,11 @@ nearest member further up, then to any holder, resuming at the first step it lac
 only then does it fall back to storage, with the reason. Its own downstream waits on
 its progress meanwhile and never notices. A member that gives up fails its
 downstream links at once, so they re-attach too. Every member verifies what it got
-against the ground truth, as any receiver does.
+against the ground truth, as any receiver does. A member whose verification fails
+forwards nothing more (its endpoint refuses every request while it lingers); its
+downstream, which may hold some of those bytes, finds them in its own verification,
+blames the sources that sent the failing steps (:class:`Held`), discards what they
+sent and receives it again from someone else.
 
 Streamed downloads (single flight). The worker elected to download a version
 announces a relay endpoint of its own (:func:`stream`) before it reads storage, and
@@ -171,16 +175,81 @@ class Progress:
                 self._failed = reason
             self._cond.notify_all()
 
-    def wait_for(self, step: int, deadline: float) -> None:
-        """Return once step ``step`` is in place; raise if the member gave up or by ``deadline``."""
+    @property
+    def failed(self) -> str | None:
+        """Why the member gave up (its forwarding is over for good), or None."""
         with self._cond:
-            while self._done <= step:
+            return self._failed
+
+    def wait_for(self, step: int, deadline: float) -> None:
+        """Return once step ``step`` is in place; raise if the member gave up or by ``deadline``.
+
+        A member that gave up forwards nothing more, not even steps it holds: they may be
+        the ones that failed its verification.
+        """
+        with self._cond:
+            while True:
                 if self._failed is not None:
                     raise TransferError(f"relay upstream gave up at step {self._done}: {self._failed}")
+                if self._done > step:
+                    return
                 left = deadline - self._clock()
                 if left <= 0:
                     raise TransferTimeoutError(f"relay: step {step} not received by the deadline")
                 self._cond.wait(min(left, 0.5))
+
+
+class Held:
+    """Which source put each step of this rank's plan into its tensors (thread-safe).
+
+    A receiver may fill its tensors from several sources (a relay upstream that died,
+    then another member, then a holder), resuming each time at the first step it
+    lacks. When verification fails, the layers that failed name the steps that carry
+    them, and those steps name the sources that sent them: only those are blamed, and
+    everything they sent is discarded, so the next source sends it again instead of
+    the same bad bytes failing once more under another source's name.
+    """
+
+    def __init__(self, steps: list[Step]) -> None:
+        self._names = [frozenset(slot.name for slot in step.slots) for step in steps]
+        self._sources: list[str | None] = [None] * len(steps)
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> int:
+        """Leading steps in place (where a transfer resumes)."""
+        with self._lock:
+            return next((k for k, src in enumerate(self._sources) if src is None),
+                        len(self._sources))
+
+    def record(self, step: int, source: str) -> None:
+        """``source`` put step ``step`` in place."""
+        with self._lock:
+            if 0 <= step < len(self._sources):
+                self._sources[step] = source
+
+    def sources(self) -> set[str]:
+        """Every source whose steps are held."""
+        with self._lock:
+            return {src for src in self._sources if src is not None}
+
+    def blame(self, bad_layers: set[str], layer_of: Callable[[str], str]) -> set[str]:
+        """The sources of the held steps that carry a tensor of ``bad_layers``; every
+        source held when no step carries one (the failure cannot be placed)."""
+        with self._lock:
+            blamed = {src for names, src in zip(self._names, self._sources, strict=True)
+                      if src is not None and any(layer_of(n) in bad_layers for n in names)}
+            return blamed or {src for src in self._sources if src is not None}
+
+    def discard(self, sources: set[str]) -> int:
+        """Forget everything from the first step any of ``sources`` sent (a transfer
+        resumes as a prefix); returns the steps still held."""
+        with self._lock:
+            first = next((k for k, src in enumerate(self._sources) if src in sources),
+                         len(self._sources))
+            for k in range(first, len(self._sources)):
+                self._sources[k] = None
+        return self.done
 
 
 class RelayServer:
@@ -274,6 +343,15 @@ class RelayServer:
                 continue
             if request is None:
                 continue
+            gave_up = self.progress.failed
+            if gave_up is not None:
+                # What this member holds failed (or never completed): serve none of it,
+                # and say so at once, so the requester attaches elsewhere now.
+                self._log.warning("relay_request_refused", reason="gave_up")
+                with contextlib.suppress(RegistryError):
+                    refuse(self.registry, str(request.get("transfer_id", ""))[:64], "draining",
+                           f"relay endpoint {key} gave up: {gave_up}")
+                continue
             if busy >= self.max_sends:
                 # Said at once, so the requester tries its next upstream now rather
                 # than after its handshake timeout.
@@ -292,6 +370,9 @@ class RelayServer:
             self.registry.delete(self.registry.key("req", key))
         for t in list(self._sends):
             t.join(self.settings.transfer_timeout)
+        # A stopped endpoint must not keep the model alive: a sidecar whose hand-off
+        # re-pointed the model into its arena would otherwise hold it twice.
+        self.tensors = {}
 
     def _send_one(self, request: dict[str, Any]) -> None:
         s = self.settings

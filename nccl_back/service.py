@@ -108,6 +108,18 @@ class StreamLost(NobodyHolds):
     worker goes back to the election (single flight) once more."""
 
 
+class DamagedBytes(WeightVerificationError):
+    """Verification failed after a transfer; ``blamed`` names the sources (holders, relay
+    members, a stream) that sent the steps carrying the failing layers. What they sent
+    was discarded, so the next source sends it again. Internal: what a load reports
+    (or raises with ``strict``) is :attr:`error`, the integrity check's own error."""
+
+    def __init__(self, error: WeightVerificationError, blamed: set[str]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.blamed = frozenset(blamed)
+
+
 class PeerBusy(Exception):
     """Internal: every send slot of this peer is claimed (wait, don't count a failure)."""
 
@@ -148,6 +160,13 @@ class _Attempt:
     """Streams that failed this rank (never tried again, nor counted as a peer)."""
     relay_error: NcclBackError | None = None
     """The last upstream failure in a relay chain (the reason if nothing else serves us)."""
+    held: relay.Held | None = None
+    """Which source put each step in this rank's tensors, kept across every peer
+    attempt of the load (resume point, and whom to blame when verification fails)."""
+    budget: float | None = None
+    """Monotonic deadline shared by every peer attempt of the load (``peer_budget``)."""
+    blamed: set[str] = field(default_factory=set)
+    """Sources that sent bytes which failed verification (never tried again)."""
 
     @property
     def code(self) -> int:
@@ -160,6 +179,13 @@ class _Attempt:
     def bucket(self, settings: Settings, kind: str) -> int:
         """This rank's step size over ``kind``: derived from its tensors, as the sender's."""
         return settings.bucket_for(kind, payload_bytes(self.tensors))
+
+    @property
+    def holding(self) -> relay.Held:
+        """:attr:`held`, once the receive phase has started."""
+        if self.held is None:
+            raise NcclBackError("internal: the receive phase never started")
+        return self.held
 
     @property
     def manifest(self) -> Manifest:
@@ -484,12 +510,31 @@ class WeightService:
 
     def _receive_any(self, a: _Attempt) -> None:
         """Receive through this rank's cohort (relay chain) if it has one upstream of
-        us, else from holders; sets ``a.peer_id`` or ``a.reason``."""
+        us, else from holders; sets ``a.peer_id`` or ``a.reason``.
+
+        Called twice when the first pass was fed by a stream that was lost: both passes
+        share one budget and what the first one received (and did not discard)."""
+        s = self.settings
+        if a.held is None:
+            a.held = relay.Held(plan(a.tensors, a.bucket(s, a.kind)))
+        if a.budget is None:
+            # One budget for every peer attempt of this load: holders, relay upstreams,
+            # the stream and the pass after a lost stream. A stream-fed load may wait
+            # for the whole download, as the election would have: the automatic budget
+            # covers that wait; one set by the operator bounds everything.
+            wait = s.single_flight_max_wait if s.peer_budget == 0 and a.stream is not None else 0.0
+            a.budget = time.monotonic() + s.peer_budget_seconds + wait
+        if self._budget_spent(a, a.relay_error):
+            return
         chain = self._join_cohort(a)
         a.chain = chain
+        if chain is not None and a.held.done:
+            chain.progress.advance(a.held.done - 1)  # what an earlier pass left us
         try:
             if (chain is not None and (chain.position > 0 or a.stream is not None)
                     and self._receive_relayed(chain, a)):
+                return
+            if self._budget_spent(a, a.relay_error):
                 return
             if a.reason is None and not a.candidates:
                 # Fed by a stream that failed us: the downloader may have published since.
@@ -539,6 +584,7 @@ class WeightService:
         deadline = time.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
         if a.stream is not None:  # we may wait for the whole download, as in the election
             deadline += s.single_flight_max_wait
+        deadline = min(deadline, a.budget if a.budget is not None else deadline)
         while time.monotonic() < deadline:
             try:
                 upstreams = chain.upstreams()
@@ -558,10 +604,13 @@ class WeightService:
                 a.peer_id = member.member_id
                 return True
             except WeightVerificationError as e:
-                # The bytes are wrong, not late: resuming would keep them. Storage.
-                self.metrics.record_verification_failure()
-                a.reason = e
-                return False
+                # Whoever sent the failing steps is never asked again and what it sent
+                # is gone: the next upstream (or a holder) sends it again.
+                blamed = self._blame(a, e, member.member_id)
+                chain.failed.update(blamed)
+                if a.stream is not None and a.stream.member_id in blamed:
+                    a.failed_streams.add(a.stream.member_id)
+                a.relay_error = e.error if isinstance(e, DamagedBytes) else e
             except PeerError as e:
                 chain.failed.add(member.member_id)
                 a.relay_error = e
@@ -581,7 +630,7 @@ class WeightService:
                              deadline: float) -> None:
         s = self.settings
         transfer_id = uuid.uuid4().hex
-        start = resume_point(plan(a.tensors, a.bucket(s, a.kind)), a.tensors, chain.progress.done)
+        start = resume_point(plan(a.tensors, a.bucket(s, a.kind)), a.tensors, a.holding.done)
         request = {
             "transfer_id": transfer_id, "receiver": self.worker_id, "version": a.spec.version,
             "manifest_digest": a.manifest.digest, "transport": a.kind, "device": a.device.type,
@@ -599,46 +648,54 @@ class WeightService:
         # download; a downloader that stops renewing its lease is given up on as long.
         stall = (max(s.relay_stall_timeout, s.download_lease) if a.stream is not None
                  else s.relay_stall_timeout)
-        self._transfer(a, member.transport, member.address, transfer_id, start=start,
-                       deadline=deadline, stall=stall)
+        self._transfer(a, member.member_id, member.transport, member.address, transfer_id,
+                       start=start, deadline=deadline, stall=stall)
 
     def _receive_from_holders(self, a: _Attempt) -> None:
         """Try peers until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
 
         A peer whose send slots are all claimed is not a failure: the receiver waits
         (re-discovering, so receivers that finished meanwhile become candidates) up to
-        ``settings.busy_wait``. Real failures count towards ``max_peer_attempts``.
+        ``settings.busy_wait``. Real failures count towards ``max_peer_attempts``; a
+        verification failure counts against the sources that sent the failing steps
+        only: a holder that did not is asked again (it then sends what was discarded).
         """
         s = self.settings
         last: NcclBackError = NoPeerError("no peer tried")
         failed: set[str] = set()
         deadline = time.monotonic() + s.busy_wait
-        # All attempts together: fake or stalling peers cannot cost more than this.
-        budget = time.monotonic() + s.peer_budget_seconds
         candidates = a.candidates
         while True:
             busy = 0
-            for peer in candidates:
-                if peer.peer_id in failed:
+            i = 0
+            while i < len(candidates):
+                peer = candidates[i]
+                if peer.peer_id in failed or peer.peer_id in a.blamed:
+                    i += 1
                     continue
-                if time.monotonic() >= budget:
-                    a.reason = NoPeerError(
-                        f"peer attempts spent their budget of {s.peer_budget_seconds:g} s"
-                        f" (peer_budget); last: {last}"
-                    )
+                if self._budget_spent(a, last):
                     return
                 try:
-                    self._receive_from(peer, a, budget)
+                    self._receive_from(peer, a)
                     a.peer_id = peer.peer_id
                     return
                 except PeerBusy:
                     busy += 1
+                    i += 1
                     continue
-                except (PeerError, WeightVerificationError) as e:
+                except WeightVerificationError as e:
+                    last = e.error if isinstance(e, DamagedBytes) else e
+                    if peer.peer_id not in self._blame(a, e, peer.peer_id):
+                        continue  # the same holder again, from the first discarded step
+                    failed.add(peer.peer_id)
+                    i += 1
+                    if len(failed) >= s.max_peer_attempts:
+                        a.reason = last
+                        return
+                except PeerError as e:
                     last = e
                     failed.add(peer.peer_id)
-                    if isinstance(e, WeightVerificationError):
-                        self.metrics.record_verification_failure()
+                    i += 1
                     if isinstance(e, HandshakeTimeoutError):
                         self.metrics.record_handshake_timeout()
                     a.log.warning("peer_attempt_failed", peer=peer.peer_id,
@@ -649,7 +706,7 @@ class WeightService:
                 except RegistryError as e:
                     a.reason = e
                     return
-            if busy == 0 or time.monotonic() >= min(deadline, budget):
+            if busy == 0 or time.monotonic() >= min(deadline, a.budget or deadline):
                 if busy:
                     last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
                 a.reason = last
@@ -662,18 +719,42 @@ class WeightService:
                 return
             candidates = [p for p in self._usable(found, a) if p.manifest_digest == a.manifest.digest]
 
-    def _receive_from(self, peer: PeerInfo, a: _Attempt, budget: float) -> None:
+    def _budget_spent(self, a: _Attempt, last: BaseException | None) -> bool:
+        """True (and ``a.reason`` set) once the load's peer budget is spent."""
+        if a.budget is None or time.monotonic() < a.budget:
+            return False
+        a.reason = NoPeerError(
+            f"peer attempts spent their budget of {self.settings.peer_budget_seconds:g} s"
+            f" (peer_budget); last: {last}"
+        )
+        return True
+
+    def _blame(self, a: _Attempt, e: WeightVerificationError, tried: str) -> set[str]:
+        """Record a verification failure against the sources that sent the failing steps
+        (``tried`` when they cannot be told); returns them."""
+        blamed = set(e.blamed) if isinstance(e, DamagedBytes) else {tried}
+        a.blamed |= blamed
+        self.metrics.record_verification_failure()
+        for src in sorted(blamed):
+            a.log.warning("peer_attempt_failed", peer=src, reason="verification_failed",
+                          via=tried, error=str(e))
+        if tried not in blamed:
+            a.log.info("peer_attempt_retried", peer=tried, blamed=sorted(blamed),
+                       held_steps=a.holding.done)
+        return blamed
+
+    def _receive_from(self, peer: PeerInfo, a: _Attempt) -> None:
         s = self.settings
+        budget = a.budget if a.budget is not None else time.monotonic() + s.peer_budget_seconds
         token = self.registry.claim(peer.peer_id, self.worker_id, peer.max_sends, s.claim_ttl)
         if token is None:
             raise PeerBusy(peer.peer_id)
         try:
             with _kept(self.registry, peer.peer_id, token, s.claim_ttl, a.log):
                 transfer_id = uuid.uuid4().hex
-                start = 0
-                if a.chain is not None:  # resume what an upstream member already gave us
-                    start = resume_point(plan(a.tensors, a.bucket(s, peer.transport)),
-                                         a.tensors, a.chain.progress.done)
+                # Resume what earlier sources gave us (and verification did not discard).
+                start = resume_point(plan(a.tensors, a.bucket(s, peer.transport)),
+                                     a.tensors, a.holding.done)
                 request = {
                     "transfer_id": transfer_id,
                     "receiver": self.worker_id,
@@ -691,23 +772,32 @@ class WeightService:
                     after_ready=lambda: self.registry.push_request(peer.peer_id, request),
                 )
                 a.timings["handshake"] = time.perf_counter() - t
-                self._transfer(a, peer.transport, peer.address, transfer_id, start=start,
+                self._transfer(a, peer.peer_id, peer.transport, peer.address, transfer_id,
+                               start=start,
                                deadline=min(time.monotonic() + s.transfer_timeout, budget))
         finally:
             with contextlib.suppress(RegistryError):
                 self.registry.release(peer.peer_id, token)
 
-    def _transfer(self, a: _Attempt, kind: str, address: str, transfer_id: str, *, start: int,
-                  deadline: float, stall: float | None = None) -> None:
-        """The guarded transfer from ``start`` (progress reported to this rank's chain),
-        then verification against the ground truth."""
+    def _transfer(self, a: _Attempt, source: str, kind: str, address: str, transfer_id: str,
+                  *, start: int, deadline: float, stall: float | None = None) -> None:
+        """The guarded transfer from ``source`` from step ``start`` (each step recorded as
+        ``source``'s and reported to this rank's chain), then verification against the
+        ground truth: :class:`DamagedBytes` if it fails."""
         s = self.settings
         t = time.perf_counter()
         transport = receiver_transport(s, kind, address, transfer_scope(s.key("store"), transfer_id),
                                        device=a.device, registry=self.registry)
         if stall is not None:
             transport.call_timeout = stall
-        on_step = a.chain.progress.advance if a.chain is not None else None
+        held = a.holding
+        progress = a.chain.progress if a.chain is not None else None
+
+        def on_step(k: int) -> None:
+            held.record(k, source)
+            if progress is not None:
+                progress.advance(k)
+
         now = time.monotonic()
         run_guarded(
             transport,
@@ -722,10 +812,26 @@ class WeightService:
             a.timings["await_truth"] = time.perf_counter() - t
         if a.truth is not None:
             t = time.perf_counter()
-            actual = integrity.layer_hashes(a.model, mode=s.verify,  # type: ignore[arg-type]
-                                            key=s.key("integrity"))
-            integrity.compare(a.truth, actual)
+            self._verify(a, a.truth)
             a.timings["verify"] = time.perf_counter() - t
+
+    def _verify(self, a: _Attempt, truth: dict[str, str]) -> None:
+        """Compare the tensors with ``truth``; on a mismatch, never forward what this rank
+        holds again, discard what the guilty sources sent, raise :class:`DamagedBytes`."""
+        s = self.settings
+        actual = integrity.layer_hashes(a.model, mode=s.verify,  # type: ignore[arg-type]
+                                        key=s.key("integrity"))
+        try:
+            integrity.compare(truth, actual)
+        except WeightVerificationError as e:
+            if a.chain is not None:
+                # Downstream members may hold some of these bytes already: their links
+                # end now and this endpoint refuses every later request.
+                a.chain.progress.fail(f"verification failed: {e}")
+            bad = {k for k in truth.keys() | actual.keys() if truth.get(k) != actual.get(k)}
+            blamed = a.holding.blame(bad, integrity.layer_of)
+            a.holding.discard(blamed)
+            raise DamagedBytes(e, blamed) from e
 
     def _await_truth(self, a: _Attempt, deadline: float, poll: float = 0.05) -> dict[str, str]:
         """The ground truth a streaming downloader publishes once its load is complete

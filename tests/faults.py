@@ -11,12 +11,14 @@ _FIRST_DATA_BROADCAST = 3
 
 
 class CorruptingTransport:
-    """Wraps a sender's transport: one byte of the first data broadcast is flipped in a
-    copy on its way to the wire (the sender's own tensors are never touched)."""
+    """Wraps a sender's transport: one byte of the ``step``-th data broadcast (1: the
+    first) is flipped in a copy on its way to the wire (the sender's own tensors are
+    never touched)."""
 
-    def __init__(self, inner: Any, byte: int = 0) -> None:
+    def __init__(self, inner: Any, byte: int = 0, step: int = 1) -> None:
         self._inner = inner
         self._byte = byte
+        self._at = _FIRST_DATA_BROADCAST - 1 + step
         self._calls = 0
         self._keep: list[torch.Tensor] = []  # a copy must outlive its broadcast
 
@@ -25,7 +27,7 @@ class CorruptingTransport:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
         self._calls += 1
-        if self._calls == _FIRST_DATA_BROADCAST:
+        if self._calls == self._at:
             tensor = tensor.clone()
             tensor[self._byte] ^= 0xFF
             self._keep.append(tensor)

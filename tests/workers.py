@@ -74,7 +74,8 @@ def worker_main(
 
     ``fault``: ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
     broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
-    byte of every send on the wire (tests/faults.py). ``adopt_as``: instead of
+    byte of the first step of every send on the wire, ``corrupt_send_last`` of the last
+    step (tests/faults.py). ``adopt_as``: instead of
     loading, publish a model built with these kwargs under the checkpoint's version
     (to stage a peer whose manifest differs). ``go``: an Event to wait for before
     loading (everything else is ready, so the load starts the moment it is set).
@@ -161,6 +162,18 @@ def _install_fault(fault: str) -> None:
             return orig_corrupt(CorruptingTransport(transport, byte=3), *a, **k)
 
         sender.send_tensors = corrupt  # type: ignore[assignment]
+    elif fault == "corrupt_send_last":
+        from faults import CorruptingTransport  # type: ignore[import-not-found]
+
+        from nccl_back.transport import plan
+
+        orig_last = sender.send_tensors
+
+        def corrupt_last(transport: Any, tensors: Any, bucket: int, **k: Any) -> Any:
+            last = len(plan(tensors, bucket)) - k.get("start", 0)  # the last step sent
+            return orig_last(CorruptingTransport(transport, byte=3, step=last), tensors, bucket, **k)
+
+        sender.send_tensors = corrupt_last  # type: ignore[assignment]
     elif fault == "slow_send":
         orig_slow = sender.send_tensors
 

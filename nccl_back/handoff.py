@@ -124,6 +124,8 @@ _MAX_REPLY = 256 << 20
 _MAX_ARENA = 1 << 50
 _ACCEPT_POLL = 0.1
 _HANDLER_THREADS = 8
+#: Connections being served or waiting for a handler at most; more are closed at once.
+_MAX_PENDING = 64
 #: ``struct ucred`` (pid, uid, gid) as ``SO_PEERCRED`` returns it on Linux.
 _UCRED = struct.Struct("3i")
 # os.umask is process-wide: one binder at a time, restored right after.
@@ -173,6 +175,8 @@ class HandoffServer:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._share_lock = threading.Lock()
+        # Bounds the pool's queue, which is unbounded: each entry holds a descriptor.
+        self._slots = threading.BoundedSemaphore(_MAX_PENDING)
         self._log = _log.bind(socket=socket_path, version=version)
 
     @property
@@ -331,11 +335,22 @@ class HandoffServer:
                 if not self._stop.is_set():
                     self._log.exception("handoff_accept_failed")
                 return
+            if not self._slots.acquire(blocking=False):
+                self._log.warning("handoff_busy", pending=_MAX_PENDING)
+                conn.close()
+                continue
             try:
-                pool.submit(self._handle, conn)
+                pool.submit(self._handle_slot, conn)
             except RuntimeError:  # the pool was shut down by close()
+                self._slots.release()
                 conn.close()
                 return
+
+    def _handle_slot(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        finally:
+            self._slots.release()
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:

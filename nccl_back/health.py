@@ -78,7 +78,7 @@ MAX_TARGET = 2048
 TOKEN_HEADER = "X-Drain-Token"
 _MAX_TOKEN_FILE = 1024
 # Accepts per loop turn: a connect flood cannot keep the loop from serving requests.
-_ACCEPT_BURST = 64
+_ACCEPT_BURST = 16
 # Longest sleep of the loop with nothing to do (deadlines and close() wake it sooner).
 _IDLE_TICK = 0.5
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -287,7 +287,11 @@ class _Loop:
                 return
             sock.setblocking(False)
             if len(self._conns) >= self.max_connections:
-                victim = next((c for c in self._conns.values() if c.state != "draining"), None)
+                # The oldest still sending its request; else the oldest being answered.
+                victim = next((c for c in self._conns.values() if c.state == "reading"), None)
+                victim = victim or next(
+                    (c for c in self._conns.values() if c.state == "writing"), None
+                )
                 if victim is None:  # every slot waits on an authorized drain
                     sock.close()
                     continue

@@ -16,6 +16,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -491,3 +492,41 @@ def test_segment_checks_are_exact(served: tuple[str, str], mode: int, uid: int, 
             return
         with pytest.raises(AttachError, match=f"segment {segment} {rule}"):
             attach(_skeleton(), path, version=VERSION)
+
+
+def test_idle_connections_beyond_the_bound_are_closed(sock_dir: str) -> None:
+    """Connections beyond the handlers plus the bounded queue are closed at once instead
+    of piling up; once the idle ones go, a consumer attaches."""
+    path = os.path.join(sock_dir, "b.sock")
+    with HandoffServer(_trained(), VERSION, path, io_timeout=60):
+        idle = []
+        try:
+            deadline = time.monotonic() + 60
+            while len(idle) < 100:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(30)
+                try:
+                    s.connect(path)
+                except BlockingIOError:  # the listen backlog is full: let accept catch up
+                    s.close()
+                    assert time.monotonic() < deadline, "the server stopped accepting"
+                    time.sleep(0.01)
+                    continue
+                idle.append(s)
+            closed = 0
+            for s in idle[::-1]:  # the newest are the ones beyond the bound
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    closed += s.recv(1) == b""
+            deadline = time.monotonic() + 30
+            while closed < 100 - 64 - 8:
+                assert time.monotonic() < deadline, f"only {closed} of 100 idle connections closed"
+                time.sleep(0.1)
+                closed = 0
+                for s in idle:
+                    with contextlib.suppress(BlockingIOError):
+                        closed += s.recv(1) == b""
+        finally:
+            for s in idle:
+                s.close()
+        attach(_skeleton(), path, version=VERSION, timeout=30)

@@ -298,28 +298,37 @@ def _raw(port: int, data: bytes, timeout: float = 10.0) -> bytes:
         return out
 
 
-def test_probes_answer_under_slow_and_idle_clients() -> None:
-    """With drip-feeding clients and idle connections beyond the cap, /healthz, /readyz,
-    /metrics and POST /drain keep answering."""
+@pytest.mark.parametrize(
+    ("slow", "idle_count", "cap"),
+    [(8, 20, 8), (20, 0, 4), (0, 150, 2), (3, 3, 1)],
+    ids=["slow-and-idle", "slow-beyond-cap", "idle-flood", "cap-of-one"],
+)
+def test_probes_answer_under_slow_and_idle_clients(slow: int, idle_count: int, cap: int) -> None:
+    """With drip-feeding clients (one byte every 0.5 s, reconnecting when cut) and idle
+    connections, up to and beyond the cap, /healthz, /readyz, /metrics and POST /drain
+    keep answering, and no more than the cap are ever open."""
     drained: list[bool] = []
     with HealthServer(
-        Metrics(), on_drain=lambda: drained.append(True), max_connections=8, request_timeout=60
+        Metrics(), on_drain=lambda: drained.append(True), max_connections=cap, request_timeout=60
     ) as server:
         server.set_ready(True)
-        drippers = [_Dripper(server.port, 0.5) for _ in range(8)]
+        drippers = [_Dripper(server.port, 0.5) for _ in range(slow)]
         for d in drippers:
             d.start()
-        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(20)]
+        idle = [
+            socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            for _ in range(idle_count)
+        ]
         try:
             deadline = time.monotonic() + 60
-            while sum(d.connections for d in drippers) < 8:  # every dripper got in once
+            while sum(d.connections for d in drippers) < slow:  # every dripper got in once
                 assert time.monotonic() < deadline, "drippers never connected"
                 time.sleep(0.05)
             for _ in range(5):
                 assert get(server, "/healthz")[:2] == (200, "ok\n")
                 assert get(server, "/readyz")[:2] == (200, "ready\n")
                 assert get(server, "/metrics")[0] == 200
-            assert server.open_connections <= 8
+            assert server.open_connections <= cap
             request_drain(server.port, timeout=10)
             assert drained == [True]
             assert get(server, "/readyz")[:2] == (503, "draining\n")
@@ -330,18 +339,27 @@ def test_probes_answer_under_slow_and_idle_clients() -> None:
                 s.close()
 
 
-def test_request_past_its_deadline_is_closed() -> None:
+@pytest.mark.parametrize(
+    ("start", "drip"),
+    [
+        (b"", b"G"),
+        (b"GET /healthz HTTP/1.1\r\n", b"X"),
+        (b"POST /drain HTTP/1.1\r\nContent-Length: 4000\r\n\r\n", b"x"),
+    ],
+    ids=["request-line", "headers", "body"],
+)
+def test_request_past_its_deadline_is_closed(start: bytes, drip: bytes) -> None:
     """A request still arriving at its absolute deadline is answered 408 and closed,
-    however steadily its bytes drip in."""
+    however steadily its bytes drip in, in its request line, headers or body."""
     with HealthServer(Metrics(), request_timeout=1.0) as server, socket.create_connection(
         ("127.0.0.1", server.port), timeout=10
     ) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\n")
+        s.sendall(start)
         started = time.monotonic()
         answer = b""
         with contextlib.suppress(ConnectionError):
             while time.monotonic() - started < 30:
-                s.sendall(b"X")  # a fresh byte every 0.1 s: no single recv ever waits long
+                s.sendall(drip)  # a fresh byte every 0.1 s: no single recv ever waits long
                 time.sleep(0.1)
                 s.setblocking(False)
                 with contextlib.suppress(BlockingIOError):

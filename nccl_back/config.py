@@ -370,7 +370,8 @@ class Settings:
             ]
             if not named:
                 raise
-            raise ConfigError(f"{', '.join(named)}: {e}") from e
+            # A suffix: the message still starts with the field, as Settings(...) says it.
+            raise ConfigError(f"{e} (from {', '.join(named)})") from e
 
 
 def _read_secret_file(path: str) -> str:

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import math
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -182,6 +183,17 @@ class Settings:
     to Redis cannot feed a worker weights. ``None``: unsigned, as trusting as Redis."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            # Values also come from JSON (vLLM's extra config): check types before use.
+            if f.type == "str" and not isinstance(value, str):
+                raise ConfigError(f"{f.name}={value!r}: must be a string")
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"{f.name}={value!r}: must be true or false")
+            if isinstance(value, str) and not _utf8(value):
+                # os.environ holds undecodable bytes as lone surrogates; never echo a secret.
+                shown = "" if f.name in ("secret", "redis_sentinel_password") else f"={value!r}"
+                raise ConfigError(f"{f.name}{shown}: not UTF-8 text")
         target = parse_redis_url(self.redis_url)
         tls_files = ("redis_ca_file", "redis_cert_file", "redis_key_file")
         for name in tls_files:
@@ -346,7 +358,20 @@ class Settings:
                 continue
             values[f.name] = _parse(key, raw, f.type)
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            # The check names the field; the user set a variable: name that too.
+            from_env = [n for n in values if n not in overrides]
+            named = [
+                SECRET_FILE_ENV if n == "secret" and secret_file is not None else ENV_PREFIX + n.upper()
+                for n in from_env
+                if re.search(rf"\b{n}\b", str(e))
+            ]
+            if not named:
+                raise
+            # A suffix: the message still starts with the field, as Settings(...) says it.
+            raise ConfigError(f"{e} (from {', '.join(named)})") from e
 
 
 def _read_secret_file(path: str) -> str:
@@ -355,6 +380,8 @@ def _read_secret_file(path: str) -> str:
             data = f.read(MAX_SECRET_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: cannot read the secret: {e.strerror}") from e
+    except ValueError as e:  # a NUL in the path
+        raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: not a file path ({e})") from e
     if len(data) > MAX_SECRET_FILE_BYTES:
         raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: over {MAX_SECRET_FILE_BYTES} bytes")
     try:
@@ -362,6 +389,14 @@ def _read_secret_file(path: str) -> str:
         return data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: the secret is not UTF-8 text") from e
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse(key: str, raw: str, type_: Any) -> Any:

@@ -62,13 +62,18 @@ write: the server creates it 0700 when missing and refuses one that others can w
 restrictive umask. :func:`attach` refuses such a directory too, then checks with
 ``SO_PEERCRED`` that the process listening on the socket runs as ``expected_uid``
 (default: the consumer's own), so a socket someone else put there is never trusted;
-the server likewise answers only its own user (or root).
+the server likewise answers only its own user (or root). /dev/shm is writable by
+everyone, so the consumer maps a segment only after checking the very descriptor it
+maps (opened with ``O_NOFOLLOW``): a regular file, owned by the sidecar's uid, its own
+or root, writable by nobody else, and at least as large as the reply says
+(:func:`check_segment`); anything else is an :class:`AttachError` naming the problem.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import mmap
 import os
@@ -115,8 +120,12 @@ _SHM_NAME = re.compile(r"nccl_back_[0-9a-f]{16}")
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _MAX_REQUEST = 1 << 20
 _MAX_REPLY = 256 << 20
+#: Largest arena a reply may name (1 PiB): a bound on outside data, not a model limit.
+_MAX_ARENA = 1 << 50
 _ACCEPT_POLL = 0.1
 _HANDLER_THREADS = 8
+#: Connections being served or waiting for a handler at most; more are closed at once.
+_MAX_PENDING = 64
 #: ``struct ucred`` (pid, uid, gid) as ``SO_PEERCRED`` returns it on Linux.
 _UCRED = struct.Struct("3i")
 # os.umask is process-wide: one binder at a time, restored right after.
@@ -166,6 +175,8 @@ class HandoffServer:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._share_lock = threading.Lock()
+        # Bounds the pool's queue, which is unbounded: each entry holds a descriptor.
+        self._slots = threading.BoundedSemaphore(_MAX_PENDING)
         self._log = _log.bind(socket=socket_path, version=version)
 
     @property
@@ -324,11 +335,22 @@ class HandoffServer:
                 if not self._stop.is_set():
                     self._log.exception("handoff_accept_failed")
                 return
+            if not self._slots.acquire(blocking=False):
+                self._log.warning("handoff_busy", pending=_MAX_PENDING)
+                conn.close()
+                continue
             try:
-                pool.submit(self._handle, conn)
+                pool.submit(self._handle_slot, conn)
             except RuntimeError:  # the pool was shut down by close()
+                self._slots.release()
                 conn.close()
                 return
+
+    def _handle_slot(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        finally:
+            self._slots.release()
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
@@ -461,7 +483,7 @@ def attach(
     timings = {"request": time.perf_counter() - started}
     mark = time.perf_counter()
     try:
-        arena = _open_arena(reply, populate=mode == "copy")
+        arena = _open_arena(reply, populate=mode == "copy", owner=uid)
         views = _views(arena, mine, _layout(reply, mine, arena.numel()))
     except (KeyError, TypeError, ValueError) as e:
         raise AttachError(f"malformed reply from sidecar at {endpoint}: {e!r}") from e
@@ -549,17 +571,21 @@ def _refusal_message(endpoint: str, version: str, mine: Manifest, reply: dict[st
     return f"sidecar at {endpoint} refused ({reason}): {reply.get('message')}"
 
 
-def _open_arena(reply: dict[str, Any], *, populate: bool) -> torch.Tensor:
-    size = int(reply["size"])
+def _open_arena(reply: dict[str, Any], *, populate: bool, owner: int) -> torch.Tensor:
+    size = reply["size"]
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= _MAX_ARENA:
+        raise ValueError(f"arena size {size!r} is not a positive byte count")
     if reply["kind"] == "shm":
-        name = str(reply["segment"])
-        if not _SHM_NAME.fullmatch(name):
+        name = reply["segment"]
+        if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
             raise ValueError(f"segment name {name!r} is not one a hand-off server creates")
         try:
-            return _map_segment(name, size, writable=False, populate=populate)
+            return _map_segment(name, size, writable=False, populate=populate, owner=owner)
         except OSError as e:
             raise AttachError(f"cannot map segment {name}: {e}") from e
     if reply["kind"] == "cuda_ipc":
+        if not isinstance(reply["cuda"], dict):
+            raise ValueError("cuda must be an object")
         return _open_cuda(reply["cuda"], size)
     raise ValueError(f"unknown arena kind {reply['kind']!r}")
 
@@ -706,19 +732,35 @@ def _laid_out(
     return view.set_(storage, start, (total,), (1,))
 
 
-def _map_segment(name: str, size: int, *, writable: bool, populate: bool = False) -> torch.Tensor:
+def _map_segment(
+    name: str, size: int, *, writable: bool, populate: bool = False, owner: int | None = None
+) -> torch.Tensor:
     """The segment as a uint8 tensor that keeps its own mmap alive (see module docstring).
 
     ``populate`` maps every page up front (read-only, so no copy-on-write is triggered),
-    for a caller about to read all of them.
+    for a caller about to read all of them. A consumer (not ``writable``) maps only a
+    regular file of at least ``size`` bytes that belongs to ``owner`` (default: this
+    process's user) or root and that neither group nor others may write
+    (:func:`check_segment`); it opens without following links and checks the very file
+    descriptor it maps, so the file cannot be swapped between check and map.
     """
     path = os.path.join(_SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    # A consumer opens non-blocking: a FIFO put in the segment's place would block it.
+    flags |= os.O_RDWR if writable else os.O_RDONLY | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise AttachError(f"segment {name} is a symbolic link; refusing to map it") from e
+        raise
     try:
         if writable:
             # Reserve the pages now: a write into a sparse tmpfs file that cannot grow
             # kills the process with SIGBUS, whereas this raises ENOSPC.
             os.posix_fallocate(fd, 0, size)
+        else:
+            check_segment(name, os.fstat(fd), size, os.geteuid() if owner is None else owner)
         actual = os.fstat(fd).st_size
         if actual < size:
             raise AttachError(f"segment {name} has {actual} bytes, expected {size}")
@@ -730,6 +772,29 @@ def _map_segment(name: str, size: int, *, writable: bool, populate: bool = False
         with contextlib.suppress(OSError):  # older kernels: pages fault in on first read
             mapping.madvise(_MADV_POPULATE_READ)
     return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def check_segment(name: str, st: os.stat_result, size: int, owner: int) -> None:
+    """Refuse (:class:`AttachError` naming the problem) a segment that a consumer must
+    not map: not a regular file, owned by another user than ``owner`` (the sidecar's),
+    this process's or root, writable
+    by group or others (anyone could rewrite the weights under the consumer after the
+    hashes were checked), or smaller than ``size`` bytes (a read past the end of a
+    mapping is SIGBUS)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise AttachError(f"segment {name} is not a regular file; refusing to map it")
+    if st.st_uid not in (owner, os.geteuid(), 0):
+        raise AttachError(
+            f"segment {name} belongs to uid {st.st_uid}, expected uid {owner} (or root);"
+            " refusing to map it"
+        )
+    if st.st_mode & 0o022:
+        raise AttachError(
+            f"segment {name} is writable by group or others (mode {st.st_mode & 0o7777:o});"
+            " refusing to map it"
+        )
+    if size < 1 or st.st_size < size:
+        raise AttachError(f"segment {name} has {st.st_size} bytes, expected {size}")
 
 
 def _views(

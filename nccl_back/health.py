@@ -18,8 +18,23 @@ client address itself, so binding wider never lets another pod drain this one; e
 container of the pod shares its loopback, so the sidecar also sets a drain token,
 written to a 0600 file (:func:`write_token_file`) that only its own user can read.
 
-Requests run on a bounded pool of threads; a connection that finds them all busy is
-closed at once, so a flood costs the flooder, not the process (probes retry).
+Why not ``http.server``: its timeout bounds each ``recv``, not a request, so clients
+that drip one byte every few seconds hold its handler threads for ever and the probes
+stop answering (the hardening review, finding 6). Here one thread multiplexes every
+connection with a selector and never blocks on a client, so no number of slow or idle
+clients can starve a probe:
+
+- each connection has an absolute deadline, ``request_timeout`` from its accept to the
+  last byte of the reply (a ``POST /drain`` that is running its callback is exempt
+  while it runs, then gets a fresh one to send the reply); past it the connection gets
+  a best-effort ``408`` and is closed;
+- at most ``max_connections`` are open; a new one beyond that evicts the oldest
+  connection that has not finished sending its request (the slow and idle ones are the
+  oldest), so a new probe always gets in;
+- a request head is at most :data:`MAX_HEAD_BYTES` (:data:`MAX_HEADERS` headers), a
+  body at most :data:`MAX_BODY_BYTES`; no chunked bodies, no keep-alive (every reply
+  says ``Connection: close``);
+- the only slow handler, the drain callback, runs on its own thread, never on the loop.
 """
 
 from __future__ import annotations
@@ -30,132 +45,412 @@ import errno
 import hmac
 import ipaddress
 import os
+import re
 import secrets
+import selectors
+import socket
 import stat
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from .errors import ConfigError, NcclBackError
 from .log import get_logger
 from .metrics import CONTENT_TYPE, Metrics
 
-# A client that connects and sends nothing must not hold a handler thread forever.
+#: Seconds from a connection's accept to the last byte of its reply, absolute.
 REQUEST_TIMEOUT = 10.0
-#: Threads answering requests; a connection beyond them is closed unanswered.
-MAX_THREADS = 8
+#: Open connections at most; a new one beyond that evicts the oldest unfinished request.
+MAX_CONNECTIONS = 64
+#: Bytes of request line plus headers at most (nginx's default buffer is 8 KiB too).
+MAX_HEAD_BYTES = 8192
+#: Header lines at most.
+MAX_HEADERS = 64
+#: Bytes of request body at most (no endpoint reads one; a client may still send one).
+MAX_BODY_BYTES = 4096
+#: Request-target length at most.
+MAX_TARGET = 2048
 #: Header carrying the drain token.
 TOKEN_HEADER = "X-Drain-Token"
 _MAX_TOKEN_FILE = 1024
+# Accepts per loop turn: a connect flood cannot keep the loop from serving requests.
+_ACCEPT_BURST = 16
+# Longest sleep of the loop with nothing to do (deadlines and close() wake it sooner).
+_IDLE_TICK = 0.5
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(r"/[\x21-\x7e]*")
+_VERSION = re.compile(r"HTTP/1\.[01]")
+# Control characters other than tab are never part of a header value (RFC 9110 5.5).
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_REASONS = {
+    200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+    405: "Method Not Allowed", 408: "Request Timeout", 413: "Content Too Large",
+    414: "URI Too Long", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    timeout = REQUEST_TIMEOUT
+class BadRequest(NcclBackError):
+    """An HTTP request to the health port is malformed or over one of its limits;
+    ``status`` is the 4xx answered (the connection is then closed)."""
 
-    def do_GET(self) -> None:
-        self._get(send_body=True)
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
 
-    def do_HEAD(self) -> None:
-        self._get(send_body=False)
 
-    def _get(self, send_body: bool) -> None:
-        owner = self.server.owner
-        path = self.path.split("?", 1)[0]
-        if path == "/healthz":
-            self._reply(200, b"ok\n", send_body=send_body)
-        elif path == "/readyz":
-            state = owner.state
-            self._reply(200 if state == "ready" else 503, f"{state}\n".encode(), send_body=send_body)
-        elif path == "/metrics":
-            self._reply(200, owner.metrics.render(), CONTENT_TYPE, send_body)
+@dataclass(frozen=True)
+class Request:
+    """One parsed HTTP/1.x request: header names lower-cased, the body as sent."""
+
+    method: str
+    target: str
+    version: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+
+def parse_request(data: bytes) -> Request | None:
+    """The request at the start of ``data``, ``None`` while it is incomplete, or
+    :class:`BadRequest` (with its 4xx) when it is malformed or over a limit. Bytes
+    after the request are ignored: there is no keep-alive, hence no pipelining."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        if len(data) > MAX_HEAD_BYTES:
+            raise BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes")
+        return None
+    if end + 4 > MAX_HEAD_BYTES:
+        raise BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes")
+    # latin-1 maps every byte, so decoding never fails; the rules below refuse the rest.
+    lines = data[:end].decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3:
+        raise BadRequest(400, "request line must be METHOD SP TARGET SP HTTP/1.x")
+    method, target, version = parts
+    if not _TOKEN.fullmatch(method):
+        raise BadRequest(400, "bad method")
+    if len(target) > MAX_TARGET:
+        raise BadRequest(414, f"request target over {MAX_TARGET} characters")
+    if not _TARGET.fullmatch(target):
+        raise BadRequest(400, "request target must be a path (origin form)")
+    if not _VERSION.fullmatch(version):
+        raise BadRequest(400, "only HTTP/1.0 and HTTP/1.1 are spoken here")
+    if len(lines) - 1 > MAX_HEADERS:
+        raise BadRequest(431, f"over {MAX_HEADERS} header lines")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN.fullmatch(name):
+            # A leading space is an obsolete line folding: refused (RFC 9112 5.2).
+            raise BadRequest(400, "malformed header line")
+        value = value.strip(" \t")
+        if _BAD_VALUE.search(value):
+            raise BadRequest(400, "control character in a header value")
+        key = name.lower()
+        if key in headers:
+            if key in ("content-length", "host", TOKEN_HEADER.lower()):
+                raise BadRequest(400, f"header {name} given twice")
+            headers[key] = f"{headers[key]}, {value}"
         else:
-            self._reply(404, b"not found; try /healthz, /readyz or /metrics\n", send_body=send_body)
+            headers[key] = value
+    if "transfer-encoding" in headers:
+        raise BadRequest(400, "Transfer-Encoding is not accepted; send Content-Length")
+    length_text = headers.get("content-length", "0")
+    if not length_text.isascii() or not length_text.isdigit() or len(length_text) > 12:
+        raise BadRequest(400, "Content-Length must be a decimal number")
+    length = int(length_text)
+    if length > MAX_BODY_BYTES:
+        raise BadRequest(413, f"body over {MAX_BODY_BYTES} bytes")
+    body = data[end + 4 : end + 4 + length]
+    if len(body) < length:
+        return None
+    return Request(method, target, version, headers, bytes(body))
 
-    def do_POST(self) -> None:
-        if self.path.split("?", 1)[0] != "/drain":
-            self._reply(404, b"not found; POST /drain is the only action\n")
-            return
-        if not ipaddress.ip_address(self.client_address[0]).is_loopback:
-            self._reply(403, b"/drain is accepted from loopback clients only\n")
-            return
-        expected = self.server.owner.drain_token
-        given = self.headers.get(TOKEN_HEADER, "")
-        if expected is not None and not hmac.compare_digest(given.encode(), expected.encode()):
-            get_logger(__name__).warning("drain_refused", reason="token")
-            self._reply(403, f"/drain needs the drain token in {TOKEN_HEADER}\n".encode())
+
+def _response(code: int, body: bytes, content_type: str, send_body: bool) -> bytes:
+    head = (
+        f"HTTP/1.1 {code} {_REASONS.get(code, 'Unknown')}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+        "Cache-Control: no-store\r\n\r\n"
+    ).encode("ascii")
+    return head + body if send_body else head
+
+
+_TEXT = "text/plain; charset=utf-8"
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    client: str
+    deadline: float | None
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: bytes = b""
+    sent: int = 0
+    state: str = "reading"  # reading -> (draining ->) writing -> closed
+    registered: bool = False
+
+
+class _Loop:
+    """One thread, one selector: accepts, reads, parses, answers and expires every
+    connection of the health port (see the module docstring)."""
+
+    def __init__(
+        self, owner: HealthServer, listener: socket.socket, max_connections: int, timeout: float
+    ) -> None:
+        self.owner = owner
+        self.listener = listener
+        self.max_connections = max_connections
+        self.timeout = timeout
+        self.stop = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        # Insertion order is accept order: the first unfinished entry is the oldest.
+        self._conns: dict[int, _Conn] = {}
+        self._done: list[tuple[_Conn, bytes]] = []
+        self._done_lock = threading.Lock()
+        # The drain callback may block for minutes: never on the loop.
+        self._drainer = ThreadPoolExecutor(1, thread_name_prefix="nccl-back-drain")
+        self._sel.register(listener, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._log = get_logger(__name__)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: the loop is awake anyway
+            self._wake_w.send(b"x")
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                for key, events in self._sel.select(self._next_timeout()):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._guarded(key.data, events)
+                self._finish_drains()
+                self._expire()
+        finally:
+            for conn in list(self._conns.values()):
+                self._close(conn)
+            self._sel.close()
+            self.listener.close()
+            self._wake_r.close()
+            self._wake_w.close()
+            self._drainer.shutdown(wait=False, cancel_futures=True)
+
+    def _guarded(self, conn: _Conn, events: int) -> None:
+        if conn.state == "closed":  # evicted earlier in this turn
             return
         try:
-            self.server.owner.drain()
-        except Exception as e:  # the callback is the service's; report, don't crash the server
-            get_logger(__name__).error("drain_failed", error=repr(e))
-            self._reply(500, f"drain failed: {e}\n".encode())
+            if events & selectors.EVENT_READ and conn.state == "reading":
+                self._read(conn)
+            if events & selectors.EVENT_WRITE and conn.state == "writing":
+                self._flush(conn)
+        except Exception:  # one client's trouble never stops the loop
+            self._log.exception("health_request_failed", client=conn.client)
+            self._close(conn)
+
+    def _next_timeout(self) -> float:
+        deadlines = [c.deadline for c in self._conns.values() if c.deadline is not None]
+        if not deadlines:
+            return _IDLE_TICK
+        return min(max(min(deadlines) - time.monotonic(), 0.0), _IDLE_TICK)
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BURST):
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and friends: keep serving who is in
+                self._log.warning("health_accept_failed", error=str(e))
+                return
+            sock.setblocking(False)
+            if len(self._conns) >= self.max_connections:
+                # The oldest still sending its request; else the oldest being answered.
+                victim = next((c for c in self._conns.values() if c.state == "reading"), None)
+                victim = victim or next(
+                    (c for c in self._conns.values() if c.state == "writing"), None
+                )
+                if victim is None:  # every slot waits on an authorized drain
+                    sock.close()
+                    continue
+                self._log.debug("health_connection_evicted", client=victim.client)
+                self._close(victim)
+            conn = _Conn(sock, str(addr[0]), time.monotonic() + self.timeout)
+            self._conns[id(conn)] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            conn.registered = True
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(MAX_HEAD_BYTES)
+        except (BlockingIOError, InterruptedError):
             return
-        self._reply(200, b"drained\n")
+        except OSError:
+            self._close(conn)
+            return
+        if not chunk:
+            self._close(conn)
+            return
+        conn.inbox += chunk
+        try:
+            request = parse_request(bytes(conn.inbox))
+        except BadRequest as e:
+            self._reply(conn, e.status, f"{e.reason}\n".encode())
+            return
+        if request is not None:
+            self._dispatch(conn, request)
+
+    def _dispatch(self, conn: _Conn, request: Request) -> None:
+        owner = self.owner
+        if request.method in ("GET", "HEAD"):
+            send_body = request.method == "GET"
+            if request.path == "/healthz":
+                self._reply(conn, 200, b"ok\n", send_body=send_body)
+            elif request.path == "/readyz":
+                state = owner.state
+                self._reply(conn, 200 if state == "ready" else 503, f"{state}\n".encode(),
+                            send_body=send_body)
+            elif request.path == "/metrics":
+                self._reply(conn, 200, owner.metrics.render(), CONTENT_TYPE, send_body)
+            else:
+                self._reply(conn, 404, b"not found; try /healthz, /readyz or /metrics\n",
+                            send_body=send_body)
+        elif request.method == "POST":
+            if request.path != "/drain":
+                self._reply(conn, 404, b"not found; POST /drain is the only action\n")
+            elif not _is_loopback(conn.client):
+                self._reply(conn, 403, b"/drain is accepted from loopback clients only\n")
+            elif owner.drain_token is not None and not hmac.compare_digest(
+                request.headers.get(TOKEN_HEADER.lower(), "").encode("latin-1"),
+                owner.drain_token.encode(),
+            ):
+                self._log.warning("drain_refused", reason="token")
+                self._reply(conn, 403, f"/drain needs the drain token in {TOKEN_HEADER}\n".encode())
+            else:
+                self._start_drain(conn)
+        else:
+            self._reply(conn, 405, b"only GET, HEAD and POST\n")
+
+    def _start_drain(self, conn: _Conn) -> None:
+        conn.state = "draining"
+        conn.deadline = None  # the callback's own bound applies, not a client's
+        self._unregister(conn)
+        try:
+            future = self._drainer.submit(self.owner.drain)
+        except RuntimeError:  # closing
+            self._close(conn)
+            return
+        future.add_done_callback(lambda f: self._drain_done(conn, f))
+
+    def _drain_done(self, conn: _Conn, future: Future[None]) -> None:
+        # Runs on the drain thread: hand the reply to the loop.
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled():
+            reply = _response(503, b"server closing\n", _TEXT, True)
+        elif error is not None:  # the callback is the service's; report, don't crash
+            self._log.error("drain_failed", error=repr(error))
+            reply = _response(500, f"drain failed: {error}\n".encode(), _TEXT, True)
+        else:
+            reply = _response(200, b"drained\n", _TEXT, True)
+        with self._done_lock:
+            self._done.append((conn, reply))
+        self.wake()
+
+    def _finish_drains(self) -> None:
+        with self._done_lock:
+            done, self._done = self._done, []
+        for conn, reply in done:
+            if conn.state == "draining":
+                conn.deadline = time.monotonic() + self.timeout
+                self._send(conn, reply)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._conns.values()):
+            if conn.deadline is not None and now >= conn.deadline:
+                self._log.debug("health_request_timed_out", client=conn.client, state=conn.state)
+                if conn.state == "reading":
+                    with contextlib.suppress(OSError):  # best effort: it is too slow anyway
+                        conn.sock.send(_response(408, b"request timed out\n", _TEXT, True))
+                self._close(conn)
 
     def _reply(
-        self,
-        code: int,
-        body: bytes,
-        content_type: str = "text/plain; charset=utf-8",
+        self, conn: _Conn, code: int, body: bytes, content_type: str = _TEXT,
         send_body: bool = True,
     ) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if send_body:
-            self.wfile.write(body)
+        self._send(conn, _response(code, body, content_type, send_body))
 
-    def log_message(self, format: str, *args: Any) -> None:
-        # Probes hit this every few seconds; http.server would print each to stderr.
-        pass
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        conn.state, conn.outbox, conn.sent = "writing", data, 0
+        self._flush(conn)
+        if conn.state == "writing":
+            if conn.registered:
+                self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            else:
+                self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
+                conn.registered = True
 
-
-class _Server(HTTPServer):
-    """An HTTP server whose requests run on a bounded pool (``ThreadingHTTPServer``
-    starts one thread per connection, without limit)."""
-
-    # A burst of connections waits in the kernel's queue, not in SYN retries.
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], owner: HealthServer, threads: int) -> None:
-        self.owner = owner
-        self._slots = threading.BoundedSemaphore(threads)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="nccl-back-health")
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            # Every thread is busy (a flood, or slow clients): refuse rather than queue.
-            self.shutdown_request(request)
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            conn.sent += conn.sock.send(memoryview(conn.outbox)[conn.sent :])
+        except (BlockingIOError, InterruptedError):
             return
-        try:
-            self._pool.submit(self._work, request, client_address)
-        except RuntimeError:  # closing
-            self._slots.release()
-            self.shutdown_request(request)
+        except OSError:
+            self._close(conn)
+            return
+        if conn.sent >= len(conn.outbox):
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
+                # Unread input would make close() send a reset that can destroy the
+                # reply in flight: discard what has already arrived.
+                conn.sock.recv(1 << 16)
+            self._close(conn)
 
-    def _work(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-            self._slots.release()
+    def _unregister(self, conn: _Conn) -> None:
+        if conn.registered:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(conn.sock)
+            conn.registered = False
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # socketserver prints a traceback to stderr; a client's reset is no error of ours.
-        get_logger(__name__).debug("health_request_failed", client=str(client_address))
+    def _close(self, conn: _Conn) -> None:
+        if conn.state == "closed":
+            return
+        conn.state = "closed"
+        self._unregister(conn)
+        self._conns.pop(id(conn), None)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
 
-    def server_close(self) -> None:
-        super().server_close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+
+def _is_loopback(host: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 class HealthServer:
@@ -164,7 +459,8 @@ class HealthServer:
     ``on_drain`` (optional) is called once by the first ``POST /drain``: the service
     withdraws from the registry, refuses new claims and waits for in-flight sends.
     With ``drain_token``, ``POST /drain`` must carry it (header ``X-Drain-Token``).
-    At most ``max_threads`` requests are answered at once.
+    At most ``max_connections`` connections are open at once, each for at most
+    ``request_timeout`` seconds (see the module docstring).
     """
 
     def __init__(
@@ -175,13 +471,17 @@ class HealthServer:
         *,
         on_drain: Callable[[], None] | None = None,
         drain_token: str | None = None,
-        max_threads: int = MAX_THREADS,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
-        if max_threads < 1:
-            raise ConfigError(f"max_threads={max_threads!r}: must be at least 1")
+        if not isinstance(max_connections, int) or max_connections < 1:
+            raise ConfigError(f"max_connections={max_connections!r}: must be at least 1")
+        if not request_timeout > 0:
+            raise ConfigError(f"request_timeout={request_timeout!r}: must be positive seconds")
         self.metrics = metrics
         self.drain_token = drain_token
-        self.max_threads = max_threads
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
         self.host = host
         self._requested_port = port
         self._on_drain = on_drain
@@ -190,15 +490,21 @@ class HealthServer:
         self._ready = False
         self._draining = False
         self._drained = False
-        self._server: _Server | None = None
+        self._loop: _Loop | None = None
+        self._port: int | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
         """The bound port (the chosen one when constructed with ``port=0``)."""
-        if self._server is None:
+        if self._port is None:
             raise NcclBackError("HealthServer.port is known only after start()")
-        return int(self._server.server_address[1])
+        return self._port
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open right now (at most ``max_connections``)."""
+        return self._loop.open_connections if self._loop is not None else 0
 
     @property
     def state(self) -> str:
@@ -210,9 +516,17 @@ class HealthServer:
 
     def start(self) -> HealthServer:
         """Bind and serve in a daemon thread; a port in use raises :class:`ConfigError`."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._server = _Server((self.host, self._requested_port), self, self.max_threads)
+            # A restarted sidecar rebinds its port at once, despite TIME_WAIT leftovers.
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self.host, self._requested_port))
+            # A burst of connections waits in the kernel's queue, not in SYN retries.
+            listener.listen(128)
+            listener.setblocking(False)
         except OSError as e:
+            listener.close()
             if e.errno == errno.EADDRINUSE:
                 raise ConfigError(
                     f"health port {self._requested_port} on {self.host} is already in use;"
@@ -222,9 +536,10 @@ class HealthServer:
                 f"cannot listen on {self.host}:{self._requested_port} for health checks ({e});"
                 " check --health-host and --health-port"
             ) from e
+        self._port = int(listener.getsockname()[1])
+        self._loop = _Loop(self, listener, self.max_connections, self.request_timeout)
         self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.1},
+            target=self._loop.run,
             name=f"nccl-back-health-{self.port}",
             daemon=True,
         )
@@ -258,13 +573,13 @@ class HealthServer:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving and release the port."""
-        if self._server is None:
+        if self._loop is None:
             return
-        self._server.shutdown()
-        self._server.server_close()
+        self._loop.stop.set()
+        self._loop.wake()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._server = None
+        self._loop = None
         self._thread = None
 
     def __enter__(self) -> HealthServer:

@@ -66,7 +66,15 @@ class RedisTarget:
 
 def parse_redis_url(url: str) -> RedisTarget:
     """Parse a coordination-store URL; :class:`ConfigError` naming the problem otherwise."""
-    parts = urlsplit(url)
+    if not isinstance(url, str):
+        raise ConfigError(f"redis_url={url!r}: must be a string ({_EXAMPLE})")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        # urlsplit silently drops tabs and newlines: what it parsed is not what was given.
+        raise ConfigError(f"redis_url={url!r}: whitespace or control characters; percent-encode them")
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # an unbalanced [IPv6] bracket
+        raise ConfigError(f"redis_url={url!r}: {e} ({_EXAMPLE})") from e
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
         raise ConfigError(f"redis_url={url!r}: scheme must be redis://, rediss:// or unix:// ({_EXAMPLE})")
@@ -89,7 +97,7 @@ def parse_redis_url(url: str) -> RedisTarget:
         if not path:
             raise ConfigError(f"redis_url={url!r}: name the master, redis+sentinel://h1:26379,h2:26379/SERVICE/0")
         service, path = unquote(path[0]), path[1:]
-    if len(path) > 1 or (path and not path[0].isdigit()):
+    if len(path) > 1 or (path and not (path[0].isascii() and path[0].isdigit())):
         raise ConfigError(f"redis_url={url!r}: the database must be a number, e.g. /0")
     db = int(path[0]) if path else 0
     if kind == "cluster" and db != 0:
@@ -109,7 +117,8 @@ def _host_port(url: str, item: str, default: int) -> tuple[str, int]:
         raise ConfigError(f"redis_url={url!r}: no host; use redis://host:6379/0")
     if not port_text:
         return host, default
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    # ASCII only: str.isdigit() is also true of '²', which int() refuses.
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ConfigError(f"redis_url={url!r}: bad port ({port_text!r})")
     return host, int(port_text)
 

@@ -218,8 +218,8 @@ def _threads() -> int:
 
 
 def test_health_port_flood_is_bounded() -> None:
-    """200 idle connections hold at most max_threads threads; probes answer once they go."""
-    with HealthServer(Metrics(), max_threads=4) as server:
+    """200 idle connections hold at most max_connections sockets and no threads; probes answer once they go."""
+    with HealthServer(Metrics(), max_connections=4) as server:
         before = _threads()
         flood = []
         with Timed(5.0):

@@ -170,3 +170,40 @@ def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
                            "NCCL_BACK_COHORT_WINDOW": "0.5"})
     assert (s.max_send_gbps, s.cohort_max_size, s.cohort_window) == (2.5, 4, 0.5)
     assert Settings().max_send_gbps == 0.0
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NCCL_BACK_TRANSFER_TIMEOUT": "0"}, r"^transfer_timeout=0\.0: must be .* \(from NCCL_BACK_TRANSFER_TIMEOUT\)$"),
+        ({"NCCL_BACK_REDIS_URL": "redis://["}, r"^redis_url='redis://\[': Invalid IPv6 URL .* \(from NCCL_BACK_REDIS_URL\)$"),
+        ({"NCCL_BACK_REDIS_URL": "redis://h:²"}, r"^redis_url='redis://h:²': bad port .* \(from NCCL_BACK_REDIS_URL\)$"),
+        ({"NCCL_BACK_REDIS_URL": "redis://h/²"}, r"the database must be a number"),
+        ({"NCCL_BACK_REDIS_URL": "redis://h\t:1/0"}, r"whitespace or control characters"),
+        ({"NCCL_BACK_NAMESPACE": "\udc80"}, r"^namespace='\\udc80': not UTF-8 text \(from NCCL_BACK_NAMESPACE\)$"),
+        ({"NCCL_BACK_SECRET": "x" * 20 + "\udc80"}, r"^secret: not UTF-8 text \(from NCCL_BACK_SECRET\)$"),
+        ({"NCCL_BACK_SECRET_FILE": "a\x00b"}, r"^NCCL_BACK_SECRET_FILE='a\\x00b': not a file path"),
+    ],
+)
+def test_from_env_errors_name_the_variable(env: dict[str, str], message: str) -> None:
+    """Values that passed parsing but fail validation, undecodable bytes (lone surrogates
+    in os.environ) and odd URLs are ConfigErrors naming the variable (found by
+    tests/test_parsers_props.py; each used to raise ValueError or UnicodeEncodeError)."""
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"redis_url": True}, r"redis_url=True: must be a string"),
+        ({"namespace": ["a"]}, r"namespace=\['a'\]: must be a string"),
+        ({"strict": "yes"}, r"strict='yes': must be true or false"),
+        ({"cache_dir": None}, r"cache_dir=None: must be a string"),
+    ],
+)
+def test_wrongly_typed_values_are_config_errors(kwargs: dict[str, object], message: str) -> None:
+    """A value of the wrong JSON type (vLLM's extra config) is a ConfigError naming the
+    field, not an AttributeError or TypeError from deeper down."""
+    with pytest.raises(ConfigError, match=message):
+        Settings(**kwargs)  # type: ignore[arg-type]

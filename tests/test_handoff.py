@@ -16,6 +16,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -23,6 +24,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
@@ -379,3 +382,151 @@ def test_a_consolidated_skeleton_is_its_own_arena() -> None:
     tensors, _ = named_tensors(separate)
     offsets, total = flat_layout(manifest(separate))
     assert _laid_out(tensors, offsets, total) is None
+
+
+# -------------------------------------------- what a consumer agrees to map (finding 9)
+
+
+@contextlib.contextmanager
+def _segment_replaced(segment: str) -> Iterator[tuple[str, bytes]]:
+    """Move the server's segment file aside for the block; yields its path and bytes,
+    so the block can put anything in its place. The original comes back afterwards."""
+    real = f"/dev/shm/{segment}"
+    aside = f"/dev/shm/{segment}.aside"
+    with open(real, "rb") as f:
+        data = f.read()
+    os.rename(real, aside)
+    try:
+        yield real, data
+    finally:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+            os.unlink(real)
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.rmdir(real)
+        os.rename(aside, real)
+
+
+def _copy_segment(path: str, data: bytes, mode: int, uid: int, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data[:size])
+    os.chmod(path, mode)
+    if uid != os.geteuid():
+        os.chown(path, uid, -1)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, str]]:
+    """A hand-off server in this process: (socket path, segment name)."""
+    directory = tempfile.mkdtemp(prefix="nbh")
+    path = os.path.join(directory, "s.sock")
+    with HandoffServer(_trained(), VERSION, path) as server:
+        assert server.segment_name
+        yield path, server.segment_name
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p, d: os.symlink(p + ".aside", p), r"is a symbolic link; refusing to map it"),
+        (lambda p, d: os.mkfifo(p, 0o600), r"is not a regular file; refusing to map it"),
+        (lambda p, d: os.mkdir(p, 0o700), r"is not a regular file; refusing to map it"),
+        (lambda p, d: _copy_segment(p, d, 0o666, os.geteuid(), len(d)),
+         r"is writable by group or others \(mode 666\); refusing to map it"),
+        (lambda p, d: _copy_segment(p, d, 0o600, os.geteuid(), 100),
+         r"has 100 bytes, expected \d+"),
+    ],
+    ids=["symlink", "fifo", "directory", "world-writable", "short"],
+)
+def test_tampered_segment_is_refused(served: tuple[str, str], make: Any, message: str) -> None:
+    """A segment that is a link, not a regular file, writable by others or too short
+    is never mapped: AttachError names the problem."""
+    path, segment = served
+    with _segment_replaced(segment) as (real, data):
+        make(real, data)
+        with pytest.raises(AttachError, match=f"segment {segment} {message}"):
+            attach(_skeleton(), path, version=VERSION, timeout=10)
+    attach(_skeleton(), path, version=VERSION)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_segment_of_another_user_is_refused(served: tuple[str, str]) -> None:
+    """A segment file owned by a uid other than the sidecar's, ours or root is refused."""
+    path, segment = served
+    with _segment_replaced(segment) as (real, data):
+        _copy_segment(real, data, 0o600, 12345, len(data))
+        with pytest.raises(
+            AttachError,
+            match=rf"segment {segment} belongs to uid 12345, expected uid {os.geteuid()}",
+        ):
+            attach(_skeleton(), path, version=VERSION)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    mode=st.integers(0, 0o7777),
+    uid=st.sampled_from([0, 1, 1000, 65534]),
+    cut=st.integers(0, 64),
+)
+def test_segment_checks_are_exact(served: tuple[str, str], mode: int, uid: int, cut: int) -> None:
+    """Over every mode, a few owners and sizes, a copy of the segment is mapped exactly
+    when it is ours, nobody else may write it and it is whole; then the tensors are
+    bit-identical, else AttachError says which rule it broke."""
+    path, segment = served
+    reference = _state(_trained())
+    with _segment_replaced(segment) as (real, data):
+        size = len(data) - cut
+        _copy_segment(real, data, mode, uid, size)
+        if uid != os.geteuid() and uid != 0:
+            rule = "belongs to uid"
+        elif mode & 0o022:
+            rule = "is writable by group or others"
+        elif cut:
+            rule = f"has {size} bytes"
+        else:
+            model = _skeleton()
+            attach(model, path, version=VERSION)
+            _assert_identical(model, reference)
+            return
+        with pytest.raises(AttachError, match=f"segment {segment} {rule}"):
+            attach(_skeleton(), path, version=VERSION)
+
+
+def test_idle_connections_beyond_the_bound_are_closed(sock_dir: str) -> None:
+    """Connections beyond the handlers plus the bounded queue are closed at once instead
+    of piling up; once the idle ones go, a consumer attaches."""
+    path = os.path.join(sock_dir, "b.sock")
+    with HandoffServer(_trained(), VERSION, path, io_timeout=60):
+        idle = []
+        try:
+            deadline = time.monotonic() + 60
+            while len(idle) < 100:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(30)
+                try:
+                    s.connect(path)
+                except BlockingIOError:  # the listen backlog is full: let accept catch up
+                    s.close()
+                    assert time.monotonic() < deadline, "the server stopped accepting"
+                    time.sleep(0.01)
+                    continue
+                idle.append(s)
+            closed = 0
+            for s in idle[::-1]:  # the newest are the ones beyond the bound
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    closed += s.recv(1) == b""
+            deadline = time.monotonic() + 30
+            while closed < 100 - 64 - 8:
+                assert time.monotonic() < deadline, f"only {closed} of 100 idle connections closed"
+                time.sleep(0.1)
+                closed = 0
+                for s in idle:
+                    with contextlib.suppress(BlockingIOError):
+                        closed += s.recv(1) == b""
+        finally:
+            for s in idle:
+                s.close()
+        attach(_skeleton(), path, version=VERSION, timeout=30)

@@ -6,6 +6,7 @@ import contextlib
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,23 +26,23 @@ from nccl_back.errors import (
 from nccl_back.health import HealthServer, main, request_drain
 from nccl_back.metrics import CONTENT_TYPE, FALLBACK_REASONS, Metrics, fallback_reason
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)
 
 
 def get(server: HealthServer, path: str, host: str = "127.0.0.1") -> tuple[int, str, str]:
     """(status, body, content type) of a GET, whatever the status."""
     url = f"http://{host}:{server.port}{path}"
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=10) as resp:
             return resp.status, resp.read().decode(), resp.headers["Content-Type"]
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(), e.headers["Content-Type"]
 
 
-def post(port: int, path: str, host: str = "127.0.0.1") -> int:
+def post(port: int, path: str, host: str = "127.0.0.1", timeout: float = 10) -> int:
     req = urllib.request.Request(f"http://{host}:{port}{path}", method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as e:
         return e.code
@@ -258,3 +259,172 @@ def test_drain_command_line() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["drain", "--port", str(port), "--timeout", "2"])
     assert exit_info.value.code == 1
+
+
+# ------------------------------------------------- slow, idle and hostile clients
+
+
+class _Dripper(threading.Thread):
+    """A client that sends a request one byte at a time, ``interval`` apart, and
+    reconnects whenever the server closes it (a persistent slowloris)."""
+
+    def __init__(self, port: int, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.port, self.interval = port, interval
+        self.stop = threading.Event()
+        self.connections = 0
+
+    def run(self) -> None:
+        payload = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 10_000
+        while not self.stop.is_set():
+            with contextlib.suppress(OSError), socket.create_connection(
+                ("127.0.0.1", self.port), timeout=5
+            ) as s:
+                self.connections += 1
+                for byte in payload:
+                    if self.stop.wait(self.interval):
+                        return
+                    s.sendall(bytes([byte]))
+
+
+def _raw(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``data``, half-close, and return everything the server answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+@pytest.mark.parametrize(
+    ("slow", "idle_count", "cap"),
+    [(8, 20, 8), (20, 0, 4), (0, 150, 2), (3, 3, 1)],
+    ids=["slow-and-idle", "slow-beyond-cap", "idle-flood", "cap-of-one"],
+)
+def test_probes_answer_under_slow_and_idle_clients(slow: int, idle_count: int, cap: int) -> None:
+    """With drip-feeding clients (one byte every 0.5 s, reconnecting when cut) and idle
+    connections, up to and beyond the cap, /healthz, /readyz, /metrics and POST /drain
+    keep answering, and no more than the cap are ever open."""
+    drained: list[bool] = []
+    with HealthServer(
+        Metrics(), on_drain=lambda: drained.append(True), max_connections=cap, request_timeout=60
+    ) as server:
+        server.set_ready(True)
+        drippers = [_Dripper(server.port, 0.5) for _ in range(slow)]
+        for d in drippers:
+            d.start()
+        idle = [
+            socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            for _ in range(idle_count)
+        ]
+        try:
+            deadline = time.monotonic() + 60
+            while sum(d.connections for d in drippers) < slow:  # every dripper got in once
+                assert time.monotonic() < deadline, "drippers never connected"
+                time.sleep(0.05)
+            for _ in range(5):
+                assert get(server, "/healthz")[:2] == (200, "ok\n")
+                assert get(server, "/readyz")[:2] == (200, "ready\n")
+                assert get(server, "/metrics")[0] == 200
+            assert server.open_connections <= cap
+            request_drain(server.port, timeout=10)
+            assert drained == [True]
+            assert get(server, "/readyz")[:2] == (503, "draining\n")
+        finally:
+            for d in drippers:
+                d.stop.set()
+            for s in idle:
+                s.close()
+
+
+@pytest.mark.parametrize(
+    ("start", "drip"),
+    [
+        (b"", b"G"),
+        (b"GET /healthz HTTP/1.1\r\n", b"X"),
+        (b"POST /drain HTTP/1.1\r\nContent-Length: 4000\r\n\r\n", b"x"),
+    ],
+    ids=["request-line", "headers", "body"],
+)
+def test_request_past_its_deadline_is_closed(start: bytes, drip: bytes) -> None:
+    """A request still arriving at its absolute deadline is answered 408 and closed,
+    however steadily its bytes drip in, in its request line, headers or body."""
+    with HealthServer(Metrics(), request_timeout=1.0) as server, socket.create_connection(
+        ("127.0.0.1", server.port), timeout=10
+    ) as s:
+        s.sendall(start)
+        started = time.monotonic()
+        answer = b""
+        with contextlib.suppress(ConnectionError):
+            while time.monotonic() - started < 30:
+                s.sendall(drip)  # a fresh byte every 0.1 s: no single recv ever waits long
+                time.sleep(0.1)
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    chunk = s.recv(4096)
+                    answer += chunk
+                    if not chunk:
+                        break
+                s.setblocking(True)
+        assert time.monotonic() - started < 30, "the dripping request was never cut off"
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+
+
+def test_connections_beyond_the_cap_evict_the_oldest() -> None:
+    """Idle connections beyond max_connections are closed (oldest first); a new probe
+    still gets in at once."""
+    with HealthServer(Metrics(), max_connections=4, request_timeout=60) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(30)]
+        try:
+            deadline = time.monotonic() + 30
+            while server.open_connections != 4:
+                assert time.monotonic() < deadline, f"{server.open_connections} open"
+                time.sleep(0.05)
+            idle[0].settimeout(10)
+            assert idle[0].recv(1) == b""  # the oldest was closed by the server
+            assert get(server, "/healthz")[:2] == (200, "ok\n")
+            assert server.open_connections <= 4
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_running_drain_outlives_the_request_deadline() -> None:
+    """A POST /drain whose callback runs longer than request_timeout still gets its 200,
+    and probes answer meanwhile."""
+    release = threading.Event()
+    with HealthServer(Metrics(), on_drain=lambda: release.wait(30), request_timeout=0.5) as server:
+        done: list[int] = []
+        hook = threading.Thread(target=lambda: done.append(post(server.port, "/drain", timeout=30)))
+        hook.start()
+        deadline = time.monotonic() + 30
+        while server.state != "draining":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(1.0)  # past the request deadline while the callback runs
+        assert get(server, "/healthz")[0] == 200
+        release.set()
+        hook.join(30)
+        assert done == [200]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n", 431),
+        (b"POST /drain HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+        (b"POST /drain HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", 413),
+        (b"DELETE /healthz HTTP/1.1\r\n\r\n", 405),
+        (b"GET http://x/healthz HTTP/1.1\r\n\r\n", 400),
+        (b"GET /healthz HTTP/2.0\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\n folded\r\n\r\n", 400),
+    ],
+)
+def test_malformed_requests_get_a_4xx(request_bytes: bytes, status: int) -> None:
+    """Each malformed or oversized request is answered with its 4xx, not served."""
+    with HealthServer(Metrics()) as server:
+        answer = _raw(server.port, request_bytes)
+        assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:80]
+        assert get(server, "/healthz")[0] == 200

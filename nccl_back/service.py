@@ -881,7 +881,11 @@ class WeightService:
         code = fallback_reason(reason) if reason is not None else "other"
         if reason is not None:
             self.metrics.record_fallback(code)
-            a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
+            if a.elected and isinstance(reason, NobodyHolds):
+                # Nothing went wrong: the first worker of a version must download it.
+                a.log.info("first_of_version", reason=code, detail=str(reason))
+            else:
+                a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
         hashes: dict[str, str] = {}
         stream = self._open_stream(a) if a.elected else None
 

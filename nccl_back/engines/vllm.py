@@ -82,6 +82,24 @@ STAGE = "loaded"
 # configures logging.
 log = logging.getLogger("vllm.nccl_back")
 
+
+class _ToEngineLog(logging.Handler):
+    """Hands the library's own warnings and errors (``nccl_back.*``: ``no_secret``,
+    ``record_rejected``, ``publish_failed`` ...) to vLLM's logger, so they appear where
+    the engine's own do, at their level; below WARNING they stay with the application's
+    logging configuration, as for any embedding."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if log.isEnabledFor(record.levelno):
+            log.handle(record)
+
+
+def _route_library_logs() -> None:
+    """Install :class:`_ToEngineLog` once per process (vLLM calls ``register`` in each)."""
+    root = logging.getLogger("nccl_back")
+    if not any(isinstance(h, _ToEngineLog) for h in root.handlers):
+        root.addHandler(_ToEngineLog(logging.WARNING))
+
 #: Services of this process, kept open (serving) until the process exits.
 _SERVICES: list[WeightService] = []
 
@@ -95,6 +113,20 @@ def register() -> None:
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not NcclBackModelLoader:
         register_model_loader(LOAD_FORMAT)(NcclBackModelLoader)
+    _route_library_logs()
+
+
+def _outcome(result: LoadResult) -> tuple[str, int]:
+    """The summary's tail and level: a peer load, or the first engine of a version (no
+    live peer held it: nothing went wrong, it downloads and serves the next ones), is
+    INFO; any other storage load is a fallback that an operator should see (WARNING)."""
+    why = result.fallback_reason
+    if result.source == "peer" or why is None:
+        return "", logging.INFO
+    if why.startswith("no_peer:"):
+        return (f"; first engine of this version, it will serve the next ones ({why})",
+                logging.INFO)
+    return f"; fallback: {why}", logging.WARNING
 
 
 def settings_from(extra: Any) -> Settings:
@@ -269,13 +301,13 @@ class NcclBackModelLoader(BaseModelLoader):
             self._truth = integrity.layer_hashes(state, mode="sampled")
         _SERVICES.append(service)
         atexit.register(service.close)
-        reason = f"; fallback: {result.fallback_reason}" if result.fallback_reason else ""
         phases = ", ".join(f"{k} {v:.3f}" for k, v in {"identity": identity_s,
                                                        **result.timings}.items())
-        log.info("nccl_back: loaded version %s from %s%s: %.1f MB in %.3f s (%.2f GB/s)"
-                 " [%s]%s", result.version[:12], result.source,
-                 f" {result.peer_id}" if result.peer_id else "", result.bytes / 1e6,
-                 result.seconds, result.gbps, phases, reason)
+        reason, level = _outcome(result)
+        log.log(level, "nccl_back: loaded version %s from %s%s: %.1f MB in %.3f s (%.2f GB/s)"
+                " [%s]%s", result.version[:12], result.source,
+                f" {result.peer_id}" if result.peer_id else "", result.bytes / 1e6,
+                result.seconds, result.gbps, phases, reason)
 
     def _spec(self, vllm_config: VllmConfig, model_config: ModelConfig) -> ModelSpec:
         path = model_config.model

@@ -23,9 +23,17 @@ ENGINE = HERE / "engine.py"
 
 _LOADED = re.compile(
     r"nccl_back: loaded version (?P<version>\w+) from (?P<source>peer|storage)"
-    r"(?: (?P<peer>\S+))?:.*?(?:; fallback: (?P<reason>.*))?$",
+    r"(?: (?P<peer>\S+))?:.*?(?:; fallback: (?P<reason>.*)"
+    r"|; first engine of this version, it will serve the next ones \((?P<first>.*)\))?$",
     re.M,
 )
+
+
+def _fields(m: re.Match[str]) -> dict[str, str | None]:
+    out = m.groupdict()
+    if out["first"] is not None:
+        out["reason"] = out["first"]
+    return out
 
 
 @dataclass
@@ -112,11 +120,12 @@ class Engine:
 
     def loaded_ranks(self) -> list[dict[str, str | None]]:
         """The nccl_back load line of each rank (one per vLLM worker), in log order."""
-        return [m.groupdict() for m in _LOADED.finditer(self.log())]
+        return [_fields(m) for m in _LOADED.finditer(self.log())]
 
     def loaded(self) -> dict[str, str | None]:
-        """What the nccl_back loader logged: version, source, peer and fallback reason."""
+        """What the nccl_back loader logged: version, source, peer, the reason it loaded
+        from storage (a fallback, or ``first``: the first engine of its version)."""
         m = _LOADED.search(self.log())
         if m is None:
             pytest.fail(f"engine {self.name} logged no nccl_back load line:\n{self.tail()}")
-        return m.groupdict()
+        return _fields(m)

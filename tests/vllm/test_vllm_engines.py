@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -78,6 +79,11 @@ def test_unreachable_redis_falls_back_to_storage(fleet: Fleet) -> None:
     assert loaded["source"] == "storage"
     assert loaded["reason"] is not None and loaded["reason"].startswith("registry_error:")
     assert tokens == by_name(fleet, "auto").wait_ready()["tokens"]
+    log = engine.log()
+    # A fallback an operator must see: at WARNING in vLLM's own output, with the
+    # library's own event (routed to vLLM's logger) saying why.
+    assert re.search(r"WARNING [^\n]*nccl_back: loaded version \w+ from storage", log), log[-3000:]
+    assert re.search(r"WARNING [^\n]*fallback_to_storage [^\n]*reason='registry_error'", log)
 
 
 def test_peer_load_matches_auto(fleet: Fleet) -> None:
@@ -85,6 +91,13 @@ def test_peer_load_matches_auto(fleet: Fleet) -> None:
     a = by_name(fleet, "a")
     a_tokens = a.wait_ready()["tokens"]
     assert a.loaded()["source"] == "storage"
+    a_log = a.log()
+    # The first engine of a version says so, at INFO: nothing went wrong. The library's
+    # own warnings (no secret here) reach vLLM's output.
+    assert re.search(r"INFO [^\n]*nccl_back: loaded version \w+ from storage[^\n]*; first engine"
+                     r" of this version", a_log), a.tail()
+    assert "fallback_to_storage" not in a_log and "fallback:" not in a_log
+    assert re.search(r"WARNING [^\n]*no_secret ", a_log), a.tail()
     b = fleet.start("b", hold=True)
     b_tokens = b.wait_ready()["tokens"]
     loaded = b.loaded()

@@ -184,14 +184,14 @@ def _check_header(buf: Any, header: ShardHeader) -> None:
 
 #: Bytes read and checksummed at a time: small enough that the CRC32C reads them from
 #: the CPU cache right after the kernel wrote them.
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 1 << 20
 
 
 def _read_exact(fd: int, dest: np.ndarray, offset: int, path: str, size: int) -> None:
     """Fill ``dest`` from ``offset`` of the file; a short read means the file shrank."""
     done = 0
     while done < dest.size:
-        n = os.preadv(fd, [memoryview(dest[done:])], offset + done)
+        n = os.preadv(fd, [dest[done:].data], offset + done)
         if n == 0:
             raise CheckpointFormatError(
                 f"{path}: ended at byte {offset + done} while being loaded, its identity says"

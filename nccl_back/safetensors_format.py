@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,3 +287,11 @@ def read_raw_header(storage: Storage, shard: Shard) -> bytes:
 def read_header(storage: Storage, shard: Shard) -> HeaderRecord:
     """Read and validate one shard's header."""
     return parse(read_raw_header(storage, shard), shard.uri, shard.size)
+
+
+def validate_headers(storage: Storage, shards: Sequence[Shard]) -> list[HeaderRecord]:
+    """Read and validate every shard's header, in parallel (remote reads are round-trip
+    bound); the first malformed one raises :class:`CheckpointFormatError` naming it."""
+    workers = max(1, min(storage.settings.storage_workers, len(shards)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-header") as pool:
+        return list(pool.map(lambda s: read_header(storage, s), shards))

@@ -302,3 +302,38 @@ def test_fingerprint_uses_the_settings_cache_dir(tmp_path: Path) -> None:
     os.utime(ckpt / "model-00001-of-00001.safetensors", (past, past))
     ModelSpec.from_dir(str(ckpt), settings=settings)
     assert (tmp_path / "mine" / CACHE_NAME).exists()
+
+
+def _one_shard(directory: Path, header: bytes, data: bytes) -> ModelSpec:
+    import struct
+
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return ModelSpec.from_dir(str(directory), cache_dir=str(directory / "cache"))
+
+
+@pytest.mark.parametrize("shape", [[0], [3, 0], [0, 0, 7]])
+def test_zero_element_tensors_of_one_shape_are_not_tied(tmp_path: Path, shape: list[int]) -> None:
+    """Several zero-element tensors of one shape and dtype (the reference loads them) are
+    distinct tensors of a header-built skeleton, each filled once, not "filled twice"."""
+    entry = {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}
+    header = {"a": entry, "b": entry, "c": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+              "d": entry}
+    spec = _one_shard(tmp_path / "ckpt", json.dumps(header).encode(), bytes(4))
+    skeleton = flat_skeleton(spec)
+    tensors, aliases = named_tensors(skeleton)
+    assert sorted(tensors) == ["a", "b", "c", "d"] and aliases == {}
+    result = load_from_storage(skeleton, spec)
+    assert result.bytes == 4
+
+
+@pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2"])
+def test_a_dtype_torch_cannot_hold_is_refused_by_tensor_name(tmp_path: Path, dtype: str) -> None:
+    """A valid file with a sub-byte dtype torch has no element type for: the skeleton
+    build refuses it naming the file, the tensor and the dtype."""
+    header = {"w": {"dtype": dtype, "shape": [8], "data_offsets": [0, 8 * (4 if dtype == "F4" else 6) // 8]}}
+    nbytes = header["w"]["data_offsets"][1]
+    spec = _one_shard(tmp_path / "ckpt", json.dumps(header).encode(), bytes(nbytes))
+    with pytest.raises(CheckpointFormatError, match=rf"model\.safetensors: tensor 'w' has dtype {dtype}"):
+        flat_skeleton(spec)

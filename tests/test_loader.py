@@ -337,3 +337,18 @@ def test_a_dtype_torch_cannot_hold_is_refused_by_tensor_name(tmp_path: Path, dty
     spec = _one_shard(tmp_path / "ckpt", json.dumps(header).encode(), bytes(nbytes))
     with pytest.raises(CheckpointFormatError, match=rf"model\.safetensors: tensor 'w' has dtype {dtype}"):
         flat_skeleton(spec)
+
+
+def test_a_strided_skeleton_tensor_loads_exactly(tmp_path: Path) -> None:
+    """A skeleton tensor that is not contiguous (a transposed view) gets the checkpoint's
+    values element by element, like a contiguous one."""
+    source = nn.Linear(3, 4)
+    save_file({"weight": source.weight.detach().clone(), "bias": source.bias.detach().clone()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    spec = ModelSpec.from_dir(str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    target = nn.Linear(3, 4)
+    target.weight = nn.Parameter(torch.empty(3, 4).t())
+    assert not target.weight.is_contiguous()
+    load_from_storage(target, spec)
+    assert _raw(target.weight) == _raw(source.weight) and _raw(target.bias) == _raw(source.bias)

@@ -322,7 +322,9 @@ def load_from_storage(
     :class:`ShardNotFoundError`, :class:`ChecksumMismatchError` or :class:`StorageError`.
     ``on_download(n)`` is told of each downloaded chunk of a remote shard (progress bars).
     ``on_filled(name)`` is told of each skeleton tensor once its bytes are in place, after
-    its shard's CRC32C passed (a download streamed to waiting workers, relay.py).
+    its shard's CRC32C passed (a download streamed to waiting workers, relay.py). A local
+    shard is checked over the bytes read into its tensors, so when it fails (changed on
+    disk) those tensors hold what was read: never reported filled, and the load raises.
     """
     settings = settings or (storage.settings if storage is not None else Settings())
     storage = storage or Storage(settings)

@@ -1,73 +1,75 @@
 """Safetensors checkpoints: headers, the shard index, and a skeleton built from headers.
 
-A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
-(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``),
-then the tensor bytes. We parse headers ourselves rather than through the
-``safetensors`` package because we need them from a byte range of a remote object,
-before any tensor byte is downloaded, and with offsets we can read in place (mmap,
-a downloaded buffer). Every malformation raises :class:`CheckpointFormatError` naming
-the file. We are as strict as the reference library: the header is a JSON object
-(bounded nesting), and the tensors' ``data_offsets`` tile the data section exactly,
-in order, without gaps or overlaps, so a small file cannot declare tensors it does
-not hold (20,000 entries over the same bytes would declare a huge skeleton).
+Headers are parsed by :mod:`nccl_back.safetensors_format` (the reference library's
+rules, without torch); here their dtypes become torch's. Every malformation raises
+:class:`CheckpointFormatError` naming the file. A dtype the reference knows but torch
+has no element type for (``F4``, ``F6_E2M3``, ``F6_E3M2``: sub-byte elements) is a valid
+header; it is refused when a tensor of it is to be loaded, by name and dtype.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from . import bounded_json
+from . import safetensors_format as fmt
 from .config import Settings
 from .errors import CheckpointFormatError, SkeletonError
 from .index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
 from .index import parse_index as parse_index
+from .safetensors_format import HEADER_PROBE_BYTES as HEADER_PROBE_BYTES
+from .safetensors_format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from .safetensors_format import header_length as header_length
 from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from .storage import Shard, Storage
 
 if TYPE_CHECKING:
     from .identity import ModelSpec
 
-#: safetensors dtype names -> torch dtypes.
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+# safetensors dtype names -> torch dtype names (looked up on the installed torch: the
+# newer float8 kinds are missing from older releases).
+_TORCH_NAMES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
 }
 
-#: The safetensors library's own limit on the JSON header size.
-MAX_HEADER_BYTES = 100 << 20
+#: safetensors dtype names -> torch dtypes, for those this torch has.
+DTYPES: dict[str, torch.dtype] = {
+    st: getattr(torch, name) for st, name in _TORCH_NAMES.items()
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
 
-#: Bytes read speculatively for a header; most headers fit, larger ones cost one more read.
-HEADER_PROBE_BYTES = 256 << 10
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives in its file: ``[start, end)`` are absolute byte offsets."""
+    """Where one tensor lives in its file: ``[start, end)`` are absolute byte offsets;
+    ``st_dtype`` is the header's dtype name."""
 
     name: str
-    dtype: torch.dtype
+    st_dtype: str
     shape: tuple[int, ...]
     start: int
     end: int
+    uri: str = ""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype; :class:`CheckpointFormatError` for one torch cannot hold."""
+        found = DTYPES.get(self.st_dtype)
+        if found is None:
+            raise CheckpointFormatError(
+                f"{self.uri}: tensor {self.name!r} has dtype {self.st_dtype}, which this torch"
+                f" {torch.__version__} has no element type for; nccl_back cannot load it"
+            )
+        return found
 
     @property
     def nbytes(self) -> int:
@@ -86,122 +88,19 @@ class ShardHeader:
     """The header's bytes as read (length field and JSON), to compare with a later read."""
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of duplicate keys silently; a tensor listed twice is corrupt.
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def header_length(prefix: bytes, uri: str, file_size: int) -> int:
-    """Bytes taken by the length field plus the JSON header, from the file's first 8 bytes."""
-    if file_size < 8 or len(prefix) < 8:
-        raise CheckpointFormatError(f"{uri}: {file_size} bytes is too short for a safetensors file")
-    (n,) = struct.unpack("<Q", prefix[:8])
-    if n > MAX_HEADER_BYTES:
-        raise CheckpointFormatError(f"{uri}: header length {n} is implausible (not safetensors?)")
-    if 8 + n > file_size:
-        raise CheckpointFormatError(f"{uri}: truncated: header needs {8 + n} bytes, file has {file_size}")
-    return 8 + n
-
-
 def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
     """Parse and validate a header; ``data`` starts at byte 0 and covers the whole header."""
-    total = header_length(data, uri, file_size)
-    if len(data) < total:
-        raise CheckpointFormatError(f"{uri}: truncated header ({len(data)} of {total} bytes)")
-    if data[8:9] != b"{":
-        # The reference library's rule too: a header is an object, nothing before it.
-        raise CheckpointFormatError(f"{uri}: malformed safetensors header: does not start with '{{'")
-    try:
-        raw = bounded_json.loads(
-            data[8:total], max_bytes=MAX_HEADER_BYTES, object_pairs_hook=_no_duplicates
-        )
-    except ValueError as e:
-        raise CheckpointFormatError(f"{uri}: malformed safetensors header: {e}") from e
-    if not isinstance(raw, dict):
-        raise CheckpointFormatError(f"{uri}: malformed safetensors header: not a JSON object")
-    metadata = raw.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise CheckpointFormatError(f"{uri}: __metadata__ must map strings to strings")
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in raw.items():
-        tensors[name] = _tensor_info(name, entry, uri, total, file_size)
-    _check_tiling(tensors, uri, file_size - total, total)
-    return ShardHeader(uri, file_size, tensors, metadata, bytes(data[:total]))
-
-
-def _check_tiling(
-    tensors: Mapping[str, TensorInfo], uri: str, data_bytes: int, data_start: int
-) -> None:
-    """The tensors' byte ranges must cover ``[0, data_bytes)`` of the data section
-    exactly once, as the reference library requires: no overlap, no gap, nothing after."""
-    covered = 0
-    previous = ""
-    for info in sorted(tensors.values(), key=lambda i: (i.start, i.end, i.name)):
-        begin, end = info.start - data_start, info.end - data_start
-        if begin < covered:
-            raise CheckpointFormatError(
-                f"{uri}: tensor {info.name!r} data_offsets [{begin}, {end}] overlap "
-                f"tensor {previous!r} (which ends at {covered})"
-            )
-        if begin > covered:
-            raise CheckpointFormatError(
-                f"{uri}: tensor {info.name!r} data_offsets start at {begin}, leaving bytes "
-                f"[{covered}, {begin}) of the data section to no tensor"
-            )
-        covered, previous = end, info.name
-    if covered != data_bytes:
-        raise CheckpointFormatError(
-            f"{uri}: the tensors cover {covered} bytes of a {data_bytes}-byte data section; "
-            "safetensors requires them to cover it exactly"
-        )
-
-
-def _tensor_info(name: str, entry: Any, uri: str, data_start: int, file_size: int) -> TensorInfo:
-    try:
-        dtype = DTYPES[entry["dtype"]]
-        shape = tuple(entry["shape"])
-        begin, end = entry["data_offsets"]
-        if not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)
-        ):
-            raise ValueError("shape and data_offsets must be non-negative integers")
-        if begin > end:
-            raise ValueError(f"data_offsets [{begin}, {end}] end before they begin")
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointFormatError(f"{uri}: malformed entry for tensor {name!r}: {e!r}") from e
-    numel = 1
-    for d in shape:
-        numel *= d
-    if end - begin != numel * dtype.itemsize:
-        raise CheckpointFormatError(
-            f"{uri}: tensor {name!r} has {end - begin} bytes, its shape {list(shape)} and "
-            f"dtype {entry['dtype']} need {numel * dtype.itemsize}"
-        )
-    if data_start + end > file_size:
-        raise CheckpointFormatError(
-            f"{uri}: truncated: tensor {name!r} ends at byte {data_start + end}, file has {file_size}"
-        )
-    return TensorInfo(name, dtype, shape, data_start + begin, data_start + end)
+    rec = fmt.parse(data, uri, file_size)
+    tensors = {
+        name: TensorInfo(name, t.dtype, t.shape, rec.length + t.begin, rec.length + t.end, uri)
+        for name, t in rec.tensors.items()
+    }
+    return ShardHeader(uri, file_size, tensors, rec.metadata, bytes(data[: rec.length]))
 
 
 def read_header(storage: Storage, shard: Shard) -> ShardHeader:
     """Read one shard's header (one ranged read, two for headers over 256 KiB)."""
-    prefix = storage.read_range(shard.uri, 0, min(shard.size, HEADER_PROBE_BYTES))
-    if len(prefix) != min(shard.size, HEADER_PROBE_BYTES):
-        raise CheckpointFormatError(
-            f"{shard.uri}: truncated: {len(prefix)} bytes read, its identity says {shard.size}"
-        )
-    total = header_length(prefix, shard.uri, shard.size)
-    if total > len(prefix):
-        prefix += storage.read_range(shard.uri, len(prefix), total)
-    return parse_header(prefix, shard.uri, shard.size)
+    return parse_header(fmt.read_raw_header(storage, shard), shard.uri, shard.size)
 
 
 def read_headers(storage: Storage, shards: Sequence[Shard]) -> list[ShardHeader]:

@@ -182,10 +182,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    """Print the version, a pipeline's components, and every shard's CRC32C."""
-    from .identity import ModelSpec
+    """Print the version, a pipeline's components, and every shard's CRC32C.
 
-    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), settings=Settings.from_env())
+    Every shard's header is read and validated too: a version is only given to
+    files that a load would accept as safetensors.
+    """
+    from .identity import ModelSpec
+    from .safetensors_format import validate_headers
+    from .storage import Storage
+
+    storage = Storage(Settings.from_env())
+    spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), storage=storage)
+    validate_headers(storage, spec.shards)
     components = [
         {"name": c, "class": ".".join(spec.component_class(c)),
          "files": len(spec.component_shards(c)),

@@ -14,7 +14,7 @@ computed once, streamed through one reused buffer, and cached on disk keyed by t
 file's identity (path, size, mtime, inode, ctime), so a restart reads no shard bytes.
 A file modified less than 2 s before it is checksummed is not cached: a same-size
 rewrite within the file system's timestamp granularity would keep the same key. The
-loader checks local shards against the same cache (:func:`cached_crc32c`).
+loader does not consult the cache: it checksums the bytes it reads into the tensors.
 
 A diffusers pipeline folder (``model_index.json`` at the root, one folder per
 component) is one spec: its version covers ``model_index.json``, every component's
@@ -23,6 +23,7 @@ JSON files and every weight file, named ``component/file``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -112,16 +113,24 @@ class CrcCache:
         """Write atomically (tmp + rename): a concurrent reader sees the old or new file."""
         if not self.dirty:
             return
+        tmp: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".crc32c-", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 json.dump(self.entries, f, sort_keys=True)
             os.replace(tmp, self.path)
+            tmp = None
             self.dirty = False
         except OSError as e:
             # The cache is an optimisation: failing to write it must not fail the load.
             log.warning("crc_cache_write_failed", path=str(self.path), error=str(e))
+        finally:
+            if tmp is not None:
+                # A write that failed (disk full, a file size limit) must not leave its
+                # temporary file behind: each failed save would leak another.
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
 
 def file_crc32c(

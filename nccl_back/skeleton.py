@@ -187,7 +187,10 @@ def named_tensors(model: Model) -> tuple[dict[str, torch.Tensor], dict[str, str]
     seen: dict[tuple[Any, ...], str] = {}
     for name in sorted(everything):
         t = everything[name]
-        key = ("id", identity[name]) if t.device.type == "meta" else _storage_key(t)
+        # A zero-element tensor holds no bytes, so its address says nothing (two empty
+        # buffers of one shape share it): only the same object is the same tensor.
+        key = (("id", identity[name]) if t.device.type == "meta" or t.numel() == 0
+               else _storage_key(t))
         if key in seen:
             aliases[name] = seen[key]
             continue

@@ -62,16 +62,16 @@ def test_the_reference_library_writes_what_we_accept(tmp_path: Path) -> None:
         ({"a": _entry(8, 4, [0])}, bytes(8), r"end before they begin"),
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [False, 8]}}, bytes(8),
          r"non-negative integers"),
-        (b" " + json.dumps({"a": _entry(0, 4)}).encode(), bytes(4), r"does not start with '\{'"),
+        (b"\x0b" + json.dumps({"a": _entry(0, 4)}).encode(), bytes(4), r"malformed safetensors header"),
         (b"{\"a\": " + b"[" * 5000 + b"]" * 5000 + b"}", b"", r"nested 5001 deep"),
-        (json.dumps({"__metadata__": {"x": "y"}, "a": _entry(0, 4)}).encode()[:-1]
-         + b', "z": ' + b"[" * 100 + b"]" * 100 + b"}", bytes(4), r"nested 101 deep"),
+        (json.dumps({"__metadata__": {"x": "y"}, "a": _entry(0, 4)}).encode()[:-2]
+         + b', "z": ' + b"[" * 126 + b"]" * 126 + b"}}", bytes(4), r"nested 128 deep"),
     ],
 )
 def test_crafted_headers_are_format_errors(
     header: dict[str, Any] | bytes, data: bytes, message: str
 ) -> None:
-    """Overlaps, gaps, uncovered bytes, reversed offsets, bad starts and deep JSON are refused."""
+    """Overlaps, gaps, uncovered bytes, reversed offsets, non-JSON whitespace and deep JSON are refused."""
     with pytest.raises(CheckpointFormatError, match=r"crafted\.safetensors: .*" + message):
         _parse(_file(header, data))
 

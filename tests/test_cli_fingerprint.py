@@ -101,3 +101,39 @@ def test_console_script_reports_without_traceback(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "missing' not found" in proc.stderr
+
+
+def _header_of(entries: bytes, data: bytes) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(entries)) + entries + data
+
+
+_E = b'"dtype":"F32","shape":[1],"data_offsets":[0,4]'
+
+
+@pytest.mark.parametrize(
+    ("blob", "reason"),
+    [
+        (_header_of(b"{" * 40, bytes(4)), "malformed safetensors header"),
+        (_header_of(b'{"a":{' + _E + b'},"b":{' + _E + b"}}", bytes(4)), "overlap"),
+        (_header_of(b'{"\\ud800":{' + _E + b"}}", bytes(4)), "lone surrogate"),
+        (_header_of(b'{"a":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}}', b""),
+         "non-negative integers"),
+        (_header_of(b'{"__metadata__":[],"a":{' + _E + b"}}", bytes(4)), "__metadata__ must map"),
+        ((100_000_001).to_bytes(8, "little") + b"{}", "over the safetensors limit"),
+        (_header_of(b'{"a":{' + _E + b"}}", bytes(8)), "cover 4 bytes of a 8-byte data section"),
+    ],
+    ids=["garbage", "overlap", "surrogate", "minus-zero", "metadata-list", "too-long", "trailing"],
+)
+def test_fingerprint_refuses_a_malformed_header(
+    tmp_path: Path, cache_dir: str, capsys: pytest.CaptureFixture[str], blob: bytes, reason: str
+) -> None:
+    """fingerprint reads every shard's header: a malformed one gets no version, exit 1 and
+    one line naming the file and the rule it broke."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(blob)
+    assert main(["fingerprint", str(tmp_path), "--cache-dir", cache_dir]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.splitlines()) == 1 and "model.safetensors" in err and reason in err, err

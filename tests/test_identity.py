@@ -214,3 +214,36 @@ def test_malformed_json_is_rejected(bad: Any) -> None:
     """Malformed spec JSON raises ConfigError."""
     with pytest.raises(ConfigError, match="malformed ModelSpec JSON"):
         ModelSpec.from_json(bad)
+
+
+_FULL_DISK = r"""
+import os, resource, signal, sys
+from nccl_back.identity import CrcCache
+# Past the limit a write fails with EFBIG (SIGXFSZ ignored), as on a full disk: the
+# temporary file exists by then.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+cache = CrcCache(sys.argv[1])
+st = os.stat(sys.argv[1])
+for i in range(100):
+    cache.put(f"/model/shard-{i}.safetensors", st, "0badf00d")
+cache.save()
+cache.save()  # a second failed save must not leak a second file
+print("dirty" if cache.dirty else "clean")
+"""
+
+
+def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """A CRC-cache save whose write fails after its temporary file was created (a file
+    size limit: EFBIG, as a full disk gives ENOSPC) removes the file; the load goes on."""
+    import subprocess
+    import sys
+
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(cache_dir)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "dirty"  # not saved, so it will be tried again
+    assert sorted(p.name for p in cache_dir.iterdir()) == []

@@ -584,6 +584,16 @@ class Registry:
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
         if dead:
             self._call("SREM", lambda: self.client.srem(index, *dead))
+        if len(dead) == len(ids):
+            # An index of dead peers only: stale (a restored copy) or forged. It must not
+            # hide a live holder until its next heartbeat: the peer keys are the truth.
+            prefix = self._peer_key(version, rank, world_size, "")
+            keys = sorted(self.scan(f"peer:{version}:{rank}:{world_size}:*"))
+            if not keys:
+                return []
+            self.reject(RecordKind.INDEX, index, f"{len(ids)} members, none alive; peer keys scanned")
+            raws, ttls = self._get_with_ttls(keys)
+            keys = [k if k.startswith(prefix) else "" for k in keys]
         peers: list[PeerInfo] = []
         for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
             if raw is None:

@@ -396,9 +396,12 @@ class WeightService:
             except UntrustedRecordError:
                 return False
 
-        # Holders whose truth is missing re-publish it within a heartbeat: only after two
-        # is it this worker's turn to download (single flight still holds: one of us).
-        after = 2 * s.heartbeat_interval if isinstance(a.reason, NoTruth) else 0.0
+        # Holders re-publish their entry and truth at every heartbeat, over whatever
+        # Redis lost or an attacker wrote there: while entries exist that cannot be used
+        # (rejected, or no truth to verify them), this worker downloads only once a live
+        # holder would have re-published (within peer_ttl, or it counts as dead). The
+        # single flight still holds: one of the waiters takes the lease.
+        after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
         outcome, who, error = elect(a.lease, sees_peer, a.group, a.rank, s, lease_after=after)
         waited = round(time.monotonic() - waited, 3)
         if outcome == "peer":

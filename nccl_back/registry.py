@@ -18,6 +18,10 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
     ns:cohort:{v}:{r}:{w}:{d}       hash {n, epoch}            TTL cohort_window (relay.py)
     ns:cohort:{v}:{r}:{w}:{d}:{e}:{c}  list of member JSON     TTL transfer_timeout + busy_wait
     ns:hs:{transfer_id}:{name}      handshake values, refusals  short TTL (handshake.py)
+    ns:stream:{v}:{r}:{w}:{d}       relay endpoint of a download, signed (relay.py)
+
+Each kind of record read back is one :class:`~nccl_back.errors.RecordKind` (the label
+it is rejected and counted under).
 
 The index set is only a hint to avoid ``SCAN`` on the hot path: the per-peer key with
 its TTL is the truth, and members whose key expired are dropped when read.

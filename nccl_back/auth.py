@@ -92,7 +92,8 @@ class Signer:
                 expected = _mac(self.key, redis_key, body)
             except (TypeError, ValueError) as e:
                 raise UntrustedRecordError(f"{redis_key}: record cannot be canonicalised: {e}") from e
-            if not hmac.compare_digest(sig, expected):
+            # As bytes: compare_digest raises TypeError on a non-ASCII str (a hostile sig).
+            if not hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), expected.encode()):
                 raise UntrustedRecordError(f"{redis_key}: bad signature")
             exp = body.get(EXP)
             if exp is not None:

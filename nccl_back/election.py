@@ -18,7 +18,12 @@ is still alive (its lease is still being renewed): then it keeps waiting, up to
 ``Settings.single_flight_max_wait``, because a large model can take longer.
 
 Key: :meth:`Registry.lease_key` -> ``{"owner": worker_id}``, TTL = lease, keyed by
-version and world size (one per worker, never per rank).
+version and world size (one per worker, never per rank). The lease is signed with an
+expiry inside the signature and renewed by re-signing it (compare-and-set on the value
+its owner wrote), so a lease that does not verify (written without the secret, a
+stale genuine copy, garbage, another Redis type, a TTL far beyond ``download_lease``)
+is never obeyed: the next waiter takes it over atomically (:meth:`Registry.acquire`)
+and downloads, at most one of them.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+from . import records
 from .config import Settings
 from .consensus import Group, gather
-from .errors import NcclBackError
+from .errors import NcclBackError, RecordKind
 from .log import get_logger
 from .registry import Registry
 
@@ -44,22 +50,6 @@ _ELECTED = 2  # rank 0 only
 _GIVE_UP = 4  # rank 0 only
 _FAILED = 8  # this rank could not poll (Redis): the group stops waiting
 
-# Renew/release only while the lease is still ours: after an expiry another worker
-# may hold it, and a late renewal or release must not take it from them.
-_RENEW_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if raw and cjson.decode(raw)['owner'] == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-_RELEASE_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if raw and cjson.decode(raw)['owner'] == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 class DownloadLease:
@@ -70,8 +60,9 @@ class DownloadLease:
         self.key = registry.lease_key(version, world)
         self.owner = owner
         self.ttl = ttl
-        self._renew = registry.client.register_script(_RENEW_LUA)
-        self._release = registry.client.register_script(_RELEASE_LUA)
+        self._raw: str | None = None
+        """The exact value we stored: renewals and the release compare against it, so
+        after an expiry a late renewal or release never takes the lease from its new owner."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -84,8 +75,11 @@ class DownloadLease:
         """Take the lease if nobody holds it; start renewing it if taken."""
         if self._thread is not None:
             return True
-        got = self.registry.set_json(self.key, {"owner": self.owner}, self.ttl, nx=True)
+        raw = self.registry.acquire(self.key, {"owner": self.owner}, self.ttl, RecordKind.LEASE,
+                                    records.lease)
+        got = raw is not None
         if got:
+            self._raw = raw
             self._stop.clear()
             self._thread = threading.Thread(target=self._renew_loop, daemon=True,
                                             name="nccl-back-lease")
@@ -94,9 +88,11 @@ class DownloadLease:
         return got
 
     def holder(self) -> str | None:
-        """The worker holding the lease now, or None."""
-        value = self.registry.get_json(self.key)
-        return None if not isinstance(value, dict) else str(value.get("owner"))
+        """The worker holding the lease now, or None (also when the value there is not
+        to be trusted: skipped with a reason, counted, and taken over by the next try)."""
+        got = self.registry.get_signed(self.key, RecordKind.LEASE, parse=records.lease,
+                                       max_ttl=self.ttl)
+        return None if got is None else records.lease(got[0]).owner
 
     def release(self) -> None:
         """Stop renewing and drop the lease if it is still ours."""
@@ -105,16 +101,21 @@ class DownloadLease:
             self._thread.join(self.ttl)
             self._thread = None
             try:
-                self._release(keys=[self.key], args=[self.owner])
+                if self._raw is not None:
+                    self.registry.compare_and_delete(self.key, self._raw)
             except Exception as e:  # expiry cleans up anyway
                 log.warning("download_lease_release_failed", key=self.key, error=str(e))
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             try:
-                if not self._renew(keys=[self.key], args=[self.owner, int(self.ttl * 1000)]):
+                # Re-signed, so the expiry inside the signature moves with the TTL.
+                new = self.registry.signed(self.key, {"owner": self.owner}, self.ttl)
+                if self._raw is None or not self.registry.compare_and_set(
+                        self.key, self._raw, new, self.ttl):
                     log.warning("download_lease_lost", key=self.key, owner=self.owner)
                     return
+                self._raw = new
             except Exception as e:
                 log.warning("download_lease_renew_failed", key=self.key, error=str(e))
 
@@ -127,6 +128,7 @@ def elect(
     settings: Settings,
     *,
     poll: float = 0.1,
+    lease_after: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> tuple[Outcome, int | None, NcclBackError | None]:
@@ -137,6 +139,9 @@ def elect(
     (rank 0 holds the lease: this worker downloads), ``"timeout"`` (nobody published in
     time: download too) or ``"error"`` (``rank`` could not poll; ``error`` is its
     :class:`NcclBackError` on that rank, None on the others). Same result on every rank.
+    ``lease_after``: seconds rank 0 waits before it tries the lease (holders exist but
+    their ground truth is missing: they re-publish it within a heartbeat, and a download
+    then would be one storage read too many).
     """
     start = clock()
     while True:
@@ -145,7 +150,7 @@ def elect(
         try:
             if sees_peer():
                 code |= _SEES_PEER
-            if rank == 0 and lease is not None:
+            if rank == 0 and lease is not None and clock() - start >= lease_after:
                 if lease.try_acquire():
                     code |= _ELECTED
                 elif _give_up(lease, clock() - start, settings):

@@ -7,6 +7,8 @@ that wrap a lower-level failure chain it (``raise ... from e``).
 
 from __future__ import annotations
 
+import enum
+
 
 class NcclBackError(Exception):
     """Root of every error nccl_back raises on purpose."""
@@ -130,8 +132,38 @@ FALLBACK_REASONS = (
 """Stable codes for why a worker loaded from storage instead of a peer (metric labels,
 the prefix of ``LoadResult.fallback_reason``)."""
 
-RECORD_KINDS = ("peer", "ground_truth", "request", "handshake")
-"""Kinds of Redis records that are verified and may be rejected (a metric label)."""
+class RecordKind(str, enum.Enum):
+    """Every kind of value nccl_back reads from Redis and may reject: the one list that
+    records, the registry (:meth:`Registry.reject`), the metrics (a label of
+    ``records_rejected``) and error messages share. A ``str``, so it is its own label."""
+
+    PEER = "peer"
+    """A peer entry (``ns:peer:...``)."""
+    INDEX = "index"
+    """The set of peer ids of one version and rank (``ns:peers:...``)."""
+    GROUND_TRUTH = "ground_truth"
+    """Integrity hashes of a storage load (``ns:gt:...``)."""
+    REQUEST = "request"
+    """A transfer request queued for a sender (``ns:req:...``)."""
+    HANDSHAKE = "handshake"
+    """A liveness-handshake value or refusal (``ns:hs:...``)."""
+    CLAIM = "claim"
+    """A receiver's send slot on a peer (``ns:claim:...``)."""
+    LEASE = "lease"
+    """The single-flight download lease (``ns:dl:...``)."""
+    COHORT = "cohort"
+    """A cohort's arrival counter and epoch (``ns:cohort:...``, a hash)."""
+    COHORT_MEMBER = "cohort_member"
+    """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
+    DOWNLOAD_STREAM = "download_stream"
+    """The relay endpoint a download is streamed from (``ns:stream:...``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+RECORD_KINDS = tuple(k.value for k in RecordKind)
+"""The :class:`RecordKind` values (metric labels of rejected records)."""
 
 # Most specific class first: TransferTimeoutError is also a TransferError.
 _REASON_BY_ERROR: tuple[tuple[type[BaseException], str], ...] = (

@@ -21,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .errors import FALLBACK_REASONS, RECORD_KINDS, ConfigError, fallback_reason
+from .errors import FALLBACK_REASONS, RECORD_KINDS, ConfigError, RecordKind, fallback_reason
 
 SOURCES = ("peer", "storage", "local")
 """Where a load's weights came from (``LoadResult.source``)."""
@@ -34,6 +34,9 @@ __all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SEND_ROLES", "SOURCES", "Metrics
 # Cold starts range from sub-second (local hand-off) to many minutes (large model from
 # storage); the default buckets stop at 10 s.
 LOAD_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, float("inf"))
+
+UNKNOWN_KIND = "unknown"
+"""The ``records_rejected`` label of a kind outside :class:`RecordKind` (never an error)."""
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """HTTP ``Content-Type`` of :meth:`Metrics.render`'s output."""
@@ -139,7 +142,7 @@ class Metrics:
             self.fallbacks.labels(reason=reason)
         for outcome in ("ok", "failed"):
             self.transfers_served.labels(outcome=outcome)
-        for kind in RECORD_KINDS:
+        for kind in (*RECORD_KINDS, UNKNOWN_KIND):
             self.records_rejected.labels(kind=kind)
 
     def record_load(self, source: str, nbytes: int, seconds: float) -> None:
@@ -179,9 +182,15 @@ class Metrics:
     def record_handshake_timeout(self) -> None:
         self.handshake_timeouts.inc()
 
-    def record_untrusted(self, kind: str) -> None:
-        """Count one rejected Redis record; ``kind`` is one of :data:`RECORD_KINDS`."""
-        self.records_rejected.labels(kind=_check(kind, RECORD_KINDS, "kind")).inc()
+    def record_untrusted(self, kind: RecordKind | str) -> None:
+        """Count one rejected Redis record by its :class:`RecordKind`.
+
+        Never raises: it runs inside ``load()`` whenever a hostile or stale value is
+        skipped, and a counter must not turn a skip into a failed load. A kind outside
+        the enumeration (a caller's bug) is counted as ``unknown``.
+        """
+        label = str(kind) if str(kind) in RECORD_KINDS else UNKNOWN_KIND
+        self.records_rejected.labels(kind=label).inc()
 
     def record_request_dropped(self) -> None:
         self.requests_dropped.inc()

@@ -249,6 +249,32 @@ def handshake(data: dict[str, Any], what: str = "handshake value") -> HandshakeV
     )
 
 
+@dataclass(frozen=True)
+class Lease:
+    """The single-flight download lease: which worker downloads (election.py)."""
+
+    owner: str
+
+
+def lease(data: dict[str, Any], what: str = "download lease") -> Lease:
+    return Lease(owner=ident(data, "owner", what))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A receiver's hold on one send slot of a peer."""
+
+    token: str
+    receiver: str
+
+
+def claim(data: dict[str, Any], what: str = "claim") -> Claim:
+    token = data.get("token")
+    if not isinstance(token, str) or not _CLAIM.fullmatch(token):
+        raise UntrustedRecordError(f"{what}: token must be a claim token, got {_show(token)}")
+    return Claim(token=token, receiver=ident(data, "receiver", what))
+
+
 def _is_ip(text: str, version: int) -> bool:
     try:
         return ipaddress.ip_address(text).version == version

@@ -12,12 +12,16 @@ its keys. Keys (``ns`` = namespace; ``v``/``r``/``w`` = version, rank, world siz
     ns:peers:{v}:{r}:{w}            set of peer_ids (index)    TTL peer_ttl (heartbeat refreshes)
     ns:gt:{v}:{r}:{w}:{d}           {"manifest_digest", "hashes"}, SET NX, TTL ground_truth_ttl
                                     hashes keyed "{mode}|{layer}" (:func:`encode_truth`)
-    ns:claim:{peer_id}:{slot}       {"token", "receiver"}      SET NX, TTL claim_ttl, renewed
+    ns:claim:{peer_id}:{slot}       {"token", "receiver"}      signed, SET NX, TTL claim_ttl, renewed
     ns:req:{peer_id}                list of request JSON       TTL peer_ttl, newest 256 kept
-    ns:dl:{v}:{w}                   {"owner": worker_id}       download lease (election.py)
+    ns:dl:{v}:{w}                   {"owner": worker_id}       signed, expiring: download lease (election.py)
     ns:cohort:{v}:{r}:{w}:{d}       hash {n, epoch}            TTL cohort_window (relay.py)
     ns:cohort:{v}:{r}:{w}:{d}:{e}:{c}  list of member JSON     TTL transfer_timeout + busy_wait
     ns:hs:{transfer_id}:{name}      handshake values, refusals  short TTL (handshake.py)
+    ns:stream:{v}:{r}:{w}:{d}       relay endpoint of a download, signed (relay.py)
+
+Each kind of record read back is one :class:`~nccl_back.errors.RecordKind` (the label
+it is rejected and counted under).
 
 The index set is only a hint to avoid ``SCAN`` on the hot path: the per-peer key with
 its TTL is the truth, and members whose key expired are dropped when read.
@@ -27,12 +31,20 @@ requests, handshake values) is signed when ``Settings.secret`` is set (:mod:`.au
 and parsed into a typed, bounded record (:mod:`.records`) when read. A value that is
 unsigned, badly signed, expired, malformed or kept without a TTL is skipped, logged
 (``record_rejected``) and counted (``on_untrusted``); it never raises out of a list.
-``SET NX`` also takes over a key kept without a TTL (it would otherwise hold a claim,
-a lease or the ground truth forever).
+``SET NX`` also takes over a key kept without a TTL or of the wrong Redis type (it
+would otherwise hold a claim, a lease or the ground truth forever).
+
+Hostile values cost a bounded delay, never the fleet (issue 18): whatever sits at a
+key, a writer with the secret repairs it atomically: a claim or lease that does not
+verify is taken over (:meth:`Registry.acquire`), a wrong-type index, request list or
+cohort is replaced in the same script that writes ours, and holders re-publish the
+ground truth they hold at every heartbeat (after a ``FLUSHALL`` or a failover to an
+empty replica, or over a forged record).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -49,7 +61,7 @@ from redis.exceptions import RedisClusterException
 from . import records, redisclient
 from .auth import Signer
 from .config import Settings
-from .errors import ConfigError, RegistryError, UntrustedRecordError
+from .errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
 from .log import get_logger
 from .records import PeerInfo
 
@@ -85,12 +97,71 @@ end
 return 0
 """
 
-# SET NX that first drops a key kept without a TTL: written by hand or by an attacker,
-# such a key would hold its claim, lease or ground truth forever.
+# SET NX that first drops a key kept without a TTL or holding another Redis type: written
+# by hand or by an attacker, such a key would hold its claim, lease or ground truth forever.
 _SET_NX_LUA = """
-if redis.call('PTTL', KEYS[1]) == -1 then redis.call('DEL', KEYS[1]) end
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'none' and (t ~= 'string' or redis.call('PTTL', KEYS[1]) == -1) then
+  redis.call('DEL', KEYS[1])
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
 return 0
+"""
+
+# Take over a key whose value the caller read and found untrusted (ARGV[1]; '' for a
+# wrong type): only if it still holds exactly that, so a genuine writer that got there
+# meanwhile keeps it.
+_TAKE_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if (t == 'string' and redis.call('GET', KEYS[1]) == ARGV[1]) or (t ~= 'string' and t ~= 'none') then
+  redis.call('DEL', KEYS[1])
+end
+if redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 1 end
+return 0
+"""
+
+# A peer entry and its index in one step; an index of another type (garbage) is
+# replaced, or it would refuse every publication and hide every holder.
+_PUBLISH_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local t = redis.call('TYPE', KEYS[2])['ok']
+if t ~= 'set' and t ~= 'none' then redis.call('DEL', KEYS[2]) end
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
+# Drop a key of another Redis type than ARGV[1]; extend it by ARGV[2] ms if given.
+_REPAIR_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return 0 end
+if t ~= ARGV[1] then redis.call('DEL', KEYS[1]) return -1 end
+if ARGV[2] ~= '' then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+# A request pushed onto a queue that may hold garbage of another type (replaced).
+_PUSH_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'list' and t ~= 'none' then redis.call('DEL', KEYS[1]) end
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# A holder's heartbeat on the ground truth it holds: 1 and extended if the value is
+# still the one it last verified (ARGV[1], its SHA-1), 0 absent, -1 another Redis type,
+# 2 changed (the caller reads and verifies it).
+_KEEP_TRUTH_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return 0 end
+if t ~= 'string' then return -1 end
+if ARGV[1] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 2
 """
 
 # Compare-and-set on the raw JSON value (handshake.py): the side
@@ -122,7 +193,23 @@ return 0
 # Take a seat in the current cohort: the n-th arrival of a window sits at position
 # (n-1) % max in chain (n-1) // max; the record is pushed in the same step, so the
 # list index is the position. A new window (the hash expired) gets a new epoch.
+# A cohort hash that is not one we write (another type, a counter or epoch that is no
+# number or name, no TTL or one far past the window) starts a new window instead of
+# refusing every join; so does a chain list of another type.
 _JOIN_COHORT_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'hash' then
+  local n0 = redis.call('HGET', KEYS[1], 'n')
+  local e0 = redis.call('HGET', KEYS[1], 'epoch')
+  local ttl = redis.call('PTTL', KEYS[1])
+  if not n0 or not e0 or not string.match(n0, '^%d%d?%d?%d?%d?%d?%d?%d?%d?$')
+     or not string.match(e0, '^[0-9a-f][0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?$')
+     or ttl < 0 or ttl > 2 * tonumber(ARGV[2]) then
+    redis.call('DEL', KEYS[1])
+  end
+elseif t ~= 'none' then
+  redis.call('DEL', KEYS[1])
+end
 local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
 if n == 1 then
   redis.call('HSET', KEYS[1], 'epoch', ARGV[1])
@@ -131,10 +218,20 @@ end
 local epoch = redis.call('HGET', KEYS[1], 'epoch') or ARGV[1]
 local size = tonumber(ARGV[3])
 local chain = KEYS[1] .. ':' .. epoch .. ':' .. math.floor((n - 1) / size)
+local ct = redis.call('TYPE', chain)['ok']
+if ct ~= 'list' and ct ~= 'none' then redis.call('DEL', chain) end
 redis.call('RPUSH', chain, ARGV[4])
 redis.call('PEXPIRE', chain, ARGV[5])
 return {chain, (n - 1) % size}
 """
+
+#: Members of a peer index read at most; a bigger index is garbage (real fleets hold
+#: far fewer peers of one version and rank): dropped, and the peer keys scanned instead.
+MAX_INDEX = 1024
+
+#: A record kept longer than this many times the TTL its writer gives it was not
+#: written by a worker (a replayed or forged claim or lease): it is not obeyed.
+TTL_SLACK = 2.0
 
 
 def encode_truth(by_mode: dict[str, dict[str, str]]) -> dict[str, str]:
@@ -193,8 +290,15 @@ class Registry:
         self._cad = self.client.register_script(_CAD_LUA)
         self._join_cohort = self.client.register_script(_JOIN_COHORT_LUA)
         self._set_nx = self.client.register_script(_SET_NX_LUA)
+        self._take = self.client.register_script(_TAKE_LUA)
+        self._publish = self.client.register_script(_PUBLISH_LUA)
+        self._repair = self.client.register_script(_REPAIR_LUA)
+        self._push = self.client.register_script(_PUSH_LUA)
+        self._keep_truth = self.client.register_script(_KEEP_TRUTH_LUA)
+        self._good_truth: dict[str, str] = {}
+        """SHA-1 of the ground-truth value a heartbeat last verified, by key."""
         self.signer = Signer.from_settings(settings)
-        self.on_untrusted: Callable[[str], None] | None = None
+        self.on_untrusted: Callable[[RecordKind | str], None] | None = None
         """Called with the record kind each time a record is rejected (metrics)."""
         self.rejected = 0
         """Records rejected so far (a caller compares it before and after a read)."""
@@ -251,9 +355,13 @@ class Registry:
             return _WRONG_TYPE, -2
         return raw, int(ttl_ms)
 
-    def get_signed(self, key: str, kind: str) -> tuple[dict[str, Any], _Raw] | None:
+    def get_signed(
+        self, key: str, kind: RecordKind | str, *, parse: Callable[[dict[str, Any]], object] | None = None,
+        max_ttl: float | None = None,
+    ) -> tuple[dict[str, Any], _Raw] | None:
         """The verified record at ``key`` and its raw value (for a compare-and-set);
-        None if absent or rejected (logged, counted)."""
+        None if absent or rejected (logged, counted). ``parse``: the typed parser the
+        record must also pass; ``max_ttl``: the longest TTL its writer gives it."""
         raw, ttl_ms = self._get_with_ttl(key)
         if raw is _WRONG_TYPE:
             self.reject(kind, key, "wrong Redis type")
@@ -261,23 +369,68 @@ class Registry:
         if raw is None:
             return None
         try:
-            return self.verify(key, raw, kind, ttl_ms), _Raw(raw)
+            return self._trusted(key, raw, kind, ttl_ms, parse, max_ttl), _Raw(raw)
         except UntrustedRecordError as e:
             self.reject(kind, key, str(e))
             return None
 
+    def _trusted(
+        self, key: str, raw: Any, kind: RecordKind | str, ttl_ms: int,
+        parse: Callable[[dict[str, Any]], object] | None, max_ttl: float | None,
+    ) -> dict[str, Any]:
+        """:meth:`verify`, the typed parser, and the TTL bound; UntrustedRecordError if not."""
+        if max_ttl is not None and ttl_ms > max_ttl * TTL_SLACK * 1000:
+            raise UntrustedRecordError(f"{key}: TTL {ttl_ms} ms, far beyond the {max_ttl:g} s its"
+                                       " writers give it")
+        record = self.verify(key, raw, kind, ttl_ms)
+        if parse is not None:
+            parse(record)
+        return record
+
     def verify(
-        self, key: str, raw: Any, kind: str, ttl_ms: int | None = None,
+        self, key: str, raw: Any, kind: RecordKind | str, ttl_ms: int | None = None,
         max_bytes: int = records.MAX_RECORD_BYTES,
     ) -> dict[str, Any]:
         """Bounded JSON, a TTL, a good signature: the record, or UntrustedRecordError."""
         if ttl_ms is not None and int(ttl_ms) == -1:
             raise UntrustedRecordError(f"{key}: kept without a TTL")
-        return self.signer.verify(key, records.load(raw, kind, max_bytes))
+        return self.signer.verify(key, records.load(raw, str(kind), max_bytes))
 
-    def reject(self, kind: str, key: str, reason: str) -> None:
-        """Log and count one rejected record."""
-        log.warning("record_rejected", kind=kind, key=key, reason=reason)
+    def acquire(
+        self, key: str, value: dict[str, Any], ttl: float, kind: RecordKind,
+        parse: Callable[[dict[str, Any]], object], *, expires: bool = True,
+    ) -> _Raw | None:
+        """``SET NX`` of ``value`` (signed) at ``key``, taking over a holder that is not
+        to be obeyed: another Redis type, unsigned or badly signed, expired, malformed,
+        or kept far beyond ``ttl``. The takeover is atomic on the value read, so two
+        workers that both found garbage never both win. Returns the raw value stored
+        (for :meth:`compare_and_set` renewals), or None if a trusted holder has it."""
+        new = self.signed(key, value, ttl, expires=expires)
+        if self.set_json(key, new, ttl, nx=True):
+            return new
+        raw, ttl_ms = self._get_with_ttl(key)
+        if raw is None:  # expired between the two calls
+            return new if self.set_json(key, new, ttl, nx=True) else None
+        if raw is _WRONG_TYPE:
+            why, seen = "wrong Redis type", ""
+        else:
+            try:
+                self._trusted(key, raw, kind, ttl_ms, parse, ttl)
+                return None
+            except UntrustedRecordError as e:
+                why, seen = str(e), str(raw)
+        self.reject(kind, key, f"{why}; taken over")
+        got = self._call("take", lambda: self._take(keys=[key], args=[seen, new, _ms(ttl)]))
+        return new if got else None
+
+    def compare_and_delete(self, key: str, expected: str) -> bool:
+        """Delete ``key`` only if it holds exactly ``expected`` (a raw value)."""
+        return bool(self._call("CAD", lambda: self._cad(keys=[key], args=[expected])))
+
+    def reject(self, kind: RecordKind | str, key: str, reason: str) -> None:
+        """Log and count one rejected record (never raises: the metric takes any kind)."""
+        kind = _kind(kind)
+        log.warning("record_rejected", kind=str(kind), key=key, reason=reason)
         self.rejected += 1
         if self.on_untrusted is not None:
             self.on_untrusted(kind)
@@ -348,27 +501,64 @@ class Registry:
         key = self._peer_key(info.version, info.rank, info.world_size, info.peer_id)
         # Re-signed at every heartbeat, so the expiry inside the signature moves too.
         value = self.signed(key, asdict(info), self.settings.peer_ttl)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(key, value, px=ttl)
         index = self._index_key(info.version, info.rank, info.world_size)
-        pipe.sadd(index, info.peer_id)
-        pipe.pexpire(index, ttl)
-        self._call("publish", pipe.execute)
+        self._call("publish", lambda: self._publish(keys=[key, index], args=[value, ttl, info.peer_id]))
         log.debug("peer_published", peer_id=info.peer_id, version=info.version, rank=info.rank)
 
-    def heartbeat(self, info: PeerInfo) -> None:
+    def heartbeat(self, info: PeerInfo, truth: dict[str, str] | None = None) -> None:
         """Refresh the TTLs of the peer's keys and of the ground truth it relies on.
 
         Re-writes the entry rather than only extending it, so a peer whose entry already
-        expired (a long GC pause, a Redis restart) becomes visible again.
+        expired (a long GC pause, a Redis restart) becomes visible again. ``truth``: the
+        ground truth this peer holds (stored form, :func:`encode_truth`), re-published
+        signed when the record is gone (Redis lost its data) or not to be trusted, and
+        before the entry, so receivers never find the peer without its truth.
         """
-        self.publish_peer(info)
         gt = self.ground_truth_key(info.version, info.rank, info.world_size, info.manifest_digest)
+        if truth:
+            self.keep_ground_truth(info, truth)
+        self.publish_peer(info)
         req = self.key("req", info.peer_id)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.pexpire(gt, _ms(self._ground_truth_ttl))
-        pipe.pexpire(req, _ms(self.settings.peer_ttl))
-        self._call("heartbeat", pipe.execute)
+        if not truth:
+            self._call("heartbeat", lambda: self.client.pexpire(gt, _ms(self._ground_truth_ttl)))
+        # Our own queue: garbage of another type there would refuse every request. (A
+        # script call of its own: a cluster pipeline refuses EVALSHA.)
+        self._call("heartbeat", lambda: self._repair(
+            keys=[req], args=["list", _ms(self.settings.peer_ttl)]))
+
+    def keep_ground_truth(self, info: PeerInfo, truth: dict[str, str]) -> None:
+        """Keep the ground-truth record of ``info``'s flavour alive and trustworthy: extend
+        it while it is the value last verified; write ``truth`` (signed) if it is absent,
+        of another type, or untrusted; leave a trusted record that says otherwise (a
+        storage loader's replacement rules, see ``WeightService``)."""
+        key = self.ground_truth_key(info.version, info.rank, info.world_size, info.manifest_digest)
+        ttl = self._ground_truth_ttl
+        state = int(self._call("keep_truth", lambda: self._keep_truth(
+            keys=[key], args=[self._good_truth.get(key, ""), _ms(ttl)])))
+        if state == 1:
+            return
+        value = {"manifest_digest": info.manifest_digest, "hashes": truth}
+        if state in (0, -1):  # SET NX drops another type first
+            if self.set_signed(key, value, ttl, nx=True, expires=False):
+                log.info("ground_truth_republished", key=key, was="absent" if state == 0 else "wrong type")
+            self._good_truth.pop(key, None)
+            return
+        raw, ttl_ms = self._get_with_ttl(key)
+        if raw is None or raw is _WRONG_TYPE:
+            return  # changed again meanwhile: the next beat sees it
+        try:
+            found = self.verify(key, raw, RecordKind.GROUND_TRUTH, ttl_ms, records.MAX_GROUND_TRUTH_BYTES)
+            digest, _ = records.ground_truth(found)
+            if digest != info.manifest_digest:
+                raise UntrustedRecordError(f"{key}: digest {digest!r} under another key")
+        except UntrustedRecordError as e:
+            self.reject(RecordKind.GROUND_TRUTH, key, f"{e}; replaced by a holder")
+            new = self.signed(key, value, ttl, expires=False)
+            if self._call("take", lambda: self._take(keys=[key], args=[str(raw), new, _ms(ttl)])):
+                log.info("ground_truth_republished", key=key, was="untrusted")
+            return
+        self._good_truth[key] = hashlib.sha1(str(raw).encode()).hexdigest()
+        self._call("PEXPIRE", lambda: self.client.pexpire(key, _ms(ttl)))
 
     def withdraw(self, peer_id: str, version: str) -> None:
         """Remove every availability entry of ``peer_id`` for ``version`` (all ranks)."""
@@ -390,7 +580,7 @@ class Registry:
         peers instead of all asking the first one.
         """
         index = self._index_key(version, rank, world_size)
-        ids = sorted(str(m) for m in self._call("SMEMBERS", lambda: self.client.smembers(index)))
+        ids = self._peer_ids(index, version, rank, world_size)
         if not ids:
             return []
         keys = [self._peer_key(version, rank, world_size, pid) for pid in ids]
@@ -398,24 +588,56 @@ class Registry:
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
         if dead:
             self._call("SREM", lambda: self.client.srem(index, *dead))
+        if len(dead) == len(ids):
+            # An index of dead peers only: stale (a restored copy) or forged. It must not
+            # hide a live holder until its next heartbeat: the peer keys are the truth.
+            prefix = self._peer_key(version, rank, world_size, "")
+            keys = sorted(self.scan(f"peer:{version}:{rank}:{world_size}:*"))
+            if not keys:
+                return []
+            self.reject(RecordKind.INDEX, index, f"{len(ids)} members, none alive; peer keys scanned")
+            raws, ttls = self._get_with_ttls(keys)
+            keys = [k if k.startswith(prefix) else "" for k in keys]
         peers: list[PeerInfo] = []
         for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
             if raw is None:
                 continue
             try:  # one bad entry must not hide the good ones
-                info = PeerInfo.from_record(self.verify(key, raw, "peer", ttl_ms))
+                info = PeerInfo.from_record(self.verify(key, raw, RecordKind.PEER, ttl_ms))
                 if key != self._peer_key(info.version, info.rank, info.world_size, info.peer_id) or (
                     (info.version, info.rank, info.world_size) != (version, rank, world_size)
                 ):
                     raise UntrustedRecordError(f"{key}: the entry describes another key")
             except UntrustedRecordError as e:
-                self.reject("peer", key, str(e))
+                self.reject(RecordKind.PEER, key, str(e))
                 continue
             peers.append(info)
         claims = self._claim_counts(peers)
         random.shuffle(peers)
         peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
         return peers
+
+    def _peer_ids(self, index: str, version: str, rank: int, world_size: int) -> list[str]:
+        """The peer ids of the index, or of the peer keys themselves when the index is
+        garbage (another Redis type, or oversized): it is dropped, and the holders'
+        next heartbeats rebuild it. A hint must never hide the truth it points to."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.scard(index)
+        pipe.srandmember(index, MAX_INDEX)  # every member when there are at most that many
+        try:
+            n, members = self._call("SMEMBERS", pipe.execute)
+        except RegistryError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            why = "wrong Redis type"
+        else:
+            if int(n) <= MAX_INDEX:
+                return sorted(str(m) for m in members if isinstance(m, str) and len(m) <= 300)
+            why = f"{n} members, more than {MAX_INDEX}"
+        self.reject(RecordKind.INDEX, index, f"{why}; peer keys scanned instead")
+        self._call("repair", lambda: self._repair(keys=[index], args=["none", ""]))
+        prefix = self._peer_key(version, rank, world_size, "")
+        return sorted(k[len(prefix):] for k in self.scan(f"peer:{version}:{rank}:{world_size}:*"))
 
     def _get_with_ttls(self, keys: list[str]) -> tuple[list[Any], list[int]]:
         """Values (None for absent or non-string keys) and PTTLs, in one round trip."""
@@ -434,7 +656,7 @@ class Registry:
                 try:
                     out += [self._call("GET", partial(self.client.get, key)), self.ttl(key)]
                 except RegistryError:
-                    self.reject("peer", key, "wrong Redis type")
+                    self.reject(RecordKind.PEER, key, "wrong Redis type")
                     out += [None, -2]
         return list(out[::2]), [int(t) for t in out[1::2]]
 
@@ -452,9 +674,9 @@ class Registry:
         for key, raw, ttl_ms in zip(keys, values[::2], values[1::2], strict=True):
             if raw is not None:
                 try:
-                    info = PeerInfo.from_record(self.verify(key, raw, "peer", ttl_ms))
+                    info = PeerInfo.from_record(self.verify(key, raw, RecordKind.PEER, ttl_ms))
                 except UntrustedRecordError as e:
-                    self.reject("peer", key, str(e))
+                    self.reject(RecordKind.PEER, key, str(e))
                     continue
                 peers.append((info, max(int(ttl_ms), 0) / 1000))
         claims = self._claim_counts([p for p, _ in peers])
@@ -511,13 +733,13 @@ class Registry:
         if raw is None:
             return None
         try:
-            value = self.verify(key, raw, "ground_truth", ttl_ms, records.MAX_GROUND_TRUTH_BYTES)
+            value = self.verify(key, raw, RecordKind.GROUND_TRUTH, ttl_ms, records.MAX_GROUND_TRUTH_BYTES)
             digest, hashes = records.ground_truth(value)
             if digest != manifest_digest:
                 raise UntrustedRecordError(f"{key}: digest {digest!r} under another key")
             return hashes
         except UntrustedRecordError as e:
-            self.reject("ground_truth", key, str(e))
+            self.reject(RecordKind.GROUND_TRUTH, key, str(e))
             raise
 
     def has_ground_truth(
@@ -542,9 +764,10 @@ class Registry:
         """
         for slot in random.sample(range(max_sends), max_sends):
             token = f"{slot}:{uuid.uuid4().hex}"
-            if self.set_json(
-                self._claim_key(peer_id, slot), {"token": token, "receiver": receiver_id}, ttl, nx=True
-            ):
+            # Signed; no expiry inside (renewals extend it): a claim that does not verify,
+            # or kept far beyond claim_ttl, is taken over rather than obeyed.
+            if self.acquire(self._claim_key(peer_id, slot), {"token": token, "receiver": receiver_id},
+                            ttl, RecordKind.CLAIM, records.claim, expires=False) is not None:
                 return token
         return None
 
@@ -603,9 +826,9 @@ class Registry:
         out: list[dict[str, Any] | None] = []
         for raw in raws:
             try:
-                out.append(self.verify(cohort, raw, "cohort member"))
+                out.append(self.verify(cohort, raw, RecordKind.COHORT_MEMBER))
             except UntrustedRecordError as e:
-                self.reject("cohort member", chain, str(e))
+                self.reject(RecordKind.COHORT_MEMBER, chain, str(e))
                 out.append(None)
         return out
 
@@ -624,14 +847,14 @@ class Registry:
                    manifest_digest: str) -> dict[str, Any] | None:
         """The verified stream record, or None (absent, or untrusted: skipped with a reason)."""
         got = self.get_signed(self.stream_key(version, rank, world_size, manifest_digest),
-                              "download stream")
+                              RecordKind.DOWNLOAD_STREAM)
         return None if got is None else got[0]
 
     def drop_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
                     member_id: str) -> None:
         """Remove the stream record if it is still ours (a new downloader's stays)."""
         key = self.stream_key(version, rank, world_size, manifest_digest)
-        got = self.get_signed(key, "download stream")
+        got = self.get_signed(key, RecordKind.DOWNLOAD_STREAM)
         if got is not None and got[0].get("member_id") == member_id:
             self._call("DEL", lambda: self._cad(keys=[key], args=[str(got[1])]))
 
@@ -640,12 +863,10 @@ class Registry:
     def push_request(self, peer_id: str, request: dict[str, Any]) -> None:
         """Ask ``peer_id`` to serve one transfer (``request`` is JSON-serialisable)."""
         key = self.key("req", peer_id)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.rpush(key, self.signed(key, request, self.settings.peer_ttl))
         # Keep only the newest requests: a flood written before ours cannot bury it.
-        pipe.ltrim(key, -MAX_QUEUED_REQUESTS, -1)
-        pipe.pexpire(key, _ms(self.settings.peer_ttl))
-        self._call("push_request", pipe.execute)
+        raw = self.signed(key, request, self.settings.peer_ttl)
+        self._call("push_request", lambda: self._push(
+            keys=[key], args=[raw, MAX_QUEUED_REQUESTS, _ms(self.settings.peer_ttl)]))
 
     def pop_request(
         self, peer_id: str, timeout: float, *, clock: Callable[[], float] = time.monotonic
@@ -665,7 +886,15 @@ class Registry:
                 return None if raw is None else self._request(key, cast(str, raw))
             # Newest first: its receiver is still waiting; older ones may have given up,
             # and a flood pushed earlier must not delay it.
-            got = self._call("BRPOP", partial(self.client.brpop, [key], timeout=min(left, step)))
+            try:
+                got = self._call("BRPOP", partial(self.client.brpop, [key], timeout=min(left, step)))
+            except RegistryError as e:
+                if "WRONGTYPE" not in str(e):
+                    raise
+                # Our own queue holds garbage of another type: drop it, receivers re-ask.
+                self.reject(RecordKind.REQUEST, key, "wrong Redis type; dropped")
+                self._call("repair", lambda: self._repair(keys=[key], args=["list", ""]))
+                continue
             if got is not None:
                 request = self._request(key, cast("tuple[str, str]", got)[1])
                 if request is not None:
@@ -673,10 +902,18 @@ class Registry:
 
     def _request(self, key: str, raw: str) -> dict[str, Any] | None:
         try:
-            return records.request(self.verify(key, raw, "request")).to_dict()
+            return records.request(self.verify(key, raw, RecordKind.REQUEST)).to_dict()
         except UntrustedRecordError as e:
-            self.reject("request", key, str(e))
+            self.reject(RecordKind.REQUEST, key, str(e))
             return None
+
+
+def _kind(kind: RecordKind | str) -> RecordKind | str:
+    """``kind`` as its :class:`RecordKind` where it names one (callers may pass the value)."""
+    try:
+        return RecordKind(kind)
+    except ValueError:
+        return kind
 
 
 def _claim_slot(token: str) -> int:

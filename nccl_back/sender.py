@@ -76,6 +76,9 @@ class _Held:
     lock: threading.Lock = field(default_factory=threading.Lock)
     transports: set[Any] = field(default_factory=set)
     """Transports of in-flight sends, so a drain past its bound can abort them."""
+    truth: dict[str, str] | None = None
+    """The ground truth this worker holds for its model (stored form), re-published by
+    the heartbeat when Redis lost it or holds an untrusted record in its place."""
 
 
 class PeerServer:
@@ -168,9 +171,13 @@ class PeerServer:
 
     def publish(
         self, model: Model, man: Manifest, version: str, rank: int, world: int, *,
-        source: str, log: Any,
+        source: str, log: Any, truth: dict[str, str] | None = None,
     ) -> PeerInfo:
         """Publish ``model`` (loaded and verified) and start serving it.
+
+        ``truth``: the ground-truth hashes it was loaded or verified with (stored form);
+        the heartbeat keeps them in Redis (re-published after Redis lost its data), so
+        receivers never find this peer with nothing to verify against.
 
         Raises :class:`NcclBackError` (Redis unreachable, rendezvous not startable).
         """
@@ -191,7 +198,8 @@ class PeerServer:
             self.registry.publish_peer(info)
             held = _Held(model, man, info,
                          ThreadPoolExecutor(self.settings.max_concurrent_sends,
-                                            thread_name_prefix=f"nccl-back-send-{rank}"))
+                                            thread_name_prefix=f"nccl-back-send-{rank}"),
+                         truth=truth)
             self._held[peer_id] = held
         held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
@@ -221,9 +229,9 @@ class PeerServer:
                     if self._stop.is_set():  # withdrawn meanwhile: never re-publish
                         return
                     try:
-                        self.registry.heartbeat(held.info)
-                    except RegistryError as e:
-                        self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=str(e))
+                        self.registry.heartbeat(held.info, held.truth)
+                    except Exception as e:  # whatever Redis holds, the next beat comes
+                        self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=repr(e))
             self.metrics.set_claims(self.active_sends)
 
     def _serve_loop(self, held: _Held) -> None:

@@ -103,6 +103,18 @@ class NobodyTrusted(NobodyHolds, UntrustedRecordError):
     """Entries for the version exist, but none could be trusted (all were rejected)."""
 
 
+class NoTruth(NobodyHolds):
+    """Peers hold the version, but the ground truth to verify them against is missing
+    (Redis lost its data, a failover to an empty replica): the worker waits in the
+    single flight while the holders re-publish it (every heartbeat), rather than read
+    storage, as every worker of a rollout would."""
+
+
+class NoTrustedTruth(NoTruth, UntrustedRecordError):
+    """Peers hold the version, but the ground-truth record is not to be trusted (forged,
+    wrong type): skipped and waited out like a missing one; holders replace it."""
+
+
 class StreamLost(NobodyHolds):
     """The download streamed to this rank failed and nobody holds the version yet: the
     worker goes back to the election (single flight) once more."""
@@ -396,11 +408,27 @@ class WeightService:
         waited = time.monotonic()
 
         def sees_peer() -> bool:
-            return any(not self._server.holds(p.peer_id)
-                       for p in self.registry.find_peers(version, a.rank, a.world)
-                       ) or self._find_stream(a) is not None
+            peers = [p for p in self.registry.find_peers(version, a.rank, a.world)
+                     if not self._server.holds(p.peer_id)]
+            if not peers:
+                return self._find_stream(a) is not None
+            matching = [p for p in self._usable(peers, a)
+                        if a.man is not None and p.manifest_digest == a.man.digest]
+            if not matching or s.verify == "none" or a.man is None:
+                return True  # discovery says what is wrong (or that nothing is)
+            # A holder without its ground truth is no peer yet: it re-publishes it.
+            try:
+                return self.registry.get_ground_truth(version, a.rank, a.world, a.man.digest) is not None
+            except UntrustedRecordError:
+                return False
 
-        outcome, who, error = elect(a.lease, sees_peer, a.group, a.rank, s)
+        # Holders re-publish their entry and truth at every heartbeat, over whatever
+        # Redis lost or an attacker wrote there: while entries exist that cannot be used
+        # (rejected, or no truth to verify them), this worker downloads only once a live
+        # holder would have re-published (within peer_ttl, or it counts as dead). The
+        # single flight still holds: one of the waiters takes the lease.
+        after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
+        outcome, who, error = elect(a.lease, sees_peer, a.group, a.rank, s, lease_after=after)
         waited = round(time.monotonic() - waited, 3)
         if outcome == "peer":
             a.log.info("single_flight_peer_appeared", waited=waited)
@@ -468,11 +496,18 @@ class WeightService:
             if s.verify == "none":
                 a.candidates = matching
                 return
-            stored = self.registry.get_ground_truth(version, a.rank, a.world, man.digest)
+            try:
+                stored = self.registry.get_ground_truth(version, a.rank, a.world, man.digest)
+            except UntrustedRecordError as e:
+                a.reason = NoTrustedTruth(
+                    f"peers exist but the ground truth for manifest {man.digest[:12]} is not to"
+                    f" be trusted ({e}); waiting for a holder to replace it (single flight)"
+                )
+                return
             if stored is None:
-                a.reason = NoPeerError(
+                a.reason = NoTruth(
                     f"peers exist but no ground-truth hashes for manifest {man.digest[:12]}"
-                    " to verify against"
+                    " to verify against; waiting for a holder to re-publish them (single flight)"
                 )
                 return
             expected = truth_for_mode(stored, s.verify)
@@ -868,7 +903,8 @@ class WeightService:
                    gbps=round(result.gbps, 3))
         try:
             self._server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer",
-                                 log=a.log)
+                                 log=a.log, truth=encode_truth({self.settings.verify: a.truth})
+                                 if a.truth else None)
         except Exception as e:
             # The weights are loaded and verified; only serving others is lost.
             a.log.warning("publish_failed", error=str(e))
@@ -949,7 +985,8 @@ class WeightService:
         version, man = a.spec.version, a.manifest
         try:
             self._claim_ground_truth(a, hashes)
-            self._server.publish(a.model, man, version, a.rank, a.world, source="storage", log=a.log)
+            self._server.publish(a.model, man, version, a.rank, a.world, source="storage", log=a.log,
+                                 truth=hashes or None)
         except Exception as e:  # Redis gone, rendezvous port taken: serve nobody
             a.log.warning("publish_failed", error=str(e))
 

@@ -11,6 +11,7 @@ import redis
 from nccl_back.config import Settings
 from nccl_back.devservers import LocalRedis, free_port
 from nccl_back.errors import ConfigError, RegistryError
+from nccl_back.metrics import Metrics
 from nccl_back.registry import PeerInfo, Registry
 
 
@@ -248,14 +249,14 @@ def test_malformed_peer_entry_raises_registry_error(redis_url: str, namespace: s
     """A value that is not a PeerInfo is reported, not half-parsed; discovery skips it
     and counts it."""
     reg = make_registry(redis_url, namespace)
-    rejected: list[str] = []
-    reg.on_untrusted = rejected.append
+    metrics = Metrics()
+    reg.on_untrusted = metrics.record_untrusted  # the real callback, as the service wires it
     reg.publish_peer(peer("a"))
     reg.client.set(reg.key("peer", "v1", 0, 1, "a"), json.dumps({"peer_id": "a"}), ex=5)
     with pytest.raises(RegistryError, match="peer entry: world_size must be an integer"):
         PeerInfo.from_json(json.dumps({"peer_id": "a"}))
     assert reg.find_peers("v1", 0, 1) == []
-    assert rejected == ["peer"]
+    assert metrics.records_rejected.labels(kind="peer")._value.get() == 1
 
 
 @pytest.mark.timeout(30)

@@ -60,10 +60,10 @@ class SlowHeartbeat(Registry):
         self.delay = delay
         self.beating = threading.Event()
 
-    def heartbeat(self, info: PeerInfo) -> None:
+    def heartbeat(self, info: PeerInfo, truth: dict[str, str] | None = None) -> None:
         self.beating.set()
         time.sleep(self.delay)
-        super().heartbeat(info)
+        super().heartbeat(info, truth)
 
 
 @pytest.mark.timeout(30)

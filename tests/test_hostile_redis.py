@@ -1,0 +1,517 @@
+"""Generic hostile-Redis tests (issue 18): every key a rollout writes, every corruption.
+
+Not one test per key. A real rollout (a storage loader elected by the single flight,
+which streams its download, and a receiver served by it through a claim, a request,
+the handshake and a cohort) runs once against the real redis-server while Redis'
+keyspace notifications report every key it writes. Then, for every key kind captured
+and every corruption (a stale genuine copy kept for an hour, a broken signature,
+garbage, hostile fields, each wrong Redis type), loads run with a live holder and on
+an empty fleet, and each must: raise nothing, hold the checkpoint's exact bytes, end
+within a bound, and keep the single flight (with a live holder no storage read at
+all; on an empty fleet exactly one for the rollout).
+
+Keys whose names are random per transfer (handshake values, cohort chains) are
+corrupted the moment they appear (an attacker watching Redis); there the bound is on
+time and correctness only: whoever races every handshake can make a transfer fail.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from safetensors.torch import load_file
+
+from nccl_back.config import Settings
+from nccl_back.devservers import LocalRedis
+from nccl_back.election import DownloadLease
+from nccl_back.errors import RECORD_KINDS, RecordKind
+from nccl_back.identity import ModelSpec
+from nccl_back.metrics import Metrics
+from nccl_back.registry import Registry
+from nccl_back.result import LoadResult
+from nccl_back.service import WeightService
+from nccl_back.skeleton import build, manifest, named_tensors
+
+from models import TinyTransformer, fill_random, write_checkpoint
+
+pytestmark = pytest.mark.timeout(150)
+
+SECRET = "hostile-redis-secret-" + "x" * 16
+#: Every kind of key a rollout writes (the second part of its name; ``chain`` is a
+#: cohort's member list). A new kind fails test_the_rollout_writes_only_known_key_kinds
+#: until it is added here, and so gets every corruption below.
+KINDS = ("peer", "peers", "gt", "claim", "req", "dl", "cohort", "chain", "hs", "stream")
+RACED = ("hs", "chain")
+"""Kinds whose names are random per transfer: corrupted as they appear."""
+TYPES = ("string", "list", "set", "hash", "zset")
+GENUINE_TYPE = {"peers": "set", "req": "list", "cohort": "hash", "chain": "list"}
+CORRUPTIONS = ("stale", "bad_sig", "garbage", "huge_numbers", "wrong_fields",
+               *(f"type_{t}" for t in TYPES))
+#: Seconds one load may take under any corruption: the deferrals and timeouts below
+#: add up to well under it, and a loaded 2-core machine is slow.
+LOAD_BOUND = 25.0
+
+
+def _settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
+    return Settings(
+        redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
+        bind_host="127.0.0.1", cache_dir=cache_dir, secret=SECRET, peer_ttl=1.5,
+        redis_timeout=1.0, sender_handshake_timeout=1.0, receiver_handshake_timeout=2.0,
+        transfer_timeout=10.0, single_flight_wait=8.0, single_flight_max_wait=12.0,
+        download_lease=2.0, busy_wait=6.0, claim_ttl=2.0, cohort_window=0.3,
+        relay_stall_timeout=3.0, max_peer_attempts=2,
+    )
+
+
+def kind_of(key: str) -> str:
+    """The kind of a key ``{ns}:kind:...`` (a cohort key with an epoch is a chain)."""
+    parts = key.split(":")
+    return "chain" if parts[1] == "cohort" and len(parts) > 6 else parts[1]
+
+
+@dataclass
+class Fleet:
+    """One checkpoint, its exact bytes, and the settings of a fleet in one namespace."""
+
+    settings: Settings
+    spec: ModelSpec
+    digest: str
+    expected: dict[str, bytes]
+    client: redis.Redis
+
+    def skeleton(self) -> Any:
+        return build(TinyTransformer)
+
+    def load(self, svc: WeightService) -> LoadResult:
+        """One load into a fresh skeleton, checked: exact bytes, within the bound."""
+        model = self.skeleton()
+        start = time.monotonic()
+        result = svc.load(model, self.spec)  # any exception fails the test
+        took = time.monotonic() - start
+        assert took < LOAD_BOUND, f"load took {took:.1f} s ({result.fallback_reason})"
+        tensors, _ = named_tensors(model)
+        got = {n: t.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
+        assert got == self.expected, f"wrong bytes after a {result.source} load"
+        return result
+
+    def clean(self) -> None:
+        keys = list(self.client.scan_iter(f"{{{self.settings.namespace}}}:*", count=1000))
+        if keys:
+            self.client.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Fleet:
+    tmp = tmp_path_factory.mktemp("hostile")
+    ckpt = write_checkpoint(fill_random(TinyTransformer(), seed=5), tmp / "ckpt")
+    settings = _settings(redis_server.url, "hostile", str(tmp / "cache"))
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=settings.cache_dir)
+    expected: dict[str, bytes] = {}  # what the files hold, byte for byte
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        for n, t in load_file(str(f)).items():
+            expected[n] = t.contiguous().view(torch.uint8).numpy().tobytes()
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    return Fleet(settings, spec, manifest(build(TinyTransformer)).digest, expected, client)
+
+
+class KeyWatch:
+    """Redis keyspace notifications of one namespace, in a thread: every key written,
+    with its first value (a genuine copy for the "stale" corruption), and an optional
+    corrupter applied once to the first new key of a kind (an attacker racing us)."""
+
+    def __init__(self, client: redis.Redis, namespace: str) -> None:
+        client.config_set("notify-keyspace-events", "KA")
+        self.client = client
+        self.keys: dict[str, tuple[str, Any]] = {}
+        self.race: tuple[str, Callable[[str], None]] | None = None
+        self.raced: list[str] = []
+        self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.psubscribe(f"__keyspace@0__:{{{namespace}}}:*")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            msg = self._pubsub.get_message(timeout=0.1)
+            if msg is None or msg["data"] in ("del", "expired", "expire", "pexpire"):
+                continue
+            key = str(msg["channel"]).split(":", 1)[1]
+            if self.race is not None and kind_of(key) == self.race[0] and key not in self.raced:
+                self.raced.append(key)
+                self.race[1](key)
+                continue
+            if self.keys.get(key, ("", None))[1] is None:
+                # A key already gone (a request popped at once) keeps its name.
+                self.keys[key] = read(self.client, key) or (GENUINE_TYPE.get(kind_of(key), "string"), None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._pubsub.close()
+        self.client.config_set("notify-keyspace-events", "")
+
+
+def read(client: redis.Redis, key: str) -> tuple[str, Any] | None:
+    """``(type, value)`` of ``key`` now, or None if it is gone."""
+    t = client.type(key)
+    value: Any = {"string": client.get, "list": lambda k: client.lrange(k, 0, -1),
+                  "set": client.smembers, "hash": client.hgetall,
+                  "zset": lambda k: client.zrange(k, 0, -1)}.get(t, lambda k: None)(key)
+    return None if value is None else (t, value)
+
+
+@pytest.fixture(scope="module")
+def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
+    """``{kind: (key, type, genuine value)}`` of one real rollout: an elected storage
+    loader (streaming its download) and a receiver served by it."""
+    fleet.clean()
+    watch = KeyWatch(fleet.client, fleet.settings.namespace)
+    try:
+        with WeightService(fleet.settings) as first:
+            assert fleet.load(first).source == "storage"
+            with WeightService(fleet.settings) as second:
+                assert fleet.load(second).source == "peer"
+            time.sleep(0.5)  # the last notifications arrive
+    finally:
+        watch.close()
+    out: dict[str, tuple[str, str, Any]] = {}
+    for key, (t, value) in sorted(watch.keys.items(), key=lambda kv: kv[1][1] is None):
+        out.setdefault(kind_of(key), (key, t, value))
+    if "req" in out and out["req"][2] is None:
+        # Popped before it could be read: a genuine request, as a receiver signs it.
+        key = out["req"][0]
+        reg = Registry(fleet.settings)
+        out["req"] = (key, "list", [str(reg.signed(key, {
+            "transfer_id": "f" * 32, "receiver": "ghost", "version": fleet.spec.version,
+            "manifest_digest": fleet.digest, "transport": "gloo", "device": "cpu"}, 60))])
+        reg.close()
+    fleet.clean()
+    return out
+
+
+def test_the_rollout_writes_only_known_key_kinds(captured: dict[str, Any]) -> None:
+    """Every key kind a real rollout writes is one this file corrupts, and each is written."""
+    assert set(captured) == set(KINDS)
+
+
+# -- corruptions -------------------------------------------------------------------------
+
+HOUR = 3600
+
+
+def corrupt(client: redis.Redis, key: str, kind: str, how: str, genuine: tuple[str, Any]) -> None:
+    """Write corruption ``how`` at ``key`` (kept for an hour: no TTL rescue)."""
+    gtype, gvalue = genuine
+    if how.startswith("type_"):
+        t = how[len("type_"):]
+        client.delete(key)
+        {"string": lambda: client.set(key, "x"), "list": lambda: client.rpush(key, "x"),
+         "set": lambda: client.sadd(key, "x"), "hash": lambda: client.hset(key, "n", "1"),
+         "zset": lambda: client.zadd(key, {"x": 1})}[t]()
+        client.expire(key, HOUR)
+        return
+    if how == "stale":
+        write(client, key, gtype, gvalue)
+        return
+    sample = gvalue if gtype == "string" else next(iter(sorted(gvalue) if gtype != "hash" else [""]), "")
+    try:
+        record = json.loads(sample) if isinstance(sample, str) and sample.startswith("{") else {}
+    except ValueError:
+        record = {}
+    if how == "bad_sig":
+        bad = json.dumps({**record, "sig": "0" * 64})
+    elif how == "garbage":
+        bad = "\x00\xff{not json" + "[" * 64
+    elif how == "huge_numbers":
+        bad = json.dumps({k: (10**30 if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                          for k, v in record.items()} or {"n": 10**30}).replace("1000000000000000000000000000000", "1e400", 1)
+    else:  # wrong_fields
+        bad = json.dumps({"owner": ["a"], "token": {"x": 1}, "peer_id": 7, "hashes": [1], "by": "x"})
+    if gtype == "string":
+        client.set(key, bad, ex=HOUR)
+    elif gtype == "list":
+        client.rpush(key, bad, bad)
+        client.expire(key, HOUR)
+    elif gtype == "set":
+        members = [bad] if how != "huge_numbers" else [f"g{i}" for i in range(3000)]
+        client.sadd(key, *members)
+        client.expire(key, HOUR)
+    else:  # hash
+        fields = {"garbage": {"n": "x", "epoch": "../../x"}, "huge_numbers": {"n": "1" * 40, "epoch": "a"},
+                  "bad_sig": {"n": "-5", "epoch": "0" * 64}}.get(how, {"n": "2", "epoch": "{}"})
+        client.hset(key, mapping=fields)
+        client.expire(key, HOUR)
+
+
+def write(client: redis.Redis, key: str, t: str, value: Any) -> None:
+    client.delete(key)
+    if t == "string":
+        client.set(key, value)
+    elif t == "list" and value:
+        client.rpush(key, *value)
+    elif t == "set" and value:
+        client.sadd(key, *value)
+    elif t == "hash" and value:
+        client.hset(key, mapping=value)
+    client.expire(key, HOUR)
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
+    """The name each predictable key kind has for this holder."""
+    v, d = fleet.spec.version, fleet.digest
+    return {
+        "peer": reg.key("peer", v, 0, 1, peer_id), "peers": reg.key("peers", v, 0, 1),
+        "gt": reg.ground_truth_key(v, 0, 1, d), "claim": reg.key("claim", peer_id, 0),
+        "req": reg.key("req", peer_id), "dl": reg.lease_key(v, 1),
+        "cohort": reg.cohort_key(v, 0, 1, d), "stream": reg.stream_key(v, 0, 1, d),
+    }
+
+
+def healthy(fleet: Fleet, reg: Registry, peer_id: str) -> bool:
+    """The holder is findable and its ground truth trusted (its heartbeat repaired it)."""
+    try:
+        return any(p.peer_id == peer_id for p in reg.find_peers(fleet.spec.version, 0, 1)) and (
+            reg.get_ground_truth(fleet.spec.version, 0, 1, fleet.digest) is not None)
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_corruption_with_a_live_holder_costs_no_storage_read(
+    fleet: Fleet, captured: dict[str, Any], kind: str
+) -> None:
+    """Whatever sits at this key kind, receivers load the exact weights from the live
+    holder within the bound; no receiver reads storage (raced handshake/chain keys
+    may cost a transfer: then storage, still exact and bounded)."""
+    fleet.clean()
+    _, gtype, gvalue = captured[kind]
+    reg = Registry(fleet.settings)
+    watch = KeyWatch(fleet.client, fleet.settings.namespace) if kind in RACED else None
+    try:
+        with WeightService(fleet.settings) as holder:
+            assert fleet.load(holder).source == "storage"
+            peer_id = holder.peers[0].peer_id
+            for how in CORRUPTIONS:
+                wait_for(lambda: healthy(fleet, reg, peer_id), f"the holder to be healthy before {how}")
+                if watch is not None:
+                    watch.raced.clear()
+                    watch.race = (kind, lambda k, how=how: corrupt(fleet.client, k, kind, how, (gtype, gvalue)))
+                else:
+                    corrupt(fleet.client, holder_keys(fleet, reg, peer_id)[kind], kind, how,
+                            (gtype, gvalue))
+                with WeightService(fleet.settings) as receiver:
+                    result = fleet.load(receiver)
+                if kind not in RACED:
+                    assert result.source == "peer", (how, result.fallback_reason)
+                if watch is not None:
+                    watch.race = None
+                else:
+                    fleet.client.delete(holder_keys(fleet, reg, peer_id)[kind])
+    finally:
+        if watch is not None:
+            watch.close()
+        reg.close()
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in RACED])
+def test_every_corruption_on_an_empty_fleet_costs_one_storage_read(
+    fleet: Fleet, captured: dict[str, Any], kind: str
+) -> None:
+    """Corrupted before the first worker of a rollout: the first loads from storage, the
+    next from it (one storage read for the rollout), exact weights, within the bound."""
+    key, gtype, gvalue = captured[kind]
+    for how in CORRUPTIONS:
+        fleet.clean()
+        corrupt(fleet.client, key, kind, how, (gtype, gvalue))
+        with WeightService(fleet.settings) as first:
+            assert fleet.load(first).source == "storage"
+            with WeightService(fleet.settings) as second:
+                result = fleet.load(second)
+        assert result.source == "peer", (how, result.fallback_reason)
+
+
+def test_untrusted_records_are_counted_by_the_real_metrics(fleet: Fleet, captured: dict[str, Any]) -> None:
+    """Rejections of every kind reach the service's real metrics (never a ConfigError)."""
+    fleet.clean()
+    for kind in ("peer", "gt", "dl", "stream"):
+        key, gtype, gvalue = captured[kind]
+        corrupt(fleet.client, key, kind, "bad_sig", (gtype, gvalue))
+    with WeightService(fleet.settings) as svc:
+        assert fleet.load(svc).source == "storage"
+        counted = {k: svc.metrics.records_rejected.labels(kind=k)._value.get()
+                   for k in ("lease", "download_stream")}
+    assert all(v >= 1 for v in counted.values()), counted
+
+
+
+# -- the review's findings, one regression each (the class is covered above) ------------
+
+
+@pytest.mark.parametrize("kind", [*RecordKind, "cohort member", "no such kind"])
+def test_rejecting_a_record_of_any_kind_never_raises_with_the_real_metrics(
+    fleet: Fleet, kind: Any
+) -> None:
+    """Finding 1: Registry.reject wired to the real Metrics counts every kind (an unknown
+    one as 'unknown'), never raising ConfigError out of a load."""
+    metrics = Metrics()
+    reg = Registry(fleet.settings)
+    reg.on_untrusted = metrics.record_untrusted  # as WeightService wires it
+    reg.reject(kind, "k", "test")
+    label = str(kind) if str(kind) in RECORD_KINDS else "unknown"
+    assert metrics.records_rejected.labels(kind=label)._value.get() == 1
+    reg.close()
+
+
+def test_rolling_secret_change_loads_without_error(fleet: Fleet) -> None:
+    """Finding 1: old-secret stream and cohort-member records in the namespace (a rolling
+    secret change) are skipped and counted; the new-secret worker loads, no 'other'."""
+    fleet.clean()
+    old = Registry(fleet.settings.replace(secret="the-old-fleet-secret-" + "o" * 12))
+    v, d = fleet.spec.version, fleet.digest
+    member = {"member_id": "old-1", "address": "127.0.0.1:1", "transport": "gloo", "device": "cpu"}
+    old.put_stream(v, 0, 1, d, member, ttl=30)
+    old.join_cohort(v, 0, 1, d, member, window=5, max_size=4, ttl=30)
+    with WeightService(fleet.settings) as svc:
+        result = fleet.load(svc)
+        assert result.source == "storage"
+        assert "ConfigError" not in (result.fallback_reason or "")
+        assert svc.metrics.records_rejected.labels(kind="download_stream")._value.get() >= 1
+    old.close()
+
+
+def test_a_lease_written_without_the_secret_is_taken_over_not_waited_out(fleet: Fleet) -> None:
+    """Finding 2: an unsigned lease (kept for an hour) is taken over at once; the worker
+    downloads well before single_flight_wait, and exactly one of two waiters wins it."""
+    fleet.clean()
+    reg = Registry(fleet.settings)
+    key = reg.lease_key(fleet.spec.version, 1)
+    fleet.client.set(key, json.dumps({"owner": "ghost"}), ex=HOUR)
+    a = DownloadLease(reg, fleet.spec.version, 1, "a", fleet.settings.download_lease)
+    b = DownloadLease(reg, fleet.spec.version, 1, "b", fleet.settings.download_lease)
+    assert a.holder() is None  # never obeyed
+    assert [a.try_acquire(), b.try_acquire()] == [True, False]
+    assert b.holder() == "a"
+    a.release()
+    fleet.client.set(key, json.dumps({"owner": "ghost"}), ex=HOUR)
+    start = time.monotonic()
+    with WeightService(fleet.settings) as svc:
+        assert fleet.load(svc).source == "storage"
+    assert time.monotonic() - start < fleet.settings.single_flight_wait / 2
+    reg.close()
+
+
+def test_a_wrong_type_index_neither_hides_a_holder_nor_stops_it_publishing(fleet: Fleet) -> None:
+    """Finding 2: a list at the peer index: receivers still find the live holder, and the
+    holder's next heartbeat replaces the index with its set."""
+    fleet.clean()
+    reg = Registry(fleet.settings)
+    with WeightService(fleet.settings) as holder:
+        assert fleet.load(holder).source == "storage"
+        index = reg.key("peers", fleet.spec.version, 0, 1)
+        fleet.client.delete(index)
+        fleet.client.rpush(index, "garbage")
+        assert [p.peer_id for p in reg.find_peers(fleet.spec.version, 0, 1)] == [holder.peers[0].peer_id]
+        fleet.client.delete(index)
+        fleet.client.rpush(index, "garbage")
+        wait_for(lambda: fleet.client.type(index) == "set", "the heartbeat to repair the index")
+        with WeightService(fleet.settings) as receiver:
+            assert fleet.load(receiver).source == "peer"
+    reg.close()
+
+
+# -- Redis loses its data mid-fleet (finding 3), with real processes --------------------
+
+
+def _worker_settings(redis_url: str, cache_dir: str) -> dict[str, Any]:
+    return {"redis_url": redis_url, "namespace": "lost", "cache_dir": cache_dir, "secret": SECRET,
+            "peer_ttl": 3.0, "single_flight_wait": 20.0, "busy_wait": 10.0, "bucket_bytes": 16384}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("when", ["after_holders_reappear", "at_once"])
+def test_flushall_mid_fleet_causes_no_stampede(tmp_path: Path, when: str) -> None:
+    """Finding 3: Redis loses everything (FLUSHALL) under two live holders; receivers that
+    start together then (at once, or once the holders' entries are back) load exact
+    weights with at most one storage read among them: holders re-publish their truth
+    within a heartbeat, and 'peers but no truth' waits in the single flight."""
+    import multiprocessing.connection
+
+    from groups import CTX
+
+    import workers
+
+    ckpt = str(write_checkpoint(fill_random(TinyTransformer(), seed=9), tmp_path / "ckpt"))
+    server = LocalRedis().start()
+    stop, go = CTX.Event(), CTX.Event()
+    readers: list[Any] = []
+    procs: list[Any] = []
+
+    def start(role: str, gate: Any = None) -> None:
+        reader, writer = CTX.Pipe(duplex=False)
+        readers.append(reader)
+        p = CTX.Process(target=workers.worker_main, daemon=True,
+                        args=(role, ckpt, _worker_settings(server.url, str(tmp_path / "c")), writer, stop),
+                        kwargs={"serve_for": 120, "go": gate})
+        p.start()
+        procs.append(p)
+
+    def reports(n: int, timeout: float = 90) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < n:
+            left = deadline - time.monotonic()
+            assert left > 0, f"only {len(out)} of {n} workers reported: {out}"
+            for conn in multiprocessing.connection.wait(readers, timeout=left):
+                try:
+                    out.append(conn.recv())  # type: ignore[union-attr]
+                except EOFError:
+                    readers.remove(conn)
+        return out
+
+    try:
+        start("h0")
+        (first,) = reports(1)
+        assert first.get("source") == "storage", first
+        start("h1")
+        (second,) = reports(1)
+        assert second.get("source") == "peer", second
+        n = 4
+        for i in range(n):
+            start(f"r{i}", go)
+        time.sleep(2.0)  # every receiver process is up and waiting on `go`
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        client.flushall()
+        if when == "after_holders_reappear":
+            wait_for(lambda: len(list(client.scan_iter("{lost}:peer:*"))) >= 2,
+                     "the holders' heartbeats to re-publish their entries")
+        go.set()
+        got = reports(n)
+        assert all("error" not in r for r in got), got
+        assert all(r["identical"] for r in got), got
+        storage = [r for r in got if r["source"] == "storage"]
+        assert len(storage) <= 1, [r["fallback_reason"] for r in storage]
+    finally:
+        stop.set()
+        go.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        server.stop()

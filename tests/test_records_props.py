@@ -1,0 +1,267 @@
+"""Property tests of every parser of outside data (records.py, bounded_json.py, auth.py).
+
+One hand-written hostile value per field proves that one value is refused; these prove
+the class: for arbitrary input and for every single mutation of a valid record, a
+parser returns a typed record or raises UntrustedRecordError (bounded_json: ValueError),
+never anything else; valid records round-trip exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from nccl_back import bounded_json, records, relay
+from nccl_back.auth import Signer
+from nccl_back.errors import UntrustedRecordError
+
+pytestmark = pytest.mark.timeout(120)
+
+PROPS = settings(max_examples=150, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# -- strategies --------------------------------------------------------------------------
+
+#: Every JSON value, including the ones hostile writers like: huge and negative
+#: integers, floats at the edges, long and non-ASCII strings, nesting.
+JSON_SCALARS = (st.none() | st.booleans() | st.integers()
+                | st.integers(min_value=-(1 << 70), max_value=1 << 70)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40))
+JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
+
+NAME = st.from_regex(r"[A-Za-z0-9._-]{1,40}", fullmatch=True)
+HEX = st.from_regex(r"[0-9a-f]{32}", fullmatch=True)
+PORT = st.integers(min_value=1, max_value=65535)
+ADDRESS = st.one_of(
+    st.tuples(st.ip_addresses(v=4), PORT).map(lambda t: f"{t[0]}:{t[1]}"),
+    st.tuples(st.ip_addresses(v=6), PORT).map(lambda t: f"[{t[0]}]:{t[1]}"),
+    st.tuples(st.from_regex(r"[a-z][a-z0-9-]{0,20}[a-z0-9](\.[a-z][a-z0-9]{0,10}){0,3}",
+                            fullmatch=True), PORT).map(lambda t: f"{t[0]}:{t[1]}"),
+)
+
+
+@st.composite
+def peer_infos(draw: st.DrawFn) -> records.PeerInfo:
+    world = draw(st.integers(min_value=1, max_value=records.MAX_WORLD))
+    transport = draw(st.sampled_from(records.TRANSPORTS))
+    return records.PeerInfo(
+        peer_id=draw(NAME), version=draw(NAME), rank=draw(st.integers(0, world - 1)),
+        world_size=world, manifest_digest=draw(HEX), transport=transport,
+        address=draw(ADDRESS), started_at=draw(st.floats(0, 4e9)),
+        source=draw(st.sampled_from(records.PEER_SOURCES)),
+        max_sends=draw(st.integers(1, records.MAX_SENDS)),
+        device=draw(st.sampled_from(records.DEVICES)),
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> records.TransferRequest:
+    return records.TransferRequest(
+        transfer_id=draw(NAME), receiver=draw(NAME), version=draw(NAME),
+        manifest_digest=draw(HEX), transport=draw(st.sampled_from(records.TRANSPORTS)),
+        device=draw(st.none() | st.sampled_from(records.DEVICES)),
+        claim=draw(st.none() | st.tuples(st.integers(0, 999), HEX).map(lambda t: f"{t[0]}:{t[1]}")),
+        start=draw(st.none() | st.integers(0, records.MAX_START)),
+    )
+
+
+CLAIMS = st.builds(records.Claim, token=st.tuples(st.integers(0, 999), HEX).map(
+    lambda t: f"{t[0]}:{t[1]}"), receiver=NAME)
+LEASES = st.builds(records.Lease, owner=NAME)
+MEMBERS = st.builds(relay.Member, member_id=NAME, address=ADDRESS,
+                    transport=st.sampled_from(records.TRANSPORTS), device=st.sampled_from(relay.DEVICES))
+HANDSHAKES = st.one_of(
+    st.builds(lambda by, v, d: {"by": by, "value": v, "digest": d},
+              st.sampled_from(records.HANDSHAKE_SIDES), st.integers(0, records.MAX_NONCE), NAME),
+    st.builds(lambda r, m: {"by": "sender", "refused": r, "message": m}, NAME, st.text(max_size=50)),
+    st.just({"by": "sender", "abandoned": True}),
+)
+TRUTHS = st.builds(lambda d, h: {"manifest_digest": d, "hashes": h}, HEX,
+                   st.dictionaries(st.text(min_size=1, max_size=30), HEX, max_size=8))
+
+#: Every parser of a Redis record, with valid records (as dicts) to mutate.
+PARSERS: dict[str, tuple[Callable[[dict[str, Any]], object], st.SearchStrategy[dict[str, Any]]]] = {
+    "peer": (records.peer, peer_infos().map(asdict)),
+    "ground_truth": (records.ground_truth, TRUTHS),
+    "request": (records.request, requests().map(lambda r: r.to_dict())),
+    "handshake": (records.handshake, HANDSHAKES),
+    "lease": (records.lease, LEASES.map(asdict)),
+    "claim": (records.claim, CLAIMS.map(asdict)),
+    "cohort_member": (relay.parse_member, MEMBERS.map(lambda m: m.to_dict())),
+}
+
+
+@st.composite
+def mutated(draw: st.DrawFn, valid: st.SearchStrategy[dict[str, Any]]) -> dict[str, Any]:
+    """A valid record with one field replaced by any JSON value, dropped, or one added."""
+    record = dict(draw(valid))
+    how = draw(st.sampled_from(["replace", "drop", "add"]))
+    if how == "add" or not record:
+        record[draw(st.text(max_size=10))] = draw(JSON)
+    else:
+        name = draw(st.sampled_from(sorted(record)))
+        if how == "drop":
+            del record[name]
+        else:
+            record[name] = draw(JSON)
+    return record
+
+
+def _parses_or_refuses(parse: Callable[[dict[str, Any]], object], data: Any) -> None:
+    with contextlib.suppress(UntrustedRecordError):  # the one outcome besides a record
+        parse(data)
+
+
+# -- records.py ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(PARSERS))
+def test_arbitrary_objects_parse_or_are_refused(kind: str) -> None:
+    """Any JSON object given to any record parser: a record or UntrustedRecordError."""
+    parse, _ = PARSERS[kind]
+
+    @PROPS
+    @given(st.dictionaries(st.text(max_size=16), JSON, max_size=10))
+    def check(data: dict[str, Any]) -> None:
+        _parses_or_refuses(parse, data)
+
+    check()
+
+
+@pytest.mark.parametrize("kind", sorted(PARSERS))
+def test_every_mutation_of_a_valid_record_parses_or_is_refused(kind: str) -> None:
+    """One field of a valid record replaced, dropped or added: a record or UntrustedRecordError."""
+    parse, valid = PARSERS[kind]
+
+    @PROPS
+    @given(mutated(valid))
+    def check(data: dict[str, Any]) -> None:
+        _parses_or_refuses(parse, data)
+
+    check()
+
+
+@PROPS
+@given(st.one_of(st.binary(max_size=300), st.text(max_size=300),
+                 JSON.map(lambda v: json.dumps(v)), st.integers(), st.lists(st.text(), max_size=3)))
+@example(b"\xff\xfe")
+@example('{"a": NaN}')
+@example("[" * 100 + "]" * 100)
+@example("\ud800")  # a lone surrogate: not encodable as UTF-8
+def test_raw_redis_values_load_or_are_refused(raw: Any) -> None:
+    """Any raw value at a key (bytes, text, JSON, a reply of another type) loads into a
+    bounded object or is one UntrustedRecordError."""
+    try:
+        value = records.load(raw, "value")
+    except UntrustedRecordError:
+        return
+    assert isinstance(value, dict)
+
+
+@PROPS
+@given(peer_infos())
+def test_peer_entries_round_trip(info: records.PeerInfo) -> None:
+    """A valid PeerInfo survives its JSON form exactly."""
+    assert records.PeerInfo.from_json(info.to_json()) == info
+
+
+@PROPS
+@given(requests())
+def test_requests_round_trip(req: records.TransferRequest) -> None:
+    """A valid request survives its wire form exactly (absent fields stay absent)."""
+    wire = json.loads(json.dumps(req.to_dict()))
+    assert records.request(wire) == req
+
+
+@PROPS
+@given(CLAIMS, LEASES, MEMBERS, TRUTHS)
+def test_claims_leases_members_and_truth_round_trip(
+    claim: records.Claim, lease: records.Lease, member: relay.Member, truth: dict[str, Any]
+) -> None:
+    """Claim, lease, cohort member and ground truth parse back to what was written."""
+    assert records.claim(json.loads(json.dumps(asdict(claim)))) == claim
+    assert records.lease(json.loads(json.dumps(asdict(lease)))) == lease
+    assert relay.parse_member(json.dumps(member.to_dict())) == member
+    assert records.ground_truth(json.loads(json.dumps(truth))) == (truth["manifest_digest"], truth["hashes"])
+
+
+@PROPS
+@given(HANDSHAKES)
+def test_handshake_values_parse(value: dict[str, Any]) -> None:
+    """Every handshake value a worker writes parses, refusals and abandonment included."""
+    got = records.handshake(json.loads(json.dumps(value)))
+    assert got.by == value["by"]
+
+
+# -- bounded_json.py -------------------------------------------------------------------
+
+
+@PROPS
+@given(st.one_of(st.binary(max_size=500), st.text(max_size=500)),
+       st.integers(1, 600), st.integers(0, 40))
+@example(b'"\\', 100, 4)
+@example("\ud800", 100, 4)
+def test_bounded_json_raises_only_value_error(data: bytes | str, max_bytes: int, max_depth: int) -> None:
+    """Any input and bounds: a value, or ValueError (never RecursionError, TypeError...)."""
+    with contextlib.suppress(ValueError):
+        bounded_json.loads(data, max_bytes=max_bytes, max_depth=max_depth)
+
+
+@PROPS
+@given(JSON)
+def test_bounded_json_round_trips_values_within_bounds(value: Any) -> None:
+    """A JSON value within the bounds parses back to itself; one byte less is refused."""
+    text = json.dumps(value)
+    depth = bounded_json.nesting_depth(text.encode())
+    assert bounded_json.loads(text, max_bytes=len(text.encode()), max_depth=max(depth, 0)) == value
+    with pytest.raises(ValueError, match="over the limit"):
+        bounded_json.loads(text, max_bytes=len(text.encode()) - 1)
+
+
+# -- auth.py ---------------------------------------------------------------------------
+
+SIGNER = Signer(b"k" * 32)
+
+
+@PROPS
+@given(st.dictionaries(st.text(max_size=10).filter(lambda k: k not in ("sig", "exp")), JSON,
+                       max_size=6), st.text(max_size=30))
+def test_signed_records_verify_at_their_key_only(record: dict[str, Any], key: str) -> None:
+    """A signed record verifies as itself at its key, and at no other key."""
+    stored = json.loads(json.dumps(SIGNER.sign(key, record, ttl=60)))
+    assert SIGNER.verify(key, stored) == json.loads(json.dumps(record))
+    with pytest.raises(UntrustedRecordError, match="bad signature"):
+        SIGNER.verify(key + "x", stored)
+
+
+@PROPS
+@given(mutated(st.just({"owner": "w-1", "n": 3})))
+def test_every_mutation_of_a_signed_record_is_refused(mutation: dict[str, Any]) -> None:
+    """One field of a signed record changed, dropped or added: refused, never accepted."""
+    stored = SIGNER.sign("ns:k", {"owner": "w-1", "n": 3}, ttl=60)
+    changed = {**stored, **{k: v for k, v in mutation.items()}}
+    for k in set(stored) - set(mutation) - {"sig", "exp"}:
+        changed.pop(k, None)
+    if {k: v for k, v in changed.items() if k != "sig"} == {k: v for k, v in stored.items() if k != "sig"}:
+        return  # the mutation put back the same value
+    with pytest.raises(UntrustedRecordError):
+        SIGNER.verify("ns:k", changed)
+
+
+@PROPS
+@given(JSON)
+@example({"sig": "\u00e9"})
+@example({"sig": "a", "exp": 1e308})
+@example({"sig": 1})
+def test_arbitrary_values_verify_only_as_untrusted(value: Any) -> None:
+    """Any value (a non-ASCII signature too) given to verify: UntrustedRecordError only."""
+    with pytest.raises(UntrustedRecordError):
+        SIGNER.verify("ns:k", value)

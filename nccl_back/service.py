@@ -874,12 +874,15 @@ class WeightService:
         or the stream's downloader gave up (its relay endpoint is gone)."""
         version, digest, mode = a.spec.version, a.manifest.digest, self.settings.verify
         reg = self.registry
+        # Only to read whether a (trusted) downloader holds the lease: a value there that
+        # is not to be trusted counts as nobody, never as a reason to wait or raise.
+        lease = DownloadLease(reg, version, a.world, self.worker_id, self.settings.download_lease)
         while True:
             # Read "still loading" before the truth: the downloader writes the truth before
             # it drops its stream record and releases its lease, so no truth after "gone"
             # means none is coming.
             loading = (reg.get_stream(version, a.rank, a.world, digest) is not None
-                       or reg.get_json(reg.lease_key(version, a.world)) is not None)
+                       or lease.holder() is not None)
             stored = reg.get_ground_truth(version, a.rank, a.world, digest)
             expected = truth_for_mode(stored, mode) if stored is not None else {}
             if expected:

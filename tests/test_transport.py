@@ -29,6 +29,7 @@ from nccl_back.errors import (
     ManifestMismatchError,
     NcclBackError,
     TransferError,
+    TransferStalledError,
     TransferTimeoutError,
 )
 from nccl_back.registry import Registry
@@ -349,6 +350,65 @@ def test_tensors_on_the_wrong_device_are_refused() -> None:
     )
     assert isinstance(errors[0], TransferError) and "x is on meta" in str(errors[0])
     assert isinstance(errors[1], TransferError)
+
+
+class WatchdogOnly(Transport):
+    """A real gloo transport that never sees the stall bound: like NCCL's, its waits know
+    only the deadline, so only the watchdog (the shared code path) can enforce the bound."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner.rank, inner.transfer_id, inner.device)
+        self.kind = inner.kind
+        self.inner = inner
+
+    def connect(self, deadline: float) -> None:
+        self.inner.connect(deadline)
+
+    def extend_deadline(self, deadline: float) -> None:
+        super().extend_deadline(deadline)
+        self.inner.extend_deadline(deadline)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        return self.inner.broadcast(tensor, src)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("watchdog_only", [False, True], ids=["gloo", "watchdog-only"])
+def test_sender_stopped_silently_mid_transfer_aborts_at_the_stall_bound(
+    spawn_sender: Callable[..., tuple[subprocess.Popen[str], str]], watchdog_only: bool
+) -> None:
+    """SIGSTOP of the sending process after the first step (no reset, no error: a dead
+    node or a partition): TransferStalledError at the stall bound, far before the deadline,
+    whether the transport enforces the bound itself (gloo) or only the watchdog does (NCCL)."""
+    tid = uuid.uuid4().hex
+    proc, address = spawn_sender(tid, timeout=100.0, gbps=0.0002)  # ~3 s for the whole model
+    stopped = threading.Event()
+
+    def stop_sender(step: int) -> None:
+        if not stopped.is_set():
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped.set()
+
+    s = settings()
+    transport: Transport = receiver_transport(s, "gloo", address, tid, device=CPU, registry=registry(s))
+    if watchdog_only:
+        transport = WatchdogOnly(transport)
+    t0 = time.monotonic()
+    with pytest.raises(TransferStalledError, match="stalled"):
+        run_guarded(transport, lambda t: recv_tensors(t, skeleton_like(model_tensors()), BUCKET,
+                                                      on_step=stop_sender),
+                    t0 + 100.0, stall=3.0)
+    assert stopped.is_set()
+    assert time.monotonic() - t0 < 50  # the deadline was 100 s away
+    if watchdog_only:
+        assert transport.call_timeout == 3.0 and transport.inner.call_timeout == float("inf")  # type: ignore[attr-defined]
+    proc.kill()  # a stopped process is still killable; the fixture reaps it
 
 
 def test_nccl_on_a_cpu_tensor_is_refused_clearly() -> None:

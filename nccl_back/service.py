@@ -564,6 +564,9 @@ class WeightService:
                 if member.transport != a.kind or member.device != a.device.type:
                     raise IncompatiblePeerError(
                         f"cohort member {member.member_id} speaks {member.transport} on {member.device}")
+                why = unreachable_reason(s, member.address)
+                if why is not None:  # not worth a handshake: try the next one now
+                    raise IncompatiblePeerError(f"cohort member {member.member_id}: {why}")
                 self._receive_from_member(member, chain, a, deadline)
                 a.peer_id = member.member_id
                 return True

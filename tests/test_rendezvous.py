@@ -110,6 +110,19 @@ def test_no_mutation_of_a_genuine_value_is_accepted(fleet: Settings, registry: R
         assert s.decode(key, mutated) is None
 
 
+@hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(min_size=1, max_size=300))
+def test_any_bytes_a_stranger_stores_are_rejected_never_raised(fleet: Settings, registry: Registry,
+                                                              raw: bytes) -> None:
+    """Arbitrary bytes at a transfer's key (not UTF-8, not ASCII, cut mid-character by the
+    bounded read): check() says absent, nothing raises, and the connection stays usable."""
+    s = store(registry, fleet)
+    registry.client.set(registry.key("rdv", "scope", "k"), raw)
+    assert s.check(["k"]) is False
+    s.set("ok", b"v")
+    assert s.get("ok") == b"v"
+
+
 def test_a_huge_value_at_a_transfer_key_is_never_held(fleet: Settings, registry: Registry) -> None:
     """A stranger's 64 MiB value at the key a worker waits on: the worker reads a bounded
     prefix only (its Python heap grows by far less than the value) and rejects it."""

@@ -190,8 +190,8 @@ class RedisStore(dist.Store):
 
     def decode(self, redis_key: str, stored: Any) -> bytes | None:
         """The value a stored string carries, if it is to be trusted; None otherwise."""
-        if not isinstance(stored, str) or len(stored) > _MAX_STORED:
-            return None
+        if not isinstance(stored, str) or len(stored) > _MAX_STORED or not stored.isascii():
+            return None  # (compare_digest refuses non-ASCII strings: never let it raise)
         mac, sep, body = stored.partition(":")
         if not sep:
             return None
@@ -216,7 +216,10 @@ class RedisStore(dist.Store):
         client = self._registry.client
         # At most _MAX_STORED + 1 bytes, whatever is stored: a longer value is rejected
         # without ever being held in full.
-        stored = self._registry._call("GETRANGE", lambda: client.getrange(redis_key, 0, _MAX_STORED))
+        try:
+            stored = self._registry._call("GETRANGE", lambda: client.getrange(redis_key, 0, _MAX_STORED))
+        except UnicodeDecodeError:  # bytes no genuine writer produces (ours are ASCII)
+            stored = "\ufffd"
         if not stored:
             return None
         value = self.decode(redis_key, stored)

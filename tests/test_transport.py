@@ -45,7 +45,7 @@ from nccl_back.transport import (
     send_tensors,
 )
 from nccl_back.transport.broadcast import ALIGN, plan_digest
-from nccl_back.transport.gloo import GlooRendezvous
+from nccl_back.transport.gloo import GlooRendezvous, GlooTransport
 from nccl_back.transport.nccl import NcclTransport, check_available
 
 BUCKET = 64 << 10
@@ -409,6 +409,22 @@ def test_sender_stopped_silently_mid_transfer_aborts_at_the_stall_bound(
     if watchdog_only:
         assert transport.call_timeout == 3.0 and transport.inner.call_timeout == float("inf")  # type: ignore[attr-defined]
     proc.kill()  # a stopped process is still killable; the fixture reaps it
+
+
+@pytest.mark.parametrize("wording", [
+    "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation to complete",
+    "[../gloo/transport/tcp/pair.cc:598] Connection closed by peer: Application timeout caused pair closure",
+    "Wait timeout after 3000 ms",
+])
+def test_every_gloo_wording_of_a_timeout_before_the_deadline_is_a_stall(wording: str) -> None:
+    """gloo words a per-call timeout in several ways (seen under load); each one, before
+    the deadline, is a stall, and a reset is a plain TransferError."""
+    s = settings()
+    tr = GlooTransport.receiver(s, registry(s), "127.0.0.1:0", "t")
+    tr.call_timeout, tr._deadline = 3.0, time.monotonic() + 60  # as run_guarded leaves them
+    assert isinstance(tr._error("broadcast", RuntimeError(wording)), TransferStalledError)
+    reset = tr._error("broadcast", RuntimeError("Connection reset by peer"))
+    assert type(reset) is TransferError
 
 
 def test_nccl_on_a_cpu_tensor_is_refused_clearly() -> None:

@@ -102,11 +102,14 @@ class GlooTransport(Transport):
     def _error(self, what: str, e: BaseException) -> TransferError:
         if self._aborted.is_set():
             return TransferTimeoutError(f"gloo transfer {self.transfer_id} aborted during {what}: {e}")
-        if "Timed out" in str(e) and time.monotonic() < self._deadline:
+        # gloo words its timeouts differently by where they fire ("Timed out waiting ...",
+        # "Application timeout caused pair closure").
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        if timed_out and time.monotonic() < self._deadline:
             # The per-call timeout fired before the deadline: it was the stall bound.
             return TransferStalledError(f"gloo transfer {self.transfer_id}: {what} stalled"
                                         f" (no progress for {self.call_timeout:g} s): {e}")
-        if time.monotonic() >= self._deadline or "Timed out" in str(e):
+        if time.monotonic() >= self._deadline or timed_out:
             return TransferTimeoutError(f"gloo transfer {self.transfer_id}: {what} timed out: {e}")
         return TransferError(f"gloo transfer {self.transfer_id}: {what} failed (peer gone?): {e}")
 

@@ -124,6 +124,15 @@ def run_guarded(
             )
     if errors:
         error = errors[0]
+        quiet = time.monotonic() - transport.progress_at
+        if (stall is not None and connected.is_set() and quiet >= stall
+                and isinstance(error, TransferError) and not isinstance(error, TransferStalledError)):
+            # The transport's own per-call timeout (the stall bound) beat our check: say
+            # what happened, whatever words the transport found for it.
+            raise TransferStalledError(
+                f"{transport.kind} transfer {transport.transfer_id} stalled: no step completed"
+                f" for {quiet:.1f} s (stall bound {stall:g} s): {error}"
+            ) from error
         if isinstance(error, NcclBackError):
             raise error
         raise TransferError(

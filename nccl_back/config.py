@@ -109,9 +109,9 @@ class Settings:
     receivers on other hosts skip it."""
 
     bind_host: str = ""
-    """Interface this worker's transport rendezvous listens on; empty (the default): the
-    advertised address, so the store is not reachable on interfaces peers don't use.
-    ``0.0.0.0`` listens on every interface."""
+    """Unused since transfers bootstrap through Redis (no rendezvous listener; gloo's data
+    sockets bind the advertised address, NCCL's follow ``NCCL_SOCKET_IFNAME``); accepted so existing
+    configurations still load."""
 
     rendezvous_port: int = 0
     """Unused: transfers bootstrap through Redis and no rendezvous port is opened

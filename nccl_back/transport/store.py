@@ -25,8 +25,8 @@ What an attacker can still do. One who reaches Redis (its password) but not the
 secret can read the bootstrap values (socket addresses, the NCCL unique id) and
 delete them, which breaks that transfer: the receiver falls back, as for any failed
 peer. One who reaches any port of a worker can connect to gloo's or NCCL's own data
-sockets while a transfer runs (they listen on the advertised address only, for that
-transfer), which can at worst fail it: what arrives is verified with keyed hashes
+sockets while a transfer runs (gloo's listen on the advertised address, NCCL's where
+``NCCL_SOCKET_IFNAME`` says, for that transfer only), which can at worst fail it: what arrives is verified with keyed hashes
 before it is used. Without a secret (unsigned mode) values are not authenticated:
 every Redis writer is trusted, as everywhere else in that mode.
 

@@ -34,6 +34,7 @@ import uuid
 import torch
 
 from nccl_back.config import Settings
+from nccl_back.registry import Registry
 from nccl_back.skeleton import Manifest, TensorEntry, flat_layout
 from nccl_back.transport import (
     Transport,
@@ -111,8 +112,23 @@ def main() -> None:
     parser.add_argument("--layout", choices=("consolidated", "separate"), default="consolidated",
                         help="skeleton memory layout on both sides (default: as skeleton.build makes it)")
     parser.add_argument("--serve", metavar="TRANSFER_ID", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", transfer_timeout=600)
+    if args.redis_url is None:  # the measuring parent: a Redis for the bootstrap
+        from nccl_back.devservers import LocalRedis
+
+        with LocalRedis() as redis:
+            args.redis_url = redis.url
+            measure(args)
+    else:
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """One side of the benchmark (the parent receives and reports, ``--serve`` sends)."""
+    settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", transfer_timeout=600,
+                        redis_url=args.redis_url, namespace="bench")
+    registry = Registry(settings)
     shapes = model_shapes(args.gib)
     tensors = allocate(shapes, args.layout)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -122,7 +138,7 @@ def main() -> None:
     deadline = time.monotonic() + settings.transfer_timeout
 
     if args.serve:
-        rdv = GlooRendezvous(settings)
+        rdv = GlooRendezvous(settings, registry)
         print(json.dumps({"address": rdv.address}), flush=True)
         run_guarded(rdv.sender(args.serve),
                     lambda t: rounds(t, tensors, flat, args.bucket_bytes, args.rounds), deadline)
@@ -130,12 +146,13 @@ def main() -> None:
         return
 
     tid = uuid.uuid4().hex
-    cmd = [sys.executable, __file__, "--serve", tid, "--gib", str(args.gib),
+    cmd = [sys.executable, __file__, "--serve", tid, "--redis-url", args.redis_url, "--gib", str(args.gib),
            "--rounds", str(args.rounds), "--layout", args.layout, "--bucket-bytes", *map(str, args.bucket_bytes)]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
         address = json.loads(proc.stdout.readline())["address"]
-        transport = receiver_transport(settings, "gloo", address, tid, device=torch.device("cpu"))
+        transport = receiver_transport(settings, "gloo", address, tid, device=torch.device("cpu"),
+                                       registry=registry)
         times = run_guarded(
             transport, lambda t: rounds(t, tensors, flat, args.bucket_bytes, args.rounds), deadline
         )

@@ -106,11 +106,11 @@ class Signer:
 
 
 def transfer_scope(key: bytes | None, transfer_id: str) -> str:
-    """The name a transfer's keys take in the sender's TCPStore.
+    """The scope of a transfer's bootstrap keys in Redis (:mod:`.transport.store`).
 
     With a key (``Settings.key("store")``) it carries a per-transfer token only the
-    two sides can compute, so a network neighbour who reaches the store (and read the
-    transfer id in Redis) can neither read nor write that transfer's keys.
+    two sides can compute, so a transfer's keys cannot be named in advance from its
+    id; their values are signed besides, which is what keeps others from writing them.
     """
     if key is None:
         return transfer_id

@@ -41,7 +41,32 @@ def _default_cache_dir() -> str:
     return str(Path(base) / "nccl_back")
 
 
-def _default_host() -> str:
+def default_advertise_host(redis_url: str) -> str:
+    """The address of this machine's interface that reaches Redis: where peers, which
+    share that Redis, most likely reach this worker too.
+
+    A UDP ``connect`` sends nothing; it only makes the kernel pick the route and so the
+    source address. Resolving the host name instead gives 127.0.0.1 wherever
+    ``/etc/hosts`` maps it so (common), an address no other host can reach. A Redis on
+    a Unix socket or on loopback says nothing about other hosts: the host name's
+    address then, else 127.0.0.1.
+    """
+    try:
+        target = parse_redis_url(redis_url)
+    except ConfigError:
+        target = None
+    for host, port in target.hosts if target is not None else ():
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except (OSError, UnicodeError):
+            continue
+        for family, kind, proto, _, addr in infos:
+            try:
+                with socket.socket(family, kind, proto) as probe:
+                    probe.connect(addr)
+                    return str(probe.getsockname()[0]).split("%", 1)[0]
+            except OSError:
+                continue
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -78,16 +103,20 @@ class Settings:
     transport: TransportName = "auto"
     """``gloo`` (CPU tensors), ``nccl`` (GPU tensors) or ``auto`` (by the model's device)."""
 
-    advertise_host: str = field(default_factory=_default_host)
-    """Address other workers use to reach this one's transport rendezvous."""
+    advertise_host: str = ""
+    """Address other workers use to reach this one's transports. Empty (the default):
+    the address of the interface that reaches Redis (:func:`default_advertise_host`).
+    A worker that advertises loopback to a Redis on another host is warned about, and
+    receivers on other hosts skip it."""
 
     bind_host: str = ""
-    """Interface this worker's transport rendezvous listens on; empty (the default): the
-    advertised address, so the store is not reachable on interfaces peers don't use.
-    ``0.0.0.0`` listens on every interface."""
+    """Unused since transfers bootstrap through Redis (no rendezvous listener; gloo's data
+    sockets bind the advertised address, NCCL's follow ``NCCL_SOCKET_IFNAME``); accepted so existing
+    configurations still load."""
 
     rendezvous_port: int = 0
-    """TCP port of the gloo rendezvous (0: the OS picks one; a pod sets a fixed one)."""
+    """Unused: transfers bootstrap through Redis and no rendezvous port is opened
+    (:mod:`nccl_back.transport.store`); accepted so existing configurations still load."""
 
     sender_handshake_timeout: float = 1.0
     """Seconds a sender waits in the liveness handshake (short: don't wait on a flaky receiver)."""
@@ -139,6 +168,12 @@ class Settings:
     cohort_max_size: int = 16
     """Most receivers in one relay chain; the next ones start another chain. 1: no
     relay (every receiver takes a whole copy from a holder: a binomial fan-out)."""
+
+    stall_timeout: float = 10.0
+    """Seconds a transfer from a holder may go without a step completing before it is
+    aborted (a silent peer: stopped, partitioned) and the receiver moves on, instead of
+    waiting out ``transfer_timeout``. Must exceed what one bucket takes at the slowest
+    sender's ``max_send_gbps``."""
 
     relay_stall_timeout: float = 10.0
     """Seconds a relay member waits for its upstream's next step before it re-attaches
@@ -195,6 +230,8 @@ class Settings:
                 shown = "" if f.name in ("secret", "redis_sentinel_password") else f"={value!r}"
                 raise ConfigError(f"{f.name}{shown}: not UTF-8 text")
         target = parse_redis_url(self.redis_url)
+        if not self.advertise_host:
+            object.__setattr__(self, "advertise_host", default_advertise_host(self.redis_url))
         tls_files = ("redis_ca_file", "redis_cert_file", "redis_key_file")
         for name in tls_files:
             if not isinstance(getattr(self, name), str):
@@ -228,6 +265,7 @@ class Settings:
             "claim_ttl",
             "cohort_window",
             "relay_stall_timeout",
+            "stall_timeout",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -330,6 +368,9 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated again)."""
+        if ("redis_url" in changes and "advertise_host" not in changes
+                and self.advertise_host == default_advertise_host(self.redis_url)):
+            changes["advertise_host"] = ""  # automatic: chosen again for the new Redis
         return dataclasses.replace(self, **changes)
 
     @classmethod

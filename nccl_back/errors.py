@@ -92,6 +92,12 @@ class TransferTimeoutError(TransferError, TimeoutError):
     """
 
 
+class TransferStalledError(TransferTimeoutError):
+    """No step of a transfer completed within its stall bound (a silent peer: stopped,
+    partitioned, its link down without a reset), long before the deadline. The
+    communicator was aborted before this was raised."""
+
+
 class IncompatiblePeerError(PeerError):
     """The peers holding this version cannot serve this receiver: they speak another
     transport or hold their weights on another device kind. Raised at discovery (before

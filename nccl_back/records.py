@@ -101,12 +101,13 @@ def choice(data: dict[str, Any], name: str, what: str, allowed: tuple[str, ...],
 
 
 def address(data: dict[str, Any], name: str, what: str) -> str:
-    """``host:port`` with a hostname or an IP (IPv6 in brackets) and a port 1-65535."""
+    """``host:port`` with a hostname or an IP (IPv6 in brackets) and a port 0-65535
+    (0: no port to reach, the transport bootstraps through Redis)."""
     value = data.get(name)
     if not isinstance(value, str) or len(value) > 300:
         raise UntrustedRecordError(f"{what}: {name} must be host:port, got {_show(value)}")
     host, sep, port = value.rpartition(":")
-    ok = bool(sep) and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535
+    ok = bool(sep) and port.isascii() and port.isdigit() and 0 <= int(port) <= 65535
     if ok and host.startswith("[") and host.endswith("]"):
         ok = _is_ip(host[1:-1], version=6)
     elif ok:
@@ -128,7 +129,8 @@ class PeerInfo:
     transport: str
     """``gloo`` or ``nccl``: what the receiver must speak."""
     address: str
-    """``host:port`` of the sender's transport rendezvous (its TCPStore)."""
+    """``host:0``: the host the sender's transports bind on (the bootstrap goes through
+    Redis, :mod:`nccl_back.transport.store`)."""
     started_at: float = field(default_factory=time.time)
     """Wall-clock time the peer finished loading (for ``status``)."""
     source: str = "storage"

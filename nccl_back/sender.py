@@ -19,8 +19,10 @@ sender frees the receiver's send slot itself: a crashed receiver does not keep i
 Requests come from Redis, so nothing in them is trusted: the registry hands over only
 requests that verify and parse (:mod:`.records`), at most ``QUEUE_PER_SLOT`` requests
 per send slot wait (more are dropped and counted), and the serve loop survives
-anything a request or Redis does. With a secret, the transfer's keys in the store
-carry a token derived from it (:func:`.auth.transfer_scope`).
+anything a request or Redis does. With a secret, the transfer's bootstrap keys in
+Redis carry a token derived from it (:func:`.auth.transfer_scope`) and are signed
+(:mod:`.transport.store`). A send that makes no progress for ``stall_timeout`` (a
+stopped or partitioned receiver) is aborted and frees its slot.
 
 Withdrawal is final: publication, heartbeats and withdrawal all take one lock and the
 heartbeat re-checks the stop flag under it, so no entry of this worker reappears after
@@ -295,6 +297,7 @@ class PeerServer:
                     send,
                     now + s.transfer_timeout,
                     connect_deadline=now + s.connect_timeout,
+                    stall=s.stall_timeout,
                 )
             self.metrics.record_sent("holder", stats.bytes, stats.seconds)
             ok = True

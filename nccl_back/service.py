@@ -79,6 +79,7 @@ from .transport import (
     run_guarded,
 )
 from .transport.broadcast import resume_point
+from .transport.store import unreachable_reason
 
 # One rank's code in a consensus round (the worst code decides).
 OK, NOBODY, FAILED, RAISED = 0, 1, 2, 3
@@ -539,9 +540,18 @@ class WeightService:
         return m
 
     def _usable(self, peers: list[PeerInfo], a: _Attempt) -> list[PeerInfo]:
-        """Peers this rank can talk to: same transport, same device kind, not itself."""
-        return [p for p in peers if p.transport == a.kind and p.device == a.device.type
-                and not self._server.holds(p.peer_id)]
+        """Peers this rank can talk to: same transport, same device kind, not itself,
+        not at an address only its own machine reaches (said why, once per peer)."""
+        out = []
+        for p in peers:
+            if p.transport != a.kind or p.device != a.device.type or self._server.holds(p.peer_id):
+                continue
+            why = unreachable_reason(self.settings, p.address)
+            if why is not None:
+                a.log.warning("peer_unreachable", peer=p.peer_id, reason=why)
+                continue
+            out.append(p)
+        return out
 
     def _receive_any(self, a: _Attempt) -> None:
         """Receive through this rank's cohort (relay chain) if it has one upstream of
@@ -635,6 +645,9 @@ class WeightService:
                 if member.transport != a.kind or member.device != a.device.type:
                     raise IncompatiblePeerError(
                         f"cohort member {member.member_id} speaks {member.transport} on {member.device}")
+                why = unreachable_reason(s, member.address)
+                if why is not None:  # not worth a handshake: try the next one now
+                    raise IncompatiblePeerError(f"cohort member {member.member_id}: {why}")
                 self._receive_from_member(member, chain, a, deadline)
                 a.peer_id = member.member_id
                 return True
@@ -823,8 +836,6 @@ class WeightService:
         t = time.perf_counter()
         transport = receiver_transport(s, kind, address, transfer_scope(s.key("store"), transfer_id),
                                        device=a.device, registry=self.registry)
-        if stall is not None:
-            transport.call_timeout = stall
         held = a.holding
         progress = a.chain.progress if a.chain is not None else None
 
@@ -839,6 +850,8 @@ class WeightService:
             lambda tr: recv_tensors(tr, a.tensors, a.bucket(s, kind), start=start, on_step=on_step),
             deadline,
             connect_deadline=min(now + s.connect_timeout, deadline),
+            # Every path: a silent peer costs the stall bound, not the deadline.
+            stall=s.stall_timeout if stall is None else stall,
         )
         a.timings["transfer"] = time.perf_counter() - t
         if a.truth is None and a.stream is not None and s.verify != "none":

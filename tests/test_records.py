@@ -39,7 +39,7 @@ def test_a_genuine_peer_entry_parses() -> None:
         (json.dumps({**PEER, "world_size": 0}), r"world_size"),
         (json.dumps({**PEER, "transport": "mpi"}), r"transport must be one of gloo, nccl"),
         (json.dumps({**PEER, "address": "10.1.2.3"}), r"address must be host:port"),
-        (json.dumps({**PEER, "address": "10.1.2.3:0"}), r"address must be host:port"),
+        (json.dumps({**PEER, "address": "10.1.2.3:-1"}), r"address must be host:port"),
         (json.dumps({**PEER, "address": "10.1.2.3:99999"}), r"address must be host:port"),
         (json.dumps({**PEER, "address": "evil host:1"}), r"address must be host:port"),
         (json.dumps({**PEER, "address": "[::1:1"}), r"address must be host:port"),

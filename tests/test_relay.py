@@ -16,7 +16,14 @@ import redis
 import torch
 from groups import CTX
 from test_service import MODEL, Fleet, _ok, wait_for_lease
-from test_transport import BUCKET, in_process_pair, mismatches, model_tensors, skeleton_like
+from test_transport import (  # _redis: its autouse fixture gives the helpers a Redis
+    BUCKET,
+    _redis,  # noqa: F401
+    in_process_pair,
+    mismatches,
+    model_tensors,
+    skeleton_like,
+)
 
 from nccl_back.config import Settings
 from nccl_back.errors import NoPeerError, TransferError, UntrustedRecordError
@@ -112,7 +119,7 @@ def test_busy_relay_endpoint_refuses_at_once(redis_url: str, namespace: str) -> 
     settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
                         advertise_host="127.0.0.1", bind_host="127.0.0.1")
     reg = Registry(settings)
-    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"))
+    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"), registry=reg)
     member = Member("busy-r0-stream-1", rdv.address, "gloo", "cpu")
     tensors = model_tensors()
     server = RelayServer(settings, reg, rdv, member, tensors, "ab" * 16, Pacer(0.0), Progress(),

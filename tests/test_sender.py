@@ -9,12 +9,10 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from nccl_back import handshake
 from nccl_back.config import Settings
@@ -139,8 +137,9 @@ def test_failed_send_frees_the_receivers_slot(settings: Settings, ckpt: str, reg
 
 
 @pytest.mark.timeout(60)
-def test_peer_load_in_process_leaves_no_store_keys(settings: Settings, ckpt: str) -> None:
-    """After transfers, the sender's rendezvous TCPStore holds no per-transfer keys."""
+def test_peer_load_in_process_leaves_no_store_keys(settings: Settings, ckpt: str,
+                                                   registry: Registry) -> None:
+    """After transfers, no rendezvous key of theirs is left in Redis (each side deletes its own)."""
     spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
     with WeightService(settings) as seed:
         assert seed.load(build(TinyTransformer), spec).source == "storage"
@@ -148,9 +147,8 @@ def test_peer_load_in_process_leaves_no_store_keys(settings: Settings, ckpt: str
         for _ in range(2):
             with WeightService(settings) as receiver:
                 assert receiver.load(build(TinyTransformer), spec).source == "peer"
-        host, port = info.address.rsplit(":", 1)
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
-        assert client.num_keys() == 0
+        assert info.address == "127.0.0.1:0"  # no rendezvous port to reach
+        assert list(registry.scan("rdv:*")) == []
 
 
 @pytest.mark.timeout(60)
@@ -196,17 +194,17 @@ def test_another_flavours_ground_truth_does_not_block_ours(
 
 
 @pytest.mark.timeout(60)
-def test_connect_phase_has_its_own_short_deadline(settings: Settings) -> None:
+def test_connect_phase_has_its_own_short_deadline(settings: Settings, registry: Registry) -> None:
     """A communicator that never forms fails at the connect deadline, not the transfer deadline."""
     import torch
 
     from nccl_back.errors import TransferTimeoutError
     from nccl_back.transport import open_rendezvous, receiver_transport, run_guarded
 
-    with open_rendezvous(settings, "gloo", device=torch.device("cpu")) as rv:
+    with open_rendezvous(settings, "gloo", device=torch.device("cpu"), registry=registry) as rv:
         # The sender never joins this transfer (it gave up, or died after the handshake).
         transport = receiver_transport(settings, "gloo", rv.address, uuid.uuid4().hex,
-                                       device=torch.device("cpu"))
+                                       device=torch.device("cpu"), registry=registry)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeoutError, match="did not form by the connect deadline|timed out"):
             run_guarded(transport, lambda tr: None, t0 + 60.0, connect_deadline=t0 + 1.0)

@@ -1,8 +1,9 @@
 """Gloo transport, watchdog and bucketed data plane, between real processes.
 
 The sender runs in a child process started from this very file (see the ``__main__``
-block at the bottom): it hosts a gloo rendezvous, prints its address as a JSON line,
-then serves the transfers named on its command line. Both sides build the same tensors
+block at the bottom): it opens a gloo rendezvous (bootstrapping through the test's real
+Redis), prints its address as a JSON line, then serves the transfers named on its
+command line. Both sides build the same tensors
 from a seed, so the receiver checks bit-identity without the data crossing any other
 way.
 """
@@ -13,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,8 +29,10 @@ from nccl_back.errors import (
     ManifestMismatchError,
     NcclBackError,
     TransferError,
+    TransferStalledError,
     TransferTimeoutError,
 )
+from nccl_back.registry import Registry
 from nccl_back.skeleton import Manifest, TensorEntry
 from nccl_back.transport import (
     Pending,
@@ -43,15 +45,31 @@ from nccl_back.transport import (
     send_tensors,
 )
 from nccl_back.transport.broadcast import ALIGN, plan_digest
-from nccl_back.transport.gloo import GlooRendezvous
+from nccl_back.transport.gloo import GlooRendezvous, GlooTransport
 from nccl_back.transport.nccl import NcclTransport, check_available
 
 BUCKET = 64 << 10
 CPU = torch.device("cpu")
 
 
+#: The test's Redis (set by the autouse fixture below, or by the child's command line).
+REDIS: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _redis(redis_url: str, namespace: str) -> None:
+    REDIS.update(url=redis_url, namespace=namespace)
+
+
 def settings(**overrides: object) -> Settings:
-    return Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", **overrides)  # type: ignore[arg-type]
+    base: dict[str, object] = {"advertise_host": "127.0.0.1", "bind_host": "127.0.0.1",
+                               "redis_url": REDIS["url"], "namespace": REDIS["namespace"]}
+    base.update(overrides)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+def registry(s: Settings | None = None) -> Registry:
+    return Registry(s or settings())
 
 
 def model_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -125,16 +143,22 @@ class Faulty(Transport):
 
 def serve(args: argparse.Namespace) -> None:
     """Child-process sender: one rendezvous, the transfers in ``args.transfers`` in turn."""
-    rdv = GlooRendezvous(settings())
+    rdv = GlooRendezvous(settings(), registry())
     print(json.dumps({"address": rdv.address}), flush=True)
     tensors = model_tensors(args.seed)
+    pace = None
+    if args.gbps:  # slow enough for a test to act mid-transfer
+        from nccl_back.transport.pacing import Pacer
+
+        pace = Pacer(args.gbps).take
     for i, tid in enumerate(args.transfers):
         transport: Transport = rdv.sender(tid)
         if i == 0 and args.fault:
             transport = Faulty(transport, args.at, args.fault)
         deadline = time.monotonic() + args.timeout
         try:
-            run_guarded(transport, lambda t: send_tensors(t, tensors, args.bucket), deadline)
+            run_guarded(transport, lambda t: send_tensors(t, tensors, args.bucket, pace=pace),
+                        deadline)
             print(json.dumps({"transfer": tid, "ok": True}), flush=True)
         except NcclBackError as e:
             print(json.dumps({"transfer": tid, "error": type(e).__name__}), flush=True)
@@ -146,8 +170,9 @@ def spawn_sender() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]
     procs: list[subprocess.Popen[str]] = []
 
     def start(*transfers: str, fault: str = "", at: int = 0, timeout: float = 30.0,
-              bucket: int = BUCKET) -> tuple[subprocess.Popen[str], str]:
-        cmd = [sys.executable, __file__, *transfers, "--timeout", str(timeout), "--bucket", str(bucket)]
+              bucket: int = BUCKET, gbps: float = 0.0) -> tuple[subprocess.Popen[str], str]:
+        cmd = [sys.executable, __file__, *transfers, "--timeout", str(timeout), "--bucket", str(bucket),
+               "--redis-url", REDIS["url"], "--namespace", REDIS["namespace"], "--gbps", str(gbps)]
         if fault:
             cmd += ["--fault", fault, "--at", str(at)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -166,9 +191,12 @@ def spawn_sender() -> Iterator[Callable[..., tuple[subprocess.Popen[str], str]]]
 
 
 def receive(address: str, tid: str, into: dict[str, torch.Tensor], timeout: float,
-            bucket: int = BUCKET) -> object:
-    transport = receiver_transport(settings(), "gloo", address, tid, device=CPU)
-    return run_guarded(transport, lambda t: recv_tensors(t, into, bucket), time.monotonic() + timeout)
+            bucket: int = BUCKET, stall: float | None = None,
+            on_step: Callable[[int], None] | None = None) -> object:
+    s = settings()
+    transport = receiver_transport(s, "gloo", address, tid, device=CPU, registry=registry(s))
+    return run_guarded(transport, lambda t: recv_tensors(t, into, bucket, on_step=on_step),
+                       time.monotonic() + timeout, stall=stall)
 
 
 def results(proc: subprocess.Popen[str]) -> list[dict[str, object]]:
@@ -256,7 +284,8 @@ def in_process_pair(
     s = settings()
     tid = uuid.uuid4().hex
     errors: list[BaseException | None] = [None, None]
-    with open_rendezvous(s, "gloo", device=CPU) as rdv:
+    reg = registry(s)
+    with open_rendezvous(s, "gloo", device=CPU, registry=reg) as rdv:
         deadline = time.monotonic() + timeout
 
         def side(i: int, transport: Transport, fn: Callable[[Transport], object]) -> None:
@@ -268,7 +297,7 @@ def in_process_pair(
         threads = [
             threading.Thread(target=side, args=(0, rdv.sender(tid), send)),
             threading.Thread(target=side, args=(1, receiver_transport(
-                s, "gloo", rdv.address, tid, device=CPU), recv)),
+                s, "gloo", rdv.address, tid, device=CPU, registry=reg), recv)),
         ]
         for t in threads:
             t.start()
@@ -323,26 +352,85 @@ def test_tensors_on_the_wrong_device_are_refused() -> None:
     assert isinstance(errors[1], TransferError)
 
 
-def test_rendezvous_listens_on_bind_host_and_stops_on_close() -> None:
-    """The store binds to bind_host only, advertises advertise_host, and close() frees the port."""
-    rdv = GlooRendezvous(settings())
-    host, port = rdv.address.rsplit(":", 1)
-    assert host == "127.0.0.1"
-    listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True)
-    if listening.returncode == 0:
-        assert f"127.0.0.1:{port}" in listening.stdout
-    socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
-    rdv.close()
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
-    with pytest.raises(TransferError, match="rendezvous is closed"):
-        rdv.sender("t")
+class WatchdogOnly(Transport):
+    """A real gloo transport that never sees the stall bound: like NCCL's, its waits know
+    only the deadline, so only the watchdog (the shared code path) can enforce the bound."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner.rank, inner.transfer_id, inner.device)
+        self.kind = inner.kind
+        self.inner = inner
+
+    def connect(self, deadline: float) -> None:
+        self.inner.connect(deadline)
+
+    def extend_deadline(self, deadline: float) -> None:
+        super().extend_deadline(deadline)
+        self.inner.extend_deadline(deadline)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        return self.inner.broadcast(tensor, src)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("watchdog_only", [False, True], ids=["gloo", "watchdog-only"])
+def test_sender_stopped_silently_mid_transfer_aborts_at_the_stall_bound(
+    spawn_sender: Callable[..., tuple[subprocess.Popen[str], str]], watchdog_only: bool
+) -> None:
+    """SIGSTOP of the sending process after the first step (no reset, no error: a dead
+    node or a partition): TransferStalledError at the stall bound, far before the deadline,
+    whether the transport enforces the bound itself (gloo) or only the watchdog does (NCCL)."""
+    tid = uuid.uuid4().hex
+    proc, address = spawn_sender(tid, timeout=100.0, gbps=0.0002)  # ~3 s for the whole model
+    stopped = threading.Event()
+
+    def stop_sender(step: int) -> None:
+        if not stopped.is_set():
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped.set()
+
+    s = settings()
+    transport: Transport = receiver_transport(s, "gloo", address, tid, device=CPU, registry=registry(s))
+    if watchdog_only:
+        transport = WatchdogOnly(transport)
+    t0 = time.monotonic()
+    with pytest.raises(TransferStalledError, match="stalled"):
+        run_guarded(transport, lambda t: recv_tensors(t, skeleton_like(model_tensors()), BUCKET,
+                                                      on_step=stop_sender),
+                    t0 + 100.0, stall=3.0)
+    assert stopped.is_set()
+    assert time.monotonic() - t0 < 50  # the deadline was 100 s away
+    if watchdog_only:
+        assert transport.call_timeout == 3.0 and transport.inner.call_timeout == float("inf")  # type: ignore[attr-defined]
+    proc.kill()  # a stopped process is still killable; the fixture reaps it
+
+
+@pytest.mark.parametrize("wording", [
+    "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation to complete",
+    "[../gloo/transport/tcp/pair.cc:598] Connection closed by peer: Application timeout caused pair closure",
+    "Wait timeout after 3000 ms",
+])
+def test_every_gloo_wording_of_a_timeout_before_the_deadline_is_a_stall(wording: str) -> None:
+    """gloo words a per-call timeout in several ways (seen under load); each one, before
+    the deadline, is a stall, and a reset is a plain TransferError."""
+    s = settings()
+    tr = GlooTransport.receiver(s, registry(s), "127.0.0.1:0", "t")
+    tr.call_timeout, tr._deadline = 3.0, time.monotonic() + 60  # as run_guarded leaves them
+    assert isinstance(tr._error("broadcast", RuntimeError(wording)), TransferStalledError)
+    reset = tr._error("broadcast", RuntimeError("Connection reset by peer"))
+    assert type(reset) is TransferError
 
 
 def test_nccl_on_a_cpu_tensor_is_refused_clearly() -> None:
     """The nccl transport on a CPU device: a TransferError naming the device, nothing built."""
     with pytest.raises(TransferError, match="needs a CUDA device, got cpu"):
-        NcclTransport.receiver("127.0.0.1:1", "t", device=torch.device("cpu"))
+        NcclTransport.receiver(settings(), registry(), "127.0.0.1:1", "t", device=torch.device("cpu"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
@@ -360,4 +448,9 @@ if __name__ == "__main__":
     parser.add_argument("--fault", default="")
     parser.add_argument("--at", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    serve(parser.parse_args())
+    parser.add_argument("--gbps", type=float, default=0.0)
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--namespace", required=True)
+    parsed = parser.parse_args()
+    REDIS.update(url=parsed.redis_url, namespace=parsed.namespace)
+    serve(parsed)

@@ -71,9 +71,13 @@ def test_stalled_receiver_is_aborted_cleanly_by_the_sender(scenario: str) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_cuda_tensors_through_the_gloo_data_plane() -> None:
+def test_cuda_tensors_through_the_gloo_data_plane(redis_url: str, namespace: str) -> None:
     """bf16/fp32 CUDA tensors, bucketed and direct, arrive bit-identical over gloo."""
-    s = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1")
+    from nccl_back.registry import Registry
+
+    s = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", redis_url=redis_url,
+                 namespace=namespace)
+    reg = Registry(s)
     g = torch.Generator(device=CUDA).manual_seed(0)
     want = {
         "a": torch.randn(1000, device=CUDA, generator=g).to(torch.bfloat16),
@@ -83,7 +87,7 @@ def test_cuda_tensors_through_the_gloo_data_plane() -> None:
     got = {n: torch.zeros_like(t) for n, t in want.items()}
     tid = uuid.uuid4().hex
     errors: list[BaseException] = []
-    with open_rendezvous(s, "gloo", device=CUDA) as rdv:
+    with open_rendezvous(s, "gloo", device=CUDA, registry=reg) as rdv:
         deadline = time.monotonic() + 60
 
         def side(transport: Transport, fn: object) -> None:
@@ -96,7 +100,7 @@ def test_cuda_tensors_through_the_gloo_data_plane() -> None:
             threading.Thread(target=side, args=(rdv.sender(tid),
                                                 lambda t: send_tensors(t, want, 64 << 10))),
             threading.Thread(target=side, args=(
-                receiver_transport(s, "gloo", rdv.address, tid, device=CUDA),
+                receiver_transport(s, "gloo", rdv.address, tid, device=CUDA, registry=reg),
                 lambda t: recv_tensors(t, got, 64 << 10))),
         ]
         for t in threads:

@@ -120,18 +120,26 @@ def worker_main(
 
 
 class _KillAfter:
-    """Wraps a transport: SIGKILL the process at the ``n``-th broadcast."""
+    """Wraps a transport: send ``sig`` (SIGKILL: a crash; SIGSTOP: a silent stop, as a
+    dead node or a partition looks, no reset) to the process at the ``n``-th broadcast."""
 
-    def __init__(self, inner: Any, n: int) -> None:
-        self._inner, self._n = inner, n
+    def __init__(self, inner: Any, n: int, sig: int = signal.SIGKILL) -> None:
+        self._inner, self._n, self._sig = inner, n, sig
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The watchdog sets the stall bound (call_timeout) on what it was handed.
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
         self._n -= 1
         if self._n <= 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self._sig)
         return self._inner.broadcast(tensor, src)
 
 
@@ -145,6 +153,20 @@ def _install_fault(fault: str) -> None:
             return orig_send(_KillAfter(transport, 3), *a, **k)
 
         sender.send_tensors = send  # type: ignore[assignment]
+    elif fault == "stop_mid_send":
+        orig_stop = sender.send_tensors
+
+        def stop(transport: Any, *a: Any, **k: Any) -> Any:
+            return orig_stop(_KillAfter(transport, 3, signal.SIGSTOP), *a, **k)
+
+        sender.send_tensors = stop  # type: ignore[assignment]
+    elif fault == "stop_mid_recv":
+        orig_stop_recv = service.recv_tensors
+
+        def stop_recv(transport: Any, *a: Any, **k: Any) -> Any:
+            return orig_stop_recv(_KillAfter(transport, 3, signal.SIGSTOP), *a, **k)
+
+        service.recv_tensors = stop_recv  # type: ignore[assignment]
     elif fault == "kill_mid_recv":
         orig_recv = service.recv_tensors
 

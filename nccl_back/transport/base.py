@@ -6,16 +6,21 @@ by the deadline given to ``connect`` (the watchdog's deadline), so a dead or sta
 peer surfaces as :class:`TransferError` / :class:`TransferTimeoutError` instead of a
 hang. ``abort`` may be called from another thread (the watchdog) at any time.
 
-The sender side also has a long-lived :class:`Rendezvous`: what receivers reach
-(``address`` is published in the registry) and what makes one sender transport per
-transfer. For both kinds it is one ``TCPStore`` for the life of the service, each
-transfer using its own ``PrefixStore`` (a timed-out group is dead; the next transfer
-gets a fresh prefix), see :mod:`.store`. The default process group is never
-touched: the user's worker may already have one.
+The sender side also has a long-lived :class:`Rendezvous`: its ``address`` (the host
+its transports bind on) is published in the registry, and it makes one sender transport
+per transfer. No rendezvous port is opened: each transfer bootstraps its communicator
+through its own signed, size-bounded keys in Redis (a timed-out group is dead; the next
+transfer gets fresh keys), see :mod:`.store` for why and what that guarantees. The
+default process group is never touched: the user's worker may already have one.
+
+Progress: the data plane calls :meth:`Transport.progressed` each time a step completes,
+so the watchdog can abort a transfer that stalls (no step within the stall bound) long
+before its deadline, whatever the transport.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
@@ -59,8 +64,14 @@ class Transport(ABC):
         self.device = device
         self._deadline = float("inf")
         self.call_timeout = float("inf")
-        """Seconds one broadcast may wait, at most (a relay link: its upstream's stall
-        bound); transports that support it fail a longer wait as a timeout."""
+        """Seconds one broadcast may wait, at most (the stall bound, set by the
+        watchdog); transports that support it (gloo) fail a longer wait as a timeout."""
+        self.progress_at = time.monotonic()
+        """When the last step completed (``time.monotonic``), for the stall watchdog."""
+
+    def progressed(self) -> None:
+        """A step (a broadcast this side waited on) completed; called by the data plane."""
+        self.progress_at = time.monotonic()
 
     def extend_deadline(self, deadline: float) -> None:
         """After ``connect``: later waits may run until ``deadline`` (the transfer's,
@@ -153,21 +164,19 @@ def resolve_kind(settings: Settings, device: torch.device) -> str:
 
 
 def open_rendezvous(
-    settings: Settings, kind: str, *, device: torch.device, registry: Registry | None = None
+    settings: Settings, kind: str, *, device: torch.device, registry: Registry
 ) -> Rendezvous:
-    """Start the sender endpoint for ``kind`` (``gloo`` or ``nccl``) on ``device``.
-
-    Both listen on one ``TCPStore`` (:mod:`.store`); ``registry`` is accepted for
-    callers' convenience and unused.
-    """
+    """The sender endpoint for ``kind`` (``gloo`` or ``nccl``) on ``device``; transfers
+    bootstrap through ``registry``'s Redis (:mod:`.store`). Warns when this worker
+    advertises loopback to a Redis on another host."""
     if kind == "gloo":
         from .gloo import GlooRendezvous
 
-        return GlooRendezvous(settings, device=device, port=settings.rendezvous_port)
+        return GlooRendezvous(settings, registry, device=device)
     if kind == "nccl":
         from .nccl import NcclRendezvous
 
-        return NcclRendezvous(settings, device=device, port=settings.rendezvous_port)
+        return NcclRendezvous(settings, registry, device=device)
     raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
 
 
@@ -178,7 +187,7 @@ def receiver_transport(
     transfer_id: str,
     *,
     device: torch.device,
-    registry: Registry | None = None,
+    registry: Registry,
 ) -> Transport:
     """A new, unconnected rank-1 transport reaching the sender at ``address``.
 
@@ -188,9 +197,9 @@ def receiver_transport(
     if kind == "gloo":
         from .gloo import GlooTransport
 
-        return GlooTransport.receiver(settings, address, transfer_id, device=device)
+        return GlooTransport.receiver(settings, registry, address, transfer_id, device=device)
     if kind == "nccl":
         from .nccl import NcclTransport
 
-        return NcclTransport.receiver(address, transfer_id, device=device)
+        return NcclTransport.receiver(settings, registry, address, transfer_id, device=device)
     raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")

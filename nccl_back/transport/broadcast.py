@@ -24,6 +24,10 @@ step whose bytes are in place through ``on_step(k)``.
 Two bucket buffers are allocated once and alternate, and at most two broadcasts are in
 flight: the sender packs bucket k+1 while bucket k is on the wire, the receiver unpacks
 bucket k while k+1 arrives.
+
+Every completed wait (the plan agreement, each step, the acknowledgement) is reported
+through ``transport.progressed()``: the watchdog's stall bound counts from the last one,
+on every path and transport alike.
 """
 
 from __future__ import annotations
@@ -258,7 +262,7 @@ def _begin(
         raise TransferError(f"start={start}: the plan has {len(steps)} steps")
     _check_devices(transport, tensors)
     _agree_on_plan(transport, steps, start)
-    return steps, _Buffers(steps[start:], transport.device), _Window()
+    return steps, _Buffers(steps[start:], transport.device), _Window(transport)
 
 
 def _entries(source: Mapping[str, torch.Tensor] | Manifest) -> Iterable[tuple[str, tuple[int, ...], str]]:
@@ -282,8 +286,10 @@ def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0) -> N
     mine = torch.frombuffer(bytearray(plan_digest(steps, start)), dtype=torch.uint8).to(transport.device)
     theirs = mine.clone() if transport.rank == SENDER_RANK else torch.zeros_like(mine)
     transport.broadcast(theirs, SENDER_RANK).wait()
+    transport.progressed()
     verdict = torch.tensor([int(torch.equal(mine, theirs))], dtype=torch.uint8, device=transport.device)
     transport.broadcast(verdict, RECEIVER_RANK).wait()
+    transport.progressed()
     if not int(verdict.item()):
         raise ManifestMismatchError(
             f"transfer {transport.transfer_id}: sender and receiver planned different broadcasts"
@@ -302,6 +308,7 @@ def _acknowledge(transport: Transport) -> None:
     """
     ack = torch.ones(1, dtype=torch.uint8, device=transport.device)
     transport.broadcast(ack, RECEIVER_RANK).wait()
+    transport.progressed()
 
 
 def _in_place(step: Step, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -397,7 +404,8 @@ class _Buffers:
 class _Window:
     """Broadcasts in flight, oldest first, each with what to do once it is done."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
         self._pending: deque[tuple[Pending, Callable[[], None] | None, torch.Tensor, int,
                                    Callable[[int], None] | None]] = deque()
 
@@ -418,6 +426,7 @@ class _Window:
     def _complete_oldest(self) -> None:
         pending, finish, _, step, on_step = self._pending.popleft()
         pending.wait()
+        self._transport.progressed()
         if finish is not None:
             finish()
         if on_step is not None:

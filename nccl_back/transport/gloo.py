@@ -1,14 +1,16 @@
 """Gloo transport: CPU tensors over TCP, built without any default process group.
 
-The sender's ``TCPStore`` rendezvous is shared with NCCL (:mod:`.store`); each
-transfer builds a fresh ``ProcessGroupGloo`` on ``PrefixStore("xfer/{id}/")``,
-because a gloo group that timed out is dead and keys of an earlier attempt must not
-meet this one. ``init_process_group`` is never called.
+Both sides bootstrap through the transfer's signed Redis keys (:mod:`.store`, shared
+with NCCL; no rendezvous port is open); each transfer builds a fresh
+``ProcessGroupGloo`` under its own scope, because a gloo group that timed out is dead
+and keys of an earlier attempt must not meet this one. ``init_process_group`` is never
+called.
 
 Measured behaviour this relies on: a crashed peer makes a pending call raise within
 ~0.3 s; a stalled peer makes it raise at its per-call timeout; ``abort()`` does not
 unblock a wait already running. Hence every call gets the time left to the deadline as
-its own timeout, so the watchdog's worker thread always unwinds by the deadline.
+its own timeout (or the stall bound, :attr:`Transport.call_timeout`, when shorter), so
+the watchdog's worker thread always unwinds by the deadline.
 """
 
 from __future__ import annotations
@@ -16,30 +18,35 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..config import Settings
-from ..errors import TransferError, TransferTimeoutError
+from ..errors import TransferError, TransferStalledError, TransferTimeoutError
 from ..log import get_logger
 from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
-from .store import StoreRendezvous, connect_store, delete_prefix, split_address
+from .store import RedisStore, StoreRendezvous, split_address
+
+if TYPE_CHECKING:
+    from ..registry import Registry
 
 log = get_logger(__name__)
 
 
 class GlooRendezvous(StoreRendezvous):
-    """The sender's long-lived ``TCPStore`` for gloo transfers (see :mod:`.store`)."""
+    """The sender's endpoint for gloo transfers (see :mod:`.store`)."""
 
-    def __init__(self, settings: Settings, *, device: torch.device | None = None, port: int = 0) -> None:
+    def __init__(self, settings: Settings, registry: Registry, *,
+                 device: torch.device | None = None) -> None:
         super().__init__(settings, "gloo", _gloo_sender, device=device or torch.device("cpu"),
-                         port=port)
+                         registry=registry)
 
 
-def _gloo_sender(transfer_id: str, store: dist.Store, settings: Settings,
+def _gloo_sender(transfer_id: str, settings: Settings, registry: Registry,
                  device: torch.device) -> GlooTransport:
-    return GlooTransport(SENDER_RANK, transfer_id, store, settings, device=device)
+    return GlooTransport(SENDER_RANK, transfer_id, settings, registry, device=device)
 
 
 class _GlooPending:
@@ -63,28 +70,28 @@ class GlooTransport(Transport):
         self,
         rank: int,
         transfer_id: str,
-        store: dist.Store | None,
         settings: Settings,
+        registry: Registry,
         *,
         device: torch.device | None = None,
-        address: str | None = None,
     ) -> None:
         super().__init__(rank, transfer_id, device or torch.device("cpu"))
         self.settings = settings
-        self._store = store
-        self._address = address
-        self._owns_store = store is None
+        self._registry = registry
+        self._store: RedisStore | None = None
         self._pg: dist.ProcessGroupGloo | None = None
         self._deadline = float("inf")
         self._aborted = threading.Event()
 
     @classmethod
     def receiver(
-        cls, settings: Settings, address: str, transfer_id: str, *, device: torch.device | None = None
+        cls, settings: Settings, registry: Registry, address: str, transfer_id: str, *,
+        device: torch.device | None = None,
     ) -> GlooTransport:
-        """The rank-1 side; it connects a client store to the sender's ``address``."""
+        """The rank-1 side of a transfer with the sender at ``address`` (checked for form:
+        the bootstrap itself goes through Redis)."""
         split_address(address)
-        return cls(RECEIVER_RANK, transfer_id, None, settings, device=device, address=address)
+        return cls(RECEIVER_RANK, transfer_id, settings, registry, device=device)
 
     def _left(self) -> float:
         left = self._deadline - time.monotonic()
@@ -95,7 +102,14 @@ class GlooTransport(Transport):
     def _error(self, what: str, e: BaseException) -> TransferError:
         if self._aborted.is_set():
             return TransferTimeoutError(f"gloo transfer {self.transfer_id} aborted during {what}: {e}")
-        if time.monotonic() >= self._deadline or "Timed out" in str(e):
+        # gloo words its timeouts differently by where they fire ("Timed out waiting ...",
+        # "Application timeout caused pair closure").
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        if timed_out and time.monotonic() < self._deadline:
+            # The per-call timeout fired before the deadline: it was the stall bound.
+            return TransferStalledError(f"gloo transfer {self.transfer_id}: {what} stalled"
+                                        f" (no progress for {self.call_timeout:g} s): {e}")
+        if time.monotonic() >= self._deadline or timed_out:
             return TransferTimeoutError(f"gloo transfer {self.transfer_id}: {what} timed out: {e}")
         return TransferError(f"gloo transfer {self.transfer_id}: {what} failed (peer gone?): {e}")
 
@@ -103,16 +117,18 @@ class GlooTransport(Transport):
         self._deadline = deadline
         left = self._left()
         try:
-            if self._store is None:
-                self._store = connect_store(self._address or "", left)
-            prefixed = dist.PrefixStore(self._prefix, self._store)
+            self._store = RedisStore(self._registry, self._prefix, self.settings.key("rendezvous"),
+                                     time.monotonic() + left)
+            prefixed = dist.PrefixStore("gloo", self._store)
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=self._left())
             # Bind gloo's own sockets to the address peers can reach, not to whatever
             # the hostname happens to resolve to.
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.settings.advertise_host)]
             self._pg = dist.ProcessGroupGloo(prefixed, self.rank, WORLD_SIZE, opts)
-        except (RuntimeError, ValueError, OSError) as e:
+        except TransferError:
+            raise
+        except (RuntimeError, ValueError, OSError) as e:  # torch's DistStoreError is one
             raise self._error("connect", e) from e
         if self._aborted.is_set():
             raise TransferTimeoutError(f"gloo transfer {self.transfer_id} aborted during connect")
@@ -144,15 +160,12 @@ class GlooTransport(Transport):
         # Dropping the group joins gloo's threads; every pending call has a timeout of
         # at most the deadline, so this cannot block past it.
         self._pg = None
-        if self._owns_store:
-            self._store = None
-        elif self._store is not None:
-            # The sender's store lives as long as the service: without this, every
-            # transfer would leave its rendezvous keys in it forever.
-            delete_prefix(self._store, self._prefix)
+        if self._store is not None:
+            # Not right after connect: the peer may still be reading our key then.
+            self._store.close()
             self._store = None
 
     @property
     def _prefix(self) -> str:
-        return f"xfer/{self.transfer_id}/"
+        return f"gloo/{self.transfer_id}"
 

@@ -14,13 +14,17 @@ Why this binding (the requirements come from NCCL's fault-tolerance guide):
   every broadcast, polls for completion and, on a deadline or an abort request,
   calls ``abort()`` itself. :meth:`NcclTransport.abort` from any other thread (the
   watchdog, a drain) only *signals*; the owner acts on it at its next poll.
-* **The connect phase inside the deadline.** The bootstrap goes through the sender's
-  ``TCPStore`` (:mod:`.store`; the receiver's store client times out with the time
-  left); the communicator is created by a one-byte collective inside ``connect``, and
+* **The connect phase inside the deadline.** The unique id travels through the
+  transfer's signed Redis keys (:mod:`.store`; no rendezvous port is open), each wait
+  bounded by the time left; the communicator is created by a one-byte collective inside ``connect``, and
   host-side waits inside torch's non-blocking NCCL calls (creation, and since NCCL
   2.22 the lazy connect that waits for the peer's first call) are bounded by
   ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which this module sets, if the user has not, to
   :data:`NONBLOCKING_TIMEOUT_S` before its first communicator (torch reads it once).
+* **A stall is bounded too.** torch's NCCL work has no per-call timeout we can use,
+  so the stall bound (:func:`~nccl_back.transport.run_guarded`'s ``stall``) is the
+  watchdog's: when no step completed within it, it asks for the abort, which the
+  owner thread carries out at its next poll.
 * **A failed transfer never kills the worker.** torch's default
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` tears the process down on an NCCL error or a
   timeout; each of our groups is built with it set to ``0`` (no handling: the error
@@ -43,7 +47,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +56,10 @@ from ..config import Settings
 from ..errors import TransferError, TransferTimeoutError
 from ..log import get_logger
 from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
-from .store import StoreRendezvous, connect_store, delete_prefix, split_address
+from .store import RedisStore, StoreRendezvous, split_address
+
+if TYPE_CHECKING:
+    from ..registry import Registry
 
 log = get_logger(__name__)
 
@@ -105,17 +112,18 @@ def _group_env() -> Iterator[None]:
 
 
 class NcclRendezvous(StoreRendezvous):
-    """The sender's ``TCPStore`` for NCCL transfers (see :mod:`.store`)."""
+    """The sender's endpoint for NCCL transfers (see :mod:`.store`)."""
 
-    def __init__(self, settings: Settings, *, device: torch.device, port: int = 0) -> None:
+    def __init__(self, settings: Settings, registry: Registry, *, device: torch.device) -> None:
         check_available(device)
-        super().__init__(settings, "nccl", _nccl_sender, device=device, port=port)
+        super().__init__(settings, "nccl", _nccl_sender, device=device, registry=registry)
 
 
 def _nccl_sender(
-    transfer_id: str, store: dist.Store, settings: Settings, device: torch.device
+    transfer_id: str, settings: Settings, registry: Registry, device: torch.device
 ) -> NcclTransport:
-    return NcclTransport(SENDER_RANK, transfer_id, device=device, store=store)
+    return NcclTransport(SENDER_RANK, transfer_id, device=device, settings=settings,
+                         registry=registry)
 
 
 class _NcclPending:
@@ -148,18 +156,17 @@ class NcclTransport(Transport):
         transfer_id: str,
         *,
         device: torch.device,
-        store: dist.Store | None = None,
-        address: str | None = None,
+        settings: Settings,
+        registry: Registry,
         poll: float = 0.0005,
     ) -> None:
         check_available(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(rank, transfer_id, device)
-        if (store is None) == (address is None):
-            raise TransferError("an nccl transport needs the sender's store or its address")
-        self._store = store
-        self._address = address
+        self._settings = settings
+        self._registry = registry
+        self._store: RedisStore | None = None
         self._poll = poll
         self._deadline = float("inf")
         self._abort_requested = threading.Event()
@@ -170,10 +177,12 @@ class NcclTransport(Transport):
         self._after = torch.cuda.current_stream(device).record_event()
 
     @classmethod
-    def receiver(cls, address: str, transfer_id: str, *, device: torch.device) -> NcclTransport:
-        """The rank-1 side; it connects a client store to the sender's ``address``."""
+    def receiver(cls, settings: Settings, registry: Registry, address: str, transfer_id: str, *,
+                 device: torch.device) -> NcclTransport:
+        """The rank-1 side of a transfer with the sender at ``address`` (checked for form:
+        the bootstrap itself goes through Redis)."""
         split_address(address)
-        return cls(RECEIVER_RANK, transfer_id, device=device, address=address)
+        return cls(RECEIVER_RANK, transfer_id, device=device, settings=settings, registry=registry)
 
     # -- the owner thread ------------------------------------------------------------------
 
@@ -195,8 +204,9 @@ class NcclTransport(Transport):
         torch.cuda.set_stream(self._stream)
         left = self._left("connect")
         try:
-            store = self._store if self._store is not None else connect_store(self._address or "", left)
-            prefixed = dist.PrefixStore(self._prefix, store)
+            self._store = RedisStore(self._registry, self._prefix,
+                                     self._settings.key("rendezvous"), time.monotonic() + left)
+            prefixed = dist.PrefixStore("nccl", self._store)
             opts = dist.ProcessGroupNCCL.Options()
             if self.nonblocking:
                 config = opts.config  # a copy in some torch builds: set it back whole
@@ -307,14 +317,13 @@ class NcclTransport(Transport):
         destroy it never waits on a peer.
         """
         self._abort_now()
-        if self._store is not None and self._address is None:
-            # The sender's store lives as long as the service: drop this transfer's keys.
-            delete_prefix(self._store, self._prefix)
+        if self._store is not None:
+            self._store.close()  # this side's bootstrap keys (their TTL bounds them too)
         self._store = None
 
     @property
     def _prefix(self) -> str:
-        return f"nccl/{self.transfer_id}/"
+        return f"nccl/{self.transfer_id}"
 
 
 def _bcast_opts(src: int) -> Any:

@@ -1,31 +1,89 @@
-"""The sender's rendezvous: one ``TCPStore`` that receivers reach at a published address.
+"""The rendezvous: each transfer bootstraps through signed, bounded records in Redis.
 
-Both transports bootstrap the same way. The sender hosts one ``TCPStore`` for the
-life of the service; each transfer builds its communicator (a ``ProcessGroupGloo`` or
-a ``ProcessGroupNCCL``) on ``PrefixStore("{kind}/{transfer_id}/")``, so keys of an
-earlier, failed attempt never meet this one. The receiver connects a client store to
-the published ``host:port`` with the time left to its deadline as the timeout.
-``init_process_group`` is never called: the user's worker may already have one.
+Why not a ``TCPStore``. torch's ``TCPStore`` has no authentication: anyone who reaches
+its port (no secret, no Redis) can ``list_keys()``, read every transfer's bootstrap
+and write keys of any size into the serving worker's memory (hundreds of MiB were
+observed). Fronting it with an authenticating proxy, or a fresh store per transfer,
+still leaves a port that answers strangers. So no rendezvous port is opened at all:
+``ProcessGroupGloo`` and ``ProcessGroupNCCL`` take any ``dist.Store``, and
+:class:`RedisStore` is one (torch's trampoline for Python stores) that keeps a
+transfer's few bootstrap keys (gloo: each rank's socket address; NCCL: the unique id)
+in the Redis the workers already share, as ``{ns}:rdv:{scope}:{name}``:
+
+* every value carries an HMAC-SHA256 under ``Settings.key("rendezvous")`` over its
+  Redis key and bytes, so a party without the fleet secret cannot write a value
+  either side accepts, nor move a genuine one to another transfer or key; a value
+  that fails is treated as absent (the genuine write replaces it), never obeyed;
+* a read takes at most :data:`MAX_VALUE_BYTES` (``GETRANGE``), whatever was stored,
+  so nobody can make a worker hold more than that per key, and a transfer reads only
+  the handful of keys its process group asks for; the worker serves nothing to
+  store clients, since it runs no store server;
+* keys live for the connect phase only (a TTL, and each side deletes what it wrote
+  when the transfer ends).
+
+What an attacker can still do. One who reaches Redis (its password) but not the
+secret can read the bootstrap values (socket addresses, the NCCL unique id) and
+delete them, which breaks that transfer: the receiver falls back, as for any failed
+peer. One who reaches any port of a worker can connect to gloo's or NCCL's own data
+sockets while a transfer runs (gloo's listen on the advertised address, NCCL's where
+``NCCL_SOCKET_IFNAME`` says, for that transfer only), which can at worst fail it: what arrives is verified with keyed hashes
+before it is used. Without a secret (unsigned mode) values are not authenticated:
+every Redis writer is trusted, as everywhere else in that mode.
+
+Each side polls Redis for the keys it waits on, bounded by the transport's deadline
+(a bootstrap is two to four keys: a few milliseconds). ``init_process_group`` is never
+called: the user's worker may already have one.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
+import hashlib
+import hmac
+import ipaddress
 import socket
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import Settings
-from ..errors import ConfigError, TransferError
+from ..errors import ConfigError, RegistryError, TransferError, TransferTimeoutError
 from ..log import get_logger
+from ..redisclient import parse_redis_url
 from .base import Rendezvous, Transport
+
+if TYPE_CHECKING:
+    from ..registry import Registry
 
 log = get_logger(__name__)
 
-#: Makes the sender's transport of one transfer: ``(transfer_id, store, settings, device)``.
-SenderFactory = Callable[[str, dist.Store, Settings, torch.device], Transport]
+#: Longest bootstrap value accepted or written (gloo's addresses and NCCL's 128-byte
+#: unique id are far smaller); a read never takes more than this from Redis.
+MAX_VALUE_BYTES = 16 << 10
+#: Longest key name a process group may use (torch's are short: ``{prefix}/0/{rank}``).
+MAX_NAME_CHARS = 256
+#: Seconds a bootstrap key outlives the connect deadline, at most (a bound, the sides
+#: delete their keys when the transfer ends).
+KEY_TTL_SLACK = 5.0
+#: Polling interval bounds, seconds: fast first (the peer writes within milliseconds),
+#: then backing off so a slow peer costs Redis little.
+POLL_MIN, POLL_MAX = 0.002, 0.05
+
+# Stored form: "{hex hmac}:{base64 value}" ("-" instead of the hmac in unsigned mode).
+_UNSIGNED = "-"
+_MAC_HEX = 64
+# Base64 of MAX_VALUE_BYTES plus the MAC and separator: what a read takes at most.
+_MAX_STORED = _MAC_HEX + 1 + 4 * (-(-MAX_VALUE_BYTES // 3))
+
+#: Makes the sender's transport of one transfer: ``(transfer_id, settings, registry, device)``.
+SenderFactory = Callable[[str, Settings, "Registry", torch.device], Transport]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -36,30 +94,207 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: a free one), IPv4 or IPv6."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
+def join_address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@functools.lru_cache(maxsize=256)
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP or a name) means this machine only (127/8, ::1, localhost)."""
+    host = host.strip("[]")
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    addrs = {str(info[4][0]) for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
 
 
-def connect_store(address: str, timeout: float) -> dist.TCPStore:
-    """A client store on the sender's rendezvous; waits at most ``timeout`` seconds."""
-    host, port = split_address(address)
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+def redis_is_local(settings: Settings) -> bool:
+    """Whether every Redis host of ``settings`` is on this machine (loopback or a socket)."""
+    target = parse_redis_url(settings.redis_url)
+    return all(is_loopback(host) for host, _ in target.hosts)
+
+
+def unreachable_reason(settings: Settings, address: str) -> str | None:
+    """Why a peer advertising ``address`` cannot be reached from here, or None.
+
+    A loopback address is reachable only from the peer's own machine; when our Redis
+    is on another host, the fleet spans hosts and the peer most likely is on another
+    one too (a host name resolving to 127.0.0.1 in ``/etc/hosts``), so trying it would
+    only cost the connect deadline.
+    """
+    try:
+        host, _ = split_address(address)
+    except ConfigError as e:
+        return str(e)
+    if is_loopback(host) and not redis_is_local(settings):
+        return (f"it advertises the loopback address {address!r} while Redis is on another"
+                " host: only its own machine can reach it (its advertise_host is wrong)")
+    return None
+
+
+def warn_if_loopback(settings: Settings) -> None:
+    """Say loudly when this worker advertises loopback to a fleet that spans hosts."""
+    if is_loopback(settings.advertise_host) and not redis_is_local(settings):
+        log.warning(
+            "advertising_loopback",
+            advertise_host=settings.advertise_host,
+            message="this worker advertises a loopback address while Redis is on another"
+            " host: no other machine can receive weights from it (receivers skip it). Set"
+            " NCCL_BACK_ADVERTISE_HOST to an address peers reach.",
+        )
+
+
+class RedisStore(dist.Store):
+    """One transfer's bootstrap keys in Redis, HMAC-signed and size-bounded (see module doc).
+
+    Supports what torch's process groups use to bootstrap: ``set``, ``get``, ``wait``,
+    ``check`` and ``delete_key``. Every wait ends by ``deadline`` (``time.monotonic``)
+    with :class:`TransferTimeoutError`.
+    """
+
+    def __init__(self, registry: Registry, scope: str, key: bytes | None, deadline: float) -> None:
+        super().__init__()
+        self._registry = registry
+        self._scope = scope
+        self._key = key
+        self.deadline = deadline
+        self._written: set[str] = set()
+        self._lock = threading.Lock()
+        self.rejected = 0
+        """Values found at this transfer's keys that failed the check (forged, too long)."""
+
+    # -- encoding ----------------------------------------------------------------------------
+
+    def _redis_key(self, name: str) -> str:
+        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+            raise TransferError(f"rendezvous key name of {len(str(name))} chars: over {MAX_NAME_CHARS}")
+        return self._registry.key("rdv", self._scope, name)
+
+    def _mac(self, redis_key: str, value: bytes) -> str:
+        if self._key is None:
+            return _UNSIGNED
+        return hmac.new(self._key, redis_key.encode() + b"\0" + value, hashlib.sha256).hexdigest()
+
+    def encode(self, redis_key: str, value: bytes) -> str:
+        """The stored form of ``value`` at ``redis_key``."""
+        return self._mac(redis_key, value) + ":" + base64.b64encode(value).decode()
+
+    def decode(self, redis_key: str, stored: Any) -> bytes | None:
+        """The value a stored string carries, if it is to be trusted; None otherwise."""
+        if not isinstance(stored, str) or len(stored) > _MAX_STORED or not stored.isascii():
+            return None  # (compare_digest refuses non-ASCII strings: never let it raise)
+        mac, sep, body = stored.partition(":")
+        if not sep:
+            return None
+        try:
+            value = base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        if len(value) > MAX_VALUE_BYTES or not hmac.compare_digest(mac, self._mac(redis_key, value)):
+            return None
+        return value
+
+    # -- Redis -------------------------------------------------------------------------------
+
+    def _left(self, what: str) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"rendezvous {what}: deadline passed")
+        return left
+
+    def _read(self, name: str) -> bytes | None:
+        redis_key = self._redis_key(name)
+        client = self._registry.client
+        # At most _MAX_STORED + 1 bytes, whatever is stored: a longer value is rejected
+        # without ever being held in full.
+        try:
+            stored = self._registry._call("GETRANGE", lambda: client.getrange(redis_key, 0, _MAX_STORED))
+        except UnicodeDecodeError:  # bytes no genuine writer produces (ours are ASCII)
+            stored = "\ufffd"
+        if not stored:
+            return None
+        value = self.decode(redis_key, stored)
+        if value is None:
+            with self._lock:
+                self.rejected += 1
+            log.warning("rendezvous_value_rejected", key=redis_key, chars=len(stored))
+        return value
+
+    def _poll(self, names: list[str], what: str) -> list[bytes]:
+        delay = POLL_MIN
+        while True:
+            values = [self._read(n) for n in names]
+            if all(v is not None for v in values):
+                return [v for v in values if v is not None]
+            time.sleep(min(delay, self._left(what)))
+            delay = min(delay * 2, POLL_MAX)
+
+    # -- dist.Store --------------------------------------------------------------------------
+
+    def set(self, key: str, value: Any) -> None:
+        data = bytes(value) if not isinstance(value, str) else value.encode()
+        if len(data) > MAX_VALUE_BYTES:
+            raise TransferError(f"rendezvous value of {len(data)} bytes: over {MAX_VALUE_BYTES}")
+        redis_key = self._redis_key(key)
+        ttl = self._left("set") + KEY_TTL_SLACK
+        stored = self.encode(redis_key, data)
+        client = self._registry.client
+        self._registry._call("SET", lambda: client.set(redis_key, stored, px=max(int(ttl * 1000), 1)))
+        with self._lock:
+            self._written.add(redis_key)
+
+    def get(self, key: str) -> bytes:
+        return self._poll([key], f"get {key!r}")[0]
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is not None:
+            self.deadline = min(self.deadline, time.monotonic() + timeout.total_seconds())
+        self._poll(list(keys), f"wait {list(keys)!r}")
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._read(k) is not None for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        redis_key = self._redis_key(key)
+        client = self._registry.client
+        return bool(self._registry._call("DEL", lambda: client.delete(redis_key)))
+
+    def add(self, key: str, value: int) -> int:
+        # A counter cannot carry a signature; no bootstrap we run uses one.
+        raise TransferError("the Redis rendezvous does not support add()")
+
+    def num_keys(self) -> int:
+        raise TransferError("the Redis rendezvous cannot count keys")
+
+    def close(self) -> None:
+        """Delete the keys this side wrote (best effort; their TTL bounds them anyway)."""
+        with self._lock:
+            written, self._written = list(self._written), set()
+        if not written:
+            return
+        client = self._registry.client
+        try:
+            self._registry._call("DEL", lambda: client.delete(*written))
+        except RegistryError as e:
+            log.debug("rendezvous_cleanup_failed", scope=self._scope, error=str(e))
 
 
 class StoreRendezvous(Rendezvous):
-    """The sender's long-lived ``TCPStore``; receivers reach it at :attr:`address`."""
+    """The sender's endpoint: no listener, just what makes its per-transfer transports.
+
+    :attr:`address` is ``{advertise_host}:0``: the host the transports' data sockets
+    bind on (receivers check it is reachable), port 0 saying there is no rendezvous
+    port to reach.
+    """
 
     def __init__(
         self,
@@ -68,57 +303,24 @@ class StoreRendezvous(Rendezvous):
         make_sender: SenderFactory,
         *,
         device: torch.device,
-        port: int = 0,
+        registry: Registry,
     ) -> None:
         self.kind = kind
         self.settings = settings
         self.device = device
         self._make_sender = make_sender
-        try:
-            # TCPStore itself listens on every interface; binding our own socket and
-            # handing it over is how bind_host (default: the advertised address) is honoured.
-            listener = listen(settings.listen_host, port)
-            self._port = int(listener.getsockname()[1])
-            # wait_for_workers=False: receivers come and go for the life of the service.
-            self._store: dist.TCPStore | None = dist.TCPStore(
-                settings.advertise_host,
-                self._port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=settings.transfer_timeout),
-                master_listen_fd=listener.detach(),  # the store owns (and closes) it now
-            )
-        except (RuntimeError, OSError) as e:
-            raise TransferError(
-                f"cannot start the {kind} rendezvous on {settings.listen_host}:{port}: {e}"
-            ) from e
+        self._registry: Registry | None = registry
+        warn_if_loopback(settings)
         log.debug("rendezvous_started", kind=kind, address=self.address)
 
     @property
     def address(self) -> str:
-        return f"{self.settings.advertise_host}:{self._port}"
+        return join_address(self.settings.advertise_host, 0)
 
     def sender(self, transfer_id: str) -> Transport:
-        if self._store is None:
+        if self._registry is None:
             raise TransferError(f"the {self.kind} rendezvous is closed")
-        return self._make_sender(transfer_id, self._store, self.settings, self.device)
+        return self._make_sender(transfer_id, self.settings, self._registry, self.device)
 
     def close(self) -> None:
-        # Dropping the last reference stops the store's server thread.
-        self._store = None
-
-
-def delete_prefix(store: dist.Store, prefix: str, fallback: int = 2) -> None:
-    """Delete every key under ``prefix`` (a transfer's, from the long-lived sender store).
-
-    Best effort; where the store cannot list keys, the ``{prefix}/0/{rank}`` keys that
-    a process group of ``fallback`` ranks writes are deleted by name.
-    """
-    try:
-        listed = getattr(store, "list_keys", None)
-        names = ([k for k in listed() if k.startswith(prefix)] if listed is not None
-                 else [f"{prefix}/0/{r}" for r in range(fallback)])
-        for name in names:
-            store.delete_key(name)
-    except RuntimeError as e:  # a dead store has nothing left to clean
-        log.debug("store_cleanup_failed", prefix=prefix, error=str(e))
+        self._registry = None

@@ -10,6 +10,13 @@ sides proved alive in the handshake a moment ago, so a communicator that has not
 soon never will, and the receiver must not hold its send slot for a whole transfer
 timeout waiting for it.
 
+A transfer may also get a stall bound (``stall``): it is aborted, with
+:class:`TransferStalledError`, as soon as no step has completed for that long (the data
+plane reports each one, :meth:`Transport.progressed`). A peer that stops silently (a
+dead node, a partition: no reset, so no error) then costs the stall bound, not the
+deadline. The bound is enforced here, in the caller's thread, so it holds for every
+transport; gloo also gets it as its per-call timeout, so its thread unwinds with it.
+
 The worker thread must not outlive the attempt: transports bound every wait by the
 same deadline (gloo: a per-call timeout equal to the time left; NCCL: polling), so
 after ``abort`` the thread unwinds within the transport's ``join_grace``; the
@@ -25,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import NcclBackError, TransferError, TransferTimeoutError
+from ..errors import NcclBackError, TransferError, TransferStalledError, TransferTimeoutError
 from ..log import get_logger
 from .base import Transport
 
@@ -40,15 +47,18 @@ def run_guarded(
     deadline: float,
     *,
     connect_deadline: float | None = None,
+    stall: float | None = None,
     join_grace: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """``transport.connect(...)`` then ``work(transport)``, done by ``deadline``.
 
     ``deadline`` is on ``clock`` (``time.monotonic``); the connect phase must also end
-    by ``connect_deadline`` when given. Returns what ``work`` returns.
-    Raises :class:`TransferTimeoutError` past the deadline (after aborting the
-    transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
+    by ``connect_deadline`` when given. After the connect, when ``stall`` is given, no
+    more than ``stall`` seconds may pass without a completed step (measured on
+    ``time.monotonic``). Returns what ``work`` returns.
+    Raises :class:`TransferStalledError` past the stall bound and
+    :class:`TransferTimeoutError` past the deadline (both after aborting the transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
     wrapping any other exception. The transport is closed in every case.
     """
     # One-element lists: the worker thread's result or error, typed for the caller.
@@ -56,11 +66,16 @@ def run_guarded(
     errors: list[BaseException] = []
     connected = threading.Event()
     first = deadline if connect_deadline is None else min(deadline, connect_deadline)
+    if stall is not None:
+        if not stall > 0:
+            raise TransferError(f"stall={stall!r}: must be a positive number of seconds")
+        transport.call_timeout = min(transport.call_timeout, stall)
 
     def target() -> None:
         try:
             transport.connect(first)
             transport.extend_deadline(deadline)
+            transport.progressed()  # the stall bound counts from the communicator's birth
             connected.set()
             value = work(transport)
             transport.finish()
@@ -85,15 +100,39 @@ def run_guarded(
                 f"{transport.kind} transfer {transport.transfer_id}: the communicator did not"
                 " form by the connect deadline (the peer gave up or is gone); aborted"
             )
-    thread.join(max(deadline - clock(), 0.0))
-    if thread.is_alive():
-        _abort(transport, thread, join_grace, "transfer")
-        raise TransferTimeoutError(
-            f"{transport.kind} transfer {transport.transfer_id} did not finish by its deadline;"
-            " the communicator was aborted"
-        )
+    while True:
+        wait = deadline - clock()
+        if stall is not None:
+            # Before the connect is seen, wake up every stall bound to start watching.
+            quiet = (transport.progress_at + stall - time.monotonic()) if connected.is_set() else stall
+            wait = min(wait, quiet)
+        thread.join(max(wait, 0.0))
+        if not thread.is_alive():
+            break
+        if clock() >= deadline:
+            _abort(transport, thread, join_grace, "transfer")
+            raise TransferTimeoutError(
+                f"{transport.kind} transfer {transport.transfer_id} did not finish by its deadline;"
+                " the communicator was aborted"
+            )
+        if stall is not None and connected.is_set() and time.monotonic() - transport.progress_at >= stall:
+            _abort(transport, thread, join_grace, "stall")
+            raise TransferStalledError(
+                f"{transport.kind} transfer {transport.transfer_id} stalled: no step completed"
+                f" for {stall:g} s (the stall bound; the peer stopped or its link is down);"
+                " the communicator was aborted"
+            )
     if errors:
         error = errors[0]
+        quiet = time.monotonic() - transport.progress_at
+        if (stall is not None and connected.is_set() and quiet >= stall
+                and isinstance(error, TransferError) and not isinstance(error, TransferStalledError)):
+            # The transport's own per-call timeout (the stall bound) beat our check: say
+            # what happened, whatever words the transport found for it.
+            raise TransferStalledError(
+                f"{transport.kind} transfer {transport.transfer_id} stalled: no step completed"
+                f" for {quiet:.1f} s (stall bound {stall:g} s): {error}"
+            ) from error
         if isinstance(error, NcclBackError):
             raise error
         raise TransferError(

@@ -148,7 +148,7 @@ def test_endpoint_of_a_member_that_gave_up_refuses_every_request(
     at once, naming why, instead of forwarding what it holds."""
     settings = _relay_settings(redis_url, namespace)
     reg = Registry(settings)
-    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"))
+    rdv = open_rendezvous(settings, "gloo", registry=reg, device=torch.device("cpu"))
     tensors = _tensors()
     steps = len(plan(tensors, settings.bucket_for("gloo", sum(t.nbytes for t in tensors.values()))))
     progress = Progress()
@@ -198,7 +198,7 @@ def test_stopped_relay_endpoint_releases_the_tensors_it_served(
     reference to the tensors it served: once the caller drops them they are freed."""
     settings = _relay_settings(redis_url, namespace, cohort_window=0.2)
     reg = Registry(settings)
-    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"))
+    rdv = open_rendezvous(settings, "gloo", registry=reg, device=torch.device("cpu"))
     tensors = _tensors()
     refs = _storages(tensors)
     progress = Progress()

@@ -364,7 +364,10 @@ def mutated_replies(draw: st.DrawFn, reply: dict[str, Any]) -> dict[str, Any]:
     out = json.loads(json.dumps(reply))
     for _ in range(draw(st.integers(1, 3))):
         where = draw(st.sampled_from(["top", "top", "layout", "hashes"]))
-        if where == "top" or not isinstance(out.get(where), (list, dict)) or not out[where]:
+        # An earlier round may have replaced layout or hashes by any JSON: mutate them
+        # entry by entry only while they still have their own type.
+        kind = list if where == "layout" else dict
+        if where == "top" or not isinstance(out.get(where), kind) or not out[where]:
             key = draw(st.sampled_from(sorted(out) + ["size", "segment", "kind", "cuda"]))
             if draw(st.booleans()):
                 out.pop(key, None)

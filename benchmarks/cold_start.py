@@ -175,7 +175,7 @@ class Bench:
 
     def settings(self, namespace: str, scenario: str = "warm") -> str:
         s = Settings(redis_url=self.redis.url, namespace=namespace, transport="gloo",
-                     advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                     advertise_host="127.0.0.1",
                      cache_dir=os.path.join(self.tmp, "cache"),
                      max_send_gbps=self.args.link_gbps,
                      cohort_max_size=1 if scenario.endswith("_tree") else Settings().cohort_max_size)

@@ -126,7 +126,7 @@ def main() -> None:
 
 def measure(args: argparse.Namespace) -> None:
     """One side of the benchmark (the parent receives and reports, ``--serve`` sends)."""
-    settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", transfer_timeout=600,
+    settings = Settings(advertise_host="127.0.0.1", transfer_timeout=600,
                         redis_url=args.redis_url, namespace="bench")
     registry = Registry(settings)
     shapes = model_shapes(args.gib)

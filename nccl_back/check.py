@@ -244,21 +244,20 @@ def _listen_and_connect(bind: str, port: int, reach: str, timeout: float) -> tup
 
 
 def check_rendezvous(settings: Settings) -> Check:
-    """The rendezvous port can be bound on the listen address and reached at the advertised one."""
-    port = settings.rendezvous_port
-    bound, problem = _listen_and_connect(settings.listen_host, port, settings.advertise_host,
-                                         settings.redis_timeout)
-    if "in use" in problem:
-        return fail("rendezvous", f"rendezvous port: {problem}",
-                    "stop what holds it or set NCCL_BACK_RENDEZVOUS_PORT (--rendezvous-port) to a"
-                    " free port (and the same port in the pod's ports)")
+    """An ephemeral transport port listens on the advertised address and is reached there.
+
+    The rendezvous itself goes through Redis and opens no port; what listens is gloo's
+    data socket, on an ephemeral port of ``advertise_host``, for one transfer
+    (:mod:`nccl_back.transport.gloo`). No fixed port is needed, so none can be in use.
+    """
+    host = settings.advertise_host
+    bound, problem = _listen_and_connect(host, 0, host, settings.redis_timeout)
     if problem:
-        return fail("rendezvous", f"rendezvous port: {problem}",
-                    "set NCCL_BACK_ADVERTISE_HOST to this worker's address and NCCL_BACK_BIND_HOST"
-                    " (--bind-host) to an interface that includes it, or leave it empty")
-    what = f"port {port}" if port else f"any free port (probed {bound})"
-    return ok("rendezvous", f"{what} listens on {settings.listen_host} and is reached at"
-                            f" {settings.advertise_host}:{bound}")
+        return fail("rendezvous", f"ephemeral transport port: {problem}",
+                    "set NCCL_BACK_ADVERTISE_HOST (--advertise-host) to this worker's own"
+                    " address, one its transports can listen on and peers can reach")
+    return ok("rendezvous", f"ephemeral transport port (probed {bound}) listens on {host}"
+                            f" and is reached there (the rendezvous itself is in Redis)")
 
 
 def check_health(target: Target, settings: Settings) -> Check:

@@ -81,8 +81,8 @@ _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("transport", str, "auto, gloo or nccl"),
     ("verify", str, "integrity check after a peer load: sampled, full or none"),
     ("advertise-host", str, "address peers use to reach this worker"),
-    ("bind-host", str, "interface the transport rendezvous listens on (default: --advertise-host)"),
-    ("rendezvous-port", int, "TCP port of the gloo rendezvous (0: any free port)"),
+    ("bind-host", str, "unused since the rendezvous moved to Redis; accepted for compatibility"),
+    ("rendezvous-port", int, "unused since the rendezvous moved to Redis; accepted for compatibility"),
     ("transfer-timeout", float, "watchdog deadline of one transfer, seconds"),
     ("receiver-handshake-timeout", float, "seconds a receiver waits in the handshake"),
     ("sender-handshake-timeout", float, "seconds a sender waits in the handshake"),
@@ -281,7 +281,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.check_local_model(args.model)
     if args.drain_timeout is not None and args.drain_timeout <= 0:
         raise ConfigError(f"--drain-timeout {args.drain_timeout!r}: must be a positive number of seconds")
-    server.check_port_free(settings.listen_host, settings.rendezvous_port, "--rendezvous-port")
     if args.hf:
         spec_config = dict(ModelSpec.from_dir(args.model, cache_dir=settings.cache_dir).config)
         factory = server.hf_factory(spec_config)

@@ -110,13 +110,13 @@ class Settings:
     receivers on other hosts skip it."""
 
     bind_host: str = ""
-    """Unused since transfers bootstrap through Redis (no rendezvous listener; gloo's data
-    sockets bind the advertised address, NCCL's follow ``NCCL_SOCKET_IFNAME``); accepted so existing
-    configurations still load."""
+    """Unused since the rendezvous moved to Redis; accepted for compatibility (no rendezvous
+    listener; gloo's data sockets bind the advertised address, NCCL's follow
+    ``NCCL_SOCKET_IFNAME``)."""
 
     rendezvous_port: int = 0
-    """Unused: transfers bootstrap through Redis and no rendezvous port is opened
-    (:mod:`nccl_back.transport.store`); accepted so existing configurations still load."""
+    """Unused since the rendezvous moved to Redis; accepted for compatibility (no rendezvous
+    port is opened, :mod:`nccl_back.transport.store`; gloo and NCCL use ephemeral ports)."""
 
     sender_handshake_timeout: float = 1.0
     """Seconds a sender waits in the liveness handshake (short: don't wait on a flaky receiver)."""
@@ -310,7 +310,8 @@ class Settings:
             raise ConfigError(f"peer_budget={self.peer_budget!r}: must be 0 (automatic) or positive seconds")
         port = self.rendezvous_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            raise ConfigError(f"rendezvous_port={port!r}: must be 0 (any free port) to 65535")
+            raise ConfigError(f"rendezvous_port={port!r}: must be 0 to 65535"
+                              " (unused; accepted for compatibility)")
 
     def key(self, purpose: str) -> bytes | None:
         """A 32-byte key for one ``purpose`` derived from :attr:`secret` (``None`` without one).
@@ -344,11 +345,6 @@ class Settings:
             + self.transfer_timeout
             + self.max_peer_attempts * self.receiver_handshake_timeout
         )
-
-    @property
-    def listen_host(self) -> str:
-        """Where the transport rendezvous listens: ``bind_host``, else ``advertise_host``."""
-        return self.bind_host or self.advertise_host
 
     @property
     def heartbeat_interval(self) -> float:

@@ -300,7 +300,7 @@ class Demo:
         if a.redis_url is None:
             # Everything is on this machine: keep it on loopback. For real infrastructure
             # the defaults (this host's address) let other machines reach the workers.
-            settings = settings.replace(advertise_host="127.0.0.1", bind_host="127.0.0.1")
+            settings = settings.replace(advertise_host="127.0.0.1")
         registry = Registry(settings)
         try:
             registry.ping()

@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -145,17 +144,6 @@ def check_local_model(uri: str) -> None:
             f"--model {uri!r}: no such directory; give the checkpoint directory"
             " (or gs://bucket/prefix) holding config.json and *.safetensors"
         )
-
-
-def check_port_free(host: str, port: int, flag: str) -> None:
-    """Fail up front, naming ``flag``, if ``host:port`` cannot be bound (0 is always free)."""
-    if port == 0:
-        return
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ConfigError(f"{flag} {port} on {host}: cannot listen ({e.strerror})") from e
 
 
 class Sidecar:

@@ -61,7 +61,7 @@ def child(name: str, rank: int, port: int, q: Any) -> None:
 
             NcclTransport.nonblocking, NcclTransport.eager = nonblocking, eager
             # Our transport bootstraps through Redis (the parent's, see main()).
-            s = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1",
+            s = Settings(advertise_host="127.0.0.1",
                          redis_url=os.environ["PROBE_REDIS_URL"], namespace=f"probe{port}")
             reg = Registry(s)
             tr = (open_rendezvous(s, "nccl", device=dev, registry=reg).sender("p") if rank == 0

@@ -81,7 +81,7 @@ def lines(proc: subprocess.CompletedProcess[str]) -> dict[str, str]:
 
 def test_healthy_setup_is_ok_on_every_line(env: dict[str, str], ckpt: Path) -> None:
     """Real Redis, a secret file, free ports, a writable cache, a local model: exit 0, all ok."""
-    proc = run_check(env, "--model", str(ckpt), "--rendezvous-port", str(free_port()))
+    proc = run_check(env, "--model", str(ckpt))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = lines(proc)
     assert list(got) == ["settings", "redis", "namespace", "secret", "advertise", "rendezvous",
@@ -238,7 +238,8 @@ def test_advertise_address_not_on_this_host(env: dict[str, str]) -> None:
     proc = run_check({**env, "NCCL_BACK_ADVERTISE_HOST": "192.0.2.1"}, *NO_TORCH)
     _fail(proc, "advertise", "'192.0.2.1' (192.0.2.1) is not an address of this host",
           "NCCL_BACK_ADVERTISE_HOST")
-    _fail(proc, "rendezvous", "cannot listen on 192.0.2.1", "NCCL_BACK_BIND_HOST")
+    _fail(proc, "rendezvous", "ephemeral transport port: cannot listen on 192.0.2.1:0",
+          "NCCL_BACK_ADVERTISE_HOST")
 
 
 def test_advertise_name_that_does_not_resolve(env: dict[str, str]) -> None:
@@ -247,11 +248,17 @@ def test_advertise_name_that_does_not_resolve(env: dict[str, str]) -> None:
     _fail(proc, "advertise", "'no-such-host.invalid' does not resolve", "NCCL_BACK_ADVERTISE_HOST")
 
 
-def test_rendezvous_port_in_use(env: dict[str, str], busy_port: int) -> None:
-    """A rendezvous port another process listens on fails naming the port."""
-    proc = run_check(env, "--rendezvous-port", str(busy_port), *NO_TORCH)
-    _fail(proc, "rendezvous", f"cannot listen on 127.0.0.1:{busy_port} (in use by another process)",
-          "--rendezvous-port")
+def test_rendezvous_port_and_bind_host_are_ignored(env: dict[str, str], busy_port: int) -> None:
+    """The rendezvous opens no port: a --rendezvous-port in use is no failure, the line probes
+    an ephemeral port of the advertised address; --bind-host does not rescue a wrong one."""
+    proc = run_check(env, "--rendezvous-port", str(busy_port), "--bind-host", "0.0.0.0", *NO_TORCH)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = lines(proc)["rendezvous"]
+    assert line.startswith("ok ") and "ephemeral transport port" in line, line
+    assert "listens on 127.0.0.1" in line, line
+    proc = run_check({**env, "NCCL_BACK_ADVERTISE_HOST": "192.0.2.1"}, "--bind-host", "127.0.0.1",
+                     *NO_TORCH)
+    _fail(proc, "rendezvous", "cannot listen on 192.0.2.1:0", "NCCL_BACK_ADVERTISE_HOST")
 
 
 def test_health_port_in_use(env: dict[str, str], busy_port: int) -> None:

@@ -84,13 +84,6 @@ def test_serve_health_port_in_use(ckpt: Path, busy_port: int) -> None:
     assert_one_line_error(proc, f"health port {busy_port}")
 
 
-def test_serve_rendezvous_port_in_use(ckpt: Path, busy_port: int) -> None:
-    """A rendezvous port already in use is named in one line."""
-    proc = run_cli("serve", "--model", str(ckpt), "--health-port", "0",
-                   "--bind-host", "127.0.0.1", "--rendezvous-port", str(busy_port))
-    assert_one_line_error(proc, f"--rendezvous-port {busy_port}")
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_serve_cuda_without_cuda(ckpt: Path) -> None:
     """--device cuda:0 on a machine without CUDA is named in one line."""

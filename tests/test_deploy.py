@@ -494,7 +494,8 @@ def test_fleet_secret_is_required_and_mounted_privately(
 def test_network_policy_admits_only_workers_to_transfer_ports(
     name: str, rendered: dict[str, list[Obj]]
 ) -> None:
-    """Worker pods admit other workers on every TCP port, anyone else on health/inference only."""
+    """Worker pods admit other workers on every TCP port (gloo's and NCCL's are ephemeral),
+    anyone else on health/inference only."""
     objs = rendered[name]
     policy = one(objs, "NetworkPolicy", "nccl-back-worker")["spec"]
     worker = one(objs, "Deployment", "nccl-back-worker")
@@ -503,7 +504,6 @@ def test_network_policy_admits_only_workers_to_transfer_ports(
     assert policy["policyTypes"] == ["Ingress"]
     sidecar = container(objs, "nccl-back-worker", "nccl-back")
     inference = container(objs, "nccl-back-worker", "inference")
-    rendezvous = int(flag(sidecar["args"], "--rendezvous-port"))
     open_ports = {int(flag(sidecar["args"], "--health-port"))} | {
         p["containerPort"] for p in inference["ports"]
     }
@@ -513,10 +513,11 @@ def test_network_policy_admits_only_workers_to_transfer_ports(
                 assert set(peer) == {"podSelector"}, f"non-pod source admitted: {peer}"
                 assert selects(peer["podSelector"], pod_labels(worker))
                 assert not selects(peer["podSelector"], pod_labels(redis))
+            assert all("port" not in p and p.get("protocol", "TCP") == "TCP"
+                       for p in rule.get("ports", [])), "worker to worker: every TCP port"
         else:
             ports = {p["port"] for p in rule["ports"]}
             assert ports == open_ports, "only health and inference ports are open to all"
-            assert rendezvous not in ports
             assert all("endPort" not in p for p in rule["ports"])
 
 
@@ -570,8 +571,10 @@ def test_worker_pod_shape(name: str, rendered: dict[str, list[Obj]]) -> None:
     assert sidecar["command"] == ["nccl-back", "serve"]
     assert flag(sidecar["args"], "--model") == "$(MODEL_URI)"
     assert flag(sidecar["args"], "--device") == "cuda:0"
+    # The rendezvous goes through Redis: no rendezvous port to pass, declare or open.
+    assert not {"--rendezvous-port", "--bind-host"} & set(sidecar["args"])
     ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-    assert ports["rendezvous"] == int(flag(sidecar["args"], "--rendezvous-port"))
+    assert ports == {"health": int(flag(sidecar["args"], "--health-port"))}
     for c in (inference, sidecar):
         name_, tag = _split_image(c["image"])
         assert tag and "/" in name_, f"{c['name']}: image {c['image']} not set by the overlay"

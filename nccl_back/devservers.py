@@ -108,6 +108,29 @@ class LocalRedis:
             self.proc.kill()
             self.proc.wait(5)
 
+    def restart(self, timeout: float = 10.0) -> LocalRedis:
+        """SIGKILL, then a new, empty server on the same port (a crash and a restart
+        without persistence: clients reconnect to the same address and find nothing)."""
+        self.kill()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        deadline = time.monotonic() + timeout
+        while True:  # the port may linger a moment after the kill
+            try:
+                return self.start(timeout=max(0.5, deadline - time.monotonic()))
+            except NcclBackError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def flushall(self) -> None:
+        """Drop every key (the cheap form of "Redis restarted empty")."""
+        import redis
+
+        with redis.Redis(port=self.port, password=self.password) as c:
+            c.flushall()
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()

@@ -15,7 +15,8 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
   of a started unit; labelled ``_holder`` if it had finished loading (it serves, relays),
   ``_loading`` otherwise (downloader, receiver or relay member);
 - ``redis_flush`` (FLUSHALL: Redis restarted empty, cheap form), ``redis_restart`` (the
-  redis-server SIGKILLed and a new empty one started on the same port);
+  redis-server SIGKILLed and a new empty one started on the same port), ``redis_outage``
+  (SIGKILLed, and restarted empty only after a drawn pause of 0.5-4 s: a failover's window);
 - ``hostile``: records written into the namespace without the secret (garbage JSON,
   a wrong Redis type, an unsigned copy of a real record, a fake peer of this version);
 - ``shard_same`` / ``shard_changed``: one shard rewritten in place with the same bytes
@@ -92,8 +93,9 @@ STORAGE_ALLOWANCE = 10.0
 2-core machine, with Redis calls that may each wait ``redis_timeout`` meanwhile."""
 HANG_MARGIN = 30.0
 GROUP_TIMEOUT = 30.0
-FAULT_KINDS = ("kill", "stop", "redis_flush", "redis_restart", "hostile", "shard_same", "shard_changed")
-FAULT_WEIGHTS = (4, 3, 1, 1, 2, 1, 1)
+FAULT_KINDS = ("kill", "stop", "redis_flush", "redis_restart", "redis_outage", "hostile", "shard_same",
+               "shard_changed")
+FAULT_WEIGHTS = (4, 3, 1, 1, 1, 2, 1, 1)
 NOT_INJECTED = {
     "slow_http_client": "units run no sidecar",
     "partition": "needs root and a network namespace per worker",
@@ -139,6 +141,8 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
             f.update(unit=victim["unit"], rank=rng.randrange(victim["world"]))
             if kind == "stop":
                 f["pause"] = round(rng.uniform(0.3, 4.0), 2)
+        elif kind == "redis_outage":
+            f["pause"] = round(rng.uniform(0.5, 4.0), 2)
         elif kind == "hostile":
             f["form"] = rng.choice(("garbage", "wrong_type", "unsigned", "fake_peer"))
             f["pick"] = rng.random()
@@ -183,6 +187,8 @@ class Outcome:
     """Distinct world sizes among the units: each is its own single-flight election, so
     the ideal is one storage read per pool."""
     worst_ratio: float = 0.0
+    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Fallback reason codes of the loads that ended in storage (or typed error names)."""
     failures: list[str] = field(default_factory=list)
 
 
@@ -224,7 +230,7 @@ class Soak:
         self.say(f"rollout {r} schedule {json.dumps(sched)}")
         rdir = self.work / f"r{r}"
         ckpt, expected = self._checkpoint(rdir / "ckpt", sched["values_seed"])
-        version = ModelSpec.from_dir(str(ckpt), cache_dir=str(self.work / "cache")).version
+        version = next(iter(expected["0/1"]))
         stop = self._stop = _CTX.Event()
         hostile: set[str] = set()
         events: list[tuple[float, int, str, dict[str, Any]]] = []
@@ -232,7 +238,7 @@ class Soak:
             events.append((u["start"], 0, "start", u))
         for i, f in enumerate(sched["faults"]):
             events.append((f["t"], 1 + i, "fault", f))
-            if f["kind"] == "stop":
+            if f["kind"] in ("stop", "redis_outage"):
                 events.append((f["t"] + f["pause"], 1 + i, "cont", f))
         events.sort(key=lambda e: (e[0], e[1]))
         t0 = time.monotonic()
@@ -242,6 +248,8 @@ class Soak:
                 self._pump(procs, max(0.0, t0 + at - time.monotonic()))
                 if what == "start":
                     procs += self._start(r, item, ckpt, rdir)
+                elif what == "cont" and item["kind"] == "redis_outage":
+                    self.redis.restart()  # empty, on the same port
                 elif what == "cont":
                     self._cont(procs, item)
                 else:
@@ -277,11 +285,20 @@ class Soak:
         parts = {n: fill_random(TinyTransformer(**kw), seed=seed + i)
                  for i, (n, kw) in enumerate(soak_workers.PIPELINE.items())}
         write_checkpoint(parts, path, n_shards=2)
-        expected: dict[str, set[str]] = {}
+        expected: dict[str, dict[str, str]] = {}
+        self._record_state(path, expected)
+        return path, expected
+
+    def _record_state(self, path: Path, expected: dict[str, dict[str, str]]) -> None:
+        """Remember, per rank layout, the digest of the files' bytes under the version
+        those bytes have (computed without any cache): a worker that loaded version V
+        must hold exactly V's bytes, whatever happened to the files meanwhile."""
+        fresh = tempfile.mkdtemp(dir=self.work, prefix="crc-")
+        version = ModelSpec.from_dir(str(path), cache_dir=fresh).version
+        shutil.rmtree(fresh, ignore_errors=True)
         for world in (1, 2):
             for rank in range(world):
-                expected[f"{rank}/{world}"] = {self._digest_of(path, rank, world)}
-        return path, expected
+                expected.setdefault(f"{rank}/{world}", {})[version] = self._digest_of(path, rank, world)
 
     @staticmethod
     def _digest_of(path: Path, rank: int, world: int) -> str:
@@ -343,7 +360,7 @@ class Soak:
                 p.stopped_total += time.monotonic() - p.stopped_since
                 p.stopped_since = None
 
-    def _fault(self, f: dict[str, Any], procs: list[Proc], ckpt: Path, expected: dict[str, set[str]],
+    def _fault(self, f: dict[str, Any], procs: list[Proc], ckpt: Path, expected: dict[str, dict[str, str]],
                hostile: set[str], version: str) -> str:
         kind = f["kind"]
         if kind in ("kill", "stop"):
@@ -368,6 +385,9 @@ class Soak:
             return kind
         if kind == "redis_restart":
             self.redis.restart()
+            return kind
+        if kind == "redis_outage":
+            self.redis.kill()  # back, empty, after the drawn pause
             return kind
         if kind == "hostile":
             return self._hostile(f, hostile, version)
@@ -409,7 +429,7 @@ class Soak:
                     c.set(key, json.dumps({"unsigned": True}))
             return f"hostile_{form}"
 
-    def _rewrite(self, f: dict[str, Any], ckpt: Path, expected: dict[str, set[str]]) -> str:
+    def _rewrite(self, f: dict[str, Any], ckpt: Path, expected: dict[str, dict[str, str]]) -> str:
         """Rewrite one shard in place (same length: never truncated, see DESIGN's mmap lesson)."""
         shard = sorted(ckpt.glob("*.safetensors"))[f["shard"]]
         data = bytearray(shard.read_bytes())
@@ -422,10 +442,9 @@ class Soak:
             fh.flush()
             os.fsync(fh.fileno())
         if f["kind"] == "shard_changed":
-            # Bytes equal to the files *after* the change are storage-consistent too.
-            for key in expected:
-                rank, world = (int(x) for x in key.split("/"))
-                expected[key].add(self._digest_of(ckpt, rank, world))
+            # The changed files are another version; a worker that loads it (its CRCs
+            # taken after the change) must hold exactly these bytes.
+            self._record_state(ckpt, expected)
         return f["kind"]
 
     # -- invariants ---------------------------------------------------------------------
@@ -477,7 +496,7 @@ class Soak:
         for p in procs:
             p.process.join(10)
 
-    def _check(self, procs: list[Proc], out: Outcome, expected: dict[str, set[str]],
+    def _check(self, procs: list[Proc], out: Outcome, expected: dict[str, dict[str, str]],
                sched: dict[str, Any]) -> None:
         worlds = {u["unit"]: u["world"] for u in sched["units"]}
         out.pools = len(set(worlds.values()))
@@ -496,9 +515,14 @@ class Soak:
                      f" {rep.get('seconds', 0):.2f} s {rep.get('fallback_reason') or ''}")
             if rep["event"] == "loaded":
                 out.loads += 1
-                if rep["digest"] not in expected[f"{p.rank}/{world}"]:
+                if rep.get("fallback_reason"):
+                    out.reasons[rep["fallback_reason"].split(":", 1)[0]] += 1
+                states = expected[f"{p.rank}/{world}"]
+                if rep["digest"] != states.get(rep["version"]):
                     out.wrong += 1
-                    out.failures.append(f"WRONG WEIGHTS unit {p.unit} rank {p.rank}: source {rep['source']}"
+                    which = next((v[:12] for v, d in states.items() if d == rep["digest"]), "no version's")
+                    out.failures.append(f"WRONG WEIGHTS unit {p.unit} rank {p.rank}: loaded version"
+                                        f" {rep['version'][:12]} but holds {which} bytes; source {rep['source']}"
                                         f" peer {rep.get('peer_id')} reason {rep.get('fallback_reason')}")
                 if rep["source"] == "storage" and p.rank == 0:
                     out.storage_reads += 1
@@ -509,6 +533,7 @@ class Soak:
                 out.typed_errors += 1
             elif rep.get("typed"):
                 out.typed_errors += 1
+                out.reasons["error " + rep["error"].split(":", 1)[0]] += 1
                 self.say(f"  typed error unit {p.unit} rank {p.rank}: {rep['error'][:300]}")
             else:
                 out.failures.append(f"UNTYPED unit {p.unit} rank {p.rank}: {rep['error']}\n"
@@ -530,6 +555,9 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
     kinds: collections.Counter[str] = collections.Counter()
     for o in outcomes:
         kinds.update(o.faults)
+    reasons: collections.Counter[str] = collections.Counter()
+    for o in outcomes:
+        reasons.update(o.reasons)
     reads = collections.Counter(o.storage_reads - o.pools for o in outcomes)
     clean_reads = collections.Counter(o.storage_reads - o.pools for o in outcomes if not o.faults)
     failed = [o for o in outcomes if o.failures]
@@ -547,6 +575,10 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         "|---|---|",
         *(f"| {k} | {v} |" for k, v in sorted(kinds.items())),
         *(f"| {k} | not injected: {why} |" for k, why in NOT_INJECTED.items()),
+        "",
+        "| storage fallback reason / typed error (per rank) | count |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in sorted(reasons.items())),
         "",
         "Storage reads per rollout beyond the ideal (one per single-flight pool, i.e. per world"
         " size present), as extra reads: rollouts: "

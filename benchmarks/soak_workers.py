@@ -127,7 +127,7 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         else:
             tensors, _ = named_tensors(model)
             report.update(event="loaded", source=result.source, seconds=time.monotonic() - t0,
-                          digest=digest(tensors), verified=result.verified,
+                          digest=digest(tensors), version=spec.version, verified=result.verified,
                           fallback_reason=result.fallback_reason, peer_id=result.peer_id)
         faulthandler.cancel_dump_traceback_later()
         out.send(report)

@@ -20,8 +20,10 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
 - ``hostile``: records written into the namespace without the secret (garbage JSON,
   a wrong Redis type, an unsigned copy of a real record, a fake peer of this version);
 - ``shard_same`` / ``shard_changed``: one shard rewritten in place with the same bytes
-  (must be harmless) or with one tensor byte changed (a typed error or bytes equal to
-  the files' at some moment, never a mix).
+  (must be harmless), with one tensor byte changed (another version: a typed error or
+  exactly the bytes of the version the worker computed), or ``shard_flap``: flipped
+  between those two versions every 5 ms for a drawn 0.5-2 s (a CRC checked on one
+  version, bytes copied from the other).
 
 Not injected (said in the table): slow HTTP clients on sidecars (the soak's units run no
 sidecar) and silent partitions (network namespaces need root and a per-worker netns;
@@ -55,6 +57,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,8 +97,8 @@ STORAGE_ALLOWANCE = 10.0
 HANG_MARGIN = 30.0
 GROUP_TIMEOUT = 30.0
 FAULT_KINDS = ("kill", "stop", "redis_flush", "redis_restart", "redis_outage", "hostile", "shard_same",
-               "shard_changed")
-FAULT_WEIGHTS = (4, 3, 1, 1, 1, 2, 1, 1)
+               "shard_changed", "shard_flap")
+FAULT_WEIGHTS = (4, 3, 1, 1, 1, 2, 1, 1, 1)
 NOT_INJECTED = {
     "slow_http_client": "units run no sidecar",
     "partition": "needs root and a network namespace per worker",
@@ -138,7 +141,7 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
             if not started:
                 continue
             victim = rng.choice(started)
-            f.update(unit=victim["unit"], rank=rng.randrange(victim["world"]))
+            f.update(unit=victim["unit"], rank=rng.randrange(int(victim["world"])))
             if kind == "stop":
                 f["pause"] = round(rng.uniform(0.3, 4.0), 2)
         elif kind == "redis_outage":
@@ -149,6 +152,8 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
         elif kind.startswith("shard"):
             f["shard"] = rng.randrange(2)
             f["pick"] = rng.random()
+            if kind == "shard_flap":
+                f["pause"] = round(rng.uniform(0.5, 2.0), 2)
         plan.append(f)
     plan.sort(key=lambda f: f["t"])
     return {"rollout": rollout, "seed": seed, "units": units, "faults": plan,
@@ -201,6 +206,7 @@ class Soak:
         self.namespace = f"soak{seed}"
         self.procs: list[Proc] = []
         self._stop: Any = None
+        self._flapper: threading.Thread | None = None
         self.settings_kwargs = {**SETTINGS, "redis_url": self.redis.url, "namespace": self.namespace,
                                 "cache_dir": str(work / "cache")}
         self.settings = Settings(**self.settings_kwargs)
@@ -281,8 +287,8 @@ class Soak:
             self.say(f"  FAILURE rollout {r} seed {self.seed}: {f}")
         return out
 
-    def _checkpoint(self, path: Path, seed: int) -> tuple[Path, dict[str, set[str]]]:
-        parts = {n: fill_random(TinyTransformer(**kw), seed=seed + i)
+    def _checkpoint(self, path: Path, seed: int) -> tuple[Path, dict[str, dict[str, str]]]:
+        parts: dict[str, Any] = {n: fill_random(TinyTransformer(**kw), seed=seed + i)
                  for i, (n, kw) in enumerate(soak_workers.PIPELINE.items())}
         write_checkpoint(parts, path, n_shards=2)
         expected: dict[str, dict[str, str]] = {}
@@ -334,16 +340,16 @@ class Soak:
         """Collect reports for ``seconds``."""
         deadline = time.monotonic() + seconds
         while True:
-            readers = {p.reader: p for p in procs if not p.reader.closed}
+            readers: dict[Any, Proc] = {p.reader: p for p in procs if not p.reader.closed}
             left = deadline - time.monotonic()
             if left <= 0 or not readers:
                 if left > 0:
                     time.sleep(left)
                 return
             for conn in mp.connection.wait(list(readers), timeout=left):
-                p = readers[conn]  # type: ignore[index]
+                p = readers[conn]
                 try:
-                    msg = conn.recv()  # type: ignore[union-attr]
+                    msg: dict[str, Any] = p.reader.recv()
                 except (EOFError, OSError):
                     p.reader.close()
                     continue
@@ -431,26 +437,45 @@ class Soak:
 
     def _rewrite(self, f: dict[str, Any], ckpt: Path, expected: dict[str, dict[str, str]]) -> str:
         """Rewrite one shard in place (same length: never truncated, see DESIGN's mmap lesson)."""
+        self._join_flapper()  # one writer at a time: every state the files take is recorded
         shard = sorted(ckpt.glob("*.safetensors"))[f["shard"]]
         data = bytearray(shard.read_bytes())
-        if f["kind"] == "shard_changed":
+        original = bytes(data)
+        if f["kind"] != "shard_same":
             header = 8 + int.from_bytes(data[:8], "little")
             pos = header + int(f["pick"] * (len(data) - header))
             data[pos] ^= 0x5A
-        with open(shard, "r+b") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if f["kind"] == "shard_changed":
+        _write_in_place(shard, bytes(data))
+        if f["kind"] != "shard_same":
             # The changed files are another version; a worker that loads it (its CRCs
             # taken after the change) must hold exactly these bytes.
             self._record_state(ckpt, expected)
+        if f["kind"] == "shard_flap":
+            # Flip between the two versions every few ms for the drawn pause, ending on
+            # the original: a load that checks one version's CRC and copies the other's
+            # bytes (the race DESIGN's mmap lesson describes) is caught by invariant 1.
+            def flap(until: float = time.monotonic() + f["pause"]) -> None:
+                while time.monotonic() < until:
+                    _write_in_place(shard, original)
+                    time.sleep(0.005)
+                    _write_in_place(shard, bytes(data))
+                    time.sleep(0.005)
+                _write_in_place(shard, original)
+
+            self._flapper = threading.Thread(target=flap, daemon=True, name="soak-shard-flap")
+            self._flapper.start()
         return f["kind"]
+
+    def _join_flapper(self) -> None:
+        if self._flapper is not None:
+            self._flapper.join()
+            self._flapper = None
 
     # -- invariants ---------------------------------------------------------------------
 
     def _await_reports(self, procs: list[Proc], out: Outcome, t0: float, sched: dict[str, Any]) -> None:
         """Wait (for events, not for time) until every live rank reported or is past its cutoff."""
+        self._join_flapper()
         while True:
             now = time.monotonic()
             waiting = [p for p in procs if p.report is None and not p.killed]
@@ -593,6 +618,13 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         for o in failed:
             lines += [f"- rollout {o.rollout}: " + f.splitlines()[0][:300] for f in o.failures]
     return "\n".join(lines) + "\n"
+
+
+def _write_in_place(path: Path, data: bytes) -> None:
+    """Same length, no truncation (a truncated mmap'd file is SIGBUS, not our subject)."""
+    with open(path, "r+b") as fh:
+        fh.write(data)
+        fh.flush()
 
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"

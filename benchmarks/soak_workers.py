@@ -39,7 +39,7 @@ from models import TinyTransformer  # noqa: E402
 
 #: The pipeline every rollout writes: rank 0 of a 2-rank unit holds the transformer,
 #: rank 1 the VAE; a single-rank unit holds both.
-PIPELINE: dict[str, dict[str, int]] = {"transformer": {"n_layers": 2, "d": 32}, "vae": {"n_layers": 1, "d": 16}}
+PIPELINE: dict[str, dict[str, Any]] = {"transformer": {"n_layers": 2, "d": 32}, "vae": {"n_layers": 1, "d": 16}}
 
 
 def part_names(rank: int, world: int) -> list[str]:
@@ -47,8 +47,13 @@ def part_names(rank: int, world: int) -> list[str]:
     return list(PIPELINE) if world == 1 else [list(PIPELINE)[rank]]
 
 
+def _factory(kwargs: dict[str, Any]) -> Any:
+    return lambda: TinyTransformer(**kwargs)
+
+
 def make_model(rank: int, world: int) -> dict[str, Any]:
-    return {n: build(lambda kw=PIPELINE[n]: TinyTransformer(**kw)) for n in part_names(rank, world)}
+    """The skeleton of a rank's stage (built without weight init)."""
+    return {n: build(_factory(PIPELINE[n])) for n in part_names(rank, world)}
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

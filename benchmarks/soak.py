@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import contextlib
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -223,7 +224,7 @@ class Soak:
     def close(self) -> None:
         for p in self.procs:
             if p.process.is_alive():
-                os.kill(p.process.pid, signal.SIGKILL)
+                _signal(p.process.pid, signal.SIGKILL)
                 p.process.join(5)
         self.procs.clear()
         self.redis.stop()
@@ -271,7 +272,7 @@ class Soak:
             stop.set()
             for p in procs:
                 if p.process.is_alive():
-                    os.kill(p.process.pid, signal.SIGKILL)
+                    _signal(p.process.pid, signal.SIGKILL)
                 p.process.join(5)
                 p.reader.close()
             self.procs = [p for p in self.procs if p not in procs]
@@ -362,7 +363,7 @@ class Soak:
         for p in procs:
             if (p.unit, p.rank) == (f["unit"], f["rank"]) and p.stopped_since is not None:
                 if not p.killed:
-                    os.kill(p.process.pid, signal.SIGCONT)
+                    _signal(p.process.pid, signal.SIGCONT)
                 p.stopped_total += time.monotonic() - p.stopped_since
                 p.stopped_since = None
 
@@ -375,7 +376,7 @@ class Soak:
                 return f"{kind}_gone"
             role = "holder" if victim.report is not None else "loading"
             if kind == "kill":
-                os.kill(victim.process.pid, signal.SIGKILL)
+                _signal(victim.process.pid, signal.SIGKILL)
                 victim.killed = True
                 if victim.stopped_since is not None:
                     victim.stopped_total += time.monotonic() - victim.stopped_since
@@ -383,7 +384,7 @@ class Soak:
             else:
                 if victim.stopped_since is not None:
                     return "stop_again"
-                os.kill(victim.process.pid, signal.SIGSTOP)
+                _signal(victim.process.pid, signal.SIGSTOP)
                 victim.stopped_since = time.monotonic()
             return f"{kind}_{role}"
         if kind == "redis_flush":
@@ -484,7 +485,7 @@ class Soak:
             for p in late:
                 if p.process.is_alive():
                     out.hangs += 1
-                    os.kill(p.process.pid, signal.SIGUSR1)  # its stacks, into its log
+                    _signal(p.process.pid, signal.SIGUSR1)  # its stacks, into its log
                     time.sleep(0.5)
                     out.failures.append(f"HANG unit {p.unit} rank {p.rank}: no report "
                                         f"{self.bound + HANG_MARGIN:.0f} s after start; stacks in "
@@ -492,7 +493,7 @@ class Soak:
                 else:
                     out.failures.append(f"unit {p.unit} rank {p.rank} exited without a report "
                                         f"(code {p.process.exitcode})")
-                os.kill(p.process.pid, signal.SIGKILL)
+                _signal(p.process.pid, signal.SIGKILL)
                 p.killed = True
             if not [p for p in procs if p.report is None and not p.killed]:
                 return
@@ -618,6 +619,12 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         for o in failed:
             lines += [f"- rollout {o.rollout}: " + f.splitlines()[0][:300] for f in o.failures]
     return "\n".join(lines) + "\n"
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Signal a worker that may have exited a moment ago (then there is nothing to do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def _write_in_place(path: Path, data: bytes) -> None:

@@ -196,6 +196,9 @@ class Outcome:
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     """Fallback reason codes of the loads that ended in storage (or typed error names)."""
     failures: list[str] = field(default_factory=list)
+    probe: str = ""
+    """The late probe receiver: ``peer``, ``storage <reason code>`` with a live holder of
+    its version, or ``no holder`` (nothing to receive from: not counted)."""
 
 
 class Soak:
@@ -264,9 +267,21 @@ class Soak:
                     out.faults[label] += 1
                     self.say(f"  t={time.monotonic() - t0:5.2f} fault {label} {json.dumps(item)}")
             self._await_reports(procs, out, t0, sched)
+            # A late receiver once the faults are over: with a live holder of its version
+            # it should load from that peer (what a fleet's next worker would see).
+            # Started a peer TTL after the last fault, so that heartbeats had time to
+            # republish what a Redis fault removed: what is still missing then stays missing.
+            last = max((f["t"] + f.get("pause", 0) for f in sched["faults"]), default=0.0)
+            self._pump(procs, max(0.0, t0 + last + self.settings.peer_ttl - time.monotonic()))
+            probe_u = {"unit": len(sched["units"]), "world": 1, "start": 0.0}
+            sched = {**sched, "units": [*sched["units"], probe_u]}
+            probe = self._start(r, probe_u, ckpt, rdir)
+            procs += probe
+            self._await_reports(procs, out, t0, sched)
             stop.set()
             self._await_closed(procs, out)
             self._check(procs, out, expected, sched)
+            self._check_probe(probe[0], procs, out)
             self._check_ttls(out, hostile)
         finally:
             stop.set()
@@ -565,6 +580,20 @@ class Soak:
                 out.failures.append(f"UNTYPED unit {p.unit} rank {p.rank}: {rep['error']}\n"
                                     f"{rep.get('traceback', '')[-2000:]}")
 
+    def _check_probe(self, probe: Proc, procs: list[Proc], out: Outcome) -> None:
+        rep = probe.report or {}
+        holders = [p for p in procs if p is not probe and not p.killed and p.report
+                   and p.report.get("event") == "loaded" and p.report.get("version") == rep.get("version")
+                   and _world_of(p, procs) == 1]
+        if not holders or rep.get("event") != "loaded":
+            out.probe = "no holder"
+        elif rep["source"] == "peer":
+            out.probe = "peer"
+        else:
+            out.probe = "storage " + (rep.get("fallback_reason") or "?").split(":", 1)[0]
+            self.say(f"  probe fell back although units {[p.unit for p in holders]} hold its version:"
+                     f" {rep.get('fallback_reason')}")
+
     def _check_ttls(self, out: Outcome, hostile: set[str]) -> None:
         ns = "{" + self.namespace + "}"
         with self.client() as c:
@@ -584,6 +613,7 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
     reasons: collections.Counter[str] = collections.Counter()
     for o in outcomes:
         reasons.update(o.reasons)
+    probes = collections.Counter(o.probe for o in outcomes if o.probe != "no holder")
     reads = collections.Counter(o.storage_reads - o.pools for o in outcomes)
     clean_reads = collections.Counter(o.storage_reads - o.pools for o in outcomes if not o.faults)
     failed = [o for o in outcomes if o.failures]
@@ -602,6 +632,10 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         *(f"| {k} | {v} |" for k, v in sorted(kinds.items())),
         *(f"| {k} | not injected: {why} |" for k, why in NOT_INJECTED.items()),
         "",
+        "Late probe receiver (one single-rank worker started after each rollout's faults,"
+        " when a live single-rank holder of its version exists): "
+        + (", ".join(f"{k}: {v}" for k, v in sorted(probes.items())) or "none") + ".",
+        "",
         "| storage fallback reason / typed error (per rank) | count |",
         "|---|---|",
         *(f"| {k} | {v} |" for k, v in sorted(reasons.items())),
@@ -619,6 +653,10 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         for o in failed:
             lines += [f"- rollout {o.rollout}: " + f.splitlines()[0][:300] for f in o.failures]
     return "\n".join(lines) + "\n"
+
+
+def _world_of(p: Proc, procs: list[Proc]) -> int:
+    return sum(1 for q in procs if q.unit == p.unit)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -701,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
             "faults": dict(sum((o.faults for o in outcomes), collections.Counter())),
             "storage_reads": [o.storage_reads for o in outcomes],
             "worst_ratio": max((o.worst_ratio for o in outcomes), default=0.0),
+            "probes": dict(collections.Counter(o.probe for o in outcomes)),
             "failures": [{"rollout": o.rollout, "failures": o.failures} for o in outcomes if o.failures],
             "work": str(work),
         }, indent=2))

@@ -3,6 +3,10 @@ with randomised faults at random moments, invariants checked after every rollout
 
     python benchmarks/soak.py --seed 7 --rollouts 200 --results benchmarks/RESULTS.md
     python benchmarks/soak.py --seed 7 --only 42        # replay rollout 42's schedule
+    python benchmarks/soak.py --seed 7 --rollouts 10 --faults kill,stop --max-faults 2
+
+A schedule depends on the seed, the rollout's number, ``--faults`` and ``--max-faults``:
+replay with the same three. Exit status 1 when any invariant broke.
 
 Each rollout is a new model version (a fresh 2-shard pipeline checkpoint, new random
 values) loaded by 3-5 *units*: single-rank workers and 2-rank gloo groups (one process
@@ -40,7 +44,10 @@ skipped). Invariants after every rollout:
    service; every process exits;
 4. no key of the namespace without a TTL (``PTTL == -1``), except those the soak's
    hostile writer made;
-5. storage reads per rollout (units whose load came from storage) are counted.
+5. storage reads per rollout (units whose load came from storage) are counted, and a
+   late *probe* receiver started a peer TTL after the last fault says whether a live
+   holder of its version still serves peers (its source and fallback reason are
+   counted, not judged: a degraded fleet is reported, only broken invariants fail).
 """
 
 from __future__ import annotations

@@ -181,6 +181,8 @@ class Proc:
     stopped_since: float | None = None
     stopped_total: float = 0.0
     killed: bool = False
+    in_service: bool = False
+    """Past the group's rendezvous (torchrun's part): from then on a silence is a hang."""
     report: dict[str, Any] | None = None
     closed: dict[str, Any] | None = None
 
@@ -378,6 +380,8 @@ class Soak:
                     continue
                 if msg.get("event") == "closed":
                     p.closed = msg
+                elif msg.get("event") == "phase":
+                    p.in_service = True
                 else:
                     p.report = msg
 
@@ -505,6 +509,16 @@ class Soak:
             late = [p for p in waiting
                     if now > p.started + self.bound + HANG_MARGIN + p.stopped_total]
             for p in late:
+                partner_killed = any(q.killed for q in procs if q.unit == p.unit and q is not p)
+                if not p.in_service and partner_killed:
+                    # Stuck in torch's rendezvous with a killed rank (gloo's connect does
+                    # not always honour its timeout): the group never formed, before any
+                    # library call. Not the library's hang.
+                    _signal(p.process.pid, signal.SIGKILL)
+                    p.killed = True
+                    out.typed_errors += 1
+                    out.reasons["group never formed (rank killed in rendezvous)"] += 1
+                    continue
                 if p.process.is_alive():
                     out.hangs += 1
                     _signal(p.process.pid, signal.SIGUSR1)  # its stacks, into its log

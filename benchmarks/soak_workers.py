@@ -105,6 +105,8 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
             report["phase"] = "rendezvous"  # the group itself (torchrun's part, not the library's)
             dist.init_process_group("gloo", timeout=timedelta(seconds=job["group_timeout"]))
             report.pop("phase")
+        # From here on a silent rank is the library's: the soak judges hangs from this on.
+        out.send({"unit": job["unit"], "rank": rank, "event": "phase", "phase": "service"})
         settings = Settings(**job["settings"])
         model = make_model(rank, world)
         spec = ModelSpec.from_dir(job["ckpt"], cache_dir=settings.cache_dir)

@@ -112,6 +112,11 @@ NOT_INJECTED = {
     "partition": "needs root and a network namespace per worker",
 }
 
+# The fork server is a fresh interpreter: without these paths it silently skips the
+# preload of soak_workers and every worker imports it (and torch's users) from disk anew.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests"),
+     str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.service", "soak_workers"])
 
@@ -423,7 +428,10 @@ class Soak:
             self.redis.kill()  # back, empty, after the drawn pause
             return kind
         if kind == "hostile":
-            return self._hostile(f, hostile, version)
+            try:
+                return self._hostile(f, hostile, version)
+            except redis.ConnectionError:
+                return "hostile_skipped_redis_down"  # during a redis_outage
         return self._rewrite(f, ckpt, expected)
 
     def _hostile(self, f: dict[str, Any], hostile: set[str], version: str) -> str:
@@ -595,10 +603,10 @@ class Soak:
                 out.typed_errors += 1
             elif rep.get("typed"):
                 out.typed_errors += 1
-                out.reasons["error " + rep["error"].split(":", 1)[0]] += 1
-                self.say(f"  typed error unit {p.unit} rank {p.rank}: {rep['error'][:300]}")
+                out.reasons["error " + str(rep.get("error")).split(":", 1)[0]] += 1
+                self.say(f"  typed error unit {p.unit} rank {p.rank}: {str(rep.get('error'))[:300]}")
             else:
-                out.failures.append(f"UNTYPED unit {p.unit} rank {p.rank}: {rep['error']}\n"
+                out.failures.append(f"UNTYPED unit {p.unit} rank {p.rank}: {rep.get('error', rep)}\n"
                                     f"{rep.get('traceback', '')[-2000:]}")
 
     def _check_probe(self, probe: Proc, procs: list[Proc], out: Outcome) -> None:

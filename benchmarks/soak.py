@@ -419,7 +419,10 @@ class Soak:
                 victim.stopped_since = time.monotonic()
             return f"{kind}_{role}"
         if kind == "redis_flush":
-            self.redis.flushall()
+            try:
+                self.redis.flushall()
+            except redis.ConnectionError:
+                return "redis_flush_skipped_redis_down"  # during a redis_outage
             return kind
         if kind == "redis_restart":
             self.redis.restart()

@@ -108,6 +108,29 @@ class LocalRedis:
             self.proc.kill()
             self.proc.wait(5)
 
+    def restart(self, timeout: float = 10.0) -> LocalRedis:
+        """SIGKILL, then a new, empty server on the same port (a crash and a restart
+        without persistence: clients reconnect to the same address and find nothing)."""
+        self.kill()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        deadline = time.monotonic() + timeout
+        while True:  # the port may linger a moment after the kill
+            try:
+                return self.start(timeout=max(0.5, deadline - time.monotonic()))
+            except NcclBackError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def flushall(self) -> None:
+        """Drop every key (the cheap form of "Redis restarted empty")."""
+        import redis
+
+        with redis.Redis(port=self.port, password=self.password) as c:
+            c.flushall()
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
@@ -241,6 +264,94 @@ class LocalSentinel:
     def master(self) -> LocalRedis:
         port = self.master_port()
         return next(s for s in self.servers if s.port == port)
+
+    def _sentinel_client(self, s: LocalRedis) -> Any:
+        import redis
+
+        return redis.Redis(port=s.port, password=self.sentinel_password, decode_responses=True,
+                           socket_timeout=2, socket_connect_timeout=2)
+
+    def _agreed_master(self) -> int | None:
+        """The master's port if every sentinel names the same one, sees it up (flags exactly
+        ``master``: what redis-py's discovery accepts) and knows the other sentinels."""
+        ports = set()
+        for s in self.sentinels:
+            with self._sentinel_client(s) as c:
+                state = c.sentinel_master(self.service)
+            if state["flags"] != "master" or state["num-other-sentinels"] != len(self.sentinels) - 1:
+                return None
+            ports.add(int(state["port"]))
+        return ports.pop() if len(ports) == 1 else None
+
+    def _answers_as_master(self, port: int) -> bool:
+        import redis
+
+        with redis.Redis(port=port, password=self.password, socket_timeout=2) as c:
+            return bool(c.info("replication")["role"] == "master")
+
+    def _client_finds(self, port: int) -> bool:
+        """redis-py's own Sentinel discovery (what workers use) names ``port``."""
+        from redis.sentinel import Sentinel
+
+        sentinel = Sentinel([("127.0.0.1", s.port) for s in self.sentinels],
+                            sentinel_kwargs={"password": self.sentinel_password, "socket_timeout": 2},
+                            socket_timeout=2)
+        try:
+            return bool(sentinel.discover_master(self.service)[1] == port)
+        finally:
+            for c in sentinel.sentinels:
+                c.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> int:
+        """Wait until a failover could succeed: every sentinel names the same master, up,
+        knows the other sentinels and the replica (up, its link to the master ``ok``), and
+        the replica has synced. Returns the master's port."""
+        state: dict[str, int] = {}
+
+        def ready() -> bool:
+            port = self._agreed_master()
+            if port is None or not self._answers_as_master(port):
+                return False
+            for s in self.sentinels:
+                with self._sentinel_client(s) as c:
+                    replicas = c.sentinel_slaves(self.service)
+                if len(replicas) != len(self.servers) - 1 or any(
+                    r["flags"] != "slave" or r["master-link-status"] != "ok" for r in replicas
+                ):
+                    return False
+            import redis
+
+            for server in self.servers:
+                if server.port != port:
+                    with redis.Redis(port=server.port, password=self.password, socket_timeout=2) as c:
+                        if c.info("replication").get("master_link_status") != "up":
+                            return False
+            if not self._client_finds(port):
+                return False
+            state["port"] = port
+            return True
+
+        _wait_until(ready, timeout, "the sentinels did not agree on a master with a synced replica")
+        return state["port"]
+
+    def wait_failover(self, old_port: int, timeout: float = 90.0) -> int:
+        """Wait until the sentinels have promoted another server: every sentinel names the
+        same new master, up; that server answers as a master; redis-py's discovery finds it.
+        Returns its port. (A failover takes a few seconds, much longer when a sentinel
+        election splits its votes and waits out ``failover-timeout`` to retry.)"""
+        state: dict[str, int] = {}
+
+        def promoted() -> bool:
+            port = self._agreed_master()
+            if port is None or port == old_port or not self._answers_as_master(port):
+                return False
+            if not self._client_finds(port):
+                return False
+            state["port"] = port
+            return True
+
+        _wait_until(promoted, timeout, f"no failover away from port {old_port}")
+        return state["port"]
 
     def start(self, timeout: float = 30.0) -> LocalSentinel:
         import redis

@@ -1,0 +1,782 @@
+"""Seeded fault-injection soak: a fleet of real worker processes through many rollouts
+with randomised faults at random moments, invariants checked after every rollout.
+
+    python benchmarks/soak.py --seed 7 --rollouts 200 --results benchmarks/RESULTS.md
+    python benchmarks/soak.py --seed 7 --only 42        # replay rollout 42's schedule
+    python benchmarks/soak.py --seed 7 --rollouts 10 --faults kill,stop --max-faults 2
+
+A schedule depends on the seed, the rollout's number, ``--faults`` and ``--max-faults``:
+replay with the same three. Exit status 1 when any invariant broke.
+
+Each rollout is a new model version (a fresh 2-shard pipeline checkpoint, new random
+values) loaded by 3-5 *units*: single-rank workers and 2-rank gloo groups (one process
+per rank, started as torchrun starts them), at random offsets. Faults, drawn from
+``random.Random(f"{seed}/{rollout}")`` (so a rollout's schedule depends on the seed and
+its number only, and ``--only N`` replays it; the timing of the processes cannot be
+replayed, so which *role* a victim had at that moment is recorded, not scheduled):
+
+- ``kill`` / ``stop``: SIGKILL, or SIGSTOP then SIGCONT after a drawn pause, of one rank
+  of a started unit; labelled ``_holder`` if it had finished loading (it serves, relays),
+  ``_loading`` otherwise (downloader, receiver or relay member);
+- ``redis_flush`` (FLUSHALL: Redis restarted empty, cheap form), ``redis_restart`` (the
+  redis-server SIGKILLed and a new empty one started on the same port), ``redis_outage``
+  (SIGKILLed, and restarted empty only after a drawn pause of 0.5-4 s: a failover's window);
+- ``hostile``: records written into the namespace without the secret (garbage JSON,
+  a wrong Redis type, an unsigned copy of a real record, a fake peer of this version);
+- ``shard_same`` / ``shard_changed``: one shard rewritten in place with the same bytes
+  (must be harmless), with one tensor byte changed (another version: a typed error or
+  exactly the bytes of the version the worker computed), or ``shard_flap``: flipped
+  between those two versions every 5 ms for a drawn 0.5-2 s (a CRC checked on one
+  version, bytes copied from the other).
+
+Not injected (said in the table): slow HTTP clients on sidecars (the soak's units run no
+sidecar) and silent partitions (network namespaces need root and a per-worker netns;
+skipped). Invariants after every rollout:
+
+1. every unit that was not killed reported, per rank, either tensors whose bytes equal
+   the checkpoint's (before, or after a ``shard_changed``: never anything else), or an
+   :class:`NcclBackError` (anything else is a failure, with its traceback);
+2. no load took longer than ``bound = 2 * (single_flight_max_wait + peer_budget_seconds)
+   + STORAGE_ALLOWANCE`` plus the time its own process was SIGSTOPped (the load loop
+   runs the election and the peer phase at most twice, then storage); a unit silent
+   ``HANG_MARGIN`` past its bound is a hang (its stacks are dumped to its log);
+3. after ``close()`` no thread or file descriptor beyond those it had before the
+   service; every process exits;
+4. no key of the namespace without a TTL (``PTTL == -1``), except those the soak's
+   hostile writer made;
+5. storage reads per rollout (units whose load came from storage) are counted, and a
+   late *probe* receiver started a peer TTL after the last fault says whether a live
+   holder of its version still serves peers (its source and fallback reason are
+   counted, not judged: a degraded fleet is reported, only broken invariants fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import collections
+import contextlib
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import redis  # noqa: E402
+import soak_workers  # noqa: E402
+import torch  # noqa: E402
+
+from nccl_back.config import Settings  # noqa: E402
+from nccl_back.devservers import LocalRedis, free_port  # noqa: E402
+from nccl_back.identity import ModelSpec  # noqa: E402
+from nccl_back.skeleton import named_tensors  # noqa: E402
+
+from models import TinyTransformer, fill_random, write_checkpoint  # noqa: E402
+
+SECRET = "soak-secret-0123456789abcdef"
+#: Small timeouts keep the bound tight and a rollout a few seconds long.
+SETTINGS: dict[str, Any] = {
+    "advertise_host": "127.0.0.1", "bind_host": "127.0.0.1", "secret": SECRET,
+    "redis_timeout": 0.5, "peer_ttl": 2.0, "claim_ttl": 2.0,
+    "sender_handshake_timeout": 1.0, "receiver_handshake_timeout": 2.0,
+    "transfer_timeout": 5.0, "busy_wait": 2.0, "max_peer_attempts": 2,
+    "single_flight_wait": 3.0, "download_lease": 2.0, "single_flight_max_wait": 6.0,
+    "cohort_window": 0.5, "relay_stall_timeout": 2.0, "storage_attempts": 2,
+    "bucket_bytes": 16384,
+    # 200 kB/s per sender: a transfer of the 117 kB transformer takes ~0.6 s, so faults
+    # at random moments land inside transfers and relay chains, not only between them.
+    "max_send_gbps": 0.0002,
+}
+STORAGE_ALLOWANCE = 10.0
+"""Seconds granted to the storage load of a tiny model (reads, CRC, copies) on a loaded
+2-core machine, with Redis calls that may each wait ``redis_timeout`` meanwhile."""
+HANG_MARGIN = 30.0
+GROUP_TIMEOUT = 30.0
+FAULT_KINDS = ("kill", "stop", "redis_flush", "redis_restart", "redis_outage", "hostile", "shard_same",
+               "shard_changed", "shard_flap")
+FAULT_WEIGHTS = (4, 3, 1, 1, 1, 2, 1, 1, 1)
+NOT_INJECTED = {
+    "slow_http_client": "units run no sidecar",
+    "partition": "needs root and a network namespace per worker",
+}
+
+# The fork server is a fresh interpreter: without these paths it silently skips the
+# preload of soak_workers and every worker imports it (and torch's users) from disk anew.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests"),
+     str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.service", "soak_workers"])
+
+
+def load_bound(settings: Settings) -> float:
+    """The documented deadline of one load (invariant 2, see the module docstring)."""
+    return 2 * (settings.single_flight_max_wait + settings.peer_budget_seconds) + STORAGE_ALLOWANCE
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
+             max_faults: int = 3) -> dict[str, Any]:
+    """The rollout's units and faults, from its seed and number only (replayable)."""
+    rng = random.Random(f"{seed}/{rollout}")
+    n_units = rng.randint(3, 5)
+    units = [{"unit": u, "world": rng.choice((1, 1, 2)), "start": round(rng.uniform(0, 2.0), 2)}
+             for u in range(n_units)]
+    units.sort(key=lambda u: u["start"])
+    for i, u in enumerate(units):
+        u["unit"] = i
+    weights = [w for k, w in zip(FAULT_KINDS, FAULT_WEIGHTS, strict=True) if k in faults]
+    kinds = [k for k in FAULT_KINDS if k in faults]
+    plan = []
+    for _ in range(rng.randint(0, max_faults) if kinds else 0):
+        # Half the faults land just after some unit starts (inside its election, download
+        # or transfer), the rest anywhere in the rollout (holders serving, relays).
+        t = round(rng.choice(units)["start"] + rng.uniform(0.05, 0.8) if rng.random() < 0.5
+                  else rng.uniform(0.1, 3.0), 2)
+        kind = rng.choices(kinds, weights)[0]
+        started = [u for u in units if u["start"] <= t]
+        f: dict[str, Any] = {"t": t, "kind": kind}
+        if kind in ("kill", "stop"):
+            if not started:
+                continue
+            victim = rng.choice(started)
+            f.update(unit=victim["unit"], rank=rng.randrange(int(victim["world"])))
+            if kind == "stop":
+                f["pause"] = round(rng.uniform(0.3, 4.0), 2)
+        elif kind == "redis_outage":
+            f["pause"] = round(rng.uniform(0.5, 4.0), 2)
+        elif kind == "hostile":
+            f["form"] = rng.choice(("garbage", "wrong_type", "unsigned", "fake_peer"))
+            f["pick"] = rng.random()
+        elif kind.startswith("shard"):
+            f["shard"] = rng.randrange(2)
+            f["pick"] = rng.random()
+            if kind == "shard_flap":
+                f["pause"] = round(rng.uniform(0.5, 2.0), 2)
+        plan.append(f)
+    plan.sort(key=lambda f: f["t"])
+    return {"rollout": rollout, "seed": seed, "units": units, "faults": plan,
+            "values_seed": rng.randrange(1 << 30)}
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+@dataclass
+class Proc:
+    unit: int
+    rank: int
+    process: Any
+    reader: Any
+    started: float
+    stopped_since: float | None = None
+    stopped_total: float = 0.0
+    killed: bool = False
+    in_service: bool = False
+    """Past the group's rendezvous (torchrun's part): from then on a silence is a hang."""
+    report: dict[str, Any] | None = None
+    closed: dict[str, Any] | None = None
+
+
+@dataclass
+class Outcome:
+    """What one rollout did and which invariants it broke."""
+
+    rollout: int
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    loads: int = 0
+    typed_errors: int = 0
+    wrong: int = 0
+    hangs: int = 0
+    storage_reads: int = 0
+    pools: int = 0
+    """Distinct world sizes among the units: each is its own single-flight election, so
+    the ideal is one storage read per pool."""
+    worst_ratio: float = 0.0
+    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Fallback reason codes of the loads that ended in storage (or typed error names)."""
+    failures: list[str] = field(default_factory=list)
+    probe: str = ""
+    """The late probe receiver: ``peer``, ``storage <reason code>`` with a live holder of
+    its version, or ``no holder`` (nothing to receive from: not counted)."""
+
+
+class Soak:
+    """Runs rollouts against one real redis-server; every process is reaped on exit."""
+
+    def __init__(self, work: Path, seed: int, faults: tuple[str, ...], verbose: bool = True) -> None:
+        self.work, self.seed, self.fault_kinds, self.verbose = work, seed, faults, verbose
+        self.redis = LocalRedis(port=free_port()).start()
+        self.namespace = f"soak{seed}"
+        self.procs: list[Proc] = []
+        self._stop: Any = None
+        self._flapper: threading.Thread | None = None
+        self.settings_kwargs = {**SETTINGS, "redis_url": self.redis.url, "namespace": self.namespace,
+                                "cache_dir": str(work / "cache")}
+        self.settings = Settings(**self.settings_kwargs)
+        self.bound = load_bound(self.settings)
+        atexit.register(self.close)
+
+    def say(self, text: str) -> None:
+        if self.verbose:
+            print(text, flush=True)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.redis.port, socket_timeout=2, decode_responses=True)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.process.is_alive():
+                _signal(p.process.pid, signal.SIGKILL)
+                p.process.join(5)
+        self.procs.clear()
+        self.redis.stop()
+
+    # -- one rollout --------------------------------------------------------------------
+
+    def rollout(self, sched: dict[str, Any]) -> Outcome:
+        r = sched["rollout"]
+        out = Outcome(r)
+        self.say(f"rollout {r} schedule {json.dumps(sched)}")
+        rdir = self.work / f"r{r}"
+        ckpt, expected = self._checkpoint(rdir / "ckpt", sched["values_seed"])
+        version = next(iter(expected["0/1"]))
+        stop = self._stop = _CTX.Event()
+        hostile: set[str] = set()
+        events: list[tuple[float, int, str, dict[str, Any]]] = []
+        for u in sched["units"]:
+            events.append((u["start"], 0, "start", u))
+        for i, f in enumerate(sched["faults"]):
+            events.append((f["t"], 1 + i, "fault", f))
+            if f["kind"] in ("stop", "redis_outage"):
+                events.append((f["t"] + f["pause"], 1 + i, "cont", f))
+        events.sort(key=lambda e: (e[0], e[1]))
+        t0 = time.monotonic()
+        procs: list[Proc] = []
+        try:
+            for at, _, what, item in events:
+                self._pump(procs, max(0.0, t0 + at - time.monotonic()))
+                if what == "start":
+                    procs += self._start(r, item, ckpt, rdir)
+                elif what == "cont" and item["kind"] == "redis_outage":
+                    self.redis.restart()  # empty, on the same port
+                elif what == "cont":
+                    self._cont(procs, item)
+                else:
+                    label = self._fault(item, procs, rdir / "ckpt", expected, hostile, version)
+                    out.faults[label] += 1
+                    self.say(f"  t={time.monotonic() - t0:5.2f} fault {label} {json.dumps(item)}")
+            self._await_reports(procs, out, t0, sched)
+            # A late receiver once the faults are over: with a live holder of its version
+            # it should load from that peer (what a fleet's next worker would see).
+            # Started a peer TTL after the last fault, so that heartbeats had time to
+            # republish what a Redis fault removed: what is still missing then stays missing.
+            last = max((f["t"] + f.get("pause", 0) for f in sched["faults"]), default=0.0)
+            self._pump(procs, max(0.0, t0 + last + self.settings.peer_ttl - time.monotonic()))
+            probe_u = {"unit": len(sched["units"]), "world": 1, "start": 0.0}
+            sched = {**sched, "units": [*sched["units"], probe_u]}
+            probe = self._start(r, probe_u, ckpt, rdir)
+            procs += probe
+            self._await_reports(procs, out, t0, sched)
+            stop.set()
+            self._await_closed(procs, out)
+            self._check(procs, out, expected, sched)
+            self._check_probe(probe[0], procs, out)
+            self._check_ttls(out, hostile)
+        finally:
+            stop.set()
+            for p in procs:
+                if p.process.is_alive():
+                    _signal(p.process.pid, signal.SIGKILL)
+                p.process.join(5)
+                p.reader.close()
+            self.procs = [p for p in self.procs if p not in procs]
+            with self.client() as c:
+                for k in hostile:
+                    c.delete(k)
+        if not out.failures:
+            shutil.rmtree(rdir, ignore_errors=True)
+        status = "ok" if not out.failures else "FAILED"
+        self.say(f"rollout {r} {status}: loads={out.loads} typed_errors={out.typed_errors} "
+                 f"storage_reads={out.storage_reads} worst_load/bound={out.worst_ratio:.2f}")
+        for f in out.failures:
+            self.say(f"  FAILURE rollout {r} seed {self.seed}: {f}")
+        return out
+
+    def _checkpoint(self, path: Path, seed: int) -> tuple[Path, dict[str, dict[str, str]]]:
+        parts: dict[str, Any] = {n: fill_random(TinyTransformer(**kw), seed=seed + i)
+                 for i, (n, kw) in enumerate(soak_workers.PIPELINE.items())}
+        write_checkpoint(parts, path, n_shards=2)
+        expected: dict[str, dict[str, str]] = {}
+        self._record_state(path, expected)
+        return path, expected
+
+    def _record_state(self, path: Path, expected: dict[str, dict[str, str]]) -> None:
+        """Remember, per rank layout, the digest of the files' bytes under the version
+        those bytes have (computed without any cache): a worker that loaded version V
+        must hold exactly V's bytes, whatever happened to the files meanwhile."""
+        fresh = tempfile.mkdtemp(dir=self.work, prefix="crc-")
+        version = ModelSpec.from_dir(str(path), cache_dir=fresh).version
+        shutil.rmtree(fresh, ignore_errors=True)
+        for world in (1, 2):
+            for rank in range(world):
+                expected.setdefault(f"{rank}/{world}", {})[version] = self._digest_of(path, rank, world)
+
+    @staticmethod
+    def _digest_of(path: Path, rank: int, world: int) -> str:
+        from safetensors.torch import load_file
+
+        flat: dict[str, torch.Tensor] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            flat.update(load_file(str(f)))
+        names = soak_workers.part_names(rank, world)
+        model = {n: soak_workers.make_model(0, 1)[n] for n in names}
+        tensors, _ = named_tensors(model)
+        return soak_workers.digest({k: flat[k] for k in tensors})
+
+    def _start(self, r: int, u: dict[str, Any], ckpt: Path, rdir: Path) -> list[Proc]:
+        port = free_port() if u["world"] > 1 else 0
+        started = []
+        for rank in range(u["world"]):
+            job = {"rollout": r, "unit": u["unit"], "rank": rank, "world": u["world"], "port": port,
+                   "ckpt": str(ckpt), "settings": self.settings_kwargs,
+                   "log": str(rdir / f"u{u['unit']}-{rank}.log"),
+                   "hang_after": self.bound + HANG_MARGIN, "group_timeout": GROUP_TIMEOUT}
+            reader, writer = _CTX.Pipe(duplex=False)
+            proc = _CTX.Process(target=soak_workers.unit_main, args=(job, writer, self._stop),
+                                daemon=True)
+            proc.start()
+            writer.close()
+            p = Proc(u["unit"], rank, proc, reader, started=time.monotonic())
+            started.append(p)
+            self.procs.append(p)
+        return started
+
+    def _pump(self, procs: list[Proc], seconds: float) -> None:
+        """Collect reports for ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            readers: dict[Any, Proc] = {p.reader: p for p in procs if not p.reader.closed}
+            left = deadline - time.monotonic()
+            if left <= 0 or not readers:
+                if left > 0:
+                    time.sleep(left)
+                return
+            for conn in mp.connection.wait(list(readers), timeout=left):
+                p = readers[conn]
+                try:
+                    msg: dict[str, Any] = p.reader.recv()
+                except (EOFError, OSError):
+                    p.reader.close()
+                    continue
+                if msg.get("event") == "closed":
+                    p.closed = msg
+                elif msg.get("event") == "phase":
+                    p.in_service = True
+                else:
+                    p.report = msg
+
+    def _cont(self, procs: list[Proc], f: dict[str, Any]) -> None:
+        for p in procs:
+            if (p.unit, p.rank) == (f["unit"], f["rank"]) and p.stopped_since is not None:
+                if not p.killed:
+                    _signal(p.process.pid, signal.SIGCONT)
+                p.stopped_total += time.monotonic() - p.stopped_since
+                p.stopped_since = None
+
+    def _fault(self, f: dict[str, Any], procs: list[Proc], ckpt: Path, expected: dict[str, dict[str, str]],
+               hostile: set[str], version: str) -> str:
+        kind = f["kind"]
+        if kind in ("kill", "stop"):
+            victim = next((p for p in procs if (p.unit, p.rank) == (f["unit"], f["rank"])), None)
+            if victim is None or victim.killed or not victim.process.is_alive():
+                return f"{kind}_gone"
+            role = "holder" if victim.report is not None else "loading"
+            if kind == "kill":
+                _signal(victim.process.pid, signal.SIGKILL)
+                victim.killed = True
+                if victim.stopped_since is not None:
+                    victim.stopped_total += time.monotonic() - victim.stopped_since
+                    victim.stopped_since = None
+            else:
+                if victim.stopped_since is not None:
+                    return "stop_again"
+                _signal(victim.process.pid, signal.SIGSTOP)
+                victim.stopped_since = time.monotonic()
+            return f"{kind}_{role}"
+        if kind == "redis_flush":
+            try:
+                self.redis.flushall()
+            except redis.ConnectionError:
+                return "redis_flush_skipped_redis_down"  # during a redis_outage
+            return kind
+        if kind == "redis_restart":
+            self.redis.restart()
+            return kind
+        if kind == "redis_outage":
+            self.redis.kill()  # back, empty, after the drawn pause
+            return kind
+        if kind == "hostile":
+            try:
+                return self._hostile(f, hostile, version)
+            except redis.ConnectionError:
+                return "hostile_skipped_redis_down"  # during a redis_outage
+        return self._rewrite(f, ckpt, expected)
+
+    def _hostile(self, f: dict[str, Any], hostile: set[str], version: str) -> str:
+        """Write what an attacker without the secret could write; track every key touched."""
+        ns = "{" + self.namespace + "}"
+        with self.client() as c:
+            keys = sorted(k for k in c.scan_iter(f"{ns}:*", count=500) if k not in hostile)
+            form = f["form"]
+            if form == "fake_peer" or not keys:
+                pid = f"evil-{f['pick']:.6f}"
+                index, entry = f"{ns}:peers:{version}:0:1", f"{ns}:peer:{version}:0:1:{pid}"
+                c.sadd(index, pid)
+                c.set(entry, json.dumps({"peer_id": pid, "version": version, "rank": 0, "world_size": 1,
+                                         "address": "127.0.0.1:1", "transport": "gloo"}))
+                hostile.update((index, entry))
+                return "hostile_fake_peer"
+            key = keys[int(f["pick"] * len(keys))]
+            hostile.add(key)
+            if form == "garbage":
+                c.delete(key)
+                c.set(key, '{"peer_id": [1, 2')
+            elif form == "wrong_type":
+                c.delete(key)
+                c.hset(key, "x", "1")
+            else:  # unsigned: the same record without its signature fields
+                raw = c.get(key) if c.type(key) == "string" else None
+                try:
+                    value = json.loads(raw) if raw else None
+                except ValueError:
+                    value = None
+                if isinstance(value, dict):
+                    for k in [k for k in value if "sig" in k or "mac" in k]:
+                        del value[k]
+                    c.set(key, json.dumps(value))
+                else:
+                    c.set(key, json.dumps({"unsigned": True}))
+            return f"hostile_{form}"
+
+    def _rewrite(self, f: dict[str, Any], ckpt: Path, expected: dict[str, dict[str, str]]) -> str:
+        """Rewrite one shard in place (same length: never truncated, see DESIGN's mmap lesson)."""
+        self._join_flapper()  # one writer at a time: every state the files take is recorded
+        shard = sorted(ckpt.glob("*.safetensors"))[f["shard"]]
+        data = bytearray(shard.read_bytes())
+        original = bytes(data)
+        if f["kind"] != "shard_same":
+            header = 8 + int.from_bytes(data[:8], "little")
+            pos = header + int(f["pick"] * (len(data) - header))
+            data[pos] ^= 0x5A
+        _write_in_place(shard, bytes(data))
+        if f["kind"] != "shard_same":
+            # The changed files are another version; a worker that loads it (its CRCs
+            # taken after the change) must hold exactly these bytes.
+            self._record_state(ckpt, expected)
+        if f["kind"] == "shard_flap":
+            # Flip between the two versions every few ms for the drawn pause, ending on
+            # the original: a load that checks one version's CRC and copies the other's
+            # bytes (the race DESIGN's mmap lesson describes) is caught by invariant 1.
+            def flap(until: float = time.monotonic() + f["pause"]) -> None:
+                while time.monotonic() < until:
+                    _write_in_place(shard, original)
+                    time.sleep(0.005)
+                    _write_in_place(shard, bytes(data))
+                    time.sleep(0.005)
+                _write_in_place(shard, original)
+
+            self._flapper = threading.Thread(target=flap, daemon=True, name="soak-shard-flap")
+            self._flapper.start()
+        return f["kind"]
+
+    def _join_flapper(self) -> None:
+        if self._flapper is not None:
+            self._flapper.join()
+            self._flapper = None
+
+    # -- invariants ---------------------------------------------------------------------
+
+    def _await_reports(self, procs: list[Proc], out: Outcome, t0: float, sched: dict[str, Any]) -> None:
+        """Wait (for events, not for time) until every live rank reported or is past its cutoff."""
+        self._join_flapper()
+        while True:
+            now = time.monotonic()
+            waiting = [p for p in procs if p.report is None and not p.killed]
+            late = [p for p in waiting
+                    if now > p.started + self.bound + HANG_MARGIN + p.stopped_total]
+            for p in late:
+                partner_killed = any(q.killed for q in procs if q.unit == p.unit and q is not p)
+                if not p.in_service and partner_killed:
+                    # Stuck in torch's rendezvous with a killed rank (gloo's connect does
+                    # not always honour its timeout): the group never formed, before any
+                    # library call. Not the library's hang.
+                    _signal(p.process.pid, signal.SIGKILL)
+                    p.killed = True
+                    out.typed_errors += 1
+                    out.reasons["group never formed (rank killed in rendezvous)"] += 1
+                    continue
+                if p.process.is_alive():
+                    out.hangs += 1
+                    _signal(p.process.pid, signal.SIGUSR1)  # its stacks, into its log
+                    time.sleep(0.5)
+                    out.failures.append(f"HANG unit {p.unit} rank {p.rank}: no report "
+                                        f"{self.bound + HANG_MARGIN:.0f} s after start; stacks in "
+                                        f"{self.work}/r{out.rollout}/u{p.unit}-{p.rank}.log")
+                else:
+                    out.failures.append(f"unit {p.unit} rank {p.rank} exited without a report "
+                                        f"(code {p.process.exitcode})")
+                _signal(p.process.pid, signal.SIGKILL)
+                p.killed = True
+            if not [p for p in procs if p.report is None and not p.killed]:
+                return
+            dead = [p for p in waiting if not p.process.is_alive() and p.reader.closed]
+            for p in dead:
+                out.failures.append(f"unit {p.unit} rank {p.rank} died without a report "
+                                    f"(code {p.process.exitcode})")
+                p.killed = True
+            self._pump(procs, 0.2)
+
+    def _await_closed(self, procs: list[Proc], out: Outcome) -> None:
+        deadline = time.monotonic() + 60  # close() + the 10 s leak waits, on a loaded machine
+        while time.monotonic() < deadline:
+            if all(p.closed is not None or p.killed or p.reader.closed for p in procs):
+                break
+            self._pump(procs, 0.2)
+        for p in procs:
+            if p.killed:
+                continue
+            if p.closed is None:
+                out.failures.append(f"unit {p.unit} rank {p.rank}: no 'closed' report within 60 s of stop")
+                continue
+            if p.closed["leaked_threads"] or p.closed["leaked_fds"]:
+                out.failures.append(f"LEAK unit {p.unit} rank {p.rank}: threads {p.closed['leaked_threads']}"
+                                    f" fds {p.closed['leaked_fds']}")
+        for p in procs:
+            p.process.join(10)
+
+    def _check(self, procs: list[Proc], out: Outcome, expected: dict[str, dict[str, str]],
+               sched: dict[str, Any]) -> None:
+        worlds = {u["unit"]: u["world"] for u in sched["units"]}
+        out.pools = len(set(worlds.values()))
+        for p in procs:
+            rep = p.report
+            if rep is None:
+                continue
+            world = worlds[p.unit]
+            bound = self.bound + p.stopped_total
+            if "seconds" in rep:
+                out.worst_ratio = max(out.worst_ratio, rep["seconds"] / bound)
+                if rep["seconds"] > bound:
+                    out.failures.append(f"OVERRUN unit {p.unit} rank {p.rank}: load took {rep['seconds']:.1f} s"
+                                        f" > bound {bound:.1f} s ({rep.get('event')})")
+            self.say(f"  unit {p.unit} rank {p.rank}/{world}: {rep['event']} {rep.get('source', '')}"
+                     f" {rep.get('seconds', 0):.2f} s {rep.get('fallback_reason') or ''}")
+            if rep["event"] == "loaded":
+                out.loads += 1
+                if rep.get("fallback_reason"):
+                    out.reasons[rep["fallback_reason"].split(":", 1)[0]] += 1
+                states = expected[f"{p.rank}/{world}"]
+                if rep["digest"] != states.get(rep["version"]):
+                    out.wrong += 1
+                    which = next((v[:12] for v, d in states.items() if d == rep["digest"]), "no version's")
+                    out.failures.append(f"WRONG WEIGHTS unit {p.unit} rank {p.rank}: loaded version"
+                                        f" {rep['version'][:12]} but holds {which} bytes; source {rep['source']}"
+                                        f" peer {rep.get('peer_id')} reason {rep.get('fallback_reason')}")
+                if rep["source"] == "storage" and p.rank == 0:
+                    out.storage_reads += 1
+            elif rep.get("phase") == "rendezvous" and any(
+                    q.killed for q in procs if q.unit == p.unit and q is not p):
+                # Its other rank was killed before the group formed: torchrun's failure,
+                # before any library call.
+                out.typed_errors += 1
+            elif rep.get("typed"):
+                out.typed_errors += 1
+                out.reasons["error " + str(rep.get("error")).split(":", 1)[0]] += 1
+                self.say(f"  typed error unit {p.unit} rank {p.rank}: {str(rep.get('error'))[:300]}")
+            else:
+                out.failures.append(f"UNTYPED unit {p.unit} rank {p.rank}: {rep.get('error', rep)}\n"
+                                    f"{rep.get('traceback', '')[-2000:]}")
+
+    def _check_probe(self, probe: Proc, procs: list[Proc], out: Outcome) -> None:
+        rep = probe.report or {}
+        holders = [p for p in procs if p is not probe and not p.killed and p.report
+                   and p.report.get("event") == "loaded" and p.report.get("version") == rep.get("version")
+                   and _world_of(p, procs) == 1]
+        if not holders or rep.get("event") != "loaded":
+            out.probe = "no holder"
+        elif rep["source"] == "peer":
+            out.probe = "peer"
+        else:
+            out.probe = "storage " + (rep.get("fallback_reason") or "?").split(":", 1)[0]
+            self.say(f"  probe fell back although units {[p.unit for p in holders]} hold its version:"
+                     f" {rep.get('fallback_reason')}")
+
+    def _check_ttls(self, out: Outcome, hostile: set[str]) -> None:
+        ns = "{" + self.namespace + "}"
+        with self.client() as c:
+            forever = [k for k in c.scan_iter(f"{ns}:*", count=500)
+                       if k not in hostile and c.pttl(k) == -1]
+        if forever:
+            out.failures.append(f"KEYS WITHOUT TTL: {sorted(forever)[:10]}")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ...]) -> str:
+    kinds: collections.Counter[str] = collections.Counter()
+    for o in outcomes:
+        kinds.update(o.faults)
+    reasons: collections.Counter[str] = collections.Counter()
+    for o in outcomes:
+        reasons.update(o.reasons)
+    probes = collections.Counter(o.probe for o in outcomes if o.probe != "no holder")
+    reads = collections.Counter(o.storage_reads - o.pools for o in outcomes)
+    clean_reads = collections.Counter(o.storage_reads - o.pools for o in outcomes if not o.faults)
+    failed = [o for o in outcomes if o.failures]
+    lines = [
+        f"Seed {seed}, {len(outcomes)} rollouts in {wall / 60:.1f} min"
+        f" (`python benchmarks/soak.py --seed {seed} --rollouts {len(outcomes)}`).",
+        "",
+        "| rollouts | loads | typed errors | wrong weights | hangs | worst load / bound | failed rollouts |",
+        "|---|---|---|---|---|---|---|",
+        f"| {len(outcomes)} | {sum(o.loads for o in outcomes)} | {sum(o.typed_errors for o in outcomes)}"
+        f" | {sum(o.wrong for o in outcomes)} | {sum(o.hangs for o in outcomes)}"
+        f" | {max((o.worst_ratio for o in outcomes), default=0):.2f} | {len(failed)} |",
+        "",
+        "| fault | injected |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in sorted(kinds.items())),
+        *(f"| {k} | not injected: {why} |" for k, why in NOT_INJECTED.items()),
+        "",
+        "Late probe receiver (one single-rank worker started after each rollout's faults,"
+        " when a live single-rank holder of its version exists): "
+        + (", ".join(f"{k}: {v}" for k, v in sorted(probes.items())) or "none") + ".",
+        "",
+        "| storage fallback reason / typed error (per rank) | count |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in sorted(reasons.items())),
+        "",
+        "Storage reads per rollout beyond the ideal (one per single-flight pool, i.e. per world"
+        " size present), as extra reads: rollouts: "
+        + ", ".join(f"{n}: {c}" for n, c in sorted(reads.items()))
+        + "; rollouts without faults: " + (", ".join(f"{n}: {c}" for n, c in sorted(clean_reads.items())) or "none")
+        + ". Bound per load: 2 * (single_flight_max_wait + peer_budget_seconds) + "
+        f"{STORAGE_ALLOWANCE:g} s = {load_bound(Settings(**{**SETTINGS})):.0f} s, plus the time the "
+        "load's own process was stopped.",
+    ]
+    if failed:
+        lines += ["", "Failures (replay with `--seed S --only N`):", ""]
+        for o in failed:
+            lines += [f"- rollout {o.rollout}: " + f.splitlines()[0][:300] for f in o.failures]
+    return "\n".join(lines) + "\n"
+
+
+def _world_of(p: Proc, procs: list[Proc]) -> int:
+    return sum(1 for q in procs if q.unit == p.unit)
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Signal a worker that may have exited a moment ago (then there is nothing to do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _write_in_place(path: Path, data: bytes) -> None:
+    """Same length, no truncation (a truncated mmap'd file is SIGBUS, not our subject)."""
+    with open(path, "r+b") as fh:
+        fh.write(data)
+        fh.flush()
+
+
+BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
+
+
+def write_results(path: Path, text: str) -> None:
+    """Replace (or append) the soak section of RESULTS.md."""
+    body = f"{BEGIN}\n## Fault-injection soak (benchmarks/soak.py)\n\n{text}{END}\n"
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + body + rest.split(END, 1)[1].lstrip("\n")
+    else:
+        new = old.rstrip("\n") + "\n\n" + body
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rollouts", type=int, default=200)
+    ap.add_argument("--first", type=int, default=0, help="number of the first rollout")
+    ap.add_argument("--only", type=int, help="replay just this rollout's schedule")
+    ap.add_argument("--faults", default=",".join(FAULT_KINDS), help="comma-separated fault kinds")
+    ap.add_argument("--max-faults", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=0, help="stop starting rollouts after this many seconds")
+    ap.add_argument("--results", type=Path, help="replace the soak section of this RESULTS.md")
+    ap.add_argument("--json", type=Path, help="write a summary here")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args(argv)
+    faults = tuple(k for k in args.faults.split(",") if k)
+    unknown = set(faults) - set(FAULT_KINDS)
+    if unknown:
+        ap.error(f"unknown fault kinds {sorted(unknown)}")
+    numbers = [args.only] if args.only is not None else list(range(args.first, args.first + args.rollouts))
+    work = Path(tempfile.mkdtemp(prefix="nccl-back-soak-"))
+    print(f"soak: seed {args.seed}, rollouts {numbers[0]}..{numbers[-1]}, work {work}; "
+          f"silent partitions skipped ({NOT_INJECTED['partition']}); slow HTTP clients skipped "
+          f"({NOT_INJECTED['slow_http_client']}); timing is not replayed, schedules are", flush=True)
+    soak = Soak(work, args.seed, faults)
+    outcomes: list[Outcome] = []
+    t0 = time.monotonic()
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        for n in numbers:
+            if args.budget and time.monotonic() - t0 > args.budget:
+                print(f"soak: budget of {args.budget:g} s spent after {len(outcomes)} rollouts", flush=True)
+                break
+            outcomes.append(soak.rollout(schedule(args.seed, n, faults, args.max_faults)))
+    finally:
+        soak.close()
+        if outcomes and not any(o.failures for o in outcomes) and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    text = table(outcomes, args.seed, time.monotonic() - t0, faults)
+    print(text)
+    if args.results:
+        write_results(args.results, text)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "seed": args.seed, "rollouts": len(outcomes), "loads": sum(o.loads for o in outcomes),
+            "wrong": sum(o.wrong for o in outcomes), "hangs": sum(o.hangs for o in outcomes),
+            "typed_errors": sum(o.typed_errors for o in outcomes),
+            "faults": dict(sum((o.faults for o in outcomes), collections.Counter())),
+            "storage_reads": [o.storage_reads for o in outcomes],
+            "worst_ratio": max((o.worst_ratio for o in outcomes), default=0.0),
+            "probes": dict(collections.Counter(o.probe for o in outcomes)),
+            "failures": [{"rollout": o.rollout, "failures": o.failures} for o in outcomes if o.failures],
+            "work": str(work),
+        }, indent=2))
+    return 1 if any(o.failures for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

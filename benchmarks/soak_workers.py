@@ -1,0 +1,171 @@
+"""The worker processes of the fault-injection soak (benchmarks/soak.py).
+
+One process per rank: a real WeightService against the soak's real Redis, a skeleton of
+its pipeline stage (single-rank units hold the whole pipeline), real gloo groups for the
+2-rank units (started as torchrun starts them: RANK/WORLD_SIZE/MASTER_* and ``env://``).
+Each reports through a pipe: ``loaded`` (source, seconds, a SHA-256 of its tensors'
+bytes) or ``error`` (typed or not, with the traceback), then after ``stop`` ``closed``
+(threads and file descriptors still open beyond what it had before the service).
+Nothing here injects faults: the soak does that from outside, with signals.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import hashlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import contextlib
+
+import torch  # noqa: E402
+
+from nccl_back.config import Settings  # noqa: E402
+from nccl_back.errors import NcclBackError  # noqa: E402
+from nccl_back.identity import ModelSpec  # noqa: E402
+from nccl_back.service import WeightService  # noqa: E402
+from nccl_back.skeleton import build, named_tensors  # noqa: E402
+
+from models import TinyTransformer  # noqa: E402
+
+#: The pipeline every rollout writes: rank 0 of a 2-rank unit holds the transformer,
+#: rank 1 the VAE; a single-rank unit holds both.
+PIPELINE: dict[str, dict[str, Any]] = {"transformer": {"n_layers": 2, "d": 32}, "vae": {"n_layers": 1, "d": 16}}
+
+
+def part_names(rank: int, world: int) -> list[str]:
+    """The pipeline components a rank holds."""
+    return list(PIPELINE) if world == 1 else [list(PIPELINE)[rank]]
+
+
+def _factory(kwargs: dict[str, Any]) -> Any:
+    return lambda: TinyTransformer(**kwargs)
+
+
+def make_model(rank: int, world: int) -> dict[str, Any]:
+    """The skeleton of a rank's stage (built without weight init)."""
+    return {n: build(_factory(PIPELINE[n])) for n in part_names(rank, world)}
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over (name, raw bytes) in sorted name order: a byte comparison, NaN-safe."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode() + b"\0")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _wait_for(check: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
+    """One rank of one unit of one rollout; see the module docstring."""
+    log = open(job["log"], "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    # Stacks on demand (the soak sends SIGUSR1 to a unit it declares hung) and on a
+    # hang past the soak's own cutoff.
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    faulthandler.dump_traceback_later(job["hang_after"], exit=False, file=log)
+    rank, world = job["rank"], job["world"]
+    report: dict[str, Any] = {"unit": job["unit"], "rank": rank, "pid": os.getpid()}
+    import torch.distributed as dist
+
+    try:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, stream=log,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if world > 1:
+            from datetime import timedelta
+
+            os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job["port"])})
+            report["phase"] = "rendezvous"  # the group itself (torchrun's part, not the library's)
+            dist.init_process_group("gloo", timeout=timedelta(seconds=job["group_timeout"]))
+            report.pop("phase")
+        # From here on a silent rank is the library's: the soak judges hangs from this on.
+        out.send({"unit": job["unit"], "rank": rank, "event": "phase", "phase": "service"})
+        settings = Settings(**job["settings"])
+        model = make_model(rank, world)
+        spec = ModelSpec.from_dir(job["ckpt"], cache_dir=settings.cache_dir)
+        # torch's first TCPStore opens a process-wide pipe it keeps for ever (measured:
+        # a second store adds none); make it now so that it is part of the baseline.
+        from datetime import timedelta as _td
+
+        dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(seconds=5))  # dropped at once
+        # What the process holds before the service exists: after close() it must hold
+        # no more (the group, torch's own threads, the log are part of the baseline).
+        threads0 = {t.ident for t in threading.enumerate()}
+        fds0 = _fds()
+        group = dist.group.WORLD if world > 1 else None
+        t0 = time.monotonic()
+        svc: WeightService | None = None
+        try:
+            svc = WeightService(settings, worker_id=f"r{job['rollout']}u{job['unit']}-{rank}")
+            result = svc.load(model, spec, group=group)
+        except NcclBackError as e:
+            report.update(event="error", typed=True, error=f"{type(e).__name__}: {e}",
+                          seconds=time.monotonic() - t0, traceback=traceback.format_exc())
+        except Exception as e:
+            report.update(event="error", typed=False, error=f"{type(e).__name__}: {e}",
+                          seconds=time.monotonic() - t0, traceback=traceback.format_exc())
+        else:
+            tensors, _ = named_tensors(model)
+            report.update(event="loaded", source=result.source, seconds=time.monotonic() - t0,
+                          digest=digest(tensors), version=spec.version, verified=result.verified,
+                          fallback_reason=result.fallback_reason, peer_id=result.peer_id)
+        faulthandler.cancel_dump_traceback_later()
+        out.send(report)
+        while not stop.is_set():
+            time.sleep(0.05)
+        faulthandler.dump_traceback_later(job["hang_after"], exit=False, file=log)
+        if svc is not None:
+            svc.close()
+        # Collect garbage while waiting: what only a reference cycle (an exception's
+        # traceback, say) still holds is not a leak, just not freed yet.
+        threads_ok = _wait_for(lambda: gc.collect() >= 0 and {t.ident for t in threading.enumerate()} <= threads0, 10)
+        fds_ok = _wait_for(lambda: gc.collect() >= 0 and len(_fds() - fds0) == 0, 10)
+        leaked_threads = [t.name for t in threading.enumerate() if t.ident not in threads0]
+        leaked_fds = sorted(_fds() - fds0)
+        fd_targets = []
+        for fd in leaked_fds:
+            with contextlib.suppress(OSError):
+                fd_targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        out.send({"unit": job["unit"], "rank": rank, "event": "closed",
+                  "leaked_threads": [] if threads_ok else leaked_threads,
+                  "leaked_fds": [] if fds_ok else fd_targets})
+    except BaseException as e:  # report, never leave the soak waiting
+        report.update(event="error", typed=isinstance(e, NcclBackError), error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc())
+        with contextlib.suppress(Exception):
+            out.send(report)
+            out.send({"unit": job["unit"], "rank": rank, "event": "closed", "skipped": True,
+                      "leaked_threads": [], "leaked_fds": []})
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        log.flush()
+        # A group whose other rank was killed can block in destroy_process_group: the
+        # soak has what it needs, so leave without tearing anything down.
+        os._exit(0)

@@ -326,13 +326,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not report:
         print(f"no peers in namespace {settings.namespace!r}")
         return 0
-    header = ("VERSION", "RANK", "PEER", "AGE", "SENDS", "SOURCE", "TRUTH", "ADDRESS")
+    header = ("VERSION", "MODEL", "RANK", "WORKER", "ENGINE", "PEER", "AGE", "SENDS", "SOURCE",
+              "TRUTH", "ADDRESS")
     rows = [header]
     for version, entry in report.items():
         for p in entry["peers"]:
             rows.append((
                 version[:12],
+                p["model"] or "-",
                 f"{p['rank']}/{p['world_size']}",
+                f"{p['host']}:{p['pid']}" if p["host"] else "-",
+                p["engine"] or "-",
                 p["peer_id"],
                 f"{p['age']:.0f}s",
                 f"{'busy' if p['busy'] else 'free'} {p['active_claims']}/{p['max_sends']}",
@@ -357,6 +361,10 @@ def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> 
                 truth[key] = registry.has_ground_truth(version, *key)
             rows.append({
                 "peer_id": st.info.peer_id,
+                "model": st.info.model,
+                "host": st.info.host,
+                "pid": st.info.pid,
+                "engine": st.info.engine,
                 "rank": st.info.rank,
                 "world_size": st.info.world_size,
                 "age": round(st.age, 3),

@@ -203,6 +203,18 @@ class ModelSpec:
             raise ConfigError(f"ModelSpec shards outside every component: {stray}")
         object.__setattr__(self, "components", components)
 
+    @property
+    def name(self) -> str:
+        """The model's folder name (the last component of its directory or ``gs://``
+        prefix), for operators; empty for a spec without shards. Never part of the
+        identity."""
+        if not self.shards:
+            return ""
+        first = self.shards[0]
+        uri = first.uri.rstrip("/")
+        root = uri[: -len(first.name)] if uri.endswith("/" + first.name) else uri.rsplit("/", 1)[0]
+        return root.rstrip("/").rsplit("/", 1)[-1]
+
     @cached_property
     def version(self) -> str:
         """MD5 hex of the canonical JSON of the config and every shard's (name, size, CRC32C).

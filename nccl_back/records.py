@@ -37,6 +37,8 @@ MAX_START = 1 << 31
 PEER_SOURCES = ("storage", "peer", "adopted")
 DEVICES = ("cpu", "cuda")
 HANDSHAKE_SIDES = ("receiver", "sender")
+#: Linux's largest pid_max.
+MAX_PID = 1 << 22
 #: Nonces stay below 2**52 (exact in any JSON implementation), their +1 too.
 MAX_NONCE = 1 << 53
 
@@ -139,6 +141,14 @@ class PeerInfo:
     """How many receivers this peer serves at once (number of claim slots)."""
     device: str = "cpu"
     """Device kind its weights live on (``cpu``/``cuda``): a receiver needs the same."""
+    host: str = ""
+    """The worker's host name, for an operator (``status``); never used to connect."""
+    pid: int = 0
+    """The worker's process id on ``host`` (0: not said)."""
+    model: str = ""
+    """The model's folder name (its last path component), for an operator."""
+    engine: str = ""
+    """What runs the worker: ``library``, ``sidecar``, ``vllm-<version>`` ..."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -173,7 +183,21 @@ def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:
         max_sends=integer(data, "max_sends", what, 1, MAX_SENDS, 1),
         device=choice(data, "device", what, DEVICES,
                       "cuda" if data.get("transport") == "nccl" else "cpu"),
+        host=label(data, "host", what),
+        pid=integer(data, "pid", what, 0, MAX_PID, 0),
+        model=label(data, "model", what),
+        engine=label(data, "engine", what),
     )
+
+
+def label(data: dict[str, Any], name: str, what: str) -> str:
+    """An operator's label: empty, or a name of ``[A-Za-z0-9._-]`` (see :func:`ident`)."""
+    return "" if data.get(name, "") == "" else ident(data, name, what)
+
+
+def to_label(text: str) -> str:
+    """``text`` made fit for :func:`label`: other characters become ``_``, at most 200."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:200]
 
 
 def ground_truth(data: dict[str, Any], what: str = "ground truth") -> tuple[str, dict[str, str]]:

@@ -32,6 +32,8 @@ heartbeat re-checks the stop flag under it, so no entry of this worker reappears
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import threading
 import time
 import uuid
@@ -47,6 +49,7 @@ from .errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallbac
 from .handshake import refuse, run_sender
 from .log import get_logger
 from .metrics import Metrics
+from .records import to_label
 from .registry import PeerInfo, Registry
 from .skeleton import Manifest, Model, model_device, named_tensors
 from .transport import (
@@ -93,8 +96,11 @@ class PeerServer:
         metrics: Metrics,
         worker_id: str,
         pacer: Pacer | None = None,
+        engine: str = "library",
     ) -> None:
         self.settings = settings
+        self.engine = engine
+        """What runs this worker (``library``, ``sidecar``, ``vllm-0.32.0`` ...), for ``status``."""
         self.pacer = pacer if pacer is not None else Pacer(settings.max_send_gbps)
         """The worker's send-rate cap, shared by every send and relay hop."""
         self.registry = registry
@@ -173,10 +179,12 @@ class PeerServer:
 
     def publish(
         self, model: Model, man: Manifest, version: str, rank: int, world: int, *,
-        source: str, log: Any, truth: dict[str, str] | None = None,
+        source: str, log: Any, truth: dict[str, str] | None = None, model_name: str = "",
     ) -> PeerInfo:
         """Publish ``model`` (loaded and verified) and start serving it.
 
+        ``model_name`` labels the entry for operators (``status``), as do this host, this
+        process and :attr:`engine`.
         ``truth``: the ground-truth hashes it was loaded or verified with (stored form);
         the heartbeat keeps them in Redis (re-published after Redis lost its data), so
         receivers never find this peer with nothing to verify against.
@@ -191,6 +199,8 @@ class PeerServer:
             peer_id=peer_id, version=version, rank=rank, world_size=world,
             manifest_digest=man.digest, transport=kind, address=rv.address, source=source,
             max_sends=self.settings.max_concurrent_sends, device=device.type,
+            host=to_label(socket.gethostname()), pid=os.getpid(), model=to_label(model_name),
+            engine=to_label(self.engine),
         )
         with self._entries_lock:
             if self._stop.is_set():

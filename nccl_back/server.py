@@ -167,7 +167,8 @@ class Sidecar:
         self.settings = settings
         self.options = options
         self.metrics = metrics if metrics is not None else Metrics()
-        self.service = service if service is not None else WeightService(settings, metrics=self.metrics)
+        self.service = service if service is not None else WeightService(
+            settings, metrics=self.metrics, engine="sidecar")
         self._drain_token = secrets.token_urlsafe(32) if options.drain_token_file else None
         self.health = HealthServer(
             self.metrics,

@@ -211,7 +211,9 @@ class WeightService:
     """Loads weights from a peer (storage as fallback) and serves them while open.
 
     Use as a context manager, or call :meth:`close`. Thread-safe for one ``load`` at a
-    time per rank; serving runs in background threads.
+    time per rank; serving runs in background threads. ``engine`` says what runs this
+    worker (``library``, ``sidecar``, ``vllm-0.32.0`` ...): ``nccl-back status`` shows it
+    with the host, the process id and the model's name.
     """
 
     def __init__(
@@ -222,6 +224,7 @@ class WeightService:
         worker_id: str | None = None,
         registry: Registry | None = None,
         storage_loader: StorageLoader = _load_checkpoint,
+        engine: str = "library",
     ) -> None:
         self._storage_loader = storage_loader
         self.settings = settings if settings is not None else Settings.from_env()
@@ -229,7 +232,8 @@ class WeightService:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.registry = registry if registry is not None else Registry(self.settings)
         self.registry.on_untrusted = self.metrics.record_untrusted
-        self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id)
+        self._server = PeerServer(self.settings, self.registry, self.metrics, self.worker_id,
+                                  engine=engine)
         self._closed = False
         self._relays: list[relay.RelayServer] = []
         self._relay_lock = threading.Lock()
@@ -294,7 +298,7 @@ class WeightService:
         rank, world = rank_and_size(group)
         log = self._log.bind(rank=rank, version=spec.version[:12])
         return self._server.publish(model, manifest(model), spec.version, rank, world,
-                                    source="adopted", log=log)
+                                    source="adopted", log=log, model_name=spec.name)
 
     def close(self) -> None:
         """Stop serving, withdraw every published entry, release sockets and threads.
@@ -920,7 +924,7 @@ class WeightService:
         try:
             self._server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer",
                                  log=a.log, truth=encode_truth({self.settings.verify: a.truth})
-                                 if a.truth else None)
+                                 if a.truth else None, model_name=a.spec.name)
         except Exception as e:
             # The weights are loaded and verified; only serving others is lost.
             a.log.warning("publish_failed", error=str(e))
@@ -1002,7 +1006,7 @@ class WeightService:
         try:
             self._claim_ground_truth(a, hashes)
             self._server.publish(a.model, man, version, a.rank, a.world, source="storage", log=a.log,
-                                 truth=hashes or None)
+                                 truth=hashes or None, model_name=a.spec.name)
         except Exception as e:  # Redis gone, rendezvous port taken: serve nobody
             a.log.warning("publish_failed", error=str(e))
 

@@ -247,3 +247,19 @@ def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "dirty"  # not saved, so it will be tried again
     assert sorted(p.name for p in cache_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize(("uri", "name", "expected"), [
+    ("/models/llama-8b/model-00001-of-00002.safetensors", "", "llama-8b"),
+    ("gs://bucket/models/llama-8b/model.safetensors", "", "llama-8b"),
+    ("/pipes/ldm/unet/diffusion_pytorch_model.safetensors", "unet/diffusion_pytorch_model.safetensors",
+     "ldm"),
+    ("/elsewhere/weights.bin", "other.safetensors", "elsewhere"),
+])
+def test_name_is_the_models_folder_and_not_part_of_the_version(uri: str, name: str, expected: str) -> None:
+    """A spec's name is its folder's last component (a pipeline's, not a component's);
+    the same bytes under another folder keep their version."""
+    spec = ModelSpec({}, (Shard(uri, "00000001", 1, name),))
+    assert spec.name == expected
+    moved = ModelSpec({}, (Shard(uri.replace(expected, "renamed", 1), "00000001", 1, name),))
+    assert moved.name == "renamed" and moved.version == spec.version

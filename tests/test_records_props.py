@@ -59,7 +59,17 @@ def peer_infos(draw: st.DrawFn) -> records.PeerInfo:
         source=draw(st.sampled_from(records.PEER_SOURCES)),
         max_sends=draw(st.integers(1, records.MAX_SENDS)),
         device=draw(st.sampled_from(records.DEVICES)),
+        host=draw(st.just("") | NAME), pid=draw(st.integers(0, records.MAX_PID)),
+        model=draw(st.just("") | NAME), engine=draw(st.just("") | NAME),
     )
+
+
+@PROPS
+@given(st.text(max_size=300))
+def test_any_text_made_a_label_parses_as_one(text: str) -> None:
+    """Whatever a host, folder or engine is called, its label is one a reader accepts."""
+    label = records.to_label(text)
+    assert records.label({"model": label}, "model", "peer entry") == label
 
 
 @st.composite

@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from nccl_back.devservers import free_port
 from nccl_back.handoff import attach
 from nccl_back.handshake import run_receiver
 from nccl_back.identity import ModelSpec
+from nccl_back.records import to_label
 from nccl_back.registry import Registry
 from nccl_back.server import ServeOptions, Sidecar
 from nccl_back.skeleton import build
@@ -200,10 +202,15 @@ def test_serve_ready_peer_load_status_and_sigterm(
         assert ready2["peer"] in listed
         assert sorted(p["source"] for p in listed.values()) == ["peer", "storage"]
         assert all(p["ground_truth"] and not p["busy"] for p in listed.values())
+        # What an operator needs to find each worker: its model, host and pid, what runs it.
+        assert {(p["model"], p["engine"]) for p in listed.values()} == {(ckpt.name, "sidecar")}
+        assert sorted(p["pid"] for p in listed.values()) == sorted(s.proc.pid for s in serves)
+        assert {p["host"] for p in listed.values()} == {to_label(socket.gethostname())}
         table = status_text(env).splitlines()
-        assert table[0].split() == ["VERSION", "RANK", "PEER", "AGE", "SENDS", "SOURCE", "TRUTH",
-                                    "ADDRESS"]
-        assert sorted(line.split()[2] for line in table[1:]) == sorted(listed)
+        assert table[0].split() == ["VERSION", "MODEL", "RANK", "WORKER", "ENGINE", "PEER", "AGE",
+                                    "SENDS", "SOURCE", "TRUTH", "ADDRESS"]
+        assert sorted(line.split()[5] for line in table[1:]) == sorted(listed)
+        assert {line.split()[4] for line in table[1:]} == {"sidecar"}
 
         # The second sidecar hands its (peer-loaded) weights to a local consumer.
         consumer = build(TinyTransformer)

@@ -290,7 +290,8 @@ class NcclBackModelLoader(BaseModelLoader):
                         " default loader", len(meta), meta[0])
             self._default.load_weights(model, model_config)
             return
-        service = WeightService(self.settings, storage_loader=self._storage_loader(model, model_config))
+        service = WeightService(self.settings, storage_loader=self._storage_loader(model, model_config),
+                                engine=f"vllm-{vllm.__version__}")
         try:
             result = service.load(state, spec, get_world_group().cpu_group)
         except BaseException:

@@ -106,6 +106,11 @@ def test_peer_load_matches_auto(fleet: Fleet) -> None:
     peers = {p["peer_id"]: p for p in fleet.peers()}
     assert peers[loaded["peer"]]["source"] == "storage"  # A, which B loaded from
     assert sorted(p["source"] for p in peers.values()) == ["peer", "storage"]
+    # `status` names what an operator looks for: the model, the engine, host and pid.
+    assert {p["model"] for p in peers.values()} == {Path(fleet.model).name}, peers
+    assert all(p["engine"].startswith("vllm-") and p["host"] and p["pid"] > 0
+               for p in peers.values()), peers
+    assert len({p["pid"] for p in peers.values()}) == 2, peers
     assert a_tokens == b_tokens == by_name(fleet, "auto").wait_ready()["tokens"]
 
     assert b.release() == 0

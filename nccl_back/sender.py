@@ -189,7 +189,9 @@ class PeerServer:
         the heartbeat keeps them in Redis (re-published after Redis lost its data), so
         receivers never find this peer with nothing to verify against.
 
-        Raises :class:`NcclBackError` (Redis unreachable, rendezvous not startable).
+        While Redis is unreachable the entry waits for the heartbeat, which publishes it
+        (and ``truth``) as soon as Redis answers. Raises :class:`NcclBackError` when the
+        rendezvous cannot be started.
         """
         device = model_device(model)
         kind = resolve_kind(self.settings, device)
@@ -207,7 +209,13 @@ class PeerServer:
                 # Withdrawn (draining) while this load ran: hold the weights, serve nobody.
                 log.info("not_published_draining", peer=peer_id)
                 return info
-            self.registry.publish_peer(info)
+            try:
+                self.registry.publish_peer(info)
+            except RegistryError as e:
+                # Redis unreachable now (an outage, a failover): hold the entry anyway. The
+                # heartbeat publishes it, with its ground truth, once Redis answers, so
+                # workers that loaded during an outage still serve the fleet after it.
+                log.warning("publish_deferred", peer=peer_id, error=str(e))
             held = _Held(model, man, info,
                          ThreadPoolExecutor(self.settings.max_concurrent_sends,
                                             thread_name_prefix=f"nccl-back-send-{rank}"),

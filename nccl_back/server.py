@@ -246,9 +246,10 @@ class Sidecar:
             self.service.withdraw()
             return result
         if not self.service.peers:
-            # Ready means published. The service skips publication when Redis failed or
-            # the stored ground truth disagrees with storage (it logged why); serving
-            # locally goes on, but this sidecar must not count as a weight source.
+            # Ready means published (or, while Redis is unreachable, waiting for the
+            # heartbeat to publish it). The service serves nobody when its rendezvous
+            # could not start (it logged why); serving locally goes on, but this sidecar
+            # must not count as a weight source.
             log.error("not_published", source=result.source,
                       hint="see the service's publish_failed / ground_truth_* events")
             return result

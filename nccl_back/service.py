@@ -1005,9 +1005,14 @@ class WeightService:
         version, man = a.spec.version, a.manifest
         try:
             self._claim_ground_truth(a, hashes)
+        except RegistryError as e:
+            # Redis unreachable: the heartbeat stores the truth this worker holds (with
+            # its entry) once Redis answers again.
+            a.log.warning("ground_truth_deferred", error=str(e))
+        try:
             self._server.publish(a.model, man, version, a.rank, a.world, source="storage", log=a.log,
                                  truth=hashes or None, model_name=a.spec.name)
-        except Exception as e:  # Redis gone, rendezvous port taken: serve nobody
+        except Exception as e:  # the rendezvous could not start: serve nobody
             a.log.warning("publish_failed", error=str(e))
 
 

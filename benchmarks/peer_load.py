@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peer_transfer import model_shapes  # benchmarks/peer_transfer.py: the same model
 from safetensors.torch import save_file
 from torch import nn
 
@@ -42,25 +43,6 @@ from nccl_back.identity import ModelSpec
 from nccl_back.registry import Registry
 from nccl_back.service import WeightService
 from nccl_back.transport import open_rendezvous, receiver_transport, run_guarded
-
-HIDDEN, INTER, VOCAB = 1024, 2816, 32000
-
-
-def model_shapes(gib: float) -> dict[str, tuple[int, ...]]:
-    """An LLM-like bf16 state dict of about ``gib`` GiB (embedding, layers, norms)."""
-    per_layer = (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER + 2 * HIDDEN) * 2
-    layers = max(1, round((gib * 2**30 - VOCAB * HIDDEN * 2) / per_layer))
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, HIDDEN), "norm.weight": (HIDDEN,)}
-    for i in range(layers):
-        p = f"layers.{i:03d}."
-        for name in ("q", "k", "v", "o"):
-            shapes[p + f"attn.{name}.weight"] = (HIDDEN, HIDDEN)
-        shapes[p + "mlp.gate.weight"] = (INTER, HIDDEN)
-        shapes[p + "mlp.up.weight"] = (INTER, HIDDEN)
-        shapes[p + "mlp.down.weight"] = (HIDDEN, INTER)
-        shapes[p + "norm1.weight"] = (HIDDEN,)
-        shapes[p + "norm2.weight"] = (HIDDEN,)
-    return shapes
 
 
 class Plain(nn.Module):
@@ -133,7 +115,9 @@ def measure(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
             address = json.loads(proc.stdout.readline())["address"]
             nbytes = spec.nbytes
             for r in range(args.rounds):
-                flat = torch.empty(nbytes, dtype=torch.uint8)
+                # Fresh memory pays first-touch page faults as the fresh model does;
+                # --touched-raw measures the broadcast alone (memory already written).
+                flat = (torch.ones if args.touched_raw else torch.empty)(nbytes, dtype=torch.uint8)
                 transport = receiver_transport(s, "gloo", address, f"{tid}-{r}",
                                                device=torch.device("cpu"), registry=registry)
                 t = time.perf_counter()
@@ -171,6 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--touched-raw", action="store_true",
+                        help="broadcast the raw round into memory already written (no page faults)")
     parser.add_argument("--serve", metavar="TRANSFER_ID", help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
     parser.add_argument("--namespace", help=argparse.SUPPRESS)

@@ -7,6 +7,7 @@ machines is a GPU, and tests that need one carry the ``gpu`` marker.
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 
@@ -61,3 +62,12 @@ def gcs() -> Iterator[LocalGCS]:
 @pytest.fixture
 def cache_dir(tmp_path: object) -> str:
     return str(tmp_path) + "/cache"  # type: ignore[operator]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port another socket listens on (a port in use)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield int(s.getsockname()[1])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -130,12 +129,6 @@ def test_checks_other_than_transports_do_not_import_torch(env: dict[str, str], c
     assert "torch" not in modules
 
 
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(1)
-        yield int(s.getsockname()[1])
 
 
 def _fail(proc: subprocess.CompletedProcess[str], name: str, problem: str, fix: str) -> None:

@@ -4,10 +4,8 @@ value, a non-zero exit, never a traceback. Every case is a real subprocess."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +23,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(fill_random(TinyTransformer(), 1), tmp_path_factory.mktemp("c") / "ckpt")
 
 
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    """A port some other process listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(1)
-        yield int(s.getsockname()[1])
 
 
 def run_cli(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

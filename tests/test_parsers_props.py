@@ -140,16 +140,21 @@ def health() -> Iterator[HealthServer]:
         yield server
 
 
+def _send_then_read(s: socket.socket, data: bytes) -> bytes:
+    """Send ``data`` and half-close, then everything the server answers until it closes."""
+    with contextlib.suppress(OSError):  # the server may answer and close mid-send
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+    out = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
 def _exchange(port: int, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-        with contextlib.suppress(OSError):  # the server may answer and close mid-send
-            s.sendall(data)
-            s.shutdown(socket.SHUT_WR)
-        out = b""
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := s.recv(65536):
-                out += chunk
-        return out
+        return _send_then_read(s, data)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=FIXTURES)
@@ -289,14 +294,7 @@ def _line_exchange(path: str, data: bytes) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(20)
         s.connect(path)
-        with contextlib.suppress(OSError):
-            s.sendall(data)
-            s.shutdown(socket.SHUT_WR)
-        out = b""
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := s.recv(65536):
-                out += chunk
-        return out
+        return _send_then_read(s, data)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=FIXTURES)

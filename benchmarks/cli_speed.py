@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalRedis
-from nccl_back.identity import ModelSpec
-from nccl_back.registry import PeerInfo, Registry
+from nccl_back.coord.registry import PeerInfo, Registry
+from nccl_back.dev.servers import LocalRedis
+from nccl_back.model.identity import ModelSpec
 
 EXE = str(Path(sys.executable).parent / "nccl-back")
 GOAL_S = 0.5
@@ -51,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from nccl_back.demo import write_example_model
+    from nccl_back.dev.demo import write_example_model
 
     with tempfile.TemporaryDirectory() as tmp, LocalRedis() as redis:
         ckpt = Path(tmp) / "ckpt"

@@ -2,7 +2,7 @@
 
 For N in ``--sizes`` (default 1 2 4 8), N worker processes start at the same moment and
 each loads the same checkpoint with ``WeightService.load``. Storage is the GCS emulator
-(``LocalGCS``) behind ``nccl_back/devthrottle.py``: one token bucket for the response bytes of *all*
+(``LocalGCS``) behind ``nccl_back/dev/throttle.py``: one token bucket for the response bytes of *all*
 workers (``--storage-gbps``, in GB/s = 10^9 B/s), standing in for a bucket's per-fleet
 egress. Peer transfers use gloo on loopback. Three scenarios:
 
@@ -55,11 +55,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from nccl_back import devthrottle as throttle
 from nccl_back.config import Settings
-from nccl_back.demo import write_example_model
-from nccl_back.devservers import LocalGCS, LocalRedis
-from nccl_back.identity import ModelSpec
+from nccl_back.dev import throttle
+from nccl_back.dev.demo import write_example_model
+from nccl_back.dev.servers import LocalGCS, LocalRedis
+from nccl_back.model.identity import ModelSpec
 
 SCENARIOS = ("storage", "warm", "warm_tree", "single_flight", "single_flight_tree")
 BUCKET = "cold-start-bench"
@@ -89,8 +89,8 @@ def worker_main(
         import google.cloud.storage  # noqa: F401
         import torch.distributed  # noqa: F401
 
-        from nccl_back.checkpoint import flat_skeleton
-        from nccl_back.service import WeightService
+        from nccl_back.load.service import WeightService
+        from nccl_back.model.checkpoint import flat_skeleton
 
         settings = Settings(**json.loads(settings_json))
         spec = ModelSpec.from_json(spec_json)

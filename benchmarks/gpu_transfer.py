@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from gpu_pair import run_pair  # noqa: E402
 
-from nccl_back.integrity import layer_hashes  # noqa: E402
+from nccl_back.model.integrity import layer_hashes  # noqa: E402
 
 
 def d2d_gbps(nbytes: int, repeats: int = 5) -> float:

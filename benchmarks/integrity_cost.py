@@ -15,8 +15,8 @@ import time
 import torch
 from torch import nn
 
-from nccl_back.integrity import layer_hashes
-from nccl_back.skeleton import consolidate
+from nccl_back.model.integrity import layer_hashes
+from nccl_back.model.skeleton import consolidate
 
 
 def _model(total_bytes: int, n_tensors: int, consolidated: bool = False) -> nn.Module:

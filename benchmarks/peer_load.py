@@ -39,9 +39,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nccl_back.config import Settings
-from nccl_back.identity import ModelSpec
-from nccl_back.registry import Registry
-from nccl_back.service import WeightService
+from nccl_back.coord.registry import Registry
+from nccl_back.load.service import WeightService
+from nccl_back.model.identity import ModelSpec
 from nccl_back.transport import open_rendezvous, receiver_transport, run_guarded
 
 
@@ -166,7 +166,7 @@ def main() -> None:
     if args.serve:
         serve(args)
         return
-    from nccl_back.devservers import LocalRedis
+    from nccl_back.dev.servers import LocalRedis
 
     with LocalRedis() as redis:
         print(json.dumps(measure(args, redis.url), indent=1))

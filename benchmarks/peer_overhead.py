@@ -26,11 +26,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from nccl_back.devservers import LocalRedis  # noqa: E402
-from nccl_back.identity import ModelSpec  # noqa: E402
-from nccl_back.loader import load_from_storage  # noqa: E402
-from nccl_back.service import WeightService  # noqa: E402
-from nccl_back.skeleton import build  # noqa: E402
+from nccl_back.dev.servers import LocalRedis  # noqa: E402
+from nccl_back.load.service import WeightService  # noqa: E402
+from nccl_back.model.identity import ModelSpec  # noqa: E402
+from nccl_back.model.loader import load_from_storage  # noqa: E402
+from nccl_back.model.skeleton import build  # noqa: E402
 
 from models import TinyTransformer, fill_random, write_checkpoint  # noqa: E402
 from workers import settings_for, worker_main  # noqa: E402
@@ -76,9 +76,9 @@ def main() -> int:
                                      kwargs={"model_kwargs": model_kwargs, "serve_for": 3600})
                 sender.start()
                 senders.append(sender)
-                first = reader.recv()
-                if "error" in first:
-                    raise SystemExit(first["error"])
+                ready = reader.recv()
+                if "error" in ready:
+                    raise SystemExit(ready["error"])
                 settings[name] = settings_for(**kw)
             for i in range(args.repeat):
                 # Alternate which goes first: the second load of a pair runs on memory the

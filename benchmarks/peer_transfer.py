@@ -34,8 +34,8 @@ import uuid
 import torch
 
 from nccl_back.config import Settings
-from nccl_back.registry import Registry
-from nccl_back.skeleton import Manifest, TensorEntry, flat_layout
+from nccl_back.coord.registry import Registry
+from nccl_back.model.skeleton import Manifest, TensorEntry, flat_layout
 from nccl_back.transport import (
     Transport,
     receiver_transport,
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.redis_url is None:  # the measuring parent: a Redis for the bootstrap
-        from nccl_back.devservers import LocalRedis
+        from nccl_back.dev.servers import LocalRedis
 
         with LocalRedis() as redis:
             args.redis_url = redis.url

@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python benchmarks/reattach.py [--gib 1.0] [--repeat 3]``
 
 A sidecar process loads a float16 model of ``--gib`` GiB from a safetensors file and
-serves it (nccl_back.handoff). Each trial is a fresh consumer process, as after a
+serves it (nccl_back.sidecar.handoff). Each trial is a fresh consumer process, as after a
 restart: it builds a skeleton and touches it (timed apart, the same for every method),
 then fills it by (a) ``attach`` in copy mode, (b) ``attach`` in zero-copy mode, or
 (c) ``safetensors.torch.load_file`` + ``copy_`` into the skeleton, with the file in the
@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nccl_back.handoff import HandoffServer, attach
-from nccl_back.skeleton import build
+from nccl_back.model.skeleton import build
+from nccl_back.sidecar.handoff import HandoffServer, attach
 
 VERSION = "bench"
 DIM = 4096

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SIM_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-#: Cohort heads a streamed download serves at once (``nccl_back.relay.STREAM_SENDS``).
+#: Cohort heads a streamed download serves at once (``nccl_back.transport.relay.STREAM_SENDS``).
 STREAM_SENDS = 4
 
 

@@ -79,9 +79,9 @@ import soak_workers  # noqa: E402
 import torch  # noqa: E402
 
 from nccl_back.config import Settings  # noqa: E402
-from nccl_back.devservers import LocalRedis, free_port  # noqa: E402
-from nccl_back.identity import ModelSpec  # noqa: E402
-from nccl_back.skeleton import named_tensors  # noqa: E402
+from nccl_back.dev.servers import LocalRedis, free_port  # noqa: E402
+from nccl_back.model.identity import ModelSpec  # noqa: E402
+from nccl_back.model.skeleton import named_tensors  # noqa: E402
 
 from models import TinyTransformer, fill_random, write_checkpoint  # noqa: E402
 
@@ -118,7 +118,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests"),
      str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.service", "soak_workers"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.load.service", "soak_workers"])
 
 
 def load_bound(settings: Settings) -> float:

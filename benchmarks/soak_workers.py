@@ -31,9 +31,9 @@ import torch  # noqa: E402
 
 from nccl_back.config import Settings  # noqa: E402
 from nccl_back.errors import NcclBackError  # noqa: E402
-from nccl_back.identity import ModelSpec  # noqa: E402
-from nccl_back.service import WeightService  # noqa: E402
-from nccl_back.skeleton import build, named_tensors  # noqa: E402
+from nccl_back.load.service import WeightService  # noqa: E402
+from nccl_back.model.identity import ModelSpec  # noqa: E402
+from nccl_back.model.skeleton import build, named_tensors  # noqa: E402
 
 from models import TinyTransformer  # noqa: E402
 

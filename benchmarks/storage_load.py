@@ -8,7 +8,7 @@ Measures, on one synthetic checkpoint of ``--size-mb`` in ``--shards`` files:
    pre-allocated buffer, page cache warm for both. Both destinations are fresh
    allocations (first-touch page faults counted, as at a real cold start); the same
    pair is also measured with destinations already touched.
-3. Sampled and full integrity hashes (``nccl_back.integrity.layer_hashes``) as a
+3. Sampled and full integrity hashes (``nccl_back.model.integrity.layer_hashes``) as a
    fraction of the load time.
 
 Run: ``.venv/bin/python benchmarks/storage_load.py --size-mb 1024``
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from nccl_back.checkpoint import flat_skeleton
 from nccl_back.config import Settings
-from nccl_back.identity import ModelSpec
-from nccl_back.loader import load_from_storage
+from nccl_back.model.checkpoint import flat_skeleton
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import load_from_storage
 
 TENSOR_BYTES = 4 << 20
 
@@ -144,9 +144,9 @@ def main() -> None:
               f"cached/uncached time {t_load / t_uncached:.2f}")
 
         try:
-            from nccl_back.integrity import layer_hashes
+            from nccl_back.model.integrity import layer_hashes
         except ImportError:
-            print("integrity: nccl_back.integrity.layer_hashes not available; skipped")
+            print("integrity: nccl_back.model.integrity.layer_hashes not available; skipped")
         else:
             for mode in ("sampled", "full"):
                 t_hash = best_of(args.repeat, lambda m=mode: layer_hashes(skeleton, mode=m))

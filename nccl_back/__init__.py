@@ -10,25 +10,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .errors import NcclBackError
-    from .handoff import HandoffServer, attach
-    from .identity import ModelSpec, Shard
-    from .loader import load_from_storage
-    from .result import LoadResult
-    from .service import WeightService
+    from nccl_back.config import Settings
+    from nccl_back.errors import NcclBackError
+    from nccl_back.load.service import WeightService
+    from nccl_back.model.identity import ModelSpec, Shard
+    from nccl_back.model.loader import load_from_storage
+    from nccl_back.result import LoadResult
+    from nccl_back.sidecar.handoff import HandoffServer, attach
 
 #: public name -> module that defines it
 _EXPORTS = {
-    "HandoffServer": "handoff",
+    "HandoffServer": "sidecar.handoff",
     "LoadResult": "result",
-    "ModelSpec": "identity",
+    "ModelSpec": "model.identity",
     "NcclBackError": "errors",
     "Settings": "config",
-    "Shard": "identity",
-    "WeightService": "service",
-    "attach": "handoff",
-    "load_from_storage": "loader",
+    "Shard": "model.identity",
+    "WeightService": "load.service",
+    "attach": "sidecar.handoff",
+    "load_from_storage": "model.loader",
 }
 
 __all__ = [

@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from .config import ENV_PREFIX, SECRET_FILE_ENV, Settings
-from .errors import ConfigError, NcclBackError, RegistryError
-from .redisclient import parse_redis_url
+from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
+from nccl_back.coord.redisclient import parse_redis_url
+from nccl_back.errors import ConfigError, NcclBackError, RegistryError
 
 Status = Literal["ok", "fail", "skip"]
 SECRET_ENV = ENV_PREFIX + "SECRET"
@@ -141,8 +141,8 @@ def _redis_fix(error: BaseException) -> str:
 
 def check_redis(settings: Settings) -> tuple[Check, Any]:
     """PING the coordination store; returns the check and the Registry (None on failure)."""
-    from .registry import Registry
-    from .registry import _redact as redact  # the one redaction of Redis URLs
+    from nccl_back.coord.registry import Registry
+    from nccl_back.coord.registry import _redact as redact  # the one redaction of Redis URLs
 
     target = parse_redis_url(settings.redis_url)
     where = redact(settings.redis_url)
@@ -329,8 +329,8 @@ def check_storage(target: Target, settings: Settings) -> Check:
     """The checkpoint's spec (version, shards) and the first bytes of one shard read."""
     if not target.model_uri:
         return skip("storage", "no --model given")
-    from .identity import ModelSpec
-    from .storage import Storage
+    from nccl_back.model.identity import ModelSpec
+    from nccl_back.model.storage import Storage
 
     uri = target.model_uri
     try:

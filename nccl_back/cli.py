@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 # Only light modules at the top: `--help`, `fingerprint` and `status` must not pay for
 # torch (seconds). Each command imports what it needs (see tests/test_cli_speed.py).
-from .config import Settings
-from .errors import ConfigError, NcclBackError
+from nccl_back.config import Settings
+from nccl_back.errors import ConfigError, NcclBackError
 
 if TYPE_CHECKING:
     import torch
 
-    from .registry import PeerStatus, Registry
+    from nccl_back.coord.registry import PeerStatus, Registry
 
 PROG = "nccl-back"
 
@@ -126,7 +126,7 @@ def _add_serve(sub: Any) -> None:
                    help="written atomically (JSON) when ready, removed when draining")
     p.add_argument("--drain-token-file", metavar="PATH",
                    help="write a random token there (0600, private directory); POST /drain"
-                   " then needs it (python -m nccl_back.health drain --token-file PATH)")
+                   " then needs it (python -m nccl_back.sidecar.health drain --token-file PATH)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of falling back to storage when a peer load fails")
     for flag, type_, help_ in _SETTINGS_FLAGS:
@@ -138,7 +138,7 @@ def _add_serve(sub: Any) -> None:
 
 
 def _add_check(sub: Any) -> None:
-    from .check import NAMES
+    from nccl_back.check import NAMES
 
     p = sub.add_parser(
         "check",
@@ -163,7 +163,7 @@ def _add_check(sub: Any) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Print one line per preflight check (or JSON); 1 if any failed."""
-    from . import check
+    from nccl_back import check
 
     overrides = {
         f.replace("-", "_"): getattr(args, f.replace("-", "_"))
@@ -187,9 +187,9 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
     Every shard's header is read and validated too: a version is only given to
     files that a load would accept as safetensors.
     """
-    from .identity import ModelSpec
-    from .safetensors_format import validate_headers
-    from .storage import Storage
+    from nccl_back.model.identity import ModelSpec
+    from nccl_back.model.safetensors_format import validate_headers
+    from nccl_back.model.storage import Storage
 
     storage = Storage(Settings.from_env())
     spec = ModelSpec.from_dir(args.uri, cache_dir=_cache_dir(args), storage=storage)
@@ -218,10 +218,10 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 def cmd_load(args: argparse.Namespace) -> int:
     """Load into a skeleton built from the headers; print version, bytes, seconds, GB/s."""
-    from .checkpoint import flat_skeleton
-    from .identity import ModelSpec
-    from .loader import load_from_storage
-    from .storage import parse_uri
+    from nccl_back.model.checkpoint import flat_skeleton
+    from nccl_back.model.identity import ModelSpec
+    from nccl_back.model.loader import load_from_storage
+    from nccl_back.model.storage import parse_uri
 
     device = _device(args.device)
     settings = Settings.from_env()
@@ -258,8 +258,9 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Validate everything up front, then run the sidecar until SIGTERM/SIGINT."""
-    from . import log, server
-    from .identity import ModelSpec
+    from nccl_back import log
+    from nccl_back.model.identity import ModelSpec
+    from nccl_back.sidecar import server
 
     log.configure(level=args.serve_log_level or "INFO", json=args.log_json)
     overrides = {
@@ -275,7 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.hf:
         server.require_transformers()
     if args.diffusers:
-        from . import pipeline
+        from nccl_back.model import pipeline
 
         pipeline.require_diffusers()
     server.check_local_model(args.model)
@@ -310,7 +311,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print every version and peer the registry holds (table, or JSON with --json)."""
-    from .registry import Registry
+    from nccl_back.coord.registry import Registry
 
     overrides = {k: v for k in ("redis_url", "namespace") if (v := getattr(args, k)) is not None}
     settings = Settings.from_env(**overrides)
@@ -435,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nccl-back`` console script; returns the exit status."""
     args: Any = build_parser().parse_args(argv)
     try:
-        from . import log
+        from nccl_back import log
 
         log.configure(level=args.log_level)
         return int(args.func(args))

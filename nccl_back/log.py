@@ -1,7 +1,7 @@
 """Structured logging through the standard ``logging`` module.
 
 The library only *emits* events, through :func:`get_logger`: each is a record on the
-stdlib logger ``nccl_back`` (or a child such as ``nccl_back.service``), whose message
+stdlib logger ``nccl_back`` (or a child such as ``nccl_back.load.service``), whose message
 is ``event key=value ...`` and whose attributes carry the same fields (``record.rank``,
 ``record.version``, ``record.peer`` ...; the whole event dict is ``record.nccl_back``).
 So an embedding application sees our events only through its own logging
@@ -114,7 +114,7 @@ def configure(level: str = "INFO", json: bool = False, stream: TextIO | None = N
     """
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
-        from .errors import ConfigError
+        from nccl_back.errors import ConfigError
 
         raise ConfigError(f"log level {level!r}: choose DEBUG, INFO, WARNING or ERROR")
     reset()

@@ -21,7 +21,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .errors import FALLBACK_REASONS, RECORD_KINDS, ConfigError, RecordKind, fallback_reason
+from nccl_back.errors import (
+    FALLBACK_REASONS,
+    RECORD_KINDS,
+    ConfigError,
+    RecordKind,
+    fallback_reason,
+)
 
 SOURCES = ("peer", "storage", "local")
 """Where a load's weights came from (``LoadResult.source``)."""

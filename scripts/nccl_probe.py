@@ -55,7 +55,7 @@ def child(name: str, rank: int, port: int, q: Any) -> None:
         x = torch.full((1 << 20,), 7 if rank == 0 else 0, dtype=torch.uint8, device=dev)
         if name.startswith("ours"):
             from nccl_back.config import Settings
-            from nccl_back.registry import Registry
+            from nccl_back.coord.registry import Registry
             from nccl_back.transport import open_rendezvous, receiver_transport, run_guarded
             from nccl_back.transport.nccl import NcclTransport
 
@@ -109,7 +109,7 @@ def child(name: str, rank: int, port: int, q: Any) -> None:
 
 def main() -> int:
     sys.path.insert(0, os.getcwd())
-    from nccl_back.devservers import LocalRedis, free_port
+    from nccl_back.dev.servers import LocalRedis, free_port
 
     with LocalRedis() as redis:
         os.environ["PROBE_REDIS_URL"] = redis.url  # inherited by the spawned children

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from nccl_back.devservers import LocalGCS, LocalRedis
+from nccl_back.dev.servers import LocalGCS, LocalRedis
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

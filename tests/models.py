@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from nccl_back.checkpoint import INDEX_NAME
-from nccl_back.skeleton import Model, dtype_name, named_tensors
+from nccl_back.model.checkpoint import INDEX_NAME
+from nccl_back.model.skeleton import Model, dtype_name, named_tensors
 
 
 class Rotary(nn.Module):

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from nccl_back.identity import ModelSpec
-from nccl_back.pipeline import assemble, pipeline_skeletons
-from nccl_back.service import WeightService
-from nccl_back.skeleton import named_tensors
+from nccl_back.load.service import WeightService
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.pipeline import assemble, pipeline_skeletons
+from nccl_back.model.skeleton import named_tensors
 
 from workers import settings_for  # type: ignore[import-not-found]
 

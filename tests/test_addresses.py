@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalRedis
-from nccl_back.identity import ModelSpec
-from nccl_back.registry import PeerInfo, Registry
-from nccl_back.service import WeightService
-from nccl_back.skeleton import build, manifest
+from nccl_back.coord.registry import PeerInfo, Registry
+from nccl_back.dev.servers import LocalRedis
+from nccl_back.load.service import WeightService
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build, manifest
 from nccl_back.transport import open_rendezvous
 from nccl_back.transport.store import is_loopback, redis_is_local, unreachable_reason
 

@@ -28,11 +28,11 @@ import pytest
 import torch
 from torch import nn
 
-from nccl_back.checkpoint import parse_header
 from nccl_back.errors import AttachError, CheckpointFormatError, ConfigError
-from nccl_back.handoff import HandoffServer, attach
-from nccl_back.health import HealthServer, main, read_token_file, write_token_file
 from nccl_back.metrics import Metrics
+from nccl_back.model.checkpoint import parse_header
+from nccl_back.sidecar.handoff import HandoffServer, attach
+from nccl_back.sidecar.health import HealthServer, main, read_token_file, write_token_file
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -265,7 +265,7 @@ def test_deep_json_config_is_refused(tmp_path: Path) -> None:
     """A config.json nested 1,000,000 deep is a CheckpointFormatError."""
     from safetensors.torch import save_file
 
-    from nccl_back.identity import ModelSpec
+    from nccl_back.model.identity import ModelSpec
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_bytes(b"[" * 1_000_000 + b"]" * 1_000_000)
@@ -276,7 +276,7 @@ def test_deep_json_config_is_refused(tmp_path: Path) -> None:
 def test_sidecar_drain_needs_the_token_it_wrote(workdir: str, redis_url: str) -> None:
     """`serve --drain-token-file`: the sidecar writes a 0600 token; /drain without it is 403."""
     from nccl_back.config import Settings
-    from nccl_back.server import ServeOptions, Sidecar
+    from nccl_back.sidecar.server import ServeOptions, Sidecar
 
     token_file = os.path.join(workdir, "run", "drain.token")
     options = ServeOptions("unused", torch.device("cpu"), drain_token_file=token_file)
@@ -301,7 +301,7 @@ def test_rendezvous_opens_no_port_a_network_neighbour_could_reach(redis_url: str
     from rendezvous_util import listening_sockets
 
     from nccl_back.config import Settings
-    from nccl_back.registry import Registry
+    from nccl_back.coord.registry import Registry
     from nccl_back.transport.gloo import GlooRendezvous
 
     before = listening_sockets()
@@ -317,7 +317,7 @@ def test_rendezvous_opens_no_port_a_network_neighbour_could_reach(redis_url: str
 
 def test_transfer_scope_is_unguessable_without_the_secret() -> None:
     """With a secret a transfer's store keys carry a token derived from it and the id."""
-    from nccl_back.auth import transfer_scope
+    from nccl_back.coord.auth import transfer_scope
 
     key = bytes(range(32))
     scoped = transfer_scope(key, "a" * 32)
@@ -366,8 +366,8 @@ def _rejected(svc: Any, kind: str) -> float:
 
 
 def _spec_and_model(ckpt: str, settings: Any) -> tuple[Any, Any]:
-    from nccl_back.identity import ModelSpec
-    from nccl_back.skeleton import build
+    from nccl_back.model.identity import ModelSpec
+    from nccl_back.model.skeleton import build
 
     from models import TinyTransformer
 
@@ -396,8 +396,8 @@ class Tarpit:
 
 
 def _fake_peer(reg: Any, spec: Any, model: Any, peer_id: str, address: str) -> Any:
-    from nccl_back.registry import PeerInfo
-    from nccl_back.skeleton import manifest
+    from nccl_back.coord.registry import PeerInfo
+    from nccl_back.model.skeleton import manifest
 
     info = PeerInfo(peer_id=peer_id, version=spec.version, rank=0, world_size=1,
                     manifest_digest=manifest(model).digest, transport="gloo", address=address)
@@ -406,9 +406,9 @@ def _fake_peer(reg: Any, spec: Any, model: Any, peer_id: str, address: str) -> A
 
 
 def _forged_truth(reg: Any, spec: Any, model: Any) -> None:
-    from nccl_back import integrity
-    from nccl_back.registry import encode_truth
-    from nccl_back.skeleton import manifest
+    from nccl_back.coord.registry import encode_truth
+    from nccl_back.model import integrity
+    from nccl_back.model.skeleton import manifest
 
     # The hashes of other weights: what a poisoner wants every receiver to accept.
     forged = {layer: "0" * 32 for layer in integrity.layer_hashes(model)}
@@ -418,9 +418,9 @@ def _forged_truth(reg: Any, spec: Any, model: Any) -> None:
 
 def test_fake_peer_and_forged_ground_truth_before_any_worker(ckpt: str, plain: Any, signed: Any) -> None:
     """Unsigned peer and ground truth written first: skipped, storage load, truth replaced."""
-    from nccl_back.registry import Registry
-    from nccl_back.service import WeightService
-    from nccl_back.skeleton import manifest
+    from nccl_back.coord.registry import Registry
+    from nccl_back.load.service import WeightService
+    from nccl_back.model.skeleton import manifest
 
     spec, model = _spec_and_model(ckpt, signed)
     attacker, tarpit = Registry(plain), Tarpit()
@@ -445,9 +445,9 @@ def test_forged_ground_truth_after_a_legit_worker_is_replaced(ckpt: str, plain: 
     """Truth overwritten after a legit load: a receiver refuses it and waits (single
     flight) while the holder's heartbeat replaces it, then loads from the peer; so does
     the next receiver."""
-    from nccl_back.registry import Registry, encode_truth
-    from nccl_back.service import WeightService
-    from nccl_back.skeleton import manifest
+    from nccl_back.coord.registry import Registry, encode_truth
+    from nccl_back.load.service import WeightService
+    from nccl_back.model.skeleton import manifest
 
     spec, model = _spec_and_model(ckpt, signed)
     digest = manifest(model).digest
@@ -469,9 +469,9 @@ def test_forged_ground_truth_after_a_legit_worker_is_replaced(ckpt: str, plain: 
 
 def test_records_signed_with_another_secret_are_skipped(ckpt: str, plain: Any, signed: Any) -> None:
     """Peer entry, ground truth, request and handshake value under a wrong secret: each refused."""
-    from nccl_back import handshake
+    from nccl_back.coord import handshake
+    from nccl_back.coord.registry import Registry
     from nccl_back.errors import HandshakeTimeoutError, UntrustedRecordError
-    from nccl_back.registry import Registry
 
     spec, model = _spec_and_model(ckpt, signed)
     ours, theirs = Registry(signed), Registry(plain.replace(secret="another-" + "x" * 20))
@@ -525,8 +525,8 @@ def test_each_malformed_peer_entry_is_skipped_not_raised(ckpt: str, plain: Any, 
     """Every malformed entry of the review's table: load() neither raises nor waits."""
     from dataclasses import asdict
 
-    from nccl_back.registry import Registry
-    from nccl_back.service import WeightService
+    from nccl_back.coord.registry import Registry
+    from nccl_back.load.service import WeightService
 
     spec, model = _spec_and_model(ckpt, plain)
     reg = Registry(plain)
@@ -550,8 +550,8 @@ def test_each_malformed_peer_entry_is_skipped_not_raised(ckpt: str, plain: Any, 
 
 def test_keys_without_ttl_do_not_stall_claims_or_the_election(ckpt: str, plain: Any) -> None:
     """A claim and a download lease written without TTL are taken over, not waited out."""
-    from nccl_back.registry import Registry
-    from nccl_back.service import WeightService
+    from nccl_back.coord.registry import Registry
+    from nccl_back.load.service import WeightService
 
     spec, model = _spec_and_model(ckpt, plain)
     reg = Registry(plain)
@@ -568,8 +568,8 @@ def test_keys_without_ttl_do_not_stall_claims_or_the_election(ckpt: str, plain: 
 def test_request_flood_and_deep_json_request_leave_the_sender_serving(ckpt: str, signed: Any) -> None:
     """5,000 junk requests and a deep-JSON one queued first: trimmed or skipped; a
     receiver is then served, and the serve loop is alive."""
-    from nccl_back.registry import Registry
-    from nccl_back.service import WeightService
+    from nccl_back.coord.registry import Registry
+    from nccl_back.load.service import WeightService
 
     spec, model = _spec_and_model(ckpt, signed)
     reg = Registry(signed)
@@ -596,10 +596,10 @@ def test_fake_peers_that_answer_the_handshake_then_stall_cost_at_most_the_budget
     ckpt: str, plain: Any
 ) -> None:
     """Without a secret, three fake peers complete handshakes then stall: bounded by peer_budget."""
-    from nccl_back import handshake
-    from nccl_back.registry import Registry
-    from nccl_back.service import WeightService
-    from nccl_back.skeleton import manifest
+    from nccl_back.coord import handshake
+    from nccl_back.coord.registry import Registry
+    from nccl_back.load.service import WeightService
+    from nccl_back.model.skeleton import manifest
 
     settings = plain.replace(peer_budget=3.0, transfer_timeout=60.0)
     spec, model = _spec_and_model(ckpt, settings)

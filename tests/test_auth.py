@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nccl_back import auth
-from nccl_back.auth import Signer, canonical
 from nccl_back.config import Settings
+from nccl_back.coord import auth
+from nccl_back.coord.auth import Signer, canonical
 from nccl_back.errors import UntrustedRecordError
 
 pytestmark = pytest.mark.timeout(10)

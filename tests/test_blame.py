@@ -28,18 +28,18 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from test_service import MODEL, Fleet, _ok
 
-from nccl_back import integrity
 from nccl_back.config import Settings
+from nccl_back.coord.handshake import run_receiver
+from nccl_back.coord.registry import Registry
 from nccl_back.errors import NoPeerError, TransferError, TransferTimeoutError
-from nccl_back.handshake import run_receiver
-from nccl_back.identity import ModelSpec
+from nccl_back.load.service import WeightService
 from nccl_back.log import get_logger
-from nccl_back.registry import Registry
-from nccl_back.relay import Held, Member, Progress, RelayServer, parse_member
-from nccl_back.service import WeightService
-from nccl_back.skeleton import named_tensors
+from nccl_back.model import integrity
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import named_tensors
 from nccl_back.transport import open_rendezvous, plan
 from nccl_back.transport.pacing import Pacer
+from nccl_back.transport.relay import Held, Member, Progress, RelayServer, parse_member
 
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -426,8 +426,8 @@ def test_relay_upstreams_and_holders_share_one_peer_budget(
 
     from test_attacks import Tarpit, _fake_peer, _spec_and_model
 
-    from nccl_back import handshake
-    from nccl_back.skeleton import manifest
+    from nccl_back.coord import handshake
+    from nccl_back.model.skeleton import manifest
 
     ckpt = str(write_checkpoint(fill_random(TinyTransformer(), seed=11), tmp_path / "ckpt"))
     settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nccl_back.bounded_json import loads, nesting_depth
-from nccl_back.checkpoint import parse_header
 from nccl_back.errors import CheckpointFormatError
-from nccl_back.identity import ModelSpec
+from nccl_back.model.checkpoint import parse_header
+from nccl_back.model.identity import ModelSpec
 
 pytestmark = pytest.mark.timeout(60)
 

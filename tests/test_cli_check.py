@@ -17,7 +17,8 @@ import torch
 from test_redis_ha import _info, pki  # noqa: F401  (pki: a CA, a server certificate, another CA)
 
 from nccl_back.config import Settings
-from nccl_back.devservers import (
+from nccl_back.coord.registry import Registry
+from nccl_back.dev.servers import (
     LocalGCS,
     LocalRedis,
     LocalRedisCluster,
@@ -25,7 +26,6 @@ from nccl_back.devservers import (
     TLSTerminator,
     free_port,
 )
-from nccl_back.registry import Registry
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nccl_back.devservers import free_port
+from nccl_back.dev.servers import free_port
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

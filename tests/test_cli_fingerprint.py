@@ -12,8 +12,8 @@ import pytest
 
 from nccl_back import log
 from nccl_back.cli import main
-from nccl_back.identity import ModelSpec
-from nccl_back.skeleton import manifest
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import manifest
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

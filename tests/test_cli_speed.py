@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nccl_back.devservers import LocalRedis
+from nccl_back.dev.servers import LocalRedis
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

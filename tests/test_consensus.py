@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from nccl_back.consensus import agree, gather, rank_and_size
-from nccl_back.devservers import free_port
+from nccl_back.coord.consensus import agree, gather, rank_and_size
+from nccl_back.dev.servers import free_port
 
 
 def _rank_main(rank: int, port: int, votes: list[bool], out: mp.Queue) -> None:  # type: ignore[type-arg]

@@ -1,4 +1,4 @@
-"""Smoke tests of ``python -m nccl_back.demo``: the README's first command."""
+"""Smoke tests of ``python -m nccl_back.dev.demo``: the README's first command."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = [sys.executable, "-m", "nccl_back.demo"]
+DEMO = [sys.executable, "-m", "nccl_back.dev.demo"]
 ROOT = str(Path(__file__).resolve().parents[1])
 
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from nccl_back.config import Settings
-from nccl_back.election import DownloadLease, elect
-from nccl_back.registry import Registry
+from nccl_back.coord.election import DownloadLease, elect
+from nccl_back.coord.registry import Registry
 
 
 class FakeClock:

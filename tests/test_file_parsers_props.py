@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nccl_back import bounded_json
-from nccl_back import safetensors_format as fmt
 from nccl_back.errors import CheckpointFormatError, NcclBackError
-from nccl_back.identity import ModelSpec
-from nccl_back.index import parse_index
+from nccl_back.model import safetensors_format as fmt
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.index import parse_index
 
 pytestmark = pytest.mark.timeout(300)
 

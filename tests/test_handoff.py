@@ -1,4 +1,4 @@
-"""Local hand-off from a sidecar over a Unix socket and shared memory (nccl_back.handoff).
+"""Local hand-off from a sidecar over a Unix socket and shared memory (nccl_back.sidecar.handoff).
 
 The sidecar runs in a separate spawned process wherever the behaviour depends on it
 (bit-identical copies, surviving a SIGKILL, refusals); protocol edge cases use a server
@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
-from nccl_back.handoff import HandoffServer, attach, gpu_uuid, local_gpu_index
-from nccl_back.integrity import layer_hashes
-from nccl_back.skeleton import build, manifest
+from nccl_back.model.integrity import layer_hashes
+from nccl_back.model.skeleton import build, manifest
+from nccl_back.sidecar.handoff import HandoffServer, attach, gpu_uuid, local_gpu_index
 
 VERSION = "v1"
 
@@ -368,8 +368,8 @@ def test_cuda_ipc_copy_and_zero_copy(sock_dir: str) -> None:
 def test_a_consolidated_skeleton_is_its_own_arena() -> None:
     """A skeleton laid out by skeleton.build is exported as it is (no second copy on a
     GPU); a model of separate allocations is not, and gets an arena of its own."""
-    from nccl_back.handoff import _laid_out
-    from nccl_back.skeleton import flat_layout, manifest, named_tensors
+    from nccl_back.model.skeleton import flat_layout, manifest, named_tensors
+    from nccl_back.sidecar.handoff import _laid_out
 
     flat = build(TinyNet, "cpu")
     tensors, _ = named_tensors(flat)

@@ -9,16 +9,16 @@ from collections.abc import Callable
 
 import pytest
 
-from nccl_back import handshake
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalRedis
+from nccl_back.coord import handshake
+from nccl_back.coord.registry import Registry
+from nccl_back.dev.servers import LocalRedis
 from nccl_back.errors import (
     HandshakeTimeoutError,
     IncompatiblePeerError,
     ManifestMismatchError,
     RegistryError,
 )
-from nccl_back.registry import Registry
 
 
 @pytest.fixture

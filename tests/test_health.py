@@ -23,8 +23,8 @@ from nccl_back.errors import (
     TransferTimeoutError,
     WeightVerificationError,
 )
-from nccl_back.health import HealthServer, main, request_drain
 from nccl_back.metrics import CONTENT_TYPE, FALLBACK_REASONS, Metrics, fallback_reason
+from nccl_back.sidecar.health import HealthServer, main, request_drain
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -251,7 +251,7 @@ def test_drain_refused_from_other_hosts() -> None:
 
 
 def test_drain_command_line() -> None:
-    """`python -m nccl_back.health drain` drains a live sidecar and fails cleanly on none."""
+    """`python -m nccl_back.sidecar.health drain` drains a live sidecar and fails cleanly on none."""
     with HealthServer(Metrics()) as server:
         assert main(["drain", "--port", str(server.port), "--timeout", "5"]) == 0
         assert server.state == "draining"

@@ -31,15 +31,15 @@ import torch
 from safetensors.torch import load_file
 
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalRedis
-from nccl_back.election import DownloadLease
+from nccl_back.coord.election import DownloadLease
+from nccl_back.coord.registry import Registry
+from nccl_back.dev.servers import LocalRedis
 from nccl_back.errors import RECORD_KINDS, RecordKind
-from nccl_back.identity import ModelSpec
+from nccl_back.load.service import WeightService
 from nccl_back.metrics import Metrics
-from nccl_back.registry import Registry
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build, manifest, named_tensors
 from nccl_back.result import LoadResult
-from nccl_back.service import WeightService
-from nccl_back.skeleton import build, manifest, named_tensors
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nccl_back.errors import ConfigError, WeightVerificationError
-from nccl_back.integrity import compare, layer_hashes, layer_of, sample_indices
+from nccl_back.model.integrity import compare, layer_hashes, layer_of, sample_indices
 
 
 class Block(nn.Module):
@@ -218,7 +218,7 @@ def test_cpu_and_cuda_hashes_agree() -> None:
 
 def test_consolidated_and_separate_layouts_hash_alike() -> None:
     """The one-take path for a consolidated skeleton gives the per-tensor path's hashes."""
-    from nccl_back.skeleton import build, consolidate
+    from nccl_back.model.skeleton import build, consolidate
 
     def make() -> nn.Module:
         m = nn.ModuleDict({

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from nccl_back.checkpoint import INDEX_NAME, flat_skeleton
 from nccl_back.config import Settings
 from nccl_back.errors import (
     CheckpointFormatError,
@@ -21,9 +20,10 @@ from nccl_back.errors import (
     ShardNotFoundError,
     WeightLoadError,
 )
-from nccl_back.identity import CACHE_NAME, ModelSpec
-from nccl_back.loader import load_from_storage
-from nccl_back.skeleton import build, manifest, named_tensors
+from nccl_back.model.checkpoint import INDEX_NAME, flat_skeleton
+from nccl_back.model.identity import CACHE_NAME, ModelSpec
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.skeleton import build, manifest, named_tensors
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

@@ -22,13 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from nccl_back.checkpoint import flat_skeleton
 from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError
-from nccl_back.identity import ModelSpec
-from nccl_back.loader import load_from_storage
-from nccl_back.skeleton import named_tensors
-from nccl_back.storage import Storage
+from nccl_back.model.checkpoint import flat_skeleton
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.skeleton import named_tensors
+from nccl_back.model.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -151,12 +151,12 @@ _RACE = r"""
 import os, sys, threading, time
 import torch
 from safetensors.torch import save_file
-from nccl_back.checkpoint import flat_skeleton
+from nccl_back.model.checkpoint import flat_skeleton
 from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError
-from nccl_back.identity import ModelSpec
-from nccl_back.loader import load_from_storage
-from nccl_back.skeleton import named_tensors
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.skeleton import named_tensors
 
 root, mode = sys.argv[1], sys.argv[2]
 g = torch.Generator().manual_seed(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nccl_back import log
-from nccl_back.devservers import LocalRedis, free_port
+from nccl_back.dev.servers import LocalRedis, free_port
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -82,11 +82,11 @@ def test_configured_embedding_gets_events_with_rank_version_peer(
     loaded = [r for r in map(json.loads, fields.read_text().splitlines()) if r["event"] == "loaded"]
     assert len(loaded) == 1
     rec = loaded[0]
-    assert rec["logger"] == "nccl_back.service" and rec["level"] == "INFO"
+    assert rec["logger"] == "nccl_back.load.service" and rec["level"] == "INFO"
     assert rec["rank"] == 0 and rec["source"] == "peer" and rec["peer"].startswith("embed-")
     assert rec["version"] and rec["version"] in rec["message"]
     # basicConfig's handler printed the same event as one readable line on stderr.
-    line = next(x for x in err.splitlines() if x.startswith("INFO nccl_back.service loaded "))
+    line = next(x for x in err.splitlines() if x.startswith("INFO nccl_back.load.service loaded "))
     assert f"peer='{rec['peer']}'" in line and "rank=0" in line
 
 

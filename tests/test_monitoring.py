@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from nccl_back.devservers import free_port
+from nccl_back.dev.servers import free_port
 from nccl_back.errors import ConfigError
 from nccl_back.metrics import Metrics
 

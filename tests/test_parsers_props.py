@@ -28,9 +28,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
+from nccl_back.coord.redisclient import RedisTarget, parse_redis_url
 from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
-from nccl_back.handoff import PROTOCOL, HandoffServer, attach
-from nccl_back.health import (
+from nccl_back.metrics import Metrics
+from nccl_back.model.skeleton import build, manifest
+from nccl_back.sidecar.handoff import PROTOCOL, HandoffServer, attach
+from nccl_back.sidecar.health import (
     MAX_BODY_BYTES,
     MAX_HEAD_BYTES,
     BadRequest,
@@ -38,9 +41,6 @@ from nccl_back.health import (
     Request,
     parse_request,
 )
-from nccl_back.metrics import Metrics
-from nccl_back.redisclient import RedisTarget, parse_redis_url
-from nccl_back.skeleton import build, manifest
 
 pytestmark = pytest.mark.timeout(300)
 FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]

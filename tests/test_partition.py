@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from nccl_back.devservers import redis_server_binary
+from nccl_back.dev.servers import redis_server_binary
 
 STALL = 3.0
 DEADLINE = 100.0
@@ -135,8 +135,8 @@ def _side(role: str, url: str, tid: str, address: str = "") -> None:
     import torch
 
     from nccl_back.config import Settings
+    from nccl_back.coord.registry import Registry
     from nccl_back.errors import NcclBackError
-    from nccl_back.registry import Registry
     from nccl_back.transport import (
         open_rendezvous,
         receiver_transport,

@@ -26,7 +26,7 @@ from torch import nn
 from nccl_back import log
 from nccl_back.cli import main
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalGCS, free_port
+from nccl_back.dev.servers import LocalGCS, free_port
 from nccl_back.errors import (
     CheckpointFormatError,
     ConfigError,
@@ -34,10 +34,10 @@ from nccl_back.errors import (
     SkeletonError,
     WeightLoadError,
 )
-from nccl_back.identity import ModelSpec
-from nccl_back.loader import load_from_storage
-from nccl_back.pipeline import assemble, component_skeleton, pipeline_skeletons
-from nccl_back.skeleton import named_tensors
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.pipeline import assemble, component_skeleton, pipeline_skeletons
+from nccl_back.model.skeleton import named_tensors
 
 import pipelines
 from test_server import Serve

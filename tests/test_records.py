@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from nccl_back import records
+from nccl_back.coord import records
 from nccl_back.errors import UntrustedRecordError
 
 pytestmark = pytest.mark.timeout(10)

@@ -18,9 +18,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nccl_back import bounded_json, records, relay
-from nccl_back.auth import Signer
+from nccl_back import bounded_json
+from nccl_back.coord import records
+from nccl_back.coord.auth import Signer
 from nccl_back.errors import UntrustedRecordError
+from nccl_back.transport import relay
 
 pytestmark = pytest.mark.timeout(120)
 

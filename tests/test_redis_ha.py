@@ -22,11 +22,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalRedis, LocalRedisCluster, LocalSentinel, TLSTerminator
-from nccl_back.election import DownloadLease
+from nccl_back.coord.election import DownloadLease
+from nccl_back.coord.redisclient import parse_redis_url
+from nccl_back.coord.registry import PeerInfo, Registry
+from nccl_back.dev.servers import LocalRedis, LocalRedisCluster, LocalSentinel, TLSTerminator
 from nccl_back.errors import ConfigError, RegistryError
-from nccl_back.redisclient import parse_redis_url
-from nccl_back.registry import PeerInfo, Registry
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -271,7 +271,7 @@ def test_unreachable_cluster_or_sentinel_is_one_registry_error(namespace: str) -
 
 
 def _version_rank(ckpt: Path, cache_dir: str) -> tuple[str, int, int]:
-    from nccl_back.identity import ModelSpec
+    from nccl_back.model.identity import ModelSpec
 
     return ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir).version, 0, 1
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nccl_back.devservers import LocalRedis
-from nccl_back.identity import ModelSpec
-from nccl_back.registry import Registry
-from nccl_back.service import WeightService
-from nccl_back.skeleton import build, named_tensors
+from nccl_back.coord.registry import Registry
+from nccl_back.dev.servers import LocalRedis
+from nccl_back.load.service import WeightService
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build, named_tensors
 
 from models import TinyTransformer, fill_random, write_checkpoint
 from workers import settings_for

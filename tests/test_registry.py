@@ -9,10 +9,10 @@ import pytest
 import redis
 
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalRedis, free_port
+from nccl_back.coord.registry import PeerInfo, Registry
+from nccl_back.dev.servers import LocalRedis, free_port
 from nccl_back.errors import ConfigError, RegistryError
 from nccl_back.metrics import Metrics
-from nccl_back.registry import PeerInfo, Registry
 
 
 def make_registry(redis_url: str, namespace: str, **overrides: object) -> Registry:
@@ -138,7 +138,7 @@ def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> Non
 
 def test_truth_encoding_round_trips() -> None:
     """``{mode: {layer: hash}}`` flattens to "mode|layer" keys and back, one mode at a time."""
-    from nccl_back.registry import encode_truth, truth_for_mode
+    from nccl_back.coord.registry import encode_truth, truth_for_mode
 
     flat = encode_truth({"sampled": {"a": "1"}, "full": {"a": "2"}})
     assert flat == {"sampled|a": "1", "full|a": "2"}

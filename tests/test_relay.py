@@ -26,14 +26,14 @@ from test_transport import (  # _redis: its autouse fixture gives the helpers a 
 )
 
 from nccl_back.config import Settings
+from nccl_back.coord.handshake import run_receiver
+from nccl_back.coord.registry import Registry
 from nccl_back.errors import NoPeerError, TransferError, UntrustedRecordError
-from nccl_back.handshake import run_receiver
 from nccl_back.log import get_logger
-from nccl_back.registry import Registry
-from nccl_back.relay import Fills, Member, Progress, RelayServer, parse_member
 from nccl_back.transport import open_rendezvous, plan, recv_tensors, send_tensors
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.pacing import Pacer
+from nccl_back.transport.relay import Fills, Member, Progress, RelayServer, parse_member
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from rendezvous_util import listening_sockets
 
 from nccl_back.config import Settings
+from nccl_back.coord.registry import Registry
 from nccl_back.errors import NcclBackError, TransferError, TransferTimeoutError
-from nccl_back.registry import Registry
 from nccl_back.transport import (
     open_rendezvous,
     receiver_transport,

@@ -27,9 +27,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from nccl_back import safetensors_format as fmt
-from nccl_back.checkpoint import DTYPES, parse_header
 from nccl_back.errors import CheckpointFormatError
+from nccl_back.model import safetensors_format as fmt
+from nccl_back.model.checkpoint import DTYPES, parse_header
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from nccl_back import handshake
 from nccl_back.config import Settings
+from nccl_back.coord import handshake
+from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import IncompatiblePeerError
-from nccl_back.identity import ModelSpec
-from nccl_back.registry import PeerInfo, Registry
-from nccl_back.service import WeightService
-from nccl_back.skeleton import build
+from nccl_back.load.service import WeightService
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -156,7 +156,7 @@ def test_cpu_receiver_skips_a_peer_of_another_transport_before_any_claim(
     settings: Settings, ckpt: str, registry: Registry
 ) -> None:
     """A peer advertising nccl/cuda is never claimed by a CPU receiver: discovery skips it and says why."""
-    from nccl_back.skeleton import manifest
+    from nccl_back.model.skeleton import manifest
 
     spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
     model = build(TinyTransformer)

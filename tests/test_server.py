@@ -31,14 +31,14 @@ import pytest
 import torch
 
 from nccl_back.config import Settings
-from nccl_back.devservers import free_port
-from nccl_back.handoff import attach
-from nccl_back.handshake import run_receiver
-from nccl_back.identity import ModelSpec
-from nccl_back.records import to_label
-from nccl_back.registry import Registry
-from nccl_back.server import ServeOptions, Sidecar
-from nccl_back.skeleton import build
+from nccl_back.coord.handshake import run_receiver
+from nccl_back.coord.records import to_label
+from nccl_back.coord.registry import Registry
+from nccl_back.dev.servers import free_port
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build
+from nccl_back.sidecar.handoff import attach
+from nccl_back.sidecar.server import ServeOptions, Sidecar
 
 from models import TinyTransformer, fill_random, write_checkpoint
 from workers import matches_checkpoint

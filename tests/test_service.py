@@ -18,7 +18,7 @@ import pytest
 import redis
 from groups import CTX  # forked from a server with torch imported (see tests/groups.py)
 
-from nccl_back.devservers import LocalRedis, free_port
+from nccl_back.dev.servers import LocalRedis, free_port
 
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint

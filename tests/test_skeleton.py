@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nccl_back.errors import SkeletonError
-from nccl_back.skeleton import Manifest, build, flat_layout, manifest, named_tensors, no_init
+from nccl_back.model.skeleton import Manifest, build, flat_layout, manifest, named_tensors, no_init
 
 
 class Rotary(nn.Module):

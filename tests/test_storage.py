@@ -25,19 +25,19 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
 from tenacity import wait_none
 
-from nccl_back.checkpoint import flat_skeleton
 from nccl_back.config import Settings
-from nccl_back.devservers import LocalGCS
+from nccl_back.dev.servers import LocalGCS
 from nccl_back.errors import (
     ChecksumMismatchError,
     ConfigError,
     ShardNotFoundError,
     StorageError,
 )
-from nccl_back.identity import ModelSpec
-from nccl_back.loader import load_from_storage
-from nccl_back.skeleton import build, named_tensors
-from nccl_back.storage import Shard, Storage, crc32c_from_gcs, parse_uri
+from nccl_back.model.checkpoint import flat_skeleton
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.skeleton import build, named_tensors
+from nccl_back.model.storage import Shard, Storage, crc32c_from_gcs, parse_uri
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

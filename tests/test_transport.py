@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from nccl_back.config import Settings
+from nccl_back.coord.registry import Registry
 from nccl_back.errors import (
     ManifestMismatchError,
     NcclBackError,
@@ -32,8 +33,7 @@ from nccl_back.errors import (
     TransferStalledError,
     TransferTimeoutError,
 )
-from nccl_back.registry import Registry
-from nccl_back.skeleton import Manifest, TensorEntry
+from nccl_back.model.skeleton import Manifest, TensorEntry
 from nccl_back.transport import (
     Pending,
     Transport,

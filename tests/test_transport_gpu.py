@@ -73,7 +73,7 @@ def test_stalled_receiver_is_aborted_cleanly_by_the_sender(scenario: str) -> Non
 @pytest.mark.timeout(120)
 def test_cuda_tensors_through_the_gloo_data_plane(redis_url: str, namespace: str) -> None:
     """bf16/fp32 CUDA tensors, bucketed and direct, arrive bit-identical over gloo."""
-    from nccl_back.registry import Registry
+    from nccl_back.coord.registry import Registry
 
     s = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", redis_url=redis_url,
                  namespace=namespace)

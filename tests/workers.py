@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from nccl_back.config import Settings
-from nccl_back.identity import ModelSpec
-from nccl_back.service import WeightService
-from nccl_back.skeleton import build, named_tensors
+from nccl_back.load.service import WeightService
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build, named_tensors
 
 from models import TinyTransformer  # type: ignore[import-not-found]
 
@@ -144,7 +144,8 @@ class _KillAfter:
 
 
 def _install_fault(fault: str) -> None:
-    from nccl_back import sender, service
+    from nccl_back.load import service
+    from nccl_back.transport import sender
 
     if fault == "kill_mid_send":
         orig_send = sender.send_tensors
@@ -213,7 +214,7 @@ def _install_fault(fault: str) -> None:
     elif fault in ("slow_download", "kill_mid_stream"):
         # Each tensor's fill takes 50 ms (a slow storage link); kill_mid_stream: SIGKILL
         # once half of them are in place, while waiters receive the download's stream.
-        from nccl_back import loader
+        from nccl_back.model import loader
 
         orig_copied = loader._Tracker.copied
 
@@ -296,7 +297,7 @@ def rank_main(
     report: dict[str, Any] = {"rank": rank, "group": env["MASTER_PORT"], "pid": os.getpid()}
     try:
         if fault == "raise_in_verify":
-            from nccl_back import integrity
+            from nccl_back.model import integrity
 
             def broken(*a: Any, **k: Any) -> None:
                 raise RuntimeError("simulated CUDA error while hashing")

@@ -64,13 +64,13 @@ from vllm.model_executor.model_loader import (
     register_model_loader,
 )
 
-from .. import integrity
-from ..config import ENV_PREFIX, Settings
-from ..errors import ConfigError, NcclBackError, WeightLoadError
-from ..identity import ModelSpec
-from ..result import LoadResult
-from ..service import WeightService
-from ..skeleton import Model, named_tensors
+from nccl_back.config import ENV_PREFIX, Settings
+from nccl_back.errors import ConfigError, NcclBackError, WeightLoadError
+from nccl_back.load.service import WeightService
+from nccl_back.model import integrity
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import Model, named_tensors
+from nccl_back.result import LoadResult
 
 __all__ = ["LOAD_FORMAT", "NcclBackModelLoader", "engine_layout", "register", "settings_from"]
 

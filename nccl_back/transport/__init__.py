@@ -1,7 +1,7 @@
 """Transports: a 2-rank broadcast channel (gloo on CPU, NCCL on GPU), the watchdog
 that bounds it, and the bucketed data plane that walks a state dict over it."""
 
-from .base import (
+from nccl_back.transport.base import (
     RECEIVER_RANK,
     SENDER_RANK,
     Pending,
@@ -11,8 +11,15 @@ from .base import (
     receiver_transport,
     resolve_kind,
 )
-from .broadcast import Step, TransferStats, payload_bytes, plan, recv_tensors, send_tensors
-from .watchdog import run_guarded
+from nccl_back.transport.broadcast import (
+    Step,
+    TransferStats,
+    payload_bytes,
+    plan,
+    recv_tensors,
+    send_tensors,
+)
+from nccl_back.transport.watchdog import run_guarded
 
 __all__ = [
     "RECEIVER_RANK",

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..errors import ConfigError
+from nccl_back.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..config import Settings
-    from ..registry import Registry
+    from nccl_back.config import Settings
+    from nccl_back.coord.registry import Registry
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
@@ -170,11 +170,11 @@ def open_rendezvous(
     bootstrap through ``registry``'s Redis (:mod:`.store`). Warns when this worker
     advertises loopback to a Redis on another host."""
     if kind == "gloo":
-        from .gloo import GlooRendezvous
+        from nccl_back.transport.gloo import GlooRendezvous
 
         return GlooRendezvous(settings, registry, device=device)
     if kind == "nccl":
-        from .nccl import NcclRendezvous
+        from nccl_back.transport.nccl import NcclRendezvous
 
         return NcclRendezvous(settings, registry, device=device)
     raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
@@ -195,11 +195,11 @@ def receiver_transport(
     (the loader's): an NCCL transport orders itself after that stream's queued work.
     """
     if kind == "gloo":
-        from .gloo import GlooTransport
+        from nccl_back.transport.gloo import GlooTransport
 
         return GlooTransport.receiver(settings, registry, address, transfer_id, device=device)
     if kind == "nccl":
-        from .nccl import NcclTransport
+        from nccl_back.transport.nccl import NcclTransport
 
         return NcclTransport.receiver(settings, registry, address, transfer_id, device=device)
     raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")

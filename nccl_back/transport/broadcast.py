@@ -10,7 +10,7 @@ before any tensor is touched.
 Tensors smaller than ``bucket_bytes`` are coalesced into flat byte buckets (packed on
 the sender, unpacked on the receiver) because a call per small tensor costs more in
 latency than in bytes; larger ones are broadcast in place, cut into chunks of
-``bucket_bytes``. So no step is larger than a bucket: a relay (:mod:`nccl_back.relay`)
+``bucket_bytes``. So no step is larger than a bucket: a relay (:mod:`nccl_back.transport.relay`)
 forwards step k while k+1 arrives, and each hop of a chain costs one step, not one
 tensor. Everything travels as bytes (``uint8`` views), so no backend has to support
 bf16, bool or complex.
@@ -43,14 +43,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import ManifestMismatchError, TransferError
-from ..log import get_logger
-from ..skeleton import ALIGN, Manifest, dtype_from_name, dtype_name
-from .base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
+from nccl_back.errors import ManifestMismatchError, TransferError
+from nccl_back.log import get_logger
+from nccl_back.model.skeleton import ALIGN, Manifest, dtype_from_name, dtype_name
+from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
 
 log = get_logger(__name__)
 
-#: Offsets inside a bucket are multiples of ``ALIGN`` (:mod:`nccl_back.skeleton`'s, the
+#: Offsets inside a bucket are multiples of ``ALIGN`` (:mod:`nccl_back.model.skeleton`'s, the
 #: one alignment), so every slot can be viewed as any dtype and copies stay aligned.
 
 #: Broadcasts in flight at once: one on the wire while the host packs/unpacks the next.
@@ -314,7 +314,7 @@ def _acknowledge(transport: Transport) -> None:
 def _in_place(step: Step, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The bucket's bytes as a view of this side's own memory, if already laid out so.
 
-    In a consolidated skeleton (:func:`nccl_back.skeleton.consolidate`) adjacent small
+    In a consolidated skeleton (:func:`nccl_back.model.skeleton.consolidate`) adjacent small
     tensors sit in one allocation at the bucket's own aligned offsets; then the bucket
     needs no packing or unpacking: it is broadcast straight from/into the tensors.
     (Padding bytes between them travel too; they belong to no tensor.) Returns None

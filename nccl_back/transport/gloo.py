@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..config import Settings
-from ..errors import TransferError, TransferStalledError, TransferTimeoutError
-from ..log import get_logger
-from .base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
-from .store import RedisStore, StoreRendezvous, split_address
+from nccl_back.config import Settings
+from nccl_back.errors import TransferError, TransferStalledError, TransferTimeoutError
+from nccl_back.log import get_logger
+from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
+from nccl_back.transport.store import RedisStore, StoreRendezvous, split_address
 
 if TYPE_CHECKING:
-    from ..registry import Registry
+    from nccl_back.coord.registry import Registry
 
 log = get_logger(__name__)
 

@@ -53,14 +53,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..config import Settings
-from ..errors import ConfigError, RegistryError, TransferError, TransferTimeoutError
-from ..log import get_logger
-from ..redisclient import parse_redis_url
-from .base import Rendezvous, Transport
+from nccl_back.config import Settings
+from nccl_back.coord.redisclient import parse_redis_url
+from nccl_back.errors import ConfigError, RegistryError, TransferError, TransferTimeoutError
+from nccl_back.log import get_logger
+from nccl_back.transport.base import Rendezvous, Transport
 
 if TYPE_CHECKING:
-    from ..registry import Registry
+    from nccl_back.coord.registry import Registry
 
 log = get_logger(__name__)
 

@@ -32,9 +32,14 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import NcclBackError, TransferError, TransferStalledError, TransferTimeoutError
-from ..log import get_logger
-from .base import Transport
+from nccl_back.errors import (
+    NcclBackError,
+    TransferError,
+    TransferStalledError,
+    TransferTimeoutError,
+)
+from nccl_back.log import get_logger
+from nccl_back.transport.base import Transport
 
 log = get_logger(__name__)
 

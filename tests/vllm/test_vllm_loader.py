@@ -15,9 +15,9 @@ from vllm.model_executor.model_loader import get_model_loader
 from nccl_back.config import Settings
 from nccl_back.engines import vllm as adapter
 from nccl_back.errors import ConfigError
-from nccl_back.identity import ModelSpec
-from nccl_back.skeleton import named_tensors
-from nccl_back.storage import Shard
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import named_tensors
+from nccl_back.model.storage import Shard
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 

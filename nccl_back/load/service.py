@@ -16,13 +16,13 @@
    overwritten); after a verified peer load the worker serves others too (fan-out).
 
 Between the phases every rank takes part in a consensus round
-(:func:`nccl_back.consensus.gather`): each rank's code (ok / no peer at all / peer load
+(:func:`nccl_back.coord.consensus.gather`): each rank's code (ok / no peer at all / peer load
 failed / raised) reaches every rank, and every rank takes the same decision from the
 same codes. So all ranks return the same ``source``, or all raise: a rank that raised
 re-raises its own error, the others a :class:`ConsensusError` naming it. ``strict`` is
 decided from the same codes, after the round, so it too is all or nothing.
 
-While the service is open, its :class:`~nccl_back.sender.PeerServer` answers transfer
+While the service is open, its :class:`~nccl_back.transport.sender.PeerServer` answers transfer
 requests in the background and a heartbeat keeps its registry entries alive;
 ``close()`` withdraws them.
 Every fallback is logged with its reason and returned in ``LoadResult.fallback_reason``.
@@ -42,12 +42,13 @@ from typing import Any
 
 import torch
 
-from . import integrity, relay
-from .auth import transfer_scope, warn_unsigned
-from .config import Settings
-from .consensus import Group, gather, rank_and_size
-from .election import DownloadLease, elect
-from .errors import (
+from nccl_back.config import Settings
+from nccl_back.coord.auth import transfer_scope, warn_unsigned
+from nccl_back.coord.consensus import Group, gather, rank_and_size
+from nccl_back.coord.election import DownloadLease, elect
+from nccl_back.coord.handshake import run_receiver
+from nccl_back.coord.registry import PeerInfo, Registry, encode_truth, truth_for_mode
+from nccl_back.errors import (
     ConsensusError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
@@ -61,25 +62,25 @@ from .errors import (
     WeightVerificationError,
     fallback_reason,
 )
-from .handshake import run_receiver
-from .identity import ModelSpec
-from .loader import load_from_storage
-from .log import get_logger
-from .metrics import Metrics
-from .registry import PeerInfo, Registry, encode_truth, truth_for_mode
-from .result import LoadResult
-from .sender import PeerServer
-from .skeleton import Manifest, Model, manifest, model_device, named_tensors
-from .transport import (
+from nccl_back.log import get_logger
+from nccl_back.metrics import Metrics
+from nccl_back.model import integrity
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.skeleton import Manifest, Model, manifest, model_device, named_tensors
+from nccl_back.result import LoadResult
+from nccl_back.transport import (
     payload_bytes,
     plan,
     receiver_transport,
     recv_tensors,
+    relay,
     resolve_kind,
     run_guarded,
 )
-from .transport.broadcast import resume_point
-from .transport.store import unreachable_reason
+from nccl_back.transport.broadcast import resume_point
+from nccl_back.transport.sender import PeerServer
+from nccl_back.transport.store import unreachable_reason
 
 # One rank's code in a consensus round (the worst code decides).
 OK, NOBODY, FAILED, RAISED = 0, 1, 2, 3
@@ -237,7 +238,7 @@ class WeightService:
         self._closed = False
         self._relays: list[relay.RelayServer] = []
         self._relay_lock = threading.Lock()
-        self._log = get_logger("nccl_back.service", worker=self.worker_id)
+        self._log = get_logger("nccl_back.load.service", worker=self.worker_id)
 
     # -- public API ---------------------------------------------------------------------
 

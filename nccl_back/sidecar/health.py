@@ -58,9 +58,9 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, NcclBackError
-from .log import get_logger
-from .metrics import CONTENT_TYPE, Metrics
+from nccl_back.errors import ConfigError, NcclBackError
+from nccl_back.log import get_logger
+from nccl_back.metrics import CONTENT_TYPE, Metrics
 
 #: Seconds from a connection's accept to the last byte of its reply, absolute.
 REQUEST_TIMEOUT = 10.0
@@ -593,8 +593,8 @@ def write_token_file(path: str, token: str | None = None) -> str:
     """Write a drain token (a fresh random one by default) to ``path``, mode 0600,
     atomically; returns it. The directory must be private (see ``handoff.private_dir``)
     or :class:`ConfigError` says why."""
-    from .errors import AttachError
-    from .handoff import private_dir
+    from nccl_back.errors import AttachError
+    from nccl_back.sidecar.handoff import private_dir
 
     token = token or secrets.token_urlsafe(32)
     directory = os.path.dirname(os.path.abspath(path))
@@ -650,8 +650,8 @@ def request_drain(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m nccl_back.health drain --port P --timeout S``: a preStop hook."""
-    parser = argparse.ArgumentParser(prog="python -m nccl_back.health")
+    """``python -m nccl_back.sidecar.health drain --port P --timeout S``: a preStop hook."""
+    parser = argparse.ArgumentParser(prog="python -m nccl_back.sidecar.health")
     sub = parser.add_subparsers(dest="command", required=True)
     drain = sub.add_parser("drain", help="drain the local sidecar and wait until it has")
     drain.add_argument("--port", type=int, default=9400)

@@ -77,9 +77,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .errors import ConfigError, WeightVerificationError
-from .log import get_logger
-from .skeleton import Model, named_tensors
+from nccl_back.errors import ConfigError, WeightVerificationError
+from nccl_back.log import get_logger
+from nccl_back.model.skeleton import Model, named_tensors
 
 HashMode = Literal["sampled", "full"]
 
@@ -300,7 +300,7 @@ def _sampled_in_place(
 ) -> tuple[dict[str, bytes], list[str]]:
     """Sampled payloads of tensors sharing one allocation, one ``torch.take`` per dtype.
 
-    A consolidated skeleton (:func:`nccl_back.skeleton.consolidate`) keeps every tensor
+    A consolidated skeleton (:func:`nccl_back.model.skeleton.consolidate`) keeps every tensor
     in one storage, so the samples of all tensors of a dtype are gathered by a single
     ``take`` over that storage, with each tensor's element offset added to its own
     indices: the same elements, and so the same bytes, as one ``take`` per tensor, at

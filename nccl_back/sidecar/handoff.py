@@ -53,7 +53,7 @@ its resource tracker unlinks the segment (observed: right after a SIGKILL, with 
 consumer can map it, and its memory is freed when the last mapping (the server
 model's, zero-copy consumers') goes away.
 
-After mapping, the consumer recomputes :func:`nccl_back.integrity.layer_hashes` and
+After mapping, the consumer recomputes :func:`nccl_back.model.integrity.layer_hashes` and
 compares them with the hashes the server sent (:class:`WeightVerificationError`).
 
 Local doors. The socket lives in a directory that nobody but its owner (or root) can
@@ -93,12 +93,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import bounded_json
-from .errors import AttachError, ConfigError, SkeletonError
-from .integrity import HashMode, compare, layer_hashes
-from .log import get_logger
-from .result import LoadResult
-from .skeleton import (
+from nccl_back import bounded_json
+from nccl_back.errors import AttachError, ConfigError, SkeletonError
+from nccl_back.log import get_logger
+from nccl_back.model.integrity import HashMode, compare, layer_hashes
+from nccl_back.model.skeleton import (
     ALIGN,
     Manifest,
     Model,
@@ -108,6 +107,7 @@ from .skeleton import (
     model_device,
     named_tensors,
 )
+from nccl_back.result import LoadResult
 
 AttachMode = Literal["copy", "zero_copy"]
 

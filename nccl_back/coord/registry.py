@@ -58,12 +58,12 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.exceptions import RedisClusterException
 
-from . import records, redisclient
-from .auth import Signer
-from .config import Settings
-from .errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
-from .log import get_logger
-from .records import PeerInfo
+from nccl_back.config import Settings
+from nccl_back.coord import records, redisclient
+from nccl_back.coord.auth import Signer
+from nccl_back.coord.records import PeerInfo
+from nccl_back.errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
+from nccl_back.log import get_logger
 
 log = get_logger(__name__)
 

@@ -40,16 +40,16 @@ from typing import IO, Any
 import google_crc32c
 import numpy as np
 
-from . import bounded_json
-from .config import Settings
-from .errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
-from .index import INDEX_NAME, parse_index
-from .log import get_logger
-from .storage import Location, ObjectInfo, Shard, Storage, parse_uri
+from nccl_back import bounded_json
+from nccl_back.config import Settings
+from nccl_back.errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
+from nccl_back.log import get_logger
+from nccl_back.model.index import INDEX_NAME, parse_index
+from nccl_back.model.storage import Location, ObjectInfo, Shard, Storage, parse_uri
 
 __all__ = ["CrcCache", "ModelSpec", "Shard", "cached_crc32c", "file_crc32c"]
 
-log = get_logger("nccl_back.identity")
+log = get_logger("nccl_back.model.identity")
 
 CONFIG_NAME = "config.json"
 CACHE_NAME = "crc32c-v1.json"

@@ -8,7 +8,7 @@ becomes a sender). If the elected worker dies, its lease expires and a waiter ta
 
 The election is a *group* decision. A worker of several ranks is elected as a whole:
 only its rank 0 tries the lease, and every poll ends in one collective
-(:func:`nccl_back.consensus.gather`) that carries rank 0's result and every rank's "I
+(:func:`nccl_back.coord.consensus.gather`) that carries rank 0's result and every rank's "I
 see a peer" to all ranks, so all ranks leave the wait together with the same outcome.
 (Electing per rank would let worker A win rank 0 while worker B wins rank 1: each
 would then wait for a peer that can only appear after its own group's consensus.)
@@ -33,14 +33,14 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from . import records
-from .config import Settings
-from .consensus import Group, gather
-from .errors import NcclBackError, RecordKind
-from .log import get_logger
-from .registry import Registry
+from nccl_back.config import Settings
+from nccl_back.coord import records
+from nccl_back.coord.consensus import Group, gather
+from nccl_back.coord.registry import Registry
+from nccl_back.errors import NcclBackError, RecordKind
+from nccl_back.log import get_logger
 
-log = get_logger("nccl_back.election")
+log = get_logger("nccl_back.coord.election")
 
 Outcome = Literal["peer", "elected", "timeout", "error"]
 

@@ -21,7 +21,7 @@ and ``tests/test_safetensors_conformance.py`` holds us to them, file by file:
   every step, a whole number of bytes) is its size, and the last ends at the file's end.
 
 This module needs no torch, so ``nccl-back fingerprint`` validates headers quickly;
-:mod:`nccl_back.checkpoint` maps the dtypes to torch's.
+:mod:`nccl_back.model.checkpoint` maps the dtypes to torch's.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from . import bounded_json
-from .errors import CheckpointFormatError
-from .storage import Shard, Storage
+from nccl_back import bounded_json
+from nccl_back.errors import CheckpointFormatError
+from nccl_back.model.storage import Shard, Storage
 
 #: The reference library's limit on the JSON header size (``MAX_HEADER_SIZE``).
 MAX_HEADER_BYTES = 100_000_000

@@ -36,19 +36,19 @@ from typing import Any, NoReturn, TextIO
 
 import torch
 
-from .checkpoint import flat_skeleton
-from .config import Settings
-from .errors import ConfigError, NcclBackError, RegistryError
-from .handoff import HandoffServer
-from .health import HealthServer, write_token_file
-from .identity import ModelSpec
-from .log import get_logger
-from .metrics import Metrics
-from .registry import truth_for_mode
-from .result import LoadResult
-from .service import WeightService
-from .skeleton import Model, build, manifest
-from .storage import parse_uri
+from nccl_back.config import Settings
+from nccl_back.coord.registry import truth_for_mode
+from nccl_back.errors import ConfigError, NcclBackError, RegistryError
+from nccl_back.load.service import WeightService
+from nccl_back.log import get_logger
+from nccl_back.metrics import Metrics
+from nccl_back.model.checkpoint import flat_skeleton
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import Model, build, manifest
+from nccl_back.model.storage import parse_uri
+from nccl_back.result import LoadResult
+from nccl_back.sidecar.handoff import HandoffServer
+from nccl_back.sidecar.health import HealthServer, write_token_file
 
 _log = get_logger(__name__)
 
@@ -68,7 +68,7 @@ class ServeOptions:
     from the safetensors headers."""
     diffusers: bool = False
     """The model is a diffusers pipeline folder: build each component with diffusers
-    (:func:`nccl_back.pipeline.pipeline_skeletons`). A pipeline folder is detected from
+    (:func:`nccl_back.model.pipeline.pipeline_skeletons`). A pipeline folder is detected from
     its ``model_index.json`` either way; without this flag its flat skeleton (one child
     per component) is built from the headers, without diffusers."""
     socket_path: str | None = None
@@ -228,7 +228,7 @@ class Sidecar:
         elif opts.diffusers:
             if not spec.components:
                 raise ConfigError(f"--diffusers: {opts.model_uri} has no model_index.json")
-            from .pipeline import pipeline_skeletons
+            from nccl_back.model.pipeline import pipeline_skeletons
 
             model = pipeline_skeletons(spec, device=opts.device)
         else:

@@ -1,13 +1,13 @@
 """The safetensors shard index (``model.safetensors.index.json``).
 
-Kept apart from :mod:`nccl_back.checkpoint` because it needs no torch: computing a
+Kept apart from :mod:`nccl_back.model.checkpoint` because it needs no torch: computing a
 model's identity (``nccl-back fingerprint``) reads the index and must stay fast.
 """
 
 from __future__ import annotations
 
-from . import bounded_json
-from .errors import CheckpointFormatError
+from nccl_back import bounded_json
+from nccl_back.errors import CheckpointFormatError
 
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -1,6 +1,6 @@
 """Safetensors checkpoints: headers, the shard index, and a skeleton built from headers.
 
-Headers are parsed by :mod:`nccl_back.safetensors_format` (the reference library's
+Headers are parsed by :mod:`nccl_back.model.safetensors_format` (the reference library's
 rules, without torch); here their dtypes become torch's. Every malformation raises
 :class:`CheckpointFormatError` naming the file. A dtype the reference knows but torch
 has no element type for (``F4``, ``F6_E2M3``, ``F6_E3M2``: sub-byte elements) is a valid
@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import safetensors_format as fmt
-from .config import Settings
-from .errors import CheckpointFormatError, SkeletonError
-from .index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
-from .index import parse_index as parse_index
-from .safetensors_format import HEADER_PROBE_BYTES as HEADER_PROBE_BYTES
-from .safetensors_format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from .safetensors_format import header_length as header_length
-from .skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
-from .storage import Shard, Storage
+from nccl_back.config import Settings
+from nccl_back.errors import CheckpointFormatError, SkeletonError
+from nccl_back.model import safetensors_format as fmt
+from nccl_back.model.index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
+from nccl_back.model.index import parse_index as parse_index
+from nccl_back.model.safetensors_format import HEADER_PROBE_BYTES as HEADER_PROBE_BYTES
+from nccl_back.model.safetensors_format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from nccl_back.model.safetensors_format import header_length as header_length
+from nccl_back.model.skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
+from nccl_back.model.storage import Shard, Storage
 
 if TYPE_CHECKING:
-    from .identity import ModelSpec
+    from nccl_back.model.identity import ModelSpec
 
 # safetensors dtype names -> torch dtype names (looked up on the installed torch: the
 # newer float8 kinds are missing from older releases).
@@ -155,7 +155,7 @@ def flat_skeleton(
 
     Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
     module's ``state_dict`` names are exactly the checkpoint's names; tensors are
-    views of one allocation on ``device`` (:func:`nccl_back.skeleton.consolidate`).
+    views of one allocation on ``device`` (:func:`nccl_back.model.skeleton.consolidate`).
     For a pipeline the root has one child per weighted component (``unet.conv_in.weight``),
     the names a mapping of component skeletons has, so both exchange weights.
     Headers are read through ``storage``, else a :class:`Storage` with ``settings``.

@@ -18,8 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import bounded_json
-from .errors import UntrustedRecordError
+from nccl_back import bounded_json
+from nccl_back.errors import UntrustedRecordError
 
 #: Bytes of one peer entry, request or handshake value (real ones are < 1 KiB).
 MAX_RECORD_BYTES = 16 << 10

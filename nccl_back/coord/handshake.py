@@ -63,8 +63,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import records
-from .errors import (
+from nccl_back.coord import records
+from nccl_back.coord.registry import Registry
+from nccl_back.errors import (
     HandshakeTimeoutError,
     IncompatiblePeerError,
     ManifestMismatchError,
@@ -73,8 +74,7 @@ from .errors import (
     RegistryError,
     UntrustedRecordError,
 )
-from .log import get_logger
-from .registry import Registry
+from nccl_back.log import get_logger
 
 log = get_logger(__name__)
 

@@ -7,7 +7,7 @@ shares a bucket's egress; one proxy per worker gives each its own link (the demo
 reach it through ``STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT``. Standard library
 only; one thread per connection, HTTP/1.1 keep-alive.
 
-Run: ``.venv/bin/python -m nccl_back.devthrottle --upstream http://127.0.0.1:9023 --gbps 0.1``
+Run: ``.venv/bin/python -m nccl_back.dev.throttle --upstream http://127.0.0.1:9023 --gbps 0.1``
 (prints ``listening on http://127.0.0.1:PORT`` once it accepts connections).
 """
 

@@ -4,7 +4,7 @@ Name mapping: a checkpoint tensor fills the skeleton tensor of the same name; a 
 that is an alias of a tied tensor (``lm_head.weight`` tied to ``embed.weight``) fills
 its canonical tensor. For a mapping model (``{"transformer": ..., "vae": ...}``) the
 checkpoint's names are the full prefixed names (``transformer.blocks.0.weight``), the
-same names :func:`nccl_back.skeleton.named_tensors` gives, so one checkpoint (any
+same names :func:`nccl_back.model.skeleton.named_tensors` gives, so one checkpoint (any
 number of shards, in any grouping) serves a whole pipeline. A rank that holds only
 some sub-modules passes a mapping of just those: checkpoint tensors under other
 sub-module names belong to other ranks and are skipped (shards holding only those
@@ -44,21 +44,21 @@ import google_crc32c
 import numpy as np
 import torch
 
-from .checkpoint import ShardHeader, TensorInfo, locate, model_headers
-from .config import Settings
-from .errors import (
+from nccl_back.config import Settings
+from nccl_back.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
     ShardNotFoundError,
     WeightLoadError,
 )
-from .identity import ModelSpec
-from .log import get_logger
-from .result import LoadResult
-from .skeleton import Model, dtype_name, named_tensors
-from .storage import Shard, Storage, parse_uri
+from nccl_back.log import get_logger
+from nccl_back.model.checkpoint import ShardHeader, TensorInfo, locate, model_headers
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import Model, dtype_name, named_tensors
+from nccl_back.model.storage import Shard, Storage, parse_uri
+from nccl_back.result import LoadResult
 
-log = get_logger("nccl_back.loader")
+log = get_logger("nccl_back.model.loader")
 
 #: ``progress(done_bytes, total_bytes, bytes_per_second)``, called after each tensor.
 Progress = Callable[[int, int, float], None]

@@ -30,7 +30,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from .errors import SkeletonError
+from nccl_back.errors import SkeletonError
 
 Model: TypeAlias = "nn.Module | Mapping[str, nn.Module]"
 

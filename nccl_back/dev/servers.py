@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import NcclBackError
+from nccl_back.errors import NcclBackError
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,7 +1,7 @@
 """Diffusers pipelines: component skeletons from their configs, and the pipeline around them.
 
 A diffusers pipeline folder (``model_index.json`` and one folder per component) is one
-:class:`~nccl_back.identity.ModelSpec`; its weighted components load as one *skeleton
+:class:`~nccl_back.model.identity.ModelSpec`; its weighted components load as one *skeleton
 map*, ``{"unet": unet, "vqvae": vq}``, through :meth:`WeightService.load` (all of a
 rank's components in one peer transfer, or each from its own files). A pipeline rank
 passes only the components it holds.
@@ -10,7 +10,7 @@ passes only the components it holds.
 initialisation and without reading its weights: the component's class (from
 ``model_index.json``) is constructed from its ``config.json`` (``from_config`` for
 diffusers models, the config class for transformers models) under
-:func:`nccl_back.skeleton.build`, so every ``nn.Parameter`` moves to the ``meta``
+:func:`nccl_back.model.skeleton.build`, so every ``nn.Parameter`` moves to the ``meta``
 device as it is registered (parameters cost nothing, initialisers run on ``meta``),
 buffers are computed by the constructor as usual (constructor state that no
 checkpoint carries is real), and then the whole component gets one allocation on the
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, SkeletonError
-from .identity import ModelSpec
-from .skeleton import build
+from nccl_back.errors import ConfigError, SkeletonError
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build
 
 __all__ = ["assemble", "component_skeleton", "pipeline_skeletons", "require_diffusers"]
 

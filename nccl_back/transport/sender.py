@@ -43,16 +43,16 @@ from typing import Any
 
 import torch
 
-from .auth import transfer_scope
-from .config import Settings
-from .errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
-from .handshake import refuse, run_sender
-from .log import get_logger
-from .metrics import Metrics
-from .records import to_label
-from .registry import PeerInfo, Registry
-from .skeleton import Manifest, Model, model_device, named_tensors
-from .transport import (
+from nccl_back.config import Settings
+from nccl_back.coord.auth import transfer_scope
+from nccl_back.coord.handshake import refuse, run_sender
+from nccl_back.coord.records import to_label
+from nccl_back.coord.registry import PeerInfo, Registry
+from nccl_back.errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
+from nccl_back.log import get_logger
+from nccl_back.metrics import Metrics
+from nccl_back.model.skeleton import Manifest, Model, model_device, named_tensors
+from nccl_back.transport import (
     Rendezvous,
     open_rendezvous,
     payload_bytes,
@@ -60,7 +60,7 @@ from .transport import (
     run_guarded,
     send_tensors,
 )
-from .transport.pacing import Pacer
+from nccl_back.transport.pacing import Pacer
 
 #: Requests that may wait per send slot; a flood beyond it is dropped, not queued.
 QUEUE_PER_SLOT = 4
@@ -113,7 +113,7 @@ class PeerServer:
         # Serialises every write of availability entries (publish, heartbeat, withdraw).
         self._entries_lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
-        self._log = get_logger("nccl_back.sender", worker=worker_id)
+        self._log = get_logger("nccl_back.transport.sender", worker=worker_id)
 
     @property
     def peers(self) -> list[PeerInfo]:

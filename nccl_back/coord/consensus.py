@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import ConsensusError
+from nccl_back.errors import ConsensusError
 
 Group = Any  # a torch.distributed ProcessGroup, or None for a single-process worker
 

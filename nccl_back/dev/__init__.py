@@ -1,0 +1,1 @@
+"""Development servers and the demo (not used by the runtime layers)."""

@@ -1,0 +1,1 @@
+"""The load: WeightService and the protocol's phases."""

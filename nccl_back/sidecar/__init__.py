@@ -1,0 +1,1 @@
+"""The sidecar: HTTP server, health, and the same-node hand-off."""

@@ -1,0 +1,93 @@
+"""Cohorts: receivers that arrive together form one pipelined relay chain.
+
+With whole 2-rank copies, N receivers of one holder need a binomial tree of
+⌈log2(N+1)⌉ rounds. Instead, receivers of the same version, rank and manifest that
+start within ``cohort_window`` seconds join one *cohort* (at most ``cohort_max_size``
+members, then the next one starts), ordered by arrival::
+
+    holder -> m0 -> m1 -> m2 -> ...      (each arrow: one 2-rank link, gloo or NCCL)
+
+Member 0 (the head) receives from a holder as any receiver does. Member p > 0
+receives from member p-1, which forwards step k (a bucket, :mod:`.transport.broadcast`)
+as soon as step k is in its own tensors, while step k+1 arrives. So the chain takes
+about one transfer plus one step per member, whatever its length. A late arrival
+joins the tail: its upstream forwards what it already holds at link speed and then
+follows. Each link is a separate 2-rank communicator (not one NCCL communicator for
+the cohort, whose pipelined broadcast would be faster per byte) because a member
+that dies then breaks one link, not the whole cohort, and the same code runs on gloo
+and NCCL.
+
+Failure: a member whose upstream link fails (the upstream died: gloo raises in
+~0.3 s; or stalled: no step within ``relay_stall_timeout``) re-attaches to the
+nearest member further up, then to any holder, resuming at the first step it lacks;
+only then does it fall back to storage, with the reason. Its own downstream waits on
+its progress meanwhile and never notices. A member that gives up fails its
+downstream links at once, so they re-attach too. Every member verifies what it got
+against the ground truth, as any receiver does. A member whose verification fails
+forwards nothing more (its endpoint refuses every request while it lingers); its
+downstream, which may hold some of those bytes, finds them in its own verification,
+blames the sources that sent the failing steps (:class:`Held`), discards what they
+sent and receives it again from someone else.
+
+Streamed downloads (single flight). The worker elected to download a version
+announces a relay endpoint of its own (:func:`stream`) before it reads storage, and
+tells it which tensors are in place as the storage loader fills them (each after its
+shard's CRC32C passed): step k can be forwarded once every tensor it carries is
+(:class:`Fills`; steps follow sorted names, as checkpoints are sharded, so progress is
+a prefix). Waiting workers that see the stream record join a cohort as usual and its
+head receives from the stream, so the cohort finishes about one bucket per member after
+the download does, instead of after the download, the publication and a whole relayed
+transfer. The stream's receivers have no ground truth yet: they verify against the
+hashes the downloader publishes once its load is complete. If the download fails, its
+stream fails and its receivers go back to the election (another worker downloads, or
+the first one publishes); a stream-fed link allows ``max(relay_stall_timeout,
+download_lease)`` between steps, since its pace is storage's.
+
+Registry (keys built by :class:`~nccl_back.coord.registry.Registry`)::
+
+    ns:cohort:{v}:{r}:{w}:{d}                 hash {n, epoch}; TTL cohort_window
+    ns:cohort:{v}:{r}:{w}:{d}:{epoch}:{c}     list of member records, in chain order
+    ns:stream:{v}:{r}:{w}:{d}                 the downloader's member record; dropped
+                                              when its load ends (TTL as a bound)
+
+A member record (JSON, parsed by :func:`parse_member`) names where to reach the
+member's relay endpoint: ``{"member_id", "address", "transport", "device"}``; the
+member answers relay requests pushed to ``ns:req:{member_id}`` with the usual
+liveness handshake.
+"""
+
+from nccl_back.transport.relay.chain import Chain, Place, Stream, join, stream
+from nccl_back.transport.relay.server import RelayServer
+from nccl_back.transport.relay.state import (
+    DEVICES,
+    LINGER,
+    MAX_RELAY_SENDS,
+    RELAY_HANDSHAKE,
+    STREAM_SENDS,
+    Fills,
+    Held,
+    Member,
+    Progress,
+    Seat,
+    parse_member,
+)
+
+__all__ = [
+    "Chain",
+    "DEVICES",
+    "Fills",
+    "Held",
+    "LINGER",
+    "MAX_RELAY_SENDS",
+    "Member",
+    "Place",
+    "Progress",
+    "RELAY_HANDSHAKE",
+    "RelayServer",
+    "STREAM_SENDS",
+    "Seat",
+    "Stream",
+    "join",
+    "parse_member",
+    "stream",
+]

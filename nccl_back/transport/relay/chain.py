@@ -1,0 +1,184 @@
+"""Cohort membership: a member's seat, its upstreams, and a streamed download's endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nccl_back.config import Settings
+from nccl_back.coord.registry import Registry
+from nccl_back.errors import (
+    RegistryError,
+    UntrustedRecordError,
+)
+from nccl_back.log import get_logger
+from nccl_back.metrics import Metrics
+from nccl_back.transport import Rendezvous, Step, payload_bytes, plan
+from nccl_back.transport.pacing import Pacer
+from nccl_back.transport.relay.server import RelayServer
+from nccl_back.transport.relay.state import (
+    STREAM_SENDS,
+    Fills,
+    Member,
+    Progress,
+    Seat,
+    parse_member,
+)
+
+log = get_logger(__name__)
+
+
+class Chain:
+    """This receiver's place in a cohort, its progress and its relay endpoint."""
+
+    def __init__(self, seat: Seat, member: Member, progress: Progress, server: RelayServer,
+                 registry: Registry) -> None:
+        self.seat = seat
+        self.member = member
+        self.progress = progress
+        self.server = server
+        self._registry = registry
+        self.failed: set[str] = set()
+        """Member ids that failed this receiver as upstreams (never tried again)."""
+
+    @property
+    def position(self) -> int:
+        return self.seat.position
+
+    def upstreams(self) -> list[Member]:
+        """Members before this one, nearest first, without those that failed us.
+
+        A malformed record is skipped with a reason: the member behind it is then
+        served by one further up (or by a holder).
+        """
+        if self.position == 0:
+            return []
+        raws = self._registry.chain_members(self.seat.chain, 0, self.position - 1)
+        out: list[Member] = []
+        for raw in reversed(raws):
+            if raw is None:  # untrusted: the registry said why
+                continue
+            try:
+                m = parse_member(raw)
+            except UntrustedRecordError as e:
+                log.warning("cohort_member_skipped", chain=self.seat.chain, reason=str(e))
+                continue
+            if m.member_id not in self.failed and m.member_id != self.member.member_id:
+                out.append(m)
+        return out
+
+    def end(self, ok: bool, reason: str = "") -> None:
+        self.server.end(ok, reason)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank's relay endpoints live and what they serve: the same for a chain
+    member (:func:`join`) and a streamed download (:func:`stream`)."""
+
+    settings: Settings
+    registry: Registry
+    rendezvous: Rendezvous
+    worker_id: str
+    version: str
+    rank: int
+    world: int
+    manifest_digest: str
+    kind: str
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+    pacer: Pacer
+    log: Any
+    metrics: Metrics | None = None
+    """Where relay sends are counted (the service's); None: counted nowhere visible."""
+
+    @property
+    def key(self) -> tuple[str, int, int, str]:
+        """``(version, rank, world, manifest digest)``: what the registry keys it by."""
+        return (self.version, self.rank, self.world, self.manifest_digest)
+
+    def server(self, role: str, **options: Any) -> RelayServer:
+        """A relay endpoint (not started) of a fresh member ``{worker}-r{rank}-{role}-…``."""
+        member = Member(f"{self.worker_id}-r{self.rank}-{role}-{uuid.uuid4().hex[:6]}"[-200:],
+                        self.rendezvous.address, self.kind, self.device.type)
+        return RelayServer(self.settings, self.registry, self.rendezvous, member, self.tensors,
+                           self.manifest_digest, self.pacer, Progress(),
+                           self.log.bind(member=member.member_id), metrics=self.metrics,
+                           **options)
+
+
+def join(p: Place) -> Chain:
+    """Take a seat in the current cohort and start this member's relay endpoint.
+
+    Raises :class:`RegistryError` (the caller then receives on its own, as without
+    cohorts).
+    """
+    s = p.settings
+    server = p.server("relay").start()  # listening before anyone can read our record
+    member = server.member
+    try:
+        chain_key, position = p.registry.join_cohort(
+            *p.key, member.to_dict(), window=s.cohort_window, max_size=s.cohort_max_size,
+            ttl=s.transfer_timeout + s.busy_wait,
+        )
+    except RegistryError:
+        server.end(False, "could not join a cohort")
+        raise
+    seat = Seat(chain_key, position)
+    p.log.info("cohort_joined", chain=chain_key.rsplit(":", 2)[-2:], position=position,
+               member=member.member_id)
+    return Chain(seat, member, server.progress, server, p.registry)
+
+
+class Stream:
+    """The elected downloader's relay endpoint for one rank (see the module docstring)."""
+
+    def __init__(self, registry: Registry, server: RelayServer, steps: list[Step],
+                 key: tuple[str, int, int, str]) -> None:
+        self.server = server
+        self.fills = Fills(steps, server.progress)
+        self._steps = len(steps)
+        self._registry = registry
+        self._key = key
+
+    @property
+    def member(self) -> Member:
+        return self.server.member
+
+    def filled(self, name: str) -> None:
+        self.fills.filled(name)
+
+    def loaded(self) -> None:
+        """Every tensor is in place (also what a loader without per-tensor fills says)."""
+        if self._steps:
+            self.server.progress.complete(self._steps)
+
+    def end(self, ok: bool, reason: str = "") -> None:
+        """The download ended (``ok``: loaded and published): no new receiver finds the
+        stream; a failed one fails its receivers' links at once."""
+        self.server.end(ok, reason)
+        with contextlib.suppress(RegistryError):
+            self._registry.drop_stream(*self._key, self.member.member_id)
+
+
+def stream(p: Place) -> Stream:
+    """Start the relay endpoint a download is streamed from and announce it.
+
+    Raises :class:`RegistryError` (the worker then downloads without streaming).
+    """
+    # A receiver of the stream may wait for the whole download, as it would have in the
+    # election: the same bound.
+    wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
+    server = p.server("stream", max_sends=STREAM_SENDS, send_timeout=wait).start()
+    try:
+        p.registry.put_stream(*p.key, server.member.to_dict(), ttl=wait)
+    except RegistryError:
+        server.end(False, "could not announce the stream")
+        raise
+    steps = plan(p.tensors, p.settings.bucket_for(p.kind, payload_bytes(p.tensors)))
+    p.log.info("download_streamed", member=server.member.member_id, steps=len(steps))
+    return Stream(p.registry, server, steps, p.key)

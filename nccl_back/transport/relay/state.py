@@ -1,0 +1,201 @@
+"""Relay state: member records, a member's progress, which source sent each step."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nccl_back.coord import records
+from nccl_back.errors import (
+    TransferError,
+    TransferTimeoutError,
+)
+from nccl_back.log import get_logger
+from nccl_back.transport import Step
+
+log = get_logger(__name__)
+
+#: Seconds a member's relay endpoint stays up, idle, after its own load ended and the
+#: cohort window passed, for a downstream member that is still re-attaching. A late
+#: arrival (within the window) may sit behind a member that already finished: the
+#: endpoint stays up ``cohort_window`` + this, so it still finds it.
+LINGER = 2.0
+#: Seconds a member waits in the handshake with a relay upstream: a live one answers
+#: within its poll interval, so a dead one costs little.
+RELAY_HANDSHAKE = 3.0
+#: Relay sends one member runs at once (its successor, plus one re-attaching from
+#: further down while the first is still unwinding).
+MAX_RELAY_SENDS = 2
+#: Relay sends a streamed download serves at once: the heads of the cohorts that formed
+#: while it downloads (waiters arriving more than ``cohort_window`` apart), plus
+#: re-attaching members. Its worker's ``max_send_gbps`` is shared by all of them.
+STREAM_SENDS = 4
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One cohort member's relay endpoint."""
+
+    member_id: str
+    address: str
+    transport: str
+    device: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"member_id": self.member_id, "address": self.address,
+                "transport": self.transport, "device": self.device}
+
+
+def parse_member(data: dict[str, Any] | str | bytes | None) -> Member:
+    """A member record (as verified by the registry, or raw JSON);
+    :class:`UntrustedRecordError` if it is not one."""
+    what = "cohort member"
+    if not isinstance(data, dict):
+        data = records.load(data, what)
+    return Member(
+        member_id=records.ident(data, "member_id", what),
+        address=records.address(data, "address", what),
+        transport=records.choice(data, "transport", what, records.TRANSPORTS),
+        device=records.choice(data, "device", what, DEVICES),
+    )
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where a member sits: its cohort's chain key and its position in it."""
+
+    chain: str
+    position: int
+
+
+class Progress:
+    """How many leading steps of a member's transfer are in its tensors (thread-safe).
+
+    Its relay sends wait here for the step they forward next; a member that gives up
+    fails it, which ends those sends (so their receivers re-attach elsewhere).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cond = threading.Condition()
+        self._done = 0
+        self._failed: str | None = None
+        self._clock = clock
+
+    @property
+    def done(self) -> int:
+        with self._cond:
+            return self._done
+
+    def advance(self, step: int) -> None:
+        """Step ``step`` is in place (steps arrive in order, a resumed transfer included)."""
+        with self._cond:
+            self._done = max(self._done, step + 1)
+            self._cond.notify_all()
+
+    def complete(self, steps: int) -> None:
+        self.advance(steps - 1)
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self._failed is None:
+                self._failed = reason
+            self._cond.notify_all()
+
+    @property
+    def failed(self) -> str | None:
+        """Why the member gave up (its forwarding is over for good), or None."""
+        with self._cond:
+            return self._failed
+
+    def wait_for(self, step: int, deadline: float) -> None:
+        """Return once step ``step`` is in place; raise if the member gave up or by ``deadline``.
+
+        A member that gave up forwards nothing more, not even steps it holds: they may be
+        the ones that failed its verification.
+        """
+        with self._cond:
+            while True:
+                if self._failed is not None:
+                    raise TransferError(f"relay upstream gave up at step {self._done}: {self._failed}")
+                if self._done > step:
+                    return
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise TransferTimeoutError(f"relay: step {step} not received by the deadline")
+                self._cond.wait(min(left, 0.5))
+
+
+class Held:
+    """Which source put each step of this rank's plan into its tensors (thread-safe).
+
+    A receiver may fill its tensors from several sources (a relay upstream that died,
+    then another member, then a holder), resuming each time at the first step it
+    lacks. When verification fails, the layers that failed name the steps that carry
+    them, and those steps name the sources that sent them: only those are blamed, and
+    everything they sent is discarded, so the next source sends it again instead of
+    the same bad bytes failing once more under another source's name.
+    """
+
+    def __init__(self, steps: list[Step]) -> None:
+        self._names = [frozenset(slot.name for slot in step.slots) for step in steps]
+        self._sources: list[str | None] = [None] * len(steps)
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> int:
+        """Leading steps in place (where a transfer resumes)."""
+        with self._lock:
+            return next((k for k, src in enumerate(self._sources) if src is None),
+                        len(self._sources))
+
+    def record(self, step: int, source: str) -> None:
+        """``source`` put step ``step`` in place."""
+        with self._lock:
+            if 0 <= step < len(self._sources):
+                self._sources[step] = source
+
+    def sources(self) -> set[str]:
+        """Every source whose steps are held."""
+        with self._lock:
+            return {src for src in self._sources if src is not None}
+
+    def blame(self, bad_layers: set[str], layer_of: Callable[[str], str]) -> set[str]:
+        """The sources of the held steps that carry a tensor of ``bad_layers``; every
+        source held when no step carries one (the failure cannot be placed)."""
+        with self._lock:
+            blamed = {src for names, src in zip(self._names, self._sources, strict=True)
+                      if src is not None and any(layer_of(n) in bad_layers for n in names)}
+            return blamed or {src for src in self._sources if src is not None}
+
+    def discard(self, sources: set[str]) -> int:
+        """Forget everything from the first step any of ``sources`` sent (a transfer
+        resumes as a prefix); returns the steps still held."""
+        with self._lock:
+            first = next((k for k, src in enumerate(self._sources) if src in sources),
+                         len(self._sources))
+            for k in range(first, len(self._sources)):
+                self._sources[k] = None
+        return self.done
+
+
+class Fills:
+    """A storage load's per-tensor fills as relay progress: step k is in place once every
+    tensor it carries is (thread-safe; the loader's copy threads call :meth:`filled`)."""
+
+    def __init__(self, steps: list[Step], progress: Progress) -> None:
+        self._need = [frozenset(slot.name for slot in step.slots) for step in steps]
+        self._filled: set[str] = set()
+        self._next = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def filled(self, name: str) -> None:
+        with self._lock:
+            self._filled.add(name)
+            while self._next < len(self._need) and self._need[self._next] <= self._filled:
+                self._progress.advance(self._next)
+                self._next += 1

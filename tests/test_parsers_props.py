@@ -33,11 +33,11 @@ from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
 from nccl_back.metrics import Metrics
 from nccl_back.model.skeleton import build, manifest
 from nccl_back.sidecar.handoff import PROTOCOL, HandoffServer, attach
-from nccl_back.sidecar.health import (
+from nccl_back.sidecar.health import HealthServer
+from nccl_back.sidecar.http import (
     MAX_BODY_BYTES,
     MAX_HEAD_BYTES,
     BadRequest,
-    HealthServer,
     Request,
     parse_request,
 )

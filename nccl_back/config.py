@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nccl_back.coord.redisclient import parse_redis_url
 from nccl_back.errors import ConfigError
+from nccl_back.redis_url import parse_redis_url
 
 ENV_PREFIX = "NCCL_BACK_"
 #: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
@@ -81,7 +81,7 @@ class Settings:
     """Coordination store, password in the URL: ``redis://`` (``rediss://`` over TLS) for
     one server, ``redis+sentinel://h1:26379,h2:26379/SERVICE/0`` for the master Sentinel
     names, ``redis+cluster://h1:6379,h2:6379`` for a Redis Cluster (``rediss+...`` over
-    TLS); see :mod:`nccl_back.coord.redisclient`."""
+    TLS); see :mod:`nccl_back.redis_url`."""
 
     redis_ca_file: str = ""
     """PEM CA bundle that verifies the Redis server's certificate (TLS URLs; empty: the

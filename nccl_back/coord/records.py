@@ -14,11 +14,10 @@ import ipaddress
 import json
 import math
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nccl_back import bounded_json
+from nccl_back import _clock, bounded_json
 from nccl_back.errors import UntrustedRecordError
 
 #: Bytes of one peer entry, request or handshake value (real ones are < 1 KiB).
@@ -133,7 +132,7 @@ class PeerInfo:
     address: str
     """``host:0``: the host the sender's transports bind on (the bootstrap goes through
     Redis, :mod:`nccl_back.transport.store`)."""
-    started_at: float = field(default_factory=time.time)
+    started_at: float = field(default_factory=_clock.wall)
     """Wall-clock time the peer finished loading (for ``status``)."""
     source: str = "storage"
     """Where this peer got its weights: ``storage`` or ``peer``."""

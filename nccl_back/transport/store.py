@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 
 from nccl_back.config import Settings
-from nccl_back.coord.redisclient import parse_redis_url
 from nccl_back.errors import ConfigError, RegistryError, TransferError, TransferTimeoutError
 from nccl_back.log import get_logger
+from nccl_back.redis_url import parse_redis_url
 from nccl_back.transport.base import Rendezvous, Transport
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class RedisStore(dist.Store):
     def _redis_key(self, name: str) -> str:
         if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
             raise TransferError(f"rendezvous key name of {len(str(name))} chars: over {MAX_NAME_CHARS}")
-        return self._registry.key("rdv", self._scope, name)
+        return self._registry.keys.rendezvous(self._scope, name)
 
     def _mac(self, redis_key: str, value: bytes) -> str:
         if self._key is None:

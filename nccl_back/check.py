@@ -161,7 +161,7 @@ def check_redis(settings: Settings) -> tuple[Check, Any]:
 
 def check_namespace(settings: Settings, registry: Any) -> Check:
     """Write, read back and delete a probe key in the namespace; count what it holds."""
-    key = registry.key("check", uuid.uuid4().hex)
+    key = registry.keys.check(uuid.uuid4().hex)
     try:
         registry.client.set(key, "1", px=10_000)
         back = registry.client.get(key)

@@ -100,6 +100,11 @@ class Keys:
             return None
         return chain.rsplit(":", 2)[0]
 
+    @staticmethod
+    def chain_place(chain: str) -> list[str]:
+        """``[epoch, chain index]`` of a chain key: how a log line names a chain."""
+        return chain.rsplit(":", 2)[-2:]
+
     def stream(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
         """The relay endpoint of the worker downloading one rank's skeleton flavour."""
         return self.key("stream", version, rank, world_size, manifest_digest)
@@ -114,3 +119,7 @@ class Keys:
         """A process group's bootstrap key of one transfer (``scope``: its transfer id,
         with a token under a secret, :func:`.auth.transfer_scope`)."""
         return self.key("rdv", scope, name)
+
+    def check(self, token: str) -> str:
+        """``nccl-back check``'s write/read round trip."""
+        return self.key("check", token)

@@ -44,6 +44,7 @@ from nccl_back.errors import ConfigError, NcclBackError, WeightLoadError
 from nccl_back.load.service import WeightService
 from nccl_back.model import integrity
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import StorageLoader
 from nccl_back.model.skeleton import Model, named_tensors
 from nccl_back.result import LoadResult
 
@@ -256,8 +257,7 @@ def keep_serving(service: WeightService) -> None:
     atexit.register(service.close)
 
 
-def _storage_loader(adapter: EngineAdapter, model: nn.Module
-                    ) -> Callable[[Model, ModelSpec, Settings], LoadResult]:
+def _storage_loader(adapter: EngineAdapter, model: nn.Module) -> StorageLoader:
     def load(state: Model, spec: ModelSpec, settings: Settings) -> LoadResult:
         # The engine's own loader, as without nccl_back: its name mapping, fusing,
         # sharding and its check that every parameter was filled.

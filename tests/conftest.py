@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from nccl_back.dev.servers import LocalGCS, LocalRedis
+from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.servers import LocalRedis
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -26,7 +26,7 @@ from google.cloud import storage as gcs_storage
 from tenacity import wait_none
 
 from nccl_back.config import Settings
-from nccl_back.dev.servers import LocalGCS
+from nccl_back.dev.gcs import LocalGCS
 from nccl_back.errors import (
     ChecksumMismatchError,
     ConfigError,

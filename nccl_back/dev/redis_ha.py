@@ -1,0 +1,313 @@
+"""Redis high availability on loopback: a Sentinel-managed master with a replica,
+and a TLS terminator in front of any local Redis (``rediss://`` tests)."""
+
+from __future__ import annotations
+
+import selectors
+import shutil
+import socket
+import ssl
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nccl_back.dev.servers import (
+    LocalRedis,
+    _wait_port,
+    _wait_until,
+    free_port,
+    redis_server_binary,
+)
+
+
+@dataclass
+class LocalSentinel:
+    """A Sentinel-managed Redis on loopback: a master, one replica and three sentinels
+    (quorum 2) that fail over about a second after the master stops answering.
+    ``url`` is a ``redis+sentinel://`` URL naming the master ``service``."""
+
+    service: str = "mymaster"
+    password: str | None = None
+    sentinel_password: str | None = None
+    """The sentinels' own ``requirepass`` (``Settings.redis_sentinel_password``)."""
+    down_after_ms: int = 1000
+    servers: list[LocalRedis] = field(default_factory=list, init=False)
+    sentinels: list[LocalRedis] = field(default_factory=list, init=False)
+    _dir: str | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{auth}{hosts}/{self.service}/0"
+
+    def master_port(self) -> int:
+        """The port of the server the sentinels currently name as master."""
+        import redis
+
+        with redis.Redis(port=self.sentinels[0].port, password=self.sentinel_password,
+                         decode_responses=True) as s:
+            return int(s.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)[1])
+
+    def master(self) -> LocalRedis:
+        port = self.master_port()
+        return next(s for s in self.servers if s.port == port)
+
+    def _sentinel_client(self, s: LocalRedis) -> Any:
+        import redis
+
+        return redis.Redis(port=s.port, password=self.sentinel_password, decode_responses=True,
+                           socket_timeout=2, socket_connect_timeout=2)
+
+    def _agreed_master(self) -> int | None:
+        """The master's port if every sentinel names the same one, sees it up (flags exactly
+        ``master``: what redis-py's discovery accepts) and knows the other sentinels."""
+        ports = set()
+        for s in self.sentinels:
+            with self._sentinel_client(s) as c:
+                state = c.sentinel_master(self.service)
+            if state["flags"] != "master" or state["num-other-sentinels"] != len(self.sentinels) - 1:
+                return None
+            ports.add(int(state["port"]))
+        return ports.pop() if len(ports) == 1 else None
+
+    def _answers_as_master(self, port: int) -> bool:
+        import redis
+
+        with redis.Redis(port=port, password=self.password, socket_timeout=2) as c:
+            return bool(c.info("replication")["role"] == "master")
+
+    def _client_finds(self, port: int) -> bool:
+        """redis-py's own Sentinel discovery (what workers use) names ``port``."""
+        from redis.sentinel import Sentinel
+
+        sentinel = Sentinel([("127.0.0.1", s.port) for s in self.sentinels],
+                            sentinel_kwargs={"password": self.sentinel_password, "socket_timeout": 2},
+                            socket_timeout=2)
+        try:
+            return bool(sentinel.discover_master(self.service)[1] == port)
+        finally:
+            for c in sentinel.sentinels:
+                c.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> int:
+        """Wait until a failover could succeed: every sentinel names the same master, up,
+        knows the other sentinels and the replica (up, its link to the master ``ok``), and
+        the replica has synced. Returns the master's port."""
+        state: dict[str, int] = {}
+
+        def ready() -> bool:
+            port = self._agreed_master()
+            if port is None or not self._answers_as_master(port):
+                return False
+            for s in self.sentinels:
+                with self._sentinel_client(s) as c:
+                    replicas = c.sentinel_slaves(self.service)
+                if len(replicas) != len(self.servers) - 1 or any(
+                    r["flags"] != "slave" or r["master-link-status"] != "ok" for r in replicas
+                ):
+                    return False
+            import redis
+
+            for server in self.servers:
+                if server.port != port:
+                    with redis.Redis(port=server.port, password=self.password, socket_timeout=2) as c:
+                        if c.info("replication").get("master_link_status") != "up":
+                            return False
+            if not self._client_finds(port):
+                return False
+            state["port"] = port
+            return True
+
+        _wait_until(ready, timeout, "the sentinels did not agree on a master with a synced replica")
+        return state["port"]
+
+    def wait_failover(self, old_port: int, timeout: float = 90.0) -> int:
+        """Wait until the sentinels have promoted another server: every sentinel names the
+        same new master, up; that server answers as a master; redis-py's discovery finds it.
+        Returns its port. (A failover takes a few seconds, much longer when a sentinel
+        election splits its votes and waits out ``failover-timeout`` to retry.)"""
+        state: dict[str, int] = {}
+
+        def promoted() -> bool:
+            port = self._agreed_master()
+            if port is None or port == old_port or not self._answers_as_master(port):
+                return False
+            if not self._client_finds(port):
+                return False
+            state["port"] = port
+            return True
+
+        _wait_until(promoted, timeout, f"no failover away from port {old_port}")
+        return state["port"]
+
+    def start(self, timeout: float = 30.0) -> LocalSentinel:
+        import redis
+
+        try:
+            master = LocalRedis(password=self.password).start()
+            self.servers.append(master)
+            self.servers.append(LocalRedis(password=self.password, extra=[
+                "--replicaof", "127.0.0.1", str(master.port)]).start())
+            self._dir = tempfile.mkdtemp(prefix="nccl-back-sentinel-")
+            for i in range(3):
+                port = free_port()
+                conf = Path(self._dir) / f"sentinel-{i}.conf"
+                lines = [
+                    f"port {port}", "bind 127.0.0.1", f"dir {self._dir}",
+                    f"sentinel monitor {self.service} 127.0.0.1 {master.port} 2",
+                    f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+                    f"sentinel failover-timeout {self.service} 5000",
+                    f"sentinel parallel-syncs {self.service} 1",
+                ]
+                if self.password:
+                    lines.append(f"sentinel auth-pass {self.service} {self.password}")
+                if self.sentinel_password:
+                    # Sentinels authenticate to each other with sentinel-pass.
+                    lines += [f"requirepass {self.sentinel_password}",
+                              f"sentinel sentinel-pass {self.sentinel_password}"]
+                conf.write_text("\n".join(lines) + "\n")  # sentinel rewrites its config file
+                sentinel = LocalRedis(port=port)
+                sentinel.extra = [str(conf), "--sentinel"]
+                self.sentinels.append(sentinel)
+                self._start_sentinel(sentinel, conf)
+
+            def ready() -> bool:
+                for s in self.sentinels:
+                    with redis.Redis(port=s.port, password=self.sentinel_password,
+                                     decode_responses=True) as c:
+                        replicas = c.execute_command("SENTINEL REPLICAS", self.service)
+                        others = c.execute_command("SENTINEL SENTINELS", self.service)
+                        if len(replicas) != 1 or len(others) != 2:
+                            return False
+                return True
+
+            # Failover needs each sentinel to know the replica and a majority of its peers.
+            _wait_until(ready, timeout, "the sentinels did not discover the replica and each other")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _start_sentinel(sentinel: LocalRedis, conf: Path) -> None:
+        # `redis-server FILE --sentinel`: the config file must come first, so not start().
+        sentinel.proc = subprocess.Popen(
+            [redis_server_binary(), str(conf), "--sentinel"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _wait_port("127.0.0.1", sentinel.port, sentinel.proc, time.monotonic() + 10, "redis sentinel")
+
+    def stop(self) -> None:
+        for s in [*self.sentinels, *self.servers]:
+            s.stop()
+        self.sentinels.clear()
+        self.servers.clear()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> LocalSentinel:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class TLSTerminator:
+    """A TLS front for a plain TCP server (what stunnel or a cloud's TLS endpoint does):
+    listens on loopback with ``certfile``/``keyfile`` and forwards each connection's
+    plaintext to ``127.0.0.1:target_port``. With ``client_ca`` it requires a client
+    certificate signed by that CA (mutual TLS). Threads in this process; ``stop()``."""
+
+    target_port: int
+    certfile: str
+    keyfile: str
+    client_ca: str | None = None
+    port: int = 0
+    _sock: socket.socket | None = field(default=None, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _threads: list[threading.Thread] = field(default_factory=list, init=False)
+
+    def start(self) -> TLSTerminator:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.certfile, self.keyfile)
+        if self.client_ca:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(self.client_ca)
+        self._ctx = ctx
+        self._sock = socket.create_server(("127.0.0.1", self.port))
+        self._sock.settimeout(0.2)
+        self.port = int(self._sock.getsockname()[1])
+        self._spawn(self._accept_loop)
+        return self
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name="tls-terminator")
+        t.start()
+        self._threads.append(t)
+
+    def _accept_loop(self) -> None:
+        listener = self._sock
+        while listener is not None and not self._stop.is_set():
+            try:
+                raw, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._spawn(self._serve, raw)
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            raw.settimeout(5)
+            conn = self._ctx.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()  # a failed handshake (wrong CA, no client cert): the client sees it
+            return
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        conn.setblocking(False)
+        upstream.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(conn, selectors.EVENT_READ, upstream)
+        sel.register(upstream, selectors.EVENT_READ, conn)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(0.2):
+                    src, dst = key.fileobj, key.data
+                    try:
+                        data = [src.recv(65536)]  # type: ignore[union-attr]
+                    except (ssl.SSLWantReadError, BlockingIOError):
+                        continue
+                    if not data[0]:
+                        return
+                    # TLS may hold decrypted bytes the selector will not report.
+                    while src is conn and conn.pending():
+                        data.append(conn.recv(conn.pending()))
+                    dst.setblocking(True)
+                    dst.sendall(b"".join(data))
+                    dst.setblocking(False)
+        except (OSError, ssl.SSLError):
+            return
+        finally:
+            sel.close()
+            conn.close()
+            upstream.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            self._sock.close()
+        for t in self._threads:
+            t.join(2)
+
+    def __enter__(self) -> TLSTerminator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+

@@ -56,11 +56,11 @@ class RelayServer:
         self._stop = threading.Event()
         self._ended = threading.Event()
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._sends: list[threading.Thread] = []
         self._idle_since: float | None = None
         self.served = 0
         # Read at each send: a stopped endpoint drops its tensors (see _loop).
-        self._sends = Sends(RELAY, settings, registry, self.metrics, pacer, rendezvous,
+        self._path = Sends(RELAY, settings, registry, self.metrics, pacer, rendezvous,
                             manifest_digest, member.transport, lambda: self.tensors,
                             settings.transfer_timeout if send_timeout is None else send_timeout,
                             ready=progress.wait_for)
@@ -79,8 +79,8 @@ class RelayServer:
         """The member's own load ended; failed: its downstream links fail at once.
 
         The endpoint lingers ``cohort_window`` + :data:`LINGER` seconds without
-        requests, then stops
-        (in the background: the caller does not wait for downstream sends).
+        requests, then stops (in the background: the caller does not wait for
+        downstream sends).
         """
         if not ok:
             self.progress.fail(reason or "the member fell back")
@@ -89,14 +89,14 @@ class RelayServer:
     def close(self, timeout: float) -> None:
         """Stop now; abort relay sends still running; wait at most ``timeout`` s."""
         self._stop.set()
-        self._sends.abort()
+        self._path.abort()
         self._thread.join(timeout)
 
     def _busy(self) -> int:
         """Relay sends still running (finished ones are forgotten)."""
         with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            return len(self._threads)
+            self._sends = [t for t in self._sends if t.is_alive()]
+            return len(self._sends)
 
     def _lingered(self) -> bool:
         """Whether the member's load ended and no request came for the linger."""
@@ -112,7 +112,7 @@ class RelayServer:
         answer(self.registry, key, RELAY, self._log, self._stop, 0.2, self._admit, self._lingered)
         with contextlib.suppress(RegistryError):
             self.registry.delete(self.registry.key("req", key))
-        for t in list(self._threads):
+        for t in list(self._sends):
             t.join(self.settings.transfer_timeout)
         # A stopped endpoint must not keep the model alive: a sidecar whose hand-off
         # re-pointed the model into its arena would otherwise hold it twice.
@@ -138,10 +138,10 @@ class RelayServer:
         t = threading.Thread(target=self._send_one, args=(request,), daemon=True,
                              name=f"nccl-back-relay-send-{key[-6:]}")
         with self._lock:
-            self._threads.append(t)
+            self._sends.append(t)
         t.start()
 
     def _send_one(self, request: TransferRequest) -> None:
         log = self._log.bind(transfer_id=request.transfer_id, peer=request.receiver)
-        if self._sends.serve(request, log) is not None:
+        if self._path.serve(request, log) is not None:
             self.served += 1

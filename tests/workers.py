@@ -145,7 +145,7 @@ class _KillAfter:
 
 def _install_fault(fault: str) -> None:
     from nccl_back.load import service
-    from nccl_back.transport import sender
+    from nccl_back.transport import send as sender  # the send path holders (and relays) share
 
     if fault == "kill_mid_send":
         orig_send = sender.send_tensors

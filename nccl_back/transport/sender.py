@@ -3,9 +3,10 @@
 After a verified load the worker publishes itself in the registry (a heartbeat keeps
 the entry alive, so a crashed worker vanishes within ``peer_ttl``) and answers
 transfer requests in the background: for each request, the sender half of the
-liveness handshake, then the guarded broadcast of its tensors. At most
-``max_concurrent_sends`` at once. The model is only read, so a failed send leaves it
-untouched and the worker goes on serving.
+liveness handshake, then the guarded broadcast of its tensors (the send path it shares
+with the relay, :mod:`nccl_back.transport.send`). At most ``max_concurrent_sends`` at
+once. The model is only read, so a failed send leaves it untouched and the worker goes
+on serving.
 
 Sends read the model's tensors at the time of each send, never references taken at
 publication: whoever re-points the model's storage afterwards (the sidecar's hand-off
@@ -35,7 +36,6 @@ import contextlib
 import os
 import socket
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,24 +43,17 @@ from typing import Any
 
 import torch
 
+from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord.auth import transfer_scope
-from nccl_back.coord.handshake import refuse, run_sender
-from nccl_back.coord.records import to_label
+from nccl_back.coord.records import TransferRequest, to_label
 from nccl_back.coord.registry import PeerInfo, Registry
-from nccl_back.errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
+from nccl_back.errors import RegistryError
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.skeleton import Manifest, Model, model_device, named_tensors
-from nccl_back.transport import (
-    Rendezvous,
-    open_rendezvous,
-    payload_bytes,
-    resolve_kind,
-    run_guarded,
-    send_tensors,
-)
+from nccl_back.transport import Rendezvous, open_rendezvous, resolve_kind
 from nccl_back.transport.pacing import Pacer
+from nccl_back.transport.send import HOLDER, Sends, answer, decline
 
 #: Requests that may wait per send slot; a flood beyond it is dropped, not queued.
 QUEUE_PER_SLOT = 4
@@ -73,14 +66,14 @@ class _Held:
     model: Model
     manifest: Manifest
     info: PeerInfo
-    sends: ThreadPoolExecutor
+    pool: ThreadPoolExecutor
+    sends: Sends
+    """Its sends (the shared send path), so a drain past its bound can abort them."""
     thread: threading.Thread | None = None
     active: int = 0
     queued: int = 0
     """Requests submitted and not finished (running or waiting for a slot)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
-    transports: set[Any] = field(default_factory=set)
-    """Transports of in-flight sends, so a drain past its bound can abort them."""
     truth: dict[str, str] | None = None
     """The ground truth this worker holds for its model (stored form), re-published by
     the heartbeat when Redis lost it or holds an untrusted record in its place."""
@@ -139,7 +132,7 @@ class PeerServer:
             if held.thread is not None:
                 held.thread.join(self.settings.redis_timeout + 2)
             # In-flight sends end within their own watchdog deadline.
-            held.sends.shutdown(wait=True)
+            held.pool.shutdown(wait=True)
         if self._heartbeat is not None:
             self._heartbeat.join(self.settings.heartbeat_interval + self.settings.redis_timeout + 1)
         for rv in self._rendezvous.values():
@@ -153,14 +146,7 @@ class PeerServer:
         Receivers see a transfer error and fall back; this worker's weights are
         untouched. Returns how many sends were aborted.
         """
-        n = 0
-        for held in list(self._held.values()):
-            with held.lock:
-                transports = list(held.transports)
-            for tr in transports:
-                with contextlib.suppress(Exception):
-                    tr.abort()
-                    n += 1
+        n = sum(held.sends.abort() for held in list(self._held.values()))
         if n:
             self._log.warning("sends_aborted", count=n)
         return n
@@ -216,10 +202,14 @@ class PeerServer:
                 # heartbeat publishes it, with its ground truth, once Redis answers, so
                 # workers that loaded during an outage still serve the fleet after it.
                 log.warning("publish_deferred", peer=peer_id, error=str(e))
+            s = self.settings
+            # Read at send time: the model may have moved since publication.
+            sends = Sends(HOLDER, s, self.registry, self.metrics, self.pacer, rv, man.digest, kind,
+                          lambda: named_tensors(model)[0], s.transfer_timeout, s.stall_timeout)
             held = _Held(model, man, info,
-                         ThreadPoolExecutor(self.settings.max_concurrent_sends,
+                         ThreadPoolExecutor(s.max_concurrent_sends,
                                             thread_name_prefix=f"nccl-back-send-{rank}"),
-                         truth=truth)
+                         sends, truth=truth)
             self._held[peer_id] = held
         held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
@@ -243,7 +233,7 @@ class PeerServer:
             return rv
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_interval):
+        while not _clock.wait(self._stop, self.settings.heartbeat_interval):
             for held in list(self._held.values()):
                 with self._entries_lock:
                     if self._stop.is_set():  # withdrawn meanwhile: never re-publish
@@ -256,108 +246,60 @@ class PeerServer:
 
     def _serve_loop(self, held: _Held) -> None:
         bound = QUEUE_PER_SLOT * held.info.max_sends
-        while not self._stop.is_set():
-            try:
-                request = self.registry.pop_request(held.info.peer_id, timeout=0.5)
-                if request is None or self._stop.is_set():
-                    continue
-                with held.lock:
-                    full = held.queued >= bound
-                    if not full:
-                        held.queued += 1
-                if full:
-                    self.metrics.record_request_dropped()
-                    self._log.warning("request_dropped", peer=held.info.peer_id, queued=bound,
-                                      receiver=str(request.get("receiver")))
-                    continue
-                held.sends.submit(self._serve_one, held, request)
-            except RegistryError as e:
-                self._log.warning("serve_poll_failed", peer=held.info.peer_id, error=str(e))
-                self._stop.wait(0.5)
-            except Exception as e:  # the loop must outlive anything a request does
-                self._log.error("serve_loop_error", peer=held.info.peer_id, error=repr(e))
-                self._stop.wait(0.5)
+        log = self._log.bind(peer=held.info.peer_id)
 
-    def _serve_one(self, held: _Held, request: dict[str, Any]) -> None:
-        s = self.settings
-        transfer_id = str(request.get("transfer_id", ""))
-        claim = request.get("claim")
+        def enqueue(request: TransferRequest) -> None:
+            with held.lock:
+                full = held.queued >= bound
+                if not full:
+                    held.queued += 1
+            if full:
+                self.metrics.record_request_dropped()
+                log.warning("request_dropped", queued=bound, receiver=request.receiver)
+                return
+            held.pool.submit(self._serve_one, held, request)
+
+        answer(self.registry, held.info.peer_id, HOLDER, log, self._stop, 0.5, enqueue)
+
+    def _serve_one(self, held: _Held, request: TransferRequest) -> None:
         log = self._log.bind(rank=held.info.rank, version=held.info.version[:12],
-                             peer=str(request.get("receiver")), transfer_id=transfer_id)
+                             peer=request.receiver, transfer_id=request.transfer_id)
         with held.lock:
             held.active += 1
         self.metrics.set_claims(self.active_sends)
         ok = False
-        transport: Any = None
         try:
             refusal = self._refusal(held, request)
             if refusal is not None:
-                refuse(self.registry, transfer_id, *refusal)
-                log.warning("request_refused", code=refusal[0], reason=refusal[1])
-                return
-            start = _start_step(request)
-            run_sender(self.registry, transfer_id, held.manifest.digest, s.sender_handshake_timeout)
-            scope = transfer_scope(s.key("store"), transfer_id)
-            transport = self._rendezvous[held.info.transport].sender(scope)
-            with held.lock:
-                held.transports.add(transport)
-            now = time.monotonic()
-
-            def send(tr: Any) -> Any:
-                # Read at send time: the model may have moved since publication.
-                tensors = named_tensors(held.model)[0]
-                bucket = s.bucket_for(held.info.transport, payload_bytes(tensors))
-                return send_tensors(tr, tensors, bucket, start=start, pace=self.pacer.take)
-
-            with self.metrics.sending("holder"):
-                stats = run_guarded(
-                    transport,
-                    send,
-                    now + s.transfer_timeout,
-                    connect_deadline=now + s.connect_timeout,
-                    stall=s.stall_timeout,
-                )
-            self.metrics.record_sent("holder", stats.bytes, stats.seconds)
-            ok = True
-            log.info("served", bytes=held.manifest.nbytes, gbps=round(stats.gbps, 3))
-        except NcclBackError as e:
-            if isinstance(e, HandshakeTimeoutError):
-                self.metrics.record_handshake_timeout()
-            log.warning("serve_failed", reason=fallback_reason(e), error=str(e))
-        except Exception as e:  # a serving thread must never die silently
-            log.error("serve_crashed", error=repr(e))
+                decline(self.registry, request, *refusal, log, HOLDER,
+                        code=refusal[0], reason=refusal[1])
+            else:
+                ok = held.sends.serve(request, log) is not None
         finally:
-            if not ok and isinstance(claim, str):
+            if not ok and request.claim is not None:
                 # Our side failed (receiver crashed, gave up, or was refused): free its
                 # slot now rather than when the claim expires.
                 with contextlib.suppress(RegistryError):
-                    self.registry.release(held.info.peer_id, claim)
+                    self.registry.release(held.info.peer_id, request.claim)
             self.metrics.record_served(ok)
             with held.lock:
                 held.active -= 1
                 held.queued -= 1
-                held.transports.discard(transport)
             self.metrics.set_claims(self.active_sends)
 
-    def _refusal(self, held: _Held, request: dict[str, Any]) -> tuple[str, str] | None:
+    def _refusal(self, held: _Held, request: TransferRequest) -> tuple[str, str] | None:
         """Why this request must not be served, as ``(code, message)``; None to serve it."""
         info = held.info
         if self._stop.is_set():
             # Queued before the drain began: a drain reported done must stay done.
             return "draining", "the peer is draining"
-        if request.get("version") != info.version:
-            return "version", (f"request for version {str(request.get('version'))[:12]},"
+        if request.version != info.version:
+            return "version", (f"request for version {request.version[:12]},"
                                f" this peer holds {info.version[:12]}")
-        if request.get("transport") != info.transport or request.get("device", info.device) != info.device:
+        device = info.device if request.device is None else request.device
+        if request.transport != info.transport or device != info.device:
             return "incompatible", (
-                f"request for {str(request.get('transport'))[:16]}/{str(request.get('device'))[:16]},"
+                f"request for {request.transport[:16]}/{str(request.device)[:16]},"
                 f" this peer serves {info.transport}/{info.device}"
             )
         return None
-
-
-def _start_step(request: dict[str, Any]) -> int:
-    """The step a (resuming) receiver asks to start from; 0 when absent or malformed
-    (a bad value then fails the plan agreement, never the sender)."""
-    start = request.get("start", 0)
-    return start if isinstance(start, int) and not isinstance(start, bool) and 0 <= start < 1 << 31 else 0

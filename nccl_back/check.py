@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
-from nccl_back.coord.redisclient import parse_redis_url
 from nccl_back.errors import ConfigError, NcclBackError, RegistryError
+from nccl_back.redis_url import parse_redis_url
 
 Status = Literal["ok", "fail", "skip"]
 SECRET_ENV = ENV_PREFIX + "SECRET"
@@ -142,7 +142,7 @@ def _redis_fix(error: BaseException) -> str:
 def check_redis(settings: Settings) -> tuple[Check, Any]:
     """PING the coordination store; returns the check and the Registry (None on failure)."""
     from nccl_back.coord.registry import Registry
-    from nccl_back.coord.registry import _redact as redact  # the one redaction of Redis URLs
+    from nccl_back.redis_url import redact  # the one redaction of Redis URLs
 
     target = parse_redis_url(settings.redis_url)
     where = redact(settings.redis_url)
@@ -161,7 +161,7 @@ def check_redis(settings: Settings) -> tuple[Check, Any]:
 
 def check_namespace(settings: Settings, registry: Any) -> Check:
     """Write, read back and delete a probe key in the namespace; count what it holds."""
-    key = registry.key("check", uuid.uuid4().hex)
+    key = registry.keys.check(uuid.uuid4().hex)
     try:
         registry.client.set(key, "1", px=10_000)
         back = registry.client.get(key)

@@ -62,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_check(sub)
 
+    p = sub.add_parser(
+        "drain",
+        help="drain the local sidecar and wait until it has (a Kubernetes preStop hook)",
+        description="POST /drain to the sidecar's health port on 127.0.0.1 and wait until"
+        " its in-flight transfers have finished; exit 1 if that fails.",
+    )
+    p.add_argument("--port", type=int, default=9400, help="the sidecar's --health-port (default 9400)")
+    p.add_argument("--timeout", type=float, default=130.0, help="seconds to wait at most")
+    p.add_argument("--token-file", help="file holding the sidecar's drain token")
+    p.set_defaults(func=cmd_drain)
+
     p = sub.add_parser("status", help="what Redis holds: versions, peers, claims, ground truth")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--redis-url", help="coordination store (default: NCCL_BACK_REDIS_URL)")
@@ -126,7 +137,7 @@ def _add_serve(sub: Any) -> None:
                    help="written atomically (JSON) when ready, removed when draining")
     p.add_argument("--drain-token-file", metavar="PATH",
                    help="write a random token there (0600, private directory); POST /drain"
-                   " then needs it (python -m nccl_back.sidecar.health drain --token-file PATH)")
+                   " then needs it (nccl-back drain --token-file PATH)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of falling back to storage when a peer load fails")
     for flag, type_, help_ in _SETTINGS_FLAGS:
@@ -179,6 +190,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         for c in results:
             print(c.line())
     return 1 if check.failed(results) else 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Drain the local sidecar; returns once it has drained."""
+    from nccl_back.sidecar.drain import read_token_file, request_drain
+
+    try:
+        token = read_token_file(args.token_file) if args.token_file else None
+        request_drain(args.port, args.timeout, token=token)
+    except NcclBackError as e:
+        # Exits rather than returning 1, as the preStop command always has: a caller
+        # running it in-process (tests, a wrapper script) sees the failure as an exit.
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from e
+    return 0
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:

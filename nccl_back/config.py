@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nccl_back.coord.redisclient import parse_redis_url
 from nccl_back.errors import ConfigError
+from nccl_back.kinds import TRANSPORT_KINDS, TransportKind
+from nccl_back.redis_url import parse_redis_url
 
 ENV_PREFIX = "NCCL_BACK_"
 #: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
@@ -32,7 +33,7 @@ AUTO_BUCKET_BYTES = {"gloo": (1 << 20, 8 << 20), "nccl": (8 << 20, 8 << 20)}
 #: so a chain of N members costs one transfer x (1 + (N - 1) / STEPS_PER_MODEL).
 STEPS_PER_MODEL = 128
 
-TransportName = Literal["auto", "gloo", "nccl"]
+TransportName = Literal["auto", TransportKind]
 VerifyMode = Literal["sampled", "full", "none"]
 
 
@@ -81,7 +82,7 @@ class Settings:
     """Coordination store, password in the URL: ``redis://`` (``rediss://`` over TLS) for
     one server, ``redis+sentinel://h1:26379,h2:26379/SERVICE/0`` for the master Sentinel
     names, ``redis+cluster://h1:6379,h2:6379`` for a Redis Cluster (``rediss+...`` over
-    TLS); see :mod:`nccl_back.coord.redisclient`."""
+    TLS); see :mod:`nccl_back.redis_url`."""
 
     redis_ca_file: str = ""
     """PEM CA bundle that verifies the Redis server's certificate (TLS URLs; empty: the
@@ -248,8 +249,8 @@ class Settings:
             raise ConfigError(
                 f"namespace={self.namespace!r}: must be non-empty, without spaces, ':', braces or glob characters"
             )
-        if self.transport not in ("auto", "gloo", "nccl"):
-            raise ConfigError(f"transport={self.transport!r}: choose auto, gloo or nccl")
+        if self.transport not in ("auto", *TRANSPORT_KINDS):
+            raise ConfigError(f"transport={self.transport!r}: choose {', '.join(('auto', *TRANSPORT_KINDS[:-1]))} or {TRANSPORT_KINDS[-1]}")
         if self.verify not in ("sampled", "full", "none"):
             raise ConfigError(f"verify={self.verify!r}: choose sampled, full or none")
         for name in (

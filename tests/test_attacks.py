@@ -28,13 +28,24 @@ import pytest
 import torch
 from torch import nn
 
+from nccl_back import log
+from nccl_back.cli import main
 from nccl_back.errors import AttachError, CheckpointFormatError, ConfigError
 from nccl_back.metrics import Metrics
 from nccl_back.model.checkpoint import parse_header
+from nccl_back.sidecar.drain import read_token_file, write_token_file
 from nccl_back.sidecar.handoff import HandoffServer, attach
-from nccl_back.sidecar.health import HealthServer, main, read_token_file, write_token_file
+from nccl_back.sidecar.health import HealthServer
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging() -> Iterator[None]:
+    """main() (the nccl-back command line) configures logging for the process; undo it
+    so other tests see the default."""
+    yield
+    log.reset()
 
 VERSION = "v-attack"
 NOBODY = 65534

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord import auth
 from nccl_back.coord.auth import Signer, canonical
@@ -15,11 +16,11 @@ KEY = bytes(range(32))
 RECORD = {"peer_id": "p1", "rank": 0, "address": "10.0.0.1:29500", "nested": {"b": 1, "a": [1, 2]}}
 
 
-class Clock:
+class Clock(_clock.Clock):
     def __init__(self, now: float = 1000.0) -> None:
         self.now = now
 
-    def __call__(self) -> float:
+    def wall(self) -> float:
         return self.now
 
 
@@ -65,13 +66,14 @@ def test_a_record_replayed_at_another_key_or_with_another_key_is_refused() -> No
 def test_expired_records_are_refused_within_the_clock_skew() -> None:
     """A record with a TTL is refused once ``exp`` plus the allowed clock skew has passed."""
     clock = Clock()
-    signer = Signer(KEY, clock=clock)
-    signed = signer.sign("ns:hs:t:receiver_ready", RECORD, ttl=30)
-    clock.now += 30 + auth.CLOCK_SKEW - 0.5
-    assert signer.verify("ns:hs:t:receiver_ready", signed) == RECORD
-    clock.now += 1
-    with pytest.raises(UntrustedRecordError, match="expired record"):
-        signer.verify("ns:hs:t:receiver_ready", signed)
+    with _clock.use(clock):
+        signer = Signer(KEY)
+        signed = signer.sign("ns:hs:t:receiver_ready", RECORD, ttl=30)
+        clock.now += 30 + auth.CLOCK_SKEW - 0.5
+        assert signer.verify("ns:hs:t:receiver_ready", signed) == RECORD
+        clock.now += 1
+        with pytest.raises(UntrustedRecordError, match="expired record"):
+            signer.verify("ns:hs:t:receiver_ready", signed)
 
 
 def test_without_a_secret_records_pass_unsigned_and_a_warning_is_given_once(

@@ -378,7 +378,7 @@ def test_grace_period_covers_the_drain_bound(name: str, rendered: dict[str, list
     spec = one(objs, "Deployment", "nccl-back-worker")["spec"]["template"]["spec"]
     sidecar = container(objs, "nccl-back-worker", "nccl-back")
     hook = sidecar["lifecycle"]["preStop"]["exec"]["command"]
-    assert hook[:4] == ["python", "-m", "nccl_back.sidecar.health", "drain"]
+    assert hook[:2] == ["nccl-back", "drain"]
     assert flag(hook, "--port") == flag(sidecar["args"], "--health-port")
     assert flag(hook, "--token-file") == flag(sidecar["args"], "--drain-token-file")
     pre_stop_timeout = float(flag(hook, "--timeout"))

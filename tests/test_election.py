@@ -9,18 +9,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.election import DownloadLease, elect
 from nccl_back.coord.registry import Registry
 
 
-class FakeClock:
+class FakeClock(_clock.Clock):
     """Time that moves only when the code under test sleeps."""
 
     def __init__(self) -> None:
         self.now = 0.0
 
-    def __call__(self) -> float:
+    def monotonic(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
@@ -64,8 +65,8 @@ def test_waiter_keeps_waiting_while_the_downloader_renews(settings: Settings, re
     clock = FakeClock()
     try:
         assert holder.try_acquire()
-        outcome, who, error = elect(waiter, lambda: False, None, 0, settings,
-                                    poll=1.0, clock=clock, sleep=clock.sleep)
+        with _clock.use(clock):
+            outcome, who, error = elect(waiter, lambda: False, None, 0, settings)
         assert (outcome, who, error) == ("timeout", 0, None)
         assert 50.0 <= clock.now <= 52.0
     finally:
@@ -85,8 +86,8 @@ def test_waiter_takes_over_when_the_lease_is_gone(settings: Settings, registry: 
 
     try:
         assert holder.try_acquire()
-        outcome, who, _ = elect(waiter, sees_peer, None, 0, settings, poll=1.0, clock=clock,
-                                sleep=clock.sleep)
+        with _clock.use(clock):
+            outcome, who, _ = elect(waiter, sees_peer, None, 0, settings)
         assert (outcome, who) == ("elected", 0)
         assert waiter.held and waiter.holder() == "B"
     finally:
@@ -98,6 +99,6 @@ def test_waiter_takes_over_when_the_lease_is_gone(settings: Settings, registry: 
 def test_peer_wins_over_the_lease(settings: Settings, registry: Registry) -> None:
     """A peer seen in the same poll wins: the lease just taken is given back at once."""
     waiter = _lease(registry, "B")
-    outcome, _, _ = elect(waiter, lambda: True, None, 0, settings, poll=1.0)
+    outcome, _, _ = elect(waiter, lambda: True, None, 0, settings)
     assert outcome == "peer"
     assert not waiter.held and waiter.holder() is None

@@ -369,7 +369,7 @@ def test_a_consolidated_skeleton_is_its_own_arena() -> None:
     """A skeleton laid out by skeleton.build is exported as it is (no second copy on a
     GPU); a model of separate allocations is not, and gets an arena of its own."""
     from nccl_back.model.skeleton import flat_layout, manifest, named_tensors
-    from nccl_back.sidecar.handoff import _laid_out
+    from nccl_back.sidecar.handoff.arena import laid_out as _laid_out
 
     flat = build(TinyNet, "cpu")
     tensors, _ = named_tensors(flat)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord import handshake
 from nccl_back.coord.registry import Registry
@@ -26,14 +27,14 @@ def registry(redis_url: str, namespace: str) -> Registry:
     return Registry(Settings(redis_url=redis_url, namespace=namespace))
 
 
-class FakeClock:
+class FakeClock(_clock.Clock):
     """Time that moves only when the code under test sleeps."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.slept = 0.0
 
-    def __call__(self) -> float:
+    def monotonic(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
@@ -85,8 +86,8 @@ def test_receiver_alone_times_out_and_cleans_up(registry: Registry) -> None:
     """No sender: HandshakeTimeoutError at the receiver's timeout, keys removed."""
     clock = FakeClock()
     tid = uuid.uuid4().hex
-    with pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
-        handshake.run_receiver(registry, tid, "m", 10.0, clock=clock, sleep=clock.sleep, poll=0.5)
+    with _clock.use(clock), pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
+        handshake.run_receiver(registry, tid, "m", 10.0)
     assert clock.now == pytest.approx(10.0)
     assert registry.get_json(handshake.keys(registry, tid)[0]) is None
 
@@ -94,8 +95,8 @@ def test_receiver_alone_times_out_and_cleans_up(registry: Registry) -> None:
 def test_sender_alone_times_out(registry: Registry) -> None:
     """No receiver: the sender gives up at its own (short) timeout."""
     clock = FakeClock()
-    with pytest.raises(HandshakeTimeoutError, match="S0 WAIT_X"):
-        handshake.run_sender(registry, uuid.uuid4().hex, "m", 1.0, clock=clock, sleep=clock.sleep)
+    with _clock.use(clock), pytest.raises(HandshakeTimeoutError, match="S0 WAIT_X"):
+        handshake.run_sender(registry, uuid.uuid4().hex, "m", 1.0)
     assert clock.now == pytest.approx(1.0)
 
 
@@ -105,8 +106,8 @@ def test_receiver_that_vanishes_after_x_times_the_sender_out(registry: Registry)
     r_key, _ = handshake.keys(registry, tid)
     registry.set_json(r_key, {"by": "receiver", "value": 41, "digest": "m"}, 5)
     clock = FakeClock()
-    with pytest.raises(HandshakeTimeoutError, match="S3 WAIT_ACK"):
-        handshake.run_sender(registry, tid, "m", 1.0, clock=clock, sleep=clock.sleep)
+    with _clock.use(clock), pytest.raises(HandshakeTimeoutError, match="S3 WAIT_ACK"):
+        handshake.run_sender(registry, tid, "m", 1.0)
 
 
 def test_stale_keys_of_another_transfer_do_not_satisfy(registry: Registry) -> None:
@@ -117,25 +118,23 @@ def test_stale_keys_of_another_transfer_do_not_satisfy(registry: Registry) -> No
     thread.join(10)
     assert errors == []
     clock = FakeClock()
-    with pytest.raises(HandshakeTimeoutError):
-        handshake.run_receiver(
-            registry, uuid.uuid4().hex, "m", 2.0, clock=clock, sleep=clock.sleep, poll=0.1
-        )
+    with _clock.use(clock), pytest.raises(HandshakeTimeoutError):
+        handshake.run_receiver(registry, uuid.uuid4().hex, "m", 2.0)
 
 
 def test_stale_ack_under_the_same_id_does_not_satisfy(registry: Registry) -> None:
     """An old +1 left under the key is not our X+1: the receiver still waits."""
     tid = uuid.uuid4().hex
     r_key, _ = handshake.keys(registry, tid)
-    clock = FakeClock()
 
-    def sleep(seconds: float) -> None:
-        # A leftover acknowledgement of some other nonce appears while we wait.
-        registry.set_json(r_key, {"by": "sender", "value": 7, "digest": "m"}, 5)
-        clock.sleep(seconds)
+    class Leftovers(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            # A leftover acknowledgement of some other nonce appears while we wait.
+            registry.set_json(r_key, {"by": "sender", "value": 7, "digest": "m"}, 5)
+            super().sleep(seconds)
 
-    with pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
-        handshake.run_receiver(registry, tid, "m", 1.0, clock=clock, sleep=sleep, poll=0.1)
+    with _clock.use(Leftovers()), pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
+        handshake.run_receiver(registry, tid, "m", 1.0)
 
 
 @pytest.mark.timeout(30)

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from nccl_back import log
+from nccl_back.cli import main
 from nccl_back.errors import (
     ConfigError,
     HandshakeTimeoutError,
@@ -24,9 +26,18 @@ from nccl_back.errors import (
     WeightVerificationError,
 )
 from nccl_back.metrics import CONTENT_TYPE, FALLBACK_REASONS, Metrics, fallback_reason
-from nccl_back.sidecar.health import HealthServer, main, request_drain
+from nccl_back.sidecar.drain import request_drain
+from nccl_back.sidecar.health import HealthServer
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging() -> Iterator[None]:
+    """main() (the nccl-back command line) configures logging for the process; undo it
+    so other tests see the default."""
+    yield
+    log.reset()
 
 
 def get(server: HealthServer, path: str, host: str = "127.0.0.1") -> tuple[int, str, str]:
@@ -251,7 +262,7 @@ def test_drain_refused_from_other_hosts() -> None:
 
 
 def test_drain_command_line() -> None:
-    """`python -m nccl_back.sidecar.health drain` drains a live sidecar and fails cleanly on none."""
+    """`nccl-back drain` drains a live sidecar and fails cleanly on none."""
     with HealthServer(Metrics()) as server:
         assert main(["drain", "--port", str(server.port), "--timeout", "5"]) == 0
         assert server.state == "draining"

@@ -16,7 +16,8 @@ import torch
 
 from nccl_back.errors import ConfigError, ShardNotFoundError
 from nccl_back.model.checkpoint import INDEX_NAME
-from nccl_back.model.identity import CACHE_NAME, ModelSpec, Shard, file_crc32c
+from nccl_back.model.crc_cache import CACHE_NAME, file_crc32c
+from nccl_back.model.identity import ModelSpec, Shard
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -218,7 +219,7 @@ def test_malformed_json_is_rejected(bad: Any) -> None:
 
 _FULL_DISK = r"""
 import os, resource, signal, sys
-from nccl_back.model.identity import CrcCache
+from nccl_back.model.crc_cache import CrcCache
 # Past the limit a write fails with EFBIG (SIGXFSZ ignored), as on a full disk: the
 # temporary file exists by then.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -21,7 +21,8 @@ from nccl_back.errors import (
     WeightLoadError,
 )
 from nccl_back.model.checkpoint import INDEX_NAME, flat_skeleton
-from nccl_back.model.identity import CACHE_NAME, ModelSpec
+from nccl_back.model.crc_cache import CACHE_NAME
+from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import load_from_storage
 from nccl_back.model.skeleton import build, manifest, named_tensors
 

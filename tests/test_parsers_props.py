@@ -28,16 +28,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
-from nccl_back.coord.redisclient import RedisTarget, parse_redis_url
 from nccl_back.errors import AttachError, ConfigError, WeightVerificationError
 from nccl_back.metrics import Metrics
 from nccl_back.model.skeleton import build, manifest
+from nccl_back.redis_url import RedisTarget, parse_redis_url
 from nccl_back.sidecar.handoff import PROTOCOL, HandoffServer, attach
-from nccl_back.sidecar.health import (
+from nccl_back.sidecar.health import HealthServer
+from nccl_back.sidecar.http import (
     MAX_BODY_BYTES,
     MAX_HEAD_BYTES,
     BadRequest,
-    HealthServer,
     Request,
     parse_request,
 )

@@ -23,10 +23,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from nccl_back.config import Settings
 from nccl_back.coord.election import DownloadLease
-from nccl_back.coord.redisclient import parse_redis_url
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.dev.servers import LocalRedis, LocalRedisCluster, LocalSentinel, TLSTerminator
 from nccl_back.errors import ConfigError, RegistryError
+from nccl_back.redis_url import parse_redis_url
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

@@ -25,6 +25,7 @@ from test_transport import (  # _redis: its autouse fixture gives the helpers a 
     skeleton_like,
 )
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.registry import Registry
@@ -141,16 +142,26 @@ def test_pacer_holds_the_long_run_rate_across_threads() -> None:
     """Two senders sharing one 1 GB/s Pacer get 1 GB/s together; 0 means unlimited."""
     now = [0.0]
 
-    def sleep(s: float) -> None:
-        now[0] += s
+    class Fake(_clock.Clock):
+        def monotonic(self) -> float:
+            return now[0]
 
-    pacer = Pacer(1.0, clock=lambda: now[0], sleep=sleep)
-    for _ in range(100):
-        pacer.take(10_000_000)  # sender A
-        pacer.take(10_000_000)  # sender B
+        def sleep(self, seconds: float) -> None:
+            now[0] += seconds
+
+    class NoSleep(Fake):
+        def sleep(self, seconds: float) -> None:
+            pytest.fail("slept")
+
+    with _clock.use(Fake()):
+        pacer = Pacer(1.0)
+        for _ in range(100):
+            pacer.take(10_000_000)  # sender A
+            pacer.take(10_000_000)  # sender B
     assert now[0] == pytest.approx(2.0 - 0.05, rel=0.01)  # 2 GB at 1 GB/s, less the burst
-    free = Pacer(0.0, clock=lambda: now[0], sleep=lambda s: pytest.fail("slept"))
-    free.take(1 << 40)
+    with _clock.use(NoSleep()):
+        free = Pacer(0.0)
+        free.take(1 << 40)
     assert not free.limited
 
 

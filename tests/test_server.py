@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.records import to_label
@@ -273,12 +274,25 @@ def test_drain_gives_up_on_a_stalled_send_at_the_bound(
                         transfer_timeout=3.0)
     now = [0.0]
 
-    def sleep(seconds: float) -> None:  # a fake clock: the bound passes without real waiting
-        now[0] += seconds
-        time.sleep(0.001)
+    class DrainClock(_clock.Clock):
+        """Fake time for the draining thread only: the bound passes without real waiting,
+        while the service's own threads (the stalled send's watchdog) keep real time."""
+
+        def __init__(self) -> None:
+            self.thread = threading.get_ident()
+
+        def monotonic(self) -> float:
+            return now[0] if threading.get_ident() == self.thread else super().monotonic()
+
+        def sleep(self, seconds: float) -> None:
+            if threading.get_ident() != self.thread:
+                super().sleep(seconds)
+                return
+            now[0] += seconds
+            time.sleep(0.001)
 
     sidecar = Sidecar(settings, ServeOptions(str(ckpt), torch.device("cpu"), drain_timeout=30.0),
-                      out=io.StringIO(), clock=lambda: now[0], sleep=sleep).start()
+                      out=io.StringIO()).start()
     registry = Registry(settings)
     try:
         version = sidecar.load().version
@@ -291,7 +305,8 @@ def test_drain_gives_up_on_a_stalled_send_at_the_bound(
         # The handshake is done and the receiver never connects: the send is in flight.
         assert sidecar.service.active_sends == 1
 
-        sidecar.drain()
+        with _clock.use(DrainClock()):
+            sidecar.drain()
         assert sidecar.abandoned
         assert now[0] >= 30.0
         assert sidecar.health.state == "draining"

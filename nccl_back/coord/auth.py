@@ -25,10 +25,10 @@ import hmac
 import json
 import math
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import UntrustedRecordError
 from nccl_back.log import get_logger
@@ -53,9 +53,8 @@ def canonical(value: Mapping[str, Any]) -> bytes:
 class Signer:
     """Signs and verifies records with one key (``None``: unsigned mode)."""
 
-    def __init__(self, key: bytes | None, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, key: bytes | None) -> None:
         self.key = key
-        self._clock = clock
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Signer:
@@ -74,7 +73,7 @@ class Signer:
         if self.key is None:
             return out
         if ttl is not None:
-            out[EXP] = round(self._clock() + ttl, 3)
+            out[EXP] = round(_clock.wall() + ttl, 3)
         out[SIG] = _mac(self.key, redis_key, out)
         return out
 
@@ -99,7 +98,7 @@ class Signer:
             if exp is not None:
                 if not isinstance(exp, (int, float)) or isinstance(exp, bool) or not math.isfinite(exp):
                     raise UntrustedRecordError(f"{redis_key}: malformed expiry")
-                if exp + CLOCK_SKEW < self._clock():
+                if exp + CLOCK_SKEW < _clock.wall():
                     raise UntrustedRecordError(f"{redis_key}: expired record (a replay?)")
         body.pop(EXP, None)
         return body

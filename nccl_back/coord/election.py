@@ -17,27 +17,23 @@ A waiter gives up after ``Settings.single_flight_wait`` unless the elected downl
 is still alive (its lease is still being renewed): then it keeps waiting, up to
 ``Settings.single_flight_max_wait``, because a large model can take longer.
 
-Key: :meth:`Registry.lease_key` -> ``{"owner": worker_id}``, TTL = lease, keyed by
-version and world size (one per worker, never per rank). The lease is signed with an
-expiry inside the signature and renewed by re-signing it (compare-and-set on the value
-its owner wrote), so a lease that does not verify (written without the secret, a
-stale genuine copy, garbage, another Redis type, a TTL far beyond ``download_lease``)
-is never obeyed: the next waiter takes it over atomically (:meth:`Registry.acquire`)
-and downloads, at most one of them.
+The lease itself (key, signing, take-over, compare-and-set renewal) is a record family
+of the registry (:mod:`.leases`); this module holds the policy: who tries it, how long
+waiters wait, and how the group agrees.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Literal
 
+from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord import records
 from nccl_back.coord.consensus import Group, gather
 from nccl_back.coord.registry import Registry
-from nccl_back.errors import NcclBackError, RecordKind
+from nccl_back.coord.store import Raw
+from nccl_back.errors import NcclBackError
 from nccl_back.log import get_logger
 
 log = get_logger("nccl_back.coord.election")
@@ -50,17 +46,20 @@ _ELECTED = 2  # rank 0 only
 _GIVE_UP = 4  # rank 0 only
 _FAILED = 8  # this rank could not poll (Redis): the group stops waiting
 
-
+#: Seconds between two polls of the group.
+POLL = 0.1
 
 class DownloadLease:
     """The right to be the one worker (of ``world`` ranks) downloading ``version``."""
 
     def __init__(self, registry: Registry, version: str, world: int, owner: str, ttl: float) -> None:
         self.registry = registry
+        self.version = version
+        self.world = world
         self.key = registry.lease_key(version, world)
         self.owner = owner
         self.ttl = ttl
-        self._raw: str | None = None
+        self._raw: Raw | None = None
         """The exact value we stored: renewals and the release compare against it, so
         after an expiry a late renewal or release never takes the lease from its new owner."""
         self._stop = threading.Event()
@@ -75,8 +74,7 @@ class DownloadLease:
         """Take the lease if nobody holds it; start renewing it if taken."""
         if self._thread is not None:
             return True
-        raw = self.registry.acquire(self.key, {"owner": self.owner}, self.ttl, RecordKind.LEASE,
-                                    records.lease)
+        raw = self.registry.take_lease(self.version, self.world, self.owner, self.ttl)
         got = raw is not None
         if got:
             self._raw = raw
@@ -90,9 +88,7 @@ class DownloadLease:
     def holder(self) -> str | None:
         """The worker holding the lease now, or None (also when the value there is not
         to be trusted: skipped with a reason, counted, and taken over by the next try)."""
-        got = self.registry.get_signed(self.key, RecordKind.LEASE, parse=records.lease,
-                                       max_ttl=self.ttl)
-        return None if got is None else records.lease(got[0]).owner
+        return self.registry.lease_holder(self.version, self.world, self.ttl)
 
     def release(self) -> None:
         """Stop renewing and drop the lease if it is still ours."""
@@ -102,17 +98,16 @@ class DownloadLease:
             self._thread = None
             try:
                 if self._raw is not None:
-                    self.registry.compare_and_delete(self.key, self._raw)
+                    self.registry.drop_lease(self.version, self.world, self._raw)
             except Exception as e:  # expiry cleans up anyway
                 log.warning("download_lease_release_failed", key=self.key, error=str(e))
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+        while not _clock.wait(self._stop, self.ttl / 3):
             try:
-                # Re-signed, so the expiry inside the signature moves with the TTL.
-                new = self.registry.signed(self.key, {"owner": self.owner}, self.ttl)
-                if self._raw is None or not self.registry.compare_and_set(
-                        self.key, self._raw, new, self.ttl):
+                new = None if self._raw is None else self.registry.renew_lease(
+                    self.version, self.world, self.owner, self._raw, self.ttl)
+                if new is None:
                     log.warning("download_lease_lost", key=self.key, owner=self.owner)
                     return
                 self._raw = new
@@ -127,10 +122,7 @@ def elect(
     rank: int,
     settings: Settings,
     *,
-    poll: float = 0.1,
     lease_after: float = 0.0,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> tuple[Outcome, int | None, NcclBackError | None]:
     """Wait, as a group, until every rank sees a peer or rank 0 wins ``lease``.
 
@@ -143,17 +135,17 @@ def elect(
     their ground truth is missing: they re-publish it within a heartbeat, and a download
     then would be one storage read too many).
     """
-    start = clock()
+    start = _clock.monotonic()
     while True:
         code = 0
         error: NcclBackError | None = None
         try:
             if sees_peer():
                 code |= _SEES_PEER
-            if rank == 0 and lease is not None and clock() - start >= lease_after:
+            if rank == 0 and lease is not None and _clock.monotonic() - start >= lease_after:
                 if lease.try_acquire():
                     code |= _ELECTED
-                elif _give_up(lease, clock() - start, settings):
+                elif _give_up(lease, _clock.monotonic() - start, settings):
                     code |= _GIVE_UP
         except NcclBackError as e:
             error, code = e, _FAILED
@@ -169,7 +161,7 @@ def elect(
             return "elected", 0, None
         if codes[0] & _GIVE_UP:
             return "timeout", 0, None
-        sleep(poll)
+        _clock.sleep(POLL)
 
 
 def _give_up(lease: DownloadLease, waited: float, settings: Settings) -> bool:

@@ -59,10 +59,10 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 from collections.abc import Callable
 from typing import Any
 
+from nccl_back import _clock
 from nccl_back.coord import records
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import (
@@ -71,8 +71,8 @@ from nccl_back.errors import (
     ManifestMismatchError,
     NoPeerError,
     PeerError,
+    RecordKind,
     RegistryError,
-    UntrustedRecordError,
 )
 from nccl_back.log import get_logger
 
@@ -82,8 +82,8 @@ log = get_logger(__name__)
 #: nothing lingers after a crash.
 HANDSHAKE_KEY_TTL = 30.0
 
-Clock = Callable[[], float]
-Sleep = Callable[[float], None]
+#: Seconds between two reads of a key the other side is to write.
+POLL = 0.005
 
 
 #: Refusal codes a sender may write, and what the receiver raises for each.
@@ -103,14 +103,14 @@ def keys(registry: Registry, transfer_id: str) -> tuple[str, str]:
     )
 
 
-def refuse(registry: Registry, transfer_id: str, code: str, message: str,
-           *, key_ttl: float = HANDSHAKE_KEY_TTL) -> None:
+def refuse(registry: Registry, transfer_id: str, code: str, message: str) -> None:
     """The sender declines ``transfer_id`` (``code`` in :data:`REFUSALS`) before creating
     anything; the receiver waiting in R1 raises the matching error at once."""
     if code not in REFUSALS:
         raise ValueError(f"refusal code {code!r}: choose one of {sorted(REFUSALS)}")
     r_key, _ = keys(registry, transfer_id)
-    registry.set_signed(r_key, {"by": "sender", "refused": code, "message": message[:500]}, key_ttl)
+    registry.set_signed(r_key, {"by": "sender", "refused": code, "message": message[:500]},
+                        HANDSHAKE_KEY_TTL)
 
 
 def run_receiver(
@@ -119,11 +119,7 @@ def run_receiver(
     manifest_digest: str,
     timeout: float,
     *,
-    clock: Clock = time.monotonic,
-    sleep: Sleep = time.sleep,
-    poll: float = 0.005,
     after_ready: Callable[[], None] | None = None,
-    key_ttl: float = HANDSHAKE_KEY_TTL,
 ) -> None:
     """The receiver's half (states R0-R3); returns once the sender proved it is alive.
 
@@ -135,30 +131,30 @@ def run_receiver(
     keys are removed.
     """
     r_key, s_key = keys(registry, transfer_id)
-    deadline = clock() + timeout
+    deadline = _clock.monotonic() + timeout
     x = _nonce()
     try:
-        registry.set_signed(r_key, _entry("receiver", x, manifest_digest), key_ttl)
+        registry.set_signed(r_key, _entry("receiver", x, manifest_digest), HANDSHAKE_KEY_TTL)
         if after_ready is not None:
             after_ready()
         ack = _wait(registry, r_key,
                     lambda v: v.get("by") == "sender" and (v.get("value") == x + 1 or "refused" in v),
-                    deadline, "R1 WAIT_ACK", transfer_id, clock, sleep, poll)
+                    deadline, "R1 WAIT_ACK", transfer_id)
         if "refused" in ack:
             cls = REFUSALS.get(str(ack.get("refused")), PeerError)
             raise cls(f"transfer {transfer_id}: the sender refused it ({ack.get('refused')}):"
                       f" {str(ack.get('message', ''))[:500]}")
         _check_digest(manifest_digest, ack, "sender", transfer_id)
         got, got_raw = _wait_raw(registry, s_key, lambda v: v.get("by") == "sender",
-                                 deadline, "R2 WAIT_Y", transfer_id, clock, sleep, poll)
+                                 deadline, "R2 WAIT_Y", transfer_id)
         if got.get("abandoned"):
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
                 " passed) before we read its nonce, state R2 WAIT_Y"
             )
         mine = registry.signed(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest),
-                               key_ttl)
-        if not registry.compare_and_set(s_key, got_raw, mine, key_ttl):
+                               HANDSHAKE_KEY_TTL)
+        if not registry.compare_and_set(s_key, got_raw, mine, HANDSHAKE_KEY_TTL):
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
                 " passed) before our acknowledgement landed, state R3 ACK_Y"
@@ -169,17 +165,7 @@ def run_receiver(
     log.debug("handshake_done", side="receiver", transfer_id=transfer_id)
 
 
-def run_sender(
-    registry: Registry,
-    transfer_id: str,
-    manifest_digest: str,
-    timeout: float,
-    *,
-    clock: Clock = time.monotonic,
-    sleep: Sleep = time.sleep,
-    poll: float = 0.005,
-    key_ttl: float = HANDSHAKE_KEY_TTL,
-) -> None:
+def run_sender(registry: Registry, transfer_id: str, manifest_digest: str, timeout: float) -> None:
     """The sender's half (states S0-S3); returns once the receiver proved it is alive.
 
     Raises :class:`HandshakeTimeoutError`, :class:`ManifestMismatchError` (after
@@ -187,28 +173,29 @@ def run_sender(
     out) or :class:`RegistryError`.
     """
     r_key, s_key = keys(registry, transfer_id)
-    deadline = clock() + timeout
+    deadline = _clock.monotonic() + timeout
     abandoned = False
     try:
         got = _wait(registry, r_key, lambda v: v.get("by") == "receiver",
-                    deadline, "S0 WAIT_X", transfer_id, clock, sleep, poll)
-        registry.set_signed(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest), key_ttl)
+                    deadline, "S0 WAIT_X", transfer_id)
+        registry.set_signed(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest),
+                            HANDSHAKE_KEY_TTL)
         _check_digest(manifest_digest, got, "receiver", transfer_id)
         y = _nonce()
-        offer = registry.signed(s_key, _entry("sender", y, manifest_digest), key_ttl)
-        registry.set_json(s_key, offer, key_ttl)
+        offer = registry.signed(s_key, _entry("sender", y, manifest_digest), HANDSHAKE_KEY_TTL)
+        registry.set_json(s_key, offer, HANDSHAKE_KEY_TTL)
         try:
             _wait(registry, s_key, lambda v: v.get("value") == y + 1 and v.get("by") == "receiver",
-                  deadline, "S3 WAIT_ACK", transfer_id, clock, sleep, poll)
+                  deadline, "S3 WAIT_ACK", transfer_id)
         except HandshakeTimeoutError:
             # Abandon atomically: if the ack landed meanwhile, the receiver is committed
             # and waits for us, so we go on instead. The marker stays (with its TTL) for
             # the receiver to read.
-            if registry.compare_and_set(s_key, offer, registry.signed(s_key, _ABANDONED, key_ttl),
-                                        key_ttl):
+            abandon = registry.signed(s_key, _ABANDONED, HANDSHAKE_KEY_TTL)
+            if registry.compare_and_set(s_key, offer, abandon, HANDSHAKE_KEY_TTL):
                 abandoned = True
                 raise
-            found = registry.get_signed(s_key, "handshake")
+            found = registry.get_signed(s_key, RecordKind.HANDSHAKE)
             late = found[0] if found is not None else None
             if not (isinstance(late, dict) and late.get("value") == y + 1
                     and late.get("by") == "receiver"):
@@ -258,12 +245,9 @@ def _wait(
     deadline: float,
     state: str,
     transfer_id: str,
-    clock: Clock,
-    sleep: Sleep,
-    poll: float,
 ) -> dict[str, Any]:
     """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes."""
-    return _wait_raw(registry, key, ready, deadline, state, transfer_id, clock, sleep, poll)[0]
+    return _wait_raw(registry, key, ready, deadline, state, transfer_id)[0]
 
 
 def _wait_raw(
@@ -273,33 +257,21 @@ def _wait_raw(
     deadline: float,
     state: str,
     transfer_id: str,
-    clock: Clock,
-    sleep: Sleep,
-    poll: float,
 ) -> tuple[dict[str, Any], str]:
     """:func:`_wait`, also returning the raw stored value (for a compare-and-set)."""
     while True:
         # Unsigned, forged, expired or malformed values are skipped (logged, counted):
         # only the genuine other side can move the handshake on.
-        found = registry.get_signed(key, "handshake")
-        if found is not None and _well_formed(found[0], key, registry) and ready(found[0]):
+        found = registry.get_signed(key, RecordKind.HANDSHAKE, parse=records.handshake)
+        if found is not None and ready(found[0]):
             return found
-        left = deadline - clock()
+        left = deadline - _clock.monotonic()
         if left <= 0:
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id} timed out in state {state}"
                 " (the peer did not answer in time)"
             )
-        sleep(min(poll, left))
-
-
-def _well_formed(value: dict[str, Any], key: str, registry: Registry) -> bool:
-    try:
-        records.handshake(value)
-    except UntrustedRecordError as e:
-        registry.reject("handshake", key, str(e))
-        return False
-    return True
+        _clock.sleep(min(POLL, left))
 
 
 def _cleanup(registry: Registry, *keys_: str) -> None:

@@ -14,12 +14,12 @@ import ipaddress
 import json
 import math
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nccl_back import bounded_json
+from nccl_back import _clock, bounded_json
 from nccl_back.errors import UntrustedRecordError
+from nccl_back.kinds import TRANSPORT_KINDS
 
 #: Bytes of one peer entry, request or handshake value (real ones are < 1 KiB).
 MAX_RECORD_BYTES = 16 << 10
@@ -31,7 +31,8 @@ MAX_DEPTH = 4
 MAX_SENDS = 64
 #: World size of one worker (tensor x pipeline parallel ranks).
 MAX_WORLD = 1 << 16
-TRANSPORTS = ("gloo", "nccl")
+#: The transport kinds a record may name (the one list: :mod:`nccl_back.kinds`).
+TRANSPORTS = TRANSPORT_KINDS
 #: Steps of one transfer (a resumed transfer's ``start``): far beyond any real model.
 MAX_START = 1 << 31
 PEER_SOURCES = ("storage", "peer", "adopted")
@@ -133,7 +134,7 @@ class PeerInfo:
     address: str
     """``host:0``: the host the sender's transports bind on (the bootstrap goes through
     Redis, :mod:`nccl_back.transport.store`)."""
-    started_at: float = field(default_factory=time.time)
+    started_at: float = field(default_factory=_clock.wall)
     """Wall-clock time the peer finished loading (for ``status``)."""
     source: str = "storage"
     """Where this peer got its weights: ``storage`` or ``peer``."""

@@ -12,115 +12,22 @@ password take ``Settings.redis_sentinel_password``. TLS always verifies the serv
 certificate and host name, against ``Settings.redis_ca_file`` (or the system's CAs),
 and presents ``Settings.redis_cert_file`` / ``redis_key_file`` when given (mutual TLS).
 
-On a cluster every key of one namespace shares one hash slot (``Registry.key`` puts the
-namespace in a ``{hash tag}``), so multi-key commands, transactions and Lua scripts
-work as on one server. Parsing needs no ``redis`` import: :class:`Settings` validates
-URLs with it and the metadata CLI commands stay fast.
+On a cluster every key of one namespace shares one hash slot (:class:`~.keys.Keys` puts
+the namespace in a ``{hash tag}``), so multi-key commands, transactions and Lua scripts
+work as on one server. The URL is parsed by :mod:`nccl_back.redis_url` (no ``redis``
+import there: :class:`Settings` validates URLs with it and the metadata CLI commands
+stay fast); ``redis`` is imported here only when a client is made.
 """
 
 from __future__ import annotations
 
 import os
 import ssl
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import unquote, urlsplit
+from typing import Any
 
+from nccl_back.config import Settings
 from nccl_back.errors import ConfigError
-
-if TYPE_CHECKING:
-    from nccl_back.config import Settings
-
-Kind = Literal["single", "sentinel", "cluster"]
-
-_SCHEMES: dict[str, tuple[Kind, bool]] = {
-    "redis": ("single", False),
-    "rediss": ("single", True),
-    "unix": ("single", False),
-    "redis+sentinel": ("sentinel", False),
-    "rediss+sentinel": ("sentinel", True),
-    "redis+cluster": ("cluster", False),
-    "rediss+cluster": ("cluster", True),
-}
-_DEFAULT_PORT = {"single": 6379, "sentinel": 26379, "cluster": 6379}
-_EXAMPLE = (
-    "redis://[:password@]host:6379/0, rediss://..., unix:///path.sock,"
-    " redis+sentinel://[:password@]h1:26379,h2:26379/SERVICE/0 or redis+cluster://h1:6379,h2:6379"
-)
-
-
-@dataclass(frozen=True)
-class RedisTarget:
-    """What a ``redis_url`` names, parsed and checked."""
-
-    kind: Kind
-    tls: bool
-    hosts: tuple[tuple[str, int], ...]
-    """``(host, port)`` of the server, the sentinels, or the cluster's seed nodes."""
-    username: str | None
-    password: str | None
-    db: int
-    service: str | None
-    """The master's name in Sentinel (``sentinel`` only)."""
-
-
-def parse_redis_url(url: str) -> RedisTarget:
-    """Parse a coordination-store URL; :class:`ConfigError` naming the problem otherwise."""
-    if not isinstance(url, str):
-        raise ConfigError(f"redis_url={url!r}: must be a string ({_EXAMPLE})")
-    if any(c.isspace() or not c.isprintable() for c in url):
-        # urlsplit silently drops tabs and newlines: what it parsed is not what was given.
-        raise ConfigError(f"redis_url={url!r}: whitespace or control characters; percent-encode them")
-    try:
-        parts = urlsplit(url)
-    except ValueError as e:  # an unbalanced [IPv6] bracket
-        raise ConfigError(f"redis_url={url!r}: {e} ({_EXAMPLE})") from e
-    scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
-        raise ConfigError(f"redis_url={url!r}: scheme must be redis://, rediss:// or unix:// ({_EXAMPLE})")
-    kind, tls = _SCHEMES[scheme]
-    if scheme == "unix":
-        return RedisTarget(kind, tls, (), parts.username, parts.password, 0, None)
-    userinfo, sep, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if sep:
-        user, _, pw = userinfo.partition(":")
-        username, password = unquote(user) or None, unquote(pw) or None
-    hosts = tuple(_host_port(url, h, _DEFAULT_PORT[kind]) for h in hostlist.split(","))
-    if kind == "single" and len(hosts) > 1:
-        raise ConfigError(
-            f"redis_url={url!r}: several hosts; use redis+sentinel:// or redis+cluster:// for those"
-        )
-    path = [p for p in parts.path.split("/") if p]
-    service = None
-    if kind == "sentinel":
-        if not path:
-            raise ConfigError(f"redis_url={url!r}: name the master, redis+sentinel://h1:26379,h2:26379/SERVICE/0")
-        service, path = unquote(path[0]), path[1:]
-    if len(path) > 1 or (path and not (path[0].isascii() and path[0].isdigit())):
-        raise ConfigError(f"redis_url={url!r}: the database must be a number, e.g. /0")
-    db = int(path[0]) if path else 0
-    if kind == "cluster" and db != 0:
-        raise ConfigError(f"redis_url={url!r}: a Redis Cluster has only database 0")
-    return RedisTarget(kind, tls, hosts, username, password, db, service)
-
-
-def _host_port(url: str, item: str, default: int) -> tuple[str, int]:
-    if not item:
-        raise ConfigError(f"redis_url={url!r}: no host; use redis://host:6379/0")
-    if item.startswith("["):  # [IPv6]:port
-        host, _, rest = item[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    else:
-        host, _, port_text = item.partition(":")
-    if not host:
-        raise ConfigError(f"redis_url={url!r}: no host; use redis://host:6379/0")
-    if not port_text:
-        return host, default
-    # ASCII only: str.isdigit() is also true of '²', which int() refuses.
-    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
-        raise ConfigError(f"redis_url={url!r}: bad port ({port_text!r})")
-    return host, int(port_text)
+from nccl_back.redis_url import parse_redis_url
 
 
 def _tls_kwargs(settings: Settings) -> dict[str, Any]:

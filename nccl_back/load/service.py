@@ -53,11 +53,12 @@ from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
 from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import single_flight
-from nccl_back.load.storage import StorageLoader, fall_back, load_checkpoint
+from nccl_back.load.storage import fall_back, load_checkpoint
 from nccl_back.load.vote import Decision, agree, caught
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import StorageLoader
 from nccl_back.model.skeleton import Model, manifest
 from nccl_back.result import LoadResult
 from nccl_back.transport import relay

@@ -21,14 +21,10 @@ from nccl_back.load.publish import publish_stored
 from nccl_back.load.vote import OK, agree, caught
 from nccl_back.model import integrity
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.loader import load_from_storage
+from nccl_back.model.loader import StorageLoader, load_from_storage
 from nccl_back.model.skeleton import Model
 from nccl_back.result import LoadResult
 from nccl_back.transport import relay
-
-#: Fills a skeleton from storage: ``(model, spec, settings) -> LoadResult``. The default
-#: reads the checkpoint; an engine adapter passes its engine's own loader.
-StorageLoader = Callable[[Model, ModelSpec, Settings], LoadResult]
 
 
 def load_checkpoint(model: Model, spec: ModelSpec, settings: Settings,

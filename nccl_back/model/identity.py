@@ -9,12 +9,8 @@ not the safetensors headers, is the point: two checkpoints with identical header
 one differing tensor must never share a version (vLLM 0.31's header-only key did
 exactly that).
 
-CRC32C comes for free from object metadata on ``gs://``. For local files it is
-computed once, streamed through one reused buffer, and cached on disk keyed by the
-file's identity (path, size, mtime, inode, ctime), so a restart reads no shard bytes.
-A file modified less than 2 s before it is checksummed is not cached: a same-size
-rewrite within the file system's timestamp granularity would keep the same key. The
-loader does not consult the cache: it checksums the bytes it reads into the tensors.
+CRC32C comes for free from object metadata on ``gs://``; for local files it comes
+from :mod:`nccl_back.model.crc_cache` (computed once, cached on disk by file identity).
 
 A diffusers pipeline folder (``model_index.json`` at the root, one folder per
 component) is one spec: its version covers ``model_index.json``, every component's
@@ -23,148 +19,28 @@ JSON files and every weight file, named ``component/file``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
-import tempfile
-import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
-from typing import IO, Any
-
-import google_crc32c
-import numpy as np
+from typing import Any
 
 from nccl_back import bounded_json
 from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
-from nccl_back.log import get_logger
+from nccl_back.model.crc_cache import Opener, local_crc32cs, open_unbuffered
 from nccl_back.model.index import INDEX_NAME, parse_index
 from nccl_back.model.storage import Location, ObjectInfo, Shard, Storage, parse_uri
 
-__all__ = ["CrcCache", "ModelSpec", "Shard", "cached_crc32c", "file_crc32c"]
-
-log = get_logger("nccl_back.model.identity")
+__all__ = ["ModelSpec", "Shard"]
 
 CONFIG_NAME = "config.json"
-CACHE_NAME = "crc32c-v1.json"
 #: Largest config.json read (real ones are a few KiB; some embed tokenizer tables).
 MAX_CONFIG_BYTES = 16 << 20
-#: Largest CRC cache or ModelSpec JSON parsed.
+#: Largest ModelSpec JSON parsed.
 _MAX_JSON_BYTES = 256 << 20
-# Small enough to stay in CPU cache between the read and the checksum: measured
-# 8-14 GB/s with 1 MiB against ~5 GB/s with 16 MiB.
-_READ_BUFFER_BYTES = 1 << 20
-#: Files modified less than this long before checksumming are not cached (see below).
-_RACY_NS = 2_000_000_000
-
-Opener = Callable[[str], IO[bytes]]
-
-
-def _open_unbuffered(path: str) -> IO[bytes]:
-    return open(path, "rb", buffering=0)
-
-
-def _stream_crc32c(path: str, opener: Opener) -> str:
-    buf = np.empty(_READ_BUFFER_BYTES, dtype=np.uint8)
-    crc = 0
-    with opener(path) as f:
-        while n := f.readinto(buf):  # type: ignore[attr-defined]
-            # A numpy view, not a memoryview: google_crc32c is several times slower
-            # on memoryviews.
-            crc = google_crc32c.extend(crc, buf[:n])
-    return f"{crc:08x}"
-
-
-def _file_key(st: os.stat_result) -> list[int]:
-    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
-
-
-class CrcCache:
-    """CRC32C of local files by absolute path, valid while the file's identity is unchanged."""
-
-    def __init__(self, cache_dir: str) -> None:
-        self.path = Path(cache_dir) / CACHE_NAME
-        self.dirty = False
-        try:
-            data = bounded_json.loads(self.path.read_bytes(), max_bytes=_MAX_JSON_BYTES)
-            self.entries: dict[str, Any] = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            # A missing or damaged cache only costs a recomputation.
-            self.entries = {}
-
-    def get(self, path: str, st: os.stat_result) -> str | None:
-        entry = self.entries.get(path)
-        if isinstance(entry, dict) and entry.get("key") == _file_key(st):
-            crc = entry.get("crc32c")
-            return crc if isinstance(crc, str) else None
-        return None
-
-    def put(self, path: str, st: os.stat_result, crc: str) -> None:
-        self.entries[path] = {"key": _file_key(st), "crc32c": crc}
-        self.dirty = True
-
-    def save(self) -> None:
-        """Write atomically (tmp + rename): a concurrent reader sees the old or new file."""
-        if not self.dirty:
-            return
-        tmp: str | None = None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".crc32c-", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.entries, f, sort_keys=True)
-            os.replace(tmp, self.path)
-            tmp = None
-            self.dirty = False
-        except OSError as e:
-            # The cache is an optimisation: failing to write it must not fail the load.
-            log.warning("crc_cache_write_failed", path=str(self.path), error=str(e))
-        finally:
-            if tmp is not None:
-                # A write that failed (disk full, a file size limit) must not leave its
-                # temporary file behind: each failed save would leak another.
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-
-
-def file_crc32c(
-    path: str, *, cache_dir: str | None = None, opener: Opener = _open_unbuffered
-) -> str:
-    """CRC32C (8 hex digits) of a local file, from the cache in ``cache_dir`` when valid."""
-    cache = CrcCache(cache_dir or Settings().cache_dir)
-    crc = _cached_crc32c(os.path.abspath(path), cache, opener)
-    cache.save()
-    return crc
-
-
-def _cached_crc32c(path: str, cache: CrcCache, opener: Opener) -> str:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError as e:
-        raise ShardNotFoundError(f"shard {path!r} does not exist") from e
-    return cached_crc32c(path, st, cache, lambda: _stream_crc32c(path, opener))
-
-
-def cached_crc32c(path: str, st: os.stat_result, cache: CrcCache, compute: Callable[[], str]) -> str:
-    """CRC32C of the local file ``path`` whose stat is ``st``: from ``cache`` when its
-    identity is unchanged, else ``compute()`` (then cached when that is safe)."""
-    crc = cache.get(path, st)
-    if crc is None:
-        started = time.time_ns()
-        crc = compute()
-        # Cache only a file that was not rewritten while we read it, and whose mtime is
-        # older than the file system's timestamp granularity ("racy git"): a same-size
-        # rewrite within that window would keep the same key and reuse a stale CRC.
-        if _file_key(os.stat(path)) == _file_key(st) and st.st_mtime_ns < started - _RACY_NS:
-            cache.put(path, st, crc)
-        log.debug("crc32c_computed", path=path, size=st.st_size, crc32c=crc)
-    return crc
 
 
 @dataclass(frozen=True)
@@ -306,7 +182,7 @@ class ModelSpec:
         client: Any = None,
         storage: Storage | None = None,
         settings: Settings | None = None,
-        opener: Opener = _open_unbuffered,
+        opener: Opener = open_unbuffered,
     ) -> ModelSpec:
         """The spec of the checkpoint in a local directory or ``gs://`` prefix.
 
@@ -448,7 +324,7 @@ def _shards(
     if not infos:
         return []
     if folder.is_local:
-        crcs = _local_crc32cs([i.uri for i in infos], cache_dir, opener)
+        crcs = local_crc32cs([i.uri for i in infos], cache_dir, opener)
     else:
         crcs = [_remote_crc32c(i) for i in infos]
     return [Shard(i.uri, c, i.size, prefix + i.name) for i, c in zip(infos, crcs, strict=True)]
@@ -460,16 +336,6 @@ def _shard_from_json(item: Any) -> Shard:
         raise ValueError(f"shard entry {item!r} is not [uri, crc32c, size(, name)]")
     uri, crc, size = str(item[0]), str(item[1]), int(item[2])
     return Shard(uri, crc, size, str(item[3]) if len(item) == 4 else "")
-
-
-def _local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> list[str]:
-    cache = CrcCache(cache_dir or Settings().cache_dir)
-    # Threads overlap one file's read (GIL released) with another's checksum.
-    workers = max(1, min(4, os.cpu_count() or 1, len(paths)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-crc") as pool:
-        crcs = list(pool.map(lambda p: _cached_crc32c(p, cache, opener), paths))
-    cache.save()
-    return crcs
 
 
 def _remote_crc32c(info: ObjectInfo) -> str:

@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import google_crc32c
 import numpy as np
 import torch
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import (
     CheckpointFormatError,
@@ -62,6 +62,15 @@ log = get_logger("nccl_back.model.loader")
 
 #: ``progress(done_bytes, total_bytes, bytes_per_second)``, called after each tensor.
 Progress = Callable[[int, int, float], None]
+
+
+class StorageLoader(Protocol):
+    """Fills a skeleton from storage when no peer serves it (the weight service's
+    storage path): :func:`load_from_storage` by default; an engine adapter passes its
+    engine's own loader (:mod:`nccl_back.engines.base`)."""
+
+    def __call__(self, model: Model, spec: ModelSpec, settings: Settings, /) -> LoadResult:
+        ...
 
 _MAX_LISTED = 10
 
@@ -129,15 +138,14 @@ def _plan_load(
 class _Tracker:
     """Counts fills per tensor and reports progress; shared by the copy threads."""
 
-    def __init__(self, total: int, progress: Progress | None, clock: Callable[[], float],
+    def __init__(self, total: int, progress: Progress | None,
                  on_filled: Callable[[str], None] | None = None) -> None:
         self.total = total
         self.on_filled = on_filled
         self.done = 0
         self.fills: Counter[str] = Counter()
         self.progress = progress
-        self.clock = clock
-        self.start = clock()
+        self.start = _clock.perf()
         self.lock = threading.Lock()
 
     def copied(self, c: _Copy) -> None:
@@ -146,7 +154,7 @@ class _Tracker:
             self.fills[c.canonical] += 1
             self.done += c.info.nbytes
             if self.progress is not None:
-                elapsed = self.clock() - self.start
+                elapsed = _clock.perf() - self.start
                 self.progress(self.done, self.total, self.done / elapsed if elapsed > 0 else 0.0)
             if self.on_filled is not None:
                 self.on_filled(c.canonical)
@@ -311,7 +319,6 @@ def load_from_storage(
     settings: Settings | None = None,
     *,
     storage: Storage | None = None,
-    clock: Callable[[], float] = time.perf_counter,
     on_download: Callable[[int], None] | None = None,
     on_filled: Callable[[str], None] | None = None,
 ) -> LoadResult:
@@ -328,7 +335,7 @@ def load_from_storage(
     """
     settings = settings or (storage.settings if storage is not None else Settings())
     storage = storage or Storage(settings)
-    start = clock()
+    start = _clock.perf()
     tensors, aliases = named_tensors(model)
     needed = _held_shards(model, spec)
     headers = model_headers(storage, spec, needed)
@@ -343,9 +350,9 @@ def load_from_storage(
             raise WeightLoadError(f"pipeline components {which}"
                                   f" (tensors named component.tensor): {e}") from e
         raise
-    t_headers = clock() - start
+    t_headers = _clock.perf() - start
     total = sum(c.info.nbytes for copies in plan.values() for c in copies)
-    tracker = _Tracker(total, progress, clock, on_filled)
+    tracker = _Tracker(total, progress, on_filled)
 
     shards = [s for s in spec.shards if s.uri in plan]
     local = [s for s in shards if parse_uri(s.uri).is_local]
@@ -364,9 +371,9 @@ def load_from_storage(
         downloads = storage.download_many(remote, on_bytes=on_download)
         try:
             while True:
-                t0 = clock()
+                t0 = _clock.perf()
                 item = next(downloads, None)
-                waited += clock() - t0
+                waited += _clock.perf() - t0
                 if item is None:
                     break
                 shard, buf = item
@@ -379,7 +386,7 @@ def load_from_storage(
     if spec.components:
         for component, nbytes in sorted(_bytes_by_component(plan).items()):
             log.info("component_loaded", version=spec.version, component=component, bytes=nbytes)
-    seconds = clock() - start
+    seconds = _clock.perf() - start
     timings = {"headers": t_headers, "copy": seconds - t_headers - waited}
     if remote:
         timings["download"] = waited

@@ -1,13 +1,13 @@
 """Reading checkpoints from storage: local paths, ``file://`` and ``gs://bucket/prefix``.
 
-Local files are read with positional reads; ``gs://`` objects with the real
-``google-cloud-storage`` client (which itself honours ``STORAGE_EMULATOR_HOST`` and
-then uses anonymous credentials). Every remote request has a timeout and is retried
-with tenacity (exponential backoff with jitter) on 429, 5xx and connection errors; the
-client's own retries are switched off so ours are the only ones and the wait can be
-injected. A shard is downloaded as parallel ranged chunks into one pre-allocated
-buffer, and its CRC32C is checked against the checksum it was identified by: a
-mismatch re-downloads the shard, then raises :class:`ChecksumMismatchError`.
+Each scheme has a :class:`Backend` (the reads) and its URI form, in one map,
+:data:`SCHEMES`; :class:`Storage` picks the backend by a URI's scheme. Local files are
+read with positional reads (:class:`LocalFiles`); ``gs://`` objects by
+:class:`nccl_back.model.gcs.GcsObjects`, imported on first use, with timeouts and
+retries. A remote shard is downloaded as parallel ranged chunks into one
+pre-allocated buffer, and its CRC32C is checked against the checksum it was
+identified by: a mismatch re-downloads the shard, then raises
+:class:`ChecksumMismatchError`. Adding a scheme is a backend and an entry in the map.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Protocol
 
 import google_crc32c
 import numpy as np
-import requests
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import wait_random_exponential
 from tenacity.wait import wait_base
 
 from nccl_back.config import Settings
@@ -33,8 +32,6 @@ from nccl_back.errors import ChecksumMismatchError, ConfigError, ShardNotFoundEr
 from nccl_back.log import get_logger
 
 log = get_logger("nccl_back.model.storage")
-
-T = TypeVar("T")
 
 #: Seconds one HTTP request to GCS may take (connect and each read).
 DEFAULT_TIMEOUT = 60.0
@@ -49,24 +46,44 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 class Location:
     """A parsed storage address: a local absolute path, or a bucket and object name."""
 
-    scheme: Literal["file", "gs"]
+    scheme: str
+    """A key of :data:`SCHEMES`: ``file`` or ``gs``."""
     bucket: str
     path: str
 
     @property
     def is_local(self) -> bool:
-        return self.scheme == "file"
+        """A file on this machine: read in place, never downloaded."""
+        return SCHEMES[self.scheme].local
 
     @property
     def uri(self) -> str:
         """The canonical form: the absolute path for local files, ``gs://bucket/name``."""
-        return self.path if self.is_local else f"gs://{self.bucket}/{self.path}"
+        return self.path if self.is_local else f"{self.scheme}://{self.bucket}/{self.path}"
 
     def join(self, name: str) -> Location:
         """The location of ``name`` inside this directory (or object prefix)."""
         if self.is_local:
-            return Location("file", "", os.path.join(self.path, name))
-        return Location("gs", self.bucket, f"{self.path}/{name}" if self.path else name)
+            return Location(self.scheme, "", os.path.join(self.path, name))
+        return Location(self.scheme, self.bucket, f"{self.path}/{name}" if self.path else name)
+
+
+def _parse_file(uri: str, rest: str) -> Location:
+    if not rest.startswith("/"):
+        raise ConfigError(f"storage URI {uri!r}: file:// needs an absolute path (file:///dir)")
+    return Location("file", "", os.path.abspath(rest))
+
+
+def _parse_gs(uri: str, rest: str) -> Location:
+    bucket, _, name = rest.partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise ConfigError(f"storage URI {uri!r}: bad bucket name {bucket!r}; use gs://bucket/prefix")
+    return Location("gs", bucket, name.strip("/"))
+
+
+def _forms() -> str:
+    forms = ["a local path", *(s.form for s in SCHEMES.values())]
+    return ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
 def parse_uri(uri: str) -> Location:
@@ -75,24 +92,14 @@ def parse_uri(uri: str) -> Location:
     Raises :class:`ConfigError` naming the bad value and the accepted forms.
     """
     if not isinstance(uri, str) or not uri:
-        raise ConfigError(f"storage URI {uri!r}: give a local path, file:///path or gs://bucket/prefix")
-    if uri.startswith("gs://"):
-        bucket, _, name = uri[len("gs://") :].partition("/")
-        if not _BUCKET_RE.match(bucket):
-            raise ConfigError(
-                f"storage URI {uri!r}: bad bucket name {bucket!r}; use gs://bucket/prefix"
-            )
-        return Location("gs", bucket, name.strip("/"))
-    if uri.startswith("file://"):
-        path = uri[len("file://") :]
-        if not path.startswith("/"):
-            raise ConfigError(f"storage URI {uri!r}: file:// needs an absolute path (file:///dir)")
-        return Location("file", "", os.path.abspath(path))
-    if "://" in uri:
-        raise ConfigError(
-            f"storage URI {uri!r}: unsupported scheme; use a local path, file:///path or gs://bucket/prefix"
-        )
-    return Location("file", "", os.path.abspath(uri))
+        raise ConfigError(f"storage URI {uri!r}: give {_forms()}")
+    name, sep, rest = uri.partition("://")
+    if not sep:
+        return Location("file", "", os.path.abspath(uri))
+    scheme = SCHEMES.get(name)
+    if scheme is None:
+        raise ConfigError(f"storage URI {uri!r}: unsupported scheme; use {_forms()}")
+    return scheme.parse(uri, rest)
 
 
 @dataclass(frozen=True)
@@ -134,37 +141,93 @@ def crc32c_from_gcs(b64: str) -> str:
     return base64.b64decode(b64).hex()
 
 
-def is_transient(e: BaseException) -> bool:
-    """Whether a failed request is worth retrying: 429, 5xx, connection errors, timeouts."""
-    from google.api_core import exceptions as gexc
+class Backend(Protocol):
+    """The reads of one storage scheme; one instance may be shared by threads."""
 
-    if isinstance(e, gexc.GoogleAPICallError):
-        code = e.code or 0
-        return code == 429 or code >= 500
-    return isinstance(e, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError))
+    def list_dir(self, loc: Location) -> list[ObjectInfo]:
+        """The files (objects) directly inside ``loc``, in any order."""
+        ...
+
+    def read_bytes(self, loc: Location) -> bytes:
+        """The whole content of a small file or object."""
+        ...
+
+    def read_range(self, loc: Location, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``, ``start < end`` (fewer only if the file is shorter)."""
+        ...
+
+    def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
+        """Read ``len(view)`` bytes at ``start`` into ``view`` (a download's chunk); bytes read."""
+        ...
 
 
-class _BufferWriter:
-    """A write-only file object over a pre-allocated buffer, for ``download_to_file``."""
+class LocalFiles:
+    """Files on this machine (:class:`Backend`): positional reads, no retries."""
 
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.pos = 0
+    def list_dir(self, loc: Location) -> list[ObjectInfo]:
+        try:
+            entries = [e for e in os.scandir(loc.path) if e.is_file()]
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise ShardNotFoundError(f"directory {loc.path!r} does not exist (or is not one)") from e
+        except OSError as e:
+            raise StorageError(f"listing {loc.path!r}: {e}") from e
+        return [ObjectInfo(e.path, e.name, e.stat().st_size, None) for e in entries]
 
-    def write(self, data: bytes) -> int:
-        n = len(data)
-        if self.pos + n > len(self.view):
-            raise StorageError(f"server sent more than the {len(self.view)} bytes requested")
-        self.view[self.pos : self.pos + n] = data
-        self.pos += n
-        return n
+    def read_bytes(self, loc: Location) -> bytes:
+        try:
+            with open(loc.path, "rb") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise ShardNotFoundError(f"{loc.path!r} does not exist") from e
+        except OSError as e:
+            raise StorageError(f"reading {loc.path!r}: {e}") from e
+
+    def read_range(self, loc: Location, start: int, end: int) -> bytes:
+        try:
+            fd = os.open(loc.path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise ShardNotFoundError(f"{loc.path!r} does not exist") from e
+        try:
+            return os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+
+    def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
+        raise ConfigError(f"{loc.uri!r} is local; read it in place instead of downloading")
+
+
+def _gcs(storage: Storage) -> Backend:
+    from nccl_back.model.gcs import GcsObjects  # the Google client: only once gs:// is read
+
+    return GcsObjects(storage.settings, storage._client, storage.wait, storage.timeout)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One URI scheme: its form (for messages), its parser and its backend."""
+
+    form: str
+    local: bool
+    """Files on this machine: read in place by the loader, never downloaded."""
+    parse: Callable[[str, str], Location]
+    """``(uri, the part after "scheme://") -> Location``; :class:`ConfigError` if malformed."""
+    backend: Callable[[Storage], Backend]
+    """Makes the scheme's backend for a :class:`Storage` (once, on its first use)."""
+
+
+#: Every scheme a URI may have (a plain path is ``file``).
+SCHEMES: dict[str, Scheme] = {
+    "file": Scheme("file:///path", True, _parse_file, lambda storage: LocalFiles()),
+    "gs": Scheme("gs://bucket/prefix", False, _parse_gs, _gcs),
+}
 
 
 class Storage:
-    """Reads files and objects; one instance may be shared by threads.
+    """Reads files and objects through the backend of each URI's scheme; one instance
+    may be shared by threads.
 
-    ``wait`` and ``sleep`` are tenacity's: pass ``wait_none()`` or a no-op ``sleep`` in
-    tests so retry paths run without real waits. ``client`` is a
+    ``wait`` is tenacity's wait between a remote request's attempts: pass
+    ``wait_none()`` in tests so retry paths run without real waits. ``client`` is a
     ``google.cloud.storage.Client``, created on first ``gs://`` use when not given.
     """
 
@@ -174,63 +237,22 @@ class Storage:
         *,
         client: Any = None,
         wait: wait_base | None = None,
-        sleep: Callable[[float], None] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.settings = settings or Settings()
         self._client = client
         self.wait = wait or wait_random_exponential(multiplier=0.5, max=30)
-        self.sleep = sleep
         self.timeout = timeout
-        self._client_lock = threading.Lock()
+        self._backends: dict[str, Backend] = {}
+        self._lock = threading.Lock()
 
-    @property
-    def client(self) -> Any:
-        # Header reads run in threads; the lock makes the first ones share one client.
-        with self._client_lock:
-            if self._client is None:
-                from google.auth.exceptions import DefaultCredentialsError
-                from google.cloud import storage
-
-                try:
-                    self._client = storage.Client()
-                except DefaultCredentialsError as e:
-                    raise StorageError(
-                        f"no Google Cloud credentials for gs:// ({e}); run `gcloud auth "
-                        "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
-                    ) from e
-            return self._client
-
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run one remote request with retries; map failures to nccl_back errors."""
-        from google.api_core import exceptions as gexc
-
-        kwargs: dict[str, Any] = {} if self.sleep is None else {"sleep": self.sleep}
-        retrying = Retrying(
-            stop=stop_after_attempt(self.settings.storage_attempts),
-            wait=self.wait,
-            retry=retry_if_exception(is_transient),
-            reraise=True,
-            before_sleep=lambda rs: log.warning(
-                "storage_retry", what=what, attempt=rs.attempt_number,
-                error=repr(rs.outcome.exception()) if rs.outcome else None,
-            ),
-            **kwargs,
-        )
-        try:
-            return retrying(fn)
-        except gexc.NotFound as e:
-            raise ShardNotFoundError(f"{what}: not found") from e
-        except StorageError:
-            raise
-        except Exception as e:
-            if is_transient(e):
-                raise StorageError(
-                    f"{what}: failed after {self.settings.storage_attempts} attempts: {e}"
-                ) from e
-            raise StorageError(f"{what}: {e}") from e
-
-    # -- listing and small reads -------------------------------------------------------
+    def backend(self, loc: Location) -> Backend:
+        """The backend reading ``loc``'s scheme (made on first use, then shared)."""
+        with self._lock:
+            found = self._backends.get(loc.scheme)
+            if found is None:
+                found = self._backends[loc.scheme] = SCHEMES[loc.scheme].backend(self)
+            return found
 
     def list_dir(self, uri: str) -> list[ObjectInfo]:
         """The files (objects) directly inside directory (prefix) ``uri``, sorted by name.
@@ -239,89 +261,21 @@ class Storage:
         downloaded and no per-object metadata request is needed.
         """
         loc = parse_uri(uri)
-        if loc.is_local:
-            try:
-                entries = [e for e in os.scandir(loc.path) if e.is_file()]
-            except (FileNotFoundError, NotADirectoryError) as e:
-                raise ShardNotFoundError(f"directory {loc.path!r} does not exist (or is not one)") from e
-            except OSError as e:
-                raise StorageError(f"listing {loc.path!r}: {e}") from e
-            infos = [ObjectInfo(e.path, e.name, e.stat().st_size, None) for e in entries]
-        else:
-            prefix = f"{loc.path}/" if loc.path else ""
-
-            def listing() -> list[ObjectInfo]:
-                blobs = self.client.list_blobs(
-                    loc.bucket, prefix=prefix, delimiter="/", timeout=self.timeout, retry=None
-                )
-                return [
-                    ObjectInfo(
-                        f"gs://{loc.bucket}/{b.name}",
-                        b.name[len(prefix) :],
-                        int(b.size or 0),
-                        crc32c_from_gcs(b.crc32c) if b.crc32c else None,
-                    )
-                    for b in blobs
-                    if b.name != prefix
-                ]
-
-            infos = self._call(f"listing {loc.uri}", listing)
-        return sorted(infos, key=lambda i: i.name)
+        return sorted(self.backend(loc).list_dir(loc), key=lambda i: i.name)
 
     def read_bytes(self, uri: str) -> bytes:
         """The whole content of a small file or object (config, index)."""
         loc = parse_uri(uri)
-        if loc.is_local:
-            try:
-                with open(loc.path, "rb") as f:
-                    return f.read()
-            except FileNotFoundError as e:
-                raise ShardNotFoundError(f"{loc.path!r} does not exist") from e
-            except OSError as e:
-                raise StorageError(f"reading {loc.path!r}: {e}") from e
-        blob_name = loc.path
-        return self._call(
-            f"reading {loc.uri}",
-            lambda: self.client.bucket(loc.bucket).blob(blob_name).download_as_bytes(
-                timeout=self.timeout, retry=None
-            ),
-        )
+        return self.backend(loc).read_bytes(loc)
 
     def read_range(self, uri: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file or object (fewer only if the file is shorter)."""
         if end <= start:
             return b""
         loc = parse_uri(uri)
-        if loc.is_local:
-            try:
-                fd = os.open(loc.path, os.O_RDONLY)
-            except FileNotFoundError as e:
-                raise ShardNotFoundError(f"{loc.path!r} does not exist") from e
-            try:
-                return os.pread(fd, end - start, start)
-            finally:
-                os.close(fd)
-        buf = np.empty(end - start, dtype=np.uint8)
-        n = self._fetch_into(loc, buf.data, start)
-        return buf[:n].tobytes()
+        return self.backend(loc).read_range(loc, start, end)
 
     # -- shard downloads ----------------------------------------------------------------
-
-    def _fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
-        """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; bytes received."""
-
-        def fetch() -> int:
-            # A fresh Blob (no metadata loaded) so the request goes to the client's
-            # endpoint, not to a mediaLink that may name another host.
-            blob = self.client.bucket(loc.bucket).blob(loc.path)
-            writer = _BufferWriter(view)
-            blob.download_to_file(
-                writer, start=start, end=start + len(view) - 1,
-                checksum=None, retry=None, timeout=self.timeout,
-            )
-            return writer.pos
-
-        return self._call(f"downloading {loc.uri} [{start}, {start + len(view)})", fetch)
 
     def chunk_for(self, shard: Shard) -> int:
         """Bytes per ranged request of ``shard``: at most ``chunk_bytes``, and small
@@ -336,11 +290,13 @@ class Storage:
         loc = parse_uri(shard.uri)
         if loc.is_local:
             raise ConfigError(f"{shard.uri!r} is local; read it in place instead of downloading")
+        backend = self.backend(loc)
         buf = np.empty(shard.size, dtype=np.uint8)
         view = buf.data
         step = self.chunk_for(shard)
+
         def fetch(off: int) -> int:
-            got = self._fetch_into(loc, view[off : off + step], off)
+            got = backend.fetch_into(loc, view[off : off + step], off)
             if on_bytes is not None:
                 on_bytes(got)
             return got

@@ -16,7 +16,7 @@ The server binds 127.0.0.1 unless told otherwise; in a pod it must bind the pod'
 address (``0.0.0.0``) for the kubelet's probes to reach it. ``/drain`` checks the
 client address itself, so binding wider never lets another pod drain this one; every
 container of the pod shares its loopback, so the sidecar also sets a drain token,
-written to a 0600 file (:func:`write_token_file`) that only its own user can read.
+written to a 0600 file (:mod:`nccl_back.sidecar.drain`) that only its own user can read.
 
 Why not ``http.server``: its timeout bounds each ``recv``, not a request, so clients
 that drip one byte every few seconds hold its handler threads for ever and the probes
@@ -31,163 +31,46 @@ clients can starve a probe:
 - at most ``max_connections`` are open; a new one beyond that evicts the oldest
   connection that has not finished sending its request (the slow and idle ones are the
   oldest), so a new probe always gets in;
-- a request head is at most :data:`MAX_HEAD_BYTES` (:data:`MAX_HEADERS` headers), a
-  body at most :data:`MAX_BODY_BYTES`; no chunked bodies, no keep-alive (every reply
-  says ``Connection: close``);
+- requests are parsed by :mod:`nccl_back.sidecar.http` under its limits (head, headers,
+  body); no chunked bodies, no keep-alive (every reply says ``Connection: close``);
 - the only slow handler, the drain callback, runs on its own thread, never on the loop.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import hmac
 import ipaddress
-import os
-import re
-import secrets
 import selectors
 import socket
-import stat
 import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from nccl_back import _clock
 from nccl_back.errors import ConfigError, NcclBackError
 from nccl_back.log import get_logger
 from nccl_back.metrics import CONTENT_TYPE, Metrics
+from nccl_back.sidecar.http import (
+    MAX_HEAD_BYTES,
+    TEXT,
+    TOKEN_HEADER,
+    BadRequest,
+    Request,
+    parse_request,
+    response,
+)
 
 #: Seconds from a connection's accept to the last byte of its reply, absolute.
 REQUEST_TIMEOUT = 10.0
 #: Open connections at most; a new one beyond that evicts the oldest unfinished request.
 MAX_CONNECTIONS = 64
-#: Bytes of request line plus headers at most (nginx's default buffer is 8 KiB too).
-MAX_HEAD_BYTES = 8192
-#: Header lines at most.
-MAX_HEADERS = 64
-#: Bytes of request body at most (no endpoint reads one; a client may still send one).
-MAX_BODY_BYTES = 4096
-#: Request-target length at most.
-MAX_TARGET = 2048
-#: Header carrying the drain token.
-TOKEN_HEADER = "X-Drain-Token"
-_MAX_TOKEN_FILE = 1024
 # Accepts per loop turn: a connect flood cannot keep the loop from serving requests.
 _ACCEPT_BURST = 16
 # Longest sleep of the loop with nothing to do (deadlines and close() wake it sooner).
 _IDLE_TICK = 0.5
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_TARGET = re.compile(r"/[\x21-\x7e]*")
-_VERSION = re.compile(r"HTTP/1\.[01]")
-# Control characters other than tab are never part of a header value (RFC 9110 5.5).
-_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_REASONS = {
-    200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
-    405: "Method Not Allowed", 408: "Request Timeout", 413: "Content Too Large",
-    414: "URI Too Long", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    503: "Service Unavailable",
-}
-
-
-class BadRequest(NcclBackError):
-    """An HTTP request to the health port is malformed or over one of its limits;
-    ``status`` is the 4xx answered (the connection is then closed)."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Request:
-    """One parsed HTTP/1.x request: header names lower-cased, the body as sent."""
-
-    method: str
-    target: str
-    version: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-    @property
-    def path(self) -> str:
-        return self.target.split("?", 1)[0]
-
-
-def parse_request(data: bytes) -> Request | None:
-    """The request at the start of ``data``, ``None`` while it is incomplete, or
-    :class:`BadRequest` (with its 4xx) when it is malformed or over a limit. Bytes
-    after the request are ignored: there is no keep-alive, hence no pipelining."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
-        if len(data) > MAX_HEAD_BYTES:
-            raise BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes")
-        return None
-    if end + 4 > MAX_HEAD_BYTES:
-        raise BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes")
-    # latin-1 maps every byte, so decoding never fails; the rules below refuse the rest.
-    lines = data[:end].decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3:
-        raise BadRequest(400, "request line must be METHOD SP TARGET SP HTTP/1.x")
-    method, target, version = parts
-    if not _TOKEN.fullmatch(method):
-        raise BadRequest(400, "bad method")
-    if len(target) > MAX_TARGET:
-        raise BadRequest(414, f"request target over {MAX_TARGET} characters")
-    if not _TARGET.fullmatch(target):
-        raise BadRequest(400, "request target must be a path (origin form)")
-    if not _VERSION.fullmatch(version):
-        raise BadRequest(400, "only HTTP/1.0 and HTTP/1.1 are spoken here")
-    if len(lines) - 1 > MAX_HEADERS:
-        raise BadRequest(431, f"over {MAX_HEADERS} header lines")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.fullmatch(name):
-            # A leading space is an obsolete line folding: refused (RFC 9112 5.2).
-            raise BadRequest(400, "malformed header line")
-        value = value.strip(" \t")
-        if _BAD_VALUE.search(value):
-            raise BadRequest(400, "control character in a header value")
-        key = name.lower()
-        if key in headers:
-            if key in ("content-length", "host", TOKEN_HEADER.lower()):
-                raise BadRequest(400, f"header {name} given twice")
-            headers[key] = f"{headers[key]}, {value}"
-        else:
-            headers[key] = value
-    if "transfer-encoding" in headers:
-        raise BadRequest(400, "Transfer-Encoding is not accepted; send Content-Length")
-    length_text = headers.get("content-length", "0")
-    if not length_text.isascii() or not length_text.isdigit() or len(length_text) > 12:
-        raise BadRequest(400, "Content-Length must be a decimal number")
-    length = int(length_text)
-    if length > MAX_BODY_BYTES:
-        raise BadRequest(413, f"body over {MAX_BODY_BYTES} bytes")
-    body = data[end + 4 : end + 4 + length]
-    if len(body) < length:
-        return None
-    return Request(method, target, version, headers, bytes(body))
-
-
-def _response(code: int, body: bytes, content_type: str, send_body: bool) -> bytes:
-    head = (
-        f"HTTP/1.1 {code} {_REASONS.get(code, 'Unknown')}\r\n"
-        f"Content-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n"
-        "Cache-Control: no-store\r\n\r\n"
-    ).encode("ascii")
-    return head + body if send_body else head
-
-
-_TEXT = "text/plain; charset=utf-8"
 
 
 @dataclass(eq=False)
@@ -274,7 +157,7 @@ class _Loop:
         deadlines = [c.deadline for c in self._conns.values() if c.deadline is not None]
         if not deadlines:
             return _IDLE_TICK
-        return min(max(min(deadlines) - time.monotonic(), 0.0), _IDLE_TICK)
+        return min(max(min(deadlines) - _clock.monotonic(), 0.0), _IDLE_TICK)
 
     def _accept(self) -> None:
         for _ in range(_ACCEPT_BURST):
@@ -297,7 +180,7 @@ class _Loop:
                     continue
                 self._log.debug("health_connection_evicted", client=victim.client)
                 self._close(victim)
-            conn = _Conn(sock, str(addr[0]), time.monotonic() + self.timeout)
+            conn = _Conn(sock, str(addr[0]), _clock.monotonic() + self.timeout)
             self._conns[id(conn)] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
             conn.registered = True
@@ -368,12 +251,12 @@ class _Loop:
         # Runs on the drain thread: hand the reply to the loop.
         error = None if future.cancelled() else future.exception()
         if future.cancelled():
-            reply = _response(503, b"server closing\n", _TEXT, True)
+            reply = response(503, b"server closing\n", TEXT, True)
         elif error is not None:  # the callback is the service's; report, don't crash
             self._log.error("drain_failed", error=repr(error))
-            reply = _response(500, f"drain failed: {error}\n".encode(), _TEXT, True)
+            reply = response(500, f"drain failed: {error}\n".encode(), TEXT, True)
         else:
-            reply = _response(200, b"drained\n", _TEXT, True)
+            reply = response(200, b"drained\n", TEXT, True)
         with self._done_lock:
             self._done.append((conn, reply))
         self.wake()
@@ -383,24 +266,24 @@ class _Loop:
             done, self._done = self._done, []
         for conn, reply in done:
             if conn.state == "draining":
-                conn.deadline = time.monotonic() + self.timeout
+                conn.deadline = _clock.monotonic() + self.timeout
                 self._send(conn, reply)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = _clock.monotonic()
         for conn in list(self._conns.values()):
             if conn.deadline is not None and now >= conn.deadline:
                 self._log.debug("health_request_timed_out", client=conn.client, state=conn.state)
                 if conn.state == "reading":
                     with contextlib.suppress(OSError):  # best effort: it is too slow anyway
-                        conn.sock.send(_response(408, b"request timed out\n", _TEXT, True))
+                        conn.sock.send(response(408, b"request timed out\n", TEXT, True))
                 self._close(conn)
 
     def _reply(
-        self, conn: _Conn, code: int, body: bytes, content_type: str = _TEXT,
+        self, conn: _Conn, code: int, body: bytes, content_type: str = TEXT,
         send_body: bool = True,
     ) -> None:
-        self._send(conn, _response(code, body, content_type, send_body))
+        self._send(conn, response(code, body, content_type, send_body))
 
     def _send(self, conn: _Conn, data: bytes) -> None:
         conn.state, conn.outbox, conn.sent = "writing", data, 0
@@ -587,84 +470,3 @@ class HealthServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def write_token_file(path: str, token: str | None = None) -> str:
-    """Write a drain token (a fresh random one by default) to ``path``, mode 0600,
-    atomically; returns it. The directory must be private (see ``handoff.private_dir``)
-    or :class:`ConfigError` says why."""
-    from nccl_back.errors import AttachError
-    from nccl_back.sidecar.handoff import private_dir
-
-    token = token or secrets.token_urlsafe(32)
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        private_dir(directory, create=True)
-    except AttachError as e:
-        raise ConfigError(f"drain token file {path}: {e}") from e
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return token
-
-
-def read_token_file(path: str) -> str:
-    """The drain token in ``path``; :class:`ConfigError` if it is missing, too large,
-    or readable by anyone but its owner."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise ConfigError(f"drain token file {path}: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
-            raise ConfigError(
-                f"drain token file {path}: must be a regular file of mode 0600"
-                f" (is {st.st_mode & 0o7777:o})"
-            )
-        data = f.read(_MAX_TOKEN_FILE + 1)
-    if not data or len(data) > _MAX_TOKEN_FILE:
-        raise ConfigError(f"drain token file {path}: empty or over {_MAX_TOKEN_FILE} bytes")
-    return data.decode("utf-8", "replace").strip()
-
-
-def request_drain(
-    port: int, timeout: float, host: str = "127.0.0.1", token: str | None = None
-) -> None:
-    """Ask the local sidecar on ``port`` to drain (with its drain ``token`` when it has
-    one); returns once it has (or raises)."""
-    headers = {TOKEN_HEADER: token} if token is not None else {}
-    req = urllib.request.Request(f"http://{host}:{port}/drain", method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            resp.read()
-    except (urllib.error.URLError, OSError) as e:
-        raise NcclBackError(f"drain request to {host}:{port} failed: {e}") from e
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m nccl_back.sidecar.health drain --port P --timeout S``: a preStop hook."""
-    parser = argparse.ArgumentParser(prog="python -m nccl_back.sidecar.health")
-    sub = parser.add_subparsers(dest="command", required=True)
-    drain = sub.add_parser("drain", help="drain the local sidecar and wait until it has")
-    drain.add_argument("--port", type=int, default=9400)
-    drain.add_argument("--timeout", type=float, default=130.0, help="seconds to wait at most")
-    drain.add_argument("--token-file", help="file holding the sidecar's drain token")
-    args = parser.parse_args(argv)
-    try:
-        token = read_token_file(args.token_file) if args.token_file else None
-        request_drain(args.port, args.timeout, token=token)
-    except NcclBackError as e:
-        parser.exit(1, f"{e}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -28,7 +28,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -36,6 +35,7 @@ from typing import Any, NoReturn, TextIO
 
 import torch
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.registry import truth_for_mode
 from nccl_back.errors import ConfigError, NcclBackError, RegistryError
@@ -47,8 +47,9 @@ from nccl_back.model.identity import ModelSpec
 from nccl_back.model.skeleton import Model, build, manifest
 from nccl_back.model.storage import parse_uri
 from nccl_back.result import LoadResult
+from nccl_back.sidecar.drain import write_token_file
 from nccl_back.sidecar.handoff import HandoffServer
-from nccl_back.sidecar.health import HealthServer, write_token_file
+from nccl_back.sidecar.health import HealthServer
 
 _log = get_logger(__name__)
 
@@ -149,8 +150,8 @@ def check_local_model(uri: str) -> None:
 class Sidecar:
     """One ``serve`` process: health server, weight service, hand-off server, drain.
 
-    ``clock``/``sleep`` drive the drain wait (injectable for tests); ``out`` receives
-    the one ready line.
+    ``out`` receives the one ready line. The drain's wait reads time through
+    :mod:`nccl_back._clock`.
     """
 
     def __init__(
@@ -161,8 +162,6 @@ class Sidecar:
         metrics: Metrics | None = None,
         service: WeightService | None = None,
         out: TextIO | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.settings = settings
         self.options = options
@@ -184,8 +183,6 @@ class Sidecar:
         self.stop_signal: str | None = None
         """Name of the signal that stopped :meth:`run` (set by :func:`stop_on_signals`)."""
         self._out = out if out is not None else sys.stdout
-        self._clock = clock
-        self._sleep = sleep
         self._started = False
         self._draining = threading.Event()
         self._load_error: BaseException | None = None
@@ -319,9 +316,9 @@ class Sidecar:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.options.ready_file)
         self.service.withdraw()
-        deadline = self._clock() + self.drain_timeout
-        while self.service.active_sends and self._clock() < deadline:
-            self._sleep(_POLL)
+        deadline = _clock.monotonic() + self.drain_timeout
+        while self.service.active_sends and _clock.monotonic() < deadline:
+            _clock.sleep(_POLL)
         left = self.service.active_sends
         if left:
             self._log.warning("drain_timeout", active_sends=left, bound=self.drain_timeout)

@@ -1,5 +1,9 @@
 """Transports: a 2-rank broadcast channel (gloo on CPU, NCCL on GPU), the watchdog
-that bounds it, and the bucketed data plane that walks a state dict over it."""
+that bounds it, and the bucketed data plane that walks a state dict over it.
+
+A kind is a module ``nccl_back.transport.{kind}`` registering its classes
+(:func:`~nccl_back.transport.base.register_transport`) under a name of
+:data:`nccl_back.kinds.TRANSPORT_KINDS`; the factories below look kinds up there."""
 
 from nccl_back.transport.base import (
     RECEIVER_RANK,
@@ -7,9 +11,13 @@ from nccl_back.transport.base import (
     Pending,
     Rendezvous,
     Transport,
+    TransportClasses,
+    all_transports,
     open_rendezvous,
     receiver_transport,
+    register_transport,
     resolve_kind,
+    transport_classes,
 )
 from nccl_back.transport.broadcast import (
     Step,
@@ -29,12 +37,16 @@ __all__ = [
     "Step",
     "TransferStats",
     "Transport",
+    "TransportClasses",
+    "all_transports",
     "open_rendezvous",
     "payload_bytes",
     "plan",
     "receiver_transport",
     "recv_tensors",
+    "register_transport",
     "resolve_kind",
     "run_guarded",
     "send_tensors",
+    "transport_classes",
 ]

@@ -16,17 +16,26 @@ default process group is never touched: the user's worker may already have one.
 Progress: the data plane calls :meth:`Transport.progressed` each time a step completes,
 so the watchdog can abort a transfer that stalls (no step within the stall bound) long
 before its deadline, whatever the transport.
+
+Kinds. Each kind (:data:`nccl_back.kinds.TRANSPORT_KINDS`) lives in the module of its
+name, ``nccl_back.transport.{kind}``, which calls :func:`register_transport` with its
+rendezvous and receiver factories and the device types it carries. The factories here
+(:func:`open_rendezvous`, :func:`receiver_transport`, :func:`resolve_kind`) look the kind
+up in that one registry; adding a transport is a module and a name in ``kinds``.
 """
 
 from __future__ import annotations
 
-import time
+import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from nccl_back import _clock
 from nccl_back.errors import ConfigError
+from nccl_back.kinds import TRANSPORT_KINDS
 
 if TYPE_CHECKING:
     from nccl_back.config import Settings
@@ -35,8 +44,6 @@ if TYPE_CHECKING:
 SENDER_RANK = 0
 RECEIVER_RANK = 1
 WORLD_SIZE = 2
-
-KINDS = ("gloo", "nccl")
 
 
 class Pending(Protocol):
@@ -54,7 +61,7 @@ class Transport(ABC):
     """One transfer's communicator between a sender (rank 0) and a receiver (rank 1)."""
 
     kind: str
-    """``gloo`` or ``nccl``."""
+    """One of :data:`~nccl_back.kinds.TRANSPORT_KINDS`."""
 
     def __init__(self, rank: int, transfer_id: str, device: torch.device) -> None:
         if rank not in (SENDER_RANK, RECEIVER_RANK):
@@ -66,12 +73,12 @@ class Transport(ABC):
         self.call_timeout = float("inf")
         """Seconds one broadcast may wait, at most (the stall bound, set by the
         watchdog); transports that support it (gloo) fail a longer wait as a timeout."""
-        self.progress_at = time.monotonic()
-        """When the last step completed (``time.monotonic``), for the stall watchdog."""
+        self.progress_at = _clock.monotonic()
+        """When the last step completed (``_clock.monotonic``), for the stall watchdog."""
 
     def progressed(self) -> None:
         """A step (a broadcast this side waited on) completed; called by the data plane."""
-        self.progress_at = time.monotonic()
+        self.progress_at = _clock.monotonic()
 
     def extend_deadline(self, deadline: float) -> None:
         """After ``connect``: later waits may run until ``deadline`` (the transfer's,
@@ -80,7 +87,7 @@ class Transport(ABC):
 
     @abstractmethod
     def connect(self, deadline: float) -> None:
-        """Create the communicator; every later wait ends by ``deadline`` (``time.monotonic``).
+        """Create the communicator; every later wait ends by ``deadline`` (``_clock.monotonic``).
 
         Raises :class:`TransferError` if the peer cannot be reached in time.
         """
@@ -150,34 +157,86 @@ class Rendezvous(ABC):
         self.close()
 
 
+class RendezvousFactory(Protocol):
+    """Makes a kind's sender endpoint: transfers bootstrap through ``registry``'s Redis."""
+
+    def __call__(self, settings: Settings, registry: Registry, *, device: torch.device) -> Rendezvous:
+        ...
+
+
+class ReceiverFactory(Protocol):
+    """Makes a kind's unconnected rank-1 transport for one transfer with ``address``."""
+
+    def __call__(self, settings: Settings, registry: Registry, address: str, transfer_id: str, *,
+                 device: torch.device) -> Transport:
+        ...
+
+
+@dataclass(frozen=True)
+class TransportClasses:
+    """What implements one transport kind."""
+
+    kind: str
+    rendezvous: RendezvousFactory
+    receiver: ReceiverFactory
+    devices: tuple[str, ...]
+    """Device types (``torch.device.type``) whose tensors this kind carries."""
+
+
+_REGISTRY: dict[str, TransportClasses] = {}
+
+
+def register_transport(kind: str, rendezvous: RendezvousFactory, receiver: ReceiverFactory, *,
+                       devices: tuple[str, ...]) -> None:
+    """Called once by ``nccl_back.transport.{kind}`` at import: its classes for ``kind``."""
+    if kind not in TRANSPORT_KINDS:
+        raise ConfigError(f"transport {kind!r} is not one of {TRANSPORT_KINDS} (nccl_back.kinds)")
+    _REGISTRY[kind] = TransportClasses(kind, rendezvous, receiver, devices)
+
+
+def transport_classes(kind: str) -> TransportClasses:
+    """The registered classes of ``kind``, importing its module on first use (the nccl
+    module needs nothing of CUDA to import, but a CPU worker never asks for it)."""
+    found = _REGISTRY.get(kind)
+    if found is not None:
+        return found
+    if kind not in TRANSPORT_KINDS:
+        raise ConfigError(f"transport {kind!r}: choose one of {TRANSPORT_KINDS}")
+    importlib.import_module(f"nccl_back.transport.{kind}")
+    return _REGISTRY[kind]
+
+
+def all_transports() -> dict[str, TransportClasses]:
+    """Every kind's classes; asserts the registry covers exactly ``TRANSPORT_KINDS``."""
+    found: dict[str, TransportClasses] = {k: transport_classes(k) for k in TRANSPORT_KINDS}
+    assert set(_REGISTRY) == set(TRANSPORT_KINDS), (sorted(_REGISTRY), TRANSPORT_KINDS)
+    return found
+
+
 def resolve_kind(settings: Settings, device: torch.device) -> str:
     """The transport to use for a model on ``device``: ``settings.transport`` or, if
     ``auto``, nccl for CUDA tensors and gloo otherwise."""
     if settings.transport != "auto":
-        if settings.transport == "nccl" and device.type != "cuda":
+        classes = transport_classes(settings.transport)
+        if device.type not in classes.devices:
+            others = [k for k, c in all_transports().items() if device.type in c.devices]
             raise ConfigError(
-                f"transport=nccl needs the model on a CUDA device, it is on {device};"
-                " use transport=gloo or auto"
+                f"transport={settings.transport} needs the model on a"
+                f" {' or '.join(d.upper() for d in classes.devices)} device, it is on {device};"
+                f" use transport={' or '.join([*others, 'auto'])}"
             )
         return settings.transport
+    # NCCL is the fast path between GPUs; gloo carries everything else.
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 def open_rendezvous(
     settings: Settings, kind: str, *, device: torch.device, registry: Registry
 ) -> Rendezvous:
-    """The sender endpoint for ``kind`` (``gloo`` or ``nccl``) on ``device``; transfers
-    bootstrap through ``registry``'s Redis (:mod:`.store`). Warns when this worker
-    advertises loopback to a Redis on another host."""
-    if kind == "gloo":
-        from nccl_back.transport.gloo import GlooRendezvous
-
-        return GlooRendezvous(settings, registry, device=device)
-    if kind == "nccl":
-        from nccl_back.transport.nccl import NcclRendezvous
-
-        return NcclRendezvous(settings, registry, device=device)
-    raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
+    """The sender endpoint for ``kind`` on ``device``; transfers bootstrap through
+    ``registry``'s Redis (:mod:`.store`). Warns when this worker advertises loopback to a
+    Redis on another host."""
+    return transport_classes(kind).rendezvous(settings, registry, device=device)
 
 
 def receiver_transport(
@@ -189,17 +248,9 @@ def receiver_transport(
     device: torch.device,
     registry: Registry,
 ) -> Transport:
-    """A new, unconnected rank-1 transport reaching the sender at ``address``.
+    """A new, unconnected rank-1 transport of ``kind`` reaching the sender at ``address``.
 
     Call it on the thread whose CUDA stream holds the work the transfer must follow
     (the loader's): an NCCL transport orders itself after that stream's queued work.
     """
-    if kind == "gloo":
-        from nccl_back.transport.gloo import GlooTransport
-
-        return GlooTransport.receiver(settings, registry, address, transfer_id, device=device)
-    if kind == "nccl":
-        from nccl_back.transport.nccl import NcclTransport
-
-        return NcclTransport.receiver(settings, registry, address, transfer_id, device=device)
-    raise ConfigError(f"transport {kind!r}: choose one of {KINDS}")
+    return transport_classes(kind).receiver(settings, registry, address, transfer_id, device=device)

@@ -16,17 +16,24 @@ the watchdog's worker thread always unwinds by the deadline.
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import TransferError, TransferStalledError, TransferTimeoutError
 from nccl_back.log import get_logger
-from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
+from nccl_back.transport.base import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    WORLD_SIZE,
+    Pending,
+    Transport,
+    register_transport,
+)
 from nccl_back.transport.store import RedisStore, StoreRendezvous, split_address
 
 if TYPE_CHECKING:
@@ -38,15 +45,14 @@ log = get_logger(__name__)
 class GlooRendezvous(StoreRendezvous):
     """The sender's endpoint for gloo transfers (see :mod:`.store`)."""
 
+    kind = "gloo"
+
     def __init__(self, settings: Settings, registry: Registry, *,
                  device: torch.device | None = None) -> None:
-        super().__init__(settings, "gloo", _gloo_sender, device=device or torch.device("cpu"),
-                         registry=registry)
+        super().__init__(settings, registry, device=device or torch.device("cpu"))
 
-
-def _gloo_sender(transfer_id: str, settings: Settings, registry: Registry,
-                 device: torch.device) -> GlooTransport:
-    return GlooTransport(SENDER_RANK, transfer_id, settings, registry, device=device)
+    def _sender(self, transfer_id: str, registry: Registry) -> GlooTransport:
+        return GlooTransport(SENDER_RANK, transfer_id, self.settings, registry, device=self.device)
 
 
 class _GlooPending:
@@ -77,7 +83,7 @@ class GlooTransport(Transport):
     ) -> None:
         super().__init__(rank, transfer_id, device or torch.device("cpu"))
         self.settings = settings
-        self._registry = registry
+        self._registry = registry  # the bootstrap keys' Redis (:class:`RedisStore`)
         self._store: RedisStore | None = None
         self._pg: dist.ProcessGroupGloo | None = None
         self._deadline = float("inf")
@@ -94,7 +100,7 @@ class GlooTransport(Transport):
         return cls(RECEIVER_RANK, transfer_id, settings, registry, device=device)
 
     def _left(self) -> float:
-        left = self._deadline - time.monotonic()
+        left = self._deadline - _clock.monotonic()
         if left <= 0:
             raise TransferTimeoutError(f"gloo transfer {self.transfer_id}: deadline passed")
         return left
@@ -105,11 +111,11 @@ class GlooTransport(Transport):
         # gloo words its timeouts differently by where they fire ("Timed out waiting ...",
         # "Application timeout caused pair closure").
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-        if timed_out and time.monotonic() < self._deadline:
+        if timed_out and _clock.monotonic() < self._deadline:
             # The per-call timeout fired before the deadline: it was the stall bound.
             return TransferStalledError(f"gloo transfer {self.transfer_id}: {what} stalled"
                                         f" (no progress for {self.call_timeout:g} s): {e}")
-        if time.monotonic() >= self._deadline or timed_out:
+        if _clock.monotonic() >= self._deadline or timed_out:
             return TransferTimeoutError(f"gloo transfer {self.transfer_id}: {what} timed out: {e}")
         return TransferError(f"gloo transfer {self.transfer_id}: {what} failed (peer gone?): {e}")
 
@@ -118,7 +124,7 @@ class GlooTransport(Transport):
         left = self._left()
         try:
             self._store = RedisStore(self._registry, self._prefix, self.settings.key("rendezvous"),
-                                     time.monotonic() + left)
+                                     _clock.monotonic() + left)
             prefixed = dist.PrefixStore("gloo", self._store)
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=self._left())
@@ -169,3 +175,6 @@ class GlooTransport(Transport):
     def _prefix(self) -> str:
         return f"gloo/{self.transfer_id}"
 
+
+
+register_transport("gloo", GlooRendezvous, GlooTransport.receiver, devices=("cpu", "cuda"))

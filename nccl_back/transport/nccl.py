@@ -44,7 +44,6 @@ import contextlib
 import math
 import os
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -52,10 +51,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import TransferError, TransferTimeoutError
 from nccl_back.log import get_logger
-from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, WORLD_SIZE, Pending, Transport
+from nccl_back.transport.base import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    WORLD_SIZE,
+    Pending,
+    Transport,
+    register_transport,
+)
 from nccl_back.transport.store import RedisStore, StoreRendezvous, split_address
 
 if TYPE_CHECKING:
@@ -75,6 +82,10 @@ NONBLOCKING_TIMEOUT_S = 10
 #: torch's own per-collective timeout is set this far past our deadline, so that our
 #: deadline (and our abort, on the owner thread) always acts first.
 TORCH_TIMEOUT_SLACK_S = 600.0
+
+#: Seconds between polls of a pending collective or stream (the owner thread polls
+#: rather than blocks, so it sees an abort request or the deadline within this).
+POLL_S = 0.0005
 
 _ENV_LOCK = threading.Lock()
 # Read by ProcessGroupNCCL's constructor: no teardown on errors, no heartbeat monitor
@@ -114,16 +125,15 @@ def _group_env() -> Iterator[None]:
 class NcclRendezvous(StoreRendezvous):
     """The sender's endpoint for NCCL transfers (see :mod:`.store`)."""
 
+    kind = "nccl"
+
     def __init__(self, settings: Settings, registry: Registry, *, device: torch.device) -> None:
         check_available(device)
-        super().__init__(settings, "nccl", _nccl_sender, device=device, registry=registry)
+        super().__init__(settings, registry, device=device)
 
-
-def _nccl_sender(
-    transfer_id: str, settings: Settings, registry: Registry, device: torch.device
-) -> NcclTransport:
-    return NcclTransport(SENDER_RANK, transfer_id, device=device, settings=settings,
-                         registry=registry)
+    def _sender(self, transfer_id: str, registry: Registry) -> NcclTransport:
+        return NcclTransport(SENDER_RANK, transfer_id, device=self.device, settings=self.settings,
+                             registry=registry)
 
 
 class _NcclPending:
@@ -158,16 +168,14 @@ class NcclTransport(Transport):
         device: torch.device,
         settings: Settings,
         registry: Registry,
-        poll: float = 0.0005,
     ) -> None:
         check_available(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(rank, transfer_id, device)
         self._settings = settings
-        self._registry = registry
+        self._registry = registry  # the bootstrap keys' Redis (:class:`RedisStore`)
         self._store: RedisStore | None = None
-        self._poll = poll
         self._deadline = float("inf")
         self._abort_requested = threading.Event()
         self._pg: Any = None
@@ -189,7 +197,7 @@ class NcclTransport(Transport):
     def _left(self, what: str) -> float:
         if self._abort_requested.is_set():
             raise TransferTimeoutError(f"nccl transfer {self.transfer_id} aborted during {what}")
-        left = self._deadline - time.monotonic()
+        left = self._deadline - _clock.monotonic()
         if left <= 0:
             raise TransferTimeoutError(f"nccl transfer {self.transfer_id}: {what} passed the deadline")
         return left
@@ -205,7 +213,7 @@ class NcclTransport(Transport):
         left = self._left("connect")
         try:
             self._store = RedisStore(self._registry, self._prefix,
-                                     self._settings.key("rendezvous"), time.monotonic() + left)
+                                     self._settings.key("rendezvous"), _clock.monotonic() + left)
             prefixed = dist.PrefixStore("nccl", self._store)
             opts = dist.ProcessGroupNCCL.Options()
             if self.nonblocking:
@@ -222,7 +230,7 @@ class NcclTransport(Transport):
                 ready = getattr(pg, "_is_initialized", None)
                 while ready is not None and not ready():
                     self._left("connect")
-                    time.sleep(self._poll * 10)
+                    _clock.sleep(POLL_S * 10)
             # The first collective creates the communicator (lazily) and, since NCCL
             # 2.22, connects the two ranks: a one-byte broadcast now keeps both inside
             # the connect deadline instead of the first data step's.
@@ -258,7 +266,7 @@ class NcclTransport(Transport):
         try:
             while not work.is_completed():
                 self._left("broadcast")
-                time.sleep(self._poll)
+                _clock.sleep(POLL_S)
             # Orders this thread's stream after the collective (no host wait) and
             # raises the error the collective ended with, if any.
             work.wait()
@@ -277,14 +285,14 @@ class NcclTransport(Transport):
         try:
             while not done.query():
                 self._left("finishing")
-                time.sleep(self._poll)
+                _clock.sleep(POLL_S)
         except TransferError:
             self._abort_now()
             raise
 
     def _error(self, what: str, e: BaseException) -> TransferError:
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-        if timed_out or self._abort_requested.is_set() or time.monotonic() >= self._deadline:
+        if timed_out or self._abort_requested.is_set() or _clock.monotonic() >= self._deadline:
             return TransferTimeoutError(f"nccl transfer {self.transfer_id}: {what} timed out: {e}")
         return TransferError(f"nccl transfer {self.transfer_id}: {what} failed (peer gone?): {e}")
 
@@ -341,3 +349,6 @@ def nonblocking_timeout() -> float:
     except ValueError:
         return float(NONBLOCKING_TIMEOUT_S)
     return value if math.isfinite(value) and value > 0 else float(NONBLOCKING_TIMEOUT_S)
+
+
+register_transport("nccl", NcclRendezvous, NcclTransport.receiver, devices=("cuda",))

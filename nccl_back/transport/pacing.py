@@ -13,8 +13,8 @@ size (debt), so the long-run rate is exact for any step size.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
+
+from nccl_back import _clock
 
 #: Seconds of bytes the bucket may hold (a late thread catches up, no longer bursts).
 DEFAULT_BURST = 0.05
@@ -23,20 +23,11 @@ DEFAULT_BURST = 0.05
 class Pacer:
     """A token bucket of ``gbps`` (10^9 bytes/s); thread-safe; 0 or less: unlimited."""
 
-    def __init__(
-        self,
-        gbps: float,
-        *,
-        burst: float = DEFAULT_BURST,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
+    def __init__(self, gbps: float) -> None:
         self.rate = gbps * 1e9
-        self._capacity = self.rate * burst
+        self._capacity = self.rate * DEFAULT_BURST
         self._tokens = self._capacity
-        self._clock = clock
-        self._sleep = sleep
-        self._last = clock()
+        self._last = _clock.monotonic()
         self._lock = threading.Lock()
 
     @property
@@ -48,7 +39,7 @@ class Pacer:
         if self.rate <= 0 or nbytes <= 0:
             return
         with self._lock:
-            now = self._clock()
+            now = _clock.monotonic()
             self._tokens = min(self._capacity, self._tokens + (now - self._last) * self.rate)
             self._last = now
             # Take now, pay back by waiting: concurrent senders queue behind each other's
@@ -56,4 +47,4 @@ class Pacer:
             self._tokens -= nbytes
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
         if wait > 0:
-            self._sleep(wait)
+            _clock.sleep(wait)

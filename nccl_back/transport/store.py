@@ -45,18 +45,18 @@ import hmac
 import ipaddress
 import socket
 import threading
-import time
-from collections.abc import Callable
+from abc import abstractmethod
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord.redisclient import parse_redis_url
 from nccl_back.errors import ConfigError, RegistryError, TransferError, TransferTimeoutError
 from nccl_back.log import get_logger
+from nccl_back.redis_url import parse_redis_url
 from nccl_back.transport.base import Rendezvous, Transport
 
 if TYPE_CHECKING:
@@ -81,9 +81,6 @@ _UNSIGNED = "-"
 _MAC_HEX = 64
 # Base64 of MAX_VALUE_BYTES plus the MAC and separator: what a read takes at most.
 _MAX_STORED = _MAC_HEX + 1 + 4 * (-(-MAX_VALUE_BYTES // 3))
-
-#: Makes the sender's transport of one transfer: ``(transfer_id, settings, registry, device)``.
-SenderFactory = Callable[[str, Settings, "Registry", torch.device], Transport]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -157,8 +154,9 @@ class RedisStore(dist.Store):
     """One transfer's bootstrap keys in Redis, HMAC-signed and size-bounded (see module doc).
 
     Supports what torch's process groups use to bootstrap: ``set``, ``get``, ``wait``,
-    ``check`` and ``delete_key``. Every wait ends by ``deadline`` (``time.monotonic``)
-    with :class:`TransferTimeoutError`.
+    ``check`` and ``delete_key``. Every wait ends by ``deadline`` (``_clock.monotonic``)
+    with :class:`TransferTimeoutError`. ``registry`` is what the keys are named and Redis
+    reached through: its namespace, client and error mapping (:class:`RegistryError`).
     """
 
     def __init__(self, registry: Registry, scope: str, key: bytes | None, deadline: float) -> None:
@@ -177,7 +175,7 @@ class RedisStore(dist.Store):
     def _redis_key(self, name: str) -> str:
         if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
             raise TransferError(f"rendezvous key name of {len(str(name))} chars: over {MAX_NAME_CHARS}")
-        return self._registry.key("rdv", self._scope, name)
+        return self._registry.keys.rendezvous(self._scope, name)
 
     def _mac(self, redis_key: str, value: bytes) -> str:
         if self._key is None:
@@ -206,7 +204,7 @@ class RedisStore(dist.Store):
     # -- Redis -------------------------------------------------------------------------------
 
     def _left(self, what: str) -> float:
-        left = self.deadline - time.monotonic()
+        left = self.deadline - _clock.monotonic()
         if left <= 0:
             raise TransferTimeoutError(f"rendezvous {what}: deadline passed")
         return left
@@ -235,7 +233,7 @@ class RedisStore(dist.Store):
             values = [self._read(n) for n in names]
             if all(v is not None for v in values):
                 return [v for v in values if v is not None]
-            time.sleep(min(delay, self._left(what)))
+            _clock.sleep(min(delay, self._left(what)))
             delay = min(delay * 2, POLL_MAX)
 
     # -- dist.Store --------------------------------------------------------------------------
@@ -257,7 +255,7 @@ class RedisStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         if timeout is not None:
-            self.deadline = min(self.deadline, time.monotonic() + timeout.total_seconds())
+            self.deadline = min(self.deadline, _clock.monotonic() + timeout.total_seconds())
         self._poll(list(keys), f"wait {list(keys)!r}")
 
     def check(self, keys: list[str]) -> bool:
@@ -293,34 +291,28 @@ class StoreRendezvous(Rendezvous):
 
     :attr:`address` is ``{advertise_host}:0``: the host the transports' data sockets
     bind on (receivers check it is reachable), port 0 saying there is no rendezvous
-    port to reach.
+    port to reach. A kind's subclass says how to make its rank-0 transport.
     """
 
-    def __init__(
-        self,
-        settings: Settings,
-        kind: str,
-        make_sender: SenderFactory,
-        *,
-        device: torch.device,
-        registry: Registry,
-    ) -> None:
-        self.kind = kind
+    def __init__(self, settings: Settings, registry: Registry, *, device: torch.device) -> None:
         self.settings = settings
         self.device = device
-        self._make_sender = make_sender
         self._registry: Registry | None = registry
         warn_if_loopback(settings)
-        log.debug("rendezvous_started", kind=kind, address=self.address)
+        log.debug("rendezvous_started", kind=self.kind, address=self.address)
 
     @property
     def address(self) -> str:
         return join_address(self.settings.advertise_host, 0)
 
+    @abstractmethod
+    def _sender(self, transfer_id: str, registry: Registry) -> Transport:
+        """A new rank-0 transport of this kind bootstrapping through ``registry``."""
+
     def sender(self, transfer_id: str) -> Transport:
         if self._registry is None:
             raise TransferError(f"the {self.kind} rendezvous is closed")
-        return self._make_sender(transfer_id, self.settings, self._registry, self.device)
+        return self._sender(transfer_id, self._registry)
 
     def close(self) -> None:
         self._registry = None

@@ -28,10 +28,10 @@ another thread is inside NCCL.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from nccl_back import _clock
 from nccl_back.errors import (
     NcclBackError,
     TransferError,
@@ -53,15 +53,13 @@ def run_guarded(
     *,
     connect_deadline: float | None = None,
     stall: float | None = None,
-    join_grace: float | None = None,
-    clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """``transport.connect(...)`` then ``work(transport)``, done by ``deadline``.
 
-    ``deadline`` is on ``clock`` (``time.monotonic``); the connect phase must also end
-    by ``connect_deadline`` when given. After the connect, when ``stall`` is given, no
-    more than ``stall`` seconds may pass without a completed step (measured on
-    ``time.monotonic``). Returns what ``work`` returns.
+    ``deadline`` is on ``_clock.monotonic``; the connect phase must also end by
+    ``connect_deadline`` when given. After the connect, when ``stall`` is given, no
+    more than ``stall`` seconds may pass without a completed step. Returns what
+    ``work`` returns.
     Raises :class:`TransferStalledError` past the stall bound and
     :class:`TransferTimeoutError` past the deadline (both after aborting the transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
     wrapping any other exception. The transport is closed in every case.
@@ -98,30 +96,30 @@ def run_guarded(
     )
     thread.start()
     if first < deadline:
-        thread.join(max(first - clock(), 0.0))
+        thread.join(max(first - _clock.monotonic(), 0.0))
         if thread.is_alive() and not connected.is_set():
-            _abort(transport, thread, join_grace, "connect")
+            _abort(transport, thread, "connect")
             raise TransferTimeoutError(
                 f"{transport.kind} transfer {transport.transfer_id}: the communicator did not"
                 " form by the connect deadline (the peer gave up or is gone); aborted"
             )
     while True:
-        wait = deadline - clock()
+        wait = deadline - _clock.monotonic()
         if stall is not None:
             # Before the connect is seen, wake up every stall bound to start watching.
-            quiet = (transport.progress_at + stall - time.monotonic()) if connected.is_set() else stall
+            quiet = (transport.progress_at + stall - _clock.monotonic()) if connected.is_set() else stall
             wait = min(wait, quiet)
         thread.join(max(wait, 0.0))
         if not thread.is_alive():
             break
-        if clock() >= deadline:
-            _abort(transport, thread, join_grace, "transfer")
+        if _clock.monotonic() >= deadline:
+            _abort(transport, thread, "transfer")
             raise TransferTimeoutError(
                 f"{transport.kind} transfer {transport.transfer_id} did not finish by its deadline;"
                 " the communicator was aborted"
             )
-        if stall is not None and connected.is_set() and time.monotonic() - transport.progress_at >= stall:
-            _abort(transport, thread, join_grace, "stall")
+        if stall is not None and connected.is_set() and _clock.monotonic() - transport.progress_at >= stall:
+            _abort(transport, thread, "stall")
             raise TransferStalledError(
                 f"{transport.kind} transfer {transport.transfer_id} stalled: no step completed"
                 f" for {stall:g} s (the stall bound; the peer stopped or its link is down);"
@@ -129,7 +127,7 @@ def run_guarded(
             )
     if errors:
         error = errors[0]
-        quiet = time.monotonic() - transport.progress_at
+        quiet = _clock.monotonic() - transport.progress_at
         if (stall is not None and connected.is_set() and quiet >= stall
                 and isinstance(error, TransferError) and not isinstance(error, TransferStalledError)):
             # The transport's own per-call timeout (the stall bound) beat our check: say
@@ -146,13 +144,11 @@ def run_guarded(
     return values[0]
 
 
-def _abort(
-    transport: Transport, thread: threading.Thread, join_grace: float | None, phase: str
-) -> None:
+def _abort(transport: Transport, thread: threading.Thread, phase: str) -> None:
     log.warning("transfer_deadline_passed", transfer_id=transport.transfer_id,
                 kind=transport.kind, phase=phase)
     transport.abort()
-    grace = transport.join_grace if join_grace is None else join_grace
+    grace = transport.join_grace
     thread.join(grace)
     if thread.is_alive():
         # Only a wait that ignores both the deadline and the abort request can get

@@ -43,7 +43,7 @@ stream fails and its receivers go back to the election (another worker downloads
 the first one publishes); a stream-fed link allows ``max(relay_stall_timeout,
 download_lease)`` between steps, since its pace is storage's.
 
-Registry (keys built by :class:`~nccl_back.coord.registry.Registry`)::
+Registry (keys built by :class:`~nccl_back.coord.keys.Keys`)::
 
     ns:cohort:{v}:{r}:{w}:{d}                 hash {n, epoch}; TTL cohort_window
     ns:cohort:{v}:{r}:{w}:{d}:{epoch}:{c}     list of member records, in chain order

@@ -129,7 +129,7 @@ def join(p: Place) -> Chain:
         server.end(False, "could not join a cohort")
         raise
     seat = Seat(chain_key, position)
-    p.log.info("cohort_joined", chain=chain_key.rsplit(":", 2)[-2:], position=position,
+    p.log.info("cohort_joined", chain=p.registry.keys.chain_place(chain_key), position=position,
                member=member.member_id)
     return Chain(seat, member, server.progress, server, p.registry)
 

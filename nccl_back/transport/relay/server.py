@@ -142,7 +142,7 @@ class RelayServer:
                 self._sends.append(t)
             t.start()
         with contextlib.suppress(RegistryError):
-            self.registry.delete(self.registry.key("req", key))
+            self.registry.drop_requests(key)
         for t in list(self._sends):
             t.join(self.settings.transfer_timeout)
         # A stopped endpoint must not keep the model alive: a sidecar whose hand-off

@@ -1,0 +1,68 @@
+"""Send slots: a receiver claims one of a peer's ``max_sends`` slots before it asks.
+
+A claim is ``{"token", "receiver"}`` at ``ns:claim:{peer_id}:{slot}``, signed with no
+expiry inside (renewals extend its TTL), taken through :meth:`SignedStore.acquire`: a
+claim that does not verify, or is kept far beyond ``claim_ttl``, is taken over rather
+than obeyed. It expires by itself if its receiver dies holding it; renewal and release
+act only while it still holds the caller's token, so a late release never frees a slot
+another receiver took after an expiry.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+from nccl_back.coord import records
+from nccl_back.coord.keys import ANY
+from nccl_back.coord.records import PeerInfo
+from nccl_back.coord.store import SignedStore, ms
+from nccl_back.errors import RecordKind, RegistryError
+
+
+class ClaimRecords(SignedStore):
+    """The send-slot record family."""
+
+    def claim(self, peer_id: str, receiver_id: str, max_sends: int, ttl: float) -> str | None:
+        """Take one of ``peer_id``'s ``max_sends`` send slots for ``ttl`` seconds.
+
+        Returns a token for :meth:`renew_claim` and :meth:`release`, or None when every
+        slot is taken. The slot expires by itself if the receiver dies holding it.
+        """
+        for slot in random.sample(range(max_sends), max_sends):
+            token = f"{slot}:{uuid.uuid4().hex}"
+            if self.acquire(self.keys.claim(peer_id, slot), {"token": token, "receiver": receiver_id},
+                            ttl, RecordKind.CLAIM, records.claim, expires=False) is not None:
+                return token
+        return None
+
+    def release(self, peer_id: str, token: str) -> None:
+        """Free the slot ``token`` holds, if it still holds it (compare-and-delete)."""
+        key = self.keys.claim(peer_id, _claim_slot(token))
+        self._call("release", lambda: self.lua.release(keys=[key], args=[token]))
+
+    def renew_claim(self, peer_id: str, token: str, ttl: float) -> bool:
+        """Extend the slot ``token`` holds by ``ttl`` seconds; False if it is no longer ours."""
+        key = self.keys.claim(peer_id, _claim_slot(token))
+        return bool(self._call("renew_claim", lambda: self.lua.renew(keys=[key], args=[token, ms(ttl)])))
+
+    def active_claims(self, peer_id: str) -> int:
+        """How many send slots of ``peer_id`` are taken now."""
+        return sum(1 for _ in self._scan(self.keys.claim(peer_id, ANY)))
+
+    def _claim_counts(self, peers: list[PeerInfo]) -> dict[str, int]:
+        """Taken slots of each peer, in one round trip."""
+        if not peers:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for p in peers:
+            pipe.exists(*[self.keys.claim(p.peer_id, s) for s in range(max(p.max_sends, 1))])
+        counts = self._call("EXISTS", pipe.execute)
+        return {p.peer_id: int(c) for p, c in zip(peers, counts, strict=True)}
+
+
+def _claim_slot(token: str) -> int:
+    slot, sep, _ = token.partition(":")
+    if not sep or not slot.isdigit():
+        raise RegistryError(f"malformed claim token {token!r}")
+    return int(slot)

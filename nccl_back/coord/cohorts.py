@@ -1,0 +1,83 @@
+"""The relay's records: cohorts of receivers seated in chains, and streamed downloads.
+
+A cohort (``ns:cohort:{v}:{r}:{w}:{d}``, a hash ``{n, epoch}`` living one window) seats
+each arrival at the next position of a chain, ``{cohort}:{epoch}:{chain}``, a list of
+member records (a relay endpoint each, signed for the cohort key) in chain order; the
+seat and the record are one step (:mod:`.scripts`, the join script). A download that
+receivers wait on announces its relay endpoint at ``ns:stream:{v}:{r}:{w}:{d}``. The
+topology built on them is :mod:`nccl_back.transport.relay`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from nccl_back.coord.store import SignedStore, ms
+from nccl_back.errors import RecordKind, RegistryError, UntrustedRecordError
+
+
+class CohortRecords(SignedStore):
+    """The cohort, chain and download-stream record families."""
+
+    def cohort_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
+        """The current cohort of receivers of one rank's skeleton flavour."""
+        return self.keys.cohort(version, rank, world_size, manifest_digest)
+
+    def join_cohort(
+        self, version: str, rank: int, world_size: int, manifest_digest: str,
+        member: dict[str, Any], *, window: float, max_size: int, ttl: float,
+    ) -> tuple[str, int]:
+        """Append ``member`` to the current cohort's chain: ``(chain key, position)``."""
+        key = self.cohort_key(version, rank, world_size, manifest_digest)
+        record = self.signed(key, member, ttl)  # bound to the cohort, like every record
+        got = self._call("join_cohort", lambda: self.lua.join_cohort(
+            keys=[key], args=[uuid.uuid4().hex[:12], ms(window), max(int(max_size), 1),
+                              str(record), ms(ttl)]))
+        try:
+            chain, position = got
+            return str(chain), int(position)
+        except (TypeError, ValueError) as e:
+            raise RegistryError(f"join_cohort: unexpected reply {got!r}") from e
+
+    def chain_members(self, chain: str, first: int, last: int) -> list[dict[str, Any] | None]:
+        """Member records at positions ``first..last`` of ``chain``, signature checked
+        (None where a record is untrusted: skipped with a reason, counted)."""
+        cohort = self.keys.cohort_of_chain(chain)
+        if cohort is None:
+            raise RegistryError(f"{chain!r} is not a cohort chain key")
+        raws = self._call("LRANGE", lambda: self.client.lrange(chain, first, last))
+        out: list[dict[str, Any] | None] = []
+        for raw in raws:
+            try:
+                out.append(self.verify(cohort, raw, RecordKind.COHORT_MEMBER))
+            except UntrustedRecordError as e:
+                self.reject(RecordKind.COHORT_MEMBER, chain, str(e))
+                out.append(None)
+        return out
+
+    # -- downloads streamed to waiting workers ------------------------------------------
+
+    def stream_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
+        """The relay endpoint of the worker downloading one rank's skeleton flavour."""
+        return self.keys.stream(version, rank, world_size, manifest_digest)
+
+    def put_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
+                   member: dict[str, Any], ttl: float) -> None:
+        """Announce (signed, with a TTL) the relay endpoint a download is streamed from."""
+        self.set_signed(self.stream_key(version, rank, world_size, manifest_digest), member, ttl)
+
+    def get_stream(self, version: str, rank: int, world_size: int,
+                   manifest_digest: str) -> dict[str, Any] | None:
+        """The verified stream record, or None (absent, or untrusted: skipped with a reason)."""
+        got = self.get_signed(self.stream_key(version, rank, world_size, manifest_digest),
+                              RecordKind.DOWNLOAD_STREAM)
+        return None if got is None else got[0]
+
+    def drop_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
+                    member_id: str) -> None:
+        """Remove the stream record if it is still ours (a new downloader's stays)."""
+        key = self.stream_key(version, rank, world_size, manifest_digest)
+        got = self.get_signed(key, RecordKind.DOWNLOAD_STREAM)
+        if got is not None and got[0].get("member_id") == member_id:
+            self._call("DEL", lambda: self.lua.cad(keys=[key], args=[str(got[1])]))

@@ -1,0 +1,52 @@
+"""The single-flight download lease: which one worker downloads a version from storage.
+
+``{"owner": worker_id}`` at ``ns:dl:{v}:{w}``, one per worker (taken by its rank 0),
+never one per rank. Signed with an expiry inside the signature and renewed by
+re-signing it, compare-and-set on the exact value its owner wrote, so after an expiry a
+late renewal or release never takes the lease from its new owner. A lease that does
+not verify (written without the secret, a stale genuine copy, garbage, another Redis
+type, a TTL far beyond the lease's) is never obeyed: the next taker takes it over
+atomically (:meth:`SignedStore.acquire`), at most one of them. The election that uses
+it is :mod:`.election`.
+"""
+
+from __future__ import annotations
+
+from nccl_back.coord import records
+from nccl_back.coord.store import Raw, SignedStore
+from nccl_back.errors import RecordKind
+
+
+class LeaseRecords(SignedStore):
+    """The download-lease record family."""
+
+    def lease_key(self, version: str, world_size: int) -> str:
+        """The single-flight download lease of ``version`` for workers of ``world_size``
+        ranks: one per worker (taken by its rank 0), never one per rank."""
+        return self.keys.lease(version, world_size)
+
+    def take_lease(self, version: str, world_size: int, owner: str, ttl: float) -> Raw | None:
+        """Take the lease for ``ttl`` seconds if nobody trusted holds it: the raw value
+        stored (what :meth:`renew_lease` and :meth:`drop_lease` compare), or None."""
+        return self.acquire(self.lease_key(version, world_size), {"owner": owner}, ttl,
+                            RecordKind.LEASE, records.lease)
+
+    def lease_holder(self, version: str, world_size: int, ttl: float) -> str | None:
+        """The owner of the lease now, or None (also when the value there is not to be
+        trusted: skipped with a reason, counted, and taken over by the next taker)."""
+        got = self.get_signed(self.lease_key(version, world_size), RecordKind.LEASE,
+                              parse=records.lease, max_ttl=ttl)
+        return None if got is None else records.lease(got[0]).owner
+
+    def renew_lease(self, version: str, world_size: int, owner: str, held: Raw,
+                    ttl: float) -> Raw | None:
+        """Re-sign the lease for another ``ttl`` seconds (the expiry inside the signature
+        moves with the TTL) if it still holds ``held``: the new raw value, or None if it
+        is no longer ours."""
+        key = self.lease_key(version, world_size)
+        new = self.signed(key, {"owner": owner}, ttl)
+        return new if self.compare_and_set(key, held, new, ttl) else None
+
+    def drop_lease(self, version: str, world_size: int, held: Raw) -> bool:
+        """Delete the lease if it still holds ``held`` (a new owner's stays)."""
+        return self.compare_and_delete(self.lease_key(version, world_size), held)

@@ -1,0 +1,189 @@
+"""Availability: which peers hold which version, for which rank.
+
+A peer entry (``ns:peer:{v}:{r}:{w}:{peer_id}``, a signed :class:`PeerInfo`) and the
+index of one rank's peer ids (``ns:peers:{v}:{r}:{w}``, a set) are written in one step
+and kept alive by the holder's heartbeat, which also keeps the ground truth it holds
+(:mod:`.truth`) and its request queue (:mod:`.requests`). The index is only a hint to
+avoid ``SCAN`` on the hot path: the per-peer key with its TTL is the truth, members
+whose key expired are dropped when read, and an index that is garbage (another Redis
+type, oversized, only dead members) is bypassed by scanning the peer keys, so a hint
+never hides a live holder.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+from nccl_back import _clock
+from nccl_back.coord.claims import ClaimRecords
+from nccl_back.coord.keys import ANY
+from nccl_back.coord.records import PeerInfo
+from nccl_back.coord.requests import RequestRecords
+from nccl_back.coord.store import SignedStore, log, ms
+from nccl_back.coord.truth import TruthRecords
+from nccl_back.errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
+
+_KEY_UNSAFE = " :*?[]"
+
+#: Members of a peer index read at most; a bigger index is garbage (real fleets hold
+#: far fewer peers of one version and rank): dropped, and the peer keys scanned instead.
+MAX_INDEX = 1024
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    """One peer as :meth:`PeerRecords.list_all` reports it."""
+
+    info: PeerInfo
+    age: float
+    """Seconds since the peer finished loading."""
+    ttl: float
+    """Seconds until the entry expires without a heartbeat."""
+    active_claims: int
+
+    @property
+    def busy(self) -> bool:
+        return self.active_claims >= self.info.max_sends
+
+
+class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
+    """The peer-entry and index record families (with what a heartbeat keeps alive)."""
+
+    def publish_peer(self, info: PeerInfo) -> None:
+        """Announce that ``info.peer_id`` holds ``info.version`` (visible for ``peer_ttl``)."""
+        for field_name in ("peer_id", "version"):
+            value = getattr(info, field_name)
+            # Both are parts of key names that are split and globbed later.
+            if not value or any(c in value for c in _KEY_UNSAFE):
+                raise ConfigError(f"{field_name}={value!r}: must be non-empty, without ':', spaces or globs")
+        ttl = ms(self.settings.peer_ttl)
+        key = self.keys.peer(info.version, info.rank, info.world_size, info.peer_id)
+        # Re-signed at every heartbeat, so the expiry inside the signature moves too.
+        value = self.signed(key, asdict(info), self.settings.peer_ttl)
+        index = self.keys.peer_index(info.version, info.rank, info.world_size)
+        self._call("publish", lambda: self.lua.publish(keys=[key, index], args=[value, ttl, info.peer_id]))
+        log.debug("peer_published", peer_id=info.peer_id, version=info.version, rank=info.rank)
+
+    def heartbeat(self, info: PeerInfo, truth: dict[str, str] | None = None) -> None:
+        """Refresh the TTLs of the peer's keys and of the ground truth it relies on.
+
+        Re-writes the entry rather than only extending it, so a peer whose entry already
+        expired (a long GC pause, a Redis restart) becomes visible again. ``truth``: the
+        ground truth this peer holds (stored form, :func:`.truth.encode_truth`),
+        re-published signed when the record is gone (Redis lost its data) or not to be
+        trusted, and before the entry, so receivers never find the peer without its truth.
+        """
+        if truth:
+            self.keep_ground_truth(info, truth)
+        self.publish_peer(info)
+        if not truth:
+            self._extend_ground_truth(info)
+        self._keep_requests(info.peer_id)
+
+    def withdraw(self, peer_id: str, version: str) -> None:
+        """Remove every availability entry of ``peer_id`` for ``version`` (all ranks)."""
+        keys = list(self._scan(self.keys.peer(version, ANY, ANY, peer_id)))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            _, rank, world, _ = self.keys.peer_parts(key)
+            pipe.srem(self.keys.peer_index(version, rank, world), peer_id)
+        if keys:
+            pipe.delete(*keys)
+        pipe.delete(self.keys.requests(peer_id))
+        self._call("withdraw", pipe.execute)
+        log.debug("peer_withdrawn", peer_id=peer_id, version=version)
+
+    def find_peers(self, version: str, rank: int, world_size: int) -> list[PeerInfo]:
+        """Live peers holding ``version`` for this rank, least-claimed first.
+
+        Ties are broken at random so that receivers starting together spread across
+        peers instead of all asking the first one.
+        """
+        index = self.keys.peer_index(version, rank, world_size)
+        ids = self._peer_ids(index, version, rank, world_size)
+        if not ids:
+            return []
+        keys = [self.keys.peer(version, rank, world_size, pid) for pid in ids]
+        raws, ttls = self._get_with_ttls(keys, RecordKind.PEER)
+        dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
+        if dead:
+            self._call("SREM", lambda: self.client.srem(index, *dead))
+        if len(dead) == len(ids):
+            # An index of dead peers only: stale (a restored copy) or forged. It must not
+            # hide a live holder until its next heartbeat: the peer keys are the truth.
+            prefix = self.keys.peer_prefix(version, rank, world_size)
+            keys = sorted(self._scan(self.keys.peer(version, rank, world_size, ANY)))
+            if not keys:
+                return []
+            self.reject(RecordKind.INDEX, index, f"{len(ids)} members, none alive; peer keys scanned")
+            raws, ttls = self._get_with_ttls(keys, RecordKind.PEER)
+            keys = [k if k.startswith(prefix) else "" for k in keys]
+        peers: list[PeerInfo] = []
+        for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
+            if raw is None:
+                continue
+            try:  # one bad entry must not hide the good ones
+                info = PeerInfo.from_record(self.verify(key, raw, RecordKind.PEER, ttl_ms))
+                if key != self.keys.peer(info.version, info.rank, info.world_size, info.peer_id) or (
+                    (info.version, info.rank, info.world_size) != (version, rank, world_size)
+                ):
+                    raise UntrustedRecordError(f"{key}: the entry describes another key")
+            except UntrustedRecordError as e:
+                self.reject(RecordKind.PEER, key, str(e))
+                continue
+            peers.append(info)
+        claims = self._claim_counts(peers)
+        random.shuffle(peers)
+        peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
+        return peers
+
+    def _peer_ids(self, index: str, version: str, rank: int, world_size: int) -> list[str]:
+        """The peer ids of the index, or of the peer keys themselves when the index is
+        garbage (another Redis type, or oversized): it is dropped, and the holders'
+        next heartbeats rebuild it. A hint must never hide the truth it points to."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.scard(index)
+        pipe.srandmember(index, MAX_INDEX)  # every member when there are at most that many
+        try:
+            n, members = self._call("SMEMBERS", pipe.execute)
+        except RegistryError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            why = "wrong Redis type"
+        else:
+            if int(n) <= MAX_INDEX:
+                return sorted(str(m) for m in members if isinstance(m, str) and len(m) <= 300)
+            why = f"{n} members, more than {MAX_INDEX}"
+        self.reject(RecordKind.INDEX, index, f"{why}; peer keys scanned instead")
+        self._repair(index, "none")
+        prefix = self.keys.peer_prefix(version, rank, world_size)
+        return sorted(k[len(prefix):] for k in self._scan(self.keys.peer(version, rank, world_size, ANY)))
+
+    def list_all(self) -> dict[str, list[PeerStatus]]:
+        """Every live peer, grouped by version (for ``nccl-back status``)."""
+        keys = list(self._scan(self.keys.all_peers()))
+        if not keys:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+            pipe.pttl(key)
+        values = self._call("list", pipe.execute)
+        peers: list[tuple[PeerInfo, float]] = []
+        for key, raw, ttl_ms in zip(keys, values[::2], values[1::2], strict=True):
+            if raw is not None:
+                try:
+                    info = PeerInfo.from_record(self.verify(key, raw, RecordKind.PEER, ttl_ms))
+                except UntrustedRecordError as e:
+                    self.reject(RecordKind.PEER, key, str(e))
+                    continue
+                peers.append((info, max(int(ttl_ms), 0) / 1000))
+        claims = self._claim_counts([p for p, _ in peers])
+        now = _clock.wall()
+        out: dict[str, list[PeerStatus]] = {}
+        for info, ttl in sorted(peers, key=lambda x: (x[0].version, x[0].rank, x[0].peer_id)):
+            out.setdefault(info.version, []).append(
+                PeerStatus(info, max(now - info.started_at, 0.0), ttl, claims[info.peer_id])
+            )
+        return out

@@ -1,0 +1,81 @@
+"""Transfer requests: the queue a sender (a peer, or a relay member) serves.
+
+``ns:req:{peer_id}`` is a list of signed request records, newest last, trimmed to the
+newest :data:`MAX_QUEUED_REQUESTS` so a flood written before a genuine request cannot
+bury it; its TTL is the holder's ``peer_ttl``, extended at each heartbeat. The sender
+pops newest first: that receiver is still waiting, older ones may have given up. A
+queue holding another Redis type (garbage) is replaced by the next push and dropped by
+its owner's next pop or heartbeat.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, cast
+
+from nccl_back import _clock
+from nccl_back.coord import records
+from nccl_back.coord.store import SignedStore, ms
+from nccl_back.errors import RecordKind, RegistryError, UntrustedRecordError
+
+#: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
+MAX_QUEUED_REQUESTS = 256
+
+
+class RequestRecords(SignedStore):
+    """The transfer-request record family."""
+
+    def push_request(self, peer_id: str, request: dict[str, Any]) -> None:
+        """Ask ``peer_id`` to serve one transfer (``request`` is JSON-serialisable)."""
+        key = self.keys.requests(peer_id)
+        # Keep only the newest requests: a flood written before ours cannot bury it.
+        raw = self.signed(key, request, self.settings.peer_ttl)
+        self._call("push_request", lambda: self.lua.push(
+            keys=[key], args=[raw, MAX_QUEUED_REQUESTS, ms(self.settings.peer_ttl)]))
+
+    def pop_request(self, peer_id: str, timeout: float) -> dict[str, Any] | None:
+        """The next valid request for ``peer_id``, waiting at most ``timeout`` seconds;
+        else None. Invalid ones (unsigned, malformed, expired) are skipped and counted."""
+        key = self.keys.requests(peer_id)
+        deadline = _clock.monotonic() + timeout
+        # Each BLPOP must end well within the socket timeout, or redis-py would report a
+        # healthy idle wait as a dead connection.
+        step = max(self.settings.redis_timeout / 2, 0.01)
+        while True:
+            left = deadline - _clock.monotonic()
+            if left <= 0.001:
+                # BLPOP 0 blocks forever: a last non-blocking look instead.
+                raw = self._call("RPOP", lambda: self.client.rpop(key))
+                return None if raw is None else self._request(key, cast(str, raw))
+            # Newest first: its receiver is still waiting; older ones may have given up,
+            # and a flood pushed earlier must not delay it.
+            try:
+                got = self._call("BRPOP", partial(self.client.brpop, [key], timeout=min(left, step)))
+            except RegistryError as e:
+                if "WRONGTYPE" not in str(e):
+                    raise
+                # Our own queue holds garbage of another type: drop it, receivers re-ask.
+                self.reject(RecordKind.REQUEST, key, "wrong Redis type; dropped")
+                self._repair(key, "list")
+                continue
+            if got is not None:
+                request = self._request(key, cast("tuple[str, str]", got)[1])
+                if request is not None:
+                    return request
+
+    def drop_requests(self, peer_id: str) -> None:
+        """Forget every request queued for ``peer_id`` (its endpoint is closing: the
+        receivers that asked time out their handshake and ask elsewhere)."""
+        self.delete(self.keys.requests(peer_id))
+
+    def _keep_requests(self, peer_id: str) -> None:
+        """Our own queue at a heartbeat: garbage of another type there would refuse every
+        request (replaced); ours lives on for another ``peer_ttl``."""
+        self._repair(self.keys.requests(peer_id), "list", self.settings.peer_ttl, what="heartbeat")
+
+    def _request(self, key: str, raw: str) -> dict[str, Any] | None:
+        try:
+            return records.request(self.verify(key, raw, RecordKind.REQUEST)).to_dict()
+        except UntrustedRecordError as e:
+            self.reject(RecordKind.REQUEST, key, str(e))
+            return None

@@ -1,0 +1,174 @@
+"""Every Lua script the coordination layer runs, in one place, and their registration.
+
+A script makes a read-check-write one atomic step on the server: the only way two
+workers racing for a claim, a lease, a compare-and-set or a cohort seat never both
+win. Each also repairs what a hostile or careless writer may have left at its key
+(another Redis type, no TTL) in that same step, so garbage costs a bounded delay,
+never the fleet. Scripts take every key they touch in ``KEYS`` (one hash slot per
+namespace on a cluster), except the join script's chain key, which shares the
+cohort key's hash tag.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Delete a claim only if it still holds our token: a claim that expired and was taken
+# by another receiver must survive our late release.
+_RELEASE_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, value = pcall(cjson.decode, raw)
+if ok and type(value) == 'table' and value['token'] == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# SET NX that first drops a key kept without a TTL or holding another Redis type: written
+# by hand or by an attacker, such a key would hold its claim, lease or ground truth forever.
+_SET_NX_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'none' and (t ~= 'string' or redis.call('PTTL', KEYS[1]) == -1) then
+  redis.call('DEL', KEYS[1])
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
+return 0
+"""
+
+# Take over a key whose value the caller read and found untrusted (ARGV[1]; '' for a
+# wrong type): only if it still holds exactly that, so a genuine writer that got there
+# meanwhile keeps it.
+_TAKE_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if (t == 'string' and redis.call('GET', KEYS[1]) == ARGV[1]) or (t ~= 'string' and t ~= 'none') then
+  redis.call('DEL', KEYS[1])
+end
+if redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 1 end
+return 0
+"""
+
+# A peer entry and its index in one step; an index of another type (garbage) is
+# replaced, or it would refuse every publication and hide every holder.
+_PUBLISH_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local t = redis.call('TYPE', KEYS[2])['ok']
+if t ~= 'set' and t ~= 'none' then redis.call('DEL', KEYS[2]) end
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
+# Drop a key of another Redis type than ARGV[1]; extend it by ARGV[2] ms if given.
+_REPAIR_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return 0 end
+if t ~= ARGV[1] then redis.call('DEL', KEYS[1]) return -1 end
+if ARGV[2] ~= '' then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+# A request pushed onto a queue that may hold garbage of another type (replaced).
+_PUSH_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'list' and t ~= 'none' then redis.call('DEL', KEYS[1]) end
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# A holder's heartbeat on the ground truth it holds: 1 and extended if the value is
+# still the one it last verified (ARGV[1], its SHA-1), 0 absent, -1 another Redis type,
+# 2 changed (the caller reads and verifies it).
+_KEEP_TRUTH_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return 0 end
+if t ~= 'string' then return -1 end
+if ARGV[1] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 2
+"""
+
+# Compare-and-set on the raw JSON value (handshake values, lease renewals): the side
+# that loses the race learns it from the return value, never from a later read.
+_CAS_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 or 0
+end
+return 0
+"""
+
+# Compare-and-delete on the raw value (a lease's release, a stream record's drop).
+_CAD_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# Extend a claim only while it still holds our token.
+_RENEW_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, value = pcall(cjson.decode, raw)
+if ok and type(value) == 'table' and value['token'] == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# Take a seat in the current cohort: the n-th arrival of a window sits at position
+# (n-1) % max in chain (n-1) // max; the record is pushed in the same step, so the
+# list index is the position. A new window (the hash expired) gets a new epoch.
+# A cohort hash that is not one we write (another type, a counter or epoch that is no
+# number or name, no TTL or one far past the window) starts a new window instead of
+# refusing every join; so does a chain list of another type.
+_JOIN_COHORT_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'hash' then
+  local n0 = redis.call('HGET', KEYS[1], 'n')
+  local e0 = redis.call('HGET', KEYS[1], 'epoch')
+  local ttl = redis.call('PTTL', KEYS[1])
+  if not n0 or not e0 or not string.match(n0, '^%d%d?%d?%d?%d?%d?%d?%d?%d?$')
+     or not string.match(e0, '^[0-9a-f][0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?[0-9a-f]?$')
+     or ttl < 0 or ttl > 2 * tonumber(ARGV[2]) then
+    redis.call('DEL', KEYS[1])
+  end
+elseif t ~= 'none' then
+  redis.call('DEL', KEYS[1])
+end
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+if n == 1 then
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+local epoch = redis.call('HGET', KEYS[1], 'epoch') or ARGV[1]
+local size = tonumber(ARGV[3])
+local chain = KEYS[1] .. ':' .. epoch .. ':' .. math.floor((n - 1) / size)
+local ct = redis.call('TYPE', chain)['ok']
+if ct ~= 'list' and ct ~= 'none' then redis.call('DEL', chain) end
+redis.call('RPUSH', chain, ARGV[4])
+redis.call('PEXPIRE', chain, ARGV[5])
+return {chain, (n - 1) % size}
+"""
+
+
+class Scripts:
+    """The scripts registered with one client (redis-py runs each by its SHA, loading it
+    on the first ``NOSCRIPT``)."""
+
+    def __init__(self, client: Any) -> None:
+        self.release = client.register_script(_RELEASE_LUA)
+        self.renew = client.register_script(_RENEW_LUA)
+        self.cas = client.register_script(_CAS_LUA)
+        self.cad = client.register_script(_CAD_LUA)
+        self.join_cohort = client.register_script(_JOIN_COHORT_LUA)
+        self.set_nx = client.register_script(_SET_NX_LUA)
+        self.take = client.register_script(_TAKE_LUA)
+        self.publish = client.register_script(_PUBLISH_LUA)
+        self.repair = client.register_script(_REPAIR_LUA)
+        self.push = client.register_script(_PUSH_LUA)
+        self.keep_truth = client.register_script(_KEEP_TRUTH_LUA)

@@ -1,0 +1,359 @@
+"""What every engine adapter needs, and the protocol an adapter implements.
+
+An engine adapter plugs nccl_back into an inference engine's weight loading. Its module
+(``nccl_back.engines.{name}``, the only one importing the engine) implements
+:class:`EngineAdapter` for one load, registers it by name (:func:`register_engine`), and
+hooks it into the engine's own plug-in point (vLLM: a model loader for
+``--load-format nccl_back``):
+
+* ``name``, ``title``, ``version``, ``log``: the engine's name (``vllm``: the registry
+  key, part of the identity and of the worker's label), how messages name it
+  (``vLLM``), its version and its logger (the outcome goes there);
+* :meth:`~EngineAdapter.checkpoint_dir`: the local checkpoint folder (the identity);
+* :meth:`~EngineAdapter.layout`: the engine's own fields of the identity (dtype,
+  quantization, parallel sizes and ranks...): what else changes the tensors it loads;
+* :meth:`~EngineAdapter.default_load`: the engine's own loader, the storage path;
+* :meth:`~EngineAdapter.group`: the process group over the engine's ranks (consensus,
+  election and fallback run over it).
+
+The hook builds the model as the engine does, calls :func:`load_weights` with the
+adapter, the settings (:func:`settings_from` the engine's config) and the model, and
+after the engine's post-processing calls :meth:`EngineLoad.check_served_state`.
+Everything else lives here: the identity (:func:`engine_layout`, :func:`engine_spec`),
+the served state (:func:`loaded_state`), keeping the service serving until exit,
+routing the library's warnings into the engine's logger and the outcome summary. An
+SGLang adapter is then its ~50 lines of SGLang. This module never imports an engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import importlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
+
+from torch import nn
+
+from nccl_back import _clock
+from nccl_back.config import ENV_PREFIX, Settings
+from nccl_back.errors import ConfigError, NcclBackError, WeightLoadError
+from nccl_back.load.service import WeightService
+from nccl_back.model import integrity
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import StorageLoader
+from nccl_back.model.skeleton import Model, named_tensors
+from nccl_back.result import LoadResult
+
+#: The load format's name in every engine (``--load-format nccl_back``).
+LOAD_FORMAT = "nccl_back"
+#: What travels (part of the identity): the module as the engine's checkpoint load
+#: leaves it, before the engine's post-processing.
+STAGE = "loaded"
+
+
+class EngineAdapter(Protocol):
+    """One engine's side of a load (see the module docstring)."""
+
+    name: str
+    title: str
+    version: str
+    log: logging.Logger
+
+    def checkpoint_dir(self) -> str:
+        """The checkpoint folder the engine loads (must be local: the identity reads it)."""
+        ...
+
+    def layout(self) -> dict[str, Any]:
+        """The engine's own identity fields: everything besides the checkpoint that
+        changes the tensors this rank loads (JSON values, see :func:`jsonable`)."""
+        ...
+
+    def default_load(self, model: nn.Module) -> None:
+        """Fill ``model`` with the engine's own loader (the storage path)."""
+        ...
+
+    def group(self) -> Any:
+        """The ``torch.distributed`` group of the engine's ranks (a CPU/gloo group)."""
+        ...
+
+
+A = TypeVar("A", bound=type)
+
+_ENGINES: dict[str, type] = {}
+
+
+def register_engine(name: str) -> Callable[[A], A]:
+    """Class decorator: register an :class:`EngineAdapter` implementation as ``name``."""
+
+    def add(cls: A) -> A:
+        _ENGINES[name] = cls
+        return cls
+
+    return add
+
+
+def engine_adapter(name: str) -> type:
+    """The adapter class registered as ``name``, importing ``nccl_back.engines.{name}``
+    (and so the engine) on first use."""
+    if name not in _ENGINES:
+        if not name.isidentifier():
+            raise ConfigError(f"engine {name!r}: not an adapter name")
+        try:
+            importlib.import_module(f"nccl_back.engines.{name}")
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"engine {name!r}: no adapter, or its engine is not installed ({e})") from e
+    if name not in _ENGINES:
+        raise ConfigError(f"engine {name!r}: nccl_back.engines.{name} registers no adapter")
+    return _ENGINES[name]
+
+
+# -- settings and identity ---------------------------------------------------------------
+
+
+def settings_from(extra: Any, *, source: str = "model_loader_extra_config") -> Settings:
+    """Settings from ``NCCL_BACK_*`` with the engine's extra config ``extra`` on top.
+
+    Keys are :class:`Settings` field names; values are JSON scalars, parsed like the
+    environment variables. Raises :class:`ConfigError` naming ``source`` and the key for
+    an unknown key, a non-scalar or a bad value.
+    """
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(
+            f"{source} for load format {LOAD_FORMAT!r} must be a JSON object,"
+            f" got {type(extra).__name__}"
+        )
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(extra) - fields)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key(s) {unknown} for load format"
+            f" {LOAD_FORMAT!r}; valid keys: {', '.join(sorted(fields))}"
+        )
+    text: dict[str, str] = {}
+    for key, value in extra.items():
+        if isinstance(value, bool):
+            text[ENV_PREFIX + key.upper()] = "true" if value else "false"
+        elif isinstance(value, (int, float, str)):
+            text[ENV_PREFIX + key.upper()] = str(value)
+        else:
+            raise ConfigError(
+                f"{source}[{key!r}]={value!r}: expected a string, number or boolean"
+            )
+    try:
+        # The extra values alone, through the same parser and checks as the environment.
+        parsed = Settings.from_env(environ=text)
+        return Settings.from_env(**{k: getattr(parsed, k) for k in extra})
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON (keys sorted, anything else by its ``repr``): engine
+    configs hold objects whose identity must not depend on their type."""
+    return json.loads(json.dumps(value, sort_keys=True, default=repr))
+
+
+def engine_layout(engine: str, version: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout identity: the engine, its version, what travels, and its ``fields``."""
+    return {"engine": engine, f"{engine}_version": version, "stage": STAGE, **fields}
+
+
+def engine_spec(checkpoint: ModelSpec, layout: Mapping[str, Any]) -> ModelSpec:
+    """The checkpoint's identity extended by the engine layout (same shards)."""
+    return ModelSpec({"checkpoint": dict(checkpoint.config), "engine": dict(layout)},
+                     checkpoint.shards)
+
+
+def adapter_spec(adapter: EngineAdapter, settings: Settings) -> ModelSpec:
+    """The identity of what ``adapter``'s rank loads; :class:`ConfigError` unless the
+    checkpoint is a local folder."""
+    path = adapter.checkpoint_dir()
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"model {path!r} is not a local directory; the content identity needs the"
+            " checkpoint files (download it first)"
+        )
+    checkpoint = ModelSpec.from_dir(path, cache_dir=settings.cache_dir)
+    return engine_spec(checkpoint, engine_layout(adapter.name, adapter.version, adapter.layout()))
+
+
+# -- the served state --------------------------------------------------------------------
+
+
+def loaded_state(model: nn.Module) -> nn.Module:
+    """A module holding ``model``'s persistent tensors under the same names.
+
+    It keeps the tensors as the engine's checkpoint load leaves them, whatever the
+    engine's post-processing later does to ``model``'s attributes, so the weight
+    service receives into and serves exactly that state.
+    """
+    tensors, aliases = named_tensors(model)
+    root = nn.Module()
+    for name, t in [*tensors.items(), *((a, tensors[c]) for a, c in aliases.items())]:
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            child = mod._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        mod.register_buffer(leaf, t)
+    return root
+
+
+def rebind(state: nn.Module, model: nn.Module, title: str) -> None:
+    """Make ``state`` hold what ``model`` holds after a load that replaced tensors."""
+    held, _ = named_tensors(state)
+    now, aliases = named_tensors(model)
+    for name, t in held.items():
+        src = now.get(name, now.get(aliases.get(name, ""), None))
+        if src is None or src.data_ptr() == t.data_ptr():
+            continue
+        if src.shape != t.shape or src.dtype != t.dtype:
+            raise WeightLoadError(
+                f"{title}'s loader replaced {name} with {list(src.shape)} {src.dtype},"
+                f" built as {list(t.shape)} {t.dtype}"
+            )
+        t.copy_(src)
+
+
+@dataclasses.dataclass
+class EngineLoad:
+    """A finished peer-or-storage load: the service now serving ``state``."""
+
+    service: WeightService
+    result: LoadResult
+    state: nn.Module
+    truth: dict[str, str] | None
+    """Sampled hashes of ``state`` right after the load (None: nothing to check)."""
+
+    def check_served_state(self, log: logging.Logger, post_processing: str) -> None:
+        """Stop serving if ``post_processing`` (the engine's step after the load) rewrote
+        a served tensor in place."""
+        if self.truth is None:
+            return
+        after = integrity.layer_hashes(self.state, mode="sampled")
+        changed = sorted(k for k in self.truth if after.get(k) != self.truth[k])
+        if changed:
+            log.error("nccl_back: %s rewrote loaded tensors in place (%s); this engine"
+                      " serves no other engine", post_processing, changed[:5])
+            self.service.withdraw()
+
+
+#: Services of this process, kept open (serving) until the process exits.
+_SERVICES: list[WeightService] = []
+
+
+def keep_serving(service: WeightService) -> None:
+    """Serve until the process exits, then withdraw from the registry."""
+    _SERVICES.append(service)
+    atexit.register(service.close)
+
+
+def _storage_loader(adapter: EngineAdapter, model: nn.Module) -> StorageLoader:
+    def load(state: Model, spec: ModelSpec, settings: Settings) -> LoadResult:
+        # The engine's own loader, as without nccl_back: its name mapping, fusing,
+        # sharding and its check that every parameter was filled.
+        start = _clock.perf()
+        adapter.default_load(model)
+        if not isinstance(state, nn.Module):
+            raise WeightLoadError("the loaded state must be a module")
+        rebind(state, model, adapter.title)
+        seconds = _clock.perf() - start
+        nbytes = sum(t.nbytes for t in named_tensors(state)[0].values())
+        return LoadResult("storage", spec.version, nbytes, seconds,
+                          timings={f"{adapter.name}_default_loader": seconds})
+
+    return load
+
+
+def load_weights(adapter: EngineAdapter, settings: Settings, model: nn.Module) -> EngineLoad | None:
+    """Fill ``model`` (as the engine built it) from a peer, or from storage through the
+    engine's loader; None when nccl_back cannot take part (the engine's loader ran)."""
+    log = adapter.log
+    started = _clock.perf()
+    try:
+        spec = adapter_spec(adapter, settings)
+    except NcclBackError as e:
+        log.warning("nccl_back: no peer loading (%s); using %s's default loader", e, adapter.title)
+        adapter.default_load(model)
+        return None
+    identity_s = _clock.perf() - started
+    state = loaded_state(model)
+    meta = [n for n, t in named_tensors(state)[0].items() if t.device.type == "meta"]
+    if meta:
+        # Online quantization builds on the meta device and fills layer by layer.
+        log.warning("nccl_back: %d tensors on the meta device (e.g. %s); using %s's"
+                    " default loader", len(meta), meta[0], adapter.title)
+        adapter.default_load(model)
+        return None
+    service = WeightService(settings, storage_loader=_storage_loader(adapter, model),
+                            engine=f"{adapter.name}-{adapter.version}")
+    try:
+        result = service.load(state, spec, adapter.group())
+    except BaseException:
+        service.close()
+        raise
+    truth = None
+    if settings.verify != "none" and service.peers:
+        truth = integrity.layer_hashes(state, mode="sampled")
+    keep_serving(service)
+    log_outcome(log, result, identity_s)
+    return EngineLoad(service, result, state, truth)
+
+
+# -- logs --------------------------------------------------------------------------------
+
+
+def outcome(result: LoadResult) -> tuple[str, int]:
+    """The summary's tail and level: a peer load, or the first engine of a version (no
+    live peer held it: nothing went wrong, it downloads and serves the next ones), is
+    INFO; any other storage load is a fallback that an operator should see (WARNING)."""
+    why = result.fallback_reason
+    if result.source == "peer" or why is None:
+        return "", logging.INFO
+    if why.startswith("no_peer:"):
+        return (f"; first engine of this version, it will serve the next ones ({why})",
+                logging.INFO)
+    return f"; fallback: {why}", logging.WARNING
+
+
+def log_outcome(log: logging.Logger, result: LoadResult, identity_s: float) -> None:
+    """One line in the engine's log: where the weights came from, how fast, each phase."""
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in {"identity": identity_s,
+                                                   **result.timings}.items())
+    reason, level = outcome(result)
+    log.log(level, "nccl_back: loaded version %s from %s%s: %.1f MB in %.3f s (%.2f GB/s)"
+            " [%s]%s", result.version[:12], result.source,
+            f" {result.peer_id}" if result.peer_id else "", result.bytes / 1e6,
+            result.seconds, result.gbps, phases, reason)
+
+
+class ToEngineLog(logging.Handler):
+    """Hands the library's own warnings and errors (``nccl_back.*``: ``no_secret``,
+    ``record_rejected``, ``publish_failed`` ...) to the engine's logger, so they appear
+    where the engine's own do, at their level; below WARNING they stay with the
+    application's logging configuration, as for any embedding."""
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__(logging.WARNING)
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.target.isEnabledFor(record.levelno):
+            self.target.handle(record)
+
+
+def route_library_logs(target: logging.Logger) -> None:
+    """Install :class:`ToEngineLog` to ``target`` once per process (engines may call
+    their plug-in hook in every process they start, and more than once)."""
+    root = logging.getLogger("nccl_back")
+    if not any(isinstance(h, ToEngineLog) and h.target is target for h in root.handlers):
+        root.addHandler(ToEngineLog(target))

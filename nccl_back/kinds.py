@@ -1,0 +1,17 @@
+"""Names every layer shares and none owns: the transport kinds.
+
+The common layer (no imports from the package), so coordination records can check a
+peer's advertised transport and the transports can register under the same names
+without importing each other. :mod:`nccl_back.transport.base` keeps the registry of the
+classes behind each name and checks it covers exactly these.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: A transport kind: ``gloo`` (CPU or CUDA tensors over TCP) or ``nccl`` (CUDA tensors).
+TransportKind = Literal["gloo", "nccl"]
+
+#: Every transport kind, in preference order for error messages.
+TRANSPORT_KINDS: tuple[TransportKind, ...] = get_args(TransportKind)

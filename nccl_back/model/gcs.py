@@ -1,0 +1,164 @@
+"""The ``gs://`` storage backend: objects read with the real ``google-cloud-storage`` client.
+
+The client honours ``STORAGE_EMULATOR_HOST`` (then anonymous credentials). Every request
+has a timeout and is retried with tenacity (exponential backoff with jitter) on 429,
+5xx and connection errors; the client's own retries are switched off so ours are the
+only ones. Waits between attempts go through :mod:`nccl_back._clock`. Imported on the
+first ``gs://`` read only: a worker reading local files never loads the Google client.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import requests
+from tenacity import Retrying, retry_if_exception, stop_after_attempt
+from tenacity.wait import wait_base
+
+from nccl_back import _clock
+from nccl_back.config import Settings
+from nccl_back.errors import ShardNotFoundError, StorageError
+from nccl_back.log import get_logger
+from nccl_back.model.storage import Location, ObjectInfo, crc32c_from_gcs
+
+log = get_logger("nccl_back.model.storage")
+
+T = TypeVar("T")
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a failed request is worth retrying: 429, 5xx, connection errors, timeouts."""
+    from google.api_core import exceptions as gexc
+
+    if isinstance(e, gexc.GoogleAPICallError):
+        code = e.code or 0
+        return code == 429 or code >= 500
+    return isinstance(e, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError))
+
+
+class _BufferWriter:
+    """A write-only file object over a pre-allocated buffer, for ``download_to_file``."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def write(self, data: bytes) -> int:
+        n = len(data)
+        if self.pos + n > len(self.view):
+            raise StorageError(f"server sent more than the {len(self.view)} bytes requested")
+        self.view[self.pos : self.pos + n] = data
+        self.pos += n
+        return n
+
+
+class GcsObjects:
+    """Reads ``gs://`` objects (:class:`~nccl_back.model.storage.Backend`); thread-safe.
+
+    ``client`` is a ``google.cloud.storage.Client``, created on first use when None.
+    """
+
+    def __init__(self, settings: Settings, client: Any, wait: wait_base, timeout: float) -> None:
+        self.settings = settings
+        self._client = client
+        self.wait = wait
+        self.timeout = timeout
+        self._client_lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        # Header reads run in threads; the lock makes the first ones share one client.
+        with self._client_lock:
+            if self._client is None:
+                from google.auth.exceptions import DefaultCredentialsError
+                from google.cloud import storage
+
+                try:
+                    self._client = storage.Client()
+                except DefaultCredentialsError as e:
+                    raise StorageError(
+                        f"no Google Cloud credentials for gs:// ({e}); run `gcloud auth "
+                        "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
+                    ) from e
+            return self._client
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one remote request with retries; map failures to nccl_back errors."""
+        from google.api_core import exceptions as gexc
+
+        retrying = Retrying(
+            stop=stop_after_attempt(self.settings.storage_attempts),
+            wait=self.wait,
+            retry=retry_if_exception(is_transient),
+            reraise=True,
+            before_sleep=lambda rs: log.warning(
+                "storage_retry", what=what, attempt=rs.attempt_number,
+                error=repr(rs.outcome.exception()) if rs.outcome else None,
+            ),
+            sleep=_clock.sleep,
+        )
+        try:
+            return retrying(fn)
+        except gexc.NotFound as e:
+            raise ShardNotFoundError(f"{what}: not found") from e
+        except StorageError:
+            raise
+        except Exception as e:
+            if is_transient(e):
+                raise StorageError(
+                    f"{what}: failed after {self.settings.storage_attempts} attempts: {e}"
+                ) from e
+            raise StorageError(f"{what}: {e}") from e
+
+    def list_dir(self, loc: Location) -> list[ObjectInfo]:
+        # One listing returns every object's size and CRC32C: no per-object request.
+        prefix = f"{loc.path}/" if loc.path else ""
+
+        def listing() -> list[ObjectInfo]:
+            blobs = self.client.list_blobs(
+                loc.bucket, prefix=prefix, delimiter="/", timeout=self.timeout, retry=None
+            )
+            return [
+                ObjectInfo(
+                    f"gs://{loc.bucket}/{b.name}",
+                    b.name[len(prefix) :],
+                    int(b.size or 0),
+                    crc32c_from_gcs(b.crc32c) if b.crc32c else None,
+                )
+                for b in blobs
+                if b.name != prefix
+            ]
+
+        return self._call(f"listing {loc.uri}", listing)
+
+    def read_bytes(self, loc: Location) -> bytes:
+        return self._call(
+            f"reading {loc.uri}",
+            lambda: self.client.bucket(loc.bucket).blob(loc.path).download_as_bytes(
+                timeout=self.timeout, retry=None
+            ),
+        )
+
+    def read_range(self, loc: Location, start: int, end: int) -> bytes:
+        buf = np.empty(end - start, dtype=np.uint8)
+        n = self.fetch_into(loc, buf.data, start)
+        return buf[:n].tobytes()
+
+    def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
+        """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; bytes received."""
+
+        def fetch() -> int:
+            # A fresh Blob (no metadata loaded) so the request goes to the client's
+            # endpoint, not to a mediaLink that may name another host.
+            blob = self.client.bucket(loc.bucket).blob(loc.path)
+            writer = _BufferWriter(view)
+            blob.download_to_file(
+                writer, start=start, end=start + len(view) - 1,
+                checksum=None, retry=None, timeout=self.timeout,
+            )
+            return writer.pos
+
+        return self._call(f"downloading {loc.uri} [{start}, {start + len(view)})", fetch)

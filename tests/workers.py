@@ -144,7 +144,7 @@ class _KillAfter:
 
 
 def _install_fault(fault: str) -> None:
-    from nccl_back.load import service
+    from nccl_back.load import receive, storage
     from nccl_back.transport import send as sender  # the send path holders (and relays) share
 
     if fault == "kill_mid_send":
@@ -162,19 +162,19 @@ def _install_fault(fault: str) -> None:
 
         sender.send_tensors = stop  # type: ignore[assignment]
     elif fault == "stop_mid_recv":
-        orig_stop_recv = service.recv_tensors
+        orig_stop_recv = receive.recv_tensors
 
         def stop_recv(transport: Any, *a: Any, **k: Any) -> Any:
             return orig_stop_recv(_KillAfter(transport, 3, signal.SIGSTOP), *a, **k)
 
-        service.recv_tensors = stop_recv  # type: ignore[assignment]
+        receive.recv_tensors = stop_recv  # type: ignore[assignment]
     elif fault == "kill_mid_recv":
-        orig_recv = service.recv_tensors
+        orig_recv = receive.recv_tensors
 
         def recv(transport: Any, *a: Any, **k: Any) -> Any:
             return orig_recv(_KillAfter(transport, 3), *a, **k)
 
-        service.recv_tensors = recv  # type: ignore[assignment]
+        receive.recv_tensors = recv  # type: ignore[assignment]
     elif fault == "corrupt_send":
         from faults import CorruptingTransport  # type: ignore[import-not-found]
 
@@ -210,7 +210,7 @@ def _install_fault(fault: str) -> None:
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        service.load_from_storage = die  # type: ignore[assignment]
+        storage.load_from_storage = die  # type: ignore[assignment]
     elif fault in ("slow_download", "kill_mid_stream"):
         # Each tensor's fill takes 50 ms (a slow storage link); kill_mid_stream: SIGKILL
         # once half of them are in place, while waiters receive the download's stream.

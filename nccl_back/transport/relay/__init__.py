@@ -57,6 +57,7 @@ liveness handshake.
 """
 
 from nccl_back.transport.relay.chain import Chain, Place, Stream, join, stream
+from nccl_back.transport.relay.receive import Cohorts, DamagedBytes, Link, Relayed, Replica, Sender
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
     DEVICES,
@@ -74,18 +75,24 @@ from nccl_back.transport.relay.state import (
 
 __all__ = [
     "Chain",
+    "Cohorts",
     "DEVICES",
+    "DamagedBytes",
     "Fills",
     "Held",
     "LINGER",
+    "Link",
     "MAX_RELAY_SENDS",
     "Member",
     "Place",
     "Progress",
     "RELAY_HANDSHAKE",
     "RelayServer",
+    "Relayed",
+    "Replica",
     "STREAM_SENDS",
     "Seat",
+    "Sender",
     "Stream",
     "join",
     "parse_member",

@@ -1,0 +1,175 @@
+"""One ``load`` on one rank: what is fixed for it, what its phases produce, and the
+reasons a phase gives for not loading from a peer.
+
+The phases (:mod:`.discover`, :mod:`.single_flight`, :mod:`.receive`, :mod:`.verify`,
+:mod:`.storage`, :mod:`.publish`) each read the :class:`Attempt` and write their own
+part of it; :class:`Env` is what the service lends all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nccl_back.config import Settings
+from nccl_back.coord.consensus import Group
+from nccl_back.coord.election import DownloadLease
+from nccl_back.coord.registry import PeerInfo, Registry
+from nccl_back.errors import NcclBackError, NoPeerError, UntrustedRecordError
+from nccl_back.metrics import Metrics
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import Manifest, Model, manifest, model_device, named_tensors
+from nccl_back.transport import payload_bytes, relay, resolve_kind
+from nccl_back.transport.sender import PeerServer
+
+# -- why a rank does not load from a peer (internal reasons) ------------------------------
+
+
+class NobodyHolds(NoPeerError):
+    """No live peer holds the version at all (the first worker of a rollout)."""
+
+
+class NobodyTrusted(NobodyHolds, UntrustedRecordError):
+    """Entries for the version exist, but none could be trusted (all were rejected)."""
+
+
+class NoTruth(NobodyHolds):
+    """Peers hold the version, but the ground truth to verify them against is missing
+    (Redis lost its data, a failover to an empty replica): the worker waits in the
+    single flight while the holders re-publish it (every heartbeat), rather than read
+    storage, as every worker of a rollout would."""
+
+
+class NoTrustedTruth(NoTruth, UntrustedRecordError):
+    """Peers hold the version, but the ground-truth record is not to be trusted (forged,
+    wrong type): skipped and waited out like a missing one; holders replace it."""
+
+
+class StreamLost(NobodyHolds):
+    """The download streamed to this rank failed and nobody holds the version yet: the
+    worker goes back to the election (single flight) once more."""
+
+
+class PeerBusy(Exception):
+    """Every send slot of this peer is claimed (wait, don't count a failure)."""
+
+
+# -- what the phases share ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Env:
+    """What the service lends every phase: its settings and its connections."""
+
+    settings: Settings
+    registry: Registry
+    server: PeerServer
+    cohorts: relay.Cohorts
+    metrics: Metrics
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """What this rank fills, read from its skeleton before discovery."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+    device: torch.device
+    kind: str
+    """Transport this rank speaks (``gloo``/``nccl``), from its device and settings."""
+
+    @classmethod
+    def of(cls, model: Model, settings: Settings) -> Target:
+        device = model_device(model)
+        return cls(manifest(model), named_tensors(model)[0], device, resolve_kind(settings, device))
+
+    def bucket(self, settings: Settings, kind: str) -> int:
+        """This rank's step size over ``kind``: derived from its tensors, as the sender's."""
+        return settings.bucket_for(kind, payload_bytes(self.tensors))
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What discovery found: holders to try (best first) and the ground truth to verify
+    them against, or the stream feeding this rank, or why there is neither."""
+
+    candidates: list[PeerInfo] = field(default_factory=list)
+    truth: dict[str, str] | None = None
+    stream: relay.Member | None = None
+    """The elected downloader's stream this rank's cohort is fed from (no holder yet)."""
+    reason: NcclBackError | None = None
+
+
+@dataclass
+class Receiving:
+    """What the receive phase keeps across its passes (a pass after a lost stream
+    resumes the first one's bytes, within the same budget)."""
+
+    held: relay.Held | None = None
+    """Which source put each step in this rank's tensors (resume point, and whom to
+    blame when verification fails)."""
+    budget: float | None = None
+    """Monotonic deadline shared by every peer attempt of the load (``peer_budget``)."""
+    blamed: set[str] = field(default_factory=set)
+    """Sources that sent bytes which failed verification (never tried again)."""
+    failed_streams: set[str] = field(default_factory=set)
+    """Streams that failed this rank (never tried again, nor counted as a peer)."""
+    relay_error: NcclBackError | None = None
+    """The last upstream failure in a relay chain (the reason if nothing else serves us)."""
+    chain: relay.Chain | None = None
+    """This rank's seat in a cohort (relay chain) while it receives."""
+
+    @property
+    def holding(self) -> relay.Held:
+        if self.held is None:
+            raise NcclBackError("internal: the receive phase never started")
+        return self.held
+
+
+@dataclass
+class Attempt:
+    """One ``load`` on this rank: its inputs, then what each phase found."""
+
+    # Fixed for the load.
+    model: Model
+    spec: ModelSpec
+    group: Group
+    rank: int
+    world: int
+    log: Any
+    start: float
+    # What the phases produce, in their order.
+    prepared: Target | None = None
+    found: Discovery = field(default_factory=Discovery)
+    truth: dict[str, str] | None = None
+    """The ground truth to verify against: discovery's, or a stream's once published."""
+    lease: DownloadLease | None = None
+    elected: bool = False
+    """This worker was elected to download (single flight): it streams its download."""
+    rx: Receiving = field(default_factory=Receiving)
+    peer_id: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    # This rank's vote in the next consensus round.
+    reason: NcclBackError | None = None
+    """Why this rank cannot (or could not) load from a peer; None while it can."""
+    error: Exception | None = None
+    """What this rank raised unexpectedly; every rank then stops."""
+
+    @property
+    def target(self) -> Target:
+        if self.prepared is None:
+            raise NcclBackError("internal: the skeleton was never read")
+        return self.prepared
+
+    def discovered(self, found: Discovery) -> None:
+        """Take ``found`` as what this rank knows of holders (and its vote)."""
+        self.found, self.truth, self.reason = found, found.truth, found.reason
+
+    def replica(self) -> relay.Replica:
+        """This rank's copy as cohort records key it."""
+        t = self.target
+        return relay.Replica(self.spec.version, self.rank, self.world, t.manifest.digest,
+                             t.kind, t.device, t.tensors)

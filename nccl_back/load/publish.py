@@ -1,0 +1,73 @@
+"""Publication: after a load, this worker serves the weights to others (fan-out); after
+a storage load its hashes become the version's ground truth.
+
+Ground truth is never overwritten by a peer load, and a storage loader's hashes win
+over a stored record that is untrusted or disagrees (they passed CRC32C against
+storage). Publishing failures never fail a load: the weights are in place.
+"""
+
+from __future__ import annotations
+
+from nccl_back import _clock
+from nccl_back.coord.registry import encode_truth, truth_for_mode
+from nccl_back.errors import RegistryError, UntrustedRecordError, WeightVerificationError
+from nccl_back.load.attempt import Attempt, Env
+from nccl_back.model import integrity
+from nccl_back.result import LoadResult
+
+
+def peer_loaded(env: Env, a: Attempt) -> LoadResult:
+    """The verified peer load's result; this worker then serves the version too."""
+    seconds = _clock.perf() - a.start
+    man = a.target.manifest
+    result = LoadResult(
+        source="peer", version=a.spec.version, bytes=man.nbytes, seconds=seconds,
+        peer_id=a.peer_id, verified=env.settings.verify != "none", timings=a.timings,
+    )
+    env.metrics.record_load("peer", man.nbytes, seconds)
+    a.log.info("loaded", source="peer", peer=a.peer_id, seconds=round(seconds, 3),
+               gbps=round(result.gbps, 3))
+    try:
+        env.server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer",
+                           log=a.log, truth=encode_truth({env.settings.verify: a.truth})
+                           if a.truth else None, model_name=a.spec.name)
+    except Exception as e:
+        # The weights are loaded and verified; only serving others is lost.
+        a.log.warning("publish_failed", error=str(e))
+    return result
+
+
+def publish_stored(env: Env, a: Attempt, hashes: dict[str, str]) -> None:
+    """After a storage load: claim the ground truth, then serve the version."""
+    try:
+        claim_ground_truth(env, a, hashes)
+    except RegistryError as e:
+        # Redis unreachable: the heartbeat stores the truth this worker holds (with
+        # its entry) once Redis answers again.
+        a.log.warning("ground_truth_deferred", error=str(e))
+    try:
+        env.server.publish(a.model, a.target.manifest, a.spec.version, a.rank, a.world,
+                           source="storage", log=a.log, truth=hashes or None,
+                           model_name=a.spec.name)
+    except Exception as e:  # the rendezvous could not start: serve nobody
+        a.log.warning("publish_failed", error=str(e))
+
+
+def claim_ground_truth(env: Env, a: Attempt, hashes: dict[str, str]) -> None:
+    """Store our hashes as the ground truth; if a stored record is untrusted or
+    disagrees with ours, ours win: this worker holds bytes that passed CRC32C
+    against storage, so it replaces the record (and says so) instead of letting
+    whoever wrote first keep every worker of the version from a verified peer load."""
+    reg, version, digest = env.registry, a.spec.version, a.target.manifest.digest
+    if reg.put_ground_truth(version, a.rank, a.world, digest, hashes):
+        return
+    try:
+        existing = reg.get_ground_truth(version, a.rank, a.world, digest)
+        if existing is None:
+            return  # expired meanwhile; the next storage loader writes it
+        integrity.compare(truth_for_mode(existing, "sampled"), truth_for_mode(hashes, "sampled"))
+        return
+    except (UntrustedRecordError, WeightVerificationError) as e:
+        why = str(e)
+    reg.replace_ground_truth(version, a.rank, a.world, digest, hashes)
+    a.log.error("ground_truth_replaced", reason=why)

@@ -1,0 +1,71 @@
+"""The single flight: some rank found nobody holding the version, so the worker as a
+whole waits for a holder to appear, or downloads it itself when elected.
+
+Its rank 0 tries the download lease; one collective per poll tells every rank whether
+all of them see a peer or rank 0 was elected (:func:`nccl_back.coord.election.elect`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nccl_back import _clock
+from nccl_back.coord.election import DownloadLease, Outcome, elect
+from nccl_back.errors import NcclBackError, NoPeerError
+from nccl_back.load.attempt import Attempt, Env, NobodyHolds, NobodyTrusted, NoTruth
+from nccl_back.load.discover import discover, sees_peer
+from nccl_back.load.vote import caught
+
+
+@dataclass(frozen=True)
+class Flight:
+    """How the wait ended (the same on every rank) and how long it took."""
+
+    outcome: Outcome
+    waited: float
+
+
+def single_flight(env: Env, a: Attempt) -> Flight:
+    """Wait as a group for a holder, or download (``a.elected``). Rank 0 keeps the lease
+    it may win in ``a.lease`` (released when the load ends). Sets this rank's vote:
+    a fresh discovery once a peer appeared, else why it goes to storage."""
+    s = env.settings
+    if a.rank == 0:
+        a.lease = DownloadLease(env.registry, a.spec.version, a.world, env.worker_id,
+                                s.download_lease)
+    started = _clock.monotonic()
+    # Holders re-publish their entry and truth at every heartbeat, over whatever
+    # Redis lost or an attacker wrote there: while entries exist that cannot be used
+    # (rejected, or no truth to verify them), this worker downloads only once a live
+    # holder would have re-published (within peer_ttl, or it counts as dead). The
+    # single flight still holds: one of the waiters takes the lease.
+    after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
+    outcome, who, error = elect(a.lease, lambda: sees_peer(env, a), a.group, a.rank, s,
+                                lease_after=after)
+    flight = Flight(outcome, round(_clock.monotonic() - started, 3))
+    if outcome == "peer":
+        a.log.info("single_flight_peer_appeared", waited=flight.waited)
+        with caught(a, "discover"):
+            a.discovered(discover(env, a))
+    elif outcome == "elected":
+        a.log.info("single_flight_elected", waited=flight.waited)
+        a.elected = True
+        if isinstance(a.reason, NobodyHolds):
+            # Same class: "nobody trusted" keeps its own fallback reason.
+            a.reason = type(a.reason)(
+                f"{a.reason}; this worker was elected to download it (single flight)"
+            )
+    elif outcome == "timeout":
+        a.reason = NoPeerError(
+            f"waited {flight.waited:g} s (single_flight_wait {s.single_flight_wait:g} s, at most"
+            f" single_flight_max_wait {s.single_flight_max_wait:g} s while the elected"
+            " downloader lives) for it to publish; downloading too"
+        )
+    elif error is not None:  # this rank could not poll; the others follow it
+        if isinstance(error, NcclBackError):
+            a.reason = error
+        else:
+            a.error = error
+    else:
+        a.log.warning("single_flight_rank_failed", failed_rank=who)
+    return flight

@@ -1,0 +1,102 @@
+"""The storage path: every rank loads from storage unless every rank loaded from a
+peer, hashes what it loaded, and publishes it (the hashes as ground truth).
+
+An elected downloader streams its download to waiting workers' cohorts as the
+checkpoint's tensors land (:meth:`nccl_back.transport.relay.Cohorts.open_stream`),
+unless an engine's own loader fills the skeleton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nccl_back import _clock
+from nccl_back.config import Settings
+from nccl_back.coord.consensus import gather
+from nccl_back.coord.registry import encode_truth
+from nccl_back.errors import fallback_reason
+from nccl_back.load.attempt import Attempt, Env, NobodyHolds
+from nccl_back.load.publish import publish_stored
+from nccl_back.load.vote import OK, agree, caught
+from nccl_back.model import integrity
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import StorageLoader, load_from_storage
+from nccl_back.model.skeleton import Model
+from nccl_back.result import LoadResult
+from nccl_back.transport import relay
+
+
+def load_checkpoint(model: Model, spec: ModelSpec, settings: Settings,
+                    on_filled: Callable[[str], None] | None = None) -> LoadResult:
+    """The default :data:`StorageLoader`: the checkpoint, tensor by tensor."""
+    return load_from_storage(model, spec, settings=settings, on_filled=on_filled)
+
+
+@dataclass
+class Stored:
+    """What this rank's storage load gave: its bytes and the hashes it publishes."""
+
+    bytes: int = 0
+    hashes: dict[str, str] = field(default_factory=dict)
+
+
+def fall_back(env: Env, a: Attempt, loader: StorageLoader) -> LoadResult:
+    """Load from storage on every rank (the reason logged), publish, serve."""
+    reason = a.reason
+    code = fallback_reason(reason) if reason is not None else "other"
+    if reason is not None:
+        env.metrics.record_fallback(code)
+        if a.elected and isinstance(reason, NobodyHolds):
+            # Nothing went wrong: the first worker of a version must download it.
+            a.log.info("first_of_version", reason=code, detail=str(reason))
+        else:
+            a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
+    # An engine's own loader may rewrite tensors after loading them, and reports no
+    # per-tensor fills: only the checkpoint's loader streams.
+    stream = (env.cohorts.open_stream(a.replica(), a.log)
+              if a.elected and loader is load_checkpoint else None)
+    stored = Stored()
+    with caught(a, "load"):
+        stored = _load(env, a, loader, stream)
+    try:
+        agree(a, "storage load")
+    except BaseException as e:
+        if stream is not None:
+            stream.end(False, f"the download failed: {e!r}"[:300])
+        raise
+    seconds = _clock.perf() - a.start
+    detail = f"{code}: {reason}" if reason is not None else None
+    result = LoadResult(
+        source="storage", version=a.spec.version, bytes=stored.bytes, seconds=seconds,
+        fallback_reason=detail, verified=True, timings=a.timings,
+    )
+    env.metrics.record_load("storage", stored.bytes, seconds)
+    a.log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
+    publish_stored(env, a, stored.hashes)
+    if stream is not None:  # the truth is out: receivers of the stream can verify
+        stream.end(True)
+    # Every rank has published (or logged why not) before rank 0 lets go of the
+    # download lease: waiters then find every rank's peer at once.
+    gather(OK, a.group)
+    return result
+
+
+def _load(env: Env, a: Attempt, loader: StorageLoader, stream: relay.Stream | None) -> Stored:
+    s = env.settings
+    t = _clock.perf()
+    if stream is not None:
+        result = load_checkpoint(a.model, a.spec, s, on_filled=stream.filled)
+        stream.loaded()
+    else:
+        result = loader(a.model, a.spec, s)
+    a.timings["storage"] = _clock.perf() - t
+    a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
+    t = _clock.perf()
+    key = s.key("integrity")
+    by_mode = {"sampled": integrity.layer_hashes(a.model, mode="sampled", key=key)}
+    if s.verify == "full":
+        by_mode["full"] = integrity.layer_hashes(a.model, mode="full", key=key)
+    hashes = encode_truth(by_mode)
+    a.timings["hash"] = _clock.perf() - t
+    return Stored(result.bytes, hashes)

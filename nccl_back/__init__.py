@@ -15,10 +15,12 @@ if TYPE_CHECKING:
     from nccl_back.load.service import WeightService
     from nccl_back.model.identity import ModelSpec, Shard
     from nccl_back.model.loader import load_from_storage
+    from nccl_back.model.pipeline import assemble, pipeline_skeletons
+    from nccl_back.model.skeleton import build as build_skeleton
     from nccl_back.result import LoadResult
     from nccl_back.sidecar.handoff import HandoffServer, attach
 
-#: public name -> module that defines it
+#: public name -> module that defines it (``module:name`` where the name differs there)
 _EXPORTS = {
     "HandoffServer": "sidecar.handoff",
     "LoadResult": "result",
@@ -27,8 +29,11 @@ _EXPORTS = {
     "Settings": "config",
     "Shard": "model.identity",
     "WeightService": "load.service",
+    "assemble": "model.pipeline",
     "attach": "sidecar.handoff",
+    "build_skeleton": "model.skeleton:build",
     "load_from_storage": "model.loader",
+    "pipeline_skeletons": "model.pipeline",
 }
 
 __all__ = [
@@ -39,8 +44,11 @@ __all__ = [
     "Settings",
     "Shard",
     "WeightService",
+    "assemble",
     "attach",
+    "build_skeleton",
     "load_from_storage",
+    "pipeline_skeletons",
 ]
 __version__ = "0.1.0"
 
@@ -49,7 +57,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'nccl_back' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    module, _, attr = module.partition(":")
+    value = getattr(importlib.import_module(f".{module}", __name__), attr or name)
     globals()[name] = value  # later lookups skip this function
     return value
 

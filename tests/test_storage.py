@@ -23,8 +23,8 @@ import pytest
 import torch
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
-from tenacity import wait_none
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.errors import (
@@ -165,9 +165,22 @@ def _upload(bucket: Any, name: str, data: bytes) -> Shard:
     return Shard(f"gs://{bucket.name}/{name}", crc32c_from_gcs(blob.crc32c), len(data))
 
 
+class _NoWaits(_clock.Clock):
+    """Sleeps return at once, so retry paths take milliseconds."""
+
+    def sleep(self, seconds: float) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _instant_retries() -> Iterator[None]:
+    with _clock.use(_NoWaits()):
+        yield
+
+
 def _fast(client: Any, **settings: Any) -> Storage:
-    """Storage whose retries don't wait, so fault paths take milliseconds."""
-    return Storage(Settings(**settings), client=client, wait=wait_none())
+    """Storage on a client (its retries don't wait: see ``_instant_retries``)."""
+    return Storage(Settings(**settings), client=client)
 
 
 def test_parse_uri_forms() -> None:

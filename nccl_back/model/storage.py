@@ -226,9 +226,9 @@ class Storage:
     """Reads files and objects through the backend of each URI's scheme; one instance
     may be shared by threads.
 
-    ``wait`` is tenacity's wait between a remote request's attempts: pass
-    ``wait_none()`` in tests so retry paths run without real waits. ``client`` is a
-    ``google.cloud.storage.Client``, created on first ``gs://`` use when not given.
+    ``client`` is a ``google.cloud.storage.Client``, created on first ``gs://`` use when
+    not given. The waits between a remote request's attempts sleep through
+    :mod:`nccl_back._clock` (tests make them instant there).
     """
 
     def __init__(
@@ -236,12 +236,11 @@ class Storage:
         settings: Settings | None = None,
         *,
         client: Any = None,
-        wait: wait_base | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.settings = settings or Settings()
         self._client = client
-        self.wait = wait or wait_random_exponential(multiplier=0.5, max=30)
+        self.wait: wait_base = wait_random_exponential(multiplier=0.5, max=30)
         self.timeout = timeout
         self._backends: dict[str, Backend] = {}
         self._lock = threading.Lock()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nccl_back import _clock
 from nccl_back.coord import records
 from nccl_back.errors import (
     TransferError,
@@ -79,11 +79,10 @@ class Progress:
     fails it, which ends those sends (so their receivers re-attach elsewhere).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._done = 0
         self._failed: str | None = None
-        self._clock = clock
 
     @property
     def done(self) -> int:
@@ -123,7 +122,7 @@ class Progress:
                     raise TransferError(f"relay upstream gave up at step {self._done}: {self._failed}")
                 if self._done > step:
                     return
-                left = deadline - self._clock()
+                left = deadline - _clock.monotonic()
                 if left <= 0:
                     raise TransferTimeoutError(f"relay: step {step} not received by the deadline")
                 self._cond.wait(min(left, 0.5))

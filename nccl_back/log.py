@@ -16,6 +16,7 @@ as JSON lines or readable text.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from datetime import datetime, timezone
 from typing import Any, TextIO
@@ -32,6 +33,23 @@ logging.getLogger(ROOT).addHandler(logging.NullHandler())
 _RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 _kv = structlog.processors.KeyValueRenderer(sort_keys=False)
+_STRUCTLOG_DIR = os.path.dirname(structlog.__file__)
+
+
+def _stacklevel() -> int:
+    """The ``stacklevel`` that makes a record name our caller's file and line, not
+    structlog's (an engine's log format shows them: vLLM prints ``file.py:line``).
+
+    Called from the last processor: the structlog frames above it up to the caller are
+    the ones still on the stack when structlog calls the stdlib logger (less the
+    processor loop, which returns first), so their count is the level.
+    """
+    level = 0
+    frame = sys._getframe(2)  # the processor loop (structlog's) that called _to_record
+    while frame is not None and frame.f_code.co_filename.startswith(_STRUCTLOG_DIR):
+        level += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return max(level, 1)
 
 
 def _to_record(logger: Any, method: str, event_dict: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -41,7 +59,7 @@ def _to_record(logger: Any, method: str, event_dict: dict[str, Any]) -> tuple[tu
     extra[ROOT] = dict(event_dict)
     rest = {k: v for k, v in event_dict.items() if k != "event"}
     message = f"{event_dict.get('event', '')} {_kv(logger, method, rest)}".rstrip()
-    return (message,), {"extra": extra}
+    return (message,), {"extra": extra, "stacklevel": _stacklevel()}
 
 
 _PROCESSORS: list[Any] = [

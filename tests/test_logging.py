@@ -125,3 +125,19 @@ def test_bad_level_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="choose DEBUG, INFO, WARNING or ERROR"):
         log.configure("LOUD")
+
+
+@pytest.mark.parametrize("method", ["debug", "info", "warning", "error", "exception"])
+@pytest.mark.parametrize("bound", [False, True])
+def test_a_record_names_the_line_that_logged_it(method: str, bound: bool,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Every event's record carries the file and line of the library call that logged it,
+    never structlog's (an engine's log format prints them)."""
+    logger = log.get_logger("nccl_back.test_callsite", rank=0)
+    if bound:
+        logger = logger.bind(peer="p")
+    with caplog.at_level(logging.DEBUG, logger="nccl_back"):
+        line = sys._getframe().f_lineno + 1
+        getattr(logger, method)("callsite_event", k=1)
+    [record] = [r for r in caplog.records if r.name == "nccl_back.test_callsite"]
+    assert (record.pathname, record.lineno) == (__file__, line)

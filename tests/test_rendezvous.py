@@ -241,3 +241,14 @@ def test_a_stranger_overwriting_the_bootstrap_fails_it_cleanly_never_feeds_it(
     else:  # the genuine values were read before the flood reached them
         for n in WANT:
             assert got[n].numpy().tobytes() == WANT[n].numpy().tobytes(), n
+
+
+def test_a_non_canonical_spelling_of_a_genuine_value_is_rejected(fleet: Settings,
+                                                                  registry: Registry) -> None:
+    """The same bytes in another base64 spelling (padding bits set) are not what a worker
+    wrote: rejected (found by the mutation property above)."""
+    s = store(registry, fleet)
+    key = registry.key("rdv", "scope", "k")
+    genuine = s.encode(key, b"\x00")
+    assert genuine.endswith(":AA==")
+    assert s.decode(key, genuine[:-3] + "B==") is None

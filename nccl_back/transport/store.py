@@ -197,6 +197,10 @@ class RedisStore(dist.Store):
             value = base64.b64decode(body, validate=True)
         except (binascii.Error, ValueError):
             return None
+        # Base64 has spellings that decode alike ("AB==" and "AA=="): only the one this
+        # module writes is genuine, so a changed stored value is never accepted.
+        if base64.b64encode(value).decode() != body:
+            return None
         if len(value) > MAX_VALUE_BYTES or not hmac.compare_digest(mac, self._mac(redis_key, value)):
             return None
         return value

@@ -62,14 +62,25 @@ def test_pages_are_mapped_before_the_receiver_writes() -> None:
     assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults < 64  # of 8192 pages
 
 
-def test_the_thread_stays_a_bounded_number_of_steps_ahead() -> None:
-    steps = [fresh(4 * MiB) for _ in range(prefault.LEAD_STEPS + 3)]
-    with Prefaulter([[(t.data_ptr(), t.numel())] for t in steps]) as ahead:
+def test_the_thread_stays_a_bounded_distance_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefault, "LEAD_BYTES", 8 * MiB)
+    steps = [fresh(MiB) for _ in range(16)]  # the lead: 8 steps
+
+    def mapped_once(upto: int) -> None:
         deadline = time.monotonic() + 30
-        while resident(steps[prefault.LEAD_STEPS - 1]) < 1.0 and time.monotonic() < deadline:
+        while resident(steps[upto - 1]) < 1.0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        time.sleep(0.2)  # time to run on, were it not parked
+
+    with Prefaulter([[(t.data_ptr(), t.numel())] for t in steps]) as ahead:
+        mapped_once(8)
+        assert [resident(t) for t in steps] == [1.0] * 8 + [0.0] * 8
+        ahead.advance(3)  # half the lead not used up yet: it stays parked
         time.sleep(0.2)
-        assert [resident(t) for t in steps[prefault.LEAD_STEPS:]] == [0.0] * 3
+        assert resident(steps[8]) == 0.0
+        ahead.advance(5)  # now it is: it runs to 8 MiB ahead of step 5
+        mapped_once(13)
+        assert [resident(t) for t in steps] == [1.0] * 13 + [0.0] * 3
         ahead.advance(len(steps))  # the receiver is past all of them: nothing left to do
         assert ahead._thread is not None
         ahead._thread.join(30)

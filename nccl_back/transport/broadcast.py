@@ -47,6 +47,7 @@ from nccl_back.errors import ManifestMismatchError, TransferError
 from nccl_back.log import get_logger
 from nccl_back.model.skeleton import ALIGN, Manifest, dtype_from_name, dtype_name
 from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
+from nccl_back.transport.prefault import Prefaulter, Range
 
 log = get_logger(__name__)
 
@@ -203,11 +204,19 @@ def recv_tensors(
     """Receive into the skeleton's ``tensors`` (rank 1) from step ``start``, in place.
 
     ``on_step(k)`` is called, in step order, once step k's bytes are in ``tensors``.
+    Fresh CPU memory is faulted in a few steps ahead of the bytes (:mod:`.prefault`).
     """
     began = time.perf_counter()
     steps, buffers, window = _begin(transport, tensors, bucket_bytes, start)
     staged: dict[str, torch.Tensor] = {}  # non-contiguous destinations, received whole first
-    with torch.no_grad():
+    ahead = Prefaulter(_destinations(steps, tensors, start) if transport.device.type == "cpu" else [])
+
+    def stepped(k: int) -> None:
+        ahead.advance(k + 1)
+        if on_step is not None:
+            on_step(k)
+
+    with torch.no_grad(), ahead:
         for k in range(start, len(steps)):
             step = steps[k]
             window.make_room()
@@ -234,7 +243,7 @@ def recv_tensors(
                 else:
                     data = buffers.next(step.nbytes)
                     finish = lambda data=data, slots=step.slots: _unpack(data, slots, tensors)  # noqa: E731
-            window.add(transport.broadcast(data, SENDER_RANK), finish, data, k, on_step)
+            window.add(transport.broadcast(data, SENDER_RANK), finish, data, k, stepped)
         window.drain()
         _acknowledge(transport)
     return _stats(steps[start:], began)
@@ -263,6 +272,23 @@ def _begin(
     _check_devices(transport, tensors)
     _agree_on_plan(transport, steps, start)
     return steps, _Buffers(steps[start:], transport.device), _Window(transport)
+
+
+def _destinations(steps: list[Step], tensors: Mapping[str, torch.Tensor], start: int) -> list[list[Range]]:
+    """Per step, the CPU memory its bytes end in (what :class:`Prefaulter` faults in):
+    a consolidated bucket's own span, else each contiguous destination's bytes."""
+    out: list[list[Range]] = [[] for _ in steps]
+    for k in range(start, len(steps)):
+        step = steps[k]
+        laid_out = None if step.direct else _in_place(step, tensors)
+        if laid_out is not None:
+            out[k] = [(laid_out.data_ptr(), step.nbytes)] if laid_out.device.type == "cpu" else []
+            continue
+        for slot in step.slots:
+            t = tensors[slot.name]
+            if t.device.type == "cpu" and t.is_contiguous():
+                out[k].append((t.data_ptr() + (slot.offset if step.direct else 0), slot.nbytes))
+    return out
 
 
 def _entries(source: Mapping[str, torch.Tensor] | Manifest) -> Iterable[tuple[str, tuple[int, ...], str]]:

@@ -49,8 +49,9 @@ SECRET = "hostile-redis-secret-" + "x" * 16
 #: Every kind of key a rollout writes (the second part of its name; ``chain`` is a
 #: cohort's member list). A new kind fails test_the_rollout_writes_only_known_key_kinds
 #: until it is added here, and so gets every corruption below.
-KINDS = ("peer", "peers", "gt", "claim", "req", "dl", "cohort", "chain", "hs", "stream", "rdv")
-RACED = ("hs", "chain", "rdv")
+KINDS = ("peer", "peers", "gt", "claim", "req", "dl", "cohort", "chain", "hs", "stream", "rdv",
+         "gone")
+RACED = ("hs", "chain", "rdv", "gone")
 """Kinds whose names are random per transfer: corrupted as they appear."""
 TYPES = ("string", "list", "set", "hash", "zset")
 GENUINE_TYPE = {"peers": "set", "req": "list", "cohort": "hash", "chain": "list"}

@@ -34,7 +34,15 @@ from nccl_back.log import get_logger
 from nccl_back.transport import open_rendezvous, plan, recv_tensors, send_tensors
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay import Fills, Member, Progress, RelayServer, parse_member
+from nccl_back.transport.relay import (
+    Chain,
+    Fills,
+    Member,
+    Progress,
+    RelayServer,
+    Seat,
+    parse_member,
+)
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -186,6 +194,36 @@ def test_cohort_seats_fill_chains_in_order_then_a_new_chain(redis_url: str, name
     with pytest.raises(UntrustedRecordError, match="address must be host:port"):
         parse_member('{"member_id": "m", "address": "nowhere", "transport": "gloo", "device": "cpu"}')
 
+
+
+@pytest.mark.parametrize("secret", [None, "relay-test-fleet-secret-0123456789"], ids=["plain", "secret"])
+def test_a_member_seated_behind_a_stopped_endpoint_skips_it(
+    redis_url: str, namespace: str, secret: str | None
+) -> None:
+    """An endpoint that stopped (its worker closed its service) says so, and a member
+    seated behind it no longer counts it as an upstream: it goes on to the next one or
+    to a holder at once, instead of waiting out a handshake nobody will answer."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
+                        advertise_host="127.0.0.1", bind_host="127.0.0.1", secret=secret)
+    reg = Registry(settings)
+    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"), registry=reg)
+    first = Member("first-r0-relay-1", rdv.address, "gloo", "cpu")
+    live = Member("live-r0-relay-2", rdv.address, "gloo", "cpu")
+    chain, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, first.to_dict(), window=30, max_size=4, ttl=30)
+    reg.join_cohort("v1", 0, 1, "ab" * 16, live.to_dict(), window=30, max_size=4, ttl=30)
+    me = Member("me-r0-relay-3", rdv.address, "gloo", "cpu")
+    _, position = reg.join_cohort("v1", 0, 1, "ab" * 16, me.to_dict(), window=30, max_size=4, ttl=30)
+    server = RelayServer(settings, reg, rdv, first, model_tensors(), "ab" * 16, Pacer(0.0),
+                         Progress(), get_logger("test")).start()
+    seat = Chain(Seat(chain, position), me, Progress(), server, reg)
+    try:
+        assert [m.member_id for m in seat.upstreams()] == [live.member_id, first.member_id]
+        server.close(5.0)
+        assert [m.member_id for m in seat.upstreams()] == [live.member_id]
+        assert reg.gone_members([first.member_id, live.member_id]) == {first.member_id}
+    finally:
+        server.close(2.0)
+        rdv.close()
 
 # -- a real chain, its middle member killed -------------------------------------------------
 

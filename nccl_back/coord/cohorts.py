@@ -56,6 +56,32 @@ class CohortRecords(SignedStore):
                 out.append(None)
         return out
 
+    def mark_gone(self, member_id: str, ttl: float) -> None:
+        """Say that ``member_id``'s relay endpoint has stopped (for as long as its chain
+        lives), so a member seated behind it skips it instead of waiting out a handshake
+        with an endpoint that will never answer."""
+        self.set_signed(self.keys.gone(member_id), {"member_id": member_id}, ttl)
+
+    def gone_members(self, member_ids: list[str]) -> set[str]:
+        """Which of ``member_ids`` said their endpoint stopped (a tombstone that does not
+        verify is skipped with a reason: the member is then tried, as before)."""
+        if not member_ids:
+            return set()
+        keys = [self.keys.gone(m) for m in member_ids]
+        raws = self._call("MGET", lambda: self.client.mget(keys))
+        gone: set[str] = set()
+        for member_id, key, raw in zip(member_ids, keys, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                record = self.verify(key, raw, RecordKind.COHORT_MEMBER)
+            except UntrustedRecordError as e:
+                self.reject(RecordKind.COHORT_MEMBER, key, str(e))
+                continue
+            if record.get("member_id") == member_id:
+                gone.add(member_id)
+        return gone
+
     # -- downloads streamed to waiting workers ------------------------------------------
 
     def stream_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:

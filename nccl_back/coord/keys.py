@@ -17,6 +17,8 @@ version, rank, world size; ``d`` = manifest digest)::
     ns:cohort:{v}:{r}:{w}:{d}:{e}:{c}   list of member JSON, signed    TTL transfer_timeout + busy_wait;
                                         (named inside the join script: the epoch ``e`` is read there)
     ns:stream:{v}:{r}:{w}:{d}           relay endpoint of a download   signed, TTL (relay)
+    ns:gone:{member_id}                 {"member_id"}                  signed, TTL of a chain: a stopped
+                                        relay endpoint, skipped by later members
     ns:hs:{transfer_id}:{name}          handshake values, refusals     signed, short TTL (handshake.py)
     ns:rdv:{scope}:{name}               a process group's bootstrap    HMAC'd, short TTL (transport/store.py)
     ns:check:{uuid}                     "1"                            10 s (``nccl-back check``'s round trip)
@@ -104,6 +106,10 @@ class Keys:
     def chain_place(chain: str) -> list[str]:
         """``[epoch, chain index]`` of a chain key: how a log line names a chain."""
         return chain.rsplit(":", 2)[-2:]
+
+    def gone(self, member_id: str) -> str:
+        """A relay endpoint that has stopped: members behind it skip it at once."""
+        return self.key("gone", member_id)
 
     def stream(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
         """The relay endpoint of the worker downloading one rank's skeleton flavour."""

@@ -69,7 +69,11 @@ class Chain:
                 continue
             if m.member_id not in self.failed and m.member_id != self.member.member_id:
                 out.append(m)
-        return out
+        try:
+            gone = self._registry.gone_members([m.member_id for m in out])
+        except RegistryError:
+            gone = set()  # tried in turn, as without tombstones: a stopped one costs its handshake
+        return [m for m in out if m.member_id not in gone]
 
     def end(self, ok: bool, reason: str = "") -> None:
         self.server.end(ok, reason)

@@ -111,6 +111,9 @@ class RelayServer:
         key = self.member.member_id
         answer(self.registry, key, RELAY, self._log, self._stop, 0.2, self._admit, self._lingered)
         with contextlib.suppress(RegistryError):
+            # For as long as the chain that seats us lives (the join's TTL).
+            self.registry.mark_gone(key, self.settings.transfer_timeout + self.settings.busy_wait)
+        with contextlib.suppress(RegistryError):
             self.registry.drop_requests(key)
         for t in list(self._sends):
             t.join(self.settings.transfer_timeout)

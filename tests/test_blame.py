@@ -309,7 +309,10 @@ def test_damaged_holder_is_blamed_and_the_good_one_serves(
     the good holder: verified, byte-exact, only the damaged holder blamed (log and one
     verification failure counted), the good one never."""
     fleet = Fleet(ckpt, redis_url, namespace, cache_dir)
-    fleet.settings.update(verify="full", max_concurrent_sends=2)
+    # Nobody dies here: a peer_ttl that a starved heartbeat cannot outlive, so the
+    # damaged holder is still listed when the receiver looks (at 3 s it lapsed once
+    # under load and the receiver went straight to the good one, blaming nobody).
+    fleet.settings.update(verify="full", max_concurrent_sends=2, peer_ttl=30.0)
     settings = workers.settings_for(**fleet.settings, cohort_max_size=cohort)
     reg = Registry(settings)
     spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)

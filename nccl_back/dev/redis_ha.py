@@ -27,14 +27,18 @@ from nccl_back.dev.servers import (
 @dataclass
 class LocalSentinel:
     """A Sentinel-managed Redis on loopback: a master, one replica and three sentinels
-    (quorum 2) that fail over about a second after the master stops answering.
+    (quorum 2) that fail over a few seconds after the master stops answering.
     ``url`` is a ``redis+sentinel://`` URL naming the master ``service``."""
 
     service: str = "mymaster"
     password: str | None = None
     sentinel_password: str | None = None
     """The sentinels' own ``requirepass`` (``Settings.redis_sentinel_password``)."""
-    down_after_ms: int = 1000
+    down_after_ms: int = 5000
+    """How long a server may not answer before the sentinels call it down. Not shorter:
+    on a busy machine a server (or a sentinel) goes unscheduled for a second or more,
+    and at 1 s the sentinels flagged live servers down, failed over with nothing killed
+    and never agreed for long enough for :meth:`wait_ready` or :meth:`wait_failover`."""
     servers: list[LocalRedis] = field(default_factory=list, init=False)
     sentinels: list[LocalRedis] = field(default_factory=list, init=False)
     _dir: str | None = field(default=None, init=False)

@@ -105,7 +105,7 @@ def _pieces(layout: Layout, k: int) -> dict[tuple[str, str], list[_Held]]:
     shapes = layout.source_shapes
     out: dict[tuple[str, str], list[_Held]] = {}
     for name, _shape, dtype, t in layout.tensors:
-        for j, (off, p) in enumerate(_offsets(t)):
+        for j, (off, p) in enumerate(offsets(t)):
             if isinstance(p, Padding):
                 continue
             src = shapes[p.source] or (1,)
@@ -117,7 +117,7 @@ def _pieces(layout: Layout, k: int) -> dict[tuple[str, str], list[_Held]]:
     return out
 
 
-def _offsets(t: TensorLayout) -> list[tuple[int, Piece | Padding]]:
+def offsets(t: TensorLayout) -> list[tuple[int, Piece | Padding]]:
     out, off = [], 0
     for p in t.parts:
         out.append((off, p))
@@ -219,20 +219,20 @@ _ALIGN = 16
 
 def slots(moves: Sequence[Move]) -> tuple[list[int], int]:
     """Byte offset of each move's box in the packed buffer, and the buffer's size."""
-    offsets, end = [], 0
+    starts, end = [], 0
     for m in moves:
         end = -(-end // _ALIGN) * _ALIGN
-        offsets.append(end)
+        starts.append(end)
         end += m.nbytes
-    return offsets, end
+    return starts, end
 
 
 def pack(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The sender's bytes of ``moves``: each box contiguous, in order, in one buffer."""
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    offsets, size = slots(moves)
+    starts, size = slots(moves)
     out = torch.empty(size, dtype=torch.uint8, device=device)
-    for m, at in zip(moves, offsets, strict=True):
+    for m, at in zip(moves, starts, strict=True):
         piece = _view(tensors[m.src], m.src_box)
         out[at:at + m.nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
     return out
@@ -240,10 +240,10 @@ def pack(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor]) -> torch.Te
 
 def unpack(moves: Sequence[Move], buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy what :func:`pack` made (received into ``buffer``) into the receiver's tensors."""
-    offsets, size = slots(moves)
+    starts, size = slots(moves)
     if buffer.numel() != size:
         raise PlanError(f"received {buffer.numel()} bytes, the plan's buffer holds {size}")
-    for m, at in zip(moves, offsets, strict=True):
+    for m, at in zip(moves, starts, strict=True):
         dst = _view(tensors[m.dst], m.dst_box)
         dst.copy_(buffer[at:at + m.nbytes].view(dst.dtype).view(dst.shape))
 
@@ -252,6 +252,6 @@ def zero_padding(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
     """Zero what maps to nothing (a padded vocabulary's rows): no peer sends it, and
     a receiver's bytes then do not depend on who it received from."""
     for name, _shape, _dtype, t in layout.tensors:
-        for off, p in _offsets(t):
+        for off, p in offsets(t):
             if isinstance(p, Padding):
                 tensors[name].narrow(t.dim, off, p.size).zero_()

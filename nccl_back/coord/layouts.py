@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from nccl_back.coord import records
+from nccl_back.coord.keys import ANY
 from nccl_back.coord.store import WRONG_TYPE, SignedStore
 from nccl_back.coord.truth import GROUND_TRUTH_TTL_FACTOR
 from nccl_back.errors import RecordKind, UntrustedRecordError
@@ -74,6 +77,34 @@ class LayoutRecords(SignedStore):
         except UntrustedRecordError as e:
             self.reject(RecordKind.LAYOUT, key, str(e))
             return None
+
+    def put_group(self, digests: list[str]) -> str:
+        """Store the list of holder layouts a plan is computed over; returns its digest."""
+        text = ",".join(digests)
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        self.set_signed(self.keys.layout(digest), {"group": text}, self._layout_ttl, expires=False)
+        return digest
+
+    def get_group(self, digest: str) -> list[str] | None:
+        """That list, or None if absent or not to be trusted."""
+        key = self.keys.layout(digest)
+        got = self.get_signed(key, RecordKind.LAYOUT)
+        if got is None:
+            return None
+        text = got[0].get("group")
+        if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != digest:
+            self.reject(RecordKind.LAYOUT, key, "a group that does not hash to its key")
+            return None
+        return text.split(",")
+
+    def worlds(self, version: str) -> list[tuple[int, int]]:
+        """Every ``(rank, world size)`` some live holder of ``version`` publishes."""
+        out = set()
+        for key in self._scan(self.keys.peer_index(version, ANY, ANY)):
+            *_, rank, world = key.rsplit(":", 2)
+            if rank.isdigit() and world.isdigit() and int(rank) < int(world) <= records.MAX_WORLD:
+                out.add((int(rank), int(world)))
+        return sorted(out)
 
     def put_position_truth(self, version: str, rank: int, world: int, layout_digest: str,
                            macs: Macs) -> bool:

@@ -233,6 +233,10 @@ class TransferRequest:
     """The step to start from (a relay member resuming after its upstream failed)."""
     layout: str | None = None
     """A resharding receiver's layout digest: send the plan's pieces, not the tensors."""
+    group: str | None = None
+    """The digest of the holders' layouts the plan is computed over (a layout record)."""
+    holder: int | None = None
+    """Which of those holders the request is for."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set (absent optional ones stay absent)."""
@@ -253,6 +257,8 @@ def request(data: dict[str, Any], what: str = "transfer request") -> TransferReq
         claim=claim,
         start=integer(data, "start", what, 0, MAX_START) if "start" in data else None,
         layout=hexdigest(data, "layout", what) if "layout" in data else None,
+        group=hexdigest(data, "group", what) if "group" in data else None,
+        holder=integer(data, "holder", what, 0, MAX_WORLD) if "holder" in data else None,
     )
 
 

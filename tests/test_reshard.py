@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import reshard_workers as rw
+import torch
 
 from nccl_back.dev.servers import free_port
 from nccl_back.model.skeleton import build
@@ -35,20 +36,26 @@ class Fleet:
         self.procs: list[Any] = []
         self.readers: list[Any] = []
 
-    def start(self, world: int, scheme: str, fault: str | None = None) -> Any:
-        port, stop = str(free_port()), CTX.Event()
-        self.stops.append(stop)
+    def start(self, world: int, scheme: str, fault: str | None = None,
+              settings: dict[str, Any] | None = None) -> Any:
+        port, stops = str(free_port()), []
         for rank in range(world):
+            # One event per process: a process killed inside ``wait`` may leave its
+            # event's lock held, and set() would then block forever.
+            stop = CTX.Event()
+            stops.append(stop)
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": port}
             reader, writer = CTX.Pipe(duplex=False)
             self.readers.append(reader)
             p = CTX.Process(target=rw.rank_main, daemon=True,
-                            args=(env, self.ckpt, self.settings, scheme, writer, stop),
+                            args=(env, self.ckpt, {**self.settings, **(settings or {})}, scheme,
+                                  writer, stop),
                             kwargs={"fault": fault})
             p.start()
             self.procs.append(p)
-        return stop
+            self.stops.append(stop)
+        return stops
 
     def reports(self, n: int, timeout: float = 90) -> list[dict[str, Any]]:
         got: list[dict[str, Any]] = []
@@ -66,13 +73,22 @@ class Fleet:
             assert "error" not in r, (r.get("error"), r.get("traceback"))
         return sorted(got, key=lambda r: (r["group"], r["rank"]))
 
+    def kill(self, i: int) -> None:
+        """SIGKILL process ``i`` (its stop event is never touched again)."""
+        self.procs[i].kill()
+        self.stops[i] = None
+
     def close(self) -> None:
         for s in self.stops:
-            s.set()
+            if s is not None:
+                s.set()
+        deadline = time.monotonic() + 10
         for p in self.procs:
-            p.join(10)
+            p.join(max(deadline - time.monotonic(), 0.1))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
+                p.join(5)
 
 
 @pytest.fixture
@@ -89,7 +105,7 @@ def fleet(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Ite
 
 @pytest.mark.timeout(240)
 def test_tp1_to_tp2_and_back_bit_exact_and_resharded_workers_serve(fleet: Fleet) -> None:
-    holder_stop = fleet.start(1, "plain")
+    (holder_stop,) = fleet.start(1, "plain")
     (h,) = fleet.reports(1)
     assert h["source"] == "storage" and h["identical"], h
 
@@ -128,3 +144,53 @@ def test_tp2_holders_to_tp1_receiver(fleet: Fleet) -> None:
     (r,) = fleet.reports(1)
     assert r["source"] == "peer" and r["identical"], r
     assert r["bytes"] == r["own_bytes"] and "," in r["peer_id"], r  # both holder ranks
+
+
+@pytest.mark.timeout(180)
+def test_holder_killed_mid_reshard_falls_back_with_its_reason(fleet: Fleet) -> None:
+    """TP=2 holders sending slowly (max_send_gbps); one is killed while the TP=1 receiver
+    reshards from both: the receiver loads from storage, saying why, bit-exact."""
+    fleet.start(2, "megatron", settings={"max_send_gbps": 0.000005})
+    fleet.reports(2)
+    fleet.start(1, "whole", settings={"stall_timeout": 2.0})
+    time.sleep(3.0)  # the receiver is inside its first (paced: ~36 s) transfer
+    fleet.kill(0)
+    (r,) = fleet.reports(1, timeout=120)
+    assert r["source"] == "storage" and r["identical"], r
+    assert r["fallback_reason"].split(":")[0] in ("transfer_error", "transfer_timeout"), r
+
+
+def test_plan_mismatch_is_refused_before_data_moves(tmp_path: Path, redis_url: str, namespace: str,
+                                                    cache_dir: str, monkeypatch: Any) -> None:
+    """A receiver that derived another plan than its holder: the handshake refuses it
+    (the plan digests differ) before any communicator exists; it falls back, bytes exact."""
+    import nccl_back
+    from nccl_back.config import Settings
+    from nccl_back.load import reshard
+    from nccl_back.load.service import WeightService
+    from nccl_back.model import reshard_plan
+    from nccl_back.model.identity import ModelSpec
+    from nccl_back.model.skeleton import named_tensors
+
+    model = fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=3)
+    ckpt = str(write_checkpoint(model, tmp_path / "ckpt", n_shards=2))
+    s = Settings(redis_url=redis_url, namespace=namespace, cache_dir=cache_dir, secret="s" * 32,
+                 advertise_host="127.0.0.1", bind_host="127.0.0.1", receiver_handshake_timeout=5.0)
+    spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
+
+    def skewed(receiver: Any, holders: Any) -> reshard_plan.Plan:
+        p = reshard_plan.plan(receiver, holders)
+        return reshard_plan.Plan(p.moves[:-1], p.receiver, p.holders)  # one move short
+
+    monkeypatch.setattr(reshard, "plan", skewed)
+    with WeightService(s, worker_id="holder") as holder, WeightService(s, worker_id="recv") as recv:
+        assert holder.load(build(lambda: rw.Flat(rw.checkpoint_shapes())), spec).source == "storage"
+        skel = build(lambda: rw.Flat(rw.tp_shapes(1, "megatron")))
+        sh = nccl_back.sharding(skel, spec, rw.describe(0, 1, "megatron"), s)
+        result = recv.load(skel, spec, sharding=sh)
+        assert result.source == "storage", result
+        assert result.fallback_reason.startswith("manifest_mismatch"), result.fallback_reason
+        assert "transfer.0" not in result.timings, result.timings  # no data moved
+        want = rw.expected(ckpt, 0, 1, "megatron")
+        got = named_tensors(skel)[0]
+        assert all(torch.equal(got[n], want[n]) for n in want)

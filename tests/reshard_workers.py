@@ -20,7 +20,8 @@ from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.skeleton import build, named_tensors
 
-D, V, F = 32, 64, 64  # hidden, vocabulary, MLP width
+# Hidden, vocabulary, MLP width (benchmarks/reshard.py scales them through the environment).
+D, V, F = (int(os.environ.get(f"RESHARD_{n}", d)) for n, d in (("D", 32), ("V", 64), ("F", 64)))
 
 
 def checkpoint_shapes() -> dict[str, tuple[int, ...]]:

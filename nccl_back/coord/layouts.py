@@ -17,7 +17,7 @@ import hashlib
 
 from nccl_back.coord import records
 from nccl_back.coord.keys import ANY
-from nccl_back.coord.store import WRONG_TYPE, SignedStore
+from nccl_back.coord.store import WRONG_TYPE, SignedStore, ms
 from nccl_back.coord.truth import GROUND_TRUTH_TTL_FACTOR
 from nccl_back.errors import RecordKind, UntrustedRecordError
 from nccl_back.model import layout as layouts
@@ -112,6 +112,17 @@ class LayoutRecords(SignedStore):
         key = self.keys.position_truth(version, rank, world, layout_digest)
         value = {"layout": layout_digest, "macs": encode_macs(macs)}
         return self.set_signed(key, value, self._layout_ttl, nx=True, expires=False)
+
+    def keep_positions(self, version: str, rank: int, world: int, layout: Layout,
+                       macs: Macs | None, *, store_layout: bool) -> None:
+        """A holder's heartbeat: its position truth and layout stay in Redis (re-stored
+        after Redis lost them, ``SET NX``: a stored record is never replaced here)."""
+        key = self.keys.position_truth(version, rank, world, layout.digest)
+        if macs is not None:
+            self.put_position_truth(version, rank, world, layout.digest, macs)
+        self._call("heartbeat", lambda: self.client.pexpire(key, ms(self._layout_ttl)))
+        if store_layout:
+            self.put_layout(layout)
 
     def get_position_truth(self, version: str, rank: int, world: int,
                            layout_digest: str) -> Macs | None:

@@ -47,20 +47,21 @@ def publish_stored(env: Env, a: Attempt, hashes: dict[str, str]) -> None:
         # Redis unreachable: the heartbeat stores the truth this worker holds (with
         # its entry) once Redis answers again.
         a.log.warning("ground_truth_deferred", error=str(e))
-    publish_positions(env, a)
+    positions = publish_positions(env, a)
     try:
         env.server.publish(a.model, a.target.manifest, a.spec.version, a.rank, a.world,
                            source="storage", log=a.log, truth=hashes or None,
-                           model_name=a.spec.name,
+                           model_name=a.spec.name, positions=positions,
                            layout=a.sharding.layout if a.sharding is not None else None)
     except Exception as e:  # the rendezvous could not start: serve nobody
         a.log.warning("publish_failed", error=str(e))
 
 
-def publish_positions(env: Env, a: Attempt) -> None:
+def publish_positions(env: Env, a: Attempt) -> position_truth.Macs | None:
     """After a storage load: the truth in checkpoint coordinates of the positions this
     rank holds (:mod:`nccl_back.model.position_truth`), so workers of any layout can
-    reshard from it; and its layout, so senders and receivers derive the same plan."""
+    reshard from it; and its layout, so senders and receivers derive the same plan.
+    Returns the MACs (the heartbeat keeps them), None if they could not be made."""
     lay = a.sharding.layout if a.sharding is not None else None
     try:
         held = lay if lay is not None else trivial_layout(a.target.manifest)
@@ -68,8 +69,10 @@ def publish_positions(env: Env, a: Attempt) -> None:
         env.registry.put_position_truth(a.spec.version, a.rank, a.world, held.digest, macs)
         if lay is not None:
             env.registry.put_layout(lay)
+        return macs
     except Exception as e:  # only resharding receivers lose: the load is done
         a.log.warning("position_truth_not_published", error=str(e))
+        return None
 
 
 def claim_ground_truth(env: Env, a: Attempt, hashes: dict[str, str]) -> None:

@@ -241,11 +241,11 @@ def published(env: Env, a: Attempt, sh: Sharding, f: Found) -> LoadResult:
                gbps=round(result.gbps, 3))
     hashes = encode_truth({"sampled": integrity.layer_hashes(a.model, key=s.key("integrity"))})
     try:
-        reg.put_position_truth(a.spec.version, a.rank, a.world, sh.layout.digest,
-                               position_truth.held_macs(sh.layout, a.target.tensors, s.key("integrity")))
+        macs = position_truth.held_macs(sh.layout, a.target.tensors, s.key("integrity"))
+        reg.put_position_truth(a.spec.version, a.rank, a.world, sh.layout.digest, macs)
         reg.put_ground_truth(a.spec.version, a.rank, a.world, man.digest, hashes)
         env.server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer", log=a.log,
-                           truth=hashes, model_name=a.spec.name, layout=sh.layout)
+                           truth=hashes, model_name=a.spec.name, layout=sh.layout, positions=macs)
     except Exception as e:  # loaded and verified; only serving others is lost
         a.log.warning("publish_failed", error=str(e))
     return result

@@ -51,6 +51,7 @@ from nccl_back.errors import RegistryError
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.layout import Layout, trivial_layout
+from nccl_back.model.position_truth import Macs
 from nccl_back.model.reshard_plan import PlanError, pack, plan
 from nccl_back.model.skeleton import Manifest, Model, model_device, named_tensors
 from nccl_back.transport import Rendezvous, open_rendezvous, resolve_kind
@@ -81,6 +82,9 @@ class _Held:
     the heartbeat when Redis lost it or holds an untrusted record in its place."""
     layout: Layout | None = None
     """Which pieces of the checkpoint it holds; None: every tensor whole."""
+    positions: Macs | None = None
+    """Its truth in checkpoint coordinates (a storage load's, or what a reshard
+    verified), kept in Redis by the heartbeat like ``truth``."""
 
 
 class PeerServer:
@@ -170,7 +174,7 @@ class PeerServer:
     def publish(
         self, model: Model, man: Manifest, version: str, rank: int, world: int, *,
         source: str, log: Any, truth: dict[str, str] | None = None, model_name: str = "",
-        layout: Layout | None = None,
+        layout: Layout | None = None, positions: Macs | None = None,
     ) -> PeerInfo:
         """Publish ``model`` (loaded and verified) and start serving it.
 
@@ -214,7 +218,7 @@ class PeerServer:
             held = _Held(model, man, info,
                          ThreadPoolExecutor(s.max_concurrent_sends,
                                             thread_name_prefix=f"nccl-back-send-{rank}"),
-                         sends, truth=truth, layout=layout)
+                         sends, truth=truth, layout=layout, positions=positions)
             self._held[peer_id] = held
         held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
@@ -245,6 +249,11 @@ class PeerServer:
                         return
                     try:
                         self.registry.heartbeat(held.info, held.truth)
+                        if held.positions is not None:
+                            lay = held.layout or trivial_layout(held.manifest)
+                            self.registry.keep_positions(
+                                held.info.version, held.info.rank, held.info.world_size, lay,
+                                held.positions, store_layout=held.layout is not None)
                     except Exception as e:  # whatever Redis holds, the next beat comes
                         self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=repr(e))
             self.metrics.set_claims(self.active_sends)

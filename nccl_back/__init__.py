@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from nccl_back.errors import NcclBackError
     from nccl_back.load.service import WeightService
     from nccl_back.model.identity import ModelSpec, Shard
+    from nccl_back.model.layout import Padding, column, concat, row, shard
     from nccl_back.model.loader import load_from_storage
     from nccl_back.model.pipeline import assemble, pipeline_skeletons
+    from nccl_back.model.sharding import Sharding, sharding
     from nccl_back.model.skeleton import build as build_skeleton
     from nccl_back.result import LoadResult
     from nccl_back.sidecar.handoff import HandoffServer, attach
@@ -26,14 +28,21 @@ _EXPORTS = {
     "LoadResult": "result",
     "ModelSpec": "model.identity",
     "NcclBackError": "errors",
+    "Padding": "model.layout",
     "Settings": "config",
     "Shard": "model.identity",
+    "Sharding": "model.sharding",
     "WeightService": "load.service",
     "assemble": "model.pipeline",
     "attach": "sidecar.handoff",
     "build_skeleton": "model.skeleton:build",
+    "column": "model.layout",
+    "concat": "model.layout",
     "load_from_storage": "model.loader",
     "pipeline_skeletons": "model.pipeline",
+    "row": "model.layout",
+    "shard": "model.layout",
+    "sharding": "model.sharding",
 }
 
 __all__ = [
@@ -41,14 +50,21 @@ __all__ = [
     "LoadResult",
     "ModelSpec",
     "NcclBackError",
+    "Padding",
     "Settings",
     "Shard",
+    "Sharding",
     "WeightService",
     "assemble",
     "attach",
     "build_skeleton",
+    "column",
+    "concat",
     "load_from_storage",
     "pipeline_skeletons",
+    "row",
+    "shard",
+    "sharding",
 ]
 __version__ = "0.1.0"
 

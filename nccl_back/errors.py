@@ -163,6 +163,10 @@ class RecordKind(str, enum.Enum):
     """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
     DOWNLOAD_STREAM = "download_stream"
     """The relay endpoint a download is streamed from (``ns:stream:...``)."""
+    LAYOUT = "layout"
+    """A layout description (``ns:layout:...``, resharding)."""
+    POSITION_TRUTH = "position_truth"
+    """Truth in checkpoint coordinates (``ns:ct:...``, resharding)."""
 
     def __str__(self) -> str:
         return self.value

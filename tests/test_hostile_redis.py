@@ -49,7 +49,7 @@ SECRET = "hostile-redis-secret-" + "x" * 16
 #: Every kind of key a rollout writes (the second part of its name; ``chain`` is a
 #: cohort's member list). A new kind fails test_the_rollout_writes_only_known_key_kinds
 #: until it is added here, and so gets every corruption below.
-KINDS = ("peer", "peers", "gt", "claim", "req", "dl", "cohort", "chain", "hs", "stream", "rdv",
+KINDS = ("peer", "peers", "gt", "ct", "claim", "req", "dl", "cohort", "chain", "hs", "stream", "rdv",
          "gone")
 RACED = ("hs", "chain", "rdv", "gone")
 """Kinds whose names are random per transfer: corrupted as they appear."""
@@ -282,6 +282,8 @@ def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
         "gt": reg.ground_truth_key(v, 0, 1, d), "claim": reg.key("claim", peer_id, 0),
         "req": reg.key("req", peer_id), "dl": reg.lease_key(v, 1),
         "cohort": reg.cohort_key(v, 0, 1, d), "stream": reg.stream_key(v, 0, 1, d),
+        # Truth in checkpoint coordinates, keyed by the holder's (plain) layout digest.
+        "ct": next(iter(reg.scan(reg.key("ct", v, 0, 1, "*"))), reg.key("ct", v, 0, 1, "0")),
     }
 
 

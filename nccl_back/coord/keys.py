@@ -10,6 +10,9 @@ version, rank, world size; ``d`` = manifest digest)::
     ns:peers:{v}:{r}:{w}                set of peer_ids (index)        TTL peer_ttl (heartbeat refreshes)
     ns:gt:{v}:{r}:{w}:{d}               {"manifest_digest", "hashes"}  signed, SET NX, TTL ground_truth_ttl
                                         hashes keyed "{mode}|{layer}" (:func:`.truth.encode_truth`)
+    ns:layout:{l}                       a layout's canonical JSON      signed, TTL ground truth's (layouts.py)
+    ns:ct:{v}:{r}:{w}:{l}               MACs at sampled checkpoint     signed, SET NX, TTL ground truth's
+                                        positions a layout ``l`` holds (:mod:`nccl_back.model.position_truth`)
     ns:claim:{peer_id}:{slot}           {"token", "receiver"}          signed, SET NX, TTL claim_ttl, renewed
     ns:req:{peer_id}                    list of request JSON, signed   TTL peer_ttl, newest 256 kept
     ns:dl:{v}:{w}                       {"owner": worker_id}           signed, expiring: download lease
@@ -74,6 +77,15 @@ class Keys:
                      manifest_digest: str) -> str:
         """Ground truth of one rank's skeleton flavour (keyed by its manifest digest)."""
         return self.key("gt", version, rank, world_size, manifest_digest)
+
+    def layout(self, layout_digest: str) -> str:
+        """A layout description, content-addressed by its digest (resharding)."""
+        return self.key("layout", layout_digest)
+
+    def position_truth(self, version: str, rank: int | str, world_size: int | str,
+                       layout_digest: str) -> str:
+        """Truth in checkpoint coordinates of the positions one rank's layout holds."""
+        return self.key("ct", version, rank, world_size, layout_digest)
 
     def claim(self, peer_id: str, slot: int | str) -> str:
         """One of ``peer_id``'s send slots."""

@@ -150,6 +150,9 @@ class PeerInfo:
     """The model's folder name (its last path component), for an operator."""
     engine: str = ""
     """What runs the worker: ``library``, ``sidecar``, ``vllm-<version>`` ..."""
+    layout: str = ""
+    """The digest of its layout (:mod:`nccl_back.model.layout`); empty: every tensor
+    whole, as a plain skeleton's."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -188,6 +191,7 @@ def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:
         pid=integer(data, "pid", what, 0, MAX_PID, 0),
         model=label(data, "model", what),
         engine=label(data, "engine", what),
+        layout=label(data, "layout", what),
     )
 
 
@@ -227,6 +231,12 @@ class TransferRequest:
     """The receiver's claim token, so the sender can free the slot if the send fails."""
     start: int | None = None
     """The step to start from (a relay member resuming after its upstream failed)."""
+    layout: str | None = None
+    """A resharding receiver's layout digest: send the plan's pieces, not the tensors."""
+    group: str | None = None
+    """The digest of the holders' layouts the plan is computed over (a layout record)."""
+    holder: int | None = None
+    """Which of those holders the request is for."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set (absent optional ones stay absent)."""
@@ -246,6 +256,9 @@ def request(data: dict[str, Any], what: str = "transfer request") -> TransferReq
         device=choice(data, "device", what, DEVICES) if "device" in data else None,
         claim=claim,
         start=integer(data, "start", what, 0, MAX_START) if "start" in data else None,
+        layout=hexdigest(data, "layout", what) if "layout" in data else None,
+        group=hexdigest(data, "group", what) if "group" in data else None,
+        holder=integer(data, "holder", what, 0, MAX_WORLD) if "holder" in data else None,
     )
 
 

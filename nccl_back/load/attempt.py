@@ -20,6 +20,7 @@ from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import NcclBackError, NoPeerError, UntrustedRecordError
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.sharding import Sharding
 from nccl_back.model.skeleton import Manifest, Model, manifest, model_device, named_tensors
 from nccl_back.transport import payload_bytes, relay, resolve_kind
 from nccl_back.transport.sender import PeerServer
@@ -141,6 +142,9 @@ class Attempt:
     world: int
     log: Any
     start: float
+    sharding: Sharding | None = None
+    """Which pieces of the checkpoint this rank's skeleton holds (a tensor-parallel
+    library model); None: every tensor whole."""
     # What the phases produce, in their order.
     prepared: Target | None = None
     found: Discovery = field(default_factory=Discovery)

@@ -45,7 +45,7 @@ def discover(env: Env, a: Attempt) -> Discovery:
                 return Discovery(reason=NobodyHolds(f"no live peer holds {where}"))
             # The elected downloader streams it; the ground truth comes at its end.
             return Discovery(stream=stream)
-        usable = _usable(env, a, peers)
+        usable = usable_peers(env, a, peers)
         if not usable:
             t = a.target
             return Discovery(reason=IncompatiblePeerError(
@@ -80,7 +80,7 @@ def discover(env: Env, a: Attempt) -> Discovery:
 def holders(env: Env, a: Attempt) -> list[PeerInfo]:
     """The usable holders of this rank's manifest now (re-read while all are busy)."""
     found = env.registry.find_peers(a.spec.version, a.rank, a.world)
-    return [p for p in _usable(env, a, found) if p.manifest_digest == a.target.manifest.digest]
+    return [p for p in usable_peers(env, a, found) if p.manifest_digest == a.target.manifest.digest]
 
 
 def sees_peer(env: Env, a: Attempt) -> bool:
@@ -90,7 +90,7 @@ def sees_peer(env: Env, a: Attempt) -> bool:
     if not peers:
         return env.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log) is not None
     digest = a.target.manifest.digest
-    matching = [p for p in _usable(env, a, peers) if p.manifest_digest == digest]
+    matching = [p for p in usable_peers(env, a, peers) if p.manifest_digest == digest]
     if not matching or env.settings.verify == "none":
         return True  # discovery says what is wrong (or that nothing is)
     # A holder without its ground truth is no peer yet: it re-publishes it.
@@ -106,7 +106,7 @@ def _others(env: Env, a: Attempt) -> list[PeerInfo]:
             if not env.server.holds(p.peer_id)]
 
 
-def _usable(env: Env, a: Attempt, peers: list[PeerInfo]) -> list[PeerInfo]:
+def usable_peers(env: Env, a: Attempt, peers: list[PeerInfo]) -> list[PeerInfo]:
     """Peers this rank can talk to: same transport, same device kind, not itself,
     not at an address only its own machine reaches (said why, once per peer)."""
     t = a.target

@@ -12,7 +12,8 @@ from nccl_back import _clock
 from nccl_back.coord.registry import encode_truth, truth_for_mode
 from nccl_back.errors import RegistryError, UntrustedRecordError, WeightVerificationError
 from nccl_back.load.attempt import Attempt, Env
-from nccl_back.model import integrity
+from nccl_back.model import integrity, position_truth
+from nccl_back.model.layout import trivial_layout
 from nccl_back.result import LoadResult
 
 
@@ -30,7 +31,8 @@ def peer_loaded(env: Env, a: Attempt) -> LoadResult:
     try:
         env.server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer",
                            log=a.log, truth=encode_truth({env.settings.verify: a.truth})
-                           if a.truth else None, model_name=a.spec.name)
+                           if a.truth else None, model_name=a.spec.name,
+                           layout=a.sharding.layout if a.sharding is not None else None)
     except Exception as e:
         # The weights are loaded and verified; only serving others is lost.
         a.log.warning("publish_failed", error=str(e))
@@ -45,12 +47,32 @@ def publish_stored(env: Env, a: Attempt, hashes: dict[str, str]) -> None:
         # Redis unreachable: the heartbeat stores the truth this worker holds (with
         # its entry) once Redis answers again.
         a.log.warning("ground_truth_deferred", error=str(e))
+    positions = publish_positions(env, a)
     try:
         env.server.publish(a.model, a.target.manifest, a.spec.version, a.rank, a.world,
                            source="storage", log=a.log, truth=hashes or None,
-                           model_name=a.spec.name)
+                           model_name=a.spec.name, positions=positions,
+                           layout=a.sharding.layout if a.sharding is not None else None)
     except Exception as e:  # the rendezvous could not start: serve nobody
         a.log.warning("publish_failed", error=str(e))
+
+
+def publish_positions(env: Env, a: Attempt) -> position_truth.Macs | None:
+    """After a storage load: the truth in checkpoint coordinates of the positions this
+    rank holds (:mod:`nccl_back.model.position_truth`), so workers of any layout can
+    reshard from it; and its layout, so senders and receivers derive the same plan.
+    Returns the MACs (the heartbeat keeps them), None if they could not be made."""
+    lay = a.sharding.layout if a.sharding is not None else None
+    try:
+        held = lay if lay is not None else trivial_layout(a.target.manifest)
+        macs = position_truth.held_macs(held, a.target.tensors, env.settings.key("integrity"))
+        env.registry.put_position_truth(a.spec.version, a.rank, a.world, held.digest, macs)
+        if lay is not None:
+            env.registry.put_layout(lay)
+        return macs
+    except Exception as e:  # only resharding receivers lose: the load is done
+        a.log.warning("position_truth_not_published", error=str(e))
+        return None
 
 
 def claim_ground_truth(env: Env, a: Attempt, hashes: dict[str, str]) -> None:

@@ -171,7 +171,7 @@ class Receive:
         if token is None:
             raise PeerBusy(peer.peer_id)
         try:
-            with _kept(reg, peer.peer_id, token, s.claim_ttl, a.log):
+            with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
                 self.pull(peer.peer_id, peer.transport, peer.address, claim=token,
                           handshake_timeout=max(min(s.receiver_handshake_timeout,
                                                     budget - _clock.monotonic()), 0.001),
@@ -257,7 +257,7 @@ class Receive:
 
 
 @contextlib.contextmanager
-def _kept(registry: Registry, peer_id: str, token: str, ttl: float, log: Any) -> Iterator[None]:
+def kept_claim(registry: Registry, peer_id: str, token: str, ttl: float, log: Any) -> Iterator[None]:
     """Renew the claim ``token`` every third of ``ttl`` while the block runs.
 
     The claim then lives exactly as long as its holder: a receiver that crashes stops

@@ -48,6 +48,7 @@ from nccl_back.coord.auth import warn_unsigned
 from nccl_back.coord.consensus import Group, rank_and_size
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import NcclBackError
+from nccl_back.load import reshard
 from nccl_back.load.attempt import Attempt, Env, Target
 from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
@@ -59,6 +60,7 @@ from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import StorageLoader
+from nccl_back.model.sharding import Sharding, load_sharded
 from nccl_back.model.skeleton import Model, manifest
 from nccl_back.result import LoadResult
 from nccl_back.transport import relay
@@ -123,7 +125,8 @@ class WeightService:
         """The tensors a send of this worker's entry ``peer_id`` would read now."""
         return self._server.served_tensors(peer_id)
 
-    def load(self, model: Model, spec: ModelSpec, group: Group = None) -> LoadResult:
+    def load(self, model: Model, spec: ModelSpec, group: Group = None, *,
+             sharding: Sharding | None = None) -> LoadResult:
         """Fill the skeleton ``model`` with ``spec``'s weights, from a peer if possible.
 
         ``group`` is the worker's own process group (tensor/pipeline parallel) or None.
@@ -132,11 +135,17 @@ class WeightService:
         own error, the others :class:`ConsensusError` naming it). Returns a verified
         :class:`LoadResult`. With ``Settings(strict=True)`` a failed peer load on any rank
         makes every rank raise instead of falling back (no peer at all is not a failure).
+
+        ``sharding`` (:func:`nccl_back.sharding`): which pieces of the checkpoint this
+        rank's skeleton holds. With it the rank can also load from holders of other
+        layouts (world sizes), receiving only its pieces, and loads from storage by
+        cutting them from the checkpoint; see the README's "Layouts".
         """
         self._check_open()
         rank, world = rank_and_size(group)
         a = Attempt(model, spec, group, rank, world,
-                    log=self._log.bind(rank=rank, version=spec.version[:12]), start=_clock.perf())
+                    log=self._log.bind(rank=rank, version=spec.version[:12]), start=_clock.perf(),
+                    sharding=sharding)
         try:
             return self._load(a)
         finally:
@@ -189,6 +198,10 @@ class WeightService:
             a.prepared = Target.of(a.model, self.settings)
             a.discovered(discover(env, a))
         decision = agree(a, "discovery")
+        if not decision.ok and a.sharding is not None:  # no same-layout holder: other layouts?
+            result = reshard.attempt(env, a, a.sharding, self._loader(a))
+            if result is not None:
+                return result
         if decision.nobody:  # some rank found nobody holding it: wait as a group, or download
             decision = self._elect(a)
         a.timings["discovery"] = _clock.perf() - t
@@ -210,7 +223,14 @@ class WeightService:
             a.reason = decision.why()
         if self.settings.strict and decision.failed:
             raise decision.strict_error(a)
-        return fall_back(env, a, self._storage_loader)
+        return fall_back(env, a, self._loader(a))
+
+    def _loader(self, a: Attempt) -> StorageLoader:
+        """A sharded skeleton's pieces are cut from the checkpoint (the default loader)."""
+        sh = a.sharding
+        if sh is None or self._storage_loader is not load_checkpoint:
+            return self._storage_loader
+        return lambda model, spec, settings, /: load_sharded(model, spec, settings, sh)
 
     def _elect(self, a: Attempt) -> Decision:
         single_flight(self._env, a)

@@ -149,15 +149,19 @@ class Sends:
                 n += 1
         return n
 
-    def serve(self, request: TransferRequest, log: Any) -> TransferStats | None:
+    def serve(self, request: TransferRequest, log: Any, *, digest: str | None = None,
+              tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> TransferStats | None:
         """Send ``request``'s transfer from the step it asks for; the stats, or None when
         it failed. Logs and counts the outcome and never raises: a serving thread must
-        never die silently."""
+        never die silently. ``digest`` and ``tensors`` replace the endpoint's for this
+        request (a reshard: the plan's digest and its packed pieces)."""
         s = self.settings
+        digest = self.digest if digest is None else digest
+        read = self.tensors if tensors is None else tensors
         start = request.start or 0
         transport: Transport | None = None
         try:
-            run_sender(self.registry, request.transfer_id, self.digest, s.sender_handshake_timeout)
+            run_sender(self.registry, request.transfer_id, digest, s.sender_handshake_timeout)
             transport = self.rendezvous.sender(transfer_scope(s.key("store"), request.transfer_id))
             with self._lock:
                 self._transports.add(transport)
@@ -167,9 +171,9 @@ class Sends:
             ready = None if wait is None else (lambda k: wait(k, deadline))
 
             def send(tr: Transport) -> TransferStats:
-                tensors = self.tensors()
-                bucket = s.bucket_for(self.kind, payload_bytes(tensors))
-                return send_tensors(tr, tensors, bucket, start=start, ready=ready, pace=self.pacer.take)
+                payload = read()
+                bucket = s.bucket_for(self.kind, payload_bytes(payload))
+                return send_tensors(tr, payload, bucket, start=start, ready=ready, pace=self.pacer.take)
 
             with self.metrics.sending(self.role.name):
                 stats = run_guarded(transport, send, deadline,

@@ -50,6 +50,9 @@ from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import RegistryError
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
+from nccl_back.model.layout import Layout, trivial_layout
+from nccl_back.model.position_truth import Macs
+from nccl_back.model.reshard_plan import PlanError, pack, plan
 from nccl_back.model.skeleton import Manifest, Model, model_device, named_tensors
 from nccl_back.transport import Rendezvous, open_rendezvous, resolve_kind
 from nccl_back.transport.pacing import Pacer
@@ -77,6 +80,11 @@ class _Held:
     truth: dict[str, str] | None = None
     """The ground truth this worker holds for its model (stored form), re-published by
     the heartbeat when Redis lost it or holds an untrusted record in its place."""
+    layout: Layout | None = None
+    """Which pieces of the checkpoint it holds; None: every tensor whole."""
+    positions: Macs | None = None
+    """Its truth in checkpoint coordinates (a storage load's, or what a reshard
+    verified), kept in Redis by the heartbeat like ``truth``."""
 
 
 class PeerServer:
@@ -166,6 +174,7 @@ class PeerServer:
     def publish(
         self, model: Model, man: Manifest, version: str, rank: int, world: int, *,
         source: str, log: Any, truth: dict[str, str] | None = None, model_name: str = "",
+        layout: Layout | None = None, positions: Macs | None = None,
     ) -> PeerInfo:
         """Publish ``model`` (loaded and verified) and start serving it.
 
@@ -188,7 +197,7 @@ class PeerServer:
             manifest_digest=man.digest, transport=kind, address=rv.address, source=source,
             max_sends=self.settings.max_concurrent_sends, device=device.type,
             host=to_label(socket.gethostname()), pid=os.getpid(), model=to_label(model_name),
-            engine=to_label(self.engine),
+            engine=to_label(self.engine), layout=layout.digest if layout is not None else "",
         )
         with self._entries_lock:
             if self._stop.is_set():
@@ -209,7 +218,7 @@ class PeerServer:
             held = _Held(model, man, info,
                          ThreadPoolExecutor(s.max_concurrent_sends,
                                             thread_name_prefix=f"nccl-back-send-{rank}"),
-                         sends, truth=truth)
+                         sends, truth=truth, layout=layout, positions=positions)
             self._held[peer_id] = held
         held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
@@ -240,6 +249,11 @@ class PeerServer:
                         return
                     try:
                         self.registry.heartbeat(held.info, held.truth)
+                        if held.positions is not None:
+                            lay = held.layout or trivial_layout(held.manifest)
+                            self.registry.keep_positions(
+                                held.info.version, held.info.rank, held.info.world_size, lay,
+                                held.positions, store_layout=held.layout is not None)
                     except Exception as e:  # whatever Redis holds, the next beat comes
                         self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=repr(e))
             self.metrics.set_claims(self.active_sends)
@@ -273,6 +287,8 @@ class PeerServer:
             if refusal is not None:
                 decline(self.registry, request, *refusal, log, HOLDER,
                         code=refusal[0], reason=refusal[1])
+            elif request.layout is not None:
+                ok = self._reshard(held, request, log)
             else:
                 ok = held.sends.serve(request, log) is not None
         finally:
@@ -286,6 +302,35 @@ class PeerServer:
                 held.active -= 1
                 held.queued -= 1
             self.metrics.set_claims(self.active_sends)
+
+    def _reshard(self, held: _Held, request: TransferRequest, log: Any) -> bool:
+        """Send the pieces a receiver of another layout needs from this holder: the plan
+        both ends derive from the receiver's layout and the holders' (records in Redis),
+        packed contiguous; its digest is proven in the handshake, so a receiver that
+        computed another plan is refused before any data moves."""
+        mine = held.layout if held.layout is not None else trivial_layout(held.manifest)
+        reg = self.registry
+        receiver = reg.get_layout(request.layout) if request.layout else None
+        group = reg.get_group(request.group) if request.group else None
+        k = request.holder
+        if receiver is None or group is None or k is None or k >= len(group) or group[k] != mine.digest:
+            decline(reg, request, "incompatible", "reshard: unknown layouts, or not this holder's",
+                    log, HOLDER, code="layout_mismatch")
+            return False
+        holders = [mine if d == mine.digest else reg.get_layout(d) for d in group]
+        try:
+            if any(h is None for h in holders):
+                raise PlanError("a holder's layout is gone")
+            p = plan(receiver, [h for h in holders if h is not None])
+        except PlanError as e:
+            decline(reg, request, "incompatible", f"reshard: {e}"[:200], log, HOLDER,
+                    code="layout_mismatch")
+            return False
+        moves = p.for_holder(k)
+        log.info("resharding", plan=p.digest[:12], bytes=p.nbytes(k))
+        return held.sends.serve(request, log, digest=p.digest,
+                                tensors=lambda: {"pieces": pack(moves, named_tensors(held.model)[0])}
+                                ) is not None
 
     def _refusal(self, held: _Held, request: TransferRequest) -> tuple[str, str] | None:
         """Why this request must not be served, as ``(code, message)``; None to serve it."""

@@ -1,0 +1,251 @@
+"""Resharding: a sharded library model loads from live holders of other layouts.
+
+Entered from ``WeightService._load`` at one point: this rank's skeleton has a
+:class:`~nccl_back.model.sharding.Sharding` and some rank found no same-layout holder.
+Its phases, each closed by a consensus round over the receiver's group (:mod:`.vote`),
+so all ranks reshard, or none does:
+
+1. *Find* (:func:`find`): live holders of the version at any world size (a plain
+   holder of the whole checkpoint counts: its layout is every tensor whole), one per
+   holder rank, whose layouts cover this rank's pieces (:func:`~nccl_back.model.
+   reshard_plan.plan`), and their truth in checkpoint coordinates. A world size whose
+   holders do not cover us is skipped; none at all: every rank goes on as before (the
+   single flight, then storage), with the reason discovery gave.
+2. *Receive* (:func:`receive`): from each holder the plan uses, a claim, the handshake
+   proving the *plan's* digest (a sender that derived another plan refuses before any
+   data moves), one packed buffer of exactly this rank's pieces, unpacked into views
+   of its tensors; then every sampled checkpoint position it holds is checked against
+   the holders' truth (:mod:`nccl_back.model.position_truth`).
+3. *Publish* (:func:`published`): the worker serves its own layout like any holder:
+   its layout, the position truth it verified, and layer hashes of its verified bytes as
+   its flavour's ground truth (rooted in the position check: see the README).
+
+A failed receive or check on any rank sends every rank to storage with its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from nccl_back import _clock
+from nccl_back.coord import records
+from nccl_back.coord.auth import transfer_scope
+from nccl_back.coord.handshake import run_receiver
+from nccl_back.coord.registry import PeerInfo, encode_truth
+from nccl_back.errors import (
+    NcclBackError,
+    NoPeerError,
+    RegistryError,
+    UntrustedRecordError,
+    fallback_reason,
+)
+from nccl_back.load.attempt import Attempt, Env, NobodyHolds
+from nccl_back.load.discover import usable_peers
+from nccl_back.load.receive import kept_claim
+from nccl_back.load.storage import fall_back
+from nccl_back.load.vote import agree, caught
+from nccl_back.model import integrity, position_truth
+from nccl_back.model.layout import Layout
+from nccl_back.model.loader import StorageLoader
+from nccl_back.model.reshard_plan import Plan, PlanError, plan, slots, unpack, zero_padding
+from nccl_back.model.sharding import Sharding
+from nccl_back.result import LoadResult
+from nccl_back.transport import receiver_transport, recv_tensors, run_guarded
+from nccl_back.transport.broadcast import payload_bytes
+
+#: Seconds between two claims of a holder whose send slots are all taken.
+_BUSY_POLL = 0.05
+
+
+class NoLayoutCover(NobodyHolds):
+    """No live holders of any layout cover this rank's pieces (or they lack truth)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """Holders to reshard from (one per holder index of the plan) and what to verify."""
+
+    peers: tuple[PeerInfo, ...]
+    layouts: tuple[Layout, ...]
+    plan: Plan
+    group: str
+    truth: position_truth.Macs
+
+
+def attempt(env: Env, a: Attempt, sh: Sharding, loader: StorageLoader) -> LoadResult | None:
+    """The whole reshard (every rank, or none): the result, a storage load after a
+    failed reshard (with its reason), or None when no holders cover every rank."""
+    t = _clock.perf()
+    found = run(env, a, sh)
+    if found is None:
+        return None
+    with caught(a, "reshard"):
+        try:
+            receive(env, a, sh, found)
+        except NcclBackError as e:  # this rank's vote: go to storage, with the reason
+            a.reason = e
+            a.log.warning("reshard_failed", reason=fallback_reason(e), error=str(e))
+    a.timings["peer"] = _clock.perf() - t
+    decision = agree(a, "reshard")
+    if decision.ok:
+        return published(env, a, sh, found)
+    if a.reason is None:
+        a.reason = decision.why()
+    if env.settings.strict and decision.failed:
+        raise decision.strict_error(a)
+    return fall_back(env, a, loader)
+
+
+def run(env: Env, a: Attempt, sh: Sharding) -> Found | None:
+    """Find holders on every rank; the :class:`Found` if every rank can reshard, else
+    None with this rank's earlier vote restored (the load goes on as without it)."""
+    before = a.reason
+    found: Found | None = None
+    a.reason = None
+    with caught(a, "reshard_discovery"):
+        try:
+            found = find(env, a, sh)
+        except (NoPeerError, RegistryError) as e:
+            a.reason = e
+    if not agree(a, "reshard discovery").ok:
+        a.log.info("reshard_skipped", reason=str(a.reason) if a.reason else "another rank")
+        a.reason = before
+        return None
+    return found
+
+
+def find(env: Env, a: Attempt, sh: Sharding) -> Found:
+    """The first world size (nearest to ours) whose live holders cover this rank."""
+    reg, version, mine = env.registry, a.spec.version, sh.layout
+    by_world: dict[int, list[PeerInfo]] = {}
+    for r, w in reg.worlds(version):
+        for p in usable_peers(env, a, reg.find_peers(version, r, w)):
+            if (p.rank, p.world_size, p.layout) != (a.rank, a.world, mine.digest):
+                by_world.setdefault(w, []).append(p)
+                break
+    why = f"no live holders of version {version[:12]} in any layout"
+    for w in sorted(by_world, key=lambda w: (abs(w - a.world), w)):
+        peers, layouts = [], []
+        for p in sorted(by_world[w], key=lambda p: p.rank):
+            lay = _layout_of(env, sh, p)
+            if lay is not None:
+                peers.append(p)
+                layouts.append(lay)
+        try:
+            p_ = plan(mine, layouts)
+        except PlanError as e:
+            why = f"holders at world size {w} do not cover this rank: {e}"
+            continue
+        try:
+            truth = position_truth.merge([_truth(env, a, peers[k], layouts[k]) for k in p_.used])
+        except (NoPeerError, UntrustedRecordError) as e:
+            why = str(e)
+            continue
+        group = reg.put_group([lay.digest for lay in layouts])
+        reg.put_layout(mine)
+        a.log.info("reshard_planned", world=w, holders=len(p_.used), bytes=p_.nbytes(),
+                   plan=p_.digest[:12])
+        return Found(tuple(peers), tuple(layouts), p_, group, truth)
+    raise NoLayoutCover(why)
+
+
+def _layout_of(env: Env, sh: Sharding, p: PeerInfo) -> Layout | None:
+    """A holder's layout: a plain one holds the whole checkpoint (its manifest says so)."""
+    if not p.layout:
+        return sh.whole if p.manifest_digest == sh.checkpoint.digest else None
+    return env.registry.get_layout(p.layout)
+
+
+def _truth(env: Env, a: Attempt, p: PeerInfo, lay: Layout) -> position_truth.Macs:
+    got = env.registry.get_position_truth(a.spec.version, p.rank, p.world_size, lay.digest)
+    if got is None and env.settings.verify != "none":
+        raise NoPeerError(f"holder {p.peer_id} has no truth in checkpoint coordinates")
+    return got or {}
+
+
+def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
+    """Every piece from its holder, then the check; raises with the reason if not."""
+    s, reg, t = env.settings, env.registry, a.target
+    budget = _clock.monotonic() + s.peer_budget_seconds
+    for k in f.plan.used:
+        peer, moves = f.peers[k], f.plan.for_holder(k)
+        buffer = torch.empty(slots(moves)[1], dtype=torch.uint8, device=t.device)
+        token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait))
+        try:
+            with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
+                _pull(env, a, sh, f, k, token, buffer, budget)
+        finally:
+            with contextlib.suppress(RegistryError):
+                reg.release(peer.peer_id, token)
+        unpack(moves, buffer, t.tensors)
+    zero_padding(sh.layout, t.tensors)
+    if s.verify != "none":
+        began = _clock.perf()
+        checked = position_truth.check(sh.layout, t.tensors, f.truth, s.key("integrity"))
+        a.timings["verify"] = _clock.perf() - began
+        a.log.info("reshard_verified", positions=checked)
+
+
+def _claim(env: Env, peer: PeerInfo, until: float) -> str:
+    """A send slot of ``peer``, waiting while all are claimed (the other ranks of this
+    group, or other receivers, are being served) until ``until``."""
+    s = env.settings
+    while True:
+        token = env.registry.claim(peer.peer_id, env.worker_id, peer.max_sends, s.claim_ttl)
+        if token is not None:
+            return token
+        if _clock.monotonic() >= until:
+            raise NoPeerError(f"holder {peer.peer_id}: every send slot stayed claimed")
+        _clock.sleep(_BUSY_POLL)
+
+
+def _pull(env: Env, a: Attempt, sh: Sharding, f: Found, k: int, token: str,
+          buffer: torch.Tensor, budget: float) -> None:
+    s, t, peer = env.settings, a.target, f.peers[k]
+    transfer_id = uuid.uuid4().hex
+    request = records.TransferRequest(
+        transfer_id=transfer_id, receiver=env.worker_id, version=a.spec.version,
+        manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type, claim=token,
+        layout=sh.layout.digest, group=f.group, holder=k,
+    ).to_dict()
+    run_receiver(env.registry, transfer_id, f.plan.digest,
+                 max(min(s.receiver_handshake_timeout, budget - _clock.monotonic()), 0.001),
+                 after_ready=lambda: env.registry.push_request(peer.peer_id, request))
+    deadline = min(_clock.monotonic() + s.transfer_timeout, budget)
+    transport = receiver_transport(s, peer.transport, peer.address,
+                                   transfer_scope(s.key("store"), transfer_id),
+                                   device=t.device, registry=env.registry)
+    payload = {"pieces": buffer}
+    bucket = s.bucket_for(peer.transport, payload_bytes(payload))
+    began = _clock.perf()
+    run_guarded(transport, lambda tr: recv_tensors(tr, payload, bucket), deadline,
+                connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
+                stall=s.stall_timeout)
+    a.timings[f"transfer.{k}"] = _clock.perf() - began
+
+
+def published(env: Env, a: Attempt, sh: Sharding, f: Found) -> LoadResult:
+    """The resharded load's result; this worker then serves its own layout."""
+    s, reg, man = env.settings, env.registry, a.target.manifest
+    seconds = _clock.perf() - a.start
+    sources = ",".join(f.peers[k].peer_id for k in f.plan.used)
+    result = LoadResult(source="peer", version=a.spec.version, bytes=f.plan.nbytes(),
+                        seconds=seconds, peer_id=sources, verified=s.verify != "none",
+                        timings=a.timings)
+    env.metrics.record_load("peer", f.plan.nbytes(), seconds)
+    a.log.info("loaded", source="peer", resharded=True, peers=sources, seconds=round(seconds, 3),
+               gbps=round(result.gbps, 3))
+    hashes = encode_truth({"sampled": integrity.layer_hashes(a.model, key=s.key("integrity"))})
+    try:
+        macs = position_truth.held_macs(sh.layout, a.target.tensors, s.key("integrity"))
+        reg.put_position_truth(a.spec.version, a.rank, a.world, sh.layout.digest, macs)
+        reg.put_ground_truth(a.spec.version, a.rank, a.world, man.digest, hashes)
+        env.server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer", log=a.log,
+                           truth=hashes, model_name=a.spec.name, layout=sh.layout, positions=macs)
+    except Exception as e:  # loaded and verified; only serving others is lost
+        a.log.warning("publish_failed", error=str(e))
+    return result

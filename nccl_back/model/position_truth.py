@@ -1,0 +1,136 @@
+"""Truth in checkpoint coordinates: keyed MACs at sampled logical positions.
+
+Layer hashes (:mod:`.integrity`) cover one skeleton's tensors, so they only verify a
+receiver of exactly that skeleton. A worker of another layout holds other slices of
+the same checkpoint tensors; what it can check must not depend on any layout. So:
+
+- For every checkpoint tensor ``S`` (logical shape, dtype), :data:`SAMPLES` flat
+  positions are drawn by SHAKE-128 of the integrity key, the name and the shape: a
+  pure function, the same for every worker, unpredictable without the key.
+- The truth holds, per position ``j``, a MAC: the first :data:`MAC_BYTES` of keyed
+  BLAKE2b over ``(name, shape, j, flat index, the element's raw bytes)``. Each
+  position is checkable alone, so a worker holding any slice checks exactly the
+  positions inside its pieces; positions a publisher does not hold are ``None``.
+
+What it catches: a holder (or anything on the wire) that changes a fraction ``f`` of a
+receiver's slice passes with probability about ``(1 - f) ** m`` where ``m`` is the
+number of sampled positions inside that slice (``SAMPLES / tp`` for a TP rank of a
+sharded tensor, all of them for a replicated one); with the secret, positions and MACs
+cannot be predicted or forged (forging one position's MAC: 2^-32). Raw bytes are
+compared, so a NaN payload or a flipped sign bit counts. What it misses: changes
+outside the sampled positions (it is a sample, like ``sampled`` mode); without a secret
+the positions are public, so it is then a corruption check only, as today.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from nccl_back.errors import WeightVerificationError
+from nccl_back.model.layout import Layout, Padding
+from nccl_back.model.reshard_plan import offsets
+
+#: Positions sampled per checkpoint tensor (a TP=8 rank of a sharded one checks ~16).
+SAMPLES = 128
+#: Bytes of one position's MAC.
+MAC_BYTES = 4
+
+Macs = dict[str, list[str | None]]
+"""Checkpoint tensor -> one hex MAC per sampled position (None: not held)."""
+
+
+def positions(name: str, shape: tuple[int, ...], key: bytes | None) -> np.ndarray:
+    """The flat positions sampled from checkpoint tensor ``name`` (int64, length
+    ``min(SAMPLES, numel)``; all of them for a small tensor)."""
+    numel = math.prod(shape)
+    if numel <= SAMPLES:
+        return np.arange(numel, dtype=np.int64)
+    stream = hashlib.shake_128(b"" if key is None else len(key).to_bytes(2, "little") + key)
+    stream.update(f"positions\0{name}\0{list(shape)}".encode())
+    picks = np.frombuffer(stream.digest(8 * SAMPLES), dtype="<u8") % np.uint64(numel)
+    return picks.astype(np.int64)
+
+
+def _mac(key: bytes | None, name: str, shape: tuple[int, ...], j: int, flat: int, data: bytes) -> str:
+    h = hashlib.blake2b(digest_size=MAC_BYTES, key=key or b"")
+    h.update(f"{name}\0{list(shape)}\0{j}\0{flat}\0{len(data)}\0".encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def held_macs(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | None) -> Macs:
+    """The MACs of every sampled position ``layout``'s tensors hold (``None`` where they
+    hold none): what a storage loader publishes, and what a receiver compares."""
+    shapes = layout.source_shapes
+    out: Macs = {}
+    for name, _shape, _dtype, t in layout.tensors:
+        tensor = tensors[name].reshape(1) if tensors[name].dim() == 0 else tensors[name]
+        for off, p in offsets(t):
+            if isinstance(p, Padding):
+                continue
+            src = shapes[p.source] or (1,)
+            pos = positions(p.source, shapes[p.source], key)
+            macs = out.setdefault(p.source, [None] * len(pos))
+            y = np.stack(np.unravel_index(pos, src)) if len(pos) else np.zeros((len(src), 0), np.int64)
+            inside = (y[p.dim] >= p.start) & (y[p.dim] < p.stop)
+            js = np.nonzero(inside)[0]
+            if not len(js):
+                continue
+            x = y[:, js].copy()
+            x[p.dim] -= p.start
+            x[t.dim] += off
+            index = tuple(torch.from_numpy(row).to(tensor.device) for row in x)
+            values = tensor[index].contiguous().cpu()
+            raw = values.view(torch.uint8).reshape(len(js), -1).numpy()
+            for n, j in enumerate(js.tolist()):
+                macs[j] = _mac(key, p.source, shapes[p.source], j, int(pos[j]), raw[n].tobytes())
+    return out
+
+
+def merge(records: list[Macs]) -> Macs:
+    """One view of several publishers' MACs; :class:`WeightVerificationError` where two
+    storage-rooted records disagree on a position (one of them is not to be trusted)."""
+    out: Macs = {}
+    for rec in records:
+        for name, macs in rec.items():
+            have = out.setdefault(name, [None] * len(macs))
+            if len(have) != len(macs):
+                raise WeightVerificationError(f"truth for {name}: {len(macs)} positions, not {len(have)}")
+            for j, m in enumerate(macs):
+                if m is None:
+                    continue
+                if have[j] is not None and have[j] != m:
+                    raise WeightVerificationError(f"two truth records disagree on {name}[{j}]")
+                have[j] = m
+    return out
+
+
+def check(layout: Layout, tensors: Mapping[str, torch.Tensor], truth: Macs,
+          key: bytes | None) -> int:
+    """Compare every sampled position this layout holds with ``truth``; returns how many
+    were checked. :class:`WeightVerificationError` naming the first tensors that differ,
+    or a held position the truth has no MAC for (nothing to verify it against)."""
+    mine = held_macs(layout, tensors, key)
+    bad, missing, checked = [], [], 0
+    for name in sorted(mine):
+        want = truth.get(name)
+        for j, m in enumerate(mine[name]):
+            if m is None:
+                continue
+            if want is None or j >= len(want) or want[j] is None:
+                missing.append(name)
+                break
+            checked += 1
+            if want[j] != m:
+                bad.append(name)
+                break
+    if bad:
+        raise WeightVerificationError(f"checkpoint positions differ in {len(bad)} tensors: {bad[:5]}")
+    if missing:
+        raise WeightVerificationError(f"no truth for positions held of {missing[:5]}")
+    return checked

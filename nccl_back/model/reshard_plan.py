@@ -1,0 +1,257 @@
+"""The reshard plan: which boxes of which holder tensors fill which boxes of a receiver's.
+
+Both ends compute it from the same inputs — the receiver's :class:`~.layout.Layout`
+and one layout per holder rank — and nothing else, so they derive the same
+:class:`Plan` with the same :attr:`Plan.digest`; the digest travels in the handshake,
+so a mismatch is a refusal before data moves, never bytes in the wrong buffer.
+
+How: every piece is a box of its checkpoint tensor (full but along the piece's dim).
+For each piece of the receiver, the boxes of the holders' pieces of the same source
+(and dtype) cut it into a grid of cells; each cell goes to one holder piece containing
+it (the first in sorted order, rotated by the cell's position so replicated tensors are
+spread over holders, deterministically); a cell no holder has makes the plan impossible
+(:class:`PlanError`). Cells of one owner are merged back into boxes, and every box is
+translated into holder and receiver coordinates (layouts map elements by translation,
+so a box stays a box). The receiver's pieces tile its tensors, so every non-padding
+element is filled exactly once; padding is filled by nothing.
+
+:func:`pack` and :func:`unpack` apply one holder's moves: the sender copies its boxes
+contiguous, in plan order, into one byte buffer; the receiver copies them out of it into
+views of its tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nccl_back.errors import SkeletonError
+from nccl_back.model.layout import Layout, Padding, Piece, TensorLayout
+from nccl_back.model.skeleton import dtype_from_name
+
+Box = tuple[tuple[int, int], ...]
+"""Half-open ``(start, stop)`` per dim."""
+
+
+class PlanError(SkeletonError):
+    """The holders' layouts do not hold every element the receiver's needs."""
+
+
+@dataclass(frozen=True, order=True)
+class Move:
+    """``dst[dst_box] = holders[holder][src][src_box]`` (boxes of equal shape)."""
+
+    holder: int
+    dst: str
+    dst_box: Box
+    src: str
+    src_box: Box
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(b - a for a, b in self.dst_box) * self.itemsize
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every move, sorted by (holder, receiver tensor, box): the order bytes travel in."""
+
+    moves: tuple[Move, ...]
+    receiver: str
+    holders: tuple[str, ...]
+    """The layout digests it was computed from."""
+
+    @property
+    def digest(self) -> str:
+        body = json.dumps([self.receiver, list(self.holders),
+                           [[m.holder, m.dst, m.dst_box, m.src, m.src_box, m.itemsize]
+                            for m in self.moves]], separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()
+
+    def for_holder(self, k: int) -> tuple[Move, ...]:
+        return tuple(m for m in self.moves if m.holder == k)
+
+    def nbytes(self, k: int | None = None) -> int:
+        """Bytes moved (from holder ``k``, or from all)."""
+        return sum(m.nbytes for m in self.moves if k is None or m.holder == k)
+
+    @property
+    def used(self) -> tuple[int, ...]:
+        """The holders this plan receives anything from."""
+        return tuple(sorted({m.holder for m in self.moves}))
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One piece somewhere: its box in source coordinates, and where it lives."""
+
+    order: tuple[int, str, int]
+    tensor: str
+    box: Box
+    shift: tuple[int, ...]
+    """Tensor coordinates = source coordinates + shift."""
+
+
+def _pieces(layout: Layout, k: int) -> dict[tuple[str, str], list[_Held]]:
+    """(source, dtype) -> the pieces ``layout`` holds of it, as boxes of the source."""
+    shapes = layout.source_shapes
+    out: dict[tuple[str, str], list[_Held]] = {}
+    for name, _shape, dtype, t in layout.tensors:
+        for j, (off, p) in enumerate(offsets(t)):
+            if isinstance(p, Padding):
+                continue
+            src = shapes[p.source] or (1,)
+            box = tuple((p.start, p.stop) if i == p.dim else (0, d) for i, d in enumerate(src))
+            shift = [0] * len(src)
+            shift[p.dim] -= p.start
+            shift[t.dim] += off
+            out.setdefault((p.source, dtype), []).append(_Held((k, name, j), name, box, tuple(shift)))
+    return out
+
+
+def offsets(t: TensorLayout) -> list[tuple[int, Piece | Padding]]:
+    out, off = [], 0
+    for p in t.parts:
+        out.append((off, p))
+        off += p.size if isinstance(p, Padding) else p.stop - p.start
+    return out
+
+
+def plan(receiver: Layout, holders: Sequence[Layout]) -> Plan:
+    """The moves that fill ``receiver`` from ``holders`` (index = holder rank);
+    :class:`PlanError` if the holders lack an element it needs, or disagree with it
+    on a checkpoint tensor's shape."""
+    mine = receiver.source_shapes
+    held: dict[tuple[str, str], list[_Held]] = {}
+    for k, h in enumerate(holders):
+        for src, shape in h.sources:
+            if src in mine and mine[src] != shape:
+                raise PlanError(f"holder {k} says {src} is {list(shape)}, the receiver {list(mine[src])}")
+        for key, pieces in _pieces(h, k).items():
+            held.setdefault(key, []).extend(pieces)
+    moves: list[Move] = []
+    for (source, dtype), wanted in sorted(_pieces(receiver, -1).items()):
+        candidates = sorted(held.get((source, dtype), []), key=lambda h: h.order)
+        itemsize = dtype_from_name(dtype).itemsize
+        for want in wanted:
+            for owner, box in _cover(want, candidates):
+                moves.append(Move(owner.order[0], want.tensor, _shifted(box, want.shift),
+                                  owner.tensor, _shifted(box, owner.shift), itemsize))
+    return Plan(tuple(sorted(moves)), receiver.digest, tuple(h.digest for h in holders))
+
+
+def _cover(want: _Held, candidates: list[_Held]) -> list[tuple[_Held, Box]]:
+    """``want``'s box, cut into boxes each owned by one candidate containing it."""
+    clipped = [(c, b) for c in candidates if (b := _clip(c.box, want.box)) is not None]
+    cuts = []
+    for i, (lo, hi) in enumerate(want.box):
+        points = {lo, hi} | {p for _, b in clipped for p in b[i]}
+        cuts.append(sorted(points))
+    spread = zlib.crc32(want.tensor.encode())
+    owned: dict[int, list[Box]] = {}
+    for n, cell in enumerate(itertools.product(*(zip(c, c[1:], strict=False) for c in cuts))):
+        having = [i for i, (_, b) in enumerate(clipped) if _inside(cell, b)]
+        if not having:
+            raise PlanError(f"no holder has {want.tensor} elements {list(map(list, cell))}"
+                            f" (source coordinates)")
+        owned.setdefault(having[(spread + n) % len(having)], []).append(cell)
+    return [(clipped[i][0], box) for i in sorted(owned) for box in _merge(owned[i])]
+
+
+def _clip(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def _inside(cell: Box, box: Box) -> bool:
+    return all(b0 <= c0 and c1 <= b1 for (c0, c1), (b0, b1) in zip(cell, box, strict=True))
+
+
+def _merge(cells: list[Box]) -> list[Box]:
+    """Join boxes that differ in one dim only, where they touch, until none do."""
+    boxes = sorted(cells)
+    changed = True
+    while changed:
+        changed = False
+        for i, j in itertools.combinations(range(len(boxes)), 2):
+            joined = _join(boxes[i], boxes[j])
+            if joined is not None:
+                boxes = sorted([b for n, b in enumerate(boxes) if n not in (i, j)] + [joined])
+                changed = True
+                break
+    return boxes
+
+
+def _join(a: Box, b: Box) -> Box | None:
+    diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    if len(diff) != 1:
+        return None
+    i = diff[0]
+    if a[i][1] == b[i][0] or b[i][1] == a[i][0]:
+        return tuple((min(a[i][0], b[i][0]), max(a[i][1], b[i][1])) if n == i else a[n]
+                     for n in range(len(a)))
+    return None
+
+
+def _shifted(box: Box, shift: tuple[int, ...]) -> Box:
+    return tuple((lo + s, hi + s) for (lo, hi), s in zip(box, shift, strict=True))
+
+
+# -- applying one holder's moves ---------------------------------------------------------
+
+
+def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
+    t = t.reshape(1) if t.dim() == 0 else t
+    return t[tuple(slice(lo, hi) for lo, hi in box)]
+
+
+#: Each box starts at a multiple of this in a packed buffer (any dtype's alignment).
+_ALIGN = 16
+
+
+def slots(moves: Sequence[Move]) -> tuple[list[int], int]:
+    """Byte offset of each move's box in the packed buffer, and the buffer's size."""
+    starts, end = [], 0
+    for m in moves:
+        end = -(-end // _ALIGN) * _ALIGN
+        starts.append(end)
+        end += m.nbytes
+    return starts, end
+
+
+def pack(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The sender's bytes of ``moves``: each box contiguous, in order, in one buffer."""
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    starts, size = slots(moves)
+    out = torch.empty(size, dtype=torch.uint8, device=device)
+    for m, at in zip(moves, starts, strict=True):
+        piece = _view(tensors[m.src], m.src_box)
+        out[at:at + m.nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+    return out
+
+
+def unpack(moves: Sequence[Move], buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy what :func:`pack` made (received into ``buffer``) into the receiver's tensors."""
+    starts, size = slots(moves)
+    if buffer.numel() != size:
+        raise PlanError(f"received {buffer.numel()} bytes, the plan's buffer holds {size}")
+    for m, at in zip(moves, starts, strict=True):
+        dst = _view(tensors[m.dst], m.dst_box)
+        dst.copy_(buffer[at:at + m.nbytes].view(dst.dtype).view(dst.shape))
+
+
+def zero_padding(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Zero what maps to nothing (a padded vocabulary's rows): no peer sends it, and
+    a receiver's bytes then do not depend on who it received from."""
+    for name, _shape, _dtype, t in layout.tensors:
+        for off, p in offsets(t):
+            if isinstance(p, Padding):
+                tensors[name].narrow(t.dim, off, p.size).zero_()

@@ -1,0 +1,74 @@
+"""A tensor-parallel library model's sharding: its :class:`~.layout.Layout` and the
+checkpoint it is cut from, and the storage load that cuts it.
+
+``nccl_back.sharding(model, spec, {name: column(...), ...})`` reads the checkpoint's
+headers (one ranged read per shard), checks the description against them and the
+skeleton, and returns the :class:`Sharding` a user passes to
+``WeightService.load(..., sharding=...)``. The helpers that describe one tensor
+(:func:`~.layout.column`, :func:`~.layout.row`, :func:`~.layout.concat`,
+:func:`~.layout.shard`, :class:`~.layout.Padding`) live in :mod:`.layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from nccl_back.config import Settings
+from nccl_back.model.checkpoint import flat_skeleton, locate, model_headers
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.layout import Layout, TensorLayout, layout_of
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.reshard_plan import pack, plan, unpack, zero_padding
+from nccl_back.model.skeleton import (
+    Manifest,
+    Model,
+    TensorEntry,
+    dtype_name,
+    manifest,
+    named_tensors,
+)
+from nccl_back.model.storage import Storage
+from nccl_back.result import LoadResult
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What one rank holds of the checkpoint (``layout``) and the whole checkpoint's
+    manifest (``checkpoint``: every tensor whole, as a plain holder holds it)."""
+
+    layout: Layout
+    checkpoint: Manifest
+
+    @property
+    def whole(self) -> Layout:
+        """The layout of a plain holder of the whole checkpoint."""
+        return layout_of(self.checkpoint, {}, {e.name: e.shape for e in self.checkpoint.entries})
+
+
+def sharding(model: Model, spec: ModelSpec, described: Mapping[str, TensorLayout],
+             settings: Settings | None = None) -> Sharding:
+    """The sharding of ``model`` (this rank's skeleton): ``described`` says which pieces of
+    which checkpoint tensors each of its tensors holds (the rest are whole checkpoint
+    tensors of their names). Raises :class:`~.layout.LayoutError` if it does not fit."""
+    headers = model_headers(Storage(settings or Settings.from_env()), spec)
+    located = locate(headers)
+    ckpt = Manifest(tuple(TensorEntry(n, tuple(i.shape), dtype_name(i.dtype))
+                          for n, (_, i) in sorted(located.items())))
+    shapes = {e.name: e.shape for e in ckpt.entries}
+    return Sharding(layout_of(manifest(model), described, shapes), ckpt)
+
+
+def load_sharded(model: Model, spec: ModelSpec, settings: Settings, sharding: Sharding) -> LoadResult:
+    """The storage load of a sharded skeleton: the checkpoint into a whole-checkpoint
+    buffer (CRC32C-checked, as any load), then this rank's pieces cut from it by the
+    plan a receiver of a whole-checkpoint holder would use. Reads the whole checkpoint on
+    every rank (simple, correct; a ranged read of the pieces is left for later)."""
+    whole = flat_skeleton(spec, "cpu", settings=settings)
+    result = load_from_storage(whole, spec, settings=settings)
+    tensors = named_tensors(model)[0]
+    moves = plan(sharding.layout, [sharding.whole]).moves
+    device_src = named_tensors(whole)[0]
+    unpack(moves, pack(moves, device_src).to(next(iter(tensors.values())).device), tensors)
+    zero_padding(sharding.layout, tensors)
+    return result

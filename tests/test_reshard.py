@@ -1,0 +1,196 @@
+"""Resharding a library model (issue 21 item 5): real processes, real Redis, gloo.
+
+A plain transformer-shaped checkpoint; a TP=1 holder serves TP=2 receivers of the
+"megatron" scheme (fused qkv / gate_up column-parallel, row-parallel o / down, the
+vocabulary split by rows), which then serve a TP=1 receiver of the whole model and a
+TP=2 receiver of their own layout; a TP=2 "cols" scheme receives from TP=2 megatron
+holders. Every receiver's bytes are compared with the checkpoint's, cut by hand.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import reshard_workers as rw
+import torch
+
+from nccl_back.dev.servers import free_port
+from nccl_back.model.skeleton import build
+
+from models import fill_random, write_checkpoint
+
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.load.service", "reshard_workers"])
+
+
+class Fleet:
+    def __init__(self, ckpt: str, settings: dict[str, Any]) -> None:
+        self.ckpt, self.settings = ckpt, settings
+        self.stops: list[Any] = []
+        self.procs: list[Any] = []
+        self.readers: list[Any] = []
+
+    def start(self, world: int, scheme: str, fault: str | None = None,
+              settings: dict[str, Any] | None = None) -> Any:
+        port, stops = str(free_port()), []
+        for rank in range(world):
+            # One event per process: a process killed inside ``wait`` may leave its
+            # event's lock held, and set() would then block forever.
+            stop = CTX.Event()
+            stops.append(stop)
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": port}
+            reader, writer = CTX.Pipe(duplex=False)
+            self.readers.append(reader)
+            p = CTX.Process(target=rw.rank_main, daemon=True,
+                            args=(env, self.ckpt, {**self.settings, **(settings or {})}, scheme,
+                                  writer, stop),
+                            kwargs={"fault": fault})
+            p.start()
+            self.procs.append(p)
+            self.stops.append(stop)
+        return stops
+
+    def reports(self, n: int, timeout: float = 90) -> list[dict[str, Any]]:
+        got: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(got)} of {n} reports: {got}")
+            for conn in mp.connection.wait(self.readers, timeout=left):
+                try:
+                    got.append(conn.recv())  # type: ignore[union-attr]
+                except EOFError:
+                    self.readers.remove(conn)
+        for r in got:
+            assert "error" not in r, (r.get("error"), r.get("traceback"))
+        return sorted(got, key=lambda r: (r["group"], r["rank"]))
+
+    def kill(self, i: int) -> None:
+        """SIGKILL process ``i`` (its stop event is never touched again)."""
+        self.procs[i].kill()
+        self.stops[i] = None
+
+    def close(self) -> None:
+        for s in self.stops:
+            if s is not None:
+                s.set()
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            p.join(max(deadline - time.monotonic(), 0.1))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Iterator[Fleet]:
+    model = fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=3)
+    ckpt = str(write_checkpoint(model, tmp_path / "ckpt", n_shards=2))
+    f = Fleet(ckpt, {"redis_url": redis_url, "namespace": namespace, "cache_dir": cache_dir,
+                     "advertise_host": "127.0.0.1", "bind_host": "127.0.0.1", "peer_ttl": 3.0,
+                     "transfer_timeout": 20.0, "receiver_handshake_timeout": 5.0,
+                     "secret": "s" * 32, "bucket_bytes": 4096})
+    yield f
+    f.close()
+
+
+@pytest.mark.timeout(240)
+def test_tp1_to_tp2_and_back_bit_exact_and_resharded_workers_serve(fleet: Fleet) -> None:
+    (holder_stop,) = fleet.start(1, "plain")
+    (h,) = fleet.reports(1)
+    assert h["source"] == "storage" and h["identical"], h
+
+    # TP=1 holder -> TP=2 megatron group: each rank receives exactly its own shards.
+    fleet.start(2, "megatron")
+    tp2 = fleet.reports(2)
+    for r in tp2:
+        assert r["source"] == "peer" and r["identical"], [x["fallback_reason"] for x in tp2]
+        assert r["bytes"] == r["own_bytes"], r
+        assert r["peer_id"].startswith(f"g{h['group']}-0"), r
+
+    # A TP=2 receiver of the same layout: a same-layout peer load from the resharded group.
+    fleet.start(2, "megatron")
+    same = fleet.reports(2)
+    for r in same:
+        assert r["source"] == "peer" and r["identical"], [x["fallback_reason"] for x in same]
+        assert r["peer_id"].startswith(f"g{tp2[r['rank']]['group']}-{r['rank']}"), r
+
+    # With the TP=1 holder gone, a TP=2 "cols" group and a TP=1 (whole) receiver reshard
+    # from TP=2 megatron holders: the TP=1 one needs both of their ranks.
+    holder_stop.set()
+    time.sleep(4)  # its entry expires (peer_ttl 3 s)
+    fleet.start(2, "cols")
+    cols = fleet.reports(2)
+    for r in cols:
+        assert r["source"] == "peer" and r["identical"], [x["fallback_reason"] for x in cols]
+        assert r["bytes"] == r["own_bytes"], r
+
+
+@pytest.mark.timeout(180)
+def test_tp2_holders_to_tp1_receiver(fleet: Fleet) -> None:
+    fleet.start(2, "megatron")
+    seeds = fleet.reports(2)
+    assert [r["source"] for r in seeds] == ["storage", "storage"] and all(r["identical"] for r in seeds)
+    fleet.start(1, "whole")
+    (r,) = fleet.reports(1)
+    assert r["source"] == "peer" and r["identical"], r
+    assert r["bytes"] == r["own_bytes"] and "," in r["peer_id"], r  # both holder ranks
+
+
+@pytest.mark.timeout(180)
+def test_holder_killed_mid_reshard_falls_back_with_its_reason(fleet: Fleet) -> None:
+    """TP=2 holders sending slowly (max_send_gbps); one is killed while the TP=1 receiver
+    reshards from both: the receiver loads from storage, saying why, bit-exact."""
+    fleet.start(2, "megatron", settings={"max_send_gbps": 0.000005})
+    fleet.reports(2)
+    fleet.start(1, "whole", settings={"stall_timeout": 2.0})
+    time.sleep(3.0)  # the receiver is inside its first (paced: ~36 s) transfer
+    fleet.kill(0)
+    (r,) = fleet.reports(1, timeout=120)
+    assert r["source"] == "storage" and r["identical"], r
+    assert r["fallback_reason"].split(":")[0] in ("transfer_error", "transfer_timeout"), r
+
+
+def test_plan_mismatch_is_refused_before_data_moves(tmp_path: Path, redis_url: str, namespace: str,
+                                                    cache_dir: str, monkeypatch: Any) -> None:
+    """A receiver that derived another plan than its holder: the handshake refuses it
+    (the plan digests differ) before any communicator exists; it falls back, bytes exact."""
+    import nccl_back
+    from nccl_back.config import Settings
+    from nccl_back.load import reshard
+    from nccl_back.load.service import WeightService
+    from nccl_back.model import reshard_plan
+    from nccl_back.model.identity import ModelSpec
+    from nccl_back.model.skeleton import named_tensors
+
+    model = fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=3)
+    ckpt = str(write_checkpoint(model, tmp_path / "ckpt", n_shards=2))
+    s = Settings(redis_url=redis_url, namespace=namespace, cache_dir=cache_dir, secret="s" * 32,
+                 advertise_host="127.0.0.1", bind_host="127.0.0.1", receiver_handshake_timeout=5.0)
+    spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
+
+    def skewed(receiver: Any, holders: Any) -> reshard_plan.Plan:
+        p = reshard_plan.plan(receiver, holders)
+        return reshard_plan.Plan(p.moves[:-1], p.receiver, p.holders)  # one move short
+
+    monkeypatch.setattr(reshard, "plan", skewed)
+    with WeightService(s, worker_id="holder") as holder, WeightService(s, worker_id="recv") as recv:
+        assert holder.load(build(lambda: rw.Flat(rw.checkpoint_shapes())), spec).source == "storage"
+        skel = build(lambda: rw.Flat(rw.tp_shapes(1, "megatron")))
+        sh = nccl_back.sharding(skel, spec, rw.describe(0, 1, "megatron"), s)
+        result = recv.load(skel, spec, sharding=sh)
+        assert result.source == "storage", result
+        assert result.fallback_reason.startswith("manifest_mismatch"), result.fallback_reason
+        assert "transfer.0" not in result.timings, result.timings  # no data moved
+        want = rw.expected(ckpt, 0, 1, "megatron")
+        got = named_tensors(skel)[0]
+        assert all(torch.equal(got[n], want[n]) for n in want)

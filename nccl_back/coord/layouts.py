@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 from nccl_back.coord import records
 from nccl_back.coord.keys import ANY
@@ -21,29 +22,39 @@ from nccl_back.coord.store import WRONG_TYPE, SignedStore, ms
 from nccl_back.coord.truth import GROUND_TRUTH_TTL_FACTOR
 from nccl_back.errors import RecordKind, UntrustedRecordError
 from nccl_back.model import layout as layouts
-from nccl_back.model.layout import Layout
-from nccl_back.model.position_truth import MAC_BYTES, Macs
 
-_ABSENT = "." * (2 * MAC_BYTES)
+if TYPE_CHECKING:
+    # position_truth imports torch; the registry must not (``nccl-back status``).
+    from nccl_back.model.layout import Layout
+    from nccl_back.model.position_truth import Macs
+
+
+def _absent() -> str:
+    """A MAC slot for a position nobody sampled (``.`` x its hex width)."""
+    from nccl_back.model.position_truth import MAC_BYTES
+
+    return "." * (2 * MAC_BYTES)
 
 
 def encode_macs(macs: Macs) -> dict[str, str]:
-    return {name: "".join(_ABSENT if m is None else m for m in ms) for name, ms in macs.items()}
+    absent = _absent()
+    return {name: "".join(absent if m is None else m for m in ms) for name, ms in macs.items()}
 
 
 def decode_macs(data: object, what: str = "position truth") -> Macs:
     if not isinstance(data, dict) or len(data) > layouts.MAX_TENSORS:
         raise UntrustedRecordError(f"{what}: macs must be a bounded object")
     out: Macs = {}
-    width = 2 * MAC_BYTES
+    absent = _absent()
+    width = len(absent)
     for name, text in data.items():
         if not isinstance(name, str) or not isinstance(text, str) or len(text) % width \
                 or len(text) > width * 4096 or any(c not in "0123456789abcdef." for c in text):
             raise UntrustedRecordError(f"{what}: bad MACs for {str(name)[:40]!r}")
         chunks = [text[i:i + width] for i in range(0, len(text), width)]
-        if any("." in c and c != _ABSENT for c in chunks):
+        if any("." in c and c != absent for c in chunks):
             raise UntrustedRecordError(f"{what}: bad MACs for {name[:40]!r}")
-        out[name] = [None if c == _ABSENT else c for c in chunks]
+        out[name] = [None if c == absent else c for c in chunks]
     return out
 
 

@@ -28,11 +28,15 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from nccl_back import bounded_json
 from nccl_back.errors import SkeletonError, UntrustedRecordError
-from nccl_back.model.skeleton import Manifest, dtype_from_name
+
+if TYPE_CHECKING:
+    # Not at run time: the coordination layer parses layouts in processes that never
+    # import torch (``nccl-back status``), and skeleton.py imports it.
+    from nccl_back.model.skeleton import Manifest
 
 #: Bytes of a layout record's JSON (a 100-layer model's is ~100 KiB).
 MAX_LAYOUT_BYTES = 4 << 20
@@ -233,6 +237,8 @@ def parse(raw: str | bytes | Mapping[str, Any], digest: str | None = None) -> La
         sources = tuple((_name(n), _shape(s)) for n, s in _list(data["sources"], 2))
         shapes = dict(sources)
         tensors = []
+        from nccl_back.model.skeleton import dtype_from_name  # torch: see the imports
+
         for item in _list(data["tensors"], 5):
             name, shape, dtype, dim, parts = item
             dtype_from_name(_name(dtype))

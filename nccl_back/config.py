@@ -30,8 +30,10 @@ MAX_SECRET_FILE_BYTES = 4096
 #: 1/:data:`STEPS_PER_MODEL` of the model, a power of two within the transport's range.
 AUTO_BUCKET_BYTES = {"gloo": (1 << 20, 8 << 20), "nccl": (8 << 20, 8 << 20)}
 #: Steps a model is cut into at least, within the range above: a relay hop costs one step,
-#: so a chain of N members costs one transfer x (1 + (N - 1) / STEPS_PER_MODEL).
-STEPS_PER_MODEL = 128
+#: so a chain of N members costs one transfer x (1 + (N - 1) / STEPS_PER_MODEL). Not more:
+#: each gloo call has a fixed cost (a raw broadcast of 128 MiB in 1 MiB calls reaches
+#: 0.70-0.83 of one flat call here, in 2 MiB calls 0.91-1.0; benchmarks/RESULTS.md).
+STEPS_PER_MODEL = 64
 
 TransportName = Literal["auto", TransportKind]
 VerifyMode = Literal["sampled", "full", "none"]
@@ -153,7 +155,7 @@ class Settings:
     """Tensors smaller than this are coalesced into buckets of this size for the broadcast,
     larger ones sent in place in chunks of this size; it is also the unit a relay forwards.
     0 (the default): chosen per transport and model size, :meth:`bucket_for` (gloo: about
-    1/128 of the model, 1 to 8 MiB, which keeps the per-call cost small for large models
+    1/64 of the model, 1 to 8 MiB, which keeps the per-call cost small for large models
     and a relay hop short for small ones; NCCL 8 MiB, where a call costs more). Sender
     and receiver must agree (both derive it from the same manifest)."""
 

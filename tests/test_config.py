@@ -164,9 +164,9 @@ def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
     and cohort settings come from NCCL_BACK_* variables."""
     auto = Settings()
     assert (auto.bucket_for("gloo"), auto.bucket_for("nccl")) == (1 << 20, 8 << 20)
-    # gloo: about 1/128 of the model, a power of two from 1 to 8 MiB.
-    assert [auto.bucket_for("gloo", mb << 20) for mb in (64, 256, 300, 1024, 8192)] == [
-        1 << 20, 2 << 20, 2 << 20, 8 << 20, 8 << 20]
+    # gloo: about 1/64 of the model, a power of two from 1 to 8 MiB.
+    assert [auto.bucket_for("gloo", mb << 20) for mb in (32, 64, 128, 300, 1024, 8192)] == [
+        1 << 20, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 8 << 20]
     assert auto.bucket_for("nccl", 1 << 30) == 8 << 20
     assert Settings(bucket_bytes=4096).bucket_for("nccl") == 4096
     s = Settings.from_env({"NCCL_BACK_MAX_SEND_GBPS": "2.5", "NCCL_BACK_COHORT_MAX_SIZE": "4",

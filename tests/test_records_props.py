@@ -41,6 +41,7 @@ JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
 
 NAME = st.from_regex(r"[A-Za-z0-9._-]{1,40}", fullmatch=True)
 HEX = st.from_regex(r"[0-9a-f]{32}", fullmatch=True)
+DIGEST = st.from_regex(r"[0-9a-f]{64}", fullmatch=True)  # a layout's sha256
 PORT = st.integers(min_value=1, max_value=65535)
 ADDRESS = st.one_of(
     st.tuples(st.ip_addresses(v=4), PORT).map(lambda t: f"{t[0]}:{t[1]}"),
@@ -63,6 +64,7 @@ def peer_infos(draw: st.DrawFn) -> records.PeerInfo:
         device=draw(st.sampled_from(records.DEVICES)),
         host=draw(st.just("") | NAME), pid=draw(st.integers(0, records.MAX_PID)),
         model=draw(st.just("") | NAME), engine=draw(st.just("") | NAME),
+        layout=draw(st.just("") | DIGEST),
     )
 
 
@@ -82,6 +84,8 @@ def requests(draw: st.DrawFn) -> records.TransferRequest:
         device=draw(st.none() | st.sampled_from(records.DEVICES)),
         claim=draw(st.none() | st.tuples(st.integers(0, 999), HEX).map(lambda t: f"{t[0]}:{t[1]}")),
         start=draw(st.none() | st.integers(0, records.MAX_START)),
+        layout=draw(st.none() | DIGEST), group=draw(st.none() | DIGEST),
+        holder=draw(st.none() | st.integers(0, records.MAX_WORLD)),
     )
 
 
@@ -277,3 +281,51 @@ def test_arbitrary_values_verify_only_as_untrusted(value: Any) -> None:
     """Any value (a non-ASCII signature too) given to verify: UntrustedRecordError only."""
     with pytest.raises(UntrustedRecordError):
         SIGNER.verify("ns:k", value)
+
+
+# -- coord/layouts.py: the reshard records ------------------------------------------------
+
+MACS = st.dictionaries(NAME, st.lists(st.none() | st.from_regex(r"[0-9a-f]{8}", fullmatch=True),
+                                      min_size=1, max_size=6), max_size=5)
+
+
+@PROPS
+@given(MACS)
+def test_position_truth_macs_round_trip(macs: dict[str, list[str | None]]) -> None:
+    """Sampled-position MACs (absent ones included) survive their record form exactly."""
+    from nccl_back.coord.layouts import decode_macs, encode_macs
+
+    assert decode_macs(json.loads(json.dumps(encode_macs(macs)))) == macs
+
+
+@PROPS
+@given(JSON | MACS.map(lambda m: {k: "".join(x or "." * 8 for x in v) + "." for k, v in m.items()}))
+def test_position_truth_macs_parse_or_are_refused(data: Any) -> None:
+    """Any value where a position truth's MACs belong: MACs of the one width, or refused."""
+    from nccl_back.coord.layouts import decode_macs
+
+    with contextlib.suppress(UntrustedRecordError):
+        for name, macs in decode_macs(data).items():
+            assert isinstance(name, str) and all(m is None or len(m) == 8 for m in macs)
+
+
+@PROPS
+@given(st.lists(DIGEST, min_size=1, max_size=8), st.one_of(st.none(), JSON, st.text(max_size=80)))
+def test_group_records_parse_only_when_they_are_what_their_key_names(
+        digests: list[str], other: Any) -> None:
+    """A group record lists layout digests and hashes to its key; anything else is refused."""
+    import hashlib
+
+    from nccl_back.coord.layouts import parse_group
+
+    text = ",".join(digests)
+    key = hashlib.sha256(text.encode()).hexdigest()
+    assert parse_group({"group": text}, key) == digests
+    forged = {"group": other}
+    if other != text:
+        with pytest.raises(UntrustedRecordError):
+            parse_group(forged, key)
+    # A value that hashes to its key but is no list of digests is refused too.
+    if isinstance(other, str) and other:
+        with pytest.raises(UntrustedRecordError, match="group"):
+            parse_group({"group": other}, hashlib.sha256(other.encode()).hexdigest())

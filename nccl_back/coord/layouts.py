@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import TYPE_CHECKING
 
 from nccl_back.coord import records
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     # position_truth imports torch; the registry must not (``nccl-back status``).
     from nccl_back.model.layout import Layout
     from nccl_back.model.position_truth import Macs
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _absent() -> str:
@@ -58,6 +62,25 @@ def decode_macs(data: object, what: str = "position truth") -> Macs:
     return out
 
 
+def _text(value: dict[str, object], field: str) -> str:
+    text = value.get(field)
+    if not isinstance(text, str):
+        raise UntrustedRecordError(f"{field} must be a string")
+    return text
+
+
+def parse_group(value: dict[str, object], digest: str) -> list[str]:
+    """A group record's holder layouts: at most :data:`records.MAX_WORLD` layout digests
+    (sha256, hex), joined by commas, hashing to ``digest`` (the key it is stored under)."""
+    text = _text(value, "group")
+    if len(text) > 65 * records.MAX_WORLD or hashlib.sha256(text.encode()).hexdigest() != digest:
+        raise UntrustedRecordError("a group that does not hash to its key")
+    digests = text.split(",")
+    if not all(_SHA256.fullmatch(d) for d in digests):
+        raise UntrustedRecordError("a group must list layout digests")
+    return digests
+
+
 class LayoutRecords(SignedStore):
     """Layout descriptions and position truth."""
 
@@ -74,17 +97,11 @@ class LayoutRecords(SignedStore):
         """The layout stored under ``digest``; None if absent or not to be trusted
         (rejected: logged, counted)."""
         key = self.keys.layout(digest)
-        raw, ttl_ms = self._get_with_ttl(key)
-        if raw is None:
+        got = self.get_signed(key, RecordKind.LAYOUT, max_bytes=layouts.MAX_LAYOUT_BYTES)
+        if got is None:
             return None
         try:
-            if raw is WRONG_TYPE:
-                raise UntrustedRecordError("wrong Redis type")
-            value = self.verify(key, raw, RecordKind.LAYOUT, ttl_ms, layouts.MAX_LAYOUT_BYTES)
-            text = value.get("layout")
-            if not isinstance(text, str):
-                raise UntrustedRecordError("layout must be a string")
-            return layouts.parse(text, digest)
+            return layouts.parse(_text(got[0], "layout"), digest)
         except UntrustedRecordError as e:
             self.reject(RecordKind.LAYOUT, key, str(e))
             return None
@@ -102,11 +119,11 @@ class LayoutRecords(SignedStore):
         got = self.get_signed(key, RecordKind.LAYOUT)
         if got is None:
             return None
-        text = got[0].get("group")
-        if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != digest:
-            self.reject(RecordKind.LAYOUT, key, "a group that does not hash to its key")
+        try:
+            return parse_group(got[0], digest)
+        except UntrustedRecordError as e:
+            self.reject(RecordKind.LAYOUT, key, str(e))
             return None
-        return text.split(",")
 
     def worlds(self, version: str) -> list[tuple[int, int]]:
         """Every ``(rank, world size)`` some live holder of ``version`` publishes."""

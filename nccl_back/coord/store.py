@@ -214,11 +214,12 @@ class SignedStore:
 
     def get_signed(
         self, key: str, kind: RecordKind, *, parse: Callable[[dict[str, Any]], object] | None = None,
-        max_ttl: float | None = None,
+        max_ttl: float | None = None, max_bytes: int = records.MAX_RECORD_BYTES,
     ) -> tuple[dict[str, Any], Raw] | None:
         """The verified record at ``key`` and its raw value (for a compare-and-set);
         None if absent or rejected (logged, counted). ``parse``: the typed parser the
-        record must also pass; ``max_ttl``: the longest TTL its writer gives it."""
+        record must also pass; ``max_ttl``: the longest TTL its writer gives it;
+        ``max_bytes``: the largest value its kind may have."""
         raw, ttl_ms = self._get_with_ttl(key)
         if raw is WRONG_TYPE:
             self.reject(kind, key, "wrong Redis type")
@@ -226,7 +227,7 @@ class SignedStore:
         if raw is None:
             return None
         try:
-            return self._trusted(key, raw, kind, ttl_ms, parse, max_ttl), Raw(raw)
+            return self._trusted(key, raw, kind, ttl_ms, parse, max_ttl, max_bytes), Raw(raw)
         except UntrustedRecordError as e:
             self.reject(kind, key, str(e))
             return None
@@ -234,12 +235,13 @@ class SignedStore:
     def _trusted(
         self, key: str, raw: Any, kind: RecordKind, ttl_ms: int,
         parse: Callable[[dict[str, Any]], object] | None, max_ttl: float | None,
+        max_bytes: int = records.MAX_RECORD_BYTES,
     ) -> dict[str, Any]:
         """:meth:`verify`, the typed parser, and the TTL bound; UntrustedRecordError if not."""
         if max_ttl is not None and ttl_ms > max_ttl * TTL_SLACK * 1000:
             raise UntrustedRecordError(f"{key}: TTL {ttl_ms} ms, far beyond the {max_ttl:g} s its"
                                        " writers give it")
-        record = self.verify(key, raw, kind, ttl_ms)
+        record = self.verify(key, raw, kind, ttl_ms, max_bytes)
         if parse is not None:
             parse(record)
         return record

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import reshard_workers as rw
 import torch
 
+from nccl_back.coord.keys import Keys
 from nccl_back.dev.servers import free_port
 from nccl_back.model.skeleton import build
 
@@ -57,7 +59,7 @@ class Fleet:
             self.stops.append(stop)
         return stops
 
-    def reports(self, n: int, timeout: float = 90) -> list[dict[str, Any]]:
+    def reports(self, n: int, timeout: float = 90, *, errors: bool = False) -> list[dict[str, Any]]:
         got: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         while len(got) < n:
@@ -70,8 +72,19 @@ class Fleet:
                 except EOFError:
                     self.readers.remove(conn)
         for r in got:
-            assert "error" not in r, (r.get("error"), r.get("traceback"))
+            assert errors or "error" not in r, (r.get("error"), r.get("traceback"))
         return sorted(got, key=lambda r: (r["group"], r["rank"]))
+
+    def wait_for_data(self, timeout: float = 60) -> None:
+        """Return once some transfer's process group is being built (its rendezvous key
+        exists): a receiver is past discovery, claim and handshake."""
+        client = redis.Redis.from_url(self.settings["redis_url"])
+        pattern = Keys(self.settings["namespace"]).rendezvous("*", "*")
+        deadline = time.monotonic() + timeout
+        while not client.keys(pattern):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no transfer started")
+            time.sleep(0.05)
 
     def kill(self, i: int) -> None:
         """SIGKILL process ``i`` (its stop event is never touched again)."""
@@ -158,6 +171,23 @@ def test_holder_killed_mid_reshard_falls_back_with_its_reason(fleet: Fleet) -> N
     (r,) = fleet.reports(1, timeout=120)
     assert r["source"] == "storage" and r["identical"], r
     assert r["fallback_reason"].split(":")[0] in ("transfer_error", "transfer_timeout"), r
+
+
+@pytest.mark.timeout(240)
+def test_strict_reshard_failure_raises_on_every_rank(fleet: Fleet) -> None:
+    """strict: a TP=2 group resharding from a TP=1 holder that is killed mid-transfer
+    raises on every rank (no storage load), each naming why."""
+    fleet.start(1, "whole", settings={"max_send_gbps": 0.000005})
+    fleet.reports(1)
+    fleet.start(2, "megatron", settings={"strict": True, "stall_timeout": 2.0})
+    fleet.wait_for_data()
+    time.sleep(0.5)
+    fleet.kill(0)
+    reports = fleet.reports(2, timeout=120, errors=True)
+    assert all("source" not in r for r in reports), reports  # nobody fell back to storage
+    errors = [r["error"] for r in reports]
+    assert all(e.startswith(("Transfer", "ConsensusError", "Handshake")) for e in errors), errors
+    assert any(e.startswith("Transfer") for e in errors), errors  # the failing rank's own reason
 
 
 def test_plan_mismatch_is_refused_before_data_moves(tmp_path: Path, redis_url: str, namespace: str,

@@ -51,7 +51,7 @@ from nccl_back.load.vote import agree, caught
 from nccl_back.model import integrity, position_truth
 from nccl_back.model.layout import Layout
 from nccl_back.model.loader import StorageLoader
-from nccl_back.model.reshard_plan import Plan, PlanError, plan, slots, unpack, zero_padding
+from nccl_back.model.reshard_plan import Plan, PlanError, landing, plan, zero_padding
 from nccl_back.model.sharding import Sharding
 from nccl_back.result import LoadResult
 from nccl_back.transport import receiver_transport, recv_tensors, run_guarded
@@ -106,11 +106,13 @@ def run(env: Env, a: Attempt, sh: Sharding) -> Found | None:
     before = a.reason
     found: Found | None = None
     a.reason = None
+    began = _clock.perf()
     with caught(a, "reshard_discovery"):
         try:
             found = find(env, a, sh)
         except (NoPeerError, RegistryError) as e:
             a.reason = e
+    a.timings["reshard_discovery"] = _clock.perf() - began
     if not agree(a, "reshard discovery").ok:
         a.log.info("reshard_skipped", reason=str(a.reason) if a.reason else "another rank")
         a.reason = before
@@ -172,16 +174,20 @@ def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
     s, reg, t = env.settings, env.registry, a.target
     budget = _clock.monotonic() + s.peer_budget_seconds
     for k in f.plan.used:
-        peer, moves = f.peers[k], f.plan.for_holder(k)
-        buffer = torch.empty(slots(moves)[1], dtype=torch.uint8, device=t.device)
+        peer = f.peers[k]
+        payload, finish = landing(f.plan.for_holder(k), t.tensors, t.device)
+        began = _clock.perf()
         token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait))
+        a.timings[f"claim.{k}"] = _clock.perf() - began
         try:
             with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
-                _pull(env, a, sh, f, k, token, buffer, budget)
+                _pull(env, a, f, k, token, payload, budget)
         finally:
             with contextlib.suppress(RegistryError):
                 reg.release(peer.peer_id, token)
-        unpack(moves, buffer, t.tensors)
+        began = _clock.perf()
+        finish()
+        a.timings[f"unpack.{k}"] = _clock.perf() - began
     zero_padding(sh.layout, t.tensors)
     if s.verify != "none":
         began = _clock.perf()
@@ -203,23 +209,24 @@ def _claim(env: Env, peer: PeerInfo, until: float) -> str:
         _clock.sleep(_BUSY_POLL)
 
 
-def _pull(env: Env, a: Attempt, sh: Sharding, f: Found, k: int, token: str,
-          buffer: torch.Tensor, budget: float) -> None:
+def _pull(env: Env, a: Attempt, f: Found, k: int, token: str,
+          payload: dict[str, torch.Tensor], budget: float) -> None:
     s, t, peer = env.settings, a.target, f.peers[k]
     transfer_id = uuid.uuid4().hex
     request = records.TransferRequest(
         transfer_id=transfer_id, receiver=env.worker_id, version=a.spec.version,
         manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type, claim=token,
-        layout=sh.layout.digest, group=f.group, holder=k,
+        layout=f.plan.receiver, group=f.group, holder=k,
     ).to_dict()
+    began = _clock.perf()
     run_receiver(env.registry, transfer_id, f.plan.digest,
                  max(min(s.receiver_handshake_timeout, budget - _clock.monotonic()), 0.001),
                  after_ready=lambda: env.registry.push_request(peer.peer_id, request))
+    a.timings[f"handshake.{k}"] = _clock.perf() - began
     deadline = min(_clock.monotonic() + s.transfer_timeout, budget)
     transport = receiver_transport(s, peer.transport, peer.address,
                                    transfer_scope(s.key("store"), transfer_id),
                                    device=t.device, registry=env.registry)
-    payload = {"pieces": buffer}
     bucket = s.bucket_for(peer.transport, payload_bytes(payload))
     began = _clock.perf()
     run_guarded(transport, lambda tr: recv_tensors(tr, payload, bucket), deadline,

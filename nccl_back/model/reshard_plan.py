@@ -15,9 +15,12 @@ translated into holder and receiver coordinates (layouts map elements by transla
 so a box stays a box). The receiver's pieces tile its tensors, so every non-padding
 element is filled exactly once; padding is filled by nothing.
 
-:func:`pack` and :func:`unpack` apply one holder's moves: the sender copies its boxes
-contiguous, in plan order, into one byte buffer; the receiver copies them out of it into
-views of its tensors.
+:func:`sent` and :func:`landing` are one holder's moves as a transfer's payload: one
+byte tensor per move, in plan order, that is the box itself wherever the box is one
+contiguous run of memory (a slice along the first dim of a contiguous tensor), so most
+bytes are neither packed by the sender nor copied again by the receiver; the other boxes
+are staged. :func:`pack` and :func:`unpack` apply moves through one buffer (the sharded
+storage load).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import itertools
 import json
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -246,6 +249,48 @@ def unpack(moves: Sequence[Move], buffer: torch.Tensor, tensors: Mapping[str, to
     for m, at in zip(moves, starts, strict=True):
         dst = _view(tensors[m.dst], m.dst_box)
         dst.copy_(buffer[at:at + m.nbytes].view(dst.dtype).view(dst.shape))
+
+
+def _name(i: int) -> str:
+    return f"{i:06d}"  # sorted names = plan order (the broadcast visits names sorted)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat byte view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def sent(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The sender's payload for ``moves``: each box's bytes, a view where the box is
+    contiguous, else a contiguous copy. Only read."""
+    out = {}
+    for i, m in enumerate(moves):
+        box = _view(tensors[m.src], m.src_box)
+        out[_name(i)] = _bytes(box if box.is_contiguous() else box.contiguous())
+    return out
+
+
+def landing(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor],
+            device: torch.device) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """The receiver's payload for ``moves`` (what :func:`sent` sends lands in it) and
+    what to run once it has arrived: the boxes that are not one contiguous run arrive
+    in a staging tensor of ``device`` and are copied into place then."""
+    out: dict[str, torch.Tensor] = {}
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, m in enumerate(moves):
+        dst = _view(tensors[m.dst], m.dst_box)
+        if dst.is_contiguous():
+            out[_name(i)] = _bytes(dst)
+        else:
+            tmp = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
+            out[_name(i)] = tmp
+            staged.append((dst, tmp))
+
+    def finish() -> None:
+        for dst, tmp in staged:
+            dst.copy_(tmp.view(dst.dtype).view(dst.shape))
+
+    return out, finish
 
 
 def zero_padding(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:

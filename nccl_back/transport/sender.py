@@ -52,7 +52,7 @@ from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.layout import Layout, trivial_layout
 from nccl_back.model.position_truth import Macs
-from nccl_back.model.reshard_plan import PlanError, pack, plan
+from nccl_back.model.reshard_plan import PlanError, plan, sent
 from nccl_back.model.skeleton import Manifest, Model, model_device, named_tensors
 from nccl_back.transport import Rendezvous, open_rendezvous, resolve_kind
 from nccl_back.transport.pacing import Pacer
@@ -306,7 +306,7 @@ class PeerServer:
     def _reshard(self, held: _Held, request: TransferRequest, log: Any) -> bool:
         """Send the pieces a receiver of another layout needs from this holder: the plan
         both ends derive from the receiver's layout and the holders' (records in Redis),
-        packed contiguous; its digest is proven in the handshake, so a receiver that
+        one byte tensor per move (:func:`~nccl_back.model.reshard_plan.sent`); its digest is proven in the handshake, so a receiver that
         computed another plan is refused before any data moves."""
         mine = held.layout if held.layout is not None else trivial_layout(held.manifest)
         reg = self.registry
@@ -329,7 +329,7 @@ class PeerServer:
         moves = p.for_holder(k)
         log.info("resharding", plan=p.digest[:12], bytes=p.nbytes(k))
         return held.sends.serve(request, log, digest=p.digest,
-                                tensors=lambda: {"pieces": pack(moves, named_tensors(held.model)[0])}
+                                tensors=lambda: sent(moves, named_tensors(held.model)[0])
                                 ) is not None
 
     def _refusal(self, held: _Held, request: TransferRequest) -> tuple[str, str] | None:

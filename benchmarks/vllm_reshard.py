@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-mb", type=float, default=256)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--max-concurrent-sends", type=int, default=1,
+                   help="each engine's send slots (1, the default: a TP=1 holder serves the two"
+                        " ranks of a TP=2 receiver one after the other)")
     args = p.parse_args(argv)
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "NCCL_BACK_REDIS_URL": redis.url, "NCCL_BACK_NAMESPACE": f"bench{os.getpid()}",
         "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
         "NCCL_BACK_CACHE_DIR": str(work / "crc-cache"),
+        "NCCL_BACK_MAX_CONCURRENT_SENDS": str(args.max_concurrent_sends),
     })
     res: dict[str, dict[str, Any]] = {}
     load_avg = [os.getloadavg()[0]]
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "tp2_to_tp1_bytes_over_own_shard": res["r1"]["bytes_per_rank"] / res["s1"]["bytes_per_rank"],
         "tp2_to_tp1_load_over_same_layout": res["r1"]["load_s"] / res["s1"]["load_s"],
     }
-    print(f"{size / 2**20:.0f} MiB checkpoint; load average {load_avg[0]:.1f} -> {load_avg[-1]:.1f}")
+    print(f"{size / 2**20:.0f} MiB checkpoint; {args.max_concurrent_sends} send slot(s) per engine;"
+          f" load average {load_avg[0]:.1f} -> {load_avg[-1]:.1f}")
     print(f"{'engine':<8}{'TP':>4}{'MB/rank':>10}{'load s':>9}  phases of the slowest rank")
     for name, r in res.items():
         slow = max(r["ranks"], key=lambda x: x["load_s"])
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal: bytes <= 1.1x own shards: {'PASS' if ok_bytes else 'MISS'}; load phase <= 1.5x"
           f" a same-layout peer load: {'PASS' if ok_time else 'MISS'}")
     (outdir / "vllm_reshard.json").write_text(json.dumps(
-        {"model_bytes": size, "load_avg": load_avg, "results": res, "ratios": ratios}, indent=2))
+        {"model_bytes": size, "load_avg": load_avg, "max_concurrent_sends": args.max_concurrent_sends, "results": res, "ratios": ratios}, indent=2))
     return 0
 
 

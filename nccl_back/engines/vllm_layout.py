@@ -18,6 +18,8 @@ one :class:`~nccl_back.model.layout.TensorLayout` per tensor the engine serves:
   org_vocab_end_index`` of ``shard_indices``, then padding that maps to nothing (vLLM's
   loader zeroes it); a tied LM head is described by the embedding that owns it.
 - ``ReplicatedLinear`` and norms (``RMSNorm``, ``GemmaRMSNorm``, ``LayerNorm``): whole.
+- An unquantized ``Attention``'s KV scale buffers: None, the engine's own constants
+  (1.0, no checkpoint tensor); a resharding receiver keeps its own.
 
 Checkpoint names come from vLLM's own mapping: the model's ``hf_to_vllm_mapper``
 (which names each checkpoint tensor's fused parameter and shard id) or, without one,

@@ -72,13 +72,17 @@ Sources = Mapping[str, Sequence[tuple[str, Any]]]
 def describe_engine(model: nn.Module, vllm_config: Any,
                     checkpoint: Sequence[str]) -> dict[str, TensorLayout | None]:
     """:func:`describe` for an engine of ``vllm_config``, refusing what no layer shows:
-    pipeline parallelism (each stage holds other layers), expert parallelism and
-    quantization (its loaders cut and pack otherwise)."""
+    pipeline parallelism (each stage holds other layers), expert and data parallelism,
+    and quantization (its loaders cut and pack otherwise)."""
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size > 1:
         raise LayoutError(f"pipeline parallel (size {par.pipeline_parallel_size})")
     if par.enable_expert_parallel:
         raise LayoutError("expert parallel")
+    if par.data_parallel_size > 1:
+        # vLLM's world group then spans the data-parallel replicas: its ranks are not
+        # tensor-parallel ranks, and the peer index keys ranks of that group.
+        raise LayoutError(f"data parallel (size {par.data_parallel_size})")
     if vllm_config.model_config.quantization is not None:
         raise LayoutError(f"quantized ({vllm_config.model_config.quantization})")
     return describe(model, checkpoint)

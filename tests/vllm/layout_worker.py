@@ -163,13 +163,28 @@ def model_case(model_dir: str, world: int, rank: int, port: int) -> dict[str, An
         model = LlamaForCausalLM(vllm_config=cfg).to(DT)
         model.load_weights(iter(ckpt.items()))
         described = describe_engine(model, cfg, sorted(ckpt))
+        # What no layer shows: the engine's config (set on the real config, then put back).
+        refused = {}
+        for obj, field, value in [(cfg.parallel_config, "pipeline_parallel_size", 2),
+                                  (cfg.parallel_config, "data_parallel_size", 2),
+                                  (cfg.parallel_config, "enable_expert_parallel", True),
+                                  (cfg.model_config, "quantization", "fp8")]:
+            before = getattr(obj, field)
+            object.__setattr__(obj, field, value)
+            try:
+                describe_engine(model, cfg, sorted(ckpt))
+                refused[field] = "described"
+            except Exception as e:
+                refused[field] = f"{type(e).__name__}: {e}"
+            finally:
+                object.__setattr__(obj, field, before)
     tensors, aliases = named_tensors(model)
     bad = [n for n, t in described.items() if t is not None
            and not same_bytes(assemble(t, ckpt, tuple(tensors[n].shape)), tensors[n])]
     if bad or set(described) != set(tensors):
         raise AssertionError(f"differ: {bad}; undescribed: {sorted(set(tensors) - set(described))}")
     return {"tensors": len(described), "aliases": aliases,
-            "own": sorted(n for n, t in described.items() if t is None),
+            "own": sorted(n for n, t in described.items() if t is None), "refused": refused,
             "qkv": repr(described["model.layers.0.self_attn.qkv_proj.weight"]),
             "lm_head": repr(described.get("lm_head.weight"))}
 

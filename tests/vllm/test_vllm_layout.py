@@ -103,6 +103,16 @@ def test_layers_it_cannot_describe_are_refused(ranks: list[dict[str, Any]], case
         assert r[case].get("error", "").startswith("LayoutError:") and match in r[case]["error"]
 
 
+def test_engine_configs_it_cannot_describe_are_refused(ranks: list[dict[str, Any]]) -> None:
+    """Pipeline, data or expert parallelism and quantization make the engine's layout a LayoutError."""
+    assert ranks[0]["model"]["ok"]["refused"] == {
+        "pipeline_parallel_size": "LayoutError: pipeline parallel (size 2)",
+        "data_parallel_size": "LayoutError: data parallel (size 2)",
+        "enable_expert_parallel": "LayoutError: expert parallel",
+        "quantization": "LayoutError: quantized (fp8)",
+    }
+
+
 def test_whole_model_is_described_bit_exact(ranks: list[dict[str, Any]]) -> None:
     """vLLM's tiny Llama (GQA, padded vocabulary, tied head) as vLLM loads it, every tensor
     described by vLLM's own name mapping; the attention scales are the engine's own."""

@@ -104,6 +104,12 @@ class IncompatiblePeerError(PeerError):
     any claim) or when a sender refuses the request before creating anything."""
 
 
+class LayoutMismatchError(IncompatiblePeerError):
+    """This worker cannot reshard: an engine adapter could not describe its layout as
+    pieces of the checkpoint (a quantized or unknown layer, pipeline parallelism...),
+    so it loads only from peers of exactly its layout, or from storage."""
+
+
 class ConsensusError(PeerError):
     """The worker's ranks could not agree: a collective over the worker's group failed, or
     another rank failed (the message names it) and this rank follows it.
@@ -125,6 +131,7 @@ class AttachError(NcclBackError):
 FALLBACK_REASONS = (
     "no_peer",
     "incompatible_peer",
+    "layout_mismatch",
     "handshake_timeout",
     "transfer_timeout",
     "transfer_error",
@@ -180,6 +187,7 @@ _REASON_BY_ERROR: tuple[tuple[type[BaseException], str], ...] = (
     # First: a peer list of only rejected records is also a NoPeerError.
     (UntrustedRecordError, "untrusted_record"),
     (NoPeerError, "no_peer"),
+    (LayoutMismatchError, "layout_mismatch"),
     (IncompatiblePeerError, "incompatible_peer"),
     (HandshakeTimeoutError, "handshake_timeout"),
     (TransferTimeoutError, "transfer_timeout"),

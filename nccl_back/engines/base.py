@@ -14,7 +14,14 @@ hooks it into the engine's own plug-in point (vLLM: a model loader for
   quantization, parallel sizes and ranks...): what else changes the tensors it loads;
 * :meth:`~EngineAdapter.default_load`: the engine's own loader, the storage path;
 * :meth:`~EngineAdapter.group`: the process group over the engine's ranks (consensus,
-  election and fallback run over it).
+  election and fallback run over it);
+* :meth:`~EngineAdapter.describe` and ``parallel_fields``: the engine's tensors as
+  pieces of the checkpoint (:mod:`nccl_back.model.layout`), and the identity fields
+  that description replaces (tensor-parallel size and rank). An engine whose every
+  rank is described shares one version with engines of other parallel layouts of the
+  same content, and reshards from them when no peer of its own layout serves
+  (:mod:`nccl_back.load.reshard`); one that cannot be described keeps them in its
+  identity and says why (``layout_mismatch``).
 
 The hook builds the model as the engine does, calls :func:`load_weights` with the
 adapter, the settings (:func:`settings_from` the engine's config) and the model, and
@@ -33,19 +40,30 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from torch import nn
 
 from nccl_back import _clock
 from nccl_back.config import ENV_PREFIX, Settings
-from nccl_back.errors import ConfigError, NcclBackError, WeightLoadError
+from nccl_back.coord import consensus
+from nccl_back.errors import (
+    ConfigError,
+    LayoutMismatchError,
+    NcclBackError,
+    WeightLoadError,
+    fallback_reason,
+)
 from nccl_back.load.service import WeightService
 from nccl_back.model import integrity
+from nccl_back.model.checkpoint import model_headers
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.layout import TensorLayout
 from nccl_back.model.loader import StorageLoader
+from nccl_back.model.sharding import Sharding, sharding
 from nccl_back.model.skeleton import Model, named_tensors
+from nccl_back.model.storage import Storage
 from nccl_back.result import LoadResult
 
 #: The load format's name in every engine (``--load-format nccl_back``).
@@ -78,6 +96,17 @@ class EngineAdapter(Protocol):
 
     def group(self) -> Any:
         """The ``torch.distributed`` group of the engine's ranks (a CPU/gloo group)."""
+        ...
+
+    parallel_fields: tuple[str, ...]
+    """The :meth:`layout` fields a description replaces (they then leave the identity)."""
+
+    def describe(self, model: nn.Module,
+                 checkpoint: Sequence[str]) -> Mapping[str, TensorLayout | None]:
+        """Each tensor ``model`` serves as pieces of the checkpoint tensors named
+        ``checkpoint`` (None: a constant the engine makes itself, which a resharding
+        receiver keeps); :class:`~nccl_back.model.layout.LayoutError` with the reason
+        when the engine's layout cannot be described."""
         ...
 
 
@@ -170,17 +199,51 @@ def engine_spec(checkpoint: ModelSpec, layout: Mapping[str, Any]) -> ModelSpec:
                      checkpoint.shards)
 
 
-def adapter_spec(adapter: EngineAdapter, settings: Settings) -> ModelSpec:
-    """The identity of what ``adapter``'s rank loads; :class:`ConfigError` unless the
-    checkpoint is a local folder."""
+def checkpoint_spec(adapter: EngineAdapter, settings: Settings) -> ModelSpec:
+    """The content identity of ``adapter``'s checkpoint; :class:`ConfigError` unless it
+    is a local folder."""
     path = adapter.checkpoint_dir()
     if not os.path.isdir(path):
         raise ConfigError(
             f"model {path!r} is not a local directory; the content identity needs the"
             " checkpoint files (download it first)"
         )
-    checkpoint = ModelSpec.from_dir(path, cache_dir=settings.cache_dir)
-    return engine_spec(checkpoint, engine_layout(adapter.name, adapter.version, adapter.layout()))
+    return ModelSpec.from_dir(path, cache_dir=settings.cache_dir)
+
+
+def adapter_spec(adapter: EngineAdapter, checkpoint: ModelSpec, *, described: bool) -> ModelSpec:
+    """The identity of what ``adapter``'s rank loads: with a layout description
+    (``described``), without the fields it replaces, so engines of other parallel
+    layouts share the version (the peer index still keys rank and world size, and the
+    layout record tells the layouts apart)."""
+    fields = adapter.layout()
+    if described:
+        fields = {k: v for k, v in fields.items() if k not in adapter.parallel_fields}
+        fields["layout"] = "described"
+    return engine_spec(checkpoint, engine_layout(adapter.name, adapter.version, fields))
+
+
+def engine_sharding(adapter: EngineAdapter, settings: Settings, model: nn.Module,
+                    state: nn.Module, checkpoint: ModelSpec) -> Sharding | None:
+    """This rank's :class:`Sharding` when every rank's layout is described, else None
+    (logged once per rank with the reason, ``layout_mismatch``): all ranks reshard, or
+    none does, so they share one identity."""
+    why: BaseException | None = None
+    found: Sharding | None = None
+    try:
+        names = sorted(n for h in model_headers(Storage(settings), checkpoint) for n in h.tensors)
+        described = adapter.describe(model, names)
+        found = sharding(state, checkpoint, {n: t for n, t in described.items() if t is not None},
+                         settings, own={n for n, t in described.items() if t is None})
+    except Exception as e:  # an adapter that fails to describe must not fail the load
+        why = e
+    if consensus.agree(found is not None, adapter.group()):
+        return found
+    error = LayoutMismatchError(str(why) if why is not None else "another rank's layout"
+                                " cannot be described")
+    adapter.log.info("nccl_back: this engine does not reshard (%s: %s); it loads from peers"
+                     " of its own parallel layout or from storage", fallback_reason(error), error)
+    return None
 
 
 # -- the served state --------------------------------------------------------------------
@@ -280,12 +343,11 @@ def load_weights(adapter: EngineAdapter, settings: Settings, model: nn.Module) -
     log = adapter.log
     started = _clock.perf()
     try:
-        spec = adapter_spec(adapter, settings)
+        checkpoint = checkpoint_spec(adapter, settings)
     except NcclBackError as e:
         log.warning("nccl_back: no peer loading (%s); using %s's default loader", e, adapter.title)
         adapter.default_load(model)
         return None
-    identity_s = _clock.perf() - started
     state = loaded_state(model)
     meta = [n for n, t in named_tensors(state)[0].items() if t.device.type == "meta"]
     if meta:
@@ -294,10 +356,13 @@ def load_weights(adapter: EngineAdapter, settings: Settings, model: nn.Module) -
                     " default loader", len(meta), meta[0], adapter.title)
         adapter.default_load(model)
         return None
+    sharded = engine_sharding(adapter, settings, model, state, checkpoint)
+    spec = adapter_spec(adapter, checkpoint, described=sharded is not None)
+    identity_s = _clock.perf() - started
     service = WeightService(settings, storage_loader=_storage_loader(adapter, model),
                             engine=f"{adapter.name}-{adapter.version}")
     try:
-        result = service.load(state, spec, adapter.group())
+        result = service.load(state, spec, adapter.group(), sharding=sharded)
     except BaseException:
         service.close()
         raise

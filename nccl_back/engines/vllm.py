@@ -30,8 +30,12 @@ in the engine's log) is :mod:`nccl_back.engines.base`'s; this module is what is 
 **Identity.** The version is the checkpoint's content identity plus everything that
 changes these tensors (:func:`engine_layout`): vLLM version, architecture, dtype,
 quantization, tensor-parallel size and rank, pipeline size and rank, expert
-parallelism, KV-cache dtype, revision and ``hf_overrides``. Engines with different
-layouts never exchange weights.
+parallelism, KV-cache dtype, revision and ``hf_overrides``. When every rank's
+parameters are described as pieces of the checkpoint (:mod:`.vllm_layout`: the layers
+of dense decoder models) the tensor-parallel size and rank leave the version: engines
+of other TP sizes then share it and reshard from each other when no engine of their
+own layout serves (the README's "Layouts"); otherwise they stay in it and engines of
+different layouts never exchange weights.
 
 **Ranks.** Each vLLM worker process is one rank; consensus, election and fallback run
 over the engine's world group (gloo ``cpu_group``): every rank loads from a peer, or
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,9 +67,10 @@ from vllm.model_executor.model_loader import (
     register_model_loader,
 )
 
-from nccl_back.engines import base
+from nccl_back.engines import base, vllm_layout
 from nccl_back.engines.base import LOAD_FORMAT, EngineLoad, engine_spec, loaded_state, settings_from
 from nccl_back.load.service import WeightService
+from nccl_back.model.layout import TensorLayout
 from nccl_back.result import LoadResult
 
 __all__ = ["LOAD_FORMAT", "NcclBackModelLoader", "engine_layout", "engine_spec", "loaded_state",
@@ -136,6 +142,12 @@ class VllmAdapter:
 
     def group(self) -> Any:
         return get_world_group().cpu_group
+
+    parallel_fields: tuple[str, ...] = ("tp_size", "tp_rank")
+
+    def describe(self, model: nn.Module,
+                 checkpoint: Sequence[str]) -> Mapping[str, TensorLayout | None]:
+        return vllm_layout.describe_engine(model, self.vllm_config, checkpoint)
 
 
 class NcclBackModelLoader(BaseModelLoader):

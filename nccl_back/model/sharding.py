@@ -11,7 +11,7 @@ skeleton, and returns the :class:`Sharding` a user passes to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from nccl_back.config import Settings
@@ -47,16 +47,23 @@ class Sharding:
 
 
 def sharding(model: Model, spec: ModelSpec, described: Mapping[str, TensorLayout],
-             settings: Settings | None = None) -> Sharding:
+             settings: Settings | None = None, *, own: Collection[str] = ()) -> Sharding:
     """The sharding of ``model`` (this rank's skeleton): ``described`` says which pieces of
     which checkpoint tensors each of its tensors holds (the rest are whole checkpoint
-    tensors of their names). Raises :class:`~.layout.LayoutError` if it does not fit."""
+    tensors of their names). Raises :class:`~.layout.LayoutError` if it does not fit.
+
+    ``own``: tensors that hold no checkpoint element and that every worker of the
+    version makes alike itself (an engine's constants): left out of the layout, so a
+    resharding receiver keeps its own and no holder sends them."""
     headers = model_headers(Storage(settings or Settings.from_env()), spec)
     located = locate(headers)
     ckpt = Manifest(tuple(TensorEntry(n, tuple(i.shape), dtype_name(i.dtype))
                           for n, (_, i) in sorted(located.items())))
     shapes = {e.name: e.shape for e in ckpt.entries}
-    return Sharding(layout_of(manifest(model), described, shapes), ckpt)
+    held = manifest(model)
+    if own:
+        held = Manifest(tuple(e for e in held.entries if e.name not in own))
+    return Sharding(layout_of(held, described, shapes), ckpt)
 
 
 def load_sharded(model: Model, spec: ModelSpec, settings: Settings, sharding: Sharding) -> LoadResult:

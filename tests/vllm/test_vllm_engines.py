@@ -148,21 +148,23 @@ def test_peer_killed_while_starting_falls_back(fleet: Fleet) -> None:
     assert os.path.exists(b.out)
 
 
-def test_tensor_parallel_engines_share_only_with_their_layout(fleet: Fleet) -> None:
-    """TP=2 engines: B2 loads from A2 on both ranks; a TP=1 engine never receives from them."""
+def test_tensor_parallel_engines_prefer_their_layout(fleet: Fleet) -> None:
+    """TP=2 engines: B2 loads from A2 on both ranks, rank for rank (same layout first).
+
+    TP=1 <-> TP=2 resharding is test_vllm_reshard's."""
     # Only TP=2 engines serve from here on (A's entry, if A was killed, is stale).
     by_name(fleet, "a").kill()
     a2 = fleet.start("a2_tp2", hold=True, tp=2)
     a2_tokens = a2.wait_ready()["tokens"]
     a2_ranks = a2.loaded_ranks()
-    # Both ranks from storage, as one engine: no TP=2 engine was serving.
+    # Both ranks from storage, as one engine: no TP=2 engine was serving (a reshard from
+    # A's stale entry, if tried, timed out).
     assert [r["source"] for r in a2_ranks] == ["storage", "storage"], a2.tail()
-    assert all("no live peer holds version" in (r["reason"] or "") for r in a2_ranks)
     a2_versions = {r["version"] for r in a2_ranks}
-    assert len(a2_versions) == 2  # each rank holds its own shard: one version per rank
+    # Described layouts share the content's version across ranks and TP sizes.
+    assert a2_versions == {a2_ranks[0]["version"]}
 
     b2 = fleet.start("b2_tp2", tp=2, hold=True)
-    c1 = fleet.start("c1_tp1")
     b2_tokens = b2.wait_ready()["tokens"]
     b2_ranks = b2.loaded_ranks()
     assert [r["source"] for r in b2_ranks] == ["peer", "peer"], b2.tail()
@@ -174,10 +176,4 @@ def test_tensor_parallel_engines_share_only_with_their_layout(fleet: Fleet) -> N
     assert sorted((p["rank"], p["source"]) for p in peers.values() if p["source"] == "peer") == [
         (0, "peer"), (1, "peer")]
     assert b2_tokens == a2_tokens
-
-    c1_tokens = c1.wait_ready()["tokens"]
-    c1_loaded = c1.loaded()
-    assert c1_loaded["source"] == "storage", c1.tail()
-    assert c1_loaded["version"] not in a2_versions
-    assert c1_tokens == by_name(fleet, "auto").wait_ready()["tokens"]
     assert b2.release() == 0 and a2.release() == 0

@@ -11,11 +11,12 @@ so all ranks reshard, or none does:
    reshard_plan.plan`), and their truth in checkpoint coordinates. A world size whose
    holders do not cover us is skipped; none at all: every rank goes on as before (the
    single flight, then storage), with the reason discovery gave.
-2. *Receive* (:func:`receive`): from each holder the plan uses, a claim, the handshake
-   proving the *plan's* digest (a sender that derived another plan refuses before any
-   data moves), one packed buffer of exactly this rank's pieces, unpacked into views
-   of its tensors; then every sampled checkpoint position it holds is checked against
-   the holders' truth (:mod:`nccl_back.model.position_truth`).
+2. *Receive* (:func:`receive`): from every holder the plan uses at once, a claim, the
+   handshake proving the *plan's* digest (a sender that derived another plan refuses
+   before any data moves), exactly this rank's pieces, received in place where a piece
+   is contiguous in its tensor (:func:`~nccl_back.model.reshard_plan.landing`); then
+   every sampled checkpoint position it holds is checked against the holders' truth
+   (:mod:`nccl_back.model.position_truth`).
 3. *Publish* (:func:`published`): the worker serves its own layout like any holder:
    its layout, the position truth it verified, and layer hashes of its verified bytes as
    its flavour's ground truth (rooted in the position check: see the README).
@@ -26,7 +27,9 @@ A failed receive or check on any rank sends every rank to storage with its reaso
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +57,7 @@ from nccl_back.model.loader import StorageLoader
 from nccl_back.model.reshard_plan import Plan, PlanError, landing, plan, zero_padding
 from nccl_back.model.sharding import Sharding
 from nccl_back.result import LoadResult
-from nccl_back.transport import receiver_transport, recv_tensors, run_guarded
+from nccl_back.transport import Transport, receiver_transport, recv_tensors, run_guarded
 from nccl_back.transport.broadcast import payload_bytes
 
 #: Seconds between two claims of a holder whose send slots are all taken.
@@ -170,30 +173,80 @@ def _truth(env: Env, a: Attempt, p: PeerInfo, lay: Layout) -> position_truth.Mac
 
 
 def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
-    """Every piece from its holder, then the check; raises with the reason if not."""
-    s, reg, t = env.settings, env.registry, a.target
+    """Every piece from its holder, all holders at once, then the check; raises with the
+    reason if not (the first holder's that failed, once every pull has ended)."""
+    s, t = env.settings, a.target
     budget = _clock.monotonic() + s.peer_budget_seconds
-    for k in f.plan.used:
-        peer = f.peers[k]
-        payload, finish = landing(f.plan.for_holder(k), t.tensors, t.device)
-        began = _clock.perf()
-        token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait))
-        a.timings[f"claim.{k}"] = _clock.perf() - began
-        try:
-            with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
-                _pull(env, a, f, k, token, payload, budget)
-        finally:
-            with contextlib.suppress(RegistryError):
-                reg.release(peer.peer_id, token)
-        began = _clock.perf()
-        finish()
-        a.timings[f"unpack.{k}"] = _clock.perf() - began
+    pulls = _Pulls()
+    if len(f.plan.used) == 1:
+        _from_holder(env, a, f, f.plan.used[0], budget, pulls)
+    else:
+        # One thread per holder: a receiver's link is faster than one sender's path (a TP=1
+        # rank behind TP=2 holders). Every pull is waited for, even after one failed: each
+        # writes into this rank's tensors (the first failure aborts the others).
+        with ThreadPoolExecutor(len(f.plan.used), thread_name_prefix="nccl_back-reshard") as pool:
+            futures = [pool.submit(_from_holder, env, a, f, k, budget, pulls) for k in f.plan.used]
+            errors = [fut.exception() for fut in futures]
+        for e in errors:
+            if e is not None:
+                raise e
     zero_padding(sh.layout, t.tensors)
     if s.verify != "none":
         began = _clock.perf()
         checked = position_truth.check(sh.layout, t.tensors, f.truth, s.key("integrity"))
         a.timings["verify"] = _clock.perf() - began
         a.log.info("reshard_verified", positions=checked)
+
+
+class _Pulls:
+    """One receive's transfers in flight: the first failure aborts the others."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[Transport] = set()
+        self._failed = False
+
+    def start(self, transport: Transport) -> None:
+        with self._lock:
+            self._live.add(transport)
+            if self._failed:
+                transport.abort()
+
+    def end(self, transport: Transport) -> None:
+        with self._lock:
+            self._live.discard(transport)
+
+    def fail(self) -> None:
+        with self._lock:
+            self._failed = True
+            for tr in self._live:
+                with contextlib.suppress(Exception):  # already torn down
+                    tr.abort()
+
+
+def _from_holder(env: Env, a: Attempt, f: Found, k: int, budget: float, pulls: _Pulls) -> None:
+    """Holder ``k``'s moves: a send slot, the transfer into place, the staged copies."""
+    s, reg, t, peer = env.settings, env.registry, a.target, f.peers[k]
+    payload, finish = landing(f.plan.for_holder(k), t.tensors, t.device)
+    began = _clock.perf()
+    try:
+        token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait))
+    except BaseException:
+        pulls.fail()
+        raise
+    a.timings[f"claim.{k}"] = _clock.perf() - began
+    try:
+        with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
+            _pull(env, a, f, k, token, payload, budget, pulls)
+    except BaseException:
+        pulls.fail()
+        raise
+    finally:
+        with contextlib.suppress(RegistryError):
+            reg.release(peer.peer_id, token)
+    began = _clock.perf()
+    finish()
+    a.timings[f"unpack.{k}"] = _clock.perf() - began
 
 
 def _claim(env: Env, peer: PeerInfo, until: float) -> str:
@@ -210,7 +263,7 @@ def _claim(env: Env, peer: PeerInfo, until: float) -> str:
 
 
 def _pull(env: Env, a: Attempt, f: Found, k: int, token: str,
-          payload: dict[str, torch.Tensor], budget: float) -> None:
+          payload: dict[str, torch.Tensor], budget: float, pulls: _Pulls) -> None:
     s, t, peer = env.settings, a.target, f.peers[k]
     transfer_id = uuid.uuid4().hex
     request = records.TransferRequest(
@@ -229,9 +282,13 @@ def _pull(env: Env, a: Attempt, f: Found, k: int, token: str,
                                    device=t.device, registry=env.registry)
     bucket = s.bucket_for(peer.transport, payload_bytes(payload))
     began = _clock.perf()
-    run_guarded(transport, lambda tr: recv_tensors(tr, payload, bucket), deadline,
-                connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
-                stall=s.stall_timeout)
+    pulls.start(transport)
+    try:
+        run_guarded(transport, lambda tr: recv_tensors(tr, payload, bucket), deadline,
+                    connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
+                    stall=s.stall_timeout)
+    finally:
+        pulls.end(transport)
     a.timings[f"transfer.{k}"] = _clock.perf() - began
 
 

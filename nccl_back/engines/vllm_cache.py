@@ -35,7 +35,6 @@ worker class vLLM names in ``parallel_config.worker_cls`` (once per class).
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import threading
@@ -55,13 +54,6 @@ COMPILE_DIR = "torch_compile_cache"
 #: vLLM's AOT compile keeps its artifacts in this directory of COMPILE_DIR.
 AOT_DIR = "torch_aot_compile"
 MODELINFOS = "modelinfos"
-
-
-def _nccl_back_version() -> str:
-    try:
-        return importlib.metadata.version("nccl-back")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def cache_root() -> str:
@@ -98,7 +90,7 @@ def cache_key(vllm_config: VllmConfig, scope: str) -> CacheKey:
     factors = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "nccl_back": _nccl_back_version(),
+        "nccl_back": artifacts.nccl_back_version(),
         "config_hash": vllm_config.compute_hash(),
         "env_hash": hash_factors(envs.compile_factors()),
         "compiler_hash": make_compiler(vllm_config.compilation_config).compute_hash(vllm_config),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib.metadata
 import json
 import threading
 from collections.abc import Mapping, Sequence
@@ -78,6 +79,14 @@ class Fetched:
     bytes: int = 0
     seconds: float = 0.0
     peer: str | None = None
+
+
+def nccl_back_version() -> str:
+    """The installed nccl-back's version (part of every cache key)."""
+    try:
+        return importlib.metadata.version("nccl-back")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def warn_no_secret() -> None:

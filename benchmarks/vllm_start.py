@@ -138,6 +138,33 @@ def wait_result(proc: subprocess.Popen[bytes], out: Path, log: Path, timeout: fl
     return result
 
 
+#: Markers of a start in vLLM's log (the first line matching each), for ``--caches``.
+_MARKS = {
+    "engine_core": r"Initializing a V1 LLM engine",
+    "modelinfos": r"nccl_back: model infos from peer",
+    "weights": r"nccl_back: loaded version|Loading weights took",
+    "caches": r"nccl_back: (?:no )?compile caches",
+    "warm_up": r"Warming up model for the compilation",
+    "ready": r"init engine \(profile, create kv cache, warmup model\) took",
+}
+_STAMP = re.compile(r"^\(\S+ pid=\d+\) \w+ (\d\d-\d\d \d\d:\d\d:\d\d) ")
+
+
+def marks(log: Path, launched: float) -> dict[str, float]:
+    """Seconds from the launch to each marker (vLLM stamps its lines to the second)."""
+    year = time.localtime(launched).tm_year
+    out: dict[str, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        m = _STAMP.match(line)
+        if not m:
+            continue
+        for name, pattern in _MARKS.items():
+            if name not in out and re.search(pattern, line):
+                at = time.mktime(time.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S"))
+                out[name] = round(at - launched, 1)
+    return out
+
+
 def caches_main(args: argparse.Namespace) -> int:
     """``--caches``: time to the first generated token, with and without compile caches."""
     outdir = Path(args.out)
@@ -165,8 +192,9 @@ def caches_main(args: argparse.Namespace) -> int:
                                        extra=["--compile", *(extra or [])])
         results[name] = wait_result(proc, out, log, args.timeout)
         proc.wait(120)
+        results[name]["marks"] = marks(log, float(out.with_suffix(".launched").read_text()))
         print(f"{name}: {results[name]['launch_to_first_token_s']:.1f} s launch -> first token"
-              f" (caches {results[name]['caches']})", flush=True)
+              f" (caches {results[name]['caches']}); {results[name]['marks']}", flush=True)
 
     try:
         one("cold", "auto", "root-cold")
@@ -188,6 +216,9 @@ def caches_main(args: argparse.Namespace) -> int:
         meta["load_avg_end"] = os.getloadavg()[0]
     finally:
         redis.stop()
+        (outdir / "vllm_start_caches_logs").mkdir(exist_ok=True)
+        for f in work.glob("*.log"):
+            shutil.copy(f, outdir / "vllm_start_caches_logs" / f.name)
         shutil.rmtree(work, ignore_errors=True)
     cols = ("launch_to_first_token_s", "init_model", "load_s", "init_engine", "first_token_s")
     print(f"\n{meta['model_bytes'] / 2**20:.0f} MiB checkpoint; load average"

@@ -94,6 +94,8 @@ def register() -> None:
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not NcclBackModelLoader:
         register_model_loader(LOAD_FORMAT)(NcclBackModelLoader)
     base.route_library_logs(log)
+    # Before vLLM's configuration inspects the model (a subprocess when they are absent).
+    vllm_cache.early_modelinfos(log)
 
 
 def _layout_fields(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:

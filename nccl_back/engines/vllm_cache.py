@@ -26,8 +26,7 @@ set can only be a vLLM miss (it compiles), never a wrong hit.
 **Misses say why** in the engine's log: no secret, vLLM compiles nothing here
 (``enforce_eager`` or compilation mode ``NONE``, the cache disabled, an explicit ``compilation_config.cache_dir``), no set for this key (and which factor
 differs from the newest set for this model), no live holder, a refused transfer or
-digest. ``modelinfos`` are read by vLLM's configuration before any weight loads, so
-they help a later start of the receiving engine, not this one.
+digest.
 
 vLLM has no hook after warm-up for a model loader, so :func:`after_warm_up` wraps the
 worker class vLLM names in ``parallel_config.worker_cls`` (once per class).
@@ -35,6 +34,7 @@ worker class vLLM names in ``parallel_config.worker_cls`` (once per class).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -45,7 +45,7 @@ import torch
 import vllm
 from vllm.config import VllmConfig
 
-from nccl_back.config import Settings
+from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
 from nccl_back.load import artifacts
 from nccl_back.load.artifacts import CacheKey
 
@@ -102,8 +102,7 @@ def cache_key(vllm_config: VllmConfig, scope: str) -> CacheKey:
 def units(vllm_config: VllmConfig, root: str) -> list[str]:
     """What travels after a compile: the cache directories vLLM used for its hashes
     (``torch_compile_cache/<hash>`` of its backend, ``torch_compile_cache/
-    torch_aot_compile/<hash>`` of its AOT compile, as vLLM left them in its config),
-    then the model infos."""
+    torch_aot_compile/<hash>`` of its AOT compile, as vLLM left them in its config)."""
     out: list[str] = []
     cc = vllm_config.compilation_config
     for used in (cc.cache_dir, cc.local_cache_dir):
@@ -115,10 +114,53 @@ def units(vllm_config: VllmConfig, root: str) -> list[str]:
         unit = "/".join(rel[:3] if rel[1] == AOT_DIR else rel[:2])
         if len(unit.split("/")) >= 2 + (rel[1] == AOT_DIR) and unit not in out:
             out.append(unit)
-    infos = os.path.join(root, MODELINFOS)
-    if os.path.isdir(infos):
-        out += [f"{MODELINFOS}/{n}" for n in sorted(os.listdir(infos)) if n.endswith(".json")]
     return out
+
+
+def _modelinfos(root: str) -> list[str]:
+    infos = os.path.join(root, MODELINFOS)
+    if not os.path.isdir(infos):
+        return []
+    return [f"{MODELINFOS}/{n}" for n in sorted(os.listdir(infos)) if n.endswith(".json")]
+
+
+def modelinfos_key() -> CacheKey:
+    """The key of vLLM's model infos: vLLM checks each file against its model code's
+    hash, so any engine of this vLLM version may provide them."""
+    factors = {"set": MODELINFOS, "vllm": vllm.__version__, "nccl_back": artifacts.nccl_back_version()}
+    return CacheKey(factors, hashlib.sha256(f"{MODELINFOS}-{vllm.__version__}".encode())
+                    .hexdigest()[:32])
+
+
+_early = threading.Event()
+
+
+def early_modelinfos(log: logging.Logger) -> None:
+    """At plugin load, before vLLM's configuration inspects the model in a subprocess:
+    fetch model infos from a peer into an empty ``VLLM_CACHE_ROOT/modelinfos`` (once per
+    process, only with ``NCCL_BACK_REDIS_URL`` and a secret in the environment)."""
+    if _early.is_set():
+        return
+    _early.set()
+    if not os.environ.get(f"{ENV_PREFIX}REDIS_URL") or not (
+            os.environ.get(f"{ENV_PREFIX}SECRET") or os.environ.get(SECRET_FILE_ENV)):
+        return
+    try:
+        root = cache_root()
+        if _modelinfos(root):
+            return
+        settings = Settings.from_env()
+    except Exception as e:  # a bad setting is reported where the loader is built
+        log.debug("nccl_back: no early model infos (%r)", e)
+        return
+    if not settings.compile_caches:
+        return
+    got = artifacts.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
+    if got.ok:
+        log.info("nccl_back: model infos from peer %s in %.3f s: %s", got.peer, got.seconds,
+                 got.installed)
+    else:
+        log.debug("nccl_back: no model infos from peers (%s)", got.reason)
 
 
 _READY: list[Callable[[], None]] = []
@@ -177,12 +219,15 @@ def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.
 
     def publish() -> None:
         found = units(vllm_config, root)
-        if found and any(u in received for u in found if not u.startswith(MODELINFOS)):
+        if found and any(u in received for u in found):
             return  # vLLM used the received set, which this engine already serves
         # In the background: collecting and hashing must not delay readiness.
         def run() -> None:
             what = artifacts.publish(settings, key, root, found, engine=engine)
             log.info("nccl_back: compile caches %s", what)
+            infos = artifacts.publish(settings, modelinfos_key(), root, _modelinfos(root),
+                                      engine=engine)
+            log.info("nccl_back: model infos %s", infos)
 
         threading.Thread(target=run, daemon=True, name="nccl-back-publish-caches").start()
 

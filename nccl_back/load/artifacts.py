@@ -151,9 +151,11 @@ def _miss_reason(service: WeightService, key: CacheKey) -> str:
     return f"the newest set for this model was published with other compile factors: {shown}"
 
 
-def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "library") -> Fetched:
+def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "library",
+          serve: bool = True) -> Fetched:
     """Receive the set published under ``key`` from a live holder and install it under
-    ``root``; never raises for a miss (the reason is in the result)."""
+    ``root``, then (``serve``) serve it on; never raises for a miss (the reason is in
+    the result)."""
     start = _clock.perf()
     if settings.secret is None:
         warn_no_secret()
@@ -178,9 +180,9 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
         result = service.load(model, spec)
         data: torch.Tensor = model.data  # type: ignore[assignment,union-attr]
         done = artifacts.install(root, man, memoryview(data.numpy()), secret)  # type: ignore[arg-type]
-        # Serve it on: other new engines of the fleet receive it from here too.
-        _keep(service)
-        served = True
+        if serve:  # other new engines of the fleet receive it from here too
+            _keep(service)
+            served = True
         return Fetched(True, installed=done.installed, kept=done.kept, bytes=man.nbytes,
                        seconds=_clock.perf() - start, peer=result.peer_id)
     except NcclBackError as e:

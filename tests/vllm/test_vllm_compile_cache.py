@@ -62,7 +62,8 @@ def wait_published(e: Engine, timeout: float = 120.0) -> re.Match[str]:
     import time
 
     deadline = time.monotonic() + timeout
-    while (m := _PUBLISHED.search(e.log())) is None:
+    while (m := _PUBLISHED.search(e.log())) is None or "nccl_back: model infos published" \
+            not in e.log():
         if time.monotonic() > deadline:
             pytest.fail(f"engine {e.name} published no compile caches:\n{e.tail()}")
         time.sleep(0.5)
@@ -70,7 +71,7 @@ def wait_published(e: Engine, timeout: float = 120.0) -> re.Match[str]:
 
 
 def test_first_engine_compiles_and_publishes(caches: Caches) -> None:
-    """The first engine of its key misses (nobody published yet), compiles, and publishes its set."""
+    """The first engine of its key misses (nobody published yet), compiles, and publishes its sets."""
     log = caches.engines["a"].log()
     assert "no compile caches from peers (no set for key" in log
     assert "no peer has published compile caches for this model" in log
@@ -101,6 +102,8 @@ def test_second_engine_starts_warm_from_the_first(caches: Caches) -> None:
     assert mine and mine == theirs
     times = [p.stat().st_mtime for p in (caches.root("b") / hashdir).rglob("*.so")]
     assert max(times) - min(times) < 1.0
+    # Model infos came when the plugin loaded, before vLLM's configuration needed them.
+    assert "nccl_back: model infos from peer" in log
     # B used the received set (and serves it on): it publishes none of its own.
     assert _PUBLISHED.search(log) is None
 

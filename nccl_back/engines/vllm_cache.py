@@ -133,6 +133,10 @@ def modelinfos_key() -> CacheKey:
 
 
 _early = threading.Event()
+#: What :func:`early_modelinfos` did in this process (None: it did not try). vLLM
+#: configures the front end's logging only after its plugins load, so with ``LLM(...)``
+#: the line it logs may not show; this says it anyway.
+early_outcome: str | None = None
 
 
 def early_modelinfos(log: logging.Logger) -> None:
@@ -155,7 +159,9 @@ def early_modelinfos(log: logging.Logger) -> None:
         return
     if not settings.compile_caches:
         return
+    global early_outcome
     got = artifacts.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
+    early_outcome = f"from peer {got.peer}: {got.installed}" if got.ok else f"missed: {got.reason}"
     if got.ok:
         log.info("nccl_back: model infos from peer %s in %.3f s: %s", got.peer, got.seconds,
                  got.installed)

@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         "first_token_unix": first_token_unix,
         "pid": os.getpid(),
     }
+    if args.load_format == "nccl_back":
+        from nccl_back.engines import vllm_cache
+
+        result["early_modelinfos"] = vllm_cache.early_outcome
     tmp = args.out + ".tmp"
     Path(tmp).write_text(json.dumps(result))
     os.replace(tmp, args.out)

@@ -82,7 +82,8 @@ def test_first_engine_compiles_and_publishes(caches: Caches) -> None:
 def test_second_engine_starts_warm_from_the_first(caches: Caches) -> None:
     """A fresh engine receives A's caches before its warm-up; vLLM's compile reads them, tokens as `auto`."""
     b = caches.engines["b"]
-    tokens = b.wait_ready()["tokens"]
+    result = b.wait_ready()
+    tokens = result["tokens"]
     assert tokens == caches.engines["ref"].wait_ready()["tokens"]
     assert tokens == caches.engines["a"].wait_ready()["tokens"]
     log = b.log()
@@ -102,8 +103,9 @@ def test_second_engine_starts_warm_from_the_first(caches: Caches) -> None:
     assert mine and mine == theirs
     times = [p.stat().st_mtime for p in (caches.root("b") / hashdir).rglob("*.so")]
     assert max(times) - min(times) < 1.0
-    # Model infos came when the plugin loaded, before vLLM's configuration needed them.
-    assert "nccl_back: model infos from peer" in log
+    # Model infos came when the plugin loaded, before vLLM's configuration needed them
+    # (the front end's log is not configured yet then: the engine reports it).
+    assert (result["early_modelinfos"] or "").startswith("from peer "), result
     # B used the received set (and serves it on): it publishes none of its own.
     assert _PUBLISHED.search(log) is None
 

@@ -187,9 +187,10 @@ def caches_main(args: argparse.Namespace) -> int:
     meta: dict[str, Any] = {"model_bytes": sum(s.stat().st_size for s in model.glob("*.safetensors")),
                             "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}
 
-    def one(name: str, load_format: str, root: str, extra: list[str] | None = None) -> None:
-        proc, out, log, _ = run_engine(name, model, env(root), work, load_format,
-                                       extra=["--compile", *(extra or [])])
+    def one(name: str, load_format: str, root: str, extra: list[str] | None = None,
+            more_env: dict[str, str] | None = None) -> None:
+        proc, out, log, _ = run_engine(name, model, {**env(root), **(more_env or {})}, work,
+                                       load_format, extra=["--compile", *(extra or [])])
         results[name] = wait_result(proc, out, log, args.timeout)
         proc.wait(120)
         results[name]["marks"] = marks(log, float(out.with_suffix(".launched").read_text()))
@@ -208,8 +209,10 @@ def caches_main(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 raise SystemExit("peer_source published no compile caches; see its log")
             time.sleep(0.5)
+        # In the environment, not the loader's extra config: model infos are fetched when
+        # the plugin loads, from the environment's settings.
         one("weights_from_peer", "nccl_back", "root-w",
-            ["--extra", json.dumps({"compile_caches": False})])
+            more_env={"NCCL_BACK_COMPILE_CACHES": "false"})
         one("weights_caches_from_peer", "nccl_back", "root-wc")
         release.touch()
         proc_a.wait(120)

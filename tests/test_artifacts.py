@@ -198,6 +198,14 @@ def test_a_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="leaves .* through a symlink"):
         install(str(dst), man, data, KEY)
     assert list(outside.iterdir()) == []
+    deep = ArtifactManifest(("torch_compile_cache/torch_aot_compile/h",),
+                            (ArtifactFile("torch_compile_cache/torch_aot_compile/h/k.so", 1),),
+                            set_digest(KEY, ["torch_compile_cache/torch_aot_compile/h"],
+                                       [ArtifactFile("torch_compile_cache/torch_aot_compile/h/k.so", 1)],
+                                       b"x"))
+    with pytest.raises(ArtifactError, match="through a symlink"):  # no directory made out there
+        install(str(dst), deep, b"x", KEY)
+    assert list(outside.iterdir()) == []
 
 
 def test_collect_leaves_out_symlinks_and_half_written_installs(tmp_path: Path) -> None:

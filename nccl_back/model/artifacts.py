@@ -280,8 +280,14 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
             out.kept.append(unit)
             continue
         parent = os.path.dirname(final)
+        existing = parent
+        while not os.path.lexists(existing):  # check before creating anything
+            existing = os.path.dirname(existing)
+        if not _inside(existing, root):
+            raise ArtifactError(f"artifact unit {unit[:80]!r}: its directory leaves {root}"
+                                " through a symlink; not installed")
         os.makedirs(parent, exist_ok=True)
-        if not _inside(parent, root):
+        if not _inside(parent, root):  # a symlink appeared meanwhile
             raise ArtifactError(f"artifact unit {unit[:80]!r}: its directory leaves {root}"
                                 " through a symlink; not installed")
         tmp = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)

@@ -188,7 +188,11 @@ def after_warm_up(vllm_config: VllmConfig, callback: Callable[[], None]) -> None
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         while _READY:
-            _READY.pop(0)()
+            try:
+                _READY.pop(0)()
+            except Exception as e:  # publishing never breaks vLLM's start
+                logging.getLogger("vllm.nccl_back").warning(
+                    "nccl_back: compile caches not published (%r)", e)
         return out
 
     worker.compile_or_warm_up_model = compile_or_warm_up_model

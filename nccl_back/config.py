@@ -214,6 +214,15 @@ class Settings:
     it the worker loads from storage. 0: ``busy_wait + transfer_timeout +
     max_peer_attempts * receiver_handshake_timeout``."""
 
+    compile_caches: bool = True
+    """Engines share their compile caches (vLLM's ``torch_compile_cache`` for its hash,
+    the inductor artifacts in it, ``modelinfos``) with peers: a starting engine receives
+    them during its weight load, a ready one publishes them. Needs ``secret``: without
+    one caches are skipped (a warning, once), because they hold code the engine runs."""
+
+    max_artifact_bytes: int = 1 << 30
+    """Largest artifact set (compile caches) published or accepted, in bytes."""
+
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
     a file that holds it), separate from the Redis password; at least 16 bytes. It signs
@@ -280,6 +289,7 @@ class Settings:
             "storage_workers",
             "chunk_bytes",
             "storage_attempts",
+            "max_artifact_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -122,6 +122,13 @@ class ConsensusError(PeerError):
         self.failed_rank = failed_rank
 
 
+class ArtifactError(NcclBackError):
+    """An artifact set (compile caches) is refused: a malformed or oversized manifest, a
+    path that would leave the cache directory, bytes whose keyed digest differs, no
+    fleet secret; or it could not be collected or installed. Nothing of a refused set
+    is written to the cache directory."""
+
+
 class AttachError(NcclBackError):
     """A local hand-off from a sidecar was refused or failed (version/manifest mismatch, I/O)."""
 
@@ -174,6 +181,9 @@ class RecordKind(str, enum.Enum):
     """A layout description (``ns:layout:...``, resharding)."""
     POSITION_TRUTH = "position_truth"
     """Truth in checkpoint coordinates (``ns:ct:...``, resharding)."""
+
+    ARTIFACT_SET = "artifact_set"
+    """An artifact set's manifest (``ns:art:...``, compile caches)."""
 
     def __str__(self) -> str:
         return self.value

@@ -25,6 +25,10 @@ version, rank, world size; ``d`` = manifest digest)::
     ns:hs:{transfer_id}:{name}          handshake values, refusals     signed, short TTL (handshake.py)
     ns:rdv:{scope}:{name}               a process group's bootstrap    HMAC'd, short TTL (transport/store.py)
     ns:check:{uuid}                     "1"                            10 s (``nccl-back check``'s round trip)
+    ns:art:{k}                          an artifact set's manifest     signed, TTL 360 x peer_ttl; newest
+                                        published under lookup key k   publisher wins (artifacts.py)
+    ns:artidx:{s}                       a model's newest set: lookup   signed, same TTL (artifacts.py)
+                                        key and factors (s: version)
 
 The record-key methods also build the ``SCAN`` globs: pass ``"*"`` for a part (peer ids
 and versions never hold ``:``, spaces or glob characters; :meth:`Registry.publish_peer`
@@ -126,6 +130,16 @@ class Keys:
     def stream(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
         """The relay endpoint of the worker downloading one rank's skeleton flavour."""
         return self.key("stream", version, rank, world_size, manifest_digest)
+
+    # -- artifact sets (compile caches) ------------------------------------------------------
+
+    def artifact_set(self, lookup: str) -> str:
+        """The manifest of the artifact set published under ``lookup``."""
+        return self.key("art", lookup)
+
+    def artifact_index(self, scope: str) -> str:
+        """The newest artifact set of one model (``scope``: its weights' version)."""
+        return self.key("artidx", scope)
 
     # -- per-transfer keys --------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ the signed key-value layer and one class per record family, each in its own modu
     cohorts.py   relay cohorts, chains, streamed downloads
     requests.py  transfer requests
     layouts.py   layout descriptions and truth in checkpoint coordinates (resharding)
+    artifacts.py artifact sets (compile caches) and their per-model index
 
 Every key lives under ``{namespace}:`` and carries a TTL, so a crashed worker leaves
 nothing behind for long. Each kind of record read back is one
@@ -23,6 +24,7 @@ nothing behind for long. Each kind of record read back is one
 
 from __future__ import annotations
 
+from nccl_back.coord.artifacts import ArtifactRecords
 from nccl_back.coord.cohorts import CohortRecords
 from nccl_back.coord.layouts import LayoutRecords
 from nccl_back.coord.leases import LeaseRecords
@@ -33,7 +35,7 @@ from nccl_back.coord.truth import encode_truth, truth_for_mode
 __all__ = ["PeerInfo", "PeerStatus", "Registry", "encode_truth", "truth_for_mode"]
 
 
-class Registry(PeerRecords, LeaseRecords, CohortRecords, LayoutRecords):
+class Registry(PeerRecords, LeaseRecords, CohortRecords, LayoutRecords, ArtifactRecords):
     """Typed access to the coordination keys in Redis (every record family).
 
     Every Redis failure (connection refused, timeout, auth error) is raised as

@@ -41,6 +41,9 @@ different layouts never exchange weights.
 over the engine's world group (gloo ``cpu_group``): every rank loads from a peer, or
 every rank loads from storage. After its load an engine serves its weights in the
 background while it answers requests, and leaves the registry when it exits.
+
+**Compile caches** travel too, with a fleet secret (:mod:`.vllm_cache`): fetched right
+after the weights, before vLLM's warm-up compile; published once the engine is ready.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from vllm.model_executor.model_loader import (
     register_model_loader,
 )
 
-from nccl_back.engines import base, vllm_layout
+from nccl_back.engines import base, vllm_cache, vllm_layout
 from nccl_back.engines.base import LOAD_FORMAT, EngineLoad, engine_spec, loaded_state, settings_from
 from nccl_back.load.service import WeightService
 from nccl_back.model.layout import TensorLayout
@@ -91,6 +94,8 @@ def register() -> None:
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not NcclBackModelLoader:
         register_model_loader(LOAD_FORMAT)(NcclBackModelLoader)
     base.route_library_logs(log)
+    # Before vLLM's configuration inspects the model (a subprocess when they are absent).
+    vllm_cache.early_modelinfos(log)
 
 
 def _layout_fields(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:
@@ -196,3 +201,7 @@ class NcclBackModelLoader(BaseModelLoader):
             vllm_config = get_current_vllm_config()
         adapter = VllmAdapter(vllm_config, model_config, self._default)
         self._loaded = base.load_weights(adapter, self.settings, model)
+        if self._loaded is not None:
+            # Still before vLLM's profile run and warm-up compile: the caches arrive in time.
+            vllm_cache.share(self.settings, vllm_config, self._loaded.result.version, log,
+                             engine=f"vllm-{vllm.__version__}")

@@ -58,9 +58,14 @@ class Engine:
 
     def start(self, model: str, env: dict[str, str], *, load_format: str = "nccl_back",
               dtype: str = "bfloat16", extra: dict[str, Any] | None = None,
-              hold: bool = False, tp: int = 1) -> Engine:
+              hold: bool = False, tp: int = 1, compile: bool = False,
+              compilation_config: dict[str, Any] | None = None) -> Engine:
         args = [sys.executable, str(ENGINE), "--model", model, "--load-format", load_format,
                 "--dtype", dtype, "--out", str(self.out), "--tp", str(tp)]
+        if compile:
+            args.append("--compile")
+        if compilation_config is not None:
+            args += ["--compilation-config", json.dumps(compilation_config)]
         if extra is not None:
             args += ["--extra", json.dumps(extra)]
         if hold:

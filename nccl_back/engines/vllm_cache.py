@@ -1,0 +1,244 @@
+"""vLLM's compile caches travel with the weights (``--load-format nccl_back``).
+
+**What travels.** After an engine is ready (compiled and warmed up: the end of its
+worker's ``compile_or_warm_up_model``), rank 0 publishes, as one artifact set
+(:mod:`nccl_back.load.artifacts`), the compile cache vLLM used,
+``VLLM_CACHE_ROOT/torch_compile_cache/<vLLM's hash>/`` and, with vLLM's AOT compile
+(the default with torch >= 2.10, and the CPU build's path),
+``torch_compile_cache/torch_aot_compile/<hash>/`` (graphs, and the inductor and Triton
+caches vLLM keeps inside them: kernels, the shared libraries of the CPU build), and
+``VLLM_CACHE_ROOT/modelinfos/*.json``. A starting engine looks the set up right
+after its weights are loaded, before vLLM's profile run and warm-up compile, and
+installs it under its own ``VLLM_CACHE_ROOT`` with vLLM's own directory names
+(never over a local cache: a unit that exists stays as it is).
+
+**The lookup key** is what the engine knows before compiling, each factor computed by
+vLLM's or torch's own code, never a copy of their formula (:func:`cache_key`):
+``vllm_config.compute_hash()``, vLLM's environment hash
+(``hash_factors(envs.compile_factors())``), the compiler's hash
+(``make_compiler(...).compute_hash``: torch's inductor system and code keys), the
+vLLM, torch and nccl_back versions, and this rank. Both ends compute it at the same
+point (the weight load), so equal settings always meet. vLLM's own key also covers the
+hash of the traced model code, known only once it compiles: since the files keep
+vLLM's own names, vLLM's key still decides hit or miss after the install, so a stale
+set can only be a vLLM miss (it compiles), never a wrong hit.
+
+**Misses say why** in the engine's log: no secret, vLLM compiles nothing here
+(``enforce_eager`` or compilation mode ``NONE``, the cache disabled, an explicit ``compilation_config.cache_dir``), no set for this key (and which factor
+differs from the newest set for this model), no live holder, a refused transfer or
+digest.
+
+vLLM has no hook after warm-up for a model loader, so :func:`after_warm_up` wraps the
+worker class vLLM names in ``parallel_config.worker_cls`` (once per class).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import vllm
+from vllm.config import VllmConfig
+
+from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
+from nccl_back.load import artifacts
+from nccl_back.load.artifacts import CacheKey
+
+#: The cache directory vLLM names its compile caches under, relative to VLLM_CACHE_ROOT.
+COMPILE_DIR = "torch_compile_cache"
+#: vLLM's AOT compile keeps its artifacts in this directory of COMPILE_DIR.
+AOT_DIR = "torch_aot_compile"
+MODELINFOS = "modelinfos"
+
+
+def cache_root() -> str:
+    """vLLM's ``VLLM_CACHE_ROOT`` as vLLM reads it."""
+    import vllm.envs as envs
+
+    return str(envs.VLLM_CACHE_ROOT)
+
+
+def why_not_shared(vllm_config: VllmConfig) -> str | None:
+    """Why this engine's compile caches cannot travel, or None."""
+    import vllm.envs as envs
+    from vllm.compilation.compiler_interface import is_compile_cache_enabled
+    from vllm.config.compilation import CompilationMode
+
+    cc = vllm_config.compilation_config
+    if cc.mode == CompilationMode.NONE:
+        return "vLLM compiles nothing here (enforce_eager, or compilation mode NONE)"
+    if not is_compile_cache_enabled(cc.inductor_compile_config):
+        return "vLLM's compile cache is disabled (VLLM_DISABLE_COMPILE_CACHE or inductor config)"
+    if cc.cache_dir and not os.path.realpath(cc.cache_dir).startswith(
+            os.path.realpath(os.path.join(envs.VLLM_CACHE_ROOT, COMPILE_DIR)) + os.sep):
+        return f"compilation_config.cache_dir={cc.cache_dir!r} is outside VLLM_CACHE_ROOT"
+    return None
+
+
+def cache_key(vllm_config: VllmConfig, scope: str) -> CacheKey:
+    """The lookup key of this rank's compile caches, from vLLM's and torch's own hashes."""
+    import vllm.envs as envs
+    from vllm.compilation.backends import make_compiler
+    from vllm.config.utils import hash_factors
+
+    par = vllm_config.parallel_config
+    factors = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "nccl_back": artifacts.nccl_back_version(),
+        "config_hash": vllm_config.compute_hash(),
+        "env_hash": hash_factors(envs.compile_factors()),
+        "compiler_hash": make_compiler(vllm_config.compilation_config).compute_hash(vllm_config),
+        "rank": f"{par.rank}_{par.data_parallel_index}",
+    }
+    return CacheKey({k: str(v) for k, v in factors.items()}, scope)
+
+
+def units(vllm_config: VllmConfig, root: str) -> list[str]:
+    """What travels after a compile: the cache directories vLLM used for its hashes
+    (``torch_compile_cache/<hash>`` of its backend, ``torch_compile_cache/
+    torch_aot_compile/<hash>`` of its AOT compile, as vLLM left them in its config)."""
+    out: list[str] = []
+    cc = vllm_config.compilation_config
+    for used in (cc.cache_dir, cc.local_cache_dir):
+        if not used:
+            continue
+        rel = os.path.relpath(os.path.realpath(used), os.path.realpath(root)).split(os.sep)
+        if len(rel) < 2 or rel[0] != COMPILE_DIR:
+            continue
+        unit = "/".join(rel[:3] if rel[1] == AOT_DIR else rel[:2])
+        if len(unit.split("/")) >= 2 + (rel[1] == AOT_DIR) and unit not in out:
+            out.append(unit)
+    return out
+
+
+def _modelinfos(root: str) -> list[str]:
+    infos = os.path.join(root, MODELINFOS)
+    if not os.path.isdir(infos):
+        return []
+    return [f"{MODELINFOS}/{n}" for n in sorted(os.listdir(infos)) if n.endswith(".json")]
+
+
+def modelinfos_key() -> CacheKey:
+    """The key of vLLM's model infos: vLLM checks each file against its model code's
+    hash, so any engine of this vLLM version may provide them."""
+    factors = {"set": MODELINFOS, "vllm": vllm.__version__, "nccl_back": artifacts.nccl_back_version()}
+    return CacheKey(factors, hashlib.sha256(f"{MODELINFOS}-{vllm.__version__}".encode())
+                    .hexdigest()[:32])
+
+
+_early = threading.Event()
+#: What :func:`early_modelinfos` did in this process (None: it did not try). vLLM
+#: configures the front end's logging only after its plugins load, so with ``LLM(...)``
+#: the line it logs may not show; this says it anyway.
+early_outcome: str | None = None
+
+
+def early_modelinfos(log: logging.Logger) -> None:
+    """At plugin load, before vLLM's configuration inspects the model in a subprocess:
+    fetch model infos from a peer into an empty ``VLLM_CACHE_ROOT/modelinfos`` (once per
+    process, only with ``NCCL_BACK_REDIS_URL`` and a secret in the environment)."""
+    if _early.is_set():
+        return
+    _early.set()
+    if not os.environ.get(f"{ENV_PREFIX}REDIS_URL") or not (
+            os.environ.get(f"{ENV_PREFIX}SECRET") or os.environ.get(SECRET_FILE_ENV)):
+        return
+    try:
+        root = cache_root()
+        if _modelinfos(root):
+            return
+        settings = Settings.from_env()
+    except Exception as e:  # a bad setting is reported where the loader is built
+        log.debug("nccl_back: no early model infos (%r)", e)
+        return
+    if not settings.compile_caches:
+        return
+    global early_outcome
+    got = artifacts.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
+    early_outcome = f"from peer {got.peer}: {got.installed}" if got.ok else f"missed: {got.reason}"
+    if got.ok:
+        log.info("nccl_back: model infos from peer %s in %.3f s: %s", got.peer, got.seconds,
+                 got.installed)
+    else:
+        log.debug("nccl_back: no model infos from peers (%s)", got.reason)
+
+
+_READY: list[Callable[[], None]] = []
+_WRAPPED: set[type] = set()
+
+
+def after_warm_up(vllm_config: VllmConfig, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once, when this process's worker has compiled and warmed up."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cls = vllm_config.parallel_config.worker_cls
+    worker = resolve_obj_by_qualname(cls) if isinstance(cls, str) else cls
+    _READY.append(callback)
+    if worker in _WRAPPED:
+        return
+    _WRAPPED.add(worker)
+    original = worker.compile_or_warm_up_model
+
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        while _READY:
+            try:
+                _READY.pop(0)()
+            except Exception as e:  # publishing never breaks vLLM's start
+                logging.getLogger("vllm.nccl_back").warning(
+                    "nccl_back: compile caches not published (%r)", e)
+        return out
+
+    worker.compile_or_warm_up_model = compile_or_warm_up_model
+
+
+def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.Logger,
+          engine: str) -> None:
+    """During the weight load (before warm-up): fetch a peer's caches for this engine's
+    key; after warm-up, publish this engine's own unless vLLM used the received ones."""
+    if not settings.compile_caches or vllm_config.parallel_config.rank != 0:
+        return
+    why = why_not_shared(vllm_config)
+    if why is None and settings.secret is None:
+        artifacts.warn_no_secret()
+        why = "no fleet secret (NCCL_BACK_SECRET): compile caches are skipped"
+    if why is not None:
+        log.info("nccl_back: compile caches not shared: %s", why)
+        return
+    root = cache_root()
+    try:
+        key = cache_key(vllm_config, scope)
+    except Exception as e:  # vLLM's internals moved: weights still travel
+        log.warning("nccl_back: compile caches not shared: no lookup key (%r)", e)
+        return
+    got = artifacts.fetch(settings, key, root, engine=engine)
+    if got.ok:
+        log.info("nccl_back: compile caches from peer %s: %.1f MB in %.3f s, installed %s%s",
+                 got.peer, got.bytes / 1e6, got.seconds, got.installed,
+                 f", kept local {got.kept}" if got.kept else "")
+    else:
+        log.info("nccl_back: no compile caches from peers (%s); vLLM compiles, and this"
+                 " engine publishes its caches when ready", got.reason)
+    received = set(got.installed)
+
+    def publish() -> None:
+        found = units(vllm_config, root)
+        if found and any(u in received for u in found):
+            return  # vLLM used the received set, which this engine already serves
+        # In the background: collecting and hashing must not delay readiness.
+        def run() -> None:
+            what = artifacts.publish(settings, key, root, found, engine=engine)
+            log.info("nccl_back: compile caches %s", what)
+            infos = artifacts.publish(settings, modelinfos_key(), root, _modelinfos(root),
+                                      engine=engine)
+            log.info("nccl_back: model infos %s", infos)
+
+        threading.Thread(target=run, daemon=True, name="nccl-back-publish-caches").start()
+
+    after_warm_up(vllm_config, publish)

@@ -1,0 +1,69 @@
+"""``compile_cache``: a ``torch.compile`` user's inductor cache, shared with the fleet.
+
+One call around the first run of a compiled program::
+
+    import nccl_back
+
+    compiled = torch.compile(model)
+    with nccl_back.compile_cache("llama-8b-bf16-max-autotune") as got:
+        compiled(example)            # compiles: from a peer's kernels if one published them
+    print(got.ok, got.reason)        # whether the cache came from a peer, or why not
+
+On entry the set published under this key is fetched into inductor's cache directory
+(``TORCHINDUCTOR_CACHE_DIR``, else torch's default) from a live peer; on a clean exit
+after a miss, this process publishes its own cache directory and serves it until it
+exits. The key is ``name`` (what you compile, and how), torch's version and torch's own
+inductor key (``torch._inductor.codecache.torch_key``: its code and system); torch's
+FX-graph cache keys still decide each hit after the install, so a stale set is only a
+miss. Everything else is :mod:`nccl_back.load.artifacts`'s: the fleet secret required,
+the keyed digest checked before any write, nothing written over a local cache (a
+top-level entry of the cache directory that exists locally is kept as it is: give
+each program its own ``TORCHINDUCTOR_CACHE_DIR`` to share all of it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from nccl_back.config import Settings
+from nccl_back.load import artifacts
+from nccl_back.load.artifacts import CacheKey, Fetched
+from nccl_back.model.artifacts import TMP_PREFIX
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory, as torch resolves it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return str(cache_dir())
+
+
+def inductor_key(name: str) -> CacheKey:
+    """The lookup key of ``name``'s inductor cache, from torch's own keys."""
+    from torch._inductor.codecache import torch_key
+
+    factors = {"name": name, "torch": torch.__version__, "nccl_back": artifacts.nccl_back_version(),
+               "inductor_key": torch_key().hex()[:32]}
+    return CacheKey(factors, hashlib.sha256(name.encode()).hexdigest()[:32])
+
+
+@contextlib.contextmanager
+def compile_cache(name: str, settings: Settings | None = None, *,
+                  cache_dir: str | None = None) -> Iterator[Fetched]:
+    """Fetch ``name``'s inductor cache before the block; publish this one's after it if
+    none came (see the module docstring). Never raises for a miss."""
+    s = settings if settings is not None else Settings.from_env()
+    root = cache_dir or inductor_cache_dir()
+    key = inductor_key(name)
+    got = artifacts.fetch(s, key, root)
+    yield got
+    if got.ok or s.secret is None:
+        return
+    units = sorted(n for n in os.listdir(root) if not n.startswith(TMP_PREFIX)) \
+        if os.path.isdir(root) else []
+    got.reason = f"{got.reason}; {artifacts.publish(s, key, root, units)}"

@@ -181,7 +181,9 @@ def caches_main(args: argparse.Namespace) -> int:
     })
 
     def env(root: str) -> dict[str, str]:
-        return dict(base, VLLM_CACHE_ROOT=str(work / root))
+        # Inductor's cache too is the engine's own: a shared one would make "cold" warm.
+        return dict(base, VLLM_CACHE_ROOT=str(work / root),
+                    TORCHINDUCTOR_CACHE_DIR=str(work / f"{root}-inductor"))
 
     results: dict[str, dict[str, Any]] = {}
     meta: dict[str, Any] = {"model_bytes": sum(s.stat().st_size for s in model.glob("*.safetensors")),

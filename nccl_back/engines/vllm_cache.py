@@ -11,6 +11,10 @@ caches vLLM keeps inside them: kernels, the shared libraries of the CPU build), 
 after its weights are loaded, before vLLM's profile run and warm-up compile, and
 installs it under its own ``VLLM_CACHE_ROOT`` with vLLM's own directory names
 (never over a local cache: a unit that exists stays as it is).
+Where vLLM hands its graph to ``torch.compile`` with inductor itself (compilation mode
+``DYNAMO_TRACE_ONCE`` with ``VLLM_USE_AOT_COMPILE=0``: :func:`inductor_only`), nothing
+is written under ``VLLM_CACHE_ROOT``; inductor's cache directory
+(``TORCHINDUCTOR_CACHE_DIR``) is then the set, under the same key plus ``set=inductor``.
 
 **The lookup key** is what the engine knows before compiling, each factor computed by
 vLLM's or torch's own code, never a copy of their formula (:func:`cache_key`):
@@ -48,6 +52,7 @@ from vllm.config import VllmConfig
 from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
 from nccl_back.load import artifacts
 from nccl_back.load.artifacts import CacheKey
+from nccl_back.load.compile_cache import cache_units, inductor_cache_dir
 
 #: The cache directory vLLM names its compile caches under, relative to VLLM_CACHE_ROOT.
 COMPILE_DIR = "torch_compile_cache"
@@ -97,6 +102,19 @@ def cache_key(vllm_config: VllmConfig, scope: str) -> CacheKey:
         "rank": f"{par.rank}_{par.data_parallel_index}",
     }
     return CacheKey({k: str(v) for k, v in factors.items()}, scope)
+
+
+def inductor_only(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM hands its graph to ``torch.compile`` with inductor (compilation mode
+    ``DYNAMO_TRACE_ONCE`` without vLLM's AOT compile): it then keeps its whole compile in
+    inductor's cache directory (FX graphs, AOTAutograd entries, kernels) and nothing under
+    ``VLLM_CACHE_ROOT``, so that directory is what travels (as :func:`nccl_back.
+    compile_cache` shares it; torch's FX-graph keys decide each hit after the install)."""
+    import vllm.envs as envs
+    from vllm.config.compilation import CompilationMode
+
+    return bool(vllm_config.compilation_config.mode == CompilationMode.DYNAMO_TRACE_ONCE
+                and not envs.VLLM_USE_AOT_COMPILE)
 
 
 def units(vllm_config: VllmConfig, root: str) -> list[str]:
@@ -211,12 +229,15 @@ def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.
     if why is not None:
         log.info("nccl_back: compile caches not shared: %s", why)
         return
-    root = cache_root()
+    vllm_root = root = cache_root()
     try:
         key = cache_key(vllm_config, scope)
+        inductor = inductor_only(vllm_config)
     except Exception as e:  # vLLM's internals moved: weights still travel
         log.warning("nccl_back: compile caches not shared: no lookup key (%r)", e)
         return
+    if inductor:
+        root, key = inductor_cache_dir(), CacheKey({**key.factors, "set": "inductor"}, key.scope)
     got = artifacts.fetch(settings, key, root, engine=engine)
     if got.ok:
         log.info("nccl_back: compile caches from peer %s: %.1f MB in %.3f s, installed %s%s",
@@ -228,15 +249,15 @@ def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.
     received = set(got.installed)
 
     def publish() -> None:
-        found = units(vllm_config, root)
+        found = cache_units(root) if inductor else units(vllm_config, root)
         if found and any(u in received for u in found):
             return  # vLLM used the received set, which this engine already serves
         # In the background: collecting and hashing must not delay readiness.
         def run() -> None:
             what = artifacts.publish(settings, key, root, found, engine=engine)
             log.info("nccl_back: compile caches %s", what)
-            infos = artifacts.publish(settings, modelinfos_key(), root, _modelinfos(root),
-                                      engine=engine)
+            infos = artifacts.publish(settings, modelinfos_key(), vllm_root,
+                                      _modelinfos(vllm_root), engine=engine)
             log.info("nccl_back: model infos %s", infos)
 
         threading.Thread(target=run, daemon=True, name="nccl-back-publish-caches").start()

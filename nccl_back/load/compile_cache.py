@@ -43,6 +43,14 @@ def inductor_cache_dir() -> str:
     return str(cache_dir())
 
 
+def cache_units(root: str) -> list[str]:
+    """What of inductor's cache directory travels: its top-level entries (not the
+    temporary directories of an install in progress)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root) if not n.startswith(TMP_PREFIX))
+
+
 def inductor_key(name: str) -> CacheKey:
     """The lookup key of ``name``'s inductor cache, from torch's own keys."""
     from torch._inductor.codecache import torch_key
@@ -64,6 +72,4 @@ def compile_cache(name: str, settings: Settings | None = None, *,
     yield got
     if got.ok or s.secret is None:
         return
-    units = sorted(n for n in os.listdir(root) if not n.startswith(TMP_PREFIX)) \
-        if os.path.isdir(root) else []
-    got.reason = f"{got.reason}; {artifacts.publish(s, key, root, units)}"
+    got.reason = f"{got.reason}; {artifacts.publish(s, key, root, cache_units(root))}"

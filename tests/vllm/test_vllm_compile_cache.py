@@ -120,3 +120,36 @@ def test_another_compile_setting_is_a_miss_that_says_why(caches: Caches) -> None
     assert "nccl_back: compile caches from peer" not in log
     key_c = wait_published(c).group(2)
     assert key_c != wait_published(caches.engines["a"]).group(2)
+
+
+@pytest.fixture(scope="module")
+def inductor_caches(tiny_model: str, engine_env: dict[str, str], workdir: Path) -> Iterator[Caches]:
+    """Two engines without vLLM's AOT compile, each with its own inductor cache directory."""
+    c = Caches(tiny_model, dict(engine_env, VLLM_USE_AOT_COMPILE="0",
+                                NCCL_BACK_NAMESPACE=engine_env["NCCL_BACK_NAMESPACE"] + "ind"), workdir)
+    c.env["TORCHINDUCTOR_CACHE_DIR"] = str(workdir / "inductor-ia")
+    c.start("ia", hold=True)
+    c.engines["ia"].wait_ready()
+    wait_published(c.engines["ia"])
+    c.env["TORCHINDUCTOR_CACHE_DIR"] = str(workdir / "inductor-ib")
+    c.start("ib")
+    yield c
+    for e in c.engines.values():
+        e.kill()
+
+
+def test_without_aot_compile_inductors_cache_travels(inductor_caches: Caches, workdir: Path) -> None:
+    """Without vLLM's AOT compile the compile lives in inductor's cache directory: a fresh
+    engine receives it before its warm-up and rebuilds no kernel; tokens as the first's."""
+    a, b = inductor_caches.engines["ia"], inductor_caches.engines["ib"]
+    assert not any(inductor_caches.root("ia").rglob("torch_compile_cache/*"))  # nothing of vLLM's own
+    tokens = b.wait_ready()["tokens"]
+    assert tokens == a.wait_ready()["tokens"]
+    m = _FROM_PEER.search(b.log())
+    assert m is not None, b.tail()
+    mine = sorted(p.name for p in (workdir / "inductor-ib").rglob("*.so"))
+    theirs = sorted(p.name for p in (workdir / "inductor-ia").rglob("*.so"))
+    assert mine and mine == theirs
+    times = [p.stat().st_mtime for p in (workdir / "inductor-ib").rglob("*.so")]
+    assert max(times) - min(times) < 1.0  # all written by the install: none compiled after
+    assert _PUBLISHED.search(b.log()) is None  # it serves what it received

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_start import engine_env  # benchmarks/vllm_start.py: the same engines' environment
+
 from nccl_back.dev.demo import write_example_model
 from nccl_back.dev.servers import LocalRedis
 
@@ -90,14 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     model = write_example_model(work / "model", args.model_mb)
     size = sum(s.stat().st_size for s in model.glob("*.safetensors"))
     redis = LocalRedis().start()
-    env = dict(os.environ)
-    env.update({
-        "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "NCCL_BACK_REDIS_URL": redis.url, "NCCL_BACK_NAMESPACE": f"bench{os.getpid()}",
-        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
-        "NCCL_BACK_CACHE_DIR": str(work / "crc-cache"),
-        "NCCL_BACK_MAX_CONCURRENT_SENDS": str(args.max_concurrent_sends),
-    })
+    env = engine_env(redis.url, work, VLLM_CPU_OMP_THREADS_BIND="nobind",
+                     NCCL_BACK_MAX_CONCURRENT_SENDS=str(args.max_concurrent_sends))
     res: dict[str, dict[str, Any]] = {}
     load_avg = [os.getloadavg()[0]]
     try:

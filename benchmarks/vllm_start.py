@@ -61,6 +61,19 @@ _PHASES = {
 }
 
 
+def engine_env(redis_url: str, work: Path, **extra: str) -> dict[str, str]:
+    """Every benchmark engine's environment: this tree, real Redis, a fresh namespace,
+    loopback addresses, the CRC cache under ``work``; ``extra`` on top."""
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+        "NCCL_BACK_REDIS_URL": redis_url, "NCCL_BACK_NAMESPACE": f"bench{os.getpid()}",
+        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
+        "NCCL_BACK_CACHE_DIR": str(work / "crc-cache"), **extra,
+    })
+    return env
+
+
 def evict(paths: list[Path]) -> str:
     """Drop the checkpoint from the page cache; say how."""
     how = []
@@ -172,13 +185,7 @@ def caches_main(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-caches-"))
     model = write_example_model(work / "model", args.model_mb)
     redis = LocalRedis().start()
-    base = dict(os.environ)
-    base.update({
-        "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
-        "NCCL_BACK_REDIS_URL": redis.url, "NCCL_BACK_NAMESPACE": f"bench{os.getpid()}",
-        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
-        "NCCL_BACK_CACHE_DIR": str(work / "crc-cache"), "NCCL_BACK_SECRET": "bench-fleet-secret-0123",
-    })
+    base = engine_env(redis.url, work, NCCL_BACK_SECRET="bench-fleet-secret-0123")
 
     def env(root: str) -> dict[str, str]:
         # Inductor's cache too is the engine's own: a shared one would make "cold" warm.
@@ -269,13 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     shards = sorted(model.glob("*.safetensors"))
     size = sum(s.stat().st_size for s in shards)
     redis = LocalRedis().start()
-    env = dict(os.environ)
-    env.update({
-        "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
-        "NCCL_BACK_REDIS_URL": redis.url, "NCCL_BACK_NAMESPACE": f"bench{os.getpid()}",
-        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
-        "NCCL_BACK_CACHE_DIR": str(work / "crc-cache"),
-    })
+    env = engine_env(redis.url, work)
     results: dict[str, dict[str, Any]] = {}
     meta: dict[str, Any] = {
         "model_bytes": size, "shards": len(shards), "cpus": os.cpu_count(),

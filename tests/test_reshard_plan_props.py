@@ -165,6 +165,22 @@ def test_plan_fills_every_element_once_and_exactly(data: Any) -> None:
         assert got[n].reshape(-1).view(torch.uint8).tolist() == want[n].reshape(-1).view(torch.uint8).tolist(), n
     assert plan.nbytes() == sum(c.sum().item() * want[n].element_size() for n, c in counts.items())
 
+    # Bit-exact as the transfer moves them too: the sender's per-move payload (views where
+    # a box is contiguous) lands in the receiver's (views, else staged and copied in).
+    landed = {n: torch.full(s, 7, dtype=DTYPES[d]) for n, s, d, _ in receiver.tensors}
+    P.zero_padding(receiver, landed)
+    for k in range(len(holders)):
+        moves = plan.for_holder(k)
+        sent = P.sent(moves, held[k])
+        into, finish = P.landing(moves, landed, torch.device("cpu"))
+        assert sorted(sent) == sorted(into)
+        assert all(sent[n].shape == into[n].shape and sent[n].dtype == torch.uint8 for n in sent)
+        for n in sent:
+            into[n].copy_(sent[n])
+        finish()
+    for n in want:
+        assert landed[n].reshape(-1).view(torch.uint8).tolist() == want[n].reshape(-1).view(torch.uint8).tolist(), n
+
     # Deterministic: the same inputs give the same plan, whoever computes it.
     again = P.plan(L.parse(receiver.dumps()), [L.parse(h.dumps(), h.digest) for h in holders])
     assert again == plan and again.digest == plan.digest

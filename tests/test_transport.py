@@ -44,7 +44,7 @@ from nccl_back.transport import (
     run_guarded,
     send_tensors,
 )
-from nccl_back.transport.broadcast import ALIGN, plan_digest
+from nccl_back.transport.broadcast import ALIGN, DIRECT_BYTES, plan_digest
 from nccl_back.transport.gloo import GlooRendezvous, GlooTransport
 from nccl_back.transport.nccl import NcclTransport, check_available
 
@@ -228,6 +228,19 @@ def test_plan_is_derived_from_the_manifest_alone() -> None:
         chunks = [s.slots[0] for s in steps if s.direct and s.slots[0].name == name]
         assert [c.offset for c in chunks] == list(range(0, sum(c.nbytes for c in chunks), BUCKET))
         assert sum(c.nbytes for c in chunks) == tensors[name].numel() * tensors[name].element_size()
+
+
+def test_tensors_of_direct_size_travel_in_place_below_the_bucket() -> None:
+    """A tensor of DIRECT_BYTES or more gets its own in-place steps even in a larger bucket;
+    smaller ones still share packed buckets."""
+    mib = 1 << 20
+    shapes = {"a.big": (3 * mib,), "b.two": (DIRECT_BYTES,), "c.small": (DIRECT_BYTES - 1,), "d.tiny": (8,)}
+    manifest = Manifest(tuple(TensorEntry(n, s, "uint8") for n, s in shapes.items()))
+    steps = plan(manifest, 8 * mib)
+    assert [(s.direct, [x.name for x in s.slots]) for s in steps] == [
+        (True, ["a.big"]), (True, ["b.two"]), (False, ["c.small", "d.tiny"])]
+    # At or below DIRECT_BYTES the bucket is the threshold, as before.
+    assert [s.direct for s in plan(manifest, mib)] == [True] * (3 + 2 + 2) + [False]
 
 
 @pytest.mark.timeout(60)

@@ -7,10 +7,10 @@ identically on both sides, and its digest is exchanged first: a difference (anot
 manifest, another ``bucket_bytes``) raises :class:`ManifestMismatchError` on both sides
 before any tensor is touched.
 
-Tensors smaller than ``bucket_bytes`` are coalesced into flat byte buckets (packed on
-the sender, unpacked on the receiver) because a call per small tensor costs more in
-latency than in bytes; larger ones are broadcast in place, cut into chunks of
-``bucket_bytes``. So no step is larger than a bucket: a relay (:mod:`nccl_back.transport.relay`)
+Tensors smaller than ``bucket_bytes`` and than :data:`DIRECT_BYTES` are coalesced into
+flat byte buckets (packed on the sender, unpacked on the receiver) because a call per
+small tensor costs more in latency than in bytes; larger ones are broadcast in place,
+cut into chunks of ``bucket_bytes``. So no step is larger than a bucket: a relay (:mod:`nccl_back.transport.relay`)
 forwards step k while k+1 arrives, and each hop of a chain costs one step, not one
 tensor. Everything travels as bytes (``uint8`` views), so no backend has to support
 bf16, bool or complex.
@@ -54,6 +54,12 @@ log = get_logger(__name__)
 #: Offsets inside a bucket are multiples of ``ALIGN`` (:mod:`nccl_back.model.skeleton`'s, the
 #: one alignment), so every slot can be viewed as any dtype and copies stay aligned.
 
+#: A tensor of at least this many bytes travels in place, in its own step, even below
+#: ``bucket_bytes``: a gloo call of 2 MiB costs 0.91-1.0 of its bytes in a flat call
+#: (benchmarks/gloo_calls.py), less than copying it through a bucket on both sides
+#: (1 GiB of 2-5.5 MiB weights in 8 MiB buckets: two extra memcpys of the model).
+DIRECT_BYTES = 2 << 20
+
 #: Broadcasts in flight at once: one on the wire while the host packs/unpacks the next.
 MAX_IN_FLIGHT = 2
 
@@ -96,8 +102,9 @@ class TransferStats:
 def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> list[Step]:
     """The broadcast calls for ``source``, from names, shapes and dtypes alone.
 
-    Tensors are visited in sorted name order; each one of ``bucket_bytes`` or more is
-    sent in place in chunks of ``bucket_bytes`` (one step each), smaller ones fill the
+    Tensors are visited in sorted name order; each one of ``bucket_bytes`` or
+    :data:`DIRECT_BYTES` or more is sent in place in chunks of ``bucket_bytes`` (one
+    step each), smaller ones fill the
     open bucket (at ``ALIGN``-ed offsets) until the next would not fit. Empty tensors
     carry no bytes and get no step.
     """
@@ -106,11 +113,12 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
     steps: list[Step] = []
     bucket: list[Slot] = []
     used = 0
+    direct_from = min(bucket_bytes, DIRECT_BYTES)
     for name, shape, dtype in sorted(_entries(source)):
         nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
         if nbytes == 0:
             continue
-        if nbytes >= bucket_bytes:
+        if nbytes >= direct_from:
             # In place, in chunks of at most a bucket (a relay's unit of forwarding):
             # a direct slot's offset is its chunk's byte offset within the tensor.
             for at in range(0, nbytes, bucket_bytes):

@@ -57,6 +57,25 @@ def test_tp1_truth_checks_tp2_slices_and_catches_a_change() -> None:
         T.check(full, values, parts[0], KEY)
 
 
+def test_a_position_mac_is_keyed_blake2b_over_the_documented_fields() -> None:
+    """Every MAC is BLAKE2b(key) over name, shape, j, flat index, length and raw bytes, so
+    workers of any release that keeps this format check each other's truth."""
+    import hashlib
+
+    import numpy as np
+
+    full, values = _full()
+    macs = T.held_macs(full, values, KEY)
+    pos = T.positions("w", CK["w"], KEY)
+    raw = values["w"].reshape(-1).view(torch.uint8).reshape(-1, 4).numpy()
+    for j in (0, len(pos) - 1):
+        flat = int(pos[j])
+        data = np.ascontiguousarray(raw[flat]).tobytes()
+        want = hashlib.blake2b(f"w\0{list(CK['w'])}\0{j}\0{flat}\0{len(data)}\0".encode() + data,
+                               digest_size=T.MAC_BYTES, key=KEY).hexdigest()
+        assert macs["w"][j] == want
+
+
 def test_records_round_trip_and_forgeries_are_rejected(redis_url: str) -> None:
     s = Settings(redis_url=redis_url, namespace="ct-test", secret="s" * 32)
     reg = Registry(s)

@@ -86,16 +86,17 @@ def attempt(env: Env, a: Attempt, sh: Sharding, loader: StorageLoader) -> LoadRe
     found = run(env, a, sh)
     if found is None:
         return None
+    macs: position_truth.Macs | None = None
     with caught(a, "reshard"):
         try:
-            receive(env, a, sh, found)
+            macs = receive(env, a, sh, found)
         except NcclBackError as e:  # this rank's vote: go to storage, with the reason
             a.reason = e
             a.log.warning("reshard_failed", reason=fallback_reason(e), error=str(e))
     a.timings["peer"] = _clock.perf() - t
     decision = agree(a, "reshard")
     if decision.ok:
-        return published(env, a, sh, found)
+        return published(env, a, sh, found, macs)
     if a.reason is None:
         a.reason = decision.why()
     if env.settings.strict and decision.failed:
@@ -172,9 +173,10 @@ def _truth(env: Env, a: Attempt, p: PeerInfo, lay: Layout) -> position_truth.Mac
     return got or {}
 
 
-def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
+def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> position_truth.Macs | None:
     """Every piece from its holder, all holders at once, then the check; raises with the
-    reason if not (the first holder's that failed, once every pull has ended)."""
+    reason if not (the first holder's that failed, once every pull has ended). Returns
+    the MACs of the positions it checked (None with ``verify`` off): what it publishes."""
     s, t = env.settings, a.target
     budget = _clock.monotonic() + s.peer_budget_seconds
     pulls = _Pulls()
@@ -191,11 +193,14 @@ def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
             if e is not None:
                 raise e
     zero_padding(sh.layout, t.tensors)
-    if s.verify != "none":
-        began = _clock.perf()
-        checked = position_truth.check(sh.layout, t.tensors, f.truth, s.key("integrity"))
-        a.timings["verify"] = _clock.perf() - began
-        a.log.info("reshard_verified", positions=checked)
+    if s.verify == "none":
+        return None
+    began = _clock.perf()
+    mine = position_truth.held_macs(sh.layout, t.tensors, s.key("integrity"))
+    checked = position_truth.compare(mine, f.truth)
+    a.timings["verify"] = _clock.perf() - began
+    a.log.info("reshard_verified", positions=checked)
+    return mine
 
 
 class _Pulls:
@@ -292,8 +297,10 @@ def _pull(env: Env, a: Attempt, f: Found, k: int, token: str,
     a.timings[f"transfer.{k}"] = _clock.perf() - began
 
 
-def published(env: Env, a: Attempt, sh: Sharding, f: Found) -> LoadResult:
-    """The resharded load's result; this worker then serves its own layout."""
+def published(env: Env, a: Attempt, sh: Sharding, f: Found,
+              macs: position_truth.Macs | None) -> LoadResult:
+    """The resharded load's result; this worker then serves its own layout (with the
+    position MACs it checked, or computes them where verification was off)."""
     s, reg, man = env.settings, env.registry, a.target.manifest
     seconds = _clock.perf() - a.start
     sources = ",".join(f.peers[k].peer_id for k in f.plan.used)
@@ -305,7 +312,8 @@ def published(env: Env, a: Attempt, sh: Sharding, f: Found) -> LoadResult:
                gbps=round(result.gbps, 3))
     hashes = encode_truth({"sampled": integrity.layer_hashes(a.model, key=s.key("integrity"))})
     try:
-        macs = position_truth.held_macs(sh.layout, a.target.tensors, s.key("integrity"))
+        if macs is None:
+            macs = position_truth.held_macs(sh.layout, a.target.tensors, s.key("integrity"))
         reg.put_position_truth(a.spec.version, a.rank, a.world, sh.layout.digest, macs)
         reg.put_ground_truth(a.spec.version, a.rank, a.world, man.digest, hashes)
         env.server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer", log=a.log,

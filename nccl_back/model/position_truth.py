@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,11 +57,19 @@ def positions(name: str, shape: tuple[int, ...], key: bytes | None) -> np.ndarra
     return picks.astype(np.int64)
 
 
-def _mac(key: bytes | None, name: str, shape: tuple[int, ...], j: int, flat: int, data: bytes) -> str:
+def _prefix(key: bytes | None, name: str, shape: tuple[int, ...]) -> Any:
+    """The keyed BLAKE2b state after ``(name, shape)``: copied per position, so the key
+    block and the name are hashed once per tensor, not once per position."""
     h = hashlib.blake2b(digest_size=MAC_BYTES, key=key or b"")
-    h.update(f"{name}\0{list(shape)}\0{j}\0{flat}\0{len(data)}\0".encode())
+    h.update(f"{name}\0{list(shape)}\0".encode())
+    return h
+
+
+def _mac(prefix: Any, j: int, flat: int, data: bytes) -> str:
+    h = prefix.copy()
+    h.update(b"%d\0%d\0%d\0" % (j, flat, len(data)))
     h.update(data)
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
 def held_macs(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | None) -> Macs:
@@ -76,6 +85,7 @@ def held_macs(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | 
             src = shapes[p.source] or (1,)
             pos = positions(p.source, shapes[p.source], key)
             macs = out.setdefault(p.source, [None] * len(pos))
+            prefix = _prefix(key, p.source, shapes[p.source])
             y = np.stack(np.unravel_index(pos, src)) if len(pos) else np.zeros((len(src), 0), np.int64)
             inside = (y[p.dim] >= p.start) & (y[p.dim] < p.stop)
             js = np.nonzero(inside)[0]
@@ -88,7 +98,7 @@ def held_macs(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | 
             values = tensor[index].contiguous().cpu()
             raw = values.view(torch.uint8).reshape(len(js), -1).numpy()
             for n, j in enumerate(js.tolist()):
-                macs[j] = _mac(key, p.source, shapes[p.source], j, int(pos[j]), raw[n].tobytes())
+                macs[j] = _mac(prefix, j, int(pos[j]), raw[n].tobytes())
     return out
 
 
@@ -113,9 +123,14 @@ def merge(records: list[Macs]) -> Macs:
 def check(layout: Layout, tensors: Mapping[str, torch.Tensor], truth: Macs,
           key: bytes | None) -> int:
     """Compare every sampled position this layout holds with ``truth``; returns how many
-    were checked. :class:`WeightVerificationError` naming the first tensors that differ,
-    or a held position the truth has no MAC for (nothing to verify it against)."""
-    mine = held_macs(layout, tensors, key)
+    were checked. :class:`WeightVerificationError` as :func:`compare`."""
+    return compare(held_macs(layout, tensors, key), truth)
+
+
+def compare(mine: Macs, truth: Macs) -> int:
+    """Compare held MACs (:func:`held_macs`) with ``truth``; returns how many were
+    checked. :class:`WeightVerificationError` naming the first tensors that differ, or a
+    held position the truth has no MAC for (nothing to verify it against)."""
     bad, missing, checked = [], [], 0
     for name in sorted(mine):
         want = truth.get(name)

@@ -172,12 +172,15 @@ def test_plan_fills_every_element_once_and_exactly(data: Any) -> None:
     for k in range(len(holders)):
         moves = plan.for_holder(k)
         sent = P.sent(moves, held[k])
-        into, finish = P.landing(moves, landed, torch.device("cpu"))
+        land = P.Landing(moves, landed, torch.device("cpu"))
+        into = land.payload
         assert sorted(sent) == sorted(into)
         assert all(sent[n].shape == into[n].shape and sent[n].dtype == torch.uint8 for n in sent)
-        for n in sent:
+        for i, n in enumerate(sorted(sent)):
             into[n].copy_(sent[n])
-        finish()
+            if i % 2:  # some placed as they arrive, the rest at the end
+                land.place(n)
+        land.finish()
     for n in want:
         assert landed[n].reshape(-1).view(torch.uint8).tolist() == want[n].reshape(-1).view(torch.uint8).tolist(), n
 

@@ -32,8 +32,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from nccl_back import _clock
 from nccl_back.coord import records
 from nccl_back.coord.auth import transfer_scope
@@ -54,11 +52,12 @@ from nccl_back.load.vote import agree, caught
 from nccl_back.model import integrity, position_truth
 from nccl_back.model.layout import Layout
 from nccl_back.model.loader import StorageLoader
-from nccl_back.model.reshard_plan import Plan, PlanError, landing, plan, zero_padding
+from nccl_back.model.reshard_plan import Landing, Plan, PlanError, plan, zero_padding
 from nccl_back.model.sharding import Sharding
 from nccl_back.result import LoadResult
 from nccl_back.transport import Transport, receiver_transport, recv_tensors, run_guarded
-from nccl_back.transport.broadcast import payload_bytes
+from nccl_back.transport.broadcast import completes, payload_bytes
+from nccl_back.transport.broadcast import plan as broadcast_plan
 
 #: Seconds between two claims of a holder whose send slots are all taken.
 _BUSY_POLL = 0.05
@@ -232,7 +231,7 @@ class _Pulls:
 def _from_holder(env: Env, a: Attempt, f: Found, k: int, budget: float, pulls: _Pulls) -> None:
     """Holder ``k``'s moves: a send slot, the transfer into place, the staged copies."""
     s, reg, t, peer = env.settings, env.registry, a.target, f.peers[k]
-    payload, finish = landing(f.plan.for_holder(k), t.tensors, t.device)
+    land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
     try:
         token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait))
@@ -242,7 +241,7 @@ def _from_holder(env: Env, a: Attempt, f: Found, k: int, budget: float, pulls: _
     a.timings[f"claim.{k}"] = _clock.perf() - began
     try:
         with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
-            _pull(env, a, f, k, token, payload, budget, pulls)
+            _pull(env, a, f, k, token, land, budget, pulls)
     except BaseException:
         pulls.fail()
         raise
@@ -250,7 +249,7 @@ def _from_holder(env: Env, a: Attempt, f: Found, k: int, budget: float, pulls: _
         with contextlib.suppress(RegistryError):
             reg.release(peer.peer_id, token)
     began = _clock.perf()
-    finish()
+    land.finish()
     a.timings[f"unpack.{k}"] = _clock.perf() - began
 
 
@@ -268,7 +267,7 @@ def _claim(env: Env, peer: PeerInfo, until: float) -> str:
 
 
 def _pull(env: Env, a: Attempt, f: Found, k: int, token: str,
-          payload: dict[str, torch.Tensor], budget: float, pulls: _Pulls) -> None:
+          land: Landing, budget: float, pulls: _Pulls) -> None:
     s, t, peer = env.settings, a.target, f.peers[k]
     transfer_id = uuid.uuid4().hex
     request = records.TransferRequest(
@@ -285,11 +284,20 @@ def _pull(env: Env, a: Attempt, f: Found, k: int, token: str,
     transport = receiver_transport(s, peer.transport, peer.address,
                                    transfer_scope(s.key("store"), transfer_id),
                                    device=t.device, registry=env.registry)
-    bucket = s.bucket_for(peer.transport, payload_bytes(payload))
+    bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
+    # Staged boxes are copied into place as their step arrives, while the next ones do.
+    done = {k: [n for n in names if n in land.staged]
+            for k, names in completes(broadcast_plan(land.payload, bucket)).items()}
+
+    def placed(step: int) -> None:
+        for name in done.get(step, ()):
+            land.place(name)
+
     began = _clock.perf()
     pulls.start(transport)
     try:
-        run_guarded(transport, lambda tr: recv_tensors(tr, payload, bucket), deadline,
+        run_guarded(transport, lambda tr: recv_tensors(tr, land.payload, bucket, on_step=placed),
+                    deadline,
                     connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
                     stall=s.stall_timeout)
     finally:

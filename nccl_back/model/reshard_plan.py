@@ -15,7 +15,7 @@ translated into holder and receiver coordinates (layouts map elements by transla
 so a box stays a box). The receiver's pieces tile its tensors, so every non-padding
 element is filled exactly once; padding is filled by nothing.
 
-:func:`sent` and :func:`landing` are one holder's moves as a transfer's payload: one
+:func:`sent` and :class:`Landing` are one holder's moves as a transfer's payload: one
 byte tensor per move, in plan order, that is the box itself wherever the box is one
 contiguous run of memory (a slice along the first dim of a contiguous tensor), so most
 bytes are neither packed by the sender nor copied again by the receiver; the other boxes
@@ -30,9 +30,10 @@ import itertools
 import json
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nccl_back.errors import SkeletonError
@@ -270,27 +271,52 @@ def sent(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor]) -> dict[str
     return out
 
 
-def landing(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor],
-            device: torch.device) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-    """The receiver's payload for ``moves`` (what :func:`sent` sends lands in it) and
-    what to run once it has arrived: the boxes that are not one contiguous run arrive
-    in a staging tensor of ``device`` and are copied into place then."""
-    out: dict[str, torch.Tensor] = {}
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for i, m in enumerate(moves):
-        dst = _view(tensors[m.dst], m.dst_box)
-        if dst.is_contiguous():
-            out[_name(i)] = _bytes(dst)
-        else:
-            tmp = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
-            out[_name(i)] = tmp
-            staged.append((dst, tmp))
+class Landing:
+    """The receiver's payload for one holder's moves (what :func:`sent` sends lands in
+    it), and the copies into place of the boxes that are not one contiguous run: those
+    arrive in a staging tensor and are placed as soon as their bytes are in
+    (:meth:`place`, while later ones still arrive), the rest by :meth:`finish`."""
 
-    def finish() -> None:
-        for dst, tmp in staged:
-            dst.copy_(tmp.view(dst.dtype).view(dst.shape))
+    def __init__(self, moves: Sequence[Move], tensors: Mapping[str, torch.Tensor],
+                 device: torch.device) -> None:
+        self.payload: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, m in enumerate(moves):
+            dst = _view(tensors[m.dst], m.dst_box)
+            if dst.is_contiguous():
+                self.payload[_name(i)] = _bytes(dst)
+            else:
+                tmp = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
+                self.payload[_name(i)] = tmp
+                self._staged[_name(i)] = (dst, tmp)
 
-    return out, finish
+    @property
+    def staged(self) -> frozenset[str]:
+        """Payload names whose bytes are copied into place after they arrive."""
+        return frozenset(self._staged)
+
+    def place(self, name: str) -> None:
+        """Copy payload ``name``'s staged bytes into place (once; nothing if not staged)."""
+        got = self._staged.pop(name, None)
+        if got is not None:
+            dst, tmp = got
+            _strided_copy(dst, tmp.view(dst.dtype).view(dst.shape))
+
+    def finish(self) -> None:
+        """Place every staged box not placed yet."""
+        for name in list(self._staged):
+            self.place(name)
+
+
+def _strided_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` into a strided CPU view with one thread (numpy, through an
+    integer view of the same width): torch's threaded copy leaves OpenMP threads spinning
+    beside the transport's (see :func:`nccl_back.transport.broadcast._copy`)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(dst.element_size())
+    if dst.device.type != "cpu" or src.device.type != "cpu" or ints is None:
+        dst.copy_(src)
+        return
+    np.copyto(dst.view(ints).numpy(), src.view(ints).numpy())
 
 
 def zero_padding(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -136,6 +136,16 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
     return steps
 
 
+def completes(steps: list[Step]) -> dict[int, list[str]]:
+    """Per step, the tensors whose last bytes it carries (all in place once it is done)."""
+    out: dict[int, list[str]] = {}
+    for k, step in enumerate(steps):
+        for x in step.slots:
+            if not step.direct or x.offset + x.nbytes == math.prod(x.shape) * dtype_from_name(x.dtype).itemsize:
+                out.setdefault(k, []).append(x.name)
+    return out
+
+
 def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """Bytes a transfer of ``tensors`` moves (what the automatic bucket size scales with)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -57,9 +57,10 @@ def free_port() -> int:
 
 def serve(name: str, model: Path, env: dict[str, str], work: Path, load_format: str,
           ) -> tuple[subprocess.Popen[bytes], int, Path, float]:
-    """Launch ``vllm serve`` on a free loopback port; its log goes to ``work/name.log``."""
+    """Launch vLLM's OpenAI server on a free loopback port; its log goes to ``work/name.log``."""
     port, log = free_port(), work / f"{name}.log"
-    args = [str(Path(sys.executable).parent / "vllm"), "serve", str(model),
+    # vLLM's OpenAI server module (the CPU build's `vllm` command fails to import vllm).
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--load-format", load_format, "--dtype", "bfloat16", "--max-model-len", "128",
             "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as f:

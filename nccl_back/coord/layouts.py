@@ -51,14 +51,15 @@ def decode_macs(data: object, what: str = "position truth") -> Macs:
     out: Macs = {}
     absent = _absent()
     width = len(absent)
+    # Whole MACs of lowercase hex, or whole absent slots: one regex pass (C speed) per
+    # tensor, as a TP=1 receiver parses ~28 000 of them for a 24-layer model.
+    valid = re.compile(rf"(?:[0-9a-f]{{{width}}}|\.{{{width}}})*")
     for name, text in data.items():
-        if not isinstance(name, str) or not isinstance(text, str) or len(text) % width \
-                or len(text) > width * 4096 or any(c not in "0123456789abcdef." for c in text):
+        if not isinstance(name, str) or not isinstance(text, str) \
+                or len(text) > width * 4096 or not valid.fullmatch(text):
             raise UntrustedRecordError(f"{what}: bad MACs for {str(name)[:40]!r}")
-        chunks = [text[i:i + width] for i in range(0, len(text), width)]
-        if any("." in c and c != absent for c in chunks):
-            raise UntrustedRecordError(f"{what}: bad MACs for {name[:40]!r}")
-        out[name] = [None if c == absent else c for c in chunks]
+        out[name] = [None if c == absent else c for c in
+                     (text[i:i + width] for i in range(0, len(text), width))]
     return out
 
 

@@ -23,6 +23,7 @@ of a skeleton tensor in the part ``j`` that starts at ``off`` along ``dim`` is e
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -101,9 +102,10 @@ class Layout:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """SHA-256 hex of the canonical JSON: equal iff the same pieces are held."""
+        """SHA-256 hex of the canonical JSON: equal iff the same pieces are held (computed
+        once: a layout is immutable)."""
         return hashlib.sha256(self.dumps().encode()).hexdigest()
 
     @property

@@ -3,9 +3,9 @@ build), real Redis, separate processes.
 
 The model has one KV head (replicated at TP=2), a vocabulary of 500 (padded) and tied
 embeddings. H1 (TP=1) loads from storage; R2 (TP=2) then reshards from it; with H1 gone,
-R1 (TP=1) reshards from R2's two ranks (a resharded engine serving its own layout).
-Each generates greedily as ``--load-format auto`` at its TP size does. Tests run in
-file order.
+R1 (TP=1) reshards from R2's two ranks (a resharded engine serving its own layout);
+then a slow TP=1 holder is killed while a TP=2 engine reshards from it. Each generates
+greedily as ``--load-format auto`` at its TP size does. Tests run in file order.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ class Fleet:
         self.model, self.env, self.workdir = model, env, workdir
         self.engines: dict[str, Engine] = {}
 
-    def start(self, name: str, **kw: Any) -> Engine:
-        e = Engine(name, self.workdir).start(self.model, self.env, **kw)
+    def start(self, name: str, env: dict[str, str] | None = None, **kw: Any) -> Engine:
+        e = Engine(name, self.workdir).start(self.model, env or self.env, **kw)
         self.engines[name] = e
         return e
 
@@ -89,3 +90,32 @@ def test_tp2_holders_to_tp1_engine(fleet: Fleet) -> None:
     assert sorted((peers[p]["rank"], peers[p]["world_size"]) for p in sources) == [(0, 2), (1, 2)]
     assert tokens == fleet.engines["auto1"].wait_ready()["tokens"]
     assert fleet.engines["r2"].release() == 0
+
+
+def test_holder_killed_mid_reshard_sends_every_rank_to_storage(fleet: Fleet) -> None:
+    """A TP=1 holder killed while a TP=2 engine reshards from it: both ranks load from storage with the reason; tokens as `auto` at TP=2."""
+    from nccl_back.config import Settings
+    from nccl_back.coord.registry import Registry
+
+    # 0.25 MB/s: half of this model takes the holder seconds to send, so the kill lands mid-transfer.
+    slow = fleet.start("h1b", env=dict(fleet.env, NCCL_BACK_MAX_SEND_GBPS="0.00025"), hold=True)
+    slow.wait_ready()
+    assert fleet.engines["r1"].release() == 0  # h1b is now the only holder
+    holders = [p for p, info in fleet.peers().items() if info["pid"] and info["world_size"] == 1]
+    assert len(holders) == 1, fleet.peers()
+    reg = Registry(Settings.from_env(fleet.env))
+    r2b = fleet.start("r2b", tp=2)
+    deadline = time.monotonic() + 300
+    while reg.active_claims(holders[0]) == 0:
+        assert r2b.proc.poll() is None and not r2b.out.exists(), r2b.tail()
+        assert time.monotonic() < deadline, r2b.tail()
+        time.sleep(0.1)
+    time.sleep(1.0)  # into the paced transfer
+    slow.kill()
+    tokens = r2b.wait_ready()["tokens"]
+    ranks = r2b.loaded_ranks()
+    assert [r["source"] for r in ranks] == ["storage", "storage"], r2b.tail()
+    # The rank whose transfer broke says so; the other was sent along by the group's vote.
+    reasons = [(r["reason"] or "").split(":")[0] for r in ranks]
+    assert {"transfer_error", "transfer_timeout", "handshake_timeout"} & set(reasons), r2b.tail()
+    assert tokens == fleet.engines["auto2"].wait_ready()["tokens"]

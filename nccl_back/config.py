@@ -137,7 +137,8 @@ class Settings:
     """Seconds a published peer stays visible without a heartbeat (a crashed worker vanishes)."""
 
     max_concurrent_sends: int = 1
-    """How many receivers one sender serves at once."""
+    """How many receivers one sender serves at once (the ranks of one worker resharding
+    from it count as one receiver: together they take one model's worth of bytes)."""
 
     max_peer_attempts: int = 3
     """Peers a receiver tries before it falls back to storage."""

@@ -11,7 +11,7 @@ import redis
 from nccl_back.config import Settings
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.dev.servers import LocalRedis, free_port
-from nccl_back.errors import ConfigError, RegistryError
+from nccl_back.errors import ConfigError, RecordKind, RegistryError
 from nccl_back.metrics import Metrics
 
 
@@ -195,6 +195,28 @@ def test_claims_are_exclusive_up_to_max_sends(redis_url: str, namespace: str) ->
     reg.release("p", tokens[0])
     assert reg.active_claims("p") == 1
     assert reg.claim("p", "r3", max_sends=2, ttl=5) is not None
+
+
+def test_ranks_of_one_receiving_group_share_a_slot_and_no_one_else_does(
+        redis_url: str, namespace: str) -> None:
+    """Claims with one group's share hold one slot together; another share or a plain
+    receiver gets None while it is held, and a released slot is free for anyone."""
+    reg = make_registry(redis_url, namespace, secret="s" * 32)
+    share, other = "a" * 32, "b" * 32
+    first = reg.claim("p", "g-0", max_sends=1, ttl=5, share=share)
+    assert first == f"0:{share}"
+    assert reg.claim("p", "g-1", max_sends=1, ttl=5, share=share) == first
+    assert reg.claim("p", "h-0", max_sends=1, ttl=5, share=other) is None
+    assert reg.claim("p", "plain", max_sends=1, ttl=5) is None
+    assert reg.active_claims("p") == 1
+    reg.release("p", first)
+    assert reg.claim("p", "h-0", max_sends=1, ttl=5, share=other) == f"0:{other}"
+    # A forged record carrying our share (not signed with the fleet secret) is taken over, not joined.
+    reg.release("p", f"0:{other}")
+    reg.client.set(reg.keys.claim("p", 0), json.dumps({"token": f"0:{share}", "receiver": "x"}), px=5000)
+    assert reg.claim("p", "g-1", max_sends=1, ttl=5, share=share) == f"0:{share}"
+    got = reg.get_signed(reg.keys.claim("p", 0), RecordKind.CLAIM)
+    assert got is not None and got[0]["receiver"] == "g-1"
 
 
 @pytest.mark.timeout(20)

@@ -149,6 +149,20 @@ def test_tp1_to_tp2_and_back_bit_exact_and_resharded_workers_serve(fleet: Fleet)
 
 
 @pytest.mark.timeout(180)
+def test_a_groups_ranks_receive_from_a_one_slot_holder_side_by_side(fleet: Fleet) -> None:
+    """A TP=2 group behind a TP=1 holder with one send slot (paced: seconds per shard):
+    its ranks hold the slot together and receive at once, not one after the other."""
+    fleet.start(1, "plain", settings={"max_send_gbps": 0.00001})
+    fleet.reports(1)
+    fleet.start(2, "megatron")
+    tp2 = fleet.reports(2, timeout=120)
+    assert all(r["source"] == "peer" and r["identical"] for r in tp2), [r["fallback_reason"] for r in tp2]
+    # Neither rank waited for the other's transfer to end before it could claim.
+    for r, other in zip(tp2, reversed(tp2), strict=True):
+        assert r["timings"]["claim.0"] < other["timings"]["transfer.0"] / 2, [x["timings"] for x in tp2]
+
+
+@pytest.mark.timeout(180)
 def test_tp2_holders_to_tp1_receiver(fleet: Fleet) -> None:
     fleet.start(2, "megatron")
     seeds = fleet.reports(2)

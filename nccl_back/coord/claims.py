@@ -23,18 +23,32 @@ from nccl_back.errors import RecordKind, RegistryError
 class ClaimRecords(SignedStore):
     """The send-slot record family."""
 
-    def claim(self, peer_id: str, receiver_id: str, max_sends: int, ttl: float) -> str | None:
+    def claim(self, peer_id: str, receiver_id: str, max_sends: int, ttl: float,
+              share: str | None = None) -> str | None:
         """Take one of ``peer_id``'s ``max_sends`` send slots for ``ttl`` seconds.
 
         Returns a token for :meth:`renew_claim` and :meth:`release`, or None when every
         slot is taken. The slot expires by itself if the receiver dies holding it.
+        ``share`` (32 hex digits, the same on every rank of one receiving group): the
+        token is ``{slot}:{share}``, and a rank that finds a slot held with its group's
+        token holds it too. The ranks of a group are one receiver: together they take
+        one model's worth of the sender's bytes, as a same-layout receiver does (the
+        sender runs sends of one token side by side: ``transport/sender.py``).
         """
         for slot in random.sample(range(max_sends), max_sends):
-            token = f"{slot}:{uuid.uuid4().hex}"
-            if self.acquire(self.keys.claim(peer_id, slot), {"token": token, "receiver": receiver_id},
+            token = f"{slot}:{share or uuid.uuid4().hex}"
+            key = self.keys.claim(peer_id, slot)
+            if self.acquire(key, {"token": token, "receiver": receiver_id},
                             ttl, RecordKind.CLAIM, records.claim, expires=False) is not None:
                 return token
+            if share is not None and self._held_as(key, token):
+                return token
         return None
+
+    def _held_as(self, key: str, token: str) -> bool:
+        """Whether the trusted claim at ``key`` holds ``token``."""
+        got = self.get_signed(key, RecordKind.CLAIM, parse=records.claim)
+        return got is not None and records.claim(got[0]).token == token
 
     def release(self, peer_id: str, token: str) -> None:
         """Free the slot ``token`` holds, if it still holds it (compare-and-delete)."""

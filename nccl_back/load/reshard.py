@@ -27,6 +27,9 @@ A failed receive or check on any rank sends every rank to storage with its reaso
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import secrets
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from nccl_back import _clock
 from nccl_back.coord import records
 from nccl_back.coord.auth import transfer_scope
+from nccl_back.coord.consensus import gather
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.registry import PeerInfo, encode_truth
 from nccl_back.errors import (
@@ -76,6 +80,9 @@ class Found:
     plan: Plan
     group: str
     truth: position_truth.Macs
+    share: str = ""
+    """The receiving group's claim token part (:meth:`~nccl_back.coord.claims.
+    ClaimRecords.claim`): its ranks hold a holder's send slot together."""
 
 
 def attempt(env: Env, a: Attempt, sh: Sharding, loader: StorageLoader) -> LoadResult | None:
@@ -120,7 +127,10 @@ def run(env: Env, a: Attempt, sh: Sharding) -> Found | None:
         a.log.info("reshard_skipped", reason=str(a.reason) if a.reason else "another rank")
         a.reason = before
         return None
-    return found
+    # One value on every rank of the group, new for every load: the ranks' random parts.
+    parts = gather(secrets.randbits(62), a.group)
+    share = hashlib.sha256(",".join(map(str, parts)).encode()).hexdigest()[:32]
+    return None if found is None else dataclasses.replace(found, share=share)
 
 
 def find(env: Env, a: Attempt, sh: Sharding) -> Found:
@@ -234,7 +244,7 @@ def _from_holder(env: Env, a: Attempt, f: Found, k: int, budget: float, pulls: _
     land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
     try:
-        token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait))
+        token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait), f.share)
     except BaseException:
         pulls.fail()
         raise
@@ -253,12 +263,13 @@ def _from_holder(env: Env, a: Attempt, f: Found, k: int, budget: float, pulls: _
     a.timings[f"unpack.{k}"] = _clock.perf() - began
 
 
-def _claim(env: Env, peer: PeerInfo, until: float) -> str:
-    """A send slot of ``peer``, waiting while all are claimed (the other ranks of this
-    group, or other receivers, are being served) until ``until``."""
+def _claim(env: Env, peer: PeerInfo, until: float, share: str) -> str:
+    """A send slot of ``peer`` (one this group's other ranks hold counts: ``share``),
+    waiting while all are claimed by other receivers until ``until``."""
     s = env.settings
     while True:
-        token = env.registry.claim(peer.peer_id, env.worker_id, peer.max_sends, s.claim_ttl)
+        token = env.registry.claim(peer.peer_id, env.worker_id, peer.max_sends, s.claim_ttl,
+                                   share=share)
         if token is not None:
             return token
         if _clock.monotonic() >= until:

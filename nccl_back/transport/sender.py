@@ -62,6 +62,11 @@ from nccl_back.transport.send import HOLDER, Sends, answer, decline
 QUEUE_PER_SLOT = 4
 
 
+#: Sends of one claim token the sender runs side by side: the ranks of one receiving group
+#: resharding from it (each takes its shards, together one model's worth of bytes).
+SHARED_SENDS = 8
+
+
 @dataclass
 class _Held:
     """A model this worker holds and serves."""
@@ -85,6 +90,10 @@ class _Held:
     positions: Macs | None = None
     """Its truth in checkpoint coordinates (a storage load's, or what a reshard
     verified), kept in Redis by the heartbeat like ``truth``."""
+    sending: dict[str, int] = field(default_factory=dict)
+    """Sends running, by claim token (the ranks of one receiving group share one)."""
+    turns: threading.Condition = field(default_factory=threading.Condition)
+    """Guards ``sending``; notified when a send ends."""
 
 
 class PeerServer:
@@ -216,7 +225,7 @@ class PeerServer:
             sends = Sends(HOLDER, s, self.registry, self.metrics, self.pacer, rv, man.digest, kind,
                           lambda: named_tensors(model)[0], s.transfer_timeout, s.stall_timeout)
             held = _Held(model, man, info,
-                         ThreadPoolExecutor(s.max_concurrent_sends,
+                         ThreadPoolExecutor(s.max_concurrent_sends * SHARED_SENDS,
                                             thread_name_prefix=f"nccl-back-send-{rank}"),
                          sends, truth=truth, layout=layout, positions=positions)
             self._held[peer_id] = held
@@ -278,6 +287,8 @@ class PeerServer:
     def _serve_one(self, held: _Held, request: TransferRequest) -> None:
         log = self._log.bind(rank=held.info.rank, version=held.info.version[:12],
                              peer=request.receiver, transfer_id=request.transfer_id)
+        turn = request.claim or request.transfer_id  # an unclaimed request: its own turn
+        self._admit(held, turn)
         with held.lock:
             held.active += 1
         self.metrics.set_claims(self.active_sends)
@@ -301,7 +312,28 @@ class PeerServer:
             with held.lock:
                 held.active -= 1
                 held.queued -= 1
+            self._leave(held, turn)
             self.metrics.set_claims(self.active_sends)
+
+    def _admit(self, held: _Held, turn: str) -> None:
+        """Wait until the send of claim token ``turn`` may run: sends of that token already
+        run (another rank of the same receiving group, up to :data:`SHARED_SENDS`), or
+        fewer than ``max_sends`` tokens do. At once while stopping (the request is then
+        declined as draining)."""
+        with held.turns:
+            while not self._stop.is_set():
+                n = held.sending.get(turn, 0)
+                if (0 < n < SHARED_SENDS) or (n == 0 and len(held.sending) < held.info.max_sends):
+                    break
+                held.turns.wait(0.5)
+            held.sending[turn] = held.sending.get(turn, 0) + 1
+
+    def _leave(self, held: _Held, turn: str) -> None:
+        with held.turns:
+            held.sending[turn] -= 1
+            if not held.sending[turn]:
+                del held.sending[turn]
+            held.turns.notify_all()
 
     def _reshard(self, held: _Held, request: TransferRequest, log: Any) -> bool:
         """Send the pieces a receiver of another layout needs from this holder: the plan

@@ -1,9 +1,9 @@
 """Benchmark: time to the first answered HTTP request of ``vllm serve``, with compile
 caches from a peer (issue 22's measure).
 
-Real ``vllm serve`` processes (the CPU build; vLLM's OpenAI-compatible server, its API
-process and engine core), each with its own ``VLLM_CACHE_ROOT`` and
-``TORCHINDUCTOR_CACHE_DIR``, compiling (no ``--enforce-eager``), a fleet secret set, one
+Real vLLM OpenAI-compatible servers (the CPU build; its API process and engine core),
+each with its own ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR``
+(inductor's precompiled headers live there), compiling (no ``--enforce-eager``), a fleet secret set, one
 after the other on one Llama-shaped checkpoint (``--model-mb``;
 ``nccl_back.dev.demo.write_example_model``). For each: seconds from the process launch
 to ``GET /health`` answering 200, and to the first completion (``POST /v1/completions``,
@@ -12,7 +12,7 @@ a token-id prompt, one greedy token). Servers:
 1. ``cold``: ``--load-format auto``, a fresh cache root;
 2. ``warm_restart``: ``auto`` again on cold's cache root (its own caches);
 3. ``peer_source``: ``nccl_back``, first of its key: storage, compiles, publishes its
-   compile caches and model infos, then stays up serving;
+   compile caches, model infos and inductor's precompiled headers, then stays up serving;
 4. ``weights_from_peer``: ``nccl_back`` with compile caches off (it compiles itself);
 5. ``weights_caches_from_peer``: ``nccl_back``, a fresh cache root: weights, model infos
    and compile caches from ``peer_source``.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -100,8 +101,9 @@ def first_request(proc: subprocess.Popen[bytes], port: int, log: Path, model: Pa
     text = log.read_text(errors="replace")
     return {"launch_to_health_s": round(health, 2), "launch_to_first_completion_s": round(first, 2),
             "token_ids": choice.get("token_ids"), "marks": marks(log, launched),
-            "caches": ("from_peer" if "compile caches from peer" in text else "missed"
-                       if "no compile caches from peers" in text else "n/a")}
+            "caches": ("from_peer" if re.search(r"nccl_back: compile caches from peer \S+:", text)
+                       else "missed" if "no compile caches from peers" in text else "n/a"),
+            "headers": "from_peer" if "precompiled headers from peer" in text else "no"}
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -135,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     source: subprocess.Popen[bytes] | None = None
 
     def env(root: str, **extra: str) -> dict[str, str]:
-        # Inductor's cache too is the server's own: a shared one would make "cold" warm.
-        return dict(base, VLLM_CACHE_ROOT=str(work / root),
+        # Inductor's cache and its precompiled headers (under the temporary directory)
+        # are the server's own too: shared ones would make "cold" warm.
+        (work / f"{root}-tmp").mkdir(exist_ok=True)
+        return dict(base, VLLM_CACHE_ROOT=str(work / root), TMPDIR=str(work / f"{root}-tmp"),
                     TORCHINDUCTOR_CACHE_DIR=str(work / f"{root}-inductor"), **extra)
 
     def one(name: str, load_format: str, root: str, keep: bool = False, **extra: str) -> None:
@@ -151,17 +155,19 @@ def main(argv: list[str] | None = None) -> int:
                 stop(proc)
         print(f"{name}: {results[name]['launch_to_health_s']:.1f} s to /health,"
               f" {results[name]['launch_to_first_completion_s']:.1f} s to the first completion"
-              f" (caches {results[name]['caches']}); {results[name]['marks']}", flush=True)
+              f" (caches {results[name]['caches']}, headers {results[name]['headers']});"
+              f" {results[name]['marks']}", flush=True)
 
     try:
         one("cold", "auto", "root-cold")
         one("warm_restart", "auto", "root-cold")
         one("peer_source", "nccl_back", "root-src", keep=True)
-        deadline = time.monotonic() + 120  # its set is published just after it is ready
-        while "compile caches published" not in (work / "peer_source.log").read_text(errors="replace"):
-            if time.monotonic() > deadline:
-                raise SystemExit("peer_source published no compile caches; see its log")
-            time.sleep(0.5)
+        deadline = time.monotonic() + 120  # its sets are published just after it is ready
+        for line in ("compile caches published", "precompiled headers published"):
+            while line not in (work / "peer_source.log").read_text(errors="replace"):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"peer_source: no '{line}' in its log")
+                time.sleep(0.5)
         one("weights_from_peer", "nccl_back", "root-w", NCCL_BACK_COMPILE_CACHES="false")
         one("weights_caches_from_peer", "nccl_back", "root-wc")
         meta["load_avg_end"] = os.getloadavg()[0]

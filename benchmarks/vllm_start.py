@@ -157,6 +157,7 @@ _MARKS = {
     "modelinfos": r"nccl_back: model infos from peer",
     "weights": r"nccl_back: loaded version|Loading weights took",
     "caches": r"nccl_back: (?:no )?compile caches",
+    "headers": r"nccl_back: precompiled headers from peer",
     "warm_up": r"Warming up model for the compilation",
     "ready": r"init engine \(profile, create kv cache, warmup model\) took",
 }
@@ -189,7 +190,9 @@ def caches_main(args: argparse.Namespace) -> int:
 
     def env(root: str) -> dict[str, str]:
         # Inductor's cache too is the engine's own: a shared one would make "cold" warm.
-        return dict(base, VLLM_CACHE_ROOT=str(work / root),
+        # Inductor's precompiled headers (under the temporary directory) as well.
+        (work / f"{root}-tmp").mkdir(exist_ok=True)
+        return dict(base, VLLM_CACHE_ROOT=str(work / root), TMPDIR=str(work / f"{root}-tmp"),
                     TORCHINDUCTOR_CACHE_DIR=str(work / f"{root}-inductor"))
 
     results: dict[str, dict[str, Any]] = {}

@@ -3,12 +3,14 @@
 cache hits and misses), then with ``hold`` serves until its stdin closes.
 
 ``python tests/compile_cache_worker.py CONFIG_JSON`` (``settings``, ``name``, ``hold``);
-``TORCHINDUCTOR_CACHE_DIR`` chooses its cache directory.
+``TORCHINDUCTOR_CACHE_DIR`` chooses its cache directory, ``TMPDIR`` where inductor's
+precompiled headers are.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -16,6 +18,7 @@ from torch._dynamo.utils import counters
 
 import nccl_back
 from nccl_back.config import Settings
+from nccl_back.load.compile_cache import header_units, headers_dir
 
 
 def f(x: torch.Tensor) -> torch.Tensor:
@@ -27,9 +30,14 @@ def main() -> int:
     compiled = torch.compile(f)
     with nccl_back.compile_cache(cfg["name"], Settings(**cfg["settings"])) as got:
         out = compiled(torch.ones(8, 8))
+    # The precompiled headers the compile used, with their modes: gcc writes 0644, an
+    # install from a peer 0600.
+    headers = {u: oct(os.stat(os.path.join(headers_dir(), u)).st_mode & 0o777)
+               for u in header_units()}
     print(json.dumps({"ok": got.ok, "reason": got.reason, "sum": float(out.sum()),
                       "hits": counters["inductor"]["fxgraph_cache_hit"],
-                      "misses": counters["inductor"]["fxgraph_cache_miss"]}), flush=True)
+                      "misses": counters["inductor"]["fxgraph_cache_miss"],
+                      "headers": headers}), flush=True)
     if cfg.get("hold"):
         sys.stdin.read()
     return 0

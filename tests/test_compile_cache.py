@@ -20,7 +20,10 @@ pytestmark = pytest.mark.timeout(300)
 
 def start(settings: dict[str, Any], cache: Path, *, name: str = "f-8x8",
           hold: bool = False) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    # Its own temporary directory too: inductor's precompiled headers live there.
+    (cache.parent / f"{cache.name}-tmp").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(cache),
+           "TMPDIR": str(cache.parent / f"{cache.name}-tmp")}
     return subprocess.Popen([sys.executable, str(WORKER), json.dumps(
         {"settings": settings, "name": name, "hold": hold})], text=True, env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -35,7 +38,8 @@ def report(p: subprocess.Popen[str]) -> dict[str, Any]:
 
 def test_a_compiled_program_starts_from_a_peers_inductor_cache(
         redis_url: str, namespace: str, tmp_path: Path) -> None:
-    """The second process fetches the first one's inductor cache and its compile is an FX-graph cache hit."""
+    """The second process fetches the first one's inductor cache (its compile is an FX-graph
+    cache hit) and the precompiled headers its C++ kernels were built with (none rebuilt)."""
     s = {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
          "bind_host": "127.0.0.1", "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
     a = start(s, tmp_path / "a", hold=True)
@@ -49,6 +53,9 @@ def test_a_compiled_program_starts_from_a_peers_inductor_cache(
         assert second["ok"], second["reason"]
         assert second["hits"] >= 1 and second["misses"] == 0
         assert second["sum"] == first["sum"]
+        # gcc built the first one's headers (0644); the second's came from it (0600).
+        assert first["headers"] and set(first["headers"].values()) == {"0o644"}, first
+        assert second["headers"] == {u: "0o600" for u in first["headers"]}, second
     finally:
         assert a.stdin is not None
         a.stdin.close()

@@ -15,6 +15,10 @@ Where vLLM hands its graph to ``torch.compile`` with inductor itself (compilatio
 ``DYNAMO_TRACE_ONCE`` with ``VLLM_USE_AOT_COMPILE=0``: :func:`inductor_only`), nothing
 is written under ``VLLM_CACHE_ROOT``; inductor's cache directory
 (``TORCHINDUCTOR_CACHE_DIR``) is then the set, under the same key plus ``set=inductor``.
+The precompiled headers inductor built its C++ (CPU) kernels with travel as a third
+set (key plus ``set=headers``) into torch's default cache directory, where inductor
+looks for them by names that hash their compile command and compiler: ~150 MB each,
+4-5 s of compiler time to rebuild; fetched only where they are not already there.
 
 **The lookup key** is what the engine knows before compiling, each factor computed by
 vLLM's or torch's own code, never a copy of their formula (:func:`cache_key`):
@@ -52,7 +56,14 @@ from vllm.config import VllmConfig
 from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
 from nccl_back.load import artifacts
 from nccl_back.load.artifacts import CacheKey
-from nccl_back.load.compile_cache import cache_units, inductor_cache_dir
+from nccl_back.load.compile_cache import (
+    cache_units,
+    header_units,
+    headers_dir,
+    headers_key,
+    inductor_cache_dir,
+    record_headers,
+)
 
 #: The cache directory vLLM names its compile caches under, relative to VLLM_CACHE_ROOT.
 COMPILE_DIR = "torch_compile_cache"
@@ -247,18 +258,29 @@ def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.
         log.info("nccl_back: no compile caches from peers (%s); vLLM compiles, and this"
                  " engine publishes its caches when ready", got.reason)
     received = set(got.installed)
+    # Inductor's precompiled headers for its C++ kernels (CPU), global to the machine.
+    headers = artifacts.fetch(settings, headers_key(key), headers_dir(), engine=engine)
+    if headers.ok:
+        log.info("nccl_back: precompiled headers from peer %s: %.1f MB in %.3f s",
+                 headers.peer, headers.bytes / 1e6, headers.seconds)
+    record_headers()
 
     def publish() -> None:
         found = cache_units(root) if inductor else units(vllm_config, root)
-        if found and any(u in received for u in found):
-            return  # vLLM used the received set, which this engine already serves
+        own = not (found and any(u in received for u in found))  # else vLLM used the received set
+        used = [] if headers.ok or headers.kept else header_units()
         # In the background: collecting and hashing must not delay readiness.
         def run() -> None:
-            what = artifacts.publish(settings, key, root, found, engine=engine)
-            log.info("nccl_back: compile caches %s", what)
-            infos = artifacts.publish(settings, modelinfos_key(), vllm_root,
-                                      _modelinfos(vllm_root), engine=engine)
-            log.info("nccl_back: model infos %s", infos)
+            if own:
+                what = artifacts.publish(settings, key, root, found, engine=engine)
+                log.info("nccl_back: compile caches %s", what)
+                infos = artifacts.publish(settings, modelinfos_key(), vllm_root,
+                                          _modelinfos(vllm_root), engine=engine)
+                log.info("nccl_back: model infos %s", infos)
+            if used:
+                what = artifacts.publish(settings, headers_key(key), headers_dir(), used,
+                                         engine=engine)
+                log.info("nccl_back: precompiled headers %s", what)
 
         threading.Thread(target=run, daemon=True, name="nccl-back-publish-caches").start()
 

@@ -27,6 +27,7 @@ import atexit
 import hashlib
 import importlib.metadata
 import json
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -176,6 +177,10 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
                            f" {record.version[:12]}, its content is {spec.version[:12]}")
         if not service.registry.find_peers(spec.version, 0, 1):
             return Fetched(False, f"no live peer holds the set for key {key.lookup[:12]}")
+        local = [u for u in man.units if os.path.lexists(os.path.join(root, u))]
+        if local and len(local) == len(man.units):  # nothing to receive (a local cache wins)
+            return Fetched(False, f"every unit of the set for key {key.lookup[:12]} is"
+                           " already here", kept=local)
         model = _holder(man.nbytes)
         result = service.load(model, spec)
         data: torch.Tensor = model.data  # type: ignore[assignment,union-attr]

@@ -10,9 +10,11 @@ One call around the first run of a compiled program::
     print(got.ok, got.reason)        # whether the cache came from a peer, or why not
 
 On entry the set published under this key is fetched into inductor's cache directory
-(``TORCHINDUCTOR_CACHE_DIR``, else torch's default) from a live peer; on a clean exit
-after a miss, this process publishes its own cache directory and serves it until it
-exits. The key is ``name`` (what you compile, and how), torch's version and torch's own
+(``TORCHINDUCTOR_CACHE_DIR``, else torch's default) from a live peer, and with it the
+precompiled headers its C++ kernels were built with (into torch's default cache
+directory, where inductor looks for them: ~150 MB each, seconds of compiler time to
+rebuild); on a clean exit after a miss, this process publishes its own cache directory
+(and the headers it used, if none came) and serves them until it exits. The key is ``name`` (what you compile, and how), torch's version and torch's own
 inductor key (``torch._inductor.codecache.torch_key``: its code and system); torch's
 FX-graph cache keys still decide each hit after the install, so a stale set is only a
 miss. Everything else is :mod:`nccl_back.load.artifacts`'s: the fleet secret required,
@@ -27,6 +29,7 @@ import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -51,6 +54,54 @@ def cache_units(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if not n.startswith(TMP_PREFIX))
 
 
+_HEADERS: set[str] = set()
+_RECORDING = False
+
+
+def headers_dir() -> str:
+    """Where inductor keeps its precompiled headers (torch's default cache directory,
+    not ``TORCHINDUCTOR_CACHE_DIR``: they are global to the machine)."""
+    from torch._inductor import codecache
+
+    return str(codecache._HEADER_DIR)
+
+
+def record_headers() -> None:
+    """From now on, note every precompiled header inductor builds or finds in this
+    process (once per process). Torch names each header file by the hash of its compile
+    command, preprocessed content and compiler, so the names used are known only from
+    inductor itself: its ``_precompile_header`` returns the header's path (the
+    precompiled ``.gch`` next to it), and is wrapped here to note it."""
+    global _RECORDING
+    if _RECORDING:
+        return
+    from torch._inductor import codecache
+
+    original = codecache._precompile_header
+
+    def noted(*args: Any, **kwargs: Any) -> str:
+        path = str(original(*args, **kwargs))
+        _HEADERS.add(os.path.basename(path))
+        return path
+
+    noted.cache_clear = original.cache_clear  # type: ignore[attr-defined]
+    codecache._precompile_header = noted  # type: ignore[assignment]
+    _RECORDING = True
+
+
+def header_units() -> list[str]:
+    """The precompiled headers this process used (:func:`record_headers`), as units of
+    :func:`headers_dir`: each header and its ``.gch``, where both exist."""
+    root = headers_dir()
+    return sorted(u for h in _HEADERS for u in (h, h + ".gch")
+                  if all(os.path.isfile(os.path.join(root, x)) for x in (h, h + ".gch")))
+
+
+def headers_key(key: CacheKey) -> CacheKey:
+    """The key of the precompiled headers that go with the compile cache of ``key``."""
+    return CacheKey({**key.factors, "set": "headers"}, key.scope)
+
+
 def inductor_key(name: str) -> CacheKey:
     """The lookup key of ``name``'s inductor cache, from torch's own keys."""
     from torch._inductor.codecache import torch_key
@@ -69,7 +120,12 @@ def compile_cache(name: str, settings: Settings | None = None, *,
     root = cache_dir or inductor_cache_dir()
     key = inductor_key(name)
     got = artifacts.fetch(s, key, root)
+    headers = artifacts.fetch(s, headers_key(key), headers_dir())
+    record_headers()
     yield got
-    if got.ok or s.secret is None:
+    if s.secret is None:
         return
-    got.reason = f"{got.reason}; {artifacts.publish(s, key, root, cache_units(root))}"
+    if not got.ok:
+        got.reason = f"{got.reason}; {artifacts.publish(s, key, root, cache_units(root))}"
+    if not (headers.ok or headers.kept) and header_units():
+        artifacts.publish(s, headers_key(key), headers_dir(), header_units())

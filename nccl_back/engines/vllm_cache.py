@@ -18,7 +18,8 @@ is written under ``VLLM_CACHE_ROOT``; inductor's cache directory
 The precompiled headers inductor built its C++ (CPU) kernels with travel as a third
 set (key plus ``set=headers``) into torch's default cache directory, where inductor
 looks for them by names that hash their compile command and compiler: ~150 MB each,
-4-5 s of compiler time to rebuild; fetched only where they are not already there.
+4-5 s of compiler time to rebuild; fetched only where they are not already there, in
+the background (inductor waits for the fetch before it looks for a header).
 
 **The lookup key** is what the engine knows before compiling, each factor computed by
 vLLM's or torch's own code, never a copy of their formula (:func:`cache_key`):
@@ -58,11 +59,11 @@ from nccl_back.load import artifacts
 from nccl_back.load.artifacts import CacheKey
 from nccl_back.load.compile_cache import (
     cache_units,
+    fetch_headers,
     header_units,
     headers_dir,
     headers_key,
     inductor_cache_dir,
-    record_headers,
 )
 
 #: The cache directory vLLM names its compile caches under, relative to VLLM_CACHE_ROOT.
@@ -258,17 +259,20 @@ def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.
         log.info("nccl_back: no compile caches from peers (%s); vLLM compiles, and this"
                  " engine publishes its caches when ready", got.reason)
     received = set(got.installed)
-    # Inductor's precompiled headers for its C++ kernels (CPU), global to the machine.
-    headers = artifacts.fetch(settings, headers_key(key), headers_dir(), engine=engine)
-    if headers.ok:
-        log.info("nccl_back: precompiled headers from peer %s: %.1f MB in %.3f s",
-                 headers.peer, headers.bytes / 1e6, headers.seconds)
-    record_headers()
+    # Inductor's precompiled headers for its C++ kernels (CPU), global to the machine:
+    # in the background, while vLLM goes on to its profile run (inductor waits for them).
+    def fetched(got: artifacts.Fetched) -> None:
+        if got.ok:
+            log.info("nccl_back: precompiled headers from peer %s: %.1f MB in %.3f s",
+                     got.peer, got.bytes / 1e6, got.seconds)
+
+    headers = fetch_headers(settings, key, engine=engine, on_done=fetched)
 
     def publish() -> None:
         found = cache_units(root) if inductor else units(vllm_config, root)
         own = not (found and any(u in received for u in found))  # else vLLM used the received set
-        used = [] if headers.ok or headers.kept else header_units()
+        have = headers()
+        used = [] if have.ok or have.kept else header_units()
         # In the background: collecting and hashing must not delay readiness.
         def run() -> None:
             if own:

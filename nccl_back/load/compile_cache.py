@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,6 +57,12 @@ def cache_units(root: str) -> list[str]:
 
 _HEADERS: set[str] = set()
 _RECORDING = False
+#: Clear while a headers fetch runs: inductor waits for it before it looks for a header.
+_FETCHED = threading.Event()
+_FETCHED.set()
+#: Longest inductor waits for a headers fetch before it builds the header itself (the
+#: fetch's own deadlines end it well before: a stalled transfer at ``stall_timeout``).
+HEADERS_WAIT = 60.0
 
 
 def headers_dir() -> str:
@@ -80,6 +87,7 @@ def record_headers() -> None:
     original = codecache._precompile_header
 
     def noted(*args: Any, **kwargs: Any) -> str:
+        _FETCHED.wait(HEADERS_WAIT)  # never build a header that is on its way
         path = str(original(*args, **kwargs))
         _HEADERS.add(os.path.basename(path))
         return path
@@ -95,6 +103,35 @@ def header_units() -> list[str]:
     root = headers_dir()
     return sorted(u for h in _HEADERS for u in (h, h + ".gch")
                   if all(os.path.isfile(os.path.join(root, x)) for x in (h, h + ".gch")))
+
+
+def fetch_headers(settings: Settings, key: CacheKey, *, engine: str = "library",
+                  on_done: Callable[[Fetched], None] | None = None) -> Callable[[], Fetched]:
+    """Fetch the precompiled headers that go with ``key`` in the background, so writing
+    them (~150 MB) overlaps the engine's other start-up work; inductor's
+    ``_precompile_header``, as :func:`record_headers` wraps it, waits for the fetch.
+    Returns a call that waits for the outcome (``on_done`` gets it too)."""
+    record_headers()
+    out: list[Fetched] = []
+    _FETCHED.clear()
+
+    def run() -> None:
+        try:
+            got = artifacts.fetch(settings, headers_key(key), headers_dir(), engine=engine)
+        except Exception as e:  # fetch reports its own failures; this is a last guard
+            got = Fetched(False, repr(e))
+        out.append(got)
+        _FETCHED.set()
+        if on_done is not None:
+            on_done(got)
+
+    threading.Thread(target=run, daemon=True, name="nccl-back-fetch-headers").start()
+
+    def result() -> Fetched:
+        _FETCHED.wait()
+        return out[0]
+
+    return result
 
 
 def headers_key(key: CacheKey) -> CacheKey:
@@ -119,13 +156,12 @@ def compile_cache(name: str, settings: Settings | None = None, *,
     s = settings if settings is not None else Settings.from_env()
     root = cache_dir or inductor_cache_dir()
     key = inductor_key(name)
+    headers = fetch_headers(s, key)
     got = artifacts.fetch(s, key, root)
-    headers = artifacts.fetch(s, headers_key(key), headers_dir())
-    record_headers()
     yield got
     if s.secret is None:
         return
     if not got.ok:
         got.reason = f"{got.reason}; {artifacts.publish(s, key, root, cache_units(root))}"
-    if not (headers.ok or headers.kept) and header_units():
+    if not (headers().ok or headers().kept) and header_units():
         artifacts.publish(s, headers_key(key), headers_dir(), header_units())

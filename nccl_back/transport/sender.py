@@ -287,7 +287,9 @@ class PeerServer:
     def _serve_one(self, held: _Held, request: TransferRequest) -> None:
         log = self._log.bind(rank=held.info.rank, version=held.info.version[:12],
                              peer=request.receiver, transfer_id=request.transfer_id)
-        turn = request.claim or request.transfer_id  # an unclaimed request: its own turn
+        # Only reshard requests (each a rank's share of the model) share a token's turn;
+        # any other request, claimed or not, takes a turn of its own.
+        turn = request.claim if request.layout is not None and request.claim else request.transfer_id
         self._admit(held, turn)
         with held.lock:
             held.active += 1

@@ -35,13 +35,17 @@ class Fleet:
         self.engines[name] = e
         return e
 
-    def peers(self) -> dict[str, dict[str, Any]]:
-        """``nccl-back status --json``'s live peers, by id."""
+    def versions(self) -> dict[str, dict[str, Any]]:
+        """``nccl-back status --json``'s versions (every module's engines share the namespace)."""
         out = subprocess.run(
             [str(Path(sys.executable).parent / "nccl-back"), "status", "--json"], env=self.env,
             cwd=str(ROOT), capture_output=True, text=True, timeout=60, check=True,
         ).stdout
-        return {p["peer_id"]: p for v in json.loads(out)["versions"].values() for p in v["peers"]}
+        return dict(json.loads(out)["versions"])
+
+    def peers(self) -> dict[str, dict[str, Any]]:
+        """The live peers of every version, by id."""
+        return {p["peer_id"]: p for v in self.versions().values() for p in v["peers"]}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +105,10 @@ def test_holder_killed_mid_reshard_sends_every_rank_to_storage(fleet: Fleet) -> 
     slow = fleet.start("h1b", env=dict(fleet.env, NCCL_BACK_MAX_SEND_GBPS="0.00025"), hold=True)
     slow.wait_ready()
     assert fleet.engines["r1"].release() == 0  # h1b is now the only holder
-    holders = [p for p, info in fleet.peers().items() if info["pid"] and info["world_size"] == 1]
-    assert len(holders) == 1, fleet.peers()
+    version = slow.loaded()["version"] or "?"
+    holders = [p["peer_id"] for v, entry in fleet.versions().items() if v.startswith(version)
+               for p in entry["peers"] if p["world_size"] == 1]
+    assert len(holders) == 1, fleet.versions()
     reg = Registry(Settings.from_env(fleet.env))
     r2b = fleet.start("r2b", tp=2)
     deadline = time.monotonic() + 300

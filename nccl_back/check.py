@@ -171,7 +171,7 @@ def check_namespace(settings: Settings, registry: Any) -> Check:
         return fail("namespace", f"namespace {settings.namespace!r}: cannot write and read a"
                     f" key ({e})", "grant this Redis user read/write on the namespace's keys"
                     f" ({'{' + settings.namespace + '}'}:*)")
-    if back != "1":
+    if back != b"1":
         return fail("namespace", f"namespace {settings.namespace!r}: a key written did not read"
                     " back", "use a Redis primary, not a read-only replica")
     peers = sum(len(p) for p in listing.values())

@@ -378,6 +378,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> dict[str, Any]:
+    from nccl_back.model.scheme import SCHEME
+
     report: dict[str, Any] = {}
     for version, peers in listing.items():
         truth: dict[tuple[int, int], bool] = {}
@@ -385,7 +387,7 @@ def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> 
         for st in peers:
             key = (st.info.rank, st.info.world_size)
             if key not in truth:
-                truth[key] = registry.has_ground_truth(version, *key)
+                truth[key] = registry.has_ground_truth(version, *key, SCHEME)
             rows.append({
                 "peer_id": st.info.peer_id,
                 "model": st.info.model,

@@ -50,7 +50,13 @@ class WeightLoadError(NcclBackError):
 
 
 class WeightVerificationError(NcclBackError):
-    """Integrity hashes computed after a load differ from the ground truth; names the layers."""
+    """Integrity hashes computed after a load differ from the ground truth; names the
+    layers (or the checkpoint tensors, for checks in checkpoint coordinates) that differ,
+    also as ``bad``."""
+
+    def __init__(self, message: str, bad: set[str] | frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.bad = frozenset(bad)
 
 
 class RegistryError(NcclBackError):
@@ -71,6 +77,11 @@ class PeerError(NcclBackError):
 
 class NoPeerError(PeerError):
     """No live peer holds this version (for this rank), or every candidate was claimed."""
+
+
+class BudgetSpentError(NoPeerError):
+    """A phase of one load used up its time bound (:mod:`nccl_back.budget`) before a
+    peer served it: the load goes on to the next source or to storage."""
 
 
 class HandshakeTimeoutError(PeerError, TimeoutError):
@@ -181,9 +192,16 @@ class RecordKind(str, enum.Enum):
     """A layout description (``ns:layout:...``, resharding)."""
     POSITION_TRUTH = "position_truth"
     """Truth in checkpoint coordinates (``ns:ct:...``, resharding)."""
-
+    GROUP = "group"
+    """The holder layouts a reshard plan is computed over (``ns:group:...``)."""
+    GONE = "gone"
+    """A relay endpoint's tombstone (``ns:gone:...``)."""
+    RENDEZVOUS = "rendezvous"
+    """A process group's bootstrap value (``ns:rdv:...``)."""
     ARTIFACT_SET = "artifact_set"
     """An artifact set's manifest (``ns:art:...``, compile caches)."""
+    ARTIFACT_INDEX = "artifact_index"
+    """A model's newest artifact set and its factors (``ns:artidx:...``)."""
 
     def __str__(self) -> str:
         return self.value

@@ -23,6 +23,7 @@ from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import build, manifest
 from nccl_back.transport import open_rendezvous
 from nccl_back.transport.store import is_loopback, redis_is_local, unreachable_reason
@@ -156,7 +157,7 @@ def test_receiver_skips_a_loopback_peer_before_any_claim(
     registry.publish_peer(PeerInfo(peer_id="loop-peer", version=spec.version, rank=0, world_size=1,
                                    manifest_digest=digest, transport="gloo", address="127.0.0.1:0",
                                    device="cpu"))
-    registry.put_ground_truth(spec.version, 0, 1, digest, {"sampled|x": "0"})
+    registry.put_ground_truth(spec.version, 0, 1, digest, SCHEME, {"sampled|x": "0"})
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="nccl_back"), WeightService(settings) as svc:
         result = svc.load(model, spec)

@@ -30,9 +30,11 @@ from torch import nn
 
 from nccl_back import log
 from nccl_back.cli import main
+from nccl_back.coord import schema
 from nccl_back.errors import AttachError, CheckpointFormatError, ConfigError
 from nccl_back.metrics import Metrics
 from nccl_back.model.checkpoint import parse_header
+from nccl_back.model.scheme import SCHEME
 from nccl_back.sidecar.drain import read_token_file, write_token_file
 from nccl_back.sidecar.handoff import HandoffServer, attach
 from nccl_back.sidecar.health import HealthServer
@@ -423,8 +425,7 @@ def _forged_truth(reg: Any, spec: Any, model: Any) -> None:
 
     # The hashes of other weights: what a poisoner wants every receiver to accept.
     forged = {layer: "0" * 32 for layer in integrity.layer_hashes(model)}
-    reg.put_ground_truth(spec.version, 0, 1, manifest(model).digest,
-                         encode_truth({"sampled": forged}))
+    reg.put_ground_truth(spec.version, 0, 1, manifest(model).digest, SCHEME, encode_truth({"sampled": forged}))
 
 
 def test_fake_peer_and_forged_ground_truth_before_any_worker(ckpt: str, plain: Any, signed: Any) -> None:
@@ -445,7 +446,7 @@ def test_fake_peer_and_forged_ground_truth_before_any_worker(ckpt: str, plain: A
             assert result.fallback_reason.startswith("untrusted_record: no trusted peer")
             assert _rejected(svc, "peer") >= 1
             # The storage loader's view replaced the poisoned record, signed.
-            truth = Registry(signed).get_ground_truth(spec.version, 0, 1, manifest(model).digest)
+            truth = Registry(signed).get_ground_truth(spec.version, 0, 1, manifest(model).digest, SCHEME)
             assert truth is not None and "0" * 32 not in truth.values()
         assert tarpit.conns == []  # nobody ever connected to the fake peer
     finally:
@@ -465,8 +466,8 @@ def test_forged_ground_truth_after_a_legit_worker_is_replaced(ckpt: str, plain: 
     attacker = Registry(plain)
     with WeightService(signed) as first:
         assert first.load(model, spec).source == "storage"
-        key = attacker.ground_truth_key(spec.version, 0, 1, digest)
-        attacker.client.set(key, json.dumps({"manifest_digest": digest, "hashes": encode_truth(
+        key = attacker.ground_truth_key(spec.version, 0, 1, digest, SCHEME)
+        attacker.client.set(key, json.dumps({"manifest_digest": digest, "scheme": SCHEME, "hashes": encode_truth(
             {"sampled": {"x": "0" * 32}})}), ex=30)
         with Timed(15.0), WeightService(signed) as second:
             _, m2 = _spec_and_model(ckpt, signed)
@@ -493,7 +494,7 @@ def test_records_signed_with_another_secret_are_skipped(ckpt: str, plain: Any, s
     with Timed(5.0):
         assert ours.find_peers(spec.version, 0, 1) == []
         with pytest.raises(UntrustedRecordError, match="bad signature"):
-            ours.get_ground_truth(spec.version, 0, 1, info.manifest_digest)
+            ours.get_ground_truth(spec.version, 0, 1, info.manifest_digest, SCHEME)
         theirs.push_request("me", {"transfer_id": "t" * 32, "receiver": "evil", "version": "v",
                                    "manifest_digest": "d" * 32, "transport": "gloo"})
         assert ours.pop_request("me", timeout=0.2) is None
@@ -507,7 +508,8 @@ def test_records_signed_with_another_secret_are_skipped(ckpt: str, plain: Any, s
             found = theirs.client.get(r_key)
             if found:
                 value = json.loads(found)["value"]
-                theirs.set_signed(r_key, {"by": "sender", "value": value + 1, "digest": "m"}, 30)
+                theirs.set_signed(r_key, {"by": "sender", "value": value + 1, "digest": "m"},
+                                  schema.HANDSHAKE)
                 return
             time.sleep(0.01)
 
@@ -617,7 +619,7 @@ def test_fake_peers_that_answer_the_handshake_then_stall_cost_at_most_the_budget
     digest = manifest(model).digest
     attacker, tarpit, stop = Registry(plain), Tarpit(), threading.Event()
     peers = [_fake_peer(attacker, spec, model, f"stall-{i}", tarpit.address) for i in range(3)]
-    attacker.put_ground_truth(spec.version, 0, 1, digest, {"sampled|x": "0" * 32})
+    attacker.put_ground_truth(spec.version, 0, 1, digest, SCHEME, {"sampled|x": "0" * 32})
 
     def answer(peer_id: str) -> None:
         while not stop.is_set():

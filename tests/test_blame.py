@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 from test_service import MODEL, Fleet, _ok
 
 from nccl_back.config import Settings
+from nccl_back.coord import records
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import NoPeerError, TransferError, TransferTimeoutError
@@ -36,10 +38,11 @@ from nccl_back.load.service import WeightService
 from nccl_back.log import get_logger
 from nccl_back.model import integrity
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import named_tensors
 from nccl_back.transport import open_rendezvous, plan
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay import Held, Member, Progress, RelayServer, parse_member
+from nccl_back.transport.relay import Held, Member, Progress, RelayServer
 
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -361,7 +364,7 @@ def test_member_whose_bytes_failed_forwards_none_of_them(
         def seat() -> str | None:
             for k in client.scan_iter(f"{{{namespace}}}:cohort:*"):
                 if client.type(k) == "list":
-                    first = parse_member(client.lindex(k, 0)).member_id
+                    first = records.member(json.loads(client.lindex(k, 0))).member_id
                     if first.startswith("m0-"):
                         return first
             return None
@@ -441,7 +444,7 @@ def test_relay_upstreams_and_holders_share_one_peer_budget(
     digest = manifest(model).digest
     attacker, tarpit, stop = Registry(settings), Tarpit(), threading.Event()
     ids = [_fake_peer(attacker, spec, model, f"stall-{i}", tarpit.address).peer_id for i in range(3)]
-    attacker.put_ground_truth(spec.version, 0, 1, digest, {"sampled|x": "0" * 32})
+    attacker.put_ground_truth(spec.version, 0, 1, digest, SCHEME, {"sampled|x": "0" * 32})
     for i in range(3):
         member = Member(f"fake-r0-relay-{i}", tarpit.address, "gloo", "cpu")
         attacker.join_cohort(spec.version, 0, 1, digest, member.to_dict(), window=30.0,

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 
 import pytest
+from stored import stored_json
 
 from nccl_back import _clock
 from nccl_back.config import Settings
@@ -65,7 +66,7 @@ def test_both_sides_complete(registry: Registry) -> None:
     thread.join(10)
     assert errors == []
     r_key, s_key = handshake.keys(registry, tid)
-    r, s = registry.get_json(r_key), registry.get_json(s_key)
+    r, s = stored_json(registry, r_key), stored_json(registry, s_key)
     assert r is not None and r["by"] == "sender"
     assert s is not None and s["by"] == "receiver"
     assert 0 < registry.ttl(r_key) <= handshake.HANDSHAKE_KEY_TTL
@@ -89,7 +90,7 @@ def test_receiver_alone_times_out_and_cleans_up(registry: Registry) -> None:
     with _clock.use(clock), pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
         handshake.run_receiver(registry, tid, "m", 10.0)
     assert clock.now == pytest.approx(10.0)
-    assert registry.get_json(handshake.keys(registry, tid)[0]) is None
+    assert stored_json(registry, handshake.keys(registry, tid)[0]) is None
 
 
 def test_sender_alone_times_out(registry: Registry) -> None:

@@ -1,18 +1,25 @@
-"""Generic hostile-Redis tests (issue 18): every key a rollout writes, every corruption.
+"""Generic hostile-Redis tests: every key kind of the record schema, every corruption.
 
-Not one test per key. A real rollout (a storage loader elected by the single flight,
-which streams its download, and a receiver served by it through a claim, a request,
-the handshake and a cohort) runs once against the real redis-server while Redis'
-keyspace notifications report every key it writes. Then, for every key kind captured
-and every corruption (a stale genuine copy kept for an hour, a broken signature,
-garbage, hostile fields, each wrong Redis type), loads run with a live holder and on
-an empty fleet, and each must: raise nothing, hold the checkpoint's exact bytes, end
-within a bound, and keep the single flight (with a live holder no storage read at
-all; on an empty fleet exactly one for the rollout).
+Not one test per key, and no hand list of kinds: the kinds and their corruptions come
+from the record schema (``nccl_back/coord/schema.py``). Three real rollouts run once
+against the real redis-server while Redis' keyspace notifications report every key
+they write: a storage loader elected by the single flight (streaming its download) and
+a receiver served by it through a claim, a request, the handshake and a cohort; a
+sharded receiver resharding from that holder (layouts, groups, position truth); an
+artifact set published and fetched (compile caches). Every schema kind a load reads
+must be captured (a new kind fails here until a rollout writes it). Then, for every
+kind and every corruption its schema entry calls for (a stale genuine copy kept for an
+hour, kept without a TTL, a broken signature, text garbage, raw bytes that are not
+UTF-8, an oversized value, hostile numbers, wrong fields, each other Redis type), loads
+run with a live holder and on an empty fleet, and each must: raise nothing, hold the
+checkpoint's exact bytes, end within a bound, and keep the single flight (with a live
+holder no storage read at all; on an empty fleet exactly one for the rollout). Last,
+every key of a rollout at once holds another Redis type.
 
-Keys whose names are random per transfer (handshake values, cohort chains) are
-corrupted the moment they appear (an attacker watching Redis); there the bound is on
-time and correctness only: whoever races every handshake can make a transfer fail.
+Keys whose names are random per transfer (handshake values, cohort chains, rendezvous
+values, tombstones) are corrupted the moment they appear (an attacker watching Redis);
+there the bound is on time and correctness only: whoever races every handshake can
+make a transfer fail.
 """
 
 from __future__ import annotations
@@ -27,14 +34,19 @@ from typing import Any
 
 import pytest
 import redis
+import reshard_workers as rw
 import torch
 from safetensors.torch import load_file
 
+import nccl_back
 from nccl_back.config import Settings
+from nccl_back.coord import schema
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import Registry
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.errors import RECORD_KINDS, RecordKind
+from nccl_back.load import artifacts
+from nccl_back.load.artifacts import CacheKey
 from nccl_back.load.service import WeightService
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
@@ -43,23 +55,31 @@ from nccl_back.result import LoadResult
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(300)
 
 SECRET = "hostile-redis-secret-" + "x" * 16
-#: Every kind of key a rollout writes (the second part of its name; ``chain`` is a
-#: cohort's member list). A new kind fails test_the_rollout_writes_only_known_key_kinds
-#: until it is added here, and so gets every corruption below.
-KINDS = ("peer", "peers", "gt", "ct", "claim", "req", "dl", "cohort", "chain", "hs", "stream", "rdv",
-         "gone")
-RACED = ("hs", "chain", "rdv", "gone")
+#: Kinds no load reads (``nccl-back check``'s probe key): nothing to corrupt.
+UNREAD = frozenset({"check"})
+#: Every kind a load reads, from the schema.
+KINDS = tuple(k.name for k in schema.KINDS if k.name not in UNREAD)
+RACED = frozenset({"hs", "chain", "rdv", "gone"})
 """Kinds whose names are random per transfer: corrupted as they appear."""
-TYPES = ("string", "list", "set", "hash", "zset")
-GENUINE_TYPE = {"peers": "set", "req": "list", "cohort": "hash", "chain": "list"}
-CORRUPTIONS = ("stale", "bad_sig", "garbage", "huge_numbers", "wrong_fields",
-               *(f"type_{t}" for t in TYPES))
+RESHARD = frozenset({"layout", "group"})
+"""Kinds only a reshard reads (``ct`` is kept by every holder and read by both)."""
+ARTIFACT = frozenset({"art", "artidx"})
+"""Kinds only an artifact-set fetch reads."""
 #: Seconds one load may take under any corruption: the deferrals and timeouts below
 #: add up to well under it, and a loaded 2-core machine is slow.
 LOAD_BOUND = 25.0
+HOUR = 3600
+
+
+def corruptions(kind: schema.KeyKind) -> list[str]:
+    """What an attacker (or an accident) can leave at a key of ``kind``: every value
+    corruption, and every Redis type but the kind's own."""
+    values = ["stale", "no_ttl", "bad_sig", "garbage", "raw_bytes", "oversized", "huge_numbers",
+              "wrong_fields"]
+    return values + [f"type_{t}" for t in schema.REDIS_TYPES if t != str(kind.redis_type)]
 
 
 def _settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
@@ -74,37 +94,64 @@ def _settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
 
 
 def kind_of(key: str) -> str:
-    """The kind of a key ``{ns}:kind:...`` (a cohort key with an epoch is a chain)."""
-    parts = key.split(":")
-    return "chain" if parts[1] == "cohort" and len(parts) > 6 else parts[1]
+    got = schema.kind_of(key)
+    return got.name if got is not None else key.split(":")[1]
+
+
+def _bytes_of(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {n: t.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
 
 
 @dataclass
 class Fleet:
-    """One checkpoint, its exact bytes, and the settings of a fleet in one namespace."""
+    """Two checkpoints (a transformer; a flat model to reshard), their exact bytes, and
+    the settings of a fleet in one namespace."""
 
     settings: Settings
     spec: ModelSpec
     digest: str
     expected: dict[str, bytes]
     client: redis.Redis
-
-    def skeleton(self) -> Any:
-        return build(TinyTransformer)
+    flat_ckpt: str
+    flat_spec: ModelSpec
+    cache_root: Path
 
     def load(self, svc: WeightService) -> LoadResult:
         """One load into a fresh skeleton, checked: exact bytes, within the bound."""
-        model = self.skeleton()
+        model = build(TinyTransformer)
         start = time.monotonic()
         result = svc.load(model, self.spec)  # any exception fails the test
         took = time.monotonic() - start
         assert took < LOAD_BOUND, f"load took {took:.1f} s ({result.fallback_reason})"
-        tensors, _ = named_tensors(model)
-        got = {n: t.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
-        assert got == self.expected, f"wrong bytes after a {result.source} load"
+        assert _bytes_of(named_tensors(model)[0]) == self.expected, \
+            f"wrong bytes after a {result.source} load"
         return result
 
+    def flat_holder(self, svc: WeightService) -> LoadResult:
+        """A plain holder of the flat checkpoint (what a reshard receives from)."""
+        return svc.load(build(lambda: rw.Flat(rw.checkpoint_shapes())), self.flat_spec)
+
+    def reshard(self, svc: WeightService) -> LoadResult:
+        """A world-1 receiver of fused layers (another layout than the holder's): exact
+        bytes, within the bound, whatever Redis holds."""
+        model = build(lambda: rw.Flat(rw.tp_shapes(1, "megatron")))
+        sh = nccl_back.sharding(model, self.flat_spec, rw.describe(0, 1, "megatron"), self.settings)
+        start = time.monotonic()
+        result = svc.load(model, self.flat_spec, sharding=sh)
+        assert time.monotonic() - start < LOAD_BOUND, result.fallback_reason
+        want = rw.expected(self.flat_ckpt, 0, 1, "megatron")
+        assert _bytes_of(named_tensors(model)[0]) == _bytes_of(want), f"wrong bytes ({result.source})"
+        return result
+
+    def artifacts(self, name: str) -> tuple[CacheKey, Path]:
+        """A small artifact set's key and its directory (published by :meth:`publish_set`)."""
+        root = self.cache_root / name
+        (root / "unit").mkdir(parents=True, exist_ok=True)
+        (root / "unit" / "kernel.bin").write_bytes(b"k" * 4096)
+        return CacheKey({"name": name, "v": "1"}, "ab" * 16), root
+
     def clean(self) -> None:
+        artifacts.close_all()
         keys = list(self.client.scan_iter(f"{{{self.settings.namespace}}}:*", count=1000))
         if keys:
             self.client.delete(*keys)
@@ -114,14 +161,16 @@ class Fleet:
 def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Fleet:
     tmp = tmp_path_factory.mktemp("hostile")
     ckpt = write_checkpoint(fill_random(TinyTransformer(), seed=5), tmp / "ckpt")
+    flat = write_checkpoint(fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=6),
+                            tmp / "flat")
     settings = _settings(redis_server.url, "hostile", str(tmp / "cache"))
     spec = ModelSpec.from_dir(str(ckpt), cache_dir=settings.cache_dir)
     expected: dict[str, bytes] = {}  # what the files hold, byte for byte
     for f in sorted(Path(ckpt).glob("*.safetensors")):
-        for n, t in load_file(str(f)).items():
-            expected[n] = t.contiguous().view(torch.uint8).numpy().tobytes()
-    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    return Fleet(settings, spec, manifest(build(TinyTransformer)).digest, expected, client)
+        expected.update(_bytes_of(load_file(str(f))))
+    client = redis.Redis.from_url(redis_server.url)
+    return Fleet(settings, spec, manifest(build(TinyTransformer)).digest, expected, client,
+                 str(flat), ModelSpec.from_dir(str(flat), cache_dir=settings.cache_dir), tmp / "sets")
 
 
 class KeyWatch:
@@ -144,16 +193,18 @@ class KeyWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             msg = self._pubsub.get_message(timeout=0.1)
-            if msg is None or msg["data"] in ("del", "expired", "expire", "pexpire"):
+            if msg is None or msg["data"] in (b"del", b"expired", b"expire", b"pexpire"):
                 continue
-            key = str(msg["channel"]).split(":", 1)[1]
+            key = msg["channel"].decode().split(":", 1)[1]
             if self.race is not None and kind_of(key) == self.race[0] and key not in self.raced:
                 self.raced.append(key)
                 self.race[1](key)
                 continue
             if self.keys.get(key, ("", None))[1] is None:
                 # A key already gone (a request popped at once) keeps its name.
-                self.keys[key] = read(self.client, key) or (GENUINE_TYPE.get(kind_of(key), "string"), None)
+                kind = schema.kind_of(key)
+                self.keys[key] = read(self.client, key) or (
+                    str(kind.redis_type) if kind else "string", None)
 
     def close(self) -> None:
         self._stop.set()
@@ -164,7 +215,7 @@ class KeyWatch:
 
 def read(client: redis.Redis, key: str) -> tuple[str, Any] | None:
     """``(type, value)`` of ``key`` now, or None if it is gone."""
-    t = client.type(key)
+    t = client.type(key).decode()
     value: Any = {"string": client.get, "list": lambda k: client.lrange(k, 0, -1),
                   "set": client.smembers, "hash": client.hgetall,
                   "zset": lambda k: client.zrange(k, 0, -1)}.get(t, lambda k: None)(key)
@@ -173,8 +224,9 @@ def read(client: redis.Redis, key: str) -> tuple[str, Any] | None:
 
 @pytest.fixture(scope="module")
 def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
-    """``{kind: (key, type, genuine value)}`` of one real rollout: an elected storage
-    loader (streaming its download) and a receiver served by it."""
+    """``{kind: (key, type, genuine value)}`` of three real rollouts: an elected storage
+    loader (streaming its download) and a receiver served by it; a reshard from a plain
+    holder; an artifact set published and fetched."""
     fleet.clean()
     watch = KeyWatch(fleet.client, fleet.settings.namespace)
     try:
@@ -182,9 +234,18 @@ def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
             assert fleet.load(first).source == "storage"
             with WeightService(fleet.settings) as second:
                 assert fleet.load(second).source == "peer"
-            time.sleep(0.5)  # the last notifications arrive
+            with WeightService(fleet.settings) as holder:
+                assert fleet.flat_holder(holder).source == "storage"
+                with WeightService(fleet.settings) as receiver:
+                    assert fleet.reshard(receiver).source == "peer"
+        key, root = fleet.artifacts("captured")
+        assert artifacts.publish(fleet.settings, key, str(root), ["unit"]).startswith("published")
+        got = artifacts.fetch(fleet.settings, key, str(fleet.cache_root / "into"), serve=False)
+        assert got.ok, got.reason
+        time.sleep(0.5)  # the last notifications arrive
     finally:
         watch.close()
+        artifacts.close_all()
     out: dict[str, tuple[str, str, Any]] = {}
     for key, (t, value) in sorted(watch.keys.items(), key=lambda kv: kv[1][1] is None):
         out.setdefault(kind_of(key), (key, t, value))
@@ -192,25 +253,30 @@ def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
         # Popped before it could be read: a genuine request, as a receiver signs it.
         key = out["req"][0]
         reg = Registry(fleet.settings)
-        out["req"] = (key, "list", [str(reg.signed(key, {
+        out["req"] = (key, "list", [reg.signed(key, {
             "transfer_id": "f" * 32, "receiver": "ghost", "version": fleet.spec.version,
-            "manifest_digest": fleet.digest, "transport": "gloo", "device": "cpu"}, 60))])
+            "manifest_digest": fleet.digest, "transport": "gloo", "device": "cpu"}, schema.REQUEST)])
         reg.close()
     fleet.clean()
     return out
 
 
-def test_the_rollout_writes_only_known_key_kinds(captured: dict[str, Any]) -> None:
-    """Every key kind a real rollout writes is one this file corrupts, and each is written."""
+def test_the_rollouts_write_every_key_kind_a_load_reads(captured: dict[str, Any]) -> None:
+    """Every kind of the record schema that a load reads is written by the rollouts (so
+    every corruption below reaches it), and they write no kind the schema lacks."""
     assert set(captured) == set(KINDS)
+
+
+def test_every_record_kind_has_a_key_kind() -> None:
+    """Each RecordKind a rejection is counted under names a key kind of the schema."""
+    assert {str(k.kind) for k in schema.KINDS if k.kind is not None} == set(RECORD_KINDS)
 
 
 # -- corruptions -------------------------------------------------------------------------
 
-HOUR = 3600
 
-
-def corrupt(client: redis.Redis, key: str, kind: str, how: str, genuine: tuple[str, Any]) -> None:
+def corrupt(client: redis.Redis, key: str, kind: schema.KeyKind, how: str,
+            genuine: tuple[str, Any]) -> None:
     """Write corruption ``how`` at ``key`` (kept for an hour: no TTL rescue)."""
     gtype, gvalue = genuine
     if how.startswith("type_"):
@@ -222,22 +288,32 @@ def corrupt(client: redis.Redis, key: str, kind: str, how: str, genuine: tuple[s
         client.expire(key, HOUR)
         return
     if how == "stale":
-        write(client, key, gtype, gvalue)
+        write(client, key, gtype, gvalue, HOUR)
         return
-    sample = gvalue if gtype == "string" else next(iter(sorted(gvalue) if gtype != "hash" else [""]), "")
+    if how == "no_ttl":
+        write(client, key, gtype, gvalue, None)
+        return
+    sample = gvalue if gtype == "string" else next(iter(sorted(gvalue) if gtype != "hash" else [b""]), b"")
     try:
-        record = json.loads(sample) if isinstance(sample, str) and sample.startswith("{") else {}
+        record = json.loads(sample) if isinstance(sample, bytes) and sample.startswith(b"{") else {}
     except ValueError:
         record = {}
+    bad: bytes
     if how == "bad_sig":
-        bad = json.dumps({**record, "sig": "0" * 64})
+        bad = json.dumps({**record, "sig": "0" * 64}).encode()
     elif how == "garbage":
-        bad = "\x00\xff{not json" + "[" * 64
+        bad = "\x00{not json".encode() + b"[" * 64
+    elif how == "raw_bytes":  # not UTF-8: a client decoding replies would raise on it
+        bad = b"\xff\xfe\xfa{\"sig\": \xc3\x28}" + bytes(range(128, 256))
+    elif how == "oversized":
+        bad = json.dumps({**record, "pad": "x" * (kind.max_bytes + 1)}).encode()
     elif how == "huge_numbers":
         bad = json.dumps({k: (10**30 if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-                          for k, v in record.items()} or {"n": 10**30}).replace("1000000000000000000000000000000", "1e400", 1)
+                          for k, v in record.items()} or {"n": 10**30}).replace(
+                              "1000000000000000000000000000000", "1e400", 1).encode()
     else:  # wrong_fields
-        bad = json.dumps({"owner": ["a"], "token": {"x": 1}, "peer_id": 7, "hashes": [1], "by": "x"})
+        bad = json.dumps({"owner": ["a"], "token": {"x": 1}, "peer_id": 7, "hashes": [1], "by": "x",
+                          "layout": 3, "macs": [1], "group": 5, "lookup": None}).encode()
     if gtype == "string":
         client.set(key, bad, ex=HOUR)
     elif gtype == "list":
@@ -249,12 +325,13 @@ def corrupt(client: redis.Redis, key: str, kind: str, how: str, genuine: tuple[s
         client.expire(key, HOUR)
     else:  # hash
         fields = {"garbage": {"n": "x", "epoch": "../../x"}, "huge_numbers": {"n": "1" * 40, "epoch": "a"},
-                  "bad_sig": {"n": "-5", "epoch": "0" * 64}}.get(how, {"n": "2", "epoch": "{}"})
-        client.hset(key, mapping=fields)
+                  "bad_sig": {"n": "-5", "epoch": "0" * 64}, "raw_bytes": {"n": b"\xff", "epoch": b"\xfe"},
+                  }.get(how, {"n": "2", "epoch": "{}"})
+        client.hset(key, mapping=fields)  # type: ignore[arg-type]
         client.expire(key, HOUR)
 
 
-def write(client: redis.Redis, key: str, t: str, value: Any) -> None:
+def write(client: redis.Redis, key: str, t: str, value: Any, ttl: int | None) -> None:
     client.delete(key)
     if t == "string":
         client.set(key, value)
@@ -264,7 +341,8 @@ def write(client: redis.Redis, key: str, t: str, value: Any) -> None:
         client.sadd(key, *value)
     elif t == "hash" and value:
         client.hset(key, mapping=value)
-    client.expire(key, HOUR)
+    if ttl is not None:
+        client.expire(key, ttl)
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -277,13 +355,15 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None
 def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
     """The name each predictable key kind has for this holder."""
     v, d = fleet.spec.version, fleet.digest
+    ks = reg.keys
     return {
-        "peer": reg.key("peer", v, 0, 1, peer_id), "peers": reg.key("peers", v, 0, 1),
-        "gt": reg.ground_truth_key(v, 0, 1, d), "claim": reg.key("claim", peer_id, 0),
-        "req": reg.key("req", peer_id), "dl": reg.lease_key(v, 1),
-        "cohort": reg.cohort_key(v, 0, 1, d), "stream": reg.stream_key(v, 0, 1, d),
+        "peer": ks.peer(v, 0, 1, peer_id), "peers": ks.peer_index(v, 0, 1),
+        "gt": reg.ground_truth_key(v, 0, 1, d, "nb1"), "claim": ks.claim(peer_id, 0),
+        "req": ks.requests(peer_id), "dl": ks.lease(v, 1), "cohort": ks.cohort(v, 0, 1, d),
+        "stream": ks.stream(v, 0, 1, d),
         # Truth in checkpoint coordinates, keyed by the holder's (plain) layout digest.
-        "ct": next(iter(reg.scan(reg.key("ct", v, 0, 1, "*"))), reg.key("ct", v, 0, 1, "0")),
+        "ct": next(iter(reg.scan(ks.position_truth(v, 0, 1, "*", "nb1")[len(ks.key("")):])),
+                   ks.position_truth(v, 0, 1, "0", "nb1")),
     }
 
 
@@ -291,12 +371,15 @@ def healthy(fleet: Fleet, reg: Registry, peer_id: str) -> bool:
     """The holder is findable and its ground truth trusted (its heartbeat repaired it)."""
     try:
         return any(p.peer_id == peer_id for p in reg.find_peers(fleet.spec.version, 0, 1)) and (
-            reg.get_ground_truth(fleet.spec.version, 0, 1, fleet.digest) is not None)
+            reg.get_ground_truth(fleet.spec.version, 0, 1, fleet.digest, "nb1") is not None)
     except Exception:
         return False
 
 
-@pytest.mark.parametrize("kind", KINDS)
+PLAIN = [k for k in KINDS if k not in RESHARD | ARTIFACT]
+
+
+@pytest.mark.parametrize("kind", PLAIN)
 def test_every_corruption_with_a_live_holder_costs_no_storage_read(
     fleet: Fleet, captured: dict[str, Any], kind: str
 ) -> None:
@@ -304,6 +387,7 @@ def test_every_corruption_with_a_live_holder_costs_no_storage_read(
     holder within the bound; no receiver reads storage (raced handshake/chain keys
     may cost a transfer: then storage, still exact and bounded)."""
     fleet.clean()
+    entry = schema.BY_NAME[kind]
     _, gtype, gvalue = captured[kind]
     reg = Registry(fleet.settings)
     watch = KeyWatch(fleet.client, fleet.settings.namespace) if kind in RACED else None
@@ -311,13 +395,14 @@ def test_every_corruption_with_a_live_holder_costs_no_storage_read(
         with WeightService(fleet.settings) as holder:
             assert fleet.load(holder).source == "storage"
             peer_id = holder.peers[0].peer_id
-            for how in CORRUPTIONS:
+            for how in corruptions(entry):
                 wait_for(lambda: healthy(fleet, reg, peer_id), f"the holder to be healthy before {how}")
                 if watch is not None:
                     watch.raced.clear()
-                    watch.race = (kind, lambda k, how=how: corrupt(fleet.client, k, kind, how, (gtype, gvalue)))
+                    watch.race = (kind, lambda k, how=how: corrupt(fleet.client, k, entry, how,
+                                                                   (gtype, gvalue)))
                 else:
-                    corrupt(fleet.client, holder_keys(fleet, reg, peer_id)[kind], kind, how,
+                    corrupt(fleet.client, holder_keys(fleet, reg, peer_id)[kind], entry, how,
                             (gtype, gvalue))
                 with WeightService(fleet.settings) as receiver:
                     result = fleet.load(receiver)
@@ -333,16 +418,16 @@ def test_every_corruption_with_a_live_holder_costs_no_storage_read(
         reg.close()
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k not in RACED])
+@pytest.mark.parametrize("kind", [k for k in PLAIN if k not in RACED])
 def test_every_corruption_on_an_empty_fleet_costs_one_storage_read(
     fleet: Fleet, captured: dict[str, Any], kind: str
 ) -> None:
     """Corrupted before the first worker of a rollout: the first loads from storage, the
     next from it (one storage read for the rollout), exact weights, within the bound."""
     key, gtype, gvalue = captured[kind]
-    for how in CORRUPTIONS:
+    for how in corruptions(schema.BY_NAME[kind]):
         fleet.clean()
-        corrupt(fleet.client, key, kind, how, (gtype, gvalue))
+        corrupt(fleet.client, key, schema.BY_NAME[kind], how, (gtype, gvalue))
         with WeightService(fleet.settings) as first:
             assert fleet.load(first).source == "storage"
             with WeightService(fleet.settings) as second:
@@ -350,12 +435,105 @@ def test_every_corruption_on_an_empty_fleet_costs_one_storage_read(
         assert result.source == "peer", (how, result.fallback_reason)
 
 
+@pytest.mark.parametrize("kind", sorted(RESHARD | {"ct"}))
+def test_every_corruption_of_reshard_records_leaves_exact_bytes(
+    fleet: Fleet, captured: dict[str, Any], kind: str
+) -> None:
+    """Whatever sits at a layout, group or position-truth key (before the holder, or
+    after it published), a resharding receiver ends with the checkpoint's exact pieces,
+    within the bound, and raises nothing."""
+    key, gtype, gvalue = captured[kind]
+    entry = schema.BY_NAME[kind]
+    for how in corruptions(entry):
+        for before in (True, False):
+            fleet.clean()
+            if before:
+                corrupt(fleet.client, key, entry, how, (gtype, gvalue))
+            with WeightService(fleet.settings) as holder:
+                assert fleet.flat_holder(holder).source == "storage"
+                if not before:
+                    corrupt(fleet.client, key, entry, how, (gtype, gvalue))
+                with WeightService(fleet.settings) as receiver:
+                    fleet.reshard(receiver)
+
+
+@pytest.mark.parametrize("kind", sorted(ARTIFACT))
+def test_every_corruption_of_artifact_records_is_a_miss_or_the_exact_set(
+    fleet: Fleet, captured: dict[str, Any], kind: str
+) -> None:
+    """Whatever sits at an artifact set's keys, a fetch installs the exact set or misses
+    with a reason; it never raises, and installs nothing else."""
+    key, gtype, gvalue = captured[kind]
+    entry = schema.BY_NAME[kind]
+    for i, how in enumerate(corruptions(entry)):
+        fleet.clean()
+        cache_key, root = fleet.artifacts("captured")
+        artifacts.publish(fleet.settings, cache_key, str(root), ["unit"])
+        corrupt(fleet.client, key, entry, how, (gtype, gvalue))
+        into = fleet.cache_root / f"into-{kind}-{i}"
+        got = artifacts.fetch(fleet.settings, cache_key, str(into), serve=False)
+        if got.ok:
+            assert (into / "unit" / "kernel.bin").read_bytes() == b"k" * 4096, how
+        else:
+            assert got.reason and not into.joinpath("unit").exists(), (how, got.reason)
+    artifacts.close_all()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("with_holder", [False, True], ids=["empty", "live-holder"])
+def test_every_key_of_another_type_at_once_keeps_the_single_flight(
+    fleet: Fleet, captured: dict[str, Any], with_holder: bool
+) -> None:
+    """Every key of a captured rollout replaced at once by a value of another Redis type:
+    three workers released together read storage once among them (none with a live
+    holder), each with the exact weights, none raising."""
+    fleet.clean()
+    holder = WeightService(fleet.settings) if with_holder else None
+    try:
+        if holder is not None:
+            assert fleet.load(holder).source == "storage"
+        reg = Registry(fleet.settings)
+        keys = dict(captured)
+        if holder is not None:
+            keys.update({k: (v, *captured[k][1:]) for k, v in
+                         holder_keys(fleet, reg, holder.peers[0].peer_id).items()})
+        for kind, (key, _gtype, _) in keys.items():
+            if kind in RACED:
+                continue
+            other = next(t for t in schema.REDIS_TYPES if t != str(schema.BY_NAME[kind].redis_type))
+            corrupt(fleet.client, key, schema.BY_NAME[kind], f"type_{other}", ("string", None))
+        reg.close()
+        results: list[LoadResult | BaseException] = []
+
+        def one() -> None:
+            try:
+                with WeightService(fleet.settings) as svc:
+                    results.append(fleet.load(svc))
+                    time.sleep(2.0)  # serve the others a while
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                results.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(isinstance(r, LoadResult) for r in results), results
+        sources = [r.source for r in results if isinstance(r, LoadResult)]
+        assert len(sources) == 3
+        assert sources.count("storage") == (0 if with_holder else 1), \
+            [(r.source, r.fallback_reason) for r in results if isinstance(r, LoadResult)]
+    finally:
+        if holder is not None:
+            holder.close()
+
+
 def test_untrusted_records_are_counted_by_the_real_metrics(fleet: Fleet, captured: dict[str, Any]) -> None:
     """Rejections of every kind reach the service's real metrics (never a ConfigError)."""
     fleet.clean()
     for kind in ("peer", "gt", "dl", "stream"):
         key, gtype, gvalue = captured[kind]
-        corrupt(fleet.client, key, kind, "bad_sig", (gtype, gvalue))
+        corrupt(fleet.client, key, schema.BY_NAME[kind], "bad_sig", (gtype, gvalue))
     with WeightService(fleet.settings) as svc:
         assert fleet.load(svc).source == "storage"
         counted = {k: svc.metrics.records_rejected.labels(kind=k)._value.get()
@@ -363,16 +541,12 @@ def test_untrusted_records_are_counted_by_the_real_metrics(fleet: Fleet, capture
     assert all(v >= 1 for v in counted.values()), counted
 
 
-
-# -- the review's findings, one regression each (the class is covered above) ------------
-
-
 @pytest.mark.parametrize("kind", [*RecordKind, "cohort member", "no such kind"])
 def test_rejecting_a_record_of_any_kind_never_raises_with_the_real_metrics(
     fleet: Fleet, kind: Any
 ) -> None:
-    """Finding 1: Registry.reject wired to the real Metrics counts every kind (an unknown
-    one as 'unknown'), never raising ConfigError out of a load."""
+    """Registry.reject wired to the real Metrics counts every kind (an unknown one as
+    'unknown'), never raising ConfigError out of a load."""
     metrics = Metrics()
     reg = Registry(fleet.settings)
     reg.on_untrusted = metrics.record_untrusted  # as WeightService wires it
@@ -383,8 +557,8 @@ def test_rejecting_a_record_of_any_kind_never_raises_with_the_real_metrics(
 
 
 def test_rolling_secret_change_loads_without_error(fleet: Fleet) -> None:
-    """Finding 1: old-secret stream and cohort-member records in the namespace (a rolling
-    secret change) are skipped and counted; the new-secret worker loads, no 'other'."""
+    """Old-secret stream and cohort-member records in the namespace (a rolling secret
+    change) are skipped and counted; the new-secret worker loads, no 'other'."""
     fleet.clean()
     old = Registry(fleet.settings.replace(secret="the-old-fleet-secret-" + "o" * 12))
     v, d = fleet.spec.version, fleet.digest
@@ -400,8 +574,8 @@ def test_rolling_secret_change_loads_without_error(fleet: Fleet) -> None:
 
 
 def test_a_lease_written_without_the_secret_is_taken_over_not_waited_out(fleet: Fleet) -> None:
-    """Finding 2: an unsigned lease (kept for an hour) is taken over at once; the worker
-    downloads well before single_flight_wait, and exactly one of two waiters wins it."""
+    """An unsigned lease (kept for an hour) is taken over at once; the worker downloads
+    well before single_flight_wait, and exactly one of two waiters wins it."""
     fleet.clean()
     reg = Registry(fleet.settings)
     key = reg.lease_key(fleet.spec.version, 1)
@@ -421,25 +595,25 @@ def test_a_lease_written_without_the_secret_is_taken_over_not_waited_out(fleet: 
 
 
 def test_a_wrong_type_index_neither_hides_a_holder_nor_stops_it_publishing(fleet: Fleet) -> None:
-    """Finding 2: a list at the peer index: receivers still find the live holder, and the
-    holder's next heartbeat replaces the index with its set."""
+    """A list at the peer index: receivers still find the live holder, and the holder's
+    next heartbeat replaces the index with its set."""
     fleet.clean()
     reg = Registry(fleet.settings)
     with WeightService(fleet.settings) as holder:
         assert fleet.load(holder).source == "storage"
-        index = reg.key("peers", fleet.spec.version, 0, 1)
+        index = reg.keys.peer_index(fleet.spec.version, 0, 1)
         fleet.client.delete(index)
         fleet.client.rpush(index, "garbage")
         assert [p.peer_id for p in reg.find_peers(fleet.spec.version, 0, 1)] == [holder.peers[0].peer_id]
         fleet.client.delete(index)
         fleet.client.rpush(index, "garbage")
-        wait_for(lambda: fleet.client.type(index) == "set", "the heartbeat to repair the index")
+        wait_for(lambda: fleet.client.type(index) == b"set", "the heartbeat to repair the index")
         with WeightService(fleet.settings) as receiver:
             assert fleet.load(receiver).source == "peer"
     reg.close()
 
 
-# -- Redis loses its data mid-fleet (finding 3), with real processes --------------------
+# -- Redis loses its data mid-fleet, with real processes ----------------------------------
 
 
 def _worker_settings(redis_url: str, cache_dir: str) -> dict[str, Any]:
@@ -450,10 +624,10 @@ def _worker_settings(redis_url: str, cache_dir: str) -> dict[str, Any]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("when", ["after_holders_reappear", "at_once"])
 def test_flushall_mid_fleet_causes_no_stampede(tmp_path: Path, when: str) -> None:
-    """Finding 3: Redis loses everything (FLUSHALL) under two live holders; receivers that
-    start together then (at once, or once the holders' entries are back) load exact
-    weights with at most one storage read among them: holders re-publish their truth
-    within a heartbeat, and 'peers but no truth' waits in the single flight."""
+    """Redis loses everything (FLUSHALL) under two live holders; receivers that start
+    together then (at once, or once the holders' entries are back) load exact weights
+    with at most one storage read among them: holders re-publish their truth within a
+    heartbeat, and 'peers but no truth' waits in the single flight."""
     import multiprocessing.connection
 
     from groups import CTX
@@ -499,7 +673,7 @@ def test_flushall_mid_fleet_causes_no_stampede(tmp_path: Path, when: str) -> Non
         for i in range(n):
             start(f"r{i}", go)
         time.sleep(2.0)  # every receiver process is up and waiting on `go`
-        client = redis.Redis.from_url(server.url, decode_responses=True)
+        client = redis.Redis.from_url(server.url)
         client.flushall()
         if when == "after_holders_reappear":
             wait_for(lambda: len(list(client.scan_iter("{lost}:peer:*"))) >= 2,

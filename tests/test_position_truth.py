@@ -1,17 +1,22 @@
-"""Truth in checkpoint coordinates (model/position_truth.py, coord/layouts.py): what a
-TP=1 storage load publishes verifies a TP=2 rank's slices and back; a changed sampled
-element is caught; the records round-trip through real Redis and forged ones are
-rejected."""
+"""Truth in checkpoint coordinates (model/position_truth.py, model/marginals.py,
+coord/layouts.py): what a TP=1 storage load publishes verifies a TP=2 rank's slices and
+back; a changed sampled element is caught, and with the full sums any changed element;
+the records round-trip through real Redis and forged ones are rejected."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nccl_back.config import Settings
+from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.registry import Registry
-from nccl_back.errors import UntrustedRecordError, WeightVerificationError
+from nccl_back.errors import NoPeerError, UntrustedRecordError, WeightVerificationError
+from nccl_back.load.verifier import Verifier, merge_macs
 from nccl_back.model import layout as L
+from nccl_back.model import marginals as M
 from nccl_back.model import position_truth as T
 from nccl_back.model import reshard_plan as P
 from nccl_back.model.skeleton import Manifest, TensorEntry
@@ -51,10 +56,76 @@ def test_tp1_truth_checks_tp2_slices_and_catches_a_change() -> None:
         with pytest.raises(WeightVerificationError, match="w"):
             T.check(lay, tensors, truth, KEY)
     # Two TP=2 ranks' truths merged verify the TP=1 layout (the other direction).
-    parts = [T.held_macs(*_tp2(r, full, values)[:1], _tp2(r, full, values)[1], KEY) for r in range(2)]
-    assert T.check(full, values, T.merge(parts), KEY) == sum(len(v) for v in truth.values())
-    with pytest.raises(WeightVerificationError, match="no truth"):
-        T.check(full, values, parts[0], KEY)
+    parts = {f"r{r}": PositionTruth("x", "nb1", T.held_macs(*_tp2(r, full, values)[:1],
+                                                           _tp2(r, full, values)[1], KEY))
+             for r in range(2)}
+    assert T.check(full, values, merge_macs(parts), KEY) == sum(len(v) for v in truth.values())
+    with pytest.raises(NoPeerError, match="no truth"):
+        T.check(full, values, parts["r0"].macs, KEY)
+
+
+def test_full_sums_of_tp1_check_every_byte_of_tp2_slices_and_back() -> None:
+    """The full sums a TP=1 holder publishes check every element a TP=2 rank holds (one
+    changed element anywhere is caught, not only at sampled positions), and two TP=2
+    ranks' sums check the TP=1 layout."""
+    full, values = _full()
+    v = Verifier("full", KEY)
+    tp1 = v.position_truth(full, values)
+    for r in range(2):
+        lay, tensors = _tp2(r, full, values)
+        checked = v.check_positions(lay, tensors, {"h": tp1})
+        assert checked.elements == sum(t.numel() for t in tensors.values())
+        sampled = set(T.positions("o", CK["o"], KEY).tolist())
+        flat = next(f for f in range(48 * 64) if f not in sampled and (f % 64) // 32 == r)
+        tensors["o"][flat // 64, flat % 64 - 32 * r] *= -1  # not a sampled position
+        with pytest.raises(WeightVerificationError, match="differ in 1 tensors: \\['o'\\]"):
+            v.check_positions(lay, tensors, {"h": tp1})
+        Verifier("sampled", KEY).check_positions(lay, tensors, {"h": tp1})  # sampled misses it
+    ranks = {f"r{r}": v.position_truth(*_tp2(r, full, values)) for r in range(2)}
+    assert v.check_positions(full, values, ranks).elements == sum(t.numel() for t in values.values())
+    with pytest.raises(NoPeerError, match="no truth for"):
+        v.check_positions(full, values, {"r0": ranks["r0"]})
+
+
+def test_two_publishers_that_disagree_are_named_not_mistaken_for_damage() -> None:
+    """Sums or MACs of two publishers that disagree raise TruthConflict (an untrusted
+    record, naming both), never a verification failure of the receiver's bytes."""
+    full, values = _full()
+    v = Verifier("full", KEY)
+    good = v.position_truth(full, values)
+    bad_values = {n: t.clone() for n, t in values.items()}
+    bad_values["w"][0, 0] += 1
+    bad = v.position_truth(full, bad_values)
+    lay, tensors = _tp2(0, full, values)
+    with pytest.raises(M.TruthConflict, match="disagree") as info:
+        v.check_positions(lay, tensors, {"a": good, "b": bad})
+    assert isinstance(info.value, UntrustedRecordError) and not isinstance(info.value, WeightVerificationError)
+    assert info.value.publishers == {"a", "b"}
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8,
+          torch.uint8, torch.bool, torch.float8_e4m3fn, torch.complex64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(DTYPES), st.integers(0, 47 * 63), st.integers(1, 255), st.integers(0, 7))
+def test_full_sums_catch_any_changed_byte_of_any_dtype(dtype: torch.dtype, flat: int, xor: int,
+                                                       byte: int) -> None:
+    """Any change of any one byte of any element, in any dtype, changes the sums."""
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (48 * 64 * 16,), dtype=torch.uint8, generator=g)
+    size = torch.empty((), dtype=dtype).element_size()
+    w = raw[: 48 * 64 * size].view(dtype).reshape(48, 64)
+    shapes = {"w": (48, 64)}
+    man = Manifest((TensorEntry("w", (48, 64), str(dtype).removeprefix("torch.")),))
+    lay = L.layout_of(man, {}, shapes)
+    v = Verifier("full", KEY)
+    truth = v.position_truth(lay, {"w": w}, sums=True)
+    changed = w.clone()
+    changed.view(torch.uint8).reshape(-1)[flat * size + byte % size] ^= xor
+    if torch.equal(changed.view(torch.uint8), w.view(torch.uint8)):
+        return
+    assert M.held(lay, {"w": changed}, KEY) != truth.marginals
 
 
 def test_a_position_mac_is_keyed_blake2b_over_the_documented_fields() -> None:
@@ -80,16 +151,16 @@ def test_records_round_trip_and_forgeries_are_rejected(redis_url: str) -> None:
     s = Settings(redis_url=redis_url, namespace="ct-test", secret="s" * 32)
     reg = Registry(s)
     full, values = _full()
-    macs = T.held_macs(full, values, KEY)
+    truth = Verifier("full", KEY).position_truth(full, values)
     reg.put_layout(full)
     assert reg.get_layout(full.digest) == full
-    assert reg.put_position_truth("v1", 0, 1, full.digest, macs)
-    assert not reg.put_position_truth("v1", 0, 1, full.digest, macs)  # SET NX
-    assert reg.get_position_truth("v1", 0, 1, full.digest) == macs
+    assert reg.put_position_truth("v1", 0, 1, truth)
+    assert not reg.put_position_truth("v1", 0, 1, truth)  # SET NX
+    assert reg.get_position_truth("v1", 0, 1, full.digest, "nb1") == truth
     forger = Registry(Settings(redis_url=redis_url, namespace="ct-test", secret="x" * 32))
     forger.put_layout(full)
     assert reg.get_layout(full.digest) is None
-    reg.client.delete(reg.keys.position_truth("v2", 0, 1, full.digest))
-    forger.put_position_truth("v2", 0, 1, full.digest, macs)
+    reg.client.delete(reg.keys.position_truth("v2", 0, 1, full.digest, "nb1"))
+    forger.put_position_truth("v2", 0, 1, truth)
     with pytest.raises(UntrustedRecordError):
-        reg.get_position_truth("v2", 0, 1, full.digest)
+        reg.get_position_truth("v2", 0, 1, full.digest, "nb1")

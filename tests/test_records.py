@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from nccl_back.coord import records
+from nccl_back.coord import content, records
 from nccl_back.errors import UntrustedRecordError
 
 pytestmark = pytest.mark.timeout(10)
@@ -82,9 +82,10 @@ def test_wrong_redis_types_are_refused() -> None:
 def test_hostile_ground_truth_is_refused(value: dict[str, Any], message: str) -> None:
     """Ground truth must map layer names to hex digests under a hex manifest digest."""
     with pytest.raises(UntrustedRecordError, match=message):
-        records.ground_truth(value)
-    good = {"manifest_digest": "d" * 32, "hashes": {"sampled|layers.0": "ab" * 16}}
-    assert records.ground_truth(good) == ("d" * 32, {"sampled|layers.0": "ab" * 16})
+        content.ground_truth({"scheme": "nb1", **value}, {})
+    good = {"manifest_digest": "d" * 32, "scheme": "nb1", "hashes": {"sampled|layers.0": "ab" * 16}}
+    assert content.ground_truth(good, {"manifest": "d" * 32, "scheme": "nb1"}) == \
+        content.GroundTruth("d" * 32, "nb1", {"sampled|layers.0": "ab" * 16})
 
 
 def test_requests_and_handshake_values_are_bounded() -> None:

@@ -1,9 +1,12 @@
-"""Property tests of every parser of outside data (records.py, bounded_json.py, auth.py).
+"""Property tests of every parser of outside data (the record schema's parsers,
+bounded_json.py, auth.py).
 
 One hand-written hostile value per field proves that one value is refused; these prove
-the class: for arbitrary input and for every single mutation of a valid record, a
-parser returns a typed record or raises UntrustedRecordError (bounded_json: ValueError),
-never anything else; valid records round-trip exactly.
+the class: for arbitrary input and for every single mutation of a valid record, every
+parser the record schema (``coord/schema.py``) names returns a typed record or raises
+UntrustedRecordError (bounded_json: ValueError), never anything else; valid records
+round-trip exactly. The parsers come from the schema, so a new key kind is tested here
+as soon as it has a parser, and fails until it has valid examples.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nccl_back import bounded_json
-from nccl_back.coord import records
+from nccl_back.config import Settings
+from nccl_back.coord import content, records, schema
 from nccl_back.coord.auth import Signer
 from nccl_back.errors import UntrustedRecordError
-from nccl_back.transport import relay
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,27 +95,76 @@ def requests(draw: st.DrawFn) -> records.TransferRequest:
 CLAIMS = st.builds(records.Claim, token=st.tuples(st.integers(0, 999), HEX).map(
     lambda t: f"{t[0]}:{t[1]}"), receiver=NAME)
 LEASES = st.builds(records.Lease, owner=NAME)
-MEMBERS = st.builds(relay.Member, member_id=NAME, address=ADDRESS,
-                    transport=st.sampled_from(records.TRANSPORTS), device=st.sampled_from(relay.DEVICES))
+MEMBERS = st.builds(records.Member, member_id=NAME, address=ADDRESS,
+                    transport=st.sampled_from(records.TRANSPORTS), device=st.sampled_from(records.DEVICES))
 HANDSHAKES = st.one_of(
     st.builds(lambda by, v, d: {"by": by, "value": v, "digest": d},
               st.sampled_from(records.HANDSHAKE_SIDES), st.integers(0, records.MAX_NONCE), NAME),
     st.builds(lambda r, m: {"by": "sender", "refused": r, "message": m}, NAME, st.text(max_size=50)),
     st.just({"by": "sender", "abandoned": True}),
 )
-TRUTHS = st.builds(lambda d, h: {"manifest_digest": d, "hashes": h}, HEX,
+TRUTHS = st.builds(lambda d, h: {"manifest_digest": d, "scheme": "nb1", "hashes": h}, HEX,
                    st.dictionaries(st.text(min_size=1, max_size=30), HEX, max_size=8))
+MAC_TEXT = st.lists(st.none() | st.from_regex(r"[0-9a-f]{8}", fullmatch=True), max_size=6).map(
+    lambda ms: "".join(m or "." * 8 for m in ms))
+POSITIONS = st.builds(lambda lay, macs: {"layout": lay, "scheme": "nb1", "macs": macs}, DIGEST,
+                      st.dictionaries(NAME, MAC_TEXT, max_size=4))
+GROUPS = st.lists(DIGEST, min_size=1, max_size=4).map(lambda ds: {"group": ",".join(ds)})
+LAYOUTS = st.just({"layout": json.dumps({"tensors": [["w", [4, 2], "float32", 0, [["w", 0, 0, 4]]]],
+                                         "sources": [["w", [4, 2]]]}, separators=(",", ":"))})
+ARTIFACT_INDEXES = st.builds(lambda lk, f: {"lookup": lk, "factors": f}, HEX,
+                             st.dictionaries(NAME, NAME, max_size=4))
+ARTIFACT_SETS = st.builds(lambda lk, v: {"lookup": lk, "version": v, "manifest": {
+    "units": ["u"], "files": [["u/a", 1]], "digest": "d" * 64}}, HEX, HEX)
+GONE = NAME.map(lambda m: {"member_id": m})
 
-#: Every parser of a Redis record, with valid records (as dicts) to mutate.
-PARSERS: dict[str, tuple[Callable[[dict[str, Any]], object], st.SearchStrategy[dict[str, Any]]]] = {
-    "peer": (records.peer, peer_infos().map(asdict)),
-    "ground_truth": (records.ground_truth, TRUTHS),
-    "request": (records.request, requests().map(lambda r: r.to_dict())),
-    "handshake": (records.handshake, HANDSHAKES),
-    "lease": (records.lease, LEASES.map(asdict)),
-    "claim": (records.claim, CLAIMS.map(asdict)),
-    "cohort_member": (relay.parse_member, MEMBERS.map(lambda m: m.to_dict())),
+#: Valid records (as dicts) of every key kind the schema gives a parser, to mutate.
+VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    "peer": peer_infos().map(asdict),
+    "gt": TRUTHS,
+    "layout": LAYOUTS,
+    "group": GROUPS,
+    "ct": POSITIONS,
+    "claim": CLAIMS.map(asdict),
+    "req": requests().map(lambda r: r.to_dict()),
+    "dl": LEASES.map(asdict),
+    "chain": MEMBERS.map(lambda m: m.to_dict()),
+    "stream": MEMBERS.map(lambda m: m.to_dict()),
+    "gone": GONE,
+    "hs": HANDSHAKES,
+    "art": ARTIFACT_SETS,
+    "artidx": ARTIFACT_INDEXES,
 }
+SETTINGS = Settings()
+
+
+def _parser(kind: schema.KeyKind) -> Callable[[dict[str, Any]], object]:
+    """The kind's parser on a body alone (no key parts: nothing to match against)."""
+    assert kind.parse is not None
+    return lambda body: kind.parse(body, {}, SETTINGS)  # type: ignore[misc]
+
+
+#: Every parser of a Redis record, from the schema, with valid records to mutate.
+PARSERS: dict[str, tuple[Callable[[dict[str, Any]], object], st.SearchStrategy[dict[str, Any]]]] = {
+    k.name: (_parser(k), VALID[k.name]) for k in schema.KINDS if k.parse is not None and k.name in VALID
+}
+
+
+def test_every_parsed_key_kind_has_valid_examples() -> None:
+    """Each key kind the schema parses has valid records here, so its parser is tested."""
+    assert set(VALID) == {k.name for k in schema.KINDS if k.parse is not None}
+
+
+def test_valid_examples_parse() -> None:
+    """The valid examples of every kind parse (they are what genuine writers store)."""
+
+    @PROPS
+    @given(st.sampled_from(sorted(VALID)).flatmap(lambda n: st.tuples(st.just(n), VALID[n])))
+    def check(item: tuple[str, dict[str, Any]]) -> None:
+        name, body = item
+        PARSERS[name][0](json.loads(json.dumps(body)))
+
+    check()
 
 
 @st.composite
@@ -200,13 +252,14 @@ def test_requests_round_trip(req: records.TransferRequest) -> None:
 @PROPS
 @given(CLAIMS, LEASES, MEMBERS, TRUTHS)
 def test_claims_leases_members_and_truth_round_trip(
-    claim: records.Claim, lease: records.Lease, member: relay.Member, truth: dict[str, Any]
+    claim: records.Claim, lease: records.Lease, member: records.Member, truth: dict[str, Any]
 ) -> None:
     """Claim, lease, cohort member and ground truth parse back to what was written."""
     assert records.claim(json.loads(json.dumps(asdict(claim)))) == claim
     assert records.lease(json.loads(json.dumps(asdict(lease)))) == lease
-    assert relay.parse_member(json.dumps(member.to_dict())) == member
-    assert records.ground_truth(json.loads(json.dumps(truth))) == (truth["manifest_digest"], truth["hashes"])
+    assert records.member(json.loads(json.dumps(member.to_dict()))) == member
+    got = content.ground_truth(json.loads(json.dumps(truth)), {})
+    assert (got.manifest_digest, got.hashes) == (truth["manifest_digest"], truth["hashes"])
 
 
 @PROPS
@@ -293,7 +346,7 @@ MACS = st.dictionaries(NAME, st.lists(st.none() | st.from_regex(r"[0-9a-f]{8}", 
 @given(MACS)
 def test_position_truth_macs_round_trip(macs: dict[str, list[str | None]]) -> None:
     """Sampled-position MACs (absent ones included) survive their record form exactly."""
-    from nccl_back.coord.layouts import decode_macs, encode_macs
+    from nccl_back.coord.content import decode_macs, encode_macs
 
     assert decode_macs(json.loads(json.dumps(encode_macs(macs)))) == macs
 
@@ -302,7 +355,7 @@ def test_position_truth_macs_round_trip(macs: dict[str, list[str | None]]) -> No
 @given(JSON | MACS.map(lambda m: {k: "".join(x or "." * 8 for x in v) + "." for k, v in m.items()}))
 def test_position_truth_macs_parse_or_are_refused(data: Any) -> None:
     """Any value where a position truth's MACs belong: MACs of the one width, or refused."""
-    from nccl_back.coord.layouts import decode_macs
+    from nccl_back.coord.content import decode_macs
 
     with contextlib.suppress(UntrustedRecordError):
         for name, macs in decode_macs(data).items():
@@ -316,16 +369,14 @@ def test_group_records_parse_only_when_they_are_what_their_key_names(
     """A group record lists layout digests and hashes to its key; anything else is refused."""
     import hashlib
 
-    from nccl_back.coord.layouts import parse_group
-
     text = ",".join(digests)
     key = hashlib.sha256(text.encode()).hexdigest()
-    assert parse_group({"group": text}, key) == digests
+    assert content.group({"group": text}, {"group": key}) == digests
     forged = {"group": other}
     if other != text:
         with pytest.raises(UntrustedRecordError):
-            parse_group(forged, key)
+            content.group(forged, {"group": key})
     # A value that hashes to its key but is no list of digests is refused too.
     if isinstance(other, str) and other:
         with pytest.raises(UntrustedRecordError, match="group"):
-            parse_group({"group": other}, hashlib.sha256(other.encode()).hexdigest())
+            content.group({"group": other}, {"group": hashlib.sha256(other.encode()).hexdigest()})

@@ -20,13 +20,16 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from stored import stored_json
 
 from nccl_back.config import Settings
+from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.dev.redis_ha import LocalSentinel, TLSTerminator
 from nccl_back.dev.servers import LocalRedis, LocalRedisCluster
 from nccl_back.errors import ConfigError, RegistryError
+from nccl_back.model.scheme import SCHEME
 from nccl_back.redis_url import parse_redis_url
 
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -146,14 +149,14 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     reg.set_json(hs, {"value": 1}, ttl=5)
     assert reg.compare_and_set(hs, {"value": 1}, {"value": 2}, ttl=5)
     reg.delete(hs)
-    assert reg.get_json(hs) is None
-    assert reg.put_ground_truth("v1", 0, 1, "d" * 32, {"layer": "h"})
-    assert reg.get_ground_truth("v1", 0, 1, "d" * 32) == {"layer": "h"}
+    assert stored_json(reg, hs) is None
+    assert reg.put_ground_truth("v1", 0, 1, "d" * 32, SCHEME, {"layer": "h"})
+    assert reg.get_ground_truth("v1", 0, 1, "d" * 32, SCHEME) == {"layer": "h"}
     req = {"transfer_id": "t", "receiver": "w", "version": "v1", "manifest_digest": "d" * 32,
            "transport": "gloo"}
     reg.push_request("p1", req)
-    assert reg.pop_request("p1", 1.0) == req
-    reg.heartbeat(_info("p1"))
+    assert reg.pop_request("p1", 1.0) == TransferRequest(**req)
+    reg.heartbeat(_info("p1"), SCHEME)
     assert list(reg.list_all()) == ["v1"]
     keys = list(reg.scan("*"))
     assert len(keys) == 4  # ground truth, two peer entries, their index

@@ -15,6 +15,7 @@ from nccl_back.coord.registry import Registry
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import build, named_tensors
 
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -53,7 +54,7 @@ def test_worker_loaded_without_redis_publishes_once_it_answers(
             try:
                 deadline = time.monotonic() + 60
                 while not (registry.find_peers(spec.version, 0, 1) and registry.get_ground_truth(
-                        spec.version, 0, 1, holder.peers[0].manifest_digest)):
+                        spec.version, 0, 1, holder.peers[0].manifest_digest, SCHEME)):
                     assert time.monotonic() < deadline, "the holder never came back to Redis"
                     time.sleep(0.1)
             finally:

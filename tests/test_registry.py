@@ -9,9 +9,11 @@ import pytest
 import redis
 
 from nccl_back.config import Settings
+from nccl_back.coord import schema
+from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.dev.servers import LocalRedis, free_port
-from nccl_back.errors import ConfigError, RecordKind, RegistryError
+from nccl_back.errors import ConfigError, RegistryError
 from nccl_back.metrics import Metrics
 
 
@@ -38,8 +40,8 @@ def test_every_key_has_a_ttl_and_a_json_value(redis_url: str, namespace: str) ->
     reg = make_registry(redis_url, namespace)
     info = peer()
     reg.publish_peer(info)
-    reg.heartbeat(info)
-    reg.put_ground_truth("v1", 0, 1, "d" * 32, {"layer": "abc"})
+    reg.heartbeat(info, "s1")
+    reg.put_ground_truth("v1", 0, 1, "d" * 32, "s1", {"layer": "abc"})
     reg.claim("p1", "r1", max_sends=1, ttl=5)
     reg.push_request("p1", {"transfer_id": "t1"})
     reg.set_json(reg.key("hs", "t1", "receiver_ready"), {"value": 1}, ttl=5)
@@ -48,13 +50,13 @@ def test_every_key_has_a_ttl_and_a_json_value(redis_url: str, namespace: str) ->
     for key in keys:
         assert reg.client.pttl(key) > 0, key
         kind = reg.client.type(key)
-        if kind == "string":
-            json.loads(str(reg.client.get(key)))
-        elif kind == "list":
+        if kind == b"string":
+            json.loads(reg.client.get(key))
+        elif kind == b"list":
             for item in reg.client.lrange(key, 0, -1):
                 json.loads(item)
         else:
-            assert kind == "set"
+            assert kind == b"set"
 
 
 def test_find_peers_returns_published_peers_for_the_version_and_rank(
@@ -91,41 +93,55 @@ def test_dead_peer_vanishes_after_its_ttl(redis_url: str, namespace: str) -> Non
     reg.publish_peer(peer("alive"))
     deadline = time.monotonic() + 1.5
     while time.monotonic() < deadline:
-        reg.heartbeat(peer("alive"))
+        reg.heartbeat(peer("alive"), "s1")
         time.sleep(0.1)
     assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["alive"]
-    assert reg.client.smembers(reg.key("peers", "v1", 0, 1)) == {"alive"}
+    assert reg.client.smembers(reg.key("peers", "v1", 0, 1)) == {b"alive"}
 
 
 def test_ground_truth_is_never_overwritten(redis_url: str, namespace: str) -> None:
     """The first storage load's hashes for a manifest stay; a later put for it is refused."""
     reg = make_registry(redis_url, namespace)
-    assert reg.get_ground_truth("v1", 0, 1, "m1") is None
-    assert reg.put_ground_truth("v1", 0, 1, "m1", {"a": "1"}) is True
-    assert reg.put_ground_truth("v1", 0, 1, "m1", {"a": "2"}) is False
-    assert reg.get_ground_truth("v1", 0, 1, "m1") == {"a": "1"}
-    assert reg.has_ground_truth("v1", 0, 1)
-    assert reg.has_ground_truth("v1", 0, 1, "m1")
-    assert not reg.has_ground_truth("v1", 1, 1)
+    assert reg.get_ground_truth("v1", 0, 1, "m1", "s1") is None
+    assert reg.put_ground_truth("v1", 0, 1, "m1", "s1", {"a": "1"}) is True
+    assert reg.put_ground_truth("v1", 0, 1, "m1", "s1", {"a": "2"}) is False
+    assert reg.get_ground_truth("v1", 0, 1, "m1", "s1") == {"a": "1"}
+    assert reg.has_ground_truth("v1", 0, 1, "s1")
+    assert reg.has_ground_truth("v1", 0, 1, "s1", "m1")
+    assert not reg.has_ground_truth("v1", 1, 1, "s1")
 
 
 def test_ground_truth_is_kept_per_manifest_flavour(redis_url: str, namespace: str) -> None:
     """Two skeleton flavours of one version each get their own ground truth; neither wins."""
     reg = make_registry(redis_url, namespace)
-    assert reg.put_ground_truth("v1", 0, 1, "flat", {"sampled|a": "1"}) is True
-    assert reg.put_ground_truth("v1", 0, 1, "module", {"sampled|b": "2"}) is True
-    assert reg.get_ground_truth("v1", 0, 1, "flat") == {"sampled|a": "1"}
-    assert reg.get_ground_truth("v1", 0, 1, "module") == {"sampled|b": "2"}
-    assert not reg.has_ground_truth("v1", 0, 1, "other")
+    assert reg.put_ground_truth("v1", 0, 1, "flat", "s1", {"sampled|a": "1"}) is True
+    assert reg.put_ground_truth("v1", 0, 1, "module", "s1", {"sampled|b": "2"}) is True
+    assert reg.get_ground_truth("v1", 0, 1, "flat", "s1") == {"sampled|a": "1"}
+    assert reg.get_ground_truth("v1", 0, 1, "module", "s1") == {"sampled|b": "2"}
+    assert not reg.has_ground_truth("v1", 0, 1, "s1", "other")
+
+
+def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:
+    """Truth of another verification scheme (a rolling upgrade) neither replaces ours
+    nor is read as ours."""
+    reg = make_registry(redis_url, namespace)
+    assert reg.put_ground_truth("v1", 0, 1, "m1", "old", {"sampled|a": "1"}) is True
+    assert reg.get_ground_truth("v1", 0, 1, "m1", "new") is None
+    assert reg.put_ground_truth("v1", 0, 1, "m1", "new", {"sampled|a": "2"}) is True
+    assert reg.get_ground_truth("v1", 0, 1, "m1", "old") == {"sampled|a": "1"}
+    reg.client.set(reg.ground_truth_key("v1", 0, 1, "m1", "new"),
+                   reg.client.get(reg.ground_truth_key("v1", 0, 1, "m1", "old")), px=5000)
+    with pytest.raises(RegistryError, match="scheme 'old' stored under 'new'"):
+        reg.get_ground_truth("v1", 0, 1, "m1", "new")
 
 
 def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace: str) -> None:
     """A record whose digest differs from its key's is malformed (RegistryError), never used."""
     reg = make_registry(redis_url, namespace)
-    reg.set_json(reg.ground_truth_key("v1", 0, 1, "m1"),
-                 {"manifest_digest": "m2", "hashes": {}}, ttl=5)
+    reg.set_json(reg.ground_truth_key("v1", 0, 1, "m1", "s1"),
+                 {"manifest_digest": "m2", "scheme": "s1", "hashes": {}}, ttl=5)
     with pytest.raises(RegistryError, match="digest .m2. under another key"):
-        reg.get_ground_truth("v1", 0, 1, "m1")
+        reg.get_ground_truth("v1", 0, 1, "m1", "s1")
 
 
 def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> None:
@@ -133,7 +149,7 @@ def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> Non
     reg = make_registry(redis_url, namespace)
     assert reg.lease_key("v1", 2) == f"{{{namespace}}}:dl:v1:2"
     assert reg.handshake_key("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
-    assert reg.ground_truth_key("v1", 0, 2, "d") == f"{{{namespace}}}:gt:v1:0:2:d"
+    assert reg.ground_truth_key("v1", 0, 2, "d", "s1") == f"{{{namespace}}}:gt:v1:0:2:d:s1"
 
 
 def test_truth_encoding_round_trips() -> None:
@@ -169,10 +185,10 @@ def test_compare_and_set(redis_url: str, namespace: str) -> None:
     reg.set_json(key, {"v": 1}, 5)
     assert not reg.compare_and_set(key, {"v": 2}, {"v": 3}, 5)
     assert reg.compare_and_set(key, {"v": 1}, {"v": 3}, 5)
-    assert reg.get_json(key) == {"v": 3}
+    assert json.loads(reg.client.get(key)) == {"v": 3}
     reg.delete(key)
     assert not reg.compare_and_set(key, {"v": 3}, {"v": 4}, 5)
-    assert reg.get_json(key) is None
+    assert reg.client.get(key) is None
 
 
 def test_malformed_peer_entry_is_skipped(redis_url: str, namespace: str) -> None:
@@ -215,8 +231,8 @@ def test_ranks_of_one_receiving_group_share_a_slot_and_no_one_else_does(
     reg.release("p", f"0:{other}")
     reg.client.set(reg.keys.claim("p", 0), json.dumps({"token": f"0:{share}", "receiver": "x"}), px=5000)
     assert reg.claim("p", "g-1", max_sends=1, ttl=5, share=share) == f"0:{share}"
-    got = reg.get_signed(reg.keys.claim("p", 0), RecordKind.CLAIM)
-    assert got is not None and got[0]["receiver"] == "g-1"
+    got = reg.get_signed(reg.keys.claim("p", 0), schema.CLAIM)
+    assert got is not None and got[0].receiver == "g-1"
 
 
 @pytest.mark.timeout(20)
@@ -244,8 +260,8 @@ def test_requests_are_queued_and_popped_with_a_bounded_wait(redis_url: str, name
     req = {"receiver": "w", "version": "v1", "manifest_digest": "d" * 32, "transport": "gloo"}
     reg.push_request("p", {"transfer_id": "t1", **req})
     reg.push_request("p", {"transfer_id": "t2", **req})
-    assert reg.pop_request("p", timeout=1) == {"transfer_id": "t2", **req}
-    assert reg.pop_request("p", timeout=0) == {"transfer_id": "t1", **req}
+    assert reg.pop_request("p", timeout=1) == TransferRequest(transfer_id="t2", **req)
+    assert reg.pop_request("p", timeout=0) == TransferRequest(transfer_id="t1", **req)
     # Longer than the socket timeout: the wait is split so it is not taken for a dead link.
     assert reg.pop_request("p", timeout=0.9) is None
     for i in range(300):
@@ -297,12 +313,13 @@ def test_password_url_is_used_and_redacted_in_errors(namespace: str) -> None:
 
 
 def test_unsafe_ids_and_clients_are_refused(redis_url: str, namespace: str) -> None:
-    """A peer id that would break key parsing, or a client returning bytes, is a ConfigError."""
+    """A peer id that would break key parsing, or a client decoding replies, is a ConfigError."""
     reg = make_registry(redis_url, namespace)
     with pytest.raises(ConfigError, match="peer_id='a:b'"):
         reg.publish_peer(peer("a:b"))
-    with pytest.raises(ConfigError, match="decode_responses=True"):
-        Registry(Settings(redis_url=redis_url, namespace=namespace), redis.Redis.from_url(redis_url))
+    with pytest.raises(ConfigError, match="decode_responses=False"):
+        Registry(Settings(redis_url=redis_url, namespace=namespace),
+                 redis.Redis.from_url(redis_url, decode_responses=True))
 
 
 def test_rediss_url_selects_tls(namespace: str) -> None:

@@ -4,6 +4,7 @@ a 4-member chain whose middle member is SIGKILLed mid-transfer (real processes).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -27,6 +28,7 @@ from test_transport import (  # _redis: its autouse fixture gives the helpers a 
 
 from nccl_back import _clock
 from nccl_back.config import Settings
+from nccl_back.coord import records
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import NoPeerError, TransferError, UntrustedRecordError
@@ -41,7 +43,6 @@ from nccl_back.transport.relay import (
     Progress,
     RelayServer,
     Seat,
-    parse_member,
 )
 
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -185,14 +186,13 @@ def test_cohort_seats_fill_chains_in_order_then_a_new_chain(redis_url: str, name
              for _ in range(4)]
     assert [p for _, p in seats] == [0, 1, 2, 0]
     assert seats[0][0] == seats[1][0] == seats[2][0] != seats[3][0]
-    raws = reg.chain_members(seats[0][0], 0, 2)
-    assert [parse_member(r) for r in raws] == [Member(**member)] * 3
+    assert reg.chain_members(seats[0][0], 0, 2) == [Member(**member)] * 3
     assert reg.ttl(reg.cohort_key("v1", 0, 1, "ab" * 16)) > 0
     time.sleep(0.4)
     later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.3, max_size=3, ttl=10)
     assert pos == 0 and later not in {c for c, _ in seats}
     with pytest.raises(UntrustedRecordError, match="address must be host:port"):
-        parse_member('{"member_id": "m", "address": "nowhere", "transport": "gloo", "device": "cpu"}')
+        records.member({"member_id": "m", "address": "nowhere", "transport": "gloo", "device": "cpu"})
 
 
 
@@ -262,7 +262,7 @@ def test_middle_member_killed_mid_transfer_the_rest_still_verify(
             members = client.lrange(chains[0], 0, -1) if chains else []
             time.sleep(0.05)
         assert len(members) == 4, members
-        order = [parse_member(m).member_id for m in members]
+        order = [records.member(json.loads(m)).member_id for m in members]
         roles = [mid.split("-", 1)[0] for mid in order]  # member ids start with the worker id
         victim = procs[roles[1]]
         time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stored import stored_json
 
 from nccl_back.config import Settings
 from nccl_back.coord import handshake
@@ -20,6 +21,7 @@ from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import IncompatiblePeerError
 from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import build
 
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -58,10 +60,10 @@ class SlowHeartbeat(Registry):
         self.delay = delay
         self.beating = threading.Event()
 
-    def heartbeat(self, info: PeerInfo, truth: dict[str, str] | None = None) -> None:
+    def heartbeat(self, info: PeerInfo, scheme: str, truth: dict[str, str] | None = None) -> None:
         self.beating.set()
         time.sleep(self.delay)
-        super().heartbeat(info, truth)
+        super().heartbeat(info, scheme, truth)
 
 
 @pytest.mark.timeout(30)
@@ -100,10 +102,10 @@ def test_queued_send_after_withdraw_is_refused(settings: Settings, ckpt: str, re
         time.sleep(0.8)  # the serve loop hands it to the (busy) pool
         svc.withdraw()
         deadline = time.monotonic() + 10
-        while (registry.get_json(r_key) or {}).get("by") != "sender":
+        while (stored_json(registry, r_key) or {}).get("by") != "sender":
             assert time.monotonic() < deadline, "the queued request was never answered"
             time.sleep(0.02)
-        assert registry.get_json(r_key)["refused"] == "draining"
+        assert stored_json(registry, r_key)["refused"] == "draining"
 
 
 @pytest.mark.timeout(30)
@@ -165,7 +167,7 @@ def test_cpu_receiver_skips_a_peer_of_another_transport_before_any_claim(
                         manifest_digest=digest, transport="nccl", address="10.0.0.9:29500",
                         device="cuda")
     registry.publish_peer(gpu_peer)
-    registry.put_ground_truth(spec.version, 0, 1, digest, {"sampled|x": "0"})
+    registry.put_ground_truth(spec.version, 0, 1, digest, SCHEME, {"sampled|x": "0"})
     t0 = time.monotonic()
     with WeightService(settings) as svc:
         result = svc.load(model, spec)
@@ -185,7 +187,7 @@ def test_another_flavours_ground_truth_does_not_block_ours(
 ) -> None:
     """Ground truth stored first by another skeleton flavour (another manifest) leaves ours its own: peers still verify."""
     spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
-    registry.put_ground_truth(spec.version, 0, 1, "f" * 32, {"sampled|other.layout": "0"})
+    registry.put_ground_truth(spec.version, 0, 1, "f" * 32, SCHEME, {"sampled|other.layout": "0"})
     with WeightService(settings) as seed:
         assert seed.load(build(TinyTransformer), spec).source == "storage"
         with WeightService(settings) as receiver:

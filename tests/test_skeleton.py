@@ -179,3 +179,38 @@ def test_bucket_goes_in_place_only_when_laid_out() -> None:
     assert view is not None and view.data_ptr() == flat["embed.weight"].data_ptr()
     separate, _ = named_tensors(build(Tied, flat=False))
     assert _in_place(plan(separate, 1 << 20)[0], separate) is None
+
+
+def test_skeletons_built_in_threads_at_once_leave_other_modules_real() -> None:
+    """Builds racing in several threads neither leave nn.Module patched nor put another
+    thread's parameters on meta: a module made afterwards, or beside them, is real."""
+    import threading
+
+    from models import TinyTransformer
+
+    from nccl_back.model.skeleton import build
+
+    original = torch.nn.Module.register_parameter
+    stop = threading.Event()
+    beside: list[str] = []
+
+    def plain() -> None:
+        while not stop.is_set():
+            beside.append(torch.nn.Linear(2, 2).weight.device.type)
+
+    def builds() -> None:
+        for _ in range(20):
+            build(TinyTransformer)
+
+    threads = [threading.Thread(target=builds) for _ in range(4)]
+    watcher = threading.Thread(target=plain)
+    watcher.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stop.set()
+    watcher.join(10)
+    assert torch.nn.Module.register_parameter is original
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
+    assert beside and set(beside) == {"cpu"}

@@ -1,23 +1,26 @@
 """Send slots: a receiver claims one of a peer's ``max_sends`` slots before it asks.
 
-A claim is ``{"token", "receiver"}`` at ``ns:claim:{peer_id}:{slot}``, signed with no
-expiry inside (renewals extend its TTL), taken through :meth:`SignedStore.acquire`: a
-claim that does not verify, or is kept far beyond ``claim_ttl``, is taken over rather
-than obeyed. It expires by itself if its receiver dies holding it; renewal and release
-act only while it still holds the caller's token, so a late release never frees a slot
-another receiver took after an expiry.
+A claim is ``{"token", "receiver"}`` at ``ns:claim:{peer_id}:{slot}``, signed with an
+expiry inside the signature like every record that grants something (:mod:`.schema`),
+taken through :meth:`SignedStore.acquire` (a claim that does not verify, is expired or
+is kept far beyond ``claim_ttl`` is taken over rather than obeyed) and renewed by
+re-signing it, compare-and-set on the value read: a genuine claim copied out of Redis
+and written back is refused once its expiry passes, whoever writes it. It expires by
+itself if its receiver dies holding it; renewal and release act only while it still
+holds the caller's token, so a late release never frees a slot another receiver took.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import uuid
 
-from nccl_back.coord import records
+from nccl_back.coord import schema
 from nccl_back.coord.keys import ANY
-from nccl_back.coord.records import PeerInfo
-from nccl_back.coord.store import SignedStore, ms
-from nccl_back.errors import RecordKind, RegistryError
+from nccl_back.coord.records import Claim, PeerInfo
+from nccl_back.coord.store import SignedStore
+from nccl_back.errors import RegistryError
 
 
 class ClaimRecords(SignedStore):
@@ -31,24 +34,31 @@ class ClaimRecords(SignedStore):
         slot is taken. The slot expires by itself if the receiver dies holding it.
         ``share`` (32 hex digits, the same on every rank of one receiving group): the
         token is ``{slot}:{share}``, and a rank that finds a slot held with its group's
-        token holds it too. The ranks of a group are one receiver: together they take
-        one model's worth of the sender's bytes, as a same-layout receiver does (the
-        sender runs sends of one token side by side: ``transport/sender.py``).
+        token holds it too. Every rank of the group tries the slots in one order drawn
+        from ``share``, so two ranks racing for a free slot meet in the same one: the
+        group takes one slot, as one receiver (the sender runs sends of one token side
+        by side: ``transport/sender.py``).
         """
-        for slot in random.sample(range(max_sends), max_sends):
+        if share is None:
+            order = random.sample(range(max_sends), max_sends)
+        else:
+            order = random.Random(hashlib.sha256(share.encode()).digest()).sample(
+                range(max_sends), max_sends)
+        for slot in order:
             token = f"{slot}:{share or uuid.uuid4().hex}"
             key = self.keys.claim(peer_id, slot)
             if self.acquire(key, {"token": token, "receiver": receiver_id},
-                            ttl, RecordKind.CLAIM, records.claim, expires=False) is not None:
+                            schema.CLAIM, ttl) is not None:
                 return token
-            if share is not None and self._held_as(key, token):
+            if share is not None and self._held_as(key, token, ttl):
                 return token
         return None
 
-    def _held_as(self, key: str, token: str) -> bool:
+    def _held_as(self, key: str, token: str, ttl: float) -> bool:
         """Whether the trusted claim at ``key`` holds ``token``."""
-        got = self.get_signed(key, RecordKind.CLAIM, parse=records.claim)
-        return got is not None and records.claim(got[0]).token == token
+        got = self.get_signed(key, schema.CLAIM, ttl=ttl)
+        claim: Claim | None = None if got is None else got[0]
+        return claim is not None and claim.token == token
 
     def release(self, peer_id: str, token: str) -> None:
         """Free the slot ``token`` holds, if it still holds it (compare-and-delete)."""
@@ -56,13 +66,19 @@ class ClaimRecords(SignedStore):
         self._call("release", lambda: self.lua.release(keys=[key], args=[token]))
 
     def renew_claim(self, peer_id: str, token: str, ttl: float) -> bool:
-        """Extend the slot ``token`` holds by ``ttl`` seconds; False if it is no longer ours."""
+        """Re-sign the slot ``token`` holds for another ``ttl`` seconds (the expiry in the
+        signature moves with it); False if it is no longer ours."""
         key = self.keys.claim(peer_id, _claim_slot(token))
-        return bool(self._call("renew_claim", lambda: self.lua.renew(keys=[key], args=[token, ms(ttl)])))
+        got = self.get_signed(key, schema.CLAIM, ttl=ttl)
+        if got is None or got[0].token != token:
+            return False
+        new = self.signed(key, {"token": token, "receiver": got[0].receiver}, schema.CLAIM, ttl)
+        # Another rank of a sharing group may have renewed it meanwhile: still ours.
+        return self.compare_and_set(key, got[1], new, ttl) or self._held_as(key, token, ttl)
 
     def active_claims(self, peer_id: str) -> int:
         """How many send slots of ``peer_id`` are taken now."""
-        return sum(1 for _ in self._scan(self.keys.claim(peer_id, ANY)))
+        return sum(1 for _ in self._scan(self.keys.claim(peer_id, ANY), limit=1024))
 
     def _claim_counts(self, peers: list[PeerInfo]) -> dict[str, int]:
         """Taken slots of each peer, in one round trip."""

@@ -13,8 +13,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from nccl_back.coord import schema
+from nccl_back.coord.records import Member
 from nccl_back.coord.store import SignedStore, ms
-from nccl_back.errors import RecordKind, RegistryError, UntrustedRecordError
+from nccl_back.errors import RegistryError
 
 
 class CohortRecords(SignedStore):
@@ -30,37 +32,30 @@ class CohortRecords(SignedStore):
     ) -> tuple[str, int]:
         """Append ``member`` to the current cohort's chain: ``(chain key, position)``."""
         key = self.cohort_key(version, rank, world_size, manifest_digest)
-        record = self.signed(key, member, ttl)  # bound to the cohort, like every record
+        record = self.signed(key, member, schema.CHAIN, ttl)  # bound to the cohort
         got = self._call("join_cohort", lambda: self.lua.join_cohort(
             keys=[key], args=[uuid.uuid4().hex[:12], ms(window), max(int(max_size), 1),
                               str(record), ms(ttl)]))
         try:
             chain, position = got
-            return str(chain), int(position)
-        except (TypeError, ValueError) as e:
-            raise RegistryError(f"join_cohort: unexpected reply {got!r}") from e
+            return chain.decode("ascii"), int(position)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise RegistryError(f"join_cohort: unexpected reply {got!r}"[:200]) from e
 
-    def chain_members(self, chain: str, first: int, last: int) -> list[dict[str, Any] | None]:
+    def chain_members(self, chain: str, first: int, last: int) -> list[Member | None]:
         """Member records at positions ``first..last`` of ``chain``, signature checked
         (None where a record is untrusted: skipped with a reason, counted)."""
         cohort = self.keys.cohort_of_chain(chain)
         if cohort is None:
             raise RegistryError(f"{chain!r} is not a cohort chain key")
         raws = self._call("LRANGE", lambda: self.client.lrange(chain, first, last))
-        out: list[dict[str, Any] | None] = []
-        for raw in raws:
-            try:
-                out.append(self.verify(cohort, raw, RecordKind.COHORT_MEMBER))
-            except UntrustedRecordError as e:
-                self.reject(RecordKind.COHORT_MEMBER, chain, str(e))
-                out.append(None)
-        return out
+        return [self.parse(chain, raw, schema.CHAIN, signed_for=cohort) for raw in raws]
 
     def mark_gone(self, member_id: str, ttl: float) -> None:
         """Say that ``member_id``'s relay endpoint has stopped (for as long as its chain
         lives), so a member seated behind it skips it instead of waiting out a handshake
         with an endpoint that will never answer."""
-        self.set_signed(self.keys.gone(member_id), {"member_id": member_id}, ttl)
+        self.set_signed(self.keys.gone(member_id), {"member_id": member_id}, schema.GONE, ttl)
 
     def gone_members(self, member_ids: list[str]) -> set[str]:
         """Which of ``member_ids`` said their endpoint stopped (a tombstone that does not
@@ -69,18 +64,8 @@ class CohortRecords(SignedStore):
             return set()
         keys = [self.keys.gone(m) for m in member_ids]
         raws = self._call("MGET", lambda: self.client.mget(keys))
-        gone: set[str] = set()
-        for member_id, key, raw in zip(member_ids, keys, raws, strict=True):
-            if raw is None:
-                continue
-            try:
-                record = self.verify(key, raw, RecordKind.COHORT_MEMBER)
-            except UntrustedRecordError as e:
-                self.reject(RecordKind.COHORT_MEMBER, key, str(e))
-                continue
-            if record.get("member_id") == member_id:
-                gone.add(member_id)
-        return gone
+        return {m for key, raw in zip(keys, raws, strict=True)
+                if raw is not None and (m := self.parse(key, raw, schema.GONE)) is not None}
 
     # -- downloads streamed to waiting workers ------------------------------------------
 
@@ -91,19 +76,20 @@ class CohortRecords(SignedStore):
     def put_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
                    member: dict[str, Any], ttl: float) -> None:
         """Announce (signed, with a TTL) the relay endpoint a download is streamed from."""
-        self.set_signed(self.stream_key(version, rank, world_size, manifest_digest), member, ttl)
+        self.set_signed(self.stream_key(version, rank, world_size, manifest_digest), member,
+                        schema.STREAM, ttl)
 
     def get_stream(self, version: str, rank: int, world_size: int,
-                   manifest_digest: str) -> dict[str, Any] | None:
+                   manifest_digest: str) -> Member | None:
         """The verified stream record, or None (absent, or untrusted: skipped with a reason)."""
         got = self.get_signed(self.stream_key(version, rank, world_size, manifest_digest),
-                              RecordKind.DOWNLOAD_STREAM)
+                              schema.STREAM)
         return None if got is None else got[0]
 
     def drop_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
                     member_id: str) -> None:
         """Remove the stream record if it is still ours (a new downloader's stays)."""
         key = self.stream_key(version, rank, world_size, manifest_digest)
-        got = self.get_signed(key, RecordKind.DOWNLOAD_STREAM)
-        if got is not None and got[0].get("member_id") == member_id:
-            self._call("DEL", lambda: self.lua.cad(keys=[key], args=[str(got[1])]))
+        got = self.get_signed(key, schema.STREAM)
+        if got is not None and got[0].member_id == member_id:
+            self._call("DEL", lambda: self.lua.cad(keys=[key], args=[got[1]]))

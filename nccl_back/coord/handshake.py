@@ -63,24 +63,23 @@ from collections.abc import Callable
 from typing import Any
 
 from nccl_back import _clock
-from nccl_back.coord import records
+from nccl_back.coord import schema
+from nccl_back.coord.records import HandshakeValue
 from nccl_back.coord.registry import Registry
+from nccl_back.coord.schema import HANDSHAKE_KEY_TTL
 from nccl_back.errors import (
     HandshakeTimeoutError,
     IncompatiblePeerError,
     ManifestMismatchError,
     NoPeerError,
     PeerError,
-    RecordKind,
     RegistryError,
 )
 from nccl_back.log import get_logger
 
 log = get_logger(__name__)
 
-#: Seconds the handshake keys live: long enough for both timeouts, short enough that
-#: nothing lingers after a crash.
-HANDSHAKE_KEY_TTL = 30.0
+__all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "refuse", "run_receiver", "run_sender"]
 
 #: Seconds between two reads of a key the other side is to write.
 POLL = 0.005
@@ -110,7 +109,7 @@ def refuse(registry: Registry, transfer_id: str, code: str, message: str) -> Non
         raise ValueError(f"refusal code {code!r}: choose one of {sorted(REFUSALS)}")
     r_key, _ = keys(registry, transfer_id)
     registry.set_signed(r_key, {"by": "sender", "refused": code, "message": message[:500]},
-                        HANDSHAKE_KEY_TTL)
+                        schema.HANDSHAKE)
 
 
 def run_receiver(
@@ -134,26 +133,26 @@ def run_receiver(
     deadline = _clock.monotonic() + timeout
     x = _nonce()
     try:
-        registry.set_signed(r_key, _entry("receiver", x, manifest_digest), HANDSHAKE_KEY_TTL)
+        registry.set_signed(r_key, _entry("receiver", x, manifest_digest), schema.HANDSHAKE)
         if after_ready is not None:
             after_ready()
         ack = _wait(registry, r_key,
-                    lambda v: v.get("by") == "sender" and (v.get("value") == x + 1 or "refused" in v),
+                    lambda v: v.by == "sender" and (v.value == x + 1 or v.refused is not None),
                     deadline, "R1 WAIT_ACK", transfer_id)
-        if "refused" in ack:
-            cls = REFUSALS.get(str(ack.get("refused")), PeerError)
-            raise cls(f"transfer {transfer_id}: the sender refused it ({ack.get('refused')}):"
-                      f" {str(ack.get('message', ''))[:500]}")
+        if ack.refused is not None:
+            cls = REFUSALS.get(ack.refused, PeerError)
+            raise cls(f"transfer {transfer_id}: the sender refused it ({ack.refused}):"
+                      f" {ack.message[:500]}")
         _check_digest(manifest_digest, ack, "sender", transfer_id)
-        got, got_raw = _wait_raw(registry, s_key, lambda v: v.get("by") == "sender",
+        got, got_raw = _wait_raw(registry, s_key, lambda v: v.by == "sender",
                                  deadline, "R2 WAIT_Y", transfer_id)
-        if got.get("abandoned"):
+        if got.abandoned:
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
                 " passed) before we read its nonce, state R2 WAIT_Y"
             )
-        mine = registry.signed(s_key, _entry("receiver", _int(got, s_key) + 1, manifest_digest),
-                               HANDSHAKE_KEY_TTL)
+        mine = registry.signed(s_key, _entry("receiver", got.value + 1, manifest_digest),
+                               schema.HANDSHAKE)
         if not registry.compare_and_set(s_key, got_raw, mine, HANDSHAKE_KEY_TTL):
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
@@ -176,29 +175,28 @@ def run_sender(registry: Registry, transfer_id: str, manifest_digest: str, timeo
     deadline = _clock.monotonic() + timeout
     abandoned = False
     try:
-        got = _wait(registry, r_key, lambda v: v.get("by") == "receiver",
+        got = _wait(registry, r_key, lambda v: v.by == "receiver",
                     deadline, "S0 WAIT_X", transfer_id)
-        registry.set_signed(r_key, _entry("sender", _int(got, r_key) + 1, manifest_digest),
-                            HANDSHAKE_KEY_TTL)
+        registry.set_signed(r_key, _entry("sender", got.value + 1, manifest_digest),
+                            schema.HANDSHAKE)
         _check_digest(manifest_digest, got, "receiver", transfer_id)
         y = _nonce()
-        offer = registry.signed(s_key, _entry("sender", y, manifest_digest), HANDSHAKE_KEY_TTL)
+        offer = registry.signed(s_key, _entry("sender", y, manifest_digest), schema.HANDSHAKE)
         registry.set_json(s_key, offer, HANDSHAKE_KEY_TTL)
         try:
-            _wait(registry, s_key, lambda v: v.get("value") == y + 1 and v.get("by") == "receiver",
+            _wait(registry, s_key, lambda v: v.value == y + 1 and v.by == "receiver",
                   deadline, "S3 WAIT_ACK", transfer_id)
         except HandshakeTimeoutError:
             # Abandon atomically: if the ack landed meanwhile, the receiver is committed
             # and waits for us, so we go on instead. The marker stays (with its TTL) for
             # the receiver to read.
-            abandon = registry.signed(s_key, _ABANDONED, HANDSHAKE_KEY_TTL)
+            abandon = registry.signed(s_key, _ABANDONED, schema.HANDSHAKE)
             if registry.compare_and_set(s_key, offer, abandon, HANDSHAKE_KEY_TTL):
                 abandoned = True
                 raise
-            found = registry.get_signed(s_key, RecordKind.HANDSHAKE)
-            late = found[0] if found is not None else None
-            if not (isinstance(late, dict) and late.get("value") == y + 1
-                    and late.get("by") == "receiver"):
+            found = registry.get_signed(s_key, schema.HANDSHAKE)
+            late: HandshakeValue | None = found[0] if found is not None else None
+            if not (late is not None and late.value == y + 1 and late.by == "receiver"):
                 raise
             log.info("handshake_late_ack_accepted", transfer_id=transfer_id)
     except (HandshakeTimeoutError, RegistryError):
@@ -222,15 +220,8 @@ def _entry(by: str, value: int, digest: str) -> dict[str, Any]:
     return {"by": by, "value": value, "digest": digest}
 
 
-def _int(entry: dict[str, Any], key: str) -> int:
-    value = entry.get("value")
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RegistryError(f"handshake value at {key} is not an integer: {entry!r}")
-    return value
-
-
-def _check_digest(mine: str, theirs: dict[str, Any], side: str, transfer_id: str) -> None:
-    other = theirs.get("digest")
+def _check_digest(mine: str, theirs: HandshakeValue, side: str, transfer_id: str) -> None:
+    other = theirs.digest
     if other != mine:
         raise ManifestMismatchError(
             f"transfer {transfer_id}: the {side}'s manifest digest {other} differs from ours"
@@ -241,11 +232,11 @@ def _check_digest(mine: str, theirs: dict[str, Any], side: str, transfer_id: str
 def _wait(
     registry: Registry,
     key: str,
-    ready: Callable[[dict[str, Any]], bool],
+    ready: Callable[[HandshakeValue], bool],
     deadline: float,
     state: str,
     transfer_id: str,
-) -> dict[str, Any]:
+) -> HandshakeValue:
     """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes."""
     return _wait_raw(registry, key, ready, deadline, state, transfer_id)[0]
 
@@ -253,18 +244,18 @@ def _wait(
 def _wait_raw(
     registry: Registry,
     key: str,
-    ready: Callable[[dict[str, Any]], bool],
+    ready: Callable[[HandshakeValue], bool],
     deadline: float,
     state: str,
     transfer_id: str,
-) -> tuple[dict[str, Any], str]:
+) -> tuple[HandshakeValue, str]:
     """:func:`_wait`, also returning the raw stored value (for a compare-and-set)."""
     while True:
         # Unsigned, forged, expired or malformed values are skipped (logged, counted):
         # only the genuine other side can move the handshake on.
-        found = registry.get_signed(key, RecordKind.HANDSHAKE, parse=records.handshake)
+        found = registry.get_signed(key, schema.HANDSHAKE)
         if found is not None and ready(found[0]):
-            return found
+            return found[0], found[1]
         left = deadline - _clock.monotonic()
         if left <= 0:
             raise HandshakeTimeoutError(

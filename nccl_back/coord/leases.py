@@ -12,9 +12,8 @@ it is :mod:`.election`.
 
 from __future__ import annotations
 
-from nccl_back.coord import records
+from nccl_back.coord import schema
 from nccl_back.coord.store import Raw, SignedStore
-from nccl_back.errors import RecordKind
 
 
 class LeaseRecords(SignedStore):
@@ -28,15 +27,14 @@ class LeaseRecords(SignedStore):
     def take_lease(self, version: str, world_size: int, owner: str, ttl: float) -> Raw | None:
         """Take the lease for ``ttl`` seconds if nobody trusted holds it: the raw value
         stored (what :meth:`renew_lease` and :meth:`drop_lease` compare), or None."""
-        return self.acquire(self.lease_key(version, world_size), {"owner": owner}, ttl,
-                            RecordKind.LEASE, records.lease)
+        return self.acquire(self.lease_key(version, world_size), {"owner": owner}, schema.LEASE,
+                            ttl)
 
     def lease_holder(self, version: str, world_size: int, ttl: float) -> str | None:
         """The owner of the lease now, or None (also when the value there is not to be
         trusted: skipped with a reason, counted, and taken over by the next taker)."""
-        got = self.get_signed(self.lease_key(version, world_size), RecordKind.LEASE,
-                              parse=records.lease, max_ttl=ttl)
-        return None if got is None else records.lease(got[0]).owner
+        got = self.get_signed(self.lease_key(version, world_size), schema.LEASE, ttl=ttl)
+        return None if got is None else str(got[0].owner)
 
     def renew_lease(self, version: str, world_size: int, owner: str, held: Raw,
                     ttl: float) -> Raw | None:
@@ -44,7 +42,7 @@ class LeaseRecords(SignedStore):
         moves with the TTL) if it still holds ``held``: the new raw value, or None if it
         is no longer ours."""
         key = self.lease_key(version, world_size)
-        new = self.signed(key, {"owner": owner}, ttl)
+        new = self.signed(key, {"owner": owner}, schema.LEASE, ttl)
         return new if self.compare_and_set(key, held, new, ttl) else None
 
     def drop_lease(self, version: str, world_size: int, held: Raw) -> bool:

@@ -16,11 +16,12 @@ import random
 from dataclasses import asdict, dataclass
 
 from nccl_back import _clock
+from nccl_back.coord import records, schema
 from nccl_back.coord.claims import ClaimRecords
 from nccl_back.coord.keys import ANY
 from nccl_back.coord.records import PeerInfo
 from nccl_back.coord.requests import RequestRecords
-from nccl_back.coord.store import SignedStore, log, ms
+from nccl_back.coord.store import WRONG_TYPE, SignedStore, log, ms
 from nccl_back.coord.truth import TruthRecords
 from nccl_back.errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
 
@@ -60,12 +61,13 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         ttl = ms(self.settings.peer_ttl)
         key = self.keys.peer(info.version, info.rank, info.world_size, info.peer_id)
         # Re-signed at every heartbeat, so the expiry inside the signature moves too.
-        value = self.signed(key, asdict(info), self.settings.peer_ttl)
+        value = self.signed(key, asdict(info), schema.PEER)
         index = self.keys.peer_index(info.version, info.rank, info.world_size)
-        self._call("publish", lambda: self.lua.publish(keys=[key, index], args=[value, ttl, info.peer_id]))
+        self._call("publish", lambda: self.lua.publish(keys=[key, index],
+                                                       args=[value, ttl, info.peer_id, MAX_INDEX]))
         log.debug("peer_published", peer_id=info.peer_id, version=info.version, rank=info.rank)
 
-    def heartbeat(self, info: PeerInfo, truth: dict[str, str] | None = None) -> None:
+    def heartbeat(self, info: PeerInfo, scheme: str, truth: dict[str, str] | None = None) -> None:
         """Refresh the TTLs of the peer's keys and of the ground truth it relies on.
 
         Re-writes the entry rather than only extending it, so a peer whose entry already
@@ -75,10 +77,10 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         trusted, and before the entry, so receivers never find the peer without its truth.
         """
         if truth:
-            self.keep_ground_truth(info, truth)
+            self.keep_ground_truth(info, scheme, truth)
         self.publish_peer(info)
         if not truth:
-            self._extend_ground_truth(info)
+            self._extend_ground_truth(info, scheme)
         self._keep_requests(info.peer_id)
 
     def withdraw(self, peer_id: str, version: str) -> None:
@@ -105,34 +107,26 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         if not ids:
             return []
         keys = [self.keys.peer(version, rank, world_size, pid) for pid in ids]
-        raws, ttls = self._get_with_ttls(keys, RecordKind.PEER)
+        raws, ttls = self._get_with_ttls(keys, schema.PEER)
+        # Only absent keys are dead: one of another type is a live holder's entry that
+        # someone overwrote, which its next heartbeat restores (kept in the index).
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
         if dead:
             self._call("SREM", lambda: self.client.srem(index, *dead))
         if len(dead) == len(ids):
             # An index of dead peers only: stale (a restored copy) or forged. It must not
             # hide a live holder until its next heartbeat: the peer keys are the truth.
-            prefix = self.keys.peer_prefix(version, rank, world_size)
-            keys = sorted(self._scan(self.keys.peer(version, rank, world_size, ANY)))
+            keys = sorted(self._scan(self.keys.peer(version, rank, world_size, ANY), limit=MAX_INDEX))
             if not keys:
                 return []
             self.reject(RecordKind.INDEX, index, f"{len(ids)} members, none alive; peer keys scanned")
-            raws, ttls = self._get_with_ttls(keys, RecordKind.PEER)
-            keys = [k if k.startswith(prefix) else "" for k in keys]
+            raws, ttls = self._get_with_ttls(keys, schema.PEER)
         peers: list[PeerInfo] = []
         for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
-            if raw is None:
-                continue
-            try:  # one bad entry must not hide the good ones
-                info = PeerInfo.from_record(self.verify(key, raw, RecordKind.PEER, ttl_ms))
-                if key != self.keys.peer(info.version, info.rank, info.world_size, info.peer_id) or (
-                    (info.version, info.rank, info.world_size) != (version, rank, world_size)
-                ):
-                    raise UntrustedRecordError(f"{key}: the entry describes another key")
-            except UntrustedRecordError as e:
-                self.reject(RecordKind.PEER, key, str(e))
-                continue
-            peers.append(info)
+            info = self._entry(key, raw, ttl_ms)  # one bad entry must not hide the good ones
+            if info is not None and (info.version, info.rank, info.world_size) == (
+                    version, rank, world_size):
+                peers.append(info)
         claims = self._claim_counts(peers)
         random.shuffle(peers)
         peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
@@ -140,8 +134,10 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
 
     def _peer_ids(self, index: str, version: str, rank: int, world_size: int) -> list[str]:
         """The peer ids of the index, or of the peer keys themselves when the index is
-        garbage (another Redis type, or oversized): it is dropped, and the holders'
-        next heartbeats rebuild it. A hint must never hide the truth it points to."""
+        garbage (another Redis type, or oversized): bypassed, not dropped (a reader that
+        dropped it would leave the next one an empty index while the entries still
+        exist); the holders' next heartbeats replace it. A hint must never hide the
+        truth it points to."""
         pipe = self.client.pipeline(transaction=False)
         pipe.scard(index)
         pipe.srandmember(index, MAX_INDEX)  # every member when there are at most that many
@@ -153,12 +149,24 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
             why = "wrong Redis type"
         else:
             if int(n) <= MAX_INDEX:
-                return sorted(str(m) for m in members if isinstance(m, str) and len(m) <= 300)
+                return sorted(m.decode() for m in members if isinstance(m, bytes) and len(m) <= 200
+                              and records.IDENT.fullmatch(m.decode("ascii", "replace")))
             why = f"{n} members, more than {MAX_INDEX}"
         self.reject(RecordKind.INDEX, index, f"{why}; peer keys scanned instead")
-        self._repair(index, "none")
         prefix = self.keys.peer_prefix(version, rank, world_size)
-        return sorted(k[len(prefix):] for k in self._scan(self.keys.peer(version, rank, world_size, ANY)))
+        return sorted(k[len(prefix):] for k in self._scan(self.keys.peer(version, rank, world_size, ANY),
+                                                          limit=MAX_INDEX))
+
+    def _entry(self, key: str, raw: object, ttl_ms: int) -> PeerInfo | None:
+        """The verified entry at ``key`` (describing that key), or None (rejected)."""
+        if raw is None or raw is WRONG_TYPE:  # (another type was rejected when read)
+            return None
+        try:
+            info: PeerInfo = self._trusted(key, raw, schema.PEER, ttl_ms)
+            return info
+        except UntrustedRecordError as e:
+            self.reject(RecordKind.PEER, key, str(e))
+            return None
 
     def list_all(self) -> dict[str, list[PeerStatus]]:
         """Every live peer, grouped by version (for ``nccl-back status``)."""
@@ -172,12 +180,8 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         values = self._call("list", pipe.execute)
         peers: list[tuple[PeerInfo, float]] = []
         for key, raw, ttl_ms in zip(keys, values[::2], values[1::2], strict=True):
-            if raw is not None:
-                try:
-                    info = PeerInfo.from_record(self.verify(key, raw, RecordKind.PEER, ttl_ms))
-                except UntrustedRecordError as e:
-                    self.reject(RecordKind.PEER, key, str(e))
-                    continue
+            info = self._entry(key, raw, ttl_ms)
+            if info is not None:
                 peers.append((info, max(int(ttl_ms), 0) / 1000))
         claims = self._claim_counts([p for p, _ in peers])
         now = _clock.wall()

@@ -23,8 +23,6 @@ from nccl_back.kinds import TRANSPORT_KINDS
 
 #: Bytes of one peer entry, request or handshake value (real ones are < 1 KiB).
 MAX_RECORD_BYTES = 16 << 10
-#: Bytes of one ground-truth record (a hash per layer and mode: ~60 bytes each).
-MAX_GROUND_TRUTH_BYTES = 16 << 20
 #: Nesting of any coordination record (ground truth is the deepest: 2).
 MAX_DEPTH = 4
 #: Send slots a peer may advertise: each is a Redis key a receiver may probe.
@@ -43,10 +41,9 @@ MAX_PID = 1 << 22
 #: Nonces stay below 2**52 (exact in any JSON implementation), their +1 too.
 MAX_NONCE = 1 << 53
 
-_IDENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
+IDENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _CLAIM = re.compile(r"[0-9]{1,3}:[0-9a-f]{32}")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
-_LAYER = 1024
 
 
 def load(raw: str | bytes | None, what: str, max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any]:
@@ -67,7 +64,7 @@ def load(raw: str | bytes | None, what: str, max_bytes: int = MAX_RECORD_BYTES) 
 def ident(data: dict[str, Any], name: str, what: str) -> str:
     """A name safe in key names and logs: letters, digits, ``._-``, 1 to 200 of them."""
     value = data.get(name)
-    if not isinstance(value, str) or not _IDENT.fullmatch(value):
+    if not isinstance(value, str) or not IDENT.fullmatch(value):
         raise UntrustedRecordError(f"{what}: {name} must be a name of [A-Za-z0-9._-], got {_show(value)}")
     return value
 
@@ -75,7 +72,7 @@ def ident(data: dict[str, Any], name: str, what: str) -> str:
 def hexdigest(data: dict[str, Any], name: str, what: str) -> str:
     """A digest: a short token of letters, digits and ``._-`` (hex in practice)."""
     value = data.get(name)
-    if not isinstance(value, str) or not _IDENT.fullmatch(value):
+    if not isinstance(value, str) or not IDENT.fullmatch(value):
         raise UntrustedRecordError(f"{what}: {name} must be a digest, got {_show(value)}")
     return value
 
@@ -205,18 +202,6 @@ def to_label(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:200]
 
 
-def ground_truth(data: dict[str, Any], what: str = "ground truth") -> tuple[str, dict[str, str]]:
-    """``(manifest_digest, {"mode|layer": hex digest})``."""
-    digest = hexdigest(data, "manifest_digest", what)
-    hashes = data.get("hashes")
-    if not isinstance(hashes, dict):
-        raise UntrustedRecordError(f"{what}: hashes must be an object")
-    for k, v in hashes.items():
-        if len(k) > _LAYER or not isinstance(v, str) or not _IDENT.fullmatch(v):
-            raise UntrustedRecordError(f"{what}: hashes must map layer names to digests")
-    return digest, dict(hashes)
-
-
 @dataclass(frozen=True)
 class TransferRequest:
     """A receiver's request that a peer serve it one transfer."""
@@ -271,6 +256,12 @@ class HandshakeValue:
     value: int
     digest: str
     refused: str | None = None
+    message: str = ""
+    """A refusal's explanation."""
+
+    @property
+    def abandoned(self) -> bool:
+        return self.value == -1 and self.refused is None
 
 
 def handshake(data: dict[str, Any], what: str = "handshake value") -> HandshakeValue:
@@ -281,7 +272,7 @@ def handshake(data: dict[str, Any], what: str = "handshake value") -> HandshakeV
         message = data.get("message", "")
         if by != "sender" or not isinstance(message, str) or len(message) > 1000:
             raise UntrustedRecordError(f"{what}: malformed refusal")
-        return HandshakeValue(by, -1, "", ident(data, "refused", what))
+        return HandshakeValue(by, -1, "", ident(data, "refused", what), message)
     return HandshakeValue(
         by=by,
         value=integer(data, "value", what, 0, MAX_NONCE),
@@ -313,6 +304,44 @@ def claim(data: dict[str, Any], what: str = "claim") -> Claim:
     if not isinstance(token, str) or not _CLAIM.fullmatch(token):
         raise UntrustedRecordError(f"{what}: token must be a claim token, got {_show(token)}")
     return Claim(token=token, receiver=ident(data, "receiver", what))
+
+
+@dataclass(frozen=True)
+class Member:
+    """One relay endpoint (a cohort member or a streamed download): where to reach it."""
+
+    member_id: str
+    address: str
+    transport: str
+    device: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"member_id": self.member_id, "address": self.address,
+                "transport": self.transport, "device": self.device}
+
+
+def member(data: dict[str, Any], what: str = "relay member") -> Member:
+    return Member(
+        member_id=ident(data, "member_id", what),
+        address=address(data, "address", what),
+        transport=choice(data, "transport", what, TRANSPORTS),
+        device=choice(data, "device", what, DEVICES),
+    )
+
+
+def text(raw: bytes | str | None, what: str, max_bytes: int) -> str:
+    """Bytes a Redis reply holds as text (UTF-8, at most ``max_bytes``), or
+    :class:`UntrustedRecordError`: the one place a raw reply becomes a ``str``."""
+    if raw is None:
+        raise UntrustedRecordError(f"{what}: absent")
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, bytes) or len(raw) > max_bytes:
+        raise UntrustedRecordError(f"{what}: not a bounded string value")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UntrustedRecordError(f"{what}: not UTF-8 ({e.reason} at byte {e.start})") from e
 
 
 def _is_ip(text: str, version: int) -> bool:

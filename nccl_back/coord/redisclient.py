@@ -47,7 +47,8 @@ def _tls_kwargs(settings: Settings) -> dict[str, Any]:
 
 def connect(settings: Settings) -> Any:
     """A redis-py client for ``settings.redis_url`` (``Redis``, Sentinel-managed ``Redis``
-    or ``RedisCluster``), answers decoded to ``str``, every call bounded by
+    or ``RedisCluster``), answers as ``bytes`` (decoded by each record kind's parser,
+    never by redis-py), every call bounded by
     ``settings.redis_timeout``. Raises :class:`ConfigError` for a bad URL or TLS file;
     a cluster is contacted here (redis-py discovers its slots on construction), so an
     unreachable one raises redis-py's error, which :class:`Registry` maps."""
@@ -57,7 +58,7 @@ def connect(settings: Settings) -> Any:
     common: dict[str, Any] = {
         "socket_timeout": settings.redis_timeout,
         "socket_connect_timeout": settings.redis_timeout,
-        "decode_responses": True,
+        "decode_responses": False,  # replies are bytes: parsed by each kind's parser
     }
     tls = _tls_kwargs(settings) if target.tls else {}
     if target.kind == "single":

@@ -11,12 +11,13 @@ its owner's next pop or heartbeat.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 from nccl_back import _clock
-from nccl_back.coord import records
+from nccl_back.coord import schema
+from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.store import SignedStore, ms
-from nccl_back.errors import RecordKind, RegistryError, UntrustedRecordError
+from nccl_back.errors import RecordKind, RegistryError
 
 #: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
 MAX_QUEUED_REQUESTS = 256
@@ -29,11 +30,11 @@ class RequestRecords(SignedStore):
         """Ask ``peer_id`` to serve one transfer (``request`` is JSON-serialisable)."""
         key = self.keys.requests(peer_id)
         # Keep only the newest requests: a flood written before ours cannot bury it.
-        raw = self.signed(key, request, self.settings.peer_ttl)
+        raw = self.signed(key, request, schema.REQUEST)
         self._call("push_request", lambda: self.lua.push(
             keys=[key], args=[raw, MAX_QUEUED_REQUESTS, ms(self.settings.peer_ttl)]))
 
-    def pop_request(self, peer_id: str, timeout: float) -> dict[str, Any] | None:
+    def pop_request(self, peer_id: str, timeout: float) -> TransferRequest | None:
         """The next valid request for ``peer_id``, waiting at most ``timeout`` seconds;
         else None. Invalid ones (unsigned, malformed, expired) are skipped and counted."""
         key = self.keys.requests(peer_id)
@@ -46,7 +47,7 @@ class RequestRecords(SignedStore):
             if left <= 0.001:
                 # BLPOP 0 blocks forever: a last non-blocking look instead.
                 raw = self._call("RPOP", lambda: self.client.rpop(key))
-                return None if raw is None else self._request(key, cast(str, raw))
+                return None if raw is None else self.parse(key, raw, schema.REQUEST)
             # Newest first: its receiver is still waiting; older ones may have given up,
             # and a flood pushed earlier must not delay it.
             try:
@@ -59,7 +60,7 @@ class RequestRecords(SignedStore):
                 self._repair(key, "list")
                 continue
             if got is not None:
-                request = self._request(key, cast("tuple[str, str]", got)[1])
+                request = self.parse(key, got[1], schema.REQUEST)
                 if request is not None:
                     return request
 
@@ -72,10 +73,3 @@ class RequestRecords(SignedStore):
         """Our own queue at a heartbeat: garbage of another type there would refuse every
         request (replaced); ours lives on for another ``peer_ttl``."""
         self._repair(self.keys.requests(peer_id), "list", self.settings.peer_ttl, what="heartbeat")
-
-    def _request(self, key: str, raw: str) -> dict[str, Any] | None:
-        try:
-            return records.request(self.verify(key, raw, RecordKind.REQUEST)).to_dict()
-        except UntrustedRecordError as e:
-            self.reject(RecordKind.REQUEST, key, str(e))
-            return None

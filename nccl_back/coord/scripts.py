@@ -48,12 +48,14 @@ if redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 1 end
 return 0
 """
 
-# A peer entry and its index in one step; an index of another type (garbage) is
-# replaced, or it would refuse every publication and hide every holder.
+# A peer entry and its index in one step; an index of another type or oversized
+# (garbage) is replaced, or it would refuse every publication and hide every holder.
 _PUBLISH_LUA = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 local t = redis.call('TYPE', KEYS[2])['ok']
-if t ~= 'set' and t ~= 'none' then redis.call('DEL', KEYS[2]) end
+if (t ~= 'set' and t ~= 'none') or (t == 'set' and redis.call('SCARD', KEYS[2]) > tonumber(ARGV[4])) then
+  redis.call('DEL', KEYS[2])
+end
 redis.call('SADD', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
@@ -109,17 +111,6 @@ end
 return 0
 """
 
-# Extend a claim only while it still holds our token.
-_RENEW_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return 0 end
-local ok, value = pcall(cjson.decode, raw)
-if ok and type(value) == 'table' and value['token'] == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
 # Take a seat in the current cohort: the n-th arrival of a window sits at position
 # (n-1) % max in chain (n-1) // max; the record is pushed in the same step, so the
 # list index is the position. A new window (the hash expired) gets a new epoch.
@@ -162,7 +153,6 @@ class Scripts:
 
     def __init__(self, client: Any) -> None:
         self.release = client.register_script(_RELEASE_LUA)
-        self.renew = client.register_script(_RENEW_LUA)
         self.cas = client.register_script(_CAS_LUA)
         self.cad = client.register_script(_CAD_LUA)
         self.join_cohort = client.register_script(_JOIN_COHORT_LUA)

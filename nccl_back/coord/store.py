@@ -4,16 +4,18 @@ It owns the client (one server, Sentinel or Cluster: :mod:`.redisclient`), the o
 mapping of redis-py failures to :class:`RegistryError`, the key names (:class:`.Keys`),
 the Lua scripts (:mod:`.scripts`), and trust: values are JSON (never pickle: a Redis
 shared by a fleet must not be able to run code in a worker), signed when
-``Settings.secret`` is set (:mod:`.auth`), and parsed into typed, bounded records
-(:mod:`.records`) when read.
+``Settings.secret`` is set (:mod:`.auth`), and read back through their kind's entry in
+the record schema (:mod:`.schema`): bytes, bounded, decoded, verified, parsed into the
+kind's typed record.
 
-Trust (DESIGN.md layer 9). A value that is unsigned, badly signed, expired, malformed
-or kept without a TTL is skipped, logged (``record_rejected``) and counted
-(``on_untrusted``, under its :class:`~nccl_back.errors.RecordKind`); it never raises out
-of a list. ``SET NX`` also takes over a key kept without a TTL or of the wrong Redis type
-(it would otherwise hold a claim, a lease or the ground truth forever), and
-:meth:`SignedStore.acquire` takes over a holder that does not verify, atomically on the
-value it read, so hostile values cost a bounded delay, never the fleet (issue 18).
+Trust. A value that is not UTF-8, unsigned, badly signed, expired, malformed, kept
+without a TTL or far beyond the one its writers give it is skipped, logged
+(``record_rejected``) and counted (``on_untrusted``, under its
+:class:`~nccl_back.errors.RecordKind`); it never raises out of a list. ``SET NX`` also
+takes over a key kept without a TTL or of the wrong Redis type (it would otherwise
+hold a claim, a lease or the ground truth forever), and :meth:`SignedStore.acquire`
+takes over a holder that does not verify, atomically on the value it read, so hostile
+values cost a bounded delay, never the fleet.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from nccl_back.config import Settings
 from nccl_back.coord import records, redisclient
 from nccl_back.coord.auth import Signer
 from nccl_back.coord.keys import Keys
+from nccl_back.coord.schema import KeyKind
 from nccl_back.coord.scripts import Scripts
 from nccl_back.errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
 from nccl_back.log import get_logger
@@ -43,8 +46,8 @@ T = TypeVar("T")
 #: What :meth:`SignedStore._get_with_ttl` returns for a key of another Redis type.
 WRONG_TYPE: Any = object()
 
-#: A record kept longer than this many times the TTL its writer gives it was not
-#: written by a worker (a replayed or forged claim or lease): it is not obeyed.
+#: A record kept longer than this many times the TTL its writers give it was not
+#: written by a worker (a replayed or forged record): it is not obeyed.
 TTL_SLACK = 2.0
 
 
@@ -72,8 +75,10 @@ class SignedStore:
                 raise RegistryError(
                     f"cannot reach redis ({redact(settings.redis_url)}): {redisclient.explain(e)}"
                 ) from e
-        elif not redisclient.decodes_responses(client):
-            raise ConfigError("Registry needs a redis client made with decode_responses=True")
+        elif redisclient.decodes_responses(client):
+            # Replies are parsed from bytes by each kind's parser: a client that decodes
+            # them raises UnicodeDecodeError inside redis-py on bytes that are not UTF-8.
+            raise ConfigError("Registry needs a redis client made with decode_responses=False")
         self.client: redis.Redis = client
         self.lua = Scripts(client)
         self.signer = Signer.from_settings(settings)
@@ -107,55 +112,53 @@ class SignedStore:
             return bool(self._call("SET NX", lambda: self.lua.set_nx(keys=[key], args=[raw, ms(ttl)])))
         return bool(self._call("SET", lambda: self.client.set(key, raw, px=ms(ttl))))
 
-    def signed(self, key: str, value: dict[str, Any], ttl: float, *, expires: bool = True) -> Raw:
+    def signed(self, key: str, value: dict[str, Any], kind: KeyKind, ttl: float | None = None) -> Raw:
         """``value`` signed for ``key`` and serialised, ready for :meth:`set_json` or a
-        compare-and-set (with an expiry inside the signature unless ``expires`` is
-        False, for records kept alive by ``PEXPIRE``)."""
-        return Raw(_dumps(self.signer.sign(key, value, ttl if expires else None)))
+        compare-and-set, with an expiry inside the signature for the kinds that grant
+        something (:attr:`KeyKind.expires`); ``ttl``: the writer's, else the kind's."""
+        ttl = kind.ttl(self.settings) if ttl is None else ttl
+        return Raw(_dumps(self.signer.sign(key, value, ttl if kind.expires else None)))
 
-    def set_signed(
-        self, key: str, value: dict[str, Any], ttl: float, *, nx: bool = False, expires: bool = True
-    ) -> bool:
+    def set_signed(self, key: str, value: dict[str, Any], kind: KeyKind, ttl: float | None = None,
+                   *, nx: bool = False) -> bool:
         """:meth:`set_json` of ``value`` signed for ``key`` (see :meth:`signed`)."""
-        return self.set_json(key, self.signed(key, value, ttl, expires=expires), ttl, nx=nx)
+        ttl = kind.ttl(self.settings) if ttl is None else ttl
+        return self.set_json(key, self.signed(key, value, kind, ttl), ttl, nx=nx)
 
-    def acquire(
-        self, key: str, value: dict[str, Any], ttl: float, kind: RecordKind,
-        parse: Callable[[dict[str, Any]], object], *, expires: bool = True,
-    ) -> Raw | None:
+    def acquire(self, key: str, value: dict[str, Any], kind: KeyKind, ttl: float) -> Raw | None:
         """``SET NX`` of ``value`` (signed) at ``key``, taking over a holder that is not
-        to be obeyed: another Redis type, unsigned or badly signed, expired, malformed,
-        or kept far beyond ``ttl``. The takeover is atomic on the value read, so two
-        workers that both found garbage never both win. Returns the raw value stored
-        (for :meth:`compare_and_set` renewals), or None if a trusted holder has it."""
-        new = self.signed(key, value, ttl, expires=expires)
+        to be obeyed: another Redis type, not UTF-8, unsigned or badly signed, expired,
+        malformed, or kept far beyond ``ttl``. The takeover is atomic on the value read,
+        so two workers that both found garbage never both win. Returns the raw value
+        stored (for :meth:`compare_and_set` renewals), or None if a trusted holder has it."""
+        new = self.signed(key, value, kind, ttl)
         if self.set_json(key, new, ttl, nx=True):
             return new
         raw, ttl_ms = self._get_with_ttl(key)
         if raw is None:  # expired between the two calls
             return new if self.set_json(key, new, ttl, nx=True) else None
         if raw is WRONG_TYPE:
-            why, seen = "wrong Redis type", ""
+            why, seen = "wrong Redis type", b""
         else:
             try:
-                self._trusted(key, raw, kind, ttl_ms, parse, ttl)
+                self._trusted(key, raw, kind, ttl_ms, ttl)
                 return None
             except UntrustedRecordError as e:
-                why, seen = str(e), str(raw)
-        self.reject(kind, key, f"{why}; taken over")
+                why, seen = str(e), raw
+        self.reject(kind.kind, key, f"{why}; taken over")
         return new if self._take(key, seen, new, ttl) else None
 
-    def _take(self, key: str, seen: str, new: Raw, ttl: float) -> bool:
-        """Replace what :meth:`acquire` found untrusted (``seen``; '' for a wrong type)."""
+    def _take(self, key: str, seen: bytes, new: Raw, ttl: float) -> bool:
+        """Replace what :meth:`acquire` found untrusted (``seen``; b'' for a wrong type)."""
         return bool(self._call("take", lambda: self.lua.take(keys=[key], args=[seen, new, ms(ttl)])))
 
     def compare_and_set(self, key: str, expected: Any, value: Any, ttl: float) -> bool:
         """Replace ``key``'s JSON value by ``value`` only if it is exactly ``expected``."""
-        old = expected if isinstance(expected, Raw) else _dumps(expected)
+        old = expected if isinstance(expected, (Raw, bytes)) else _dumps(expected)
         new = value if isinstance(value, Raw) else _dumps(value)
         return bool(self._call("CAS", lambda: self.lua.cas(keys=[key], args=[old, new, ms(ttl)])))
 
-    def compare_and_delete(self, key: str, expected: str) -> bool:
+    def compare_and_delete(self, key: str, expected: str | bytes) -> bool:
         """Delete ``key`` only if it holds exactly ``expected`` (a raw value)."""
         return bool(self._call("CAD", lambda: self.lua.cad(keys=[key], args=[expected])))
 
@@ -172,13 +175,8 @@ class SignedStore:
 
     # -- reading --------------------------------------------------------------------------
 
-    def get_json(self, key: str) -> Any | None:
-        """The JSON value at ``key``, or None if absent."""
-        raw = self._call("GET", lambda: self.client.get(key))
-        return None if raw is None else _loads(key, raw)
-
     def _get_with_ttl(self, key: str) -> tuple[Any, int]:
-        """``(raw value or None, PTTL in ms)`` in one round trip; :data:`WRONG_TYPE` as the
+        """``(raw bytes or None, PTTL in ms)`` in one round trip; :data:`WRONG_TYPE` as the
         value when the key holds a list, set or hash (another writer's, never ours)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.get(key)
@@ -191,8 +189,9 @@ class SignedStore:
             return WRONG_TYPE, -2
         return raw, int(ttl_ms)
 
-    def _get_with_ttls(self, keys: list[str], kind: RecordKind) -> tuple[list[Any], list[int]]:
-        """Values (None for absent or non-string keys) and PTTLs, in one round trip."""
+    def _get_with_ttls(self, keys: list[str], kind: KeyKind) -> tuple[list[Any], list[int]]:
+        """Values (None for absent keys, :data:`WRONG_TYPE` for keys of another Redis
+        type, rejected) and PTTLs, in one round trip."""
         pipe = self.client.pipeline(transaction=False)
         for key in keys:  # GETs, not MGET: a cluster pipeline refuses MGET
             pipe.get(key)
@@ -208,57 +207,77 @@ class SignedStore:
                 try:
                     out += [self._call("GET", partial(self.client.get, key)), self.ttl(key)]
                 except RegistryError:
-                    self.reject(kind, key, "wrong Redis type")
-                    out += [None, -2]
+                    self.reject(kind.kind, key, "wrong Redis type")
+                    out += [WRONG_TYPE, -2]
         return list(out[::2]), [int(t) for t in out[1::2]]
 
-    def get_signed(
-        self, key: str, kind: RecordKind, *, parse: Callable[[dict[str, Any]], object] | None = None,
-        max_ttl: float | None = None, max_bytes: int = records.MAX_RECORD_BYTES,
-    ) -> tuple[dict[str, Any], Raw] | None:
-        """The verified record at ``key`` and its raw value (for a compare-and-set);
-        None if absent or rejected (logged, counted). ``parse``: the typed parser the
-        record must also pass; ``max_ttl``: the longest TTL its writer gives it;
-        ``max_bytes``: the largest value its kind may have."""
-        raw, ttl_ms = self._get_with_ttl(key)
-        if raw is WRONG_TYPE:
-            self.reject(kind, key, "wrong Redis type")
+    def get_signed(self, key: str, kind: KeyKind, *, ttl: float | None = None) -> tuple[Any, Raw] | None:
+        """The typed record at ``key`` (``kind``'s parser's) and its raw value (for a
+        compare-and-set); None if absent or rejected (logged, counted). ``ttl``: the
+        longest TTL its writer gives it, if not the kind's."""
+        try:
+            return self.read(key, kind, ttl=ttl)
+        except UntrustedRecordError:
             return None
+
+    def read(self, key: str, kind: KeyKind, *, ttl: float | None = None) -> tuple[Any, Raw] | None:
+        """As :meth:`get_signed`, but a value that is there and not to be trusted raises
+        :class:`UntrustedRecordError` (rejected: logged, counted) instead of reading as
+        absent: for records whose absence and forgery call for different answers."""
+        raw, ttl_ms = self._get_with_ttl(key)
         if raw is None:
             return None
         try:
-            return self._trusted(key, raw, kind, ttl_ms, parse, max_ttl, max_bytes), Raw(raw)
+            if raw is WRONG_TYPE:
+                raise UntrustedRecordError(f"{key}: wrong Redis type")
+            record = self._trusted(key, raw, kind, ttl_ms, ttl)
         except UntrustedRecordError as e:
-            self.reject(kind, key, str(e))
+            self.reject(kind.kind, key, str(e))
+            raise
+        return record, Raw(raw.decode())
+
+    def _trusted(self, key: str, raw: Any, kind: KeyKind, ttl_ms: int | None,
+                 ttl: float | None = None) -> Any:
+        """:meth:`verify` and the kind's parser: the typed record, or UntrustedRecordError."""
+        body = self.verify(key, raw, kind, ttl_ms, ttl)
+        if kind.parse is None:
+            return body
+        return kind.parse(body, kind.parts_of(key), self.settings)
+
+    def verify(self, key: str, raw: Any, kind: KeyKind, ttl_ms: int | None = None,
+               ttl: float | None = None, *, signed_for: str | None = None) -> dict[str, Any]:
+        """Bounded UTF-8 JSON, a TTL (within ``ttl`` x :data:`TTL_SLACK` if given), a good
+        signature (for
+        ``signed_for``, the key it was signed for, if not ``key``): the record's body, or
+        :class:`UntrustedRecordError`."""
+        if ttl_ms is not None:
+            if int(ttl_ms) == -1:
+                raise UntrustedRecordError(f"{key}: kept without a TTL")
+            # The caller's own TTL for what it competes for (a lease, a slot): kept far
+            # beyond it, a value is not a live writer's. Other records' writers may run
+            # other settings; their expiry is inside the signature.
+            if ttl is not None and int(ttl_ms) > ttl * TTL_SLACK * 1000:
+                raise UntrustedRecordError(f"{key}: TTL {ttl_ms} ms, far beyond the {ttl:g} s"
+                                           " its writers give it")
+        text = records.text(raw, key, kind.max_bytes)
+        return self.signer.verify(signed_for or key, records.load(text, str(kind.kind), kind.max_bytes))
+
+    def parse(self, key: str, raw: Any, kind: KeyKind, *, signed_for: str | None = None) -> Any:
+        """One list item or value read outside :meth:`read` (a queue, a chain, a
+        batch): the typed record, or None (rejected: logged, counted)."""
+        try:
+            body = self.verify(key, raw, kind, signed_for=signed_for)
+            if kind.parse is None:
+                return body
+            return kind.parse(body, kind.parts_of(key), self.settings)
+        except UntrustedRecordError as e:
+            self.reject(kind.kind, key, str(e))
             return None
 
-    def _trusted(
-        self, key: str, raw: Any, kind: RecordKind, ttl_ms: int,
-        parse: Callable[[dict[str, Any]], object] | None, max_ttl: float | None,
-        max_bytes: int = records.MAX_RECORD_BYTES,
-    ) -> dict[str, Any]:
-        """:meth:`verify`, the typed parser, and the TTL bound; UntrustedRecordError if not."""
-        if max_ttl is not None and ttl_ms > max_ttl * TTL_SLACK * 1000:
-            raise UntrustedRecordError(f"{key}: TTL {ttl_ms} ms, far beyond the {max_ttl:g} s its"
-                                       " writers give it")
-        record = self.verify(key, raw, kind, ttl_ms, max_bytes)
-        if parse is not None:
-            parse(record)
-        return record
-
-    def verify(
-        self, key: str, raw: Any, kind: RecordKind, ttl_ms: int | None = None,
-        max_bytes: int = records.MAX_RECORD_BYTES,
-    ) -> dict[str, Any]:
-        """Bounded JSON, a TTL, a good signature: the record, or UntrustedRecordError."""
-        if ttl_ms is not None and int(ttl_ms) == -1:
-            raise UntrustedRecordError(f"{key}: kept without a TTL")
-        return self.signer.verify(key, records.load(raw, str(kind), max_bytes))
-
-    def reject(self, kind: RecordKind | str, key: str, reason: str) -> None:
+    def reject(self, kind: RecordKind | str | None, key: str, reason: str) -> None:
         """Log and count one rejected record (never raises: the metric takes any kind;
         the layer passes a :class:`RecordKind`, a stray string is counted as given)."""
-        kind = _kind(kind)
+        kind = _kind(kind or "unknown")
         log.warning("record_rejected", kind=str(kind), key=key, reason=reason)
         self.rejected += 1
         if self.on_untrusted is not None:
@@ -271,14 +290,22 @@ class SignedStore:
         got = int(self._call("PTTL", lambda: self.client.pttl(key)))
         return got / 1000 if got >= 0 else float(got)
 
-    def scan(self, pattern: str) -> Iterator[str]:
+    def scan(self, pattern: str, limit: int | None = None) -> Iterator[str]:
         """Keys matching ``pattern`` (a glob under the namespace, e.g. ``peer:*``)."""
-        return self._scan(self.keys.key(pattern))
+        return self._scan(self.keys.key(pattern), limit)
 
-    def _scan(self, glob: str) -> Iterator[str]:
-        """Keys matching ``glob``, a whole key pattern (:class:`Keys` builds them)."""
-        it = self._call("SCAN", lambda: iter(list(self.client.scan_iter(glob, count=500))))
-        yield from it
+    def _scan(self, glob: str, limit: int | None = None) -> Iterator[str]:
+        """Keys matching ``glob``, a whole key pattern (:class:`Keys` builds them), at most
+        ``limit`` of them; a name that is not ASCII is no key of ours (skipped)."""
+        def keys() -> list[str]:
+            out: list[str] = []
+            for k in self.client.scan_iter(glob, count=500):
+                if isinstance(k, bytes) and k.isascii():
+                    out.append(k.decode())
+                    if limit is not None and len(out) >= limit:
+                        break
+            return out
+        yield from self._call("SCAN", keys)
 
     def ping(self) -> None:
         """Raise :class:`RegistryError` unless Redis answers."""
@@ -303,10 +330,3 @@ def ms(seconds: float) -> int:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-def _loads(key: str, raw: str | bytes) -> Any:
-    try:
-        return records.load(raw, key, records.MAX_GROUND_TRUTH_BYTES)
-    except UntrustedRecordError as e:
-        raise RegistryError(f"value at {key} is not a bounded JSON object: {e}") from e

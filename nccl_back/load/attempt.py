@@ -13,11 +13,14 @@ from typing import Any
 
 import torch
 
+from nccl_back import _clock
+from nccl_back.budget import Budget
 from nccl_back.config import Settings
 from nccl_back.coord.consensus import Group
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import NcclBackError, NoPeerError, UntrustedRecordError
+from nccl_back.load.verifier import Basis, Checked, Verifier
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.sharding import Sharding
@@ -70,6 +73,7 @@ class Env:
     cohorts: relay.Cohorts
     metrics: Metrics
     worker_id: str
+    verifier: Verifier
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,8 @@ class Receiving:
     held: relay.Held | None = None
     """Which source put each step in this rank's tensors (resume point, and whom to
     blame when verification fails)."""
-    budget: float | None = None
-    """Monotonic deadline shared by every peer attempt of the load (``peer_budget``)."""
+    budget: Budget | None = None
+    """The deadline shared by every peer attempt of the load (``peer_budget``)."""
     blamed: set[str] = field(default_factory=set)
     """Sources that sent bytes which failed verification (never tried again)."""
     failed_streams: set[str] = field(default_factory=set)
@@ -122,6 +126,19 @@ class Receiving:
     """The last upstream failure in a relay chain (the reason if nothing else serves us)."""
     chain: relay.Chain | None = None
     """This rank's seat in a cohort (relay chain) while it receives."""
+
+    def start_budget(self, settings: Settings) -> Budget:
+        """The load's peer budget, started by its first peer attempt."""
+        if self.budget is None:
+            self.budget = Budget.of(settings.peer_budget_seconds)
+        return self.budget
+
+    @property
+    def deadline(self) -> float:
+        return self.budget.deadline if self.budget is not None else _clock.monotonic()
+
+    def left(self) -> float:
+        return self.deadline - _clock.monotonic()
 
     @property
     def holding(self) -> relay.Held:
@@ -150,6 +167,10 @@ class Attempt:
     found: Discovery = field(default_factory=Discovery)
     truth: dict[str, str] | None = None
     """The ground truth to verify against: discovery's, or a stream's once published."""
+    basis: Basis = Basis.NONE
+    """How this rank knows its bytes are the checkpoint's (what it may publish)."""
+    checked: Checked | None = None
+    """What a check in checkpoint coordinates covered (a reshard's)."""
     lease: DownloadLease | None = None
     elected: bool = False
     """This worker was elected to download (single flight): it streams its download."""

@@ -8,7 +8,7 @@ the version, an announced stream of the elected downloader may feed this rank in
 
 from __future__ import annotations
 
-from nccl_back.coord.registry import PeerInfo, truth_for_mode
+from nccl_back.coord.registry import PeerInfo
 from nccl_back.errors import (
     IncompatiblePeerError,
     ManifestMismatchError,
@@ -59,7 +59,7 @@ def discover(env: Env, a: Attempt) -> Discovery:
         if s.verify == "none":
             return Discovery(candidates=matching)
         try:
-            stored = reg.get_ground_truth(version, a.rank, a.world, man.digest)
+            stored = reg.get_ground_truth(version, a.rank, a.world, man.digest, env.verifier.scheme)
         except UntrustedRecordError as e:
             return Discovery(reason=NoTrustedTruth(
                 f"peers exist but the ground truth for manifest {man.digest[:12]} is not to"
@@ -68,7 +68,7 @@ def discover(env: Env, a: Attempt) -> Discovery:
             return Discovery(reason=NoTruth(
                 f"peers exist but no ground-truth hashes for manifest {man.digest[:12]}"
                 " to verify against; waiting for a holder to re-publish them (single flight)"))
-        expected = truth_for_mode(stored, s.verify)
+        expected = env.verifier.expected(stored)
         if not expected:
             return Discovery(reason=NoPeerError(
                 f"ground truth has no {s.verify!r} hashes (set verify on the storage loader too)"))
@@ -95,7 +95,8 @@ def sees_peer(env: Env, a: Attempt) -> bool:
         return True  # discovery says what is wrong (or that nothing is)
     # A holder without its ground truth is no peer yet: it re-publishes it.
     try:
-        return env.registry.get_ground_truth(a.spec.version, a.rank, a.world, digest) is not None
+        return env.registry.get_ground_truth(a.spec.version, a.rank, a.world, digest,
+                                             env.verifier.scheme) is not None
     except UntrustedRecordError:
         return False
 

@@ -1,12 +1,14 @@
-"""The receive phase: this rank's bytes from its cohort's upstream or from holders.
+"""The receive phase: the one loop over this rank's sources.
 
-Relay or direct: a rank with someone upstream of it in its cohort (a member before
-it, or the stream of the elected downloader) receives through the relay
-(:meth:`nccl_back.transport.relay.Cohorts.receive`); otherwise, or when no upstream
-could serve it, from holders in discovery's order. Every source, relayed or direct,
-is asked the same way (:meth:`Receive.pull`: one transfer request, the liveness
-handshake, the guarded transfer resuming at the first step this rank lacks, then
-verification), and every attempt of the load shares one budget (``peer_budget``).
+Relay upstreams first (a member before this rank in its cohort, or the stream of the
+elected downloader; the relay only offers them, :meth:`~nccl_back.transport.relay.
+Cohorts.upstreams`), then holders in discovery's order. Every source is asked the same
+way (:func:`transfer`: one transfer request, the liveness handshake, the guarded
+transfer resuming at the first step this rank lacks), every verification goes through
+the Verifier (:mod:`.verify`), blame lands here, and every attempt of the load shares
+one :class:`~nccl_back.budget.Budget` (``peer_budget``). A reshard
+(:mod:`.reshard`) pulls its pieces through the same :func:`transfer` and
+:func:`claimed`.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
+
 from nccl_back import _clock
-from nccl_back.coord import records
 from nccl_back.coord.auth import transfer_scope
 from nccl_back.coord.handshake import run_receiver
+from nccl_back.coord.records import Member, TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import (
     HandshakeTimeoutError,
+    IncompatiblePeerError,
     NcclBackError,
     NoPeerError,
     PeerError,
@@ -34,16 +39,24 @@ from nccl_back.errors import (
 from nccl_back.load import verify
 from nccl_back.load.attempt import Attempt, Env, NobodyHolds, PeerBusy, StreamLost
 from nccl_back.load.discover import discover, holders
-from nccl_back.transport import plan, receiver_transport, recv_tensors, relay, run_guarded
+from nccl_back.transport import (
+    Transport,
+    plan,
+    receiver_transport,
+    recv_tensors,
+    relay,
+    run_guarded,
+)
 from nccl_back.transport.broadcast import resume_point
+from nccl_back.transport.relay import RELAY_HANDSHAKE
+from nccl_back.transport.store import unreachable_reason
 
 #: Seconds between two passes over holders whose send slots are all claimed.
 _BUSY_POLL = 0.05
 
 
 class Receive:
-    """One pass of the receive phase on this rank (the :class:`~nccl_back.transport.relay.Link`
-    its cohort pulls through). Sets ``a.peer_id`` or ``a.reason``.
+    """One pass of the receive phase on this rank. Sets ``a.peer_id`` or ``a.reason``.
 
     Run twice when the first pass was fed by a stream that was lost: both passes
     share ``a.rx`` (one budget, and what the first one received and did not discard).
@@ -61,25 +74,17 @@ class Receive:
             # the stream and the pass after a lost stream. A stream-fed load may wait
             # for the whole download, as the election would have: the automatic budget
             # covers that wait; one set by the operator bounds everything.
-            fed = s.peer_budget == 0 and a.found.stream is not None
-            rx.budget = _clock.monotonic() + s.peer_budget_seconds + (
-                s.single_flight_max_wait if fed else 0.0)
+            rx.start_budget(s)
+            if s.peer_budget == 0 and a.found.stream is not None:
+                rx.start_budget(s).extend(s.single_flight_max_wait)
         if self._budget_spent(rx.relay_error):
             return
         chain = rx.chain = env.cohorts.join(a.replica(), a.log)
         if chain is not None and rx.held.done:
             chain.progress.advance(rx.held.done - 1)  # what an earlier pass left us
         try:
-            if chain is not None:
-                relayed = env.cohorts.receive(chain, a.replica(), a.found.stream, self,
-                                              rx.budget, a.log)
-                if relayed.stream_failed and a.found.stream is not None:
-                    rx.failed_streams.add(a.found.stream.member_id)
-                if relayed.error is not None:
-                    rx.relay_error = relayed.error
-                if relayed.source is not None:
-                    a.peer_id = relayed.source
-                    return
+            if chain is not None and self._from_upstreams(chain, a.found.stream):
+                return
             if self._budget_spent(rx.relay_error):
                 return
             if a.reason is None and not a.found.candidates:
@@ -95,6 +100,65 @@ class Receive:
             if chain is not None:
                 chain.end(a.peer_id is not None, str(a.reason or ""))
 
+    # -- relay upstreams ----------------------------------------------------------------
+
+    def _from_upstreams(self, chain: relay.Chain, fed_by: Member | None) -> bool:
+        """Receive from the nearest live member upstream of us (then the stream
+        ``fed_by``), re-attaching further up when one fails, resuming at the first step
+        we lack. False: nobody upstream (the head of a cohort no stream feeds), or none
+        served us by the chain's deadline: holders then go on from where we stopped."""
+        env, a, s, rx = self.env, self.a, self.env.settings, self.a.rx
+        if chain.position == 0 and fed_by is None:
+            return False
+        deadline = _clock.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
+        if fed_by is not None:  # we may wait for the whole download, as in the election
+            deadline += s.single_flight_max_wait
+        deadline = min(deadline, rx.deadline)
+        # A chain fed by a download moves at storage's pace: a step may take a shard's
+        # download; a downloader that stops renewing its lease is given up on as long.
+        stall = (max(s.relay_stall_timeout, s.download_lease) if fed_by is not None
+                 else s.relay_stall_timeout)
+        while _clock.monotonic() < deadline:
+            try:
+                upstreams = env.cohorts.upstreams(chain, fed_by)
+            except RegistryError as e:
+                a.log.warning("cohort_read_failed", error=str(e))
+                return False
+            if not upstreams:
+                return False
+            member = upstreams[0]
+            try:
+                why = (f"speaks {member.transport} on {member.device}" if not a.replica().speaks(member)
+                       else unreachable_reason(s, member.address))
+                if why is not None:  # not worth a handshake: the next one now
+                    raise IncompatiblePeerError(f"cohort member {member.member_id}: {why}")
+                self.pull(member.member_id, member.transport, member.address,
+                          handshake_timeout=min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
+                                                max(deadline - _clock.monotonic(), 0.001)),
+                          deadline=deadline, stall=stall)
+                a.peer_id = member.member_id
+                return True
+            except WeightVerificationError as e:
+                # Whoever sent the failing steps is never asked again and what it sent is
+                # gone: the next upstream (or a holder) sends it again.
+                chain.failed.update(self.blame(e, member.member_id))
+                rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
+            except PeerError as e:
+                chain.failed.add(member.member_id)
+                rx.relay_error = e
+                if isinstance(e, HandshakeTimeoutError):
+                    env.metrics.record_handshake_timeout()
+                a.log.warning("relay_upstream_failed", peer=member.member_id,
+                              held_steps=chain.progress.done, reason=fallback_reason(e), error=str(e))
+            except RegistryError as e:
+                a.log.warning("relay_upstream_failed", peer=member.member_id, error=str(e))
+                return False
+            if fed_by is not None and fed_by.member_id in chain.failed:
+                rx.failed_streams.add(fed_by.member_id)
+        return False
+
+    # -- holders --------------------------------------------------------------------------
+
     def _from_holders(self) -> None:
         """Try holders until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
 
@@ -107,7 +171,7 @@ class Receive:
         env, a, s = self.env, self.a, self.env.settings
         last: NcclBackError = NoPeerError("no peer tried")
         failed: set[str] = set()
-        deadline = _clock.monotonic() + s.busy_wait
+        deadline = min(_clock.monotonic() + s.busy_wait, a.rx.deadline)
         candidates = a.found.candidates
         while True:
             busy = 0
@@ -120,7 +184,12 @@ class Receive:
                 if self._budget_spent(last):
                     return
                 try:
-                    self._from_holder(peer)
+                    with claimed(env, a, peer) as token:
+                        self.pull(peer.peer_id, peer.transport, peer.address, claim=token,
+                                  handshake_timeout=max(min(s.receiver_handshake_timeout,
+                                                            a.rx.left()), 0.001),
+                                  deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout,
+                                  stall=s.stall_timeout)  # a silent peer costs the stall bound
                     a.peer_id = peer.peer_id
                     return
                 except PeerBusy:
@@ -133,9 +202,6 @@ class Receive:
                         continue  # the same holder again, from the first discarded step
                     failed.add(peer.peer_id)
                     i += 1
-                    if len(failed) >= s.max_peer_attempts:
-                        a.reason = last
-                        return
                 except PeerError as e:
                     last = e
                     failed.add(peer.peer_id)
@@ -144,14 +210,13 @@ class Receive:
                         env.metrics.record_handshake_timeout()
                     a.log.warning("peer_attempt_failed", peer=peer.peer_id,
                                   reason=fallback_reason(e), error=str(e))
-                    if len(failed) >= s.max_peer_attempts:
-                        a.reason = last
-                        return
                 except RegistryError as e:
                     a.reason = e
                     return
-            budget = a.rx.budget
-            if busy == 0 or _clock.monotonic() >= min(deadline, budget or deadline):
+                if len(failed) >= s.max_peer_attempts:
+                    a.reason = last
+                    return
+            if busy == 0 or _clock.monotonic() >= deadline:
                 if busy:
                     last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
                 a.reason = last
@@ -163,55 +228,23 @@ class Receive:
                 a.reason = e
                 return
 
-    def _from_holder(self, peer: PeerInfo) -> None:
-        """One holder: claim a send slot (renewed while the transfer runs), then pull."""
-        s, reg, a = self.env.settings, self.env.registry, self.a
-        budget = a.rx.budget if a.rx.budget is not None else _clock.monotonic() + s.peer_budget_seconds
-        token = reg.claim(peer.peer_id, self.env.worker_id, peer.max_sends, s.claim_ttl)
-        if token is None:
-            raise PeerBusy(peer.peer_id)
-        try:
-            with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
-                self.pull(peer.peer_id, peer.transport, peer.address, claim=token,
-                          handshake_timeout=max(min(s.receiver_handshake_timeout,
-                                                    budget - _clock.monotonic()), 0.001),
-                          deadline=budget, transfer_timeout=s.transfer_timeout,
-                          stall=s.stall_timeout)  # a silent peer costs the stall bound
-        finally:
-            with contextlib.suppress(RegistryError):
-                reg.release(peer.peer_id, token)
+    # -- one source -------------------------------------------------------------------------
 
     def pull(self, source: str, kind: str, address: str, *, handshake_timeout: float,
              deadline: float, stall: float, claim: str | None = None,
              transfer_timeout: float | None = None) -> None:
         """Request a transfer from ``source`` from the first step this rank lacks, prove
         it alive (handshake), receive (each step recorded as ``source``'s and reported
-        to this rank's chain), verify: :class:`DamagedBytes` if that fails.
-
-        ``claim``: the send slot claimed at a holder. ``transfer_timeout``: a holder's
-        transfer gets its own bound once the handshake is done (within ``deadline``);
-        a relay upstream shares the chain's ``deadline``."""
+        to this rank's chain), verify: :class:`DamagedBytes` if that fails."""
         env, a, s, t = self.env, self.a, self.env.settings, self.a.target
         held = a.rx.holding
-        transfer_id = uuid.uuid4().hex
         # Resume what earlier sources gave us (and verification did not discard).
         start = resume_point(plan(t.tensors, t.bucket(s, kind)), t.tensors, held.done)
-        request = records.TransferRequest(
-            transfer_id=transfer_id, receiver=env.worker_id, version=a.spec.version,
+        request = TransferRequest(
+            transfer_id=uuid.uuid4().hex, receiver=env.worker_id, version=a.spec.version,
             manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
             claim=claim, start=start,
-        ).to_dict()
-        began = _clock.perf()
-        run_receiver(env.registry, transfer_id, t.manifest.digest, handshake_timeout,
-                     after_ready=lambda: env.registry.push_request(source, request))
-        a.timings["handshake"] = _clock.perf() - began
-        if transfer_timeout is not None:
-            deadline = min(_clock.monotonic() + transfer_timeout, deadline)
-
-        began = _clock.perf()
-        transport = receiver_transport(s, kind, address,
-                                       transfer_scope(s.key("store"), transfer_id),
-                                       device=t.device, registry=env.registry)
+        )
         progress = a.rx.chain.progress if a.rx.chain is not None else None
 
         def on_step(k: int) -> None:
@@ -219,14 +252,10 @@ class Receive:
             if progress is not None:
                 progress.advance(k)
 
-        run_guarded(
-            transport,
-            lambda tr: recv_tensors(tr, t.tensors, t.bucket(s, kind), start=start, on_step=on_step),
-            deadline,
-            connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
-            stall=stall,
-        )
-        a.timings["transfer"] = _clock.perf() - began
+        transfer(env, a, source, request, kind, address, digest=t.manifest.digest, tensors=t.tensors,
+                 bucket=t.bucket(s, kind), start=start, on_step=on_step,
+                 handshake_timeout=handshake_timeout, deadline=deadline, stall=stall,
+                 transfer_timeout=transfer_timeout)
         verify.check(env, a, deadline)
 
     def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
@@ -247,13 +276,72 @@ class Receive:
     def _budget_spent(self, last: BaseException | None) -> bool:
         """True (and ``a.reason`` set) once the load's peer budget is spent."""
         a, s = self.a, self.env.settings
-        if a.rx.budget is None or _clock.monotonic() < a.rx.budget:
+        if a.rx.budget is None or not a.rx.budget.spent():
             return False
         a.reason = NoPeerError(
             f"peer attempts spent their budget of {s.peer_budget_seconds:g} s"
             f" (peer_budget); last: {last}"
         )
         return True
+
+
+def transfer(env: Env, a: Attempt, source: str, request: TransferRequest, kind: str,
+             address: str, *,
+             digest: str, tensors: Mapping[str, torch.Tensor], bucket: int, start: int = 0,
+             on_step: Callable[[int], None] | None, handshake_timeout: float, deadline: float,
+             stall: float, transfer_timeout: float | None = None,
+             started: Callable[[Transport], None] | None = None) -> None:
+    """One transfer from ``source``, on every path: the request pushed once the
+    handshake's first value is there, the handshake proving ``digest`` (the manifest's,
+    or a reshard plan's), then ``tensors`` received under the watchdog from step
+    ``start``. ``transfer_timeout``: a holder's transfer gets its own bound once the
+    handshake is done (within ``deadline``); a relay upstream shares the chain's.
+    ``started``: told the transport before data moves (a reshard aborts the others)."""
+    s = env.settings
+    began = _clock.perf()
+    run_receiver(env.registry, request.transfer_id, digest, handshake_timeout,
+                 after_ready=lambda: env.registry.push_request(source, request.to_dict()))
+    a.timings[f"handshake{_suffix(request)}"] = _clock.perf() - began
+    if transfer_timeout is not None:
+        deadline = min(_clock.monotonic() + transfer_timeout, deadline)
+    began = _clock.perf()
+    transport = receiver_transport(s, kind, address, transfer_scope(s.key("store"), request.transfer_id),
+                                   device=a.target.device, registry=env.registry)
+    if started is not None:
+        started(transport)
+    run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, on_step=on_step),
+                deadline, connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
+                stall=stall)
+    a.timings[f"transfer{_suffix(request)}"] = _clock.perf() - began
+
+
+def _suffix(request: TransferRequest) -> str:
+    return "" if request.holder is None else f".{request.holder}"
+
+
+@contextlib.contextmanager
+def claimed(env: Env, a: Attempt, peer: PeerInfo, *, share: str | None = None,
+            until: float | None = None) -> Iterator[str]:
+    """A send slot of ``peer`` held (renewed every third of ``claim_ttl``) while the
+    block runs, released after. ``until`` None: one try, :class:`PeerBusy` when every
+    slot is taken; else polled until ``until`` (:class:`NoPeerError` then). ``share``:
+    the receiving group's token part (its ranks hold one slot together)."""
+    s, reg = env.settings, env.registry
+    while True:
+        token = reg.claim(peer.peer_id, env.worker_id, peer.max_sends, s.claim_ttl, share=share)
+        if token is not None:
+            break
+        if until is None:
+            raise PeerBusy(peer.peer_id)
+        if _clock.monotonic() >= until:
+            raise NoPeerError(f"holder {peer.peer_id}: every send slot stayed claimed")
+        _clock.sleep(_BUSY_POLL)
+    try:
+        with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
+            yield token
+    finally:
+        with contextlib.suppress(RegistryError):
+            reg.release(peer.peer_id, token)
 
 
 @contextlib.contextmanager

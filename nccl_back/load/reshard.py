@@ -1,27 +1,28 @@
-"""Resharding: a sharded library model loads from live holders of other layouts.
+"""Resharding: a mode of receiving for a sharded library model, from live holders of
+any layout (other world sizes, or its own when its flavour has no layer truth).
 
-Entered from ``WeightService._load`` at one point: this rank's skeleton has a
-:class:`~nccl_back.model.sharding.Sharding` and some rank found no same-layout holder.
-Its phases, each closed by a consensus round over the receiver's group (:mod:`.vote`),
-so all ranks reshard, or none does:
+Entered from ``WeightService._load`` when this rank's skeleton has a
+:class:`~nccl_back.model.sharding.Sharding` and some rank found no same-layout holder
+it could verify. Each step is closed by a consensus round over the receiver's group
+(:mod:`.vote`), so all ranks reshard, or none does; the outcome goes back to the load's
+one decision (peer, storage, or strict), like any receive:
 
-1. *Find* (:func:`find`): live holders of the version at any world size (a plain
-   holder of the whole checkpoint counts: its layout is every tensor whole), one per
-   holder rank, whose layouts cover this rank's pieces (:func:`~nccl_back.model.
-   reshard_plan.plan`), and their truth in checkpoint coordinates. A world size whose
-   holders do not cover us is skipped; none at all: every rank goes on as before (the
-   single flight, then storage), with the reason discovery gave.
-2. *Receive* (:func:`receive`): from every holder the plan uses at once, a claim, the
-   handshake proving the *plan's* digest (a sender that derived another plan refuses
-   before any data moves), exactly this rank's pieces, received in place where a piece
-   is contiguous in its tensor (:func:`~nccl_back.model.reshard_plan.landing`); then
-   every sampled checkpoint position it holds is checked against the holders' truth
-   (:mod:`nccl_back.model.position_truth`).
-3. *Publish* (:func:`published`): the worker serves its own layout like any holder:
-   its layout, the position truth it verified, and layer hashes of its verified bytes as
-   its flavour's ground truth (rooted in the position check: see the README).
-
-A failed receive or check on any rank sends every rank to storage with its reason.
+1. *Find* (:func:`find`), within the discovery phase's bound: live holders of the
+   version at any world size (a plain holder of the whole checkpoint counts: its layout
+   is every tensor whole), one per holder rank, whose layouts cover this rank's pieces
+   (:func:`~nccl_back.model.reshard_plan.plan`, within the plan's work bound), and
+   whose truth in checkpoint coordinates agrees and covers what the Verifier must
+   check (every byte under ``full``). A world size that fails any of it is skipped with
+   its reason; none left: every rank goes on as before (the single flight, then
+   storage).
+2. *Receive* (:func:`receive`): from every holder the plan uses at once, a shared claim
+   (:func:`.receive.claimed`), the handshake proving the *plan's* digest (a sender that
+   derived another plan refuses before any data moves), exactly this rank's pieces
+   through the one transfer path (:func:`.receive.transfer`), received in place where a
+   piece is contiguous in its tensor (:class:`~nccl_back.model.reshard_plan.Landing`);
+   then the Verifier checks what this rank holds against the holders' truth.
+3. *Publish*: as any peer load (:func:`.publish.peer_loaded`): what the Verifier allows
+   for the check that passed.
 """
 
 from __future__ import annotations
@@ -36,83 +37,77 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from nccl_back import _clock
-from nccl_back.coord import records
-from nccl_back.coord.auth import transfer_scope
+from nccl_back.budget import DISCOVER_SECONDS, Phase
 from nccl_back.coord.consensus import gather
-from nccl_back.coord.handshake import run_receiver
-from nccl_back.coord.registry import PeerInfo, encode_truth
+from nccl_back.coord.content import PositionTruth
+from nccl_back.coord.records import TransferRequest
+from nccl_back.coord.registry import PeerInfo
 from nccl_back.errors import (
+    BudgetSpentError,
     NcclBackError,
     NoPeerError,
     RegistryError,
     UntrustedRecordError,
+    WeightVerificationError,
     fallback_reason,
 )
 from nccl_back.load.attempt import Attempt, Env, NobodyHolds
 from nccl_back.load.discover import usable_peers
-from nccl_back.load.receive import kept_claim
-from nccl_back.load.storage import fall_back
-from nccl_back.load.vote import agree, caught
-from nccl_back.model import integrity, position_truth
+from nccl_back.load.receive import claimed, transfer
+from nccl_back.load.verifier import merge_macs
+from nccl_back.load.vote import Decision, agree, caught
+from nccl_back.model import marginals
 from nccl_back.model.layout import Layout
-from nccl_back.model.loader import StorageLoader
 from nccl_back.model.reshard_plan import Landing, Plan, PlanError, plan, zero_padding
 from nccl_back.model.sharding import Sharding
-from nccl_back.result import LoadResult
-from nccl_back.transport import Transport, receiver_transport, recv_tensors, run_guarded
+from nccl_back.transport import Transport
 from nccl_back.transport.broadcast import completes, payload_bytes
 from nccl_back.transport.broadcast import plan as broadcast_plan
 
-#: Seconds between two claims of a holder whose send slots are all taken.
-_BUSY_POLL = 0.05
+#: World sizes a reshard plans for (nearest to the receiver's first): each costs a plan.
+MAX_WORLDS = 8
 
 
 class NoLayoutCover(NobodyHolds):
-    """No live holders of any layout cover this rank's pieces (or they lack truth)."""
+    """No live holders of any layout cover this rank's pieces (or their truth is
+    missing, disagrees, or does not cover what the Verifier must check)."""
 
 
 @dataclass(frozen=True)
 class Found:
-    """Holders to reshard from (one per holder index of the plan) and what to verify."""
+    """Holders to reshard from (one per holder index of the plan) and their truth."""
 
     peers: tuple[PeerInfo, ...]
     layouts: tuple[Layout, ...]
     plan: Plan
     group: str
-    truth: position_truth.Macs
+    truths: dict[str, PositionTruth]
+    """Each used holder's truth in checkpoint coordinates, by peer id."""
     share: str = ""
     """The receiving group's claim token part (:meth:`~nccl_back.coord.claims.
     ClaimRecords.claim`): its ranks hold a holder's send slot together."""
 
 
-def attempt(env: Env, a: Attempt, sh: Sharding, loader: StorageLoader) -> LoadResult | None:
-    """The whole reshard (every rank, or none): the result, a storage load after a
-    failed reshard (with its reason), or None when no holders cover every rank."""
-    t = _clock.perf()
-    found = run(env, a, sh)
+def run(env: Env, a: Attempt, sh: Sharding) -> tuple[Decision, int] | None:
+    """Reshard on every rank, or on none: the group's decision and the bytes moved, or
+    None when no holders cover every rank (this rank's earlier vote restored: the load
+    goes on as without it)."""
+    found = _find_all(env, a, sh)
     if found is None:
         return None
-    macs: position_truth.Macs | None = None
+    t = _clock.perf()
     with caught(a, "reshard"):
         try:
-            macs = receive(env, a, sh, found)
-        except NcclBackError as e:  # this rank's vote: go to storage, with the reason
+            receive(env, a, sh, found)
+            a.peer_id = ",".join(found.peers[k].peer_id for k in found.plan.used)
+        except NcclBackError as e:  # this rank's vote: storage (or strict), with the reason
             a.reason = e
             a.log.warning("reshard_failed", reason=fallback_reason(e), error=str(e))
     a.timings["peer"] = _clock.perf() - t
-    decision = agree(a, "reshard")
-    if decision.ok:
-        return published(env, a, sh, found, macs)
-    if a.reason is None:
-        a.reason = decision.why()
-    if env.settings.strict and decision.failed:
-        raise decision.strict_error(a)
-    return fall_back(env, a, loader)
+    return agree(a, "reshard"), found.plan.nbytes()
 
 
-def run(env: Env, a: Attempt, sh: Sharding) -> Found | None:
-    """Find holders on every rank; the :class:`Found` if every rank can reshard, else
-    None with this rank's earlier vote restored (the load goes on as without it)."""
+def _find_all(env: Env, a: Attempt, sh: Sharding) -> Found | None:
     before = a.reason
     found: Found | None = None
     a.reason = None
@@ -134,38 +129,49 @@ def run(env: Env, a: Attempt, sh: Sharding) -> Found | None:
 
 
 def find(env: Env, a: Attempt, sh: Sharding) -> Found:
-    """The first world size (nearest to ours) whose live holders cover this rank."""
-    reg, version, mine = env.registry, a.spec.version, sh.layout
+    """The first world size (nearest to ours) whose live holders cover this rank, with
+    truth the Verifier can check every held position (or byte) against."""
+    phase = a.rx.start_budget(env.settings).phase("reshard discovery", DISCOVER_SECONDS)
+    reg, version = env.registry, a.spec.version
     by_world: dict[int, list[PeerInfo]] = {}
     for r, w in reg.worlds(version):
+        phase.check(f"{len(by_world)} world sizes read")
         for p in usable_peers(env, a, reg.find_peers(version, r, w)):
-            if (p.rank, p.world_size, p.layout) != (a.rank, a.world, mine.digest):
-                by_world.setdefault(w, []).append(p)
-                break
+            by_world.setdefault(w, []).append(p)
+            break
     why = f"no live holders of version {version[:12]} in any layout"
-    for w in sorted(by_world, key=lambda w: (abs(w - a.world), w)):
-        peers, layouts = [], []
-        for p in sorted(by_world[w], key=lambda p: p.rank):
-            lay = _layout_of(env, sh, p)
-            if lay is not None:
-                peers.append(p)
-                layouts.append(lay)
+    for w in sorted(by_world, key=lambda w: (abs(w - a.world), w))[:MAX_WORLDS]:
+        phase.check(f"planning for world size {w}")
         try:
-            p_ = plan(mine, layouts)
-        except PlanError as e:
-            why = f"holders at world size {w} do not cover this rank: {e}"
-            continue
-        try:
-            truth = position_truth.merge([_truth(env, a, peers[k], layouts[k]) for k in p_.used])
-        except (NoPeerError, UntrustedRecordError) as e:
-            why = str(e)
-            continue
-        group = reg.put_group([lay.digest for lay in layouts])
-        reg.put_layout(mine)
-        a.log.info("reshard_planned", world=w, holders=len(p_.used), bytes=p_.nbytes(),
-                   plan=p_.digest[:12])
-        return Found(tuple(peers), tuple(layouts), p_, group, truth)
+            return _at_world(env, a, sh, by_world[w], phase)
+        except (PlanError, NoPeerError, UntrustedRecordError, WeightVerificationError) as e:
+            if isinstance(e, BudgetSpentError):
+                raise
+            why = f"holders at world size {w}: {e}"
     raise NoLayoutCover(why)
+
+
+def _at_world(env: Env, a: Attempt, sh: Sharding, holders: list[PeerInfo], phase: Phase) -> Found:
+    reg, mine = env.registry, sh.layout
+    peers: list[PeerInfo] = []
+    layouts: list[Layout] = []
+    for p in sorted(holders, key=lambda p: p.rank):
+        lay = _layout_of(env, sh, p)
+        if lay is not None:
+            peers.append(p)
+            layouts.append(lay)
+    same = [k for k, lay in enumerate(layouts) if lay.digest == mine.digest]
+    if same:  # a holder of exactly this layout: one source, as a same-layout receive
+        peers, layouts = [peers[same[0]]], [layouts[same[0]]]
+    p_ = plan(mine, layouts)  # PlanError: they do not cover us (or it would cost too much)
+    phase.check("the plan")
+    truths = {peers[k].peer_id: _truth(env, a, peers[k], layouts[k]) for k in p_.used}
+    _check_truth(env, sh, truths)
+    group = reg.put_group([lay.digest for lay in layouts])
+    reg.put_layout(mine)
+    a.log.info("reshard_planned", world=holders[0].world_size, holders=len(p_.used),
+               bytes=p_.nbytes(), plan=p_.digest[:12])
+    return Found(tuple(peers), tuple(layouts), p_, group, truths)
 
 
 def _layout_of(env: Env, sh: Sharding, p: PeerInfo) -> Layout | None:
@@ -175,41 +181,73 @@ def _layout_of(env: Env, sh: Sharding, p: PeerInfo) -> Layout | None:
     return env.registry.get_layout(p.layout)
 
 
-def _truth(env: Env, a: Attempt, p: PeerInfo, lay: Layout) -> position_truth.Macs:
-    got = env.registry.get_position_truth(a.spec.version, p.rank, p.world_size, lay.digest)
-    if got is None and env.settings.verify != "none":
+def _truth(env: Env, a: Attempt, p: PeerInfo, lay: Layout) -> PositionTruth:
+    v = env.verifier
+    got = env.registry.get_position_truth(a.spec.version, p.rank, p.world_size, lay.digest, v.scheme)
+    if got is None and v.mode != "none":
         raise NoPeerError(f"holder {p.peer_id} has no truth in checkpoint coordinates")
-    return got or {}
+    return got or PositionTruth(lay.digest, v.scheme, {})
 
 
-def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> position_truth.Macs | None:
-    """Every piece from its holder, all holders at once, then the check; raises with the
-    reason if not (the first holder's that failed, once every pull has ended). Returns
-    the MACs of the positions it checked (None with ``verify`` off): what it publishes."""
+def _check_truth(env: Env, sh: Sharding, truths: dict[str, PositionTruth]) -> None:
+    """Before any byte moves: the holders' truth agrees, and covers what the Verifier
+    must check (every byte this rank holds, under ``full``)."""
+    v = env.verifier
+    if v.mode == "none":
+        return
+    merge_macs(truths)  # TruthConflict: these holders are not used
+    if v.mode == "full":
+        truth = marginals.Truth()
+        for publisher, record in sorted(truths.items()):
+            truth.add(record.marginals, publisher)
+        missing = marginals.uncovered(sh.layout, truth)
+        if missing is not None:
+            raise marginals.NotCheckable(missing)
+
+
+def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
+    """Every piece from its holder, all holders at once, then the Verifier's check;
+    raises with the reason if not (the first holder's that failed, once every pull has
+    ended). Sets this rank's basis and what it checked."""
     s, t = env.settings, a.target
-    budget = _clock.monotonic() + s.peer_budget_seconds
+    deadline = a.rx.start_budget(s).deadline
     pulls = _Pulls()
     if len(f.plan.used) == 1:
-        _from_holder(env, a, f, f.plan.used[0], budget, pulls)
+        _from_holder(env, a, f, f.plan.used[0], deadline, pulls)
     else:
         # One thread per holder: a receiver's link is faster than one sender's path (a TP=1
         # rank behind TP=2 holders). Every pull is waited for, even after one failed: each
         # writes into this rank's tensors (the first failure aborts the others).
         with ThreadPoolExecutor(len(f.plan.used), thread_name_prefix="nccl_back-reshard") as pool:
-            futures = [pool.submit(_from_holder, env, a, f, k, budget, pulls) for k in f.plan.used]
+            futures = [pool.submit(_from_holder, env, a, f, k, deadline, pulls) for k in f.plan.used]
             errors = [fut.exception() for fut in futures]
         for e in errors:
             if e is not None:
                 raise e
     zero_padding(sh.layout, t.tensors)
-    if s.verify == "none":
-        return None
+    v = env.verifier
+    if v.mode == "none":
+        return
     began = _clock.perf()
-    mine = position_truth.held_macs(sh.layout, t.tensors, s.key("integrity"))
-    checked = position_truth.compare(mine, f.truth)
+    try:
+        a.checked = v.check_positions(sh.layout, t.tensors, f.truths)
+    except WeightVerificationError as e:
+        blamed = _blame(env, a, sh, f, set(e.bad))
+        a.log.warning("reshard_verification_failed", blamed=sorted(blamed), error=str(e))
+        raise
     a.timings["verify"] = _clock.perf() - began
-    a.log.info("reshard_verified", positions=checked)
-    return mine
+    a.basis = v.basis()
+    a.log.info("reshard_verified", positions=a.checked.positions, elements=a.checked.elements)
+
+
+def _blame(env: Env, a: Attempt, sh: Sharding, f: Found, bad: set[str]) -> set[str]:
+    """The holders that sent any piece of the checkpoint tensors in ``bad``."""
+    holds = {name: {p.source for p in t.parts if hasattr(p, "source")}
+             for name, _, _, t in sh.layout.tensors}
+    blamed = {f.peers[m.holder].peer_id for m in f.plan.moves if holds.get(m.dst, set()) & bad}
+    a.rx.blamed |= blamed
+    env.metrics.record_verification_failure()
+    return blamed
 
 
 class _Pulls:
@@ -238,105 +276,45 @@ class _Pulls:
                     tr.abort()
 
 
-def _from_holder(env: Env, a: Attempt, f: Found, k: int, budget: float, pulls: _Pulls) -> None:
+def _from_holder(env: Env, a: Attempt, f: Found, k: int, deadline: float, pulls: _Pulls) -> None:
     """Holder ``k``'s moves: a send slot, the transfer into place, the staged copies."""
-    s, reg, t, peer = env.settings, env.registry, a.target, f.peers[k]
+    s, t, peer = env.settings, a.target, f.peers[k]
     land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
+    live: list[Transport] = []
     try:
-        token = _claim(env, peer, min(budget, _clock.monotonic() + s.busy_wait), f.share)
-    except BaseException:
-        pulls.fail()
-        raise
-    a.timings[f"claim.{k}"] = _clock.perf() - began
-    try:
-        with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):
-            _pull(env, a, f, k, token, land, budget, pulls)
+        with claimed(env, a, peer, share=f.share,
+                     until=min(deadline, _clock.monotonic() + s.busy_wait)) as token:
+            a.timings[f"claim.{k}"] = _clock.perf() - began
+            request = TransferRequest(
+                transfer_id=uuid.uuid4().hex, receiver=env.worker_id, version=a.spec.version,
+                manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
+                claim=token, layout=f.plan.receiver, group=f.group, holder=k)
+            bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
+            # Staged boxes are copied into place as their step arrives, while the next ones do.
+            done = {j: [n for n in names if n in land.staged]
+                    for j, names in completes(broadcast_plan(land.payload, bucket)).items()}
+
+            def placed(step: int) -> None:
+                for name in done.get(step, ()):
+                    land.place(name)
+
+            def started(tr: Transport) -> None:
+                live.append(tr)
+                pulls.start(tr)
+
+            transfer(env, a, peer.peer_id, request, peer.transport, peer.address,
+                     digest=f.plan.digest, tensors=land.payload, bucket=bucket, on_step=placed,
+                     handshake_timeout=max(min(s.receiver_handshake_timeout,
+                                               deadline - _clock.monotonic()), 0.001),
+                     deadline=deadline, transfer_timeout=s.transfer_timeout,
+                     stall=s.stall_timeout, started=started)
     except BaseException:
         pulls.fail()
         raise
     finally:
-        with contextlib.suppress(RegistryError):
-            reg.release(peer.peer_id, token)
+        for tr in live:
+            pulls.end(tr)
     began = _clock.perf()
     land.finish()
     a.timings[f"unpack.{k}"] = _clock.perf() - began
-
-
-def _claim(env: Env, peer: PeerInfo, until: float, share: str) -> str:
-    """A send slot of ``peer`` (one this group's other ranks hold counts: ``share``),
-    waiting while all are claimed by other receivers until ``until``."""
-    s = env.settings
-    while True:
-        token = env.registry.claim(peer.peer_id, env.worker_id, peer.max_sends, s.claim_ttl,
-                                   share=share)
-        if token is not None:
-            return token
-        if _clock.monotonic() >= until:
-            raise NoPeerError(f"holder {peer.peer_id}: every send slot stayed claimed")
-        _clock.sleep(_BUSY_POLL)
-
-
-def _pull(env: Env, a: Attempt, f: Found, k: int, token: str,
-          land: Landing, budget: float, pulls: _Pulls) -> None:
-    s, t, peer = env.settings, a.target, f.peers[k]
-    transfer_id = uuid.uuid4().hex
-    request = records.TransferRequest(
-        transfer_id=transfer_id, receiver=env.worker_id, version=a.spec.version,
-        manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type, claim=token,
-        layout=f.plan.receiver, group=f.group, holder=k,
-    ).to_dict()
-    began = _clock.perf()
-    run_receiver(env.registry, transfer_id, f.plan.digest,
-                 max(min(s.receiver_handshake_timeout, budget - _clock.monotonic()), 0.001),
-                 after_ready=lambda: env.registry.push_request(peer.peer_id, request))
-    a.timings[f"handshake.{k}"] = _clock.perf() - began
-    deadline = min(_clock.monotonic() + s.transfer_timeout, budget)
-    transport = receiver_transport(s, peer.transport, peer.address,
-                                   transfer_scope(s.key("store"), transfer_id),
-                                   device=t.device, registry=env.registry)
-    bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
-    # Staged boxes are copied into place as their step arrives, while the next ones do.
-    done = {k: [n for n in names if n in land.staged]
-            for k, names in completes(broadcast_plan(land.payload, bucket)).items()}
-
-    def placed(step: int) -> None:
-        for name in done.get(step, ()):
-            land.place(name)
-
-    began = _clock.perf()
-    pulls.start(transport)
-    try:
-        run_guarded(transport, lambda tr: recv_tensors(tr, land.payload, bucket, on_step=placed),
-                    deadline,
-                    connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
-                    stall=s.stall_timeout)
-    finally:
-        pulls.end(transport)
-    a.timings[f"transfer.{k}"] = _clock.perf() - began
-
-
-def published(env: Env, a: Attempt, sh: Sharding, f: Found,
-              macs: position_truth.Macs | None) -> LoadResult:
-    """The resharded load's result; this worker then serves its own layout (with the
-    position MACs it checked, or computes them where verification was off)."""
-    s, reg, man = env.settings, env.registry, a.target.manifest
-    seconds = _clock.perf() - a.start
-    sources = ",".join(f.peers[k].peer_id for k in f.plan.used)
-    result = LoadResult(source="peer", version=a.spec.version, bytes=f.plan.nbytes(),
-                        seconds=seconds, peer_id=sources, verified=s.verify != "none",
-                        timings=a.timings)
-    env.metrics.record_load("peer", f.plan.nbytes(), seconds)
-    a.log.info("loaded", source="peer", resharded=True, peers=sources, seconds=round(seconds, 3),
-               gbps=round(result.gbps, 3))
-    hashes = encode_truth({"sampled": integrity.layer_hashes(a.model, key=s.key("integrity"))})
-    try:
-        if macs is None:
-            macs = position_truth.held_macs(sh.layout, a.target.tensors, s.key("integrity"))
-        reg.put_position_truth(a.spec.version, a.rank, a.world, sh.layout.digest, macs)
-        reg.put_ground_truth(a.spec.version, a.rank, a.world, man.digest, hashes)
-        env.server.publish(a.model, man, a.spec.version, a.rank, a.world, source="peer", log=a.log,
-                           truth=hashes, model_name=a.spec.name, layout=sh.layout, positions=macs)
-    except Exception as e:  # loaded and verified; only serving others is lost
-        a.log.warning("publish_failed", error=str(e))
-    return result

@@ -55,6 +55,7 @@ from nccl_back.load.publish import peer_loaded
 from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import single_flight
 from nccl_back.load.storage import fall_back, load_checkpoint
+from nccl_back.load.verifier import Verifier
 from nccl_back.load.vote import Decision, agree, caught
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
@@ -99,7 +100,7 @@ class WeightService:
         self._cohorts = relay.Cohorts(self.settings, self.registry, self.worker_id, self._server,
                                       self.metrics)
         self._env = Env(self.settings, self.registry, self._server, self._cohorts, self.metrics,
-                        self.worker_id)
+                        self.worker_id, Verifier(self.settings.verify, self.settings.key("integrity")))
         self._closed = False
         self._log = get_logger("nccl_back.load.service", worker=self.worker_id)
 
@@ -155,8 +156,9 @@ class WeightService:
     def serve(self, model: Model, spec: ModelSpec, group: Group = None) -> PeerInfo:
         """Publish a model this worker already holds (loaded by its own code) and serve it.
 
-        Never writes ground truth: receivers verify what they get from this worker
-        against the hashes of a storage load, as for any other peer.
+        Never writes truth (its bytes were not checked here, :mod:`.verifier`): receivers
+        verify what they get from this worker against the hashes of a storage load, as
+        for any other peer.
         """
         self._check_open()
         rank, world = rank_and_size(group)
@@ -199,9 +201,12 @@ class WeightService:
             a.discovered(discover(env, a))
         decision = agree(a, "discovery")
         if not decision.ok and a.sharding is not None:  # no same-layout holder: other layouts?
-            result = reshard.attempt(env, a, a.sharding, self._loader(a))
-            if result is not None:
-                return result
+            resharded = reshard.run(env, a, a.sharding)
+            if resharded is not None:
+                decision, moved = resharded
+                if decision.ok:
+                    return peer_loaded(env, a, nbytes=moved)
+                return self._storage(a, decision)
         if decision.nobody:  # some rank found nobody holding it: wait as a group, or download
             decision = self._elect(a)
         a.timings["discovery"] = _clock.perf() - t
@@ -216,14 +221,17 @@ class WeightService:
                     decision = self._receive(a)
             if decision.ok:  # every rank verified its bytes
                 return peer_loaded(env, a)
+        return self._storage(a, decision)
 
-        # The group goes to storage: a rank that could have gone on says which rank didn't.
+    def _storage(self, a: Attempt, decision: Decision) -> LoadResult:
+        """The group goes to storage (or, ``strict``, raises): a rank that could have
+        gone on says which rank did not."""
         a.peer_id = None
         if a.reason is None:
             a.reason = decision.why()
         if self.settings.strict and decision.failed:
             raise decision.strict_error(a)
-        return fall_back(env, a, self._loader(a))
+        return fall_back(self._env, a, self._loader(a))
 
     def _loader(self, a: Attempt) -> StorageLoader:
         """A sharded skeleton's pieces are cut from the checkpoint (the default loader)."""

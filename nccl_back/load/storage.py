@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.consensus import gather
-from nccl_back.coord.registry import encode_truth
 from nccl_back.errors import fallback_reason
 from nccl_back.load.attempt import Attempt, Env, NobodyHolds
 from nccl_back.load.publish import publish_stored
+from nccl_back.load.verifier import Basis
 from nccl_back.load.vote import OK, agree, caught
-from nccl_back.model import integrity
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import StorageLoader, load_from_storage
 from nccl_back.model.skeleton import Model
@@ -93,10 +92,7 @@ def _load(env: Env, a: Attempt, loader: StorageLoader, stream: relay.Stream | No
     a.timings["storage"] = _clock.perf() - t
     a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
     t = _clock.perf()
-    key = s.key("integrity")
-    by_mode = {"sampled": integrity.layer_hashes(a.model, mode="sampled", key=key)}
-    if s.verify == "full":
-        by_mode["full"] = integrity.layer_hashes(a.model, mode="full", key=key)
-    hashes = encode_truth(by_mode)
+    hashes = env.verifier.layer_truth(a.model)
     a.timings["hash"] = _clock.perf() - t
+    a.basis = Basis.STORAGE
     return Stored(result.bytes, hashes)

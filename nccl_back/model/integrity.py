@@ -177,7 +177,8 @@ def layer_hashes(
 
 
 def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> None:
-    """Raise :class:`WeightVerificationError` unless ``actual`` equals ``expected``.
+    """Raise :class:`WeightVerificationError` (``bad``: the layers) unless ``actual``
+    equals ``expected``.
 
     The message names the mismatching, missing (expected only) and unexpected (actual
     only) layers: the first few of each and how many there are.
@@ -204,7 +205,7 @@ def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> None:
         unexpected=len(unexpected),
         first=(mismatching or missing or unexpected)[0],
     )
-    raise WeightVerificationError(message)
+    raise WeightVerificationError(message, set(mismatching) | set(missing) | set(unexpected))
 
 
 def _first(names: list[str]) -> str:

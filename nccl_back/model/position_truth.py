@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nccl_back.errors import WeightVerificationError
+from nccl_back.errors import NoPeerError, WeightVerificationError
 from nccl_back.model.layout import Layout, Padding
 from nccl_back.model.reshard_plan import offsets
 
@@ -102,22 +102,9 @@ def held_macs(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | 
     return out
 
 
-def merge(records: list[Macs]) -> Macs:
-    """One view of several publishers' MACs; :class:`WeightVerificationError` where two
-    storage-rooted records disagree on a position (one of them is not to be trusted)."""
-    out: Macs = {}
-    for rec in records:
-        for name, macs in rec.items():
-            have = out.setdefault(name, [None] * len(macs))
-            if len(have) != len(macs):
-                raise WeightVerificationError(f"truth for {name}: {len(macs)} positions, not {len(have)}")
-            for j, m in enumerate(macs):
-                if m is None:
-                    continue
-                if have[j] is not None and have[j] != m:
-                    raise WeightVerificationError(f"two truth records disagree on {name}[{j}]")
-                have[j] = m
-    return out
+class NoPositionTruth(NoPeerError):
+    """The truth at hand has no MAC for some position this worker holds: those bytes
+    cannot be checked (a reason to load elsewhere, not a sign of damage)."""
 
 
 def check(layout: Layout, tensors: Mapping[str, torch.Tensor], truth: Macs,
@@ -145,7 +132,8 @@ def compare(mine: Macs, truth: Macs) -> int:
                 bad.append(name)
                 break
     if bad:
-        raise WeightVerificationError(f"checkpoint positions differ in {len(bad)} tensors: {bad[:5]}")
+        raise WeightVerificationError(f"checkpoint positions differ in {len(bad)} tensors: {bad[:5]}",
+                                      set(bad))
     if missing:
-        raise WeightVerificationError(f"no truth for positions held of {missing[:5]}")
+        raise NoPositionTruth(f"no truth for positions held of {missing[:5]}")
     return checked

@@ -44,8 +44,17 @@ Box = tuple[tuple[int, int], ...]
 """Half-open ``(start, stop)`` per dim."""
 
 
+#: Cells one plan may cut the receiver's pieces into, and cell-by-piece tests it may
+#: make: real tensor-parallel plans need a few per piece; a hostile layout record (no
+#: secret needed without one) would otherwise cost minutes of a receiver's or a
+#: holder's time.
+MAX_CELLS = 1 << 15
+MAX_TESTS = 1 << 21
+
+
 class PlanError(SkeletonError):
-    """The holders' layouts do not hold every element the receiver's needs."""
+    """The holders' layouts do not hold every element the receiver's needs (or would
+    need more work than :data:`MAX_CELLS` allows to say which)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -142,23 +151,40 @@ def plan(receiver: Layout, holders: Sequence[Layout]) -> Plan:
         for key, pieces in _pieces(h, k).items():
             held.setdefault(key, []).extend(pieces)
     moves: list[Move] = []
+    work = _Work()
     for (source, dtype), wanted in sorted(_pieces(receiver, -1).items()):
         candidates = sorted(held.get((source, dtype), []), key=lambda h: h.order)
         itemsize = dtype_from_name(dtype).itemsize
         for want in wanted:
-            for owner, box in _cover(want, candidates):
+            for owner, box in _cover(want, candidates, work):
                 moves.append(Move(owner.order[0], want.tensor, _shifted(box, want.shift),
                                   owner.tensor, _shifted(box, owner.shift), itemsize))
     return Plan(tuple(sorted(moves)), receiver.digest, tuple(h.digest for h in holders))
 
 
-def _cover(want: _Held, candidates: list[_Held]) -> list[tuple[_Held, Box]]:
+class _Work:
+    """What one plan has spent of its bounds."""
+
+    def __init__(self) -> None:
+        self.cells = 0
+        self.tests = 0
+
+    def add(self, cells: int, candidates: int) -> None:
+        self.cells += cells
+        self.tests += cells * max(candidates, 1)
+        if self.cells > MAX_CELLS or self.tests > MAX_TESTS:
+            raise PlanError(f"the layouts cut the receiver into more than {MAX_CELLS} cells"
+                            f" ({MAX_TESTS} tests): no real layout does")
+
+
+def _cover(want: _Held, candidates: list[_Held], work: _Work) -> list[tuple[_Held, Box]]:
     """``want``'s box, cut into boxes each owned by one candidate containing it."""
     clipped = [(c, b) for c in candidates if (b := _clip(c.box, want.box)) is not None]
     cuts = []
     for i, (lo, hi) in enumerate(want.box):
         points = {lo, hi} | {p for _, b in clipped for p in b[i]}
         cuts.append(sorted(points))
+    work.add(math.prod(len(c) - 1 for c in cuts), len(clipped))
     spread = zlib.crc32(want.tensor.encode())
     owned: dict[int, list[Box]] = {}
     for n, cell in enumerate(itertools.product(*(zip(c, c[1:], strict=False) for c in cuts))):
@@ -180,29 +206,30 @@ def _inside(cell: Box, box: Box) -> bool:
 
 
 def _merge(cells: list[Box]) -> list[Box]:
-    """Join boxes that differ in one dim only, where they touch, until none do."""
+    """Join boxes that differ in one dim only, where they touch, until none do: a sweep
+    per dim (boxes equal in the other dims, in order along it), repeated until nothing
+    joins; O(n log n) per sweep, whatever the cells."""
     boxes = sorted(cells)
     changed = True
-    while changed:
+    while changed and boxes:
         changed = False
-        for i, j in itertools.combinations(range(len(boxes)), 2):
-            joined = _join(boxes[i], boxes[j])
-            if joined is not None:
-                boxes = sorted([b for n, b in enumerate(boxes) if n not in (i, j)] + [joined])
-                changed = True
-                break
+        for d in range(len(boxes[0])):
+            rows: dict[Box, list[tuple[int, int]]] = {}
+            for b in boxes:
+                rows.setdefault(b[:d] + b[d + 1:], []).append(b[d])
+            out: list[Box] = []
+            for rest, spans in rows.items():
+                spans.sort()
+                lo, hi = spans[0]
+                for a, z in spans[1:]:
+                    if a == hi:
+                        hi, changed = z, True
+                    else:
+                        out.append(rest[:d] + ((lo, hi),) + rest[d:])
+                        lo, hi = a, z
+                out.append(rest[:d] + ((lo, hi),) + rest[d:])
+            boxes = sorted(out)
     return boxes
-
-
-def _join(a: Box, b: Box) -> Box | None:
-    diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    if len(diff) != 1:
-        return None
-    i = diff[0]
-    if a[i][1] == b[i][0] or b[i][1] == a[i][0]:
-        return tuple((min(a[i][0], b[i][0]), max(a[i][1], b[i][1])) if n == i else a[n]
-                     for n in range(len(a)))
-    return None
 
 
 def _shifted(box: Box, shift: tuple[int, ...]) -> Box:

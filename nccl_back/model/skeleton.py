@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -333,27 +334,59 @@ def _real_parameter(meta: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     return new
 
 
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Within this block, every registered parameter is moved to the ``meta`` device.
+class _MetaPatch:
+    """``nn.Module.register_parameter`` patched while any thread builds a skeleton, acting
+    only in the threads that do: the patch is process-wide, and two builds that each
+    saved and restored "the original" could leave it patched for good (every module of
+    the process then made on ``meta``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.local = threading.local()
+        self.original = nn.Module.register_parameter
+
+    def register(self_: _MetaPatch, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        self_.original(module, name, param)
+        if getattr(self_.local, "depth", 0) and param is not None and param.device.type != "meta":
+            module._parameters[name] = _meta_parameter(param)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self.lock:
+            if self.users == 0:
+                self.original = nn.Module.register_parameter
+                patch = self.register
+
+                def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+                    patch(module, name, param)
+
+                nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+            self.users += 1
+        self.local.depth = getattr(self.local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self.local.depth -= 1
+            with self.lock:
+                self.users -= 1
+                if self.users == 0:
+                    nn.Module.register_parameter = self.original  # type: ignore[method-assign]
+
+
+_PATCH = _MetaPatch()
+
+
+def params_on_meta() -> contextlib.AbstractContextManager[None]:
+    """Within this block, every parameter this thread registers is moved to the ``meta``
+    device (other threads' modules are left alone).
 
     Constructors still run on the real device, so buffers they compute (``inv_freq``)
     are real; each parameter's real allocation is dropped as soon as it is registered,
     so building costs at most one parameter of device memory until :func:`consolidate`
     allocates the whole model once.
     """
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(self, name, param)
-        if param is not None and param.device.type != "meta":
-            self._parameters[name] = _meta_parameter(param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+    return _PATCH.active()
 
 
 def _meta_parameter(param: nn.Parameter) -> nn.Parameter:

@@ -44,6 +44,7 @@ from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.checkpoint import flat_skeleton
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import Model, build, manifest
 from nccl_back.model.storage import parse_uri
 from nccl_back.result import LoadResult
@@ -336,7 +337,8 @@ class Sidecar:
         if self.settings.key("integrity") is not None:
             return None
         try:
-            stored = self.service.registry.get_ground_truth(spec.version, 0, 1, manifest(model).digest)
+            stored = self.service.registry.get_ground_truth(spec.version, 0, 1, manifest(model).digest,
+                                                            SCHEME)
         except RegistryError as e:
             self._log.warning("ground_truth_unavailable", error=str(e))
             return None

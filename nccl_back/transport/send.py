@@ -27,7 +27,6 @@ import torch
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord import records
 from nccl_back.coord.auth import transfer_scope
 from nccl_back.coord.handshake import refuse, run_sender
 from nccl_back.coord.records import TransferRequest
@@ -84,10 +83,10 @@ def answer(
     """
     while not stop.is_set() and not (done is not None and done()):
         try:
-            raw = registry.pop_request(key, timeout=poll)
-            if raw is None or stop.is_set():  # popped while stopping: nobody serves it
+            request = registry.pop_request(key, timeout=poll)
+            if request is None or stop.is_set():  # popped while stopping: nobody serves it
                 continue
-            handle(records.request(raw))
+            handle(request)
         except RegistryError as e:
             log.warning(role.poll_failed, error=str(e))
             _clock.wait(stop, poll)

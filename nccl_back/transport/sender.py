@@ -19,7 +19,9 @@ sender frees the receiver's send slot itself: a crashed receiver does not keep i
 
 Requests come from Redis, so nothing in them is trusted: the registry hands over only
 requests that verify and parse (:mod:`.records`), at most ``QUEUE_PER_SLOT`` requests
-per send slot wait (more are dropped and counted), and the serve loop survives
+per send slot wait (and ``SHARED_SENDS`` per claim token that the ranks of one
+resharding group share; more are dropped and counted), a reshard plan is derived
+before the request takes a send turn, within the plan's work bound, and the serve loop survives
 anything a request or Redis does. With a secret, the transfer's bootstrap keys in
 Redis carry a token derived from it (:func:`.auth.transfer_scope`) and are signed
 (:mod:`.transport.store`). A send that makes no progress for ``stall_timeout`` (a
@@ -45,14 +47,15 @@ import torch
 
 from nccl_back import _clock
 from nccl_back.config import Settings
+from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.records import TransferRequest, to_label
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import RegistryError
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.layout import Layout, trivial_layout
-from nccl_back.model.position_truth import Macs
-from nccl_back.model.reshard_plan import PlanError, plan, sent
+from nccl_back.model.reshard_plan import Move, PlanError, plan, sent
+from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import Manifest, Model, model_device, named_tensors
 from nccl_back.transport import Rendezvous, open_rendezvous, resolve_kind
 from nccl_back.transport.pacing import Pacer
@@ -87,9 +90,14 @@ class _Held:
     the heartbeat when Redis lost it or holds an untrusted record in its place."""
     layout: Layout | None = None
     """Which pieces of the checkpoint it holds; None: every tensor whole."""
-    positions: Macs | None = None
-    """Its truth in checkpoint coordinates (a storage load's, or what a reshard
-    verified), kept in Redis by the heartbeat like ``truth``."""
+    positions: PositionTruth | None = None
+    """Its truth in checkpoint coordinates (what the Verifier lets it publish), kept
+    in Redis by the heartbeat like ``truth``."""
+    shared: dict[str, int] = field(default_factory=dict)
+    """Reshard requests queued or running, by the claim token their group shares."""
+    plans: dict[tuple[str, str, int], tuple[tuple[Move, ...] | str, str]] = field(default_factory=dict)
+    """Reshard moves (or why there are none) and the plan's digest (what the handshake
+    proves), by (receiver layout, group, holder index)."""
     sending: dict[str, int] = field(default_factory=dict)
     """Sends running, by claim token (the ranks of one receiving group share one)."""
     turns: threading.Condition = field(default_factory=threading.Condition)
@@ -183,18 +191,19 @@ class PeerServer:
     def publish(
         self, model: Model, man: Manifest, version: str, rank: int, world: int, *,
         source: str, log: Any, truth: dict[str, str] | None = None, model_name: str = "",
-        layout: Layout | None = None, positions: Macs | None = None,
+        layout: Layout | None = None, positions: PositionTruth | None = None,
     ) -> PeerInfo:
         """Publish ``model`` (loaded and verified) and start serving it.
 
         ``model_name`` labels the entry for operators (``status``), as do this host, this
         process and :attr:`engine`.
-        ``truth``: the ground-truth hashes it was loaded or verified with (stored form);
-        the heartbeat keeps them in Redis (re-published after Redis lost its data), so
-        receivers never find this peer with nothing to verify against.
+        ``truth`` (layer hashes, stored form), ``positions`` and ``layout``: the truth it
+        may publish (the Verifier decides); they are stored now and at every heartbeat
+        (re-published after Redis lost its data), before the entry, so receivers never
+        find this peer with nothing to verify against.
 
-        While Redis is unreachable the entry waits for the heartbeat, which publishes it
-        (and ``truth``) as soon as Redis answers. Raises :class:`NcclBackError` when the
+        While Redis is unreachable the entry and its truth wait for the heartbeat, which
+        publishes them as soon as Redis answers. Raises :class:`NcclBackError` when the
         rendezvous cannot be started.
         """
         device = model_device(model)
@@ -213,13 +222,6 @@ class PeerServer:
                 # Withdrawn (draining) while this load ran: hold the weights, serve nobody.
                 log.info("not_published_draining", peer=peer_id)
                 return info
-            try:
-                self.registry.publish_peer(info)
-            except RegistryError as e:
-                # Redis unreachable now (an outage, a failover): hold the entry anyway. The
-                # heartbeat publishes it, with its ground truth, once Redis answers, so
-                # workers that loaded during an outage still serve the fleet after it.
-                log.warning("publish_deferred", peer=peer_id, error=str(e))
             s = self.settings
             # Read at send time: the model may have moved since publication.
             sends = Sends(HOLDER, s, self.registry, self.metrics, self.pacer, rv, man.digest, kind,
@@ -229,6 +231,13 @@ class PeerServer:
                                             thread_name_prefix=f"nccl-back-send-{rank}"),
                          sends, truth=truth, layout=layout, positions=positions)
             self._held[peer_id] = held
+            try:
+                self._keep(held)
+            except Exception as e:
+                # Redis unreachable now (an outage, a failover): hold the entry anyway. The
+                # heartbeat publishes it, with its truth, once Redis answers, so workers
+                # that loaded during an outage still serve the fleet after it.
+                log.warning("publish_deferred", peer=peer_id, error=str(e))
         held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
         held.thread.start()
@@ -257,25 +266,36 @@ class PeerServer:
                     if self._stop.is_set():  # withdrawn meanwhile: never re-publish
                         return
                     try:
-                        self.registry.heartbeat(held.info, held.truth)
-                        if held.positions is not None:
-                            lay = held.layout or trivial_layout(held.manifest)
-                            self.registry.keep_positions(
-                                held.info.version, held.info.rank, held.info.world_size, lay,
-                                held.positions, store_layout=held.layout is not None)
+                        self._keep(held)
                     except Exception as e:  # whatever Redis holds, the next beat comes
                         self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=repr(e))
             self.metrics.set_claims(self.active_sends)
+
+    def _keep(self, held: _Held) -> None:
+        """Store (or refresh) everything this holder publishes: its truth first, then its
+        entry, then its truth in checkpoint coordinates and its layout."""
+        self.registry.heartbeat(held.info, SCHEME, held.truth)
+        if held.positions is not None or held.layout is not None:
+            lay = held.layout or trivial_layout(held.manifest)
+            self.registry.keep_positions(held.info.version, held.info.rank, held.info.world_size,
+                                         lay, held.positions, store_layout=held.layout is not None)
 
     def _serve_loop(self, held: _Held) -> None:
         bound = QUEUE_PER_SLOT * held.info.max_sends
         log = self._log.bind(peer=held.info.peer_id)
 
         def enqueue(request: TransferRequest) -> None:
+            token = _shared_token(request)
             with held.lock:
-                full = held.queued >= bound
+                if token is None:
+                    full = held.queued - sum(held.shared.values()) >= bound
+                else:  # the ranks of one group share a slot: up to SHARED_SENDS requests
+                    full = held.shared.get(token, 0) >= SHARED_SENDS or (
+                        token not in held.shared and len(held.shared) >= bound)
                 if not full:
                     held.queued += 1
+                    if token is not None:
+                        held.shared[token] = held.shared.get(token, 0) + 1
             if full:
                 self.metrics.record_request_dropped()
                 log.warning("request_dropped", queued=bound, receiver=request.receiver)
@@ -289,7 +309,11 @@ class PeerServer:
                              peer=request.receiver, transfer_id=request.transfer_id)
         # Only reshard requests (each a rank's share of the model) share a token's turn;
         # any other request, claimed or not, takes a turn of its own.
-        turn = request.claim if request.layout is not None and request.claim else request.transfer_id
+        token = _shared_token(request)
+        turn = token or request.transfer_id
+        # Derived before the turn: a costly plan (a hostile layout record) must not hold
+        # the send slot a genuine receiver waits for.
+        moves, digest = self._reshard_moves(held, request) if request.layout is not None else ((), "")
         self._admit(held, turn)
         with held.lock:
             held.active += 1
@@ -300,8 +324,11 @@ class PeerServer:
             if refusal is not None:
                 decline(self.registry, request, *refusal, log, HOLDER,
                         code=refusal[0], reason=refusal[1])
+            elif isinstance(moves, str):
+                decline(self.registry, request, "incompatible", moves, log, HOLDER,
+                        code="layout_mismatch")
             elif request.layout is not None:
-                ok = self._reshard(held, request, log)
+                ok = self._reshard(held, request, moves, digest, log)
             else:
                 ok = held.sends.serve(request, log) is not None
         finally:
@@ -314,6 +341,10 @@ class PeerServer:
             with held.lock:
                 held.active -= 1
                 held.queued -= 1
+                if token is not None:
+                    held.shared[token] -= 1
+                    if not held.shared[token]:
+                        del held.shared[token]
             self._leave(held, turn)
             self.metrics.set_claims(self.active_sends)
 
@@ -337,32 +368,44 @@ class PeerServer:
                 del held.sending[turn]
             held.turns.notify_all()
 
-    def _reshard(self, held: _Held, request: TransferRequest, log: Any) -> bool:
-        """Send the pieces a receiver of another layout needs from this holder: the plan
-        both ends derive from the receiver's layout and the holders' (records in Redis),
-        one byte tensor per move (:func:`~nccl_back.model.reshard_plan.sent`); its digest is proven in the handshake, so a receiver that
-        computed another plan is refused before any data moves."""
+    def _reshard_moves(self, held: _Held, request: TransferRequest
+                       ) -> tuple[tuple[Move, ...] | str, str]:
+        """This holder's moves for a receiver of another layout (the plan both ends
+        derive from the receiver's layout and the holders', records in Redis), or why
+        there are none; derived once per (receiver layout, group, holder index)."""
+        key = (request.layout or "", request.group or "", request.holder or 0)
+        got = held.plans.get(key)
+        if got is not None:
+            return got
         mine = held.layout if held.layout is not None else trivial_layout(held.manifest)
         reg = self.registry
         receiver = reg.get_layout(request.layout) if request.layout else None
         group = reg.get_group(request.group) if request.group else None
         k = request.holder
         if receiver is None or group is None or k is None or k >= len(group) or group[k] != mine.digest:
-            decline(reg, request, "incompatible", "reshard: unknown layouts, or not this holder's",
-                    log, HOLDER, code="layout_mismatch")
-            return False
+            return "reshard: unknown layouts, or not this holder's", ""
         holders = [mine if d == mine.digest else reg.get_layout(d) for d in group]
         try:
             if any(h is None for h in holders):
                 raise PlanError("a holder's layout is gone")
             p = plan(receiver, [h for h in holders if h is not None])
+            out: tuple[Move, ...] | str = p.for_holder(k)
+            digest = p.digest
         except PlanError as e:
-            decline(reg, request, "incompatible", f"reshard: {e}"[:200], log, HOLDER,
-                    code="layout_mismatch")
-            return False
-        moves = p.for_holder(k)
-        log.info("resharding", plan=p.digest[:12], bytes=p.nbytes(k))
-        return held.sends.serve(request, log, digest=p.digest,
+            out, digest = f"reshard: {e}"[:200], ""
+        if len(held.plans) >= 64:
+            held.plans.clear()  # receivers of a few layouts: a bound, not a policy
+        held.plans[key] = (out, digest)
+        return out, digest
+
+    def _reshard(self, held: _Held, request: TransferRequest, moves: tuple[Move, ...],
+                 digest: str, log: Any) -> bool:
+        """Send the pieces a receiver of another layout needs from this holder, one byte
+        tensor per move (:func:`~nccl_back.model.reshard_plan.sent`); the plan's digest is
+        proven in the handshake, so a receiver that computed another plan is refused
+        before any data moves."""
+        log.info("resharding", plan=digest[:12], bytes=sum(m.nbytes for m in moves))
+        return held.sends.serve(request, log, digest=digest,
                                 tensors=lambda: sent(moves, named_tensors(held.model)[0])
                                 ) is not None
 
@@ -382,3 +425,8 @@ class PeerServer:
                 f" this peer serves {info.transport}/{info.device}"
             )
         return None
+
+
+def _shared_token(request: TransferRequest) -> str | None:
+    """The claim token a reshard request shares with its group's other ranks, if any."""
+    return request.claim if request.layout is not None and request.claim else None

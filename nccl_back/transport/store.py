@@ -219,11 +219,15 @@ class RedisStore(dist.Store):
         # At most _MAX_STORED + 1 bytes, whatever is stored: a longer value is rejected
         # without ever being held in full.
         try:
-            stored = self._registry._call("GETRANGE", lambda: client.getrange(redis_key, 0, _MAX_STORED))
-        except UnicodeDecodeError:  # bytes no genuine writer produces (ours are ASCII)
-            stored = "\ufffd"
-        if not stored:
+            raw = self._registry._call("GETRANGE", lambda: client.getrange(redis_key, 0, _MAX_STORED))
+        except RegistryError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            raw = b"\xff"  # another Redis type: no genuine value
+        if not raw:
             return None
+        # Bytes no genuine writer produces (ours are ASCII) are rejected, never decoded.
+        stored = raw.decode("ascii") if isinstance(raw, bytes) and raw.isascii() else "\ufffd"
         value = self.decode(redis_key, stored)
         if value is None:
             with self._lock:

@@ -50,51 +50,45 @@ Registry (keys built by :class:`~nccl_back.coord.keys.Keys`)::
     ns:stream:{v}:{r}:{w}:{d}                 the downloader's member record; dropped
                                               when its load ends (TTL as a bound)
 
-A member record (JSON, parsed by :func:`parse_member`) names where to reach the
+A member record (JSON, parsed by :func:`nccl_back.coord.records.member`) names where to reach the
 member's relay endpoint: ``{"member_id", "address", "transport", "device"}``; the
 member answers relay requests pushed to ``ns:req:{member_id}`` with the usual
 liveness handshake.
 """
 
+from nccl_back.coord.records import Member
 from nccl_back.transport.relay.chain import Chain, Place, Stream, join, stream
-from nccl_back.transport.relay.receive import Cohorts, DamagedBytes, Link, Relayed, Replica, Sender
+from nccl_back.transport.relay.receive import Cohorts, DamagedBytes, Replica, Sender
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
-    DEVICES,
     LINGER,
     MAX_RELAY_SENDS,
     RELAY_HANDSHAKE,
     STREAM_SENDS,
     Fills,
     Held,
-    Member,
     Progress,
     Seat,
-    parse_member,
 )
 
 __all__ = [
     "Chain",
     "Cohorts",
-    "DEVICES",
     "DamagedBytes",
     "Fills",
     "Held",
     "LINGER",
-    "Link",
     "MAX_RELAY_SENDS",
     "Member",
     "Place",
     "Progress",
     "RELAY_HANDSHAKE",
     "RelayServer",
-    "Relayed",
     "Replica",
     "STREAM_SENDS",
     "Seat",
     "Sender",
     "Stream",
     "join",
-    "parse_member",
     "stream",
 ]

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from nccl_back.config import Settings
+from nccl_back.coord.records import Member
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import (
     RegistryError,
-    UntrustedRecordError,
 )
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
@@ -23,10 +23,8 @@ from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
     STREAM_SENDS,
     Fills,
-    Member,
     Progress,
     Seat,
-    parse_member,
 )
 
 log = get_logger(__name__)
@@ -57,18 +55,9 @@ class Chain:
         """
         if self.position == 0:
             return []
-        raws = self._registry.chain_members(self.seat.chain, 0, self.position - 1)
-        out: list[Member] = []
-        for raw in reversed(raws):
-            if raw is None:  # untrusted: the registry said why
-                continue
-            try:
-                m = parse_member(raw)
-            except UntrustedRecordError as e:
-                log.warning("cohort_member_skipped", chain=self.seat.chain, reason=str(e))
-                continue
-            if m.member_id not in self.failed and m.member_id != self.member.member_id:
-                out.append(m)
+        found = self._registry.chain_members(self.seat.chain, 0, self.position - 1)
+        out = [m for m in reversed(found) if m is not None  # None: untrusted, said why
+               and m.member_id not in self.failed and m.member_id != self.member.member_id]
         try:
             gone = self._registry.gone_members([m.member_id for m in out])
         except RegistryError:

@@ -2,10 +2,10 @@
 from, which upstream it receives from and re-attaching further up when one fails.
 
 The sending half is :mod:`.server` (a member's endpoint); seats and streams are
-announced by :mod:`.chain`. What a rank does with one source's bytes (the request,
-the handshake, the transfer into its tensors, verification) belongs to the load
-layer above: it hands :meth:`Cohorts.receive` a :class:`Link`, so the data plane
-never imports the load.
+announced by :mod:`.chain`. The relay only offers sources (:meth:`Cohorts.upstreams`):
+what a rank does with one (the request, the handshake, the transfer into its tensors,
+verification, blame) is the load layer's one source loop
+(:mod:`nccl_back.load.receive`).
 """
 
 from __future__ import annotations
@@ -17,26 +17,18 @@ from typing import Any, Protocol
 
 import torch
 
-from nccl_back import _clock
 from nccl_back.config import Settings
+from nccl_back.coord.records import Member
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import (
-    HandshakeTimeoutError,
-    IncompatiblePeerError,
     NcclBackError,
-    PeerError,
-    RegistryError,
-    UntrustedRecordError,
     WeightVerificationError,
-    fallback_reason,
 )
 from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous
 from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.relay.chain import Chain, Place, Stream, join, stream
 from nccl_back.transport.relay.server import RelayServer
-from nccl_back.transport.relay.state import RELAY_HANDSHAKE, Member, parse_member
-from nccl_back.transport.store import unreachable_reason
 
 
 class DamagedBytes(WeightVerificationError):
@@ -79,31 +71,6 @@ class Sender(Protocol):
     def rendezvous(self, kind: str, device: torch.device) -> Rendezvous: ...
 
 
-class Link(Protocol):
-    """How the receiving rank takes one transfer from one source (the load layer's)."""
-
-    def pull(self, source: str, kind: str, address: str, *, handshake_timeout: float,
-             deadline: float, stall: float) -> None:
-        """Request a transfer from ``source`` (resuming at the first step this rank lacks),
-        receive it and verify it: raises :class:`PeerError`, :class:`RegistryError` or
-        :class:`WeightVerificationError` (:class:`DamagedBytes` once sources are known)."""
-
-    def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
-        """Record a verification failure; returns the sources blamed for it."""
-
-
-@dataclass
-class Relayed:
-    """What one pass over a chain's upstreams gave."""
-
-    source: str | None = None
-    """The member (or stream) that served this rank; None: nobody could by the deadline."""
-    error: NcclBackError | None = None
-    """The last upstream failure, if any (the reason when nothing else serves us)."""
-    stream_failed: bool = False
-    """The stream feeding this rank failed it: never tried again, nor counted as a peer."""
-
-
 class Cohorts:
     """This worker's part in cohorts: the seats it takes, the streams it reads or opens,
     the relay endpoints it runs (closed with the worker)."""
@@ -133,13 +100,8 @@ class Cohorts:
         speaks our transport and has not failed us (cohorts only: it feeds a chain)."""
         if not self.enabled:
             return None
-        raw = self._registry.get_stream(*replica.key)
-        if raw is None:
-            return None
-        try:
-            m = parse_member(raw)
-        except UntrustedRecordError as e:
-            log.warning("stream_record_skipped", reason=str(e))
+        m = self._registry.get_stream(*replica.key)  # None: absent, or untrusted (said why)
+        if m is None:
             return None
         if (m.member_id in failed or m.member_id.startswith(self._worker_id + "-")
                 or not replica.speaks(m)):
@@ -172,71 +134,14 @@ class Cohorts:
         self._track(s.server)
         return s
 
-    def receive(self, chain: Chain, replica: Replica, fed_by: Member | None, link: Link,
-                budget: float | None, log: Any) -> Relayed:
-        """Receive from the nearest live member upstream of us (then the stream
-        ``fed_by``), re-attaching further up when one fails (resuming at the first step
-        we lack). ``source`` None: nobody is upstream of us (the head of a cohort that
-        no stream feeds), or none could serve us by the chain's deadline; the caller
-        then tries holders, from where we stopped."""
-        out = Relayed()
-        if chain.position == 0 and fed_by is None:
-            return out  # the head of a cohort without a stream: holders feed it
-        s = self.settings
-        deadline = _clock.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
-        if fed_by is not None:  # we may wait for the whole download, as in the election
-            deadline += s.single_flight_max_wait
-        deadline = min(deadline, budget if budget is not None else deadline)
-        # A chain fed by a download moves at storage's pace: a step may take a shard's
-        # download; a downloader that stops renewing its lease is given up on as long.
-        stall = (max(s.relay_stall_timeout, s.download_lease) if fed_by is not None
-                 else s.relay_stall_timeout)
-        while _clock.monotonic() < deadline:
-            try:
-                upstreams = chain.upstreams()
-            except RegistryError as e:
-                log.warning("cohort_read_failed", error=str(e))
-                return out
-            if fed_by is not None and fed_by.member_id not in chain.failed:
-                upstreams.append(fed_by)  # the cohort's source, or past every member
-            if not upstreams:
-                return out
-            member = upstreams[0]
-            try:
-                if not replica.speaks(member):
-                    raise IncompatiblePeerError(
-                        f"cohort member {member.member_id} speaks {member.transport} on {member.device}")
-                why = unreachable_reason(s, member.address)
-                if why is not None:  # not worth a handshake: try the next one now
-                    raise IncompatiblePeerError(f"cohort member {member.member_id}: {why}")
-                link.pull(member.member_id, member.transport, member.address,
-                          handshake_timeout=min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
-                                                max(deadline - _clock.monotonic(), 0.001)),
-                          deadline=deadline, stall=stall)
-                out.source = member.member_id
-                return out
-            except WeightVerificationError as e:
-                # Whoever sent the failing steps is never asked again and what it sent
-                # is gone: the next upstream (or a holder) sends it again.
-                blamed = link.blame(e, member.member_id)
-                chain.failed.update(blamed)
-                if fed_by is not None and fed_by.member_id in blamed:
-                    out.stream_failed = True
-                out.error = e.error if isinstance(e, DamagedBytes) else e
-            except PeerError as e:
-                chain.failed.add(member.member_id)
-                out.error = e
-                if fed_by is not None and member.member_id == fed_by.member_id:
-                    out.stream_failed = True
-                if isinstance(e, HandshakeTimeoutError):
-                    self._metrics.record_handshake_timeout()
-                log.warning("relay_upstream_failed", peer=member.member_id,
-                            held_steps=chain.progress.done, reason=fallback_reason(e),
-                            error=str(e))
-            except RegistryError as e:
-                log.warning("relay_upstream_failed", peer=member.member_id, error=str(e))
-                return out
-        return out
+    def upstreams(self, chain: Chain, fed_by: Member | None) -> list[Member]:
+        """The sources this rank's seat offers, best first: the members before it that
+        have not failed it (nearest first, stopped ones skipped), then the stream
+        ``fed_by`` that feeds the cohort. The load layer tries them (and blames)."""
+        upstreams = chain.upstreams()
+        if fed_by is not None and fed_by.member_id not in chain.failed:
+            upstreams.append(fed_by)  # the cohort's source, or past every member
+        return upstreams
 
     def _place(self, replica: Replica, log: Any) -> Place:
         """Where this rank's relay endpoints live (raises if the rendezvous fails)."""

@@ -15,13 +15,13 @@ import torch
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord.records import TransferRequest
+from nccl_back.coord.records import Member, TransferRequest
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import RegistryError
 from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay.state import LINGER, MAX_RELAY_SENDS, Member, Progress
+from nccl_back.transport.relay.state import LINGER, MAX_RELAY_SENDS, Progress
 from nccl_back.transport.send import RELAY, Sends, answer, decline
 
 

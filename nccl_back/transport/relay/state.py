@@ -5,10 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from nccl_back import _clock
-from nccl_back.coord import records
 from nccl_back.errors import (
     TransferError,
     TransferTimeoutError,
@@ -33,35 +31,6 @@ MAX_RELAY_SENDS = 2
 #: while it downloads (waiters arriving more than ``cohort_window`` apart), plus
 #: re-attaching members. Its worker's ``max_send_gbps`` is shared by all of them.
 STREAM_SENDS = 4
-DEVICES = ("cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One cohort member's relay endpoint."""
-
-    member_id: str
-    address: str
-    transport: str
-    device: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"member_id": self.member_id, "address": self.address,
-                "transport": self.transport, "device": self.device}
-
-
-def parse_member(data: dict[str, Any] | str | bytes | None) -> Member:
-    """A member record (as verified by the registry, or raw JSON);
-    :class:`UntrustedRecordError` if it is not one."""
-    what = "cohort member"
-    if not isinstance(data, dict):
-        data = records.load(data, what)
-    return Member(
-        member_id=records.ident(data, "member_id", what),
-        address=records.address(data, "address", what),
-        transport=records.choice(data, "transport", what, records.TRANSPORTS),
-        device=records.choice(data, "device", what, DEVICES),
-    )
 
 
 @dataclass(frozen=True)

@@ -302,7 +302,7 @@ def corrupt(client: redis.Redis, key: str, kind: schema.KeyKind, how: str,
     if how == "bad_sig":
         bad = json.dumps({**record, "sig": "0" * 64}).encode()
     elif how == "garbage":
-        bad = "\x00{not json".encode() + b"[" * 64
+        bad = b"\x00{not json" + b"[" * 64
     elif how == "raw_bytes":  # not UTF-8: a client decoding replies would raise on it
         bad = b"\xff\xfe\xfa{\"sig\": \xc3\x28}" + bytes(range(128, 256))
     elif how == "oversized":

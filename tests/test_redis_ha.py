@@ -23,8 +23,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from stored import stored_json
 
 from nccl_back.config import Settings
-from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.election import DownloadLease
+from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.dev.redis_ha import LocalSentinel, TLSTerminator
 from nccl_back.dev.servers import LocalRedis, LocalRedisCluster

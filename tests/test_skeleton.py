@@ -186,9 +186,9 @@ def test_skeletons_built_in_threads_at_once_leave_other_modules_real() -> None:
     thread's parameters on meta: a module made afterwards, or beside them, is real."""
     import threading
 
-    from models import TinyTransformer
-
     from nccl_back.model.skeleton import build
+
+    from models import TinyTransformer
 
     original = torch.nn.Module.register_parameter
     stop = threading.Event()

@@ -177,11 +177,11 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
                            f" {record.version[:12]}, its content is {spec.version[:12]}")
         if not service.registry.find_peers(spec.version, 0, 1):
             return Fetched(False, f"no live peer holds the set for key {key.lookup[:12]}")
+        artifacts.check_destination(root)  # install would refuse it; and what is "here" is not ours
         local = [u for u in man.units if os.path.lexists(os.path.join(root, u))]
         if local and len(local) == len(man.units):  # nothing to receive (a local cache wins)
             return Fetched(False, f"every unit of the set for key {key.lookup[:12]} is"
                            " already here", kept=local)
-        artifacts.check_destination(root)  # before the transfer: install would refuse it
         model = _holder(man.nbytes)
         result = service.load(model, spec)
         data: torch.Tensor = model.data  # type: ignore[assignment,union-attr]

@@ -227,3 +227,22 @@ def test_a_stalled_headers_fetch_is_waited_for_within_its_bound(
         time.sleep(0.1)
     assert not cc._IN_FLIGHT and time.monotonic() - began < 15
     assert not header_dir.exists() or list(header_dir.iterdir()) == []
+
+
+def test_a_bad_setting_is_a_miss_not_an_exception(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """A setting from the environment that does not parse: the block still runs, and
+    its result is a miss naming the error (a compile never fails for its cache)."""
+    monkeypatch.setenv("NCCL_BACK_NAMESPACE", "no spaces allowed")
+    ran = []
+    with compile_cache("f", cache_dir=str(tmp_path / "cache")) as got:
+        ran.append(True)
+    assert ran and not got.ok
+    assert got.reason.startswith("compile caches skipped: ConfigError: namespace="), got.reason
+
+
+def test_an_exception_of_the_block_itself_passes(tmp_path: Path) -> None:
+    """The block's own exception reaches the caller unchanged (nothing is published)."""
+    s = Settings(redis_url="redis://127.0.0.1:9/0", secret=None)
+    with pytest.raises(ZeroDivisionError), compile_cache("f", s, cache_dir=str(tmp_path / "c")):
+        _ = 1 / 0

@@ -199,10 +199,6 @@ def set_digest(key: bytes, units: Sequence[str], files: Sequence[ArtifactFile],
     return mac.hexdigest()
 
 
-class _TooLarge(ArtifactError):
-    pass
-
-
 class _Collector:
     """Appends the trusted files of units to one listing and one byte string."""
 
@@ -212,7 +208,7 @@ class _Collector:
         self.data = bytearray()
 
     def _too_large(self) -> Exception:
-        return _TooLarge(f"artifact set under {self.root}: more than"
+        return ArtifactError(f"artifact set under {self.root}: more than"
                          f" max_artifact_bytes={self.max_bytes}")
 
     def file(self, parent: int, name: str, rel: str) -> None:

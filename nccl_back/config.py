@@ -224,6 +224,13 @@ class Settings:
     max_artifact_bytes: int = 1 << 30
     """Largest artifact set (compile caches) published or accepted, in bytes."""
 
+    artifact_wait: float = 60.0
+    """Seconds, counted from its start, that anything waits on a background fetch of
+    compile caches (the precompiled headers): inductor, before it builds a header itself
+    (in total, however many headers it looks for), and the engine, for the fetch's
+    outcome before it decides what to publish; past it the fetch is a miss ("timed out")
+    and its transfer is given up (its peer budget)."""
+
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
     a file that holds it), separate from the Redis password; at least 16 bytes. It signs
@@ -279,6 +286,7 @@ class Settings:
             "cohort_window",
             "relay_stall_timeout",
             "stall_timeout",
+            "artifact_wait",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:

@@ -140,6 +140,13 @@ class ArtifactError(NcclBackError):
     is written to the cache directory."""
 
 
+class UntrustedPathError(ArtifactError):
+    """A compile-cache directory or file another local user could have written (owned by
+    another uid, writable by group or others, a symlink, a hard link, changed while it
+    was read; :mod:`nccl_back.model.trusted_tree`): nothing under it is published, and
+    nothing is installed into it."""
+
+
 class AttachError(NcclBackError):
     """A local hand-off from a sidecar was refused or failed (version/manifest mismatch, I/O)."""
 

@@ -4,12 +4,14 @@ cache hits and misses), then with ``hold`` serves until its stdin closes.
 
 ``python tests/compile_cache_worker.py CONFIG_JSON`` (``settings``, ``name``, ``hold``);
 ``TORCHINDUCTOR_CACHE_DIR`` chooses its cache directory, ``TMPDIR`` where inductor's
-precompiled headers are.
+precompiled headers are (and the cache directory, without it). The report also holds
+both directories and the library's warnings.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -18,7 +20,16 @@ from torch._dynamo.utils import counters
 
 import nccl_back
 from nccl_back.config import Settings
-from nccl_back.load.compile_cache import header_units, headers_dir
+from nccl_back.load.compile_cache import header_units, headers_dir, inductor_cache_dir
+
+
+class Noted(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def f(x: torch.Tensor) -> torch.Tensor:
@@ -27,6 +38,8 @@ def f(x: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     cfg = json.loads(sys.argv[1])
+    noted = Noted()
+    logging.getLogger("nccl_back").addHandler(noted)
     compiled = torch.compile(f)
     with nccl_back.compile_cache(cfg["name"], Settings(**cfg["settings"])) as got:
         out = compiled(torch.ones(8, 8))
@@ -37,7 +50,8 @@ def main() -> int:
     print(json.dumps({"ok": got.ok, "reason": got.reason, "sum": float(out.sum()),
                       "hits": counters["inductor"]["fxgraph_cache_hit"],
                       "misses": counters["inductor"]["fxgraph_cache_miss"],
-                      "headers": headers}), flush=True)
+                      "headers": headers, "cache_dir": inductor_cache_dir(),
+                      "headers_dir": headers_dir(), "warnings": noted.lines}), flush=True)
     if cfg.get("hold"):
         sys.stdin.read()
     return 0

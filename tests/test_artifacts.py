@@ -195,7 +195,7 @@ def test_a_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
     dst.mkdir()
     outside.mkdir()
     (dst / "torch_compile_cache").symlink_to(outside)
-    with pytest.raises(ArtifactError, match="leaves .* through a symlink"):
+    with pytest.raises(ArtifactError, match="torch_compile_cache: a symlink .*not installed"):
         install(str(dst), man, data, KEY)
     assert list(outside.iterdir()) == []
     deep = ArtifactManifest(("torch_compile_cache/torch_aot_compile/h",),
@@ -203,7 +203,7 @@ def test_a_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
                             set_digest(KEY, ["torch_compile_cache/torch_aot_compile/h"],
                                        [ArtifactFile("torch_compile_cache/torch_aot_compile/h/k.so", 1)],
                                        b"x"))
-    with pytest.raises(ArtifactError, match="through a symlink"):  # no directory made out there
+    with pytest.raises(ArtifactError, match="a symlink"):  # no directory made out there
         install(str(dst), deep, b"x", KEY)
     assert list(outside.iterdir()) == []
 
@@ -235,11 +235,11 @@ def test_a_failed_install_leaves_no_partial_unit(tmp_path: Path) -> None:
     real_write = artifacts._write
     calls = []
 
-    def failing(path: str, blob: memoryview) -> None:
-        calls.append(path)
+    def failing(parent: int, name: str, blob: memoryview) -> None:
+        calls.append(name)
         if len(calls) == 2:
             raise OSError("disk full")
-        real_write(path, blob)
+        real_write(parent, name, blob)
 
     artifacts._write = failing  # type: ignore[assignment]
     try:

@@ -145,3 +145,21 @@ def test_a_holder_killed_mid_transfer_leaves_no_partial_cache(
     assert out and not out[0].ok and "Transfer" in out[0].reason, out
     assert not dst.exists() or files_under(dst) == {}
     assert not dst.exists() or not any(p.name.startswith(".nccl_back") for p in dst.rglob("*"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+def test_a_planted_kernel_never_reaches_another_process(redis_url: str, namespace: str,
+                                                        tmp_path: Path, holders: Holders) -> None:
+    """A holder whose cache has a kernel another user owns publishes that unit not at all;
+    a receiving process installs the other units, and nothing of the planted one."""
+    src, dst = tmp_path / "a", tmp_path / "b"
+    units = make_cache(src)
+    kernel = src / "torch_compile_cache" / "abc123" / "rank_0_0" / "inductor_cache" / "eb" / "kernel.so"
+    kernel.write_bytes(b"planted")
+    os.chown(kernel, 65534, 65534)
+    s = base_settings(redis_url, namespace)
+    holders.start(s, src, units)
+    got = flow.fetch(Settings(**s), flow.CacheKey(FACTORS, SCOPE), str(dst))
+    assert got.ok, got.reason
+    assert got.installed == ["modelinfos/llama.json"]
+    assert files_under(dst) == {"modelinfos/llama.json": b"{}"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from nccl_back import bounded_json
 from nccl_back.errors import CheckpointFormatError, NcclBackError
 from nccl_back.model import safetensors_format as fmt
+from nccl_back.model.checkpoint import parse_header
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.index import parse_index
 
@@ -110,6 +112,33 @@ def test_a_header_is_a_record_or_a_format_error(data: bytes) -> None:
         fmt.parse(blob, "soup.safetensors", len(blob))
     except CheckpointFormatError as e:
         assert str(e).startswith("soup.safetensors: ")
+
+
+@PROPS
+@given(shape=st.lists(st.integers(0, 9), max_size=4), skew=st.sampled_from([0, 0, 0, -1, 1]))
+def test_an_fp4_header_is_torch_shaped_or_refused_with_its_reason(shape: list[int], skew: int) -> None:
+    """Any F4 shape and byte count: a record whose torch shape is the header's with the last
+    dimension halved (float4_e2m1fn_x2 packs two), or a CheckpointFormatError naming the
+    file and why: a half byte, a size the shape does not give, an odd last dimension (when
+    the tensor is used: the header itself is valid, as for the reference)."""
+    numel = math.prod(shape)
+    nbytes = max(0, numel // 2 + skew)
+    header = json.dumps({"w": {"dtype": "F4", "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    blob = struct.pack("<Q", len(header)) + header + bytes(nbytes)
+    try:
+        info = parse_header(blob, "fp4.safetensors", len(blob)).tensors["w"]
+    except CheckpointFormatError as e:
+        assert str(e).startswith("fp4.safetensors: ")
+        assert numel % 2 or nbytes != numel // 2, e
+        return
+    assert numel % 2 == 0 and nbytes == numel // 2
+    if not shape or shape[-1] % 2:
+        with pytest.raises(CheckpointFormatError, match="fp4.safetensors: tensor 'w' has dtype F4:"
+                                                        " its last dimension must be a multiple of 2"):
+            _ = info.dtype
+        return
+    assert str(info.dtype) == "torch.float4_e2m1fn_x2"
+    assert info.shape == (*shape[:-1], shape[-1] // 2) and info.nbytes == nbytes
 
 
 _FILE_NAMES = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -329,12 +330,14 @@ def test_zero_element_tensors_of_one_shape_are_not_tied(tmp_path: Path, shape: l
     assert result.bytes == 4
 
 
-@pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2"])
-def test_a_dtype_torch_cannot_hold_is_refused_by_tensor_name(tmp_path: Path, dtype: str) -> None:
-    """A valid file with a sub-byte dtype torch has no element type for: the skeleton
-    build refuses it naming the file, the tensor and the dtype."""
-    header = {"w": {"dtype": dtype, "shape": [8], "data_offsets": [0, 8 * (4 if dtype == "F4" else 6) // 8]}}
-    nbytes = header["w"]["data_offsets"][1]
+@pytest.mark.parametrize("dtype,shape", [("F6_E2M3", [8]), ("F6_E3M2", [8]), ("F4", [4, 3])])
+def test_a_dtype_torch_cannot_hold_is_refused_by_tensor_name(tmp_path: Path, dtype: str,
+                                                             shape: list[int]) -> None:
+    """A valid file with a sub-byte dtype torch has no element type for (F6), or an F4
+    tensor whose odd last dimension torch's packed pairs cannot hold: the skeleton build
+    refuses it naming the file, the tensor and the dtype."""
+    nbytes = math.prod(shape) * (4 if dtype == "F4" else 6) // 8
+    header = {"w": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}
     spec = _one_shard(tmp_path / "ckpt", json.dumps(header).encode(), bytes(nbytes))
     with pytest.raises(CheckpointFormatError, match=rf"model\.safetensors: tensor 'w' has dtype {dtype}"):
         flat_skeleton(spec)

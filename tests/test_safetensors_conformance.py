@@ -8,6 +8,11 @@ names; lone surrogates; whitespace around the JSON; deep nesting in an ignored f
 wrong length field; bytes missing or left over). For each, both parsers run: the same
 verdict, and for an accepted file the same tensors (name, dtype, shape) and metadata.
 A refusal of ours is a CheckpointFormatError naming the file.
+
+Then torch's view, against ``safetensors.torch.load_file``: generated files of every
+dtype torch holds (FP4 ``F4`` often, with odd and even last dimensions) are loaded by
+nccl_back's storage loader into a skeleton built from their headers; the same verdict,
+and for a loaded file the same names, dtypes, shapes and bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import tempfile
 import tracemalloc
@@ -23,13 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from nccl_back.errors import CheckpointFormatError
 from nccl_back.model import safetensors_format as fmt
-from nccl_back.model.checkpoint import DTYPES, parse_header
+from nccl_back.model.checkpoint import DTYPES, PACKED, flat_skeleton, parse_header
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.loader import load_from_storage
+from nccl_back.model.skeleton import manifest, named_tensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -274,6 +285,8 @@ FIXED = {
     "header-longer-than-file": _file("{}", length=3),
     "f4-even": _file('{"a":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}', b"xx"),
     "f4-odd": _file('{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}', b"xx"),
+    "f4-odd-last-dim": _file('{"a":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]}}', b"xxx"),
+    "f4-scalar": _file('{"a":{"dtype":"F4","shape":[],"data_offsets":[0,0]}}'),
     "f6": _file('{"a":{"dtype":"F6_E2M3","shape":[4],"data_offsets":[0,3]}}', b"xxx"),
     "c64": _file('{"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}', bytes(8)),
     "order-reversed": _file('{"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},'
@@ -310,17 +323,124 @@ def test_the_header_size_limit_is_the_references() -> None:
 
 @pytest.mark.parametrize("dtype", sorted(fmt.DTYPE_BITS))
 def test_every_reference_dtype_parses_and_maps_or_is_refused_by_name(dtype: str) -> None:
-    """Every dtype the reference knows parses; one torch has no element type for (F4,
-    F6_*) is refused when its tensor is used, naming the tensor and the dtype."""
+    """Every dtype the reference knows parses and maps to torch's, F4 as float4_e2m1fn_x2
+    with its last dimension halved; one torch has no element type for (F6_*) is refused
+    when its tensor is used, naming the tensor and the dtype."""
     bits = fmt.DTYPE_BITS[dtype]
     blob = _file(f'{{"w":{{"dtype":"{dtype}","shape":[8],"data_offsets":[0,{bits}]}}}}', bytes(bits))
     info = parse_header(blob, "x.safetensors", len(blob)).tensors["w"]
     if dtype in DTYPES:
-        assert info.dtype.itemsize * 8 == bits
+        per = PACKED.get(dtype, 1)
+        assert info.dtype.itemsize * 8 == bits * per and info.shape == (8 // per,)
     else:
-        assert dtype in ("F4", "F6_E2M3", "F6_E3M2")
+        assert dtype in ("F6_E2M3", "F6_E3M2")
         with pytest.raises(CheckpointFormatError, match=rf"x\.safetensors: tensor 'w' has dtype {dtype}"):
             _ = info.dtype
+
+
+@pytest.mark.parametrize("shape", [[2, 3], [0, 3], [5]])
+def test_an_fp4_tensor_with_an_odd_last_dimension_is_refused_by_name(shape: list[int]) -> None:
+    """An F4 header whose last dimension is odd is a valid header with no torch shape (the
+    reference's load_file refuses it too): refused when used, naming tensor and shape."""
+    nbytes = math.prod(shape) // 2
+    blob = _file(f'{{"w":{{"dtype":"F4","shape":{shape},"data_offsets":[0,{nbytes}]}}}}', bytes(nbytes))
+    if math.prod(shape) % 2:  # a half byte: the format itself refuses it
+        with pytest.raises(CheckpointFormatError, match="not a whole number of bytes"):
+            parse_header(blob, "x.safetensors", len(blob))
+        return
+    info = parse_header(blob, "x.safetensors", len(blob)).tensors["w"]
+    with pytest.raises(CheckpointFormatError,
+                       match=r"x\.safetensors: tensor 'w' has dtype F4: its last dimension must be"
+                             r" a multiple of 2 .*got shape " + re.escape(str(shape))):
+        _ = info.dtype
+
+
+# ------------------------------------------------------------------- torch's view: load_file
+
+#: F4 half the time, else any dtype torch holds.
+_TORCH_DTYPES = st.one_of(st.just("F4"), st.sampled_from(sorted(DTYPES)))
+
+
+@st.composite
+def torch_files(draw: st.DrawFn) -> bytes:
+    header, data = {}, b""
+    for i in range(draw(st.integers(1, 4))):
+        dtype = draw(_TORCH_DTYPES)
+        shape = draw(st.lists(st.integers(0, 5), max_size=3))
+        bits = math.prod(shape) * fmt.DTYPE_BITS[dtype]
+        blob = draw(st.binary(min_size=bits // 8, max_size=bits // 8))  # a half byte: invalid
+        header[f"w{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(blob)]}
+        data += blob
+    return _file(json.dumps(header), data)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _loaded_by_reference(path: str) -> dict[str, tuple[str, tuple[int, ...], bytes]] | None:
+    try:
+        loaded = load_file(path)
+    except Exception:  # SafetensorError, and builtins for some refusals
+        return None
+    return {n: (str(t.dtype), tuple(t.shape), _raw(t)) for n, t in loaded.items()}
+
+
+def _loaded_by_us(directory: str) -> dict[str, tuple[str, tuple[int, ...], bytes]] | None:
+    path = os.path.join(directory, "model.safetensors")
+    try:
+        spec = ModelSpec.from_dir(directory, cache_dir=os.path.join(directory, "cache"))
+        skeleton = flat_skeleton(spec)
+        load_from_storage(skeleton, spec)
+    except CheckpointFormatError as e:
+        assert path in str(e), str(e)
+        return None
+    tensors, _ = named_tensors(skeleton)
+    assert [e.dtype for e in manifest(skeleton).entries] == [
+        str(tensors[e.name].dtype).removeprefix("torch.") for e in manifest(skeleton).entries]
+    return {n: (str(t.dtype), tuple(t.shape), _raw(t)) for n, t in tensors.items()}
+
+
+@settings(max_examples=120, deadline=None)
+@given(torch_files())
+@example(_file('{"w":{"dtype":"F4","shape":[3,8],"data_offsets":[0,12]}}', bytes(range(12))))
+@example(_file('{"w":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]}}', b"abc"))
+@example(_file('{"w":{"dtype":"F4","shape":[0,3],"data_offsets":[0,0]}}'))
+@example(_file('{"w":{"dtype":"F4","shape":[4,0],"data_offsets":[0,0]}}'))
+def test_we_load_exactly_what_load_file_loads(blob: bytes) -> None:
+    """Generated files (FP4 among every dtype torch holds): loaded by our storage loader
+    into a skeleton built from the headers, the same verdict as ``load_file`` and, for a
+    loaded file, the same names, dtypes, shapes and bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "model.safetensors").write_bytes(blob)
+        Path(tmp, "config.json").write_text("{}")
+        theirs = _loaded_by_reference(os.path.join(tmp, "model.safetensors"))
+        ours = _loaded_by_us(tmp)
+    assert ours == theirs, (blob[:300], ours, theirs)
+
+
+def test_an_fp4_checkpoint_saved_by_safetensors_loads_byte_for_byte(tmp_path: Path) -> None:
+    """A checkpoint saved by ``safetensors.torch.save_file`` with float4_e2m1fn_x2 tensors
+    loads into a skeleton of that dtype (built from the headers, or the user's own) with
+    load_file's shapes and bytes."""
+    g = torch.Generator().manual_seed(0)
+    saved = {"w": torch.randint(0, 256, (3, 4), dtype=torch.uint8, generator=g).view(torch.float4_e2m1fn_x2),
+             "scale": torch.rand(3, generator=g).to(torch.float8_e4m3fn)}
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    reference = load_file(str(tmp_path / "model.safetensors"))
+    assert tuple(reference["w"].shape) == (3, 4)
+    spec = ModelSpec.from_dir(str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    built = flat_skeleton(spec)
+    assert {e.name: (e.shape, e.dtype) for e in manifest(built).entries}["w"] == ((3, 4), "float4_e2m1fn_x2")
+    own = torch.nn.Module()
+    own.register_buffer("w", torch.empty(3, 4, dtype=torch.float4_e2m1fn_x2))
+    own.register_buffer("scale", torch.empty(3, dtype=torch.float8_e4m3fn))
+    for model in (built, own):
+        assert load_from_storage(model, spec).bytes == 12 + 3
+        got, _ = named_tensors(model)
+        assert {n: (t.dtype, tuple(t.shape), _raw(t)) for n, t in got.items()} == \
+            {n: (t.dtype, tuple(t.shape), _raw(t)) for n, t in reference.items()}
 
 
 @pytest.mark.parametrize("kind", ["string", "escapes", "tensors"])

@@ -190,7 +190,10 @@ def early_modelinfos(log: logging.Logger) -> None:
     if not settings.compile_caches:
         return
     global early_outcome
-    got = artifacts.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
+    try:
+        got = artifacts.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
+    except Exception as e:  # never breaks vLLM's start
+        got = artifacts.Fetched(False, repr(e)[:500])
     early_outcome = f"from peer {got.peer}: {got.installed}" if got.ok else f"missed: {got.reason}"
     if got.ok:
         log.info("nccl_back: model infos from peer %s in %.3f s: %s", got.peer, got.seconds,
@@ -231,7 +234,16 @@ def after_warm_up(vllm_config: VllmConfig, callback: Callable[[], None]) -> None
 def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.Logger,
           engine: str) -> None:
     """During the weight load (before warm-up): fetch a peer's caches for this engine's
-    key; after warm-up, publish this engine's own unless vLLM used the received ones."""
+    key; after warm-up, publish this engine's own unless vLLM used the received ones.
+    Never raises: the weights travel whatever happens to the caches."""
+    try:
+        _share(settings, vllm_config, scope, log, engine)
+    except Exception as e:
+        log.warning("nccl_back: compile caches not shared (%r)", e)
+
+
+def _share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.Logger,
+           engine: str) -> None:
     if not settings.compile_caches or vllm_config.parallel_config.rank != 0:
         return
     why = why_not_shared(vllm_config)
@@ -265,16 +277,24 @@ def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.
         if got.ok:
             log.info("nccl_back: precompiled headers from peer %s: %.1f MB in %.3f s",
                      got.peer, got.bytes / 1e6, got.seconds)
+        else:
+            log.info("nccl_back: no precompiled headers from peers (%s)", got.reason)
 
     headers = fetch_headers(settings, key, engine=engine, on_done=fetched)
 
     def publish() -> None:
         found = cache_units(root) if inductor else units(vllm_config, root)
         own = not (found and any(u in received for u in found))  # else vLLM used the received set
-        have = headers()
+        have = headers.result()  # artifact_wait after the fetch began at most
         used = [] if have.ok or have.kept else header_units()
         # In the background: collecting and hashing must not delay readiness.
         def run() -> None:
+            try:
+                publish_now()
+            except Exception as e:  # a publishing failure is a line in the log
+                log.warning("nccl_back: compile caches not published (%r)", e)
+
+        def publish_now() -> None:
             if own:
                 what = artifacts.publish(settings, key, root, found, engine=engine)
                 log.info("nccl_back: compile caches %s", what)

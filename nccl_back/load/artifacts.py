@@ -38,7 +38,7 @@ from torch import nn
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.artifacts import ArtifactSetRecord
-from nccl_back.errors import ArtifactError, NcclBackError
+from nccl_back.errors import ArtifactError, NcclBackError, UntrustedPathError
 from nccl_back.load.service import WeightService
 from nccl_back.log import get_logger
 from nccl_back.model import artifacts
@@ -177,6 +177,7 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
                            f" {record.version[:12]}, its content is {spec.version[:12]}")
         if not service.registry.find_peers(spec.version, 0, 1):
             return Fetched(False, f"no live peer holds the set for key {key.lookup[:12]}")
+        artifacts.check_destination(root)  # install would refuse it; and what is "here" is not ours
         local = [u for u in man.units if os.path.lexists(os.path.join(root, u))]
         if local and len(local) == len(man.units):  # nothing to receive (a local cache wins)
             return Fetched(False, f"every unit of the set for key {key.lookup[:12]} is"
@@ -190,6 +191,9 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
             served = True
         return Fetched(True, installed=done.installed, kept=done.kept, bytes=man.nbytes,
                        seconds=_clock.perf() - start, peer=result.peer_id)
+    except UntrustedPathError as e:
+        log.warning("artifact_install_refused", root=root, key=key.lookup[:12], reason=str(e))
+        return Fetched(False, f"not installed: {e}"[:500])
     except NcclBackError as e:
         return Fetched(False, f"{type(e).__name__}: {e}"[:500])
     except OSError as e:
@@ -210,12 +214,19 @@ def publish(settings: Settings, key: CacheKey, root: str, units: Sequence[str], 
         return "not published: no fleet secret"
     secret = settings.key("artifacts")
     assert secret is not None
+    refused: list[str] = []
     try:
-        man, data = artifacts.collect(root, units, secret, settings.max_artifact_bytes)
+        man, data = artifacts.collect(root, units, secret, settings.max_artifact_bytes,
+                                      refused=refused)
+    except UntrustedPathError as e:
+        log.warning("artifact_set_refused", root=root, key=key.lookup[:12], reason=str(e))
+        return f"not published: {e}"
     except ArtifactError as e:
         return f"not published: {e}"
+    left_out = (f"; left out {len(refused)} unit(s) another user could have written:"
+                f" {'; '.join(refused[:3])}" if refused else "")
     if man.nbytes == 0:
-        return f"not published: nothing under {root} for {list(units)[:3]}"
+        return f"not published: nothing under {root} for {list(units)[:3]}{left_out}"
     spec = artifact_spec(key.lookup, man.digest)
     service = WeightService(_transfer_settings(settings), engine=f"{engine}-caches")
     try:
@@ -227,4 +238,4 @@ def publish(settings: Settings, key: CacheKey, root: str, units: Sequence[str], 
         return f"not published: {e}"
     _keep(service)
     return (f"published {len(man.files)} files, {man.nbytes / 1e6:.1f} MB under key"
-            f" {key.lookup[:12]} as {info.peer_id}")
+            f" {key.lookup[:12]} as {info.peer_id}{left_out}")

@@ -21,6 +21,18 @@ miss. Everything else is :mod:`nccl_back.load.artifacts`'s: the fleet secret req
 the keyed digest checked before any write, nothing written over a local cache (a
 top-level entry of the cache directory that exists locally is kept as it is: give
 each program its own ``TORCHINDUCTOR_CACHE_DIR`` to share all of it).
+
+Only what no other local user can have written travels, and nothing is installed
+where one could (:mod:`nccl_back.model.trusted_tree`): a cache directory created by
+someone else first, or writable by group or others (torch's default one is
+``$TMPDIR/torchinductor_<user>``, guessable), is neither published nor written into;
+a unit with a file another user owns or can write is left out whole. Either is logged.
+
+Every wait is bounded. The headers fetch runs in the background; inductor waits for it
+before it looks for a header, and this block's end for its outcome, each at most
+``Settings.artifact_wait`` (60 s) after the fetch began, in total: past it the fetch
+is a miss ("timed out") and inductor builds its headers itself. Blocks may run at
+once (two models, two threads): each has its own fetches and outcome.
 """
 
 from __future__ import annotations
@@ -30,14 +42,19 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.load import artifacts
 from nccl_back.load.artifacts import CacheKey, Fetched
+from nccl_back.log import get_logger
 from nccl_back.model.artifacts import TMP_PREFIX
+
+log = get_logger(__name__)
 
 
 def inductor_cache_dir() -> str:
@@ -57,12 +74,56 @@ def cache_units(root: str) -> list[str]:
 
 _HEADERS: set[str] = set()
 _RECORDING = False
-#: Clear while a headers fetch runs: inductor waits for it before it looks for a header.
-_FETCHED = threading.Event()
-_FETCHED.set()
-#: Longest inductor waits for a headers fetch before it builds the header itself (the
-#: fetch's own deadlines end it well before: a stalled transfer at ``stall_timeout``).
-HEADERS_WAIT = 60.0
+_lock = threading.Lock()
+#: Header fetches in flight, by what they fetch (Redis, namespace, the set's lookup key):
+#: one fetch per set however many callers ask, and inductor waits for every one.
+_IN_FLIGHT: dict[tuple[str, str, str], Background] = {}
+
+
+class Background:
+    """One fetch running in the background: its outcome once done, and its deadline
+    (``Settings.artifact_wait`` after it began), past which nobody waits for it."""
+
+    def __init__(self, what: str, wait: float) -> None:
+        self.what, self.wait = what, wait
+        self.deadline = _clock.monotonic() + wait
+        self._done = threading.Event()
+        self._outcome: Fetched | None = None
+        self._callbacks: list[Callable[[Fetched], None]] = []
+
+    def wait_done(self) -> bool:
+        """Wait for the fetch until its deadline at most; whether it is done."""
+        return _clock.wait(self._done, self.deadline - _clock.monotonic())
+
+    def result(self) -> Fetched:
+        """The fetch's outcome, waiting for it until its deadline at most: past it, a miss
+        saying so (the fetch may still end later; it never installs over a local file)."""
+        if not self.wait_done() or self._outcome is None:
+            return Fetched(False, f"{self.what}: timed out after {self.wait:g} s (artifact_wait)")
+        return self._outcome
+
+    def on_done(self, callback: Callable[[Fetched], None]) -> None:
+        """Call ``callback`` with the outcome when the fetch ends (now if it has)."""
+        with _lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        self._call(callback)
+
+    def finish(self, outcome: Fetched) -> None:
+        with _lock:
+            self._outcome = outcome
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for c in callbacks:
+            self._call(c)
+
+    def _call(self, callback: Callable[[Fetched], None]) -> None:
+        assert self._outcome is not None
+        try:
+            callback(self._outcome)
+        except Exception as e:  # a caller's callback never ends the fetch's thread
+            log.warning("artifact_callback_failed", what=self.what, error=repr(e))
 
 
 def headers_dir() -> str:
@@ -73,65 +134,91 @@ def headers_dir() -> str:
     return str(codecache._HEADER_DIR)
 
 
+def wait_for_headers() -> None:
+    """Wait until no headers fetch of this process is in flight, for each one until its
+    deadline at most: inductor waits at most ``artifact_wait`` after a fetch began, in
+    total, however many headers it looks for meanwhile."""
+    with _lock:
+        pending = list(_IN_FLIGHT.values())
+    for job in pending:
+        job.wait_done()
+
+
 def record_headers() -> None:
     """From now on, note every precompiled header inductor builds or finds in this
     process (once per process). Torch names each header file by the hash of its compile
     command, preprocessed content and compiler, so the names used are known only from
     inductor itself: its ``_precompile_header`` returns the header's path (the
-    precompiled ``.gch`` next to it), and is wrapped here to note it."""
+    precompiled ``.gch`` next to it), and is wrapped here to note it. Only the headers
+    noted travel (:func:`header_units`), never the rest of the directory."""
     global _RECORDING
-    if _RECORDING:
-        return
+    with _lock:
+        if _RECORDING:
+            return
+        _RECORDING = True
     from torch._inductor import codecache
 
     original = codecache._precompile_header
 
     def noted(*args: Any, **kwargs: Any) -> str:
-        _FETCHED.wait(HEADERS_WAIT)  # never build a header that is on its way
+        wait_for_headers()  # never build a header that is on its way
         path = str(original(*args, **kwargs))
-        _HEADERS.add(os.path.basename(path))
+        with _lock:
+            _HEADERS.add(os.path.basename(path))
         return path
 
     noted.cache_clear = original.cache_clear  # type: ignore[attr-defined]
     codecache._precompile_header = noted  # type: ignore[assignment]
-    _RECORDING = True
 
 
 def header_units() -> list[str]:
     """The precompiled headers this process used (:func:`record_headers`), as units of
     :func:`headers_dir`: each header and its ``.gch``, where both exist."""
     root = headers_dir()
-    return sorted(u for h in _HEADERS for u in (h, h + ".gch")
+    with _lock:
+        used = set(_HEADERS)
+    return sorted(u for h in used for u in (h, h + ".gch")
                   if all(os.path.isfile(os.path.join(root, x)) for x in (h, h + ".gch")))
 
 
 def fetch_headers(settings: Settings, key: CacheKey, *, engine: str = "library",
-                  on_done: Callable[[Fetched], None] | None = None) -> Callable[[], Fetched]:
+                  on_done: Callable[[Fetched], None] | None = None) -> Background:
     """Fetch the precompiled headers that go with ``key`` in the background, so writing
     them (~150 MB) overlaps the engine's other start-up work; inductor's
-    ``_precompile_header``, as :func:`record_headers` wraps it, waits for the fetch.
-    Returns a call that waits for the outcome (``on_done`` gets it too)."""
+    ``_precompile_header``, as :func:`record_headers` wraps it, waits for the fetch
+    (``artifact_wait`` at most). A fetch of the same set already in flight is joined.
+    Returns the fetch (:meth:`Background.result`); ``on_done`` gets its outcome too."""
     record_headers()
-    out: list[Fetched] = []
-    _FETCHED.clear()
+    hkey = headers_key(key)
+    what = (settings.redis_url, settings.namespace, hkey.lookup)
+    with _lock:
+        job = _IN_FLIGHT.get(what)
+        started = job is None
+        if job is None:
+            job = _IN_FLIGHT[what] = Background("precompiled headers", settings.artifact_wait)
+    if on_done is not None:
+        job.on_done(on_done)
+    if not started:
+        return job
+    # The transfer gives up when nobody waits for it any more.
+    s = settings.replace(peer_budget=min(settings.peer_budget_seconds, settings.artifact_wait))
 
     def run() -> None:
         try:
-            got = artifacts.fetch(settings, headers_key(key), headers_dir(), engine=engine)
+            got = artifacts.fetch(s, hkey, headers_dir(), engine=engine)
         except Exception as e:  # fetch reports its own failures; this is a last guard
-            got = Fetched(False, repr(e))
-        out.append(got)
-        _FETCHED.set()
-        if on_done is not None:
-            on_done(got)
+            got = Fetched(False, repr(e)[:500])
+        with _lock:
+            _IN_FLIGHT.pop(what, None)
+        job.finish(got)
 
-    threading.Thread(target=run, daemon=True, name="nccl-back-fetch-headers").start()
-
-    def result() -> Fetched:
-        _FETCHED.wait()
-        return out[0]
-
-    return result
+    try:
+        threading.Thread(target=run, daemon=True, name="nccl-back-fetch-headers").start()
+    except RuntimeError as e:  # no thread (interpreter shutting down): a miss
+        with _lock:
+            _IN_FLIGHT.pop(what, None)
+        job.finish(Fetched(False, f"precompiled headers not fetched: {e}"))
+    return job
 
 
 def headers_key(key: CacheKey) -> CacheKey:
@@ -148,20 +235,57 @@ def inductor_key(name: str) -> CacheKey:
     return CacheKey(factors, hashlib.sha256(name.encode()).hexdigest()[:32])
 
 
+@dataclass
+class _Block:
+    """What a ``compile_cache`` block needs at its end."""
+
+    got: Fetched
+    settings: Settings | None = None
+    root: str = ""
+    key: CacheKey | None = None
+    headers: Background | None = None
+
+
+def _enter(name: str, settings: Settings | None, cache_dir: str | None) -> _Block:
+    try:
+        s = settings if settings is not None else Settings.from_env()
+        root = cache_dir or inductor_cache_dir()
+        key = inductor_key(name)
+        headers = fetch_headers(s, key)
+        return _Block(artifacts.fetch(s, key, root), s, root, key, headers)
+    except Exception as e:  # a compile never fails for its cache
+        log.warning("compile_cache_skipped", name=name, error=repr(e)[:500])
+        return _Block(Fetched(False, f"compile caches skipped: {type(e).__name__}: {e}"[:500]))
+
+
+def _leave(b: _Block) -> None:
+    s, key, got = b.settings, b.key, b.got
+    if s is None or key is None or b.headers is None or s.secret is None:
+        return
+    try:
+        if not got.ok:
+            got.reason = f"{got.reason}; {artifacts.publish(s, key, b.root, cache_units(b.root))}"
+        have = b.headers.result()
+        used = header_units()
+        if have.ok or have.kept:
+            headers = f"from a peer ({have.installed or have.kept})"
+        elif used:
+            headers = artifacts.publish(s, headers_key(key), headers_dir(), used)
+        else:
+            headers = f"none used ({have.reason})"
+        log.info("compile_cache_done", key=key.lookup[:12], caches=got.reason or "from a peer",
+                 headers=headers)
+    except Exception as e:  # publishing never breaks the program
+        got.reason = f"{got.reason}; not published: {type(e).__name__}: {e}"[:500]
+        log.warning("compile_cache_not_published", key=key.lookup[:12], error=repr(e)[:500])
+
+
 @contextlib.contextmanager
 def compile_cache(name: str, settings: Settings | None = None, *,
                   cache_dir: str | None = None) -> Iterator[Fetched]:
     """Fetch ``name``'s inductor cache before the block; publish this one's after it if
-    none came (see the module docstring). Never raises for a miss."""
-    s = settings if settings is not None else Settings.from_env()
-    root = cache_dir or inductor_cache_dir()
-    key = inductor_key(name)
-    headers = fetch_headers(s, key)
-    got = artifacts.fetch(s, key, root)
-    yield got
-    if s.secret is None:
-        return
-    if not got.ok:
-        got.reason = f"{got.reason}; {artifacts.publish(s, key, root, cache_units(root))}"
-    if not (headers().ok or headers().kept) and header_units():
-        artifacts.publish(s, headers_key(key), headers_dir(), header_units())
+    none came (see the module docstring). Never raises: a miss, a bad setting or a
+    failure of its own is a result with its reason (the block's own exceptions pass)."""
+    block = _enter(name, settings, cache_dir)
+    yield block.got
+    _leave(block)

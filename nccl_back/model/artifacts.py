@@ -11,12 +11,16 @@ and byte. Compiled kernels are shared libraries the engine loads and runs, so:
   :data:`MAX_FILES` files, paths relative, ``/``-separated, normalised (no ``.``,
   ``..``, empty parts, NUL or backslash), each part at most :data:`MAX_PART_BYTES`
   bytes, the whole at most :data:`MAX_PATH_CHARS` characters;
+* :func:`collect` publishes only files no other local user can have written
+  (:mod:`nccl_back.model.trusted_tree`): a root that is not trusted publishes nothing,
+  and a unit with anything untrusted on its way or in it is left out whole (logged);
 * :func:`install` checks the digest over the received bytes *before* anything is
-  written, writes only regular files (``O_EXCL | O_NOFOLLOW``) into a fresh temporary
-  directory next to the destination, confined to the cache root even through a
-  symlink in the local tree, and moves each *unit* (a top-level directory or file of
-  the set) into place with one rename or link: a unit that already exists locally is
-  kept, never overwritten or merged into, and a unit is there whole or not at all.
+  written, writes only into trusted directories (a planted or shared one, or a
+  symlink, is refused), only regular files (``O_EXCL | O_NOFOLLOW``, through
+  descriptors of checked directories) into a fresh temporary directory next to the
+  destination, and moves each *unit* (a top-level directory or file of the set) into
+  place with one rename or link: a unit that already exists locally is kept, never
+  overwritten or merged into, and a unit is there whole or not at all.
 
 A set that did not arrive whole never reaches :func:`install` (the receive fails
 first), so a holder dying mid-transfer leaves nothing behind.
@@ -24,19 +28,23 @@ first), so a holder dying mid-transfer leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import os
 import posixpath
-import shutil
+import secrets
 import stat
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nccl_back.errors import ArtifactError
+from nccl_back.errors import ArtifactError, UntrustedPathError
+from nccl_back.log import get_logger
+from nccl_back.model import trusted_tree
+
+log = get_logger(__name__)
 
 #: Most files in one set (vLLM's cache of one model holds tens to hundreds).
 MAX_FILES = 16384
@@ -191,46 +199,104 @@ def set_digest(key: bytes, units: Sequence[str], files: Sequence[ArtifactFile],
     return mac.hexdigest()
 
 
-def _walk(root: str, unit: str) -> list[str]:
-    """The regular files of ``unit`` (relative paths, sorted); symlinks, sockets and
-    half-written installs are left out: only what the engine itself wrote travels."""
-    top = os.path.join(root, unit)
-    if not os.path.lexists(top):
-        return []
-    st = os.lstat(top)
-    if stat.S_ISREG(st.st_mode):
-        return [unit]
-    if not stat.S_ISDIR(st.st_mode):
-        return []
-    out = []
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(TMP_PREFIX)
-                             and not os.path.islink(os.path.join(dirpath, d)))
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            if stat.S_ISREG(os.lstat(full).st_mode):
-                out.append(os.path.relpath(full, root).replace(os.sep, "/"))
-    return out
+class _Collector:
+    """Appends the trusted files of units to one listing and one byte string."""
+
+    def __init__(self, root: str, max_bytes: int) -> None:
+        self.root, self.max_bytes = root, max_bytes
+        self.files: list[ArtifactFile] = []
+        self.data = bytearray()
+
+    def _too_large(self) -> Exception:
+        return ArtifactError(f"artifact set under {self.root}: more than"
+                         f" max_artifact_bytes={self.max_bytes}")
+
+    def file(self, parent: int, name: str, rel: str) -> None:
+        if len(self.files) >= MAX_FILES:
+            raise ArtifactError(f"artifact set under {self.root}: more than {MAX_FILES} files")
+        size = trusted_tree.read_into(parent, name, f"{self.root}/{rel}", self.data,
+                                      self.max_bytes - len(self.data), self._too_large)
+        self.files.append(ArtifactFile(normalise(rel), size))
+
+    def tree(self, fd: int, rel: str) -> None:
+        """A trusted directory's files, then its subdirectories, each sorted; symlinks,
+        sockets and FIFOs are left out (no cache file of the engine's), and so are
+        half-written installs."""
+        subdirs = []
+        for name in sorted(os.listdir(fd)):
+            if name.startswith(TMP_PREFIX):
+                continue
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                subdirs.append(name)
+            elif stat.S_ISREG(mode):
+                self.file(fd, name, normalise(f"{rel}/{name}"))
+        for name in subdirs:
+            path = normalise(f"{rel}/{name}")
+            sub = trusted_tree.open_subdir(fd, name, f"{self.root}/{path}", create=False)
+            if sub is not None:
+                try:
+                    self.tree(sub, path)
+                finally:
+                    os.close(sub)
+
+    def unit(self, root_fd: int, unit: str) -> None:
+        """The unit's files (none if it is absent); UntrustedPathError if anything on its
+        way or in it is not trusted."""
+        *way, name = unit.split("/")
+        fds: list[int] = []
+        try:
+            fd = root_fd
+            for i, part in enumerate(way):
+                sub = trusted_tree.open_subdir(fd, part, f"{self.root}/{'/'.join(way[:i + 1])}",
+                                               create=False)
+                if sub is None:
+                    return
+                fds.append(sub)
+                fd = sub
+            try:
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                return
+            if stat.S_ISREG(mode):
+                self.file(fd, name, unit)
+            elif stat.S_ISDIR(mode):
+                sub = trusted_tree.open_subdir(fd, name, f"{self.root}/{unit}", create=False)
+                if sub is not None:
+                    fds.append(sub)
+                    self.tree(sub, unit)
+        finally:
+            for f in fds:
+                os.close(f)
 
 
-def collect(root: str, units: Sequence[str], key: bytes,
-            max_bytes: int) -> tuple[ArtifactManifest, bytearray]:
+def collect(root: str, units: Sequence[str], key: bytes, max_bytes: int, *,
+            refused: list[str] | None = None) -> tuple[ArtifactManifest, bytearray]:
     """The set of ``units`` (paths relative to ``root``) as it is on disk now: its
-    manifest and its bytes. ArtifactError if a unit is missing or outside the bounds."""
-    files: list[ArtifactFile] = []
-    data = bytearray()
+    manifest and its bytes. Only trusted files travel (:mod:`.trusted_tree`): a root
+    that is not trusted is an :class:`UntrustedPathError`; a unit with anything not
+    trusted on its way or in it is left out whole, its reason logged and appended to
+    ``refused``. ArtifactError if the set is outside the bounds."""
+    got = _Collector(root, max_bytes)
     try:
-        for unit in units:
-            for rel in _walk(root, normalise(unit)):
-                with open(os.path.join(root, rel), "rb") as fh:
-                    blob = fh.read(max_bytes - len(data) + 1)
-                if len(data) + len(blob) > max_bytes:
-                    raise ArtifactError(f"artifact set under {root}: more than"
-                                        f" max_artifact_bytes={max_bytes}")
-                files.append(ArtifactFile(normalise(rel), len(blob)))
-                data += blob
+        root_fd = trusted_tree.open_root(root, create=False)
     except OSError as e:
         raise ArtifactError(f"artifact set under {root}: {e}") from e
+    try:
+        for unit in units:
+            at, count = len(got.data), len(got.files)
+            try:
+                got.unit(root_fd, normalise(unit))
+            except UntrustedPathError as e:
+                del got.data[at:], got.files[count:]
+                log.warning("artifact_unit_refused", root=root, unit=unit, reason=str(e))
+                if refused is not None:
+                    refused.append(f"{unit}: {e}")
+    except OSError as e:
+        raise ArtifactError(f"artifact set under {root}: {e}") from e
+    finally:
+        os.close(root_fd)
+    files, data = got.files, got.data
     units = [u for u in units if any(_unit_of(f.path, [u]) for f in files)]  # absent ones
     _check(units, files, max_bytes)
     return ArtifactManifest(tuple(units), tuple(files), set_digest(key, units, files, data)), data
@@ -245,15 +311,51 @@ class Installed:
     """Units that already existed locally (a local cache wins) or appeared meanwhile."""
 
 
-def _inside(path: str, root: str) -> bool:
-    return os.path.commonpath([os.path.realpath(path), os.path.realpath(root)]) == \
-        os.path.realpath(root)
+def _write(parent: int, name: str, blob: memoryview) -> None:
+    trusted_tree.write_file(parent, name, blob)
 
 
-def _write(path: str, blob: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(blob)
+def _open_way(root_fd: int, root: str, parts: Sequence[str], *, create: bool) -> list[int]:
+    """Descriptors of each directory of ``parts`` under ``root_fd``, made when missing
+    (``create``), every one checked; UntrustedPathError for a symlink or one that is
+    not trusted. Stops (shorter list) at a missing one when not ``create``."""
+    fds: list[int] = []
+    fd = root_fd
+    try:
+        for i, part in enumerate(parts):
+            sub = trusted_tree.open_subdir(fd, part, f"{root}/{'/'.join(parts[:i + 1])}",
+                                           create=create)
+            if sub is None:
+                break
+            fds.append(sub)
+            fd = sub
+    except BaseException:
+        for f in fds:
+            os.close(f)
+        raise
+    return fds
+
+
+def _stage(tmp_fd: int, root: str, unit: str, man: ArtifactManifest, view: memoryview) -> None:
+    """Write the files of ``unit`` under the temporary directory ``tmp_fd``, where the
+    unit's last component is its top (``a/b`` is staged as ``b``)."""
+    skip = len(posixpath.dirname(unit).split("/")) if "/" in unit else 0
+    for f, at in zip(man.files, man.offsets, strict=True):
+        if _unit_of(f.path, [unit]) is None:
+            continue
+        *way, name = f.path.split("/")[skip:]
+        fds = _open_way(tmp_fd, root, way, create=True)
+        try:
+            _write(fds[-1] if fds else tmp_fd, name, view[at:at + f.size])
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def check_destination(root: str) -> None:
+    """UntrustedPathError if :func:`install` would refuse ``root`` (as far as it exists)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.close(trusted_tree.open_root(root, create=False))
 
 
 def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryview,
@@ -261,8 +363,12 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
     """Put the received set ``data`` under ``root``.
 
     The digest is checked first: a set with one byte changed is refused (ArtifactError)
-    before anything is written. Each unit is written into a temporary directory in the
-    unit's parent and renamed into place only if the unit does not exist locally.
+    before anything is written. ``root`` and every directory a unit goes into must be
+    trusted (:mod:`.trusted_tree`; made, 0755, when missing): a directory another user
+    owns or can write, or a symlink, is an :class:`UntrustedPathError` with nothing
+    written into it. Each unit is written into a temporary directory in the unit's
+    parent and renamed (a file: linked) into place only if the unit does not exist
+    locally.
     """
     view = memoryview(data).cast("B")
     if len(view) != man.nbytes:
@@ -273,42 +379,50 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
         raise ArtifactError("artifact set: its bytes do not match the keyed digest (tampered"
                             " with, or signed under another secret); nothing written")
     out = Installed()
-    os.makedirs(root, exist_ok=True)
-    for unit in man.units:
-        final = os.path.join(root, unit)
-        if os.path.lexists(final):
-            out.kept.append(unit)
-            continue
-        parent = os.path.dirname(final)
-        existing = parent
-        while not os.path.lexists(existing):  # check before creating anything
-            existing = os.path.dirname(existing)
-        if not _inside(existing, root):
-            raise ArtifactError(f"artifact unit {unit[:80]!r}: its directory leaves {root}"
-                                " through a symlink; not installed")
-        os.makedirs(parent, exist_ok=True)
-        if not _inside(parent, root):  # a symlink appeared meanwhile
-            raise ArtifactError(f"artifact unit {unit[:80]!r}: its directory leaves {root}"
-                                " through a symlink; not installed")
-        tmp = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
-        try:
-            staged = os.path.join(tmp, posixpath.basename(unit))
-            for f, at in zip(man.files, man.offsets, strict=True):
-                if _unit_of(f.path, [unit]) is None:
-                    continue
-                dest = os.path.join(tmp, f.path[len(posixpath.dirname(unit)):].lstrip("/"))
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                if not _inside(dest, tmp):
-                    raise ArtifactError(f"artifact path {f.path[:80]!r} leaves its unit")
-                _write(dest, view[at:at + f.size])
-            try:
-                if os.path.isdir(staged):
-                    os.rename(staged, final)  # fails if a non-empty one appeared meanwhile
-                else:
-                    os.link(staged, final)  # never replaces an existing file
-                out.installed.append(unit)
-            except OSError:
-                out.kept.append(unit)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    root_fd = trusted_tree.open_root(root, create=True)
+    try:
+        for unit in man.units:
+            _install_unit(root_fd, root, unit, man, view, out)
+    finally:
+        os.close(root_fd)
     return out
+
+
+def _install_unit(root_fd: int, root: str, unit: str, man: ArtifactManifest, view: memoryview,
+                  out: Installed) -> None:
+    *way, name = unit.split("/")
+    try:  # each directory is checked before anything is made under it
+        fds = _open_way(root_fd, root, way, create=True)
+    except UntrustedPathError as e:
+        raise UntrustedPathError(f"artifact unit {unit[:80]!r}: {e}; not installed") from e
+    try:
+        parent = fds[-1] if fds else root_fd
+        try:
+            os.stat(name, dir_fd=parent, follow_symlinks=False)
+            out.kept.append(unit)
+            return
+        except FileNotFoundError:
+            pass
+        tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}"
+        os.mkdir(tmp, 0o700, dir_fd=parent)
+        try:
+            tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+            try:
+                _stage(tmp_fd, root, unit, man, view)
+                try:
+                    if stat.S_ISDIR(os.stat(name, dir_fd=tmp_fd, follow_symlinks=False).st_mode):
+                        # Fails if a non-empty one appeared meanwhile.
+                        os.rename(name, name, src_dir_fd=tmp_fd, dst_dir_fd=parent)
+                    else:  # never replaces an existing file
+                        os.link(name, name, src_dir_fd=tmp_fd, dst_dir_fd=parent,
+                                follow_symlinks=False)
+                    out.installed.append(unit)
+                except OSError:
+                    out.kept.append(unit)
+            finally:
+                os.close(tmp_fd)
+        finally:
+            trusted_tree.remove_tree(parent, tmp)
+    finally:
+        for fd in fds:
+            os.close(fd)

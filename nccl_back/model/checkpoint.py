@@ -1,10 +1,17 @@
 """Safetensors checkpoints: headers, the shard index, and a skeleton built from headers.
 
 Headers are parsed by :mod:`nccl_back.model.safetensors_format` (the reference library's
-rules, without torch); here their dtypes become torch's. Every malformation raises
-:class:`CheckpointFormatError` naming the file. A dtype the reference knows but torch
-has no element type for (``F4``, ``F6_E2M3``, ``F6_E3M2``: sub-byte elements) is a valid
-header; it is refused when a tensor of it is to be loaded, by name and dtype.
+rules, without torch); here their dtypes and shapes become torch's, as
+``safetensors.torch.load_file`` makes them. Every malformation raises
+:class:`CheckpointFormatError` naming the file.
+
+``F4`` (FP4 E2M1) is stored two elements to a byte; torch holds it as
+``float4_e2m1fn_x2``, one element per *pair*, so the header's last dimension is twice
+torch's (a header ``[3, 8]`` is a torch ``[3, 4]``). A header whose last dimension is odd
+(or a 0-d F4 tensor, which the format itself refuses) has no torch shape: like the
+reference, such a tensor is refused when it is to be loaded. A dtype the reference knows
+but torch has no element type for (``F6_E2M3``, ``F6_E3M2``; ``F4`` on a torch without
+``float4_e2m1fn_x2``) is a valid header too, refused the same way, by name and dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +46,11 @@ _TORCH_NAMES: dict[str, str] = {
     "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F4": "float4_e2m1fn_x2",
 }
+
+#: Header elements per torch element, along the last dimension, where they differ.
+PACKED: dict[str, int] = {"F4": 2}
 
 #: safetensors dtype names -> torch dtypes, for those this torch has.
 DTYPES: dict[str, torch.dtype] = {
@@ -51,7 +62,7 @@ DTYPES: dict[str, torch.dtype] = {
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lives in its file: ``[start, end)`` are absolute byte offsets;
-    ``st_dtype`` is the header's dtype name."""
+    ``st_dtype`` is the header's dtype name, ``shape`` torch's (:func:`torch_shape`)."""
 
     name: str
     st_dtype: str
@@ -59,16 +70,21 @@ class TensorInfo:
     start: int
     end: int
     uri: str = ""
+    refused: str = ""
+    """Why torch cannot hold this tensor as the header gives it (empty: it can)."""
 
     @property
     def dtype(self) -> torch.dtype:
-        """The torch dtype; :class:`CheckpointFormatError` for one torch cannot hold."""
+        """The torch dtype; :class:`CheckpointFormatError` for a tensor torch cannot hold."""
         found = DTYPES.get(self.st_dtype)
         if found is None:
             raise CheckpointFormatError(
                 f"{self.uri}: tensor {self.name!r} has dtype {self.st_dtype}, which this torch"
                 f" {torch.__version__} has no element type for; nccl_back cannot load it"
             )
+        if self.refused:
+            raise CheckpointFormatError(f"{self.uri}: tensor {self.name!r} has dtype"
+                                        f" {self.st_dtype}: {self.refused}")
         return found
 
     @property
@@ -88,13 +104,27 @@ class ShardHeader:
     """The header's bytes as read (length field and JSON), to compare with a later read."""
 
 
+def torch_shape(st_dtype: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+    """The torch shape of a header's tensor, and why there is none (then ``shape`` as
+    given): a packed dtype's last dimension counts torch elements, as the reference's
+    ``load_file`` reads it."""
+    per = PACKED.get(st_dtype, 1)
+    if per == 1:
+        return shape, ""
+    if not shape or shape[-1] % per:
+        return shape, (f"its last dimension must be a multiple of {per} (torch holds {per}"
+                       f" elements in one), got shape {list(shape)}")
+    return (*shape[:-1], shape[-1] // per), ""
+
+
 def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
     """Parse and validate a header; ``data`` starts at byte 0 and covers the whole header."""
     rec = fmt.parse(data, uri, file_size)
-    tensors = {
-        name: TensorInfo(name, t.dtype, t.shape, rec.length + t.begin, rec.length + t.end, uri)
-        for name, t in rec.tensors.items()
-    }
+    tensors = {}
+    for name, t in rec.tensors.items():
+        shape, refused = torch_shape(t.dtype, t.shape)
+        tensors[name] = TensorInfo(name, t.dtype, shape, rec.length + t.begin, rec.length + t.end,
+                                   uri, refused)
     return ShardHeader(uri, file_size, tensors, rec.metadata, bytes(data[: rec.length]))
 
 

@@ -7,7 +7,7 @@ downloads from. Backends register by scheme (:func:`register_backend`, like the
 transport registry); :data:`SCHEMES` names the module registering each, imported on
 first use, so a worker reading local files never loads a cloud client. Local files
 (:class:`LocalFiles`) are read with positional reads; ``gs://`` is
-:mod:`nccl_back.model.gcs`. A remote shard is
+:mod:`nccl_back.model.gcs`, ``s3://`` :mod:`nccl_back.model.s3`. A remote shard is
 downloaded as parallel ranged chunks into one pre-allocated buffer, and its CRC32C is
 checked against the checksum it was identified by: a mismatch re-downloads the shard,
 then raises :class:`ChecksumMismatchError`. Adding a scheme is a module with a backend
@@ -49,6 +49,7 @@ MIN_CHUNK_BYTES = 1 << 20
 SCHEMES: dict[str, str] = {
     "file": __name__,
     "gs": "nccl_back.model.gcs",
+    "s3": "nccl_back.model.s3",
 }
 
 

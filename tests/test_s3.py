@@ -482,7 +482,7 @@ def test_no_credentials_says_how_to_give_them(
 
 
 def test_setting_wins_over_the_environment_and_unreachable_is_clear(
-    s3: LocalS3, cache_dir: str, busy_port: int
+    s3: LocalS3, cache_dir: str
 ) -> None:
     """s3_endpoint_url overrides AWS_ENDPOINT_URL_S3; an endpoint that does not answer HTTP is a
     StorageError after storage_attempts naming it."""

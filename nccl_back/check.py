@@ -326,11 +326,12 @@ def check_cache(settings: Settings) -> Check:
 
 
 def check_storage(target: Target, settings: Settings) -> Check:
-    """The checkpoint's spec (version, shards) and the first bytes of one shard read."""
+    """The checkpoint's spec (version, shards) and the first bytes of one shard read,
+    through the backend of the model URI's scheme (which endpoint, as whom)."""
     if not target.model_uri:
         return skip("storage", "no --model given")
     from nccl_back.model.identity import ModelSpec
-    from nccl_back.model.storage import Storage
+    from nccl_back.model.storage import Storage, forms, parse_uri
 
     uri = target.model_uri
     try:
@@ -338,12 +339,14 @@ def check_storage(target: Target, settings: Settings) -> Check:
         spec = ModelSpec.from_dir(uri, storage=storage, settings=settings)
         if spec.shards:
             storage.read_range(spec.shards[0].uri, 0, 8)
+        where = storage.backend(parse_uri(uri)).describe()
     except NcclBackError as e:
         return fail("storage", f"--model {uri!r}: {e}",
-                    "give the checkpoint directory or gs://bucket/prefix (config.json and"
-                    " *.safetensors) and credentials that may read it")
+                    f"give the checkpoint (config.json and *.safetensors) as {forms()},"
+                    " with credentials that may read it")
     size = sum(s.size for s in spec.shards)
-    return ok("storage", f"{uri}: version {spec.version}, {len(spec.shards)} shard(s),"
+    via = f" ({where})" if where else ""
+    return ok("storage", f"{uri}{via}: version {spec.version}, {len(spec.shards)} shard(s),"
                          f" {size} bytes")
 
 

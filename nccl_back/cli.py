@@ -45,13 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("fingerprint", help="print a checkpoint's version and shard CRC32Cs")
-    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory or gs://bucket/prefix")
+    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
     p.set_defaults(func=cmd_fingerprint)
 
     p = sub.add_parser("load", help="load a checkpoint from storage into a flat skeleton")
-    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory or gs://bucket/prefix")
+    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix")
     p.add_argument("--device", default="cpu", help="torch device for the tensors (default cpu)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
@@ -114,7 +114,7 @@ def _add_serve(sub: Any) -> None:
         " Settings come from NCCL_BACK_* variables; flags win.",
     )
     p.add_argument("--model", required=True, metavar="PATH_OR_URI",
-                   help="checkpoint directory or gs://bucket/prefix")
+                   help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--factory", metavar="MODULE:FUNCTION",
                      help="callable returning the nn.Module skeleton (default: a flat skeleton"
@@ -159,7 +159,7 @@ def _add_check(sub: Any) -> None:
         f" if any fails. Checks: {', '.join(NAMES)}.",
     )
     p.add_argument("--model", metavar="PATH_OR_URI",
-                   help="checkpoint directory or gs://bucket/prefix to read (storage check)")
+                   help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix to read (storage check)")
     p.add_argument("--health-host", default="127.0.0.1",
                    help="interface of the health server, as for serve (default 127.0.0.1)")
     p.add_argument("--health-port", type=int, default=9400,

@@ -192,6 +192,11 @@ class Settings:
     storage_attempts: int = 5
     """Attempts per storage request (exponential backoff with jitter between them)."""
 
+    s3_endpoint_url: str = ""
+    """Endpoint of the S3-compatible store that ``s3://`` URIs name (MinIO, R2, Ceph:
+    ``http(s)://host[:port]``). Empty: boto3's own choice, ``AWS_ENDPOINT_URL_S3``, then
+    ``AWS_ENDPOINT_URL``, then the AWS config file, else AWS S3 itself."""
+
     cache_dir: str = field(default_factory=_default_cache_dir)
     """Where the CRC32C cache lives, so a restart reads no shard bytes."""
 
@@ -309,6 +314,11 @@ class Settings:
                 name == "bucket_bytes" and not isinstance(value, int)
             ):
                 raise ConfigError(f"{name}={value!r}: must be 0 (automatic/unlimited) or positive")
+        if self.s3_endpoint_url and (
+            not re.match(r"^https?://[^\s/?#]+/?$", self.s3_endpoint_url)
+        ):
+            raise ConfigError(f"s3_endpoint_url={self.s3_endpoint_url!r}: give http(s)://host[:port]"
+                              " (the store's endpoint, no bucket or path), or leave it empty")
         if self.single_flight_max_wait < self.single_flight_wait:
             raise ConfigError(
                 f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at least"

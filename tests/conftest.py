@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server and a real GCS emulator on loopback.
+"""Shared fixtures: a real redis-server, a real GCS emulator and a real S3-compatible
+server on loopback.
 
 Nothing here mocks Redis or storage; the only thing that cannot exist on these
 machines is a GPU, and tests that need one carry the ``gpu`` marker.
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.s3 import LocalS3
 from nccl_back.dev.servers import LocalRedis
 
 
@@ -58,6 +60,22 @@ def gcs() -> Iterator[LocalGCS]:
     else:
         os.environ["STORAGE_EMULATOR_HOST"] = old
     emulator.stop()
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[LocalS3]:
+    """One real S3-compatible server (moto) for the session; boto3 reaches it through
+    the standard AWS_ENDPOINT_URL_S3 and throw-away credentials in the environment."""
+    server = LocalS3().start()
+    old = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
 
 
 @pytest.fixture

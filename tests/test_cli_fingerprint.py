@@ -68,7 +68,8 @@ def test_load_json(ckpt: Path, cache_dir: str, capsys: pytest.CaptureFixture[str
     [
         (["fingerprint", "/no/such/dir"], "checkpoint '/no/such/dir' not found; give the directory"),
         (["fingerprint", "gs://Bad_Bucket/x"], "bad bucket name 'Bad_Bucket'; use gs://bucket/prefix"),
-        (["fingerprint", "s3://b/x"], "unsupported scheme; use a local path"),
+        (["fingerprint", "s3://b/x"], "bad bucket name 'b' (3-63 lowercase letters"),
+        (["fingerprint", "az://b/x"], "unsupported scheme; use a local path"),
         (["fingerprint", "--bogus", "x"], "unrecognized arguments: --bogus"),
         (["load", "/no/such/dir", "--device", "nonsense"], "--device 'nonsense': not a torch device"),
         (["--log-level", "LOUD", "fingerprint", "x"], "log level 'LOUD'"),

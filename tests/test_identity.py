@@ -13,10 +13,12 @@ from typing import IO, Any
 import google_crc32c
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nccl_back.errors import ConfigError, ShardNotFoundError
 from nccl_back.model.checkpoint import INDEX_NAME
-from nccl_back.model.crc_cache import CACHE_NAME, file_crc32c
+from nccl_back.model.crc_cache import CACHE_NAME, crc32c_combine, file_crc32c
 from nccl_back.model.identity import ModelSpec, Shard
 
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -158,6 +160,31 @@ def test_damaged_cache_is_ignored(tmp_path: Path, cache_dir: str) -> None:
     Path(cache_dir).mkdir(parents=True)
     (Path(cache_dir) / CACHE_NAME).write_text("{not json")
     assert file_crc32c(str(path), cache_dir=cache_dir) == f"{google_crc32c.value(b'weights'):08x}"
+
+
+def test_cache_entry_that_is_no_crc_is_recomputed(tmp_path: Path, cache_dir: str) -> None:
+    """A cache entry whose key matches but whose value is no CRC32C is recomputed, never returned."""
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"weights")
+    _backdate(tmp_path)
+    right = f"{google_crc32c.value(b'weights'):08x}"
+    assert file_crc32c(str(path), cache_dir=cache_dir) == right
+    cache = Path(cache_dir) / CACHE_NAME
+    for bad in ("not-a-crc", "", 12345, "0A0B0C0D", "0a0b0c0d0"):
+        entries = json.loads(cache.read_text())
+        entries[str(path)]["crc32c"] = bad
+        cache.write_text(json.dumps(entries))
+        assert file_crc32c(str(path), cache_dir=cache_dir) == right
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=3000), st.binary(max_size=3000))
+def test_crc32c_combine_is_the_crc_of_the_concatenation(a: bytes, b: bytes) -> None:
+    """The CRC32C of two pieces combined equals the CRC32C of the pieces joined."""
+    assert crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b)) == \
+        google_crc32c.value(a + b)
+    big = len(b) << 30  # a length far beyond memory costs only its bits
+    assert 0 <= crc32c_combine(google_crc32c.value(a), 0, big) < 1 << 32
 
 
 def test_index_deduplicates_shards(tmp_path: Path, cache_dir: str) -> None:

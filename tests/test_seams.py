@@ -12,7 +12,7 @@ from nccl_back.config import Settings
 from nccl_back.engines.base import engine_adapter, engine_layout, register_engine
 from nccl_back.errors import ConfigError
 from nccl_back.kinds import TRANSPORT_KINDS
-from nccl_back.model.storage import SCHEMES, LocalFiles, Storage, parse_uri
+from nccl_back.model.storage import SCHEMES, LocalFiles, Storage, backend_class, parse_uri
 from nccl_back.transport import all_transports, resolve_kind, transport_classes
 
 
@@ -41,10 +41,13 @@ def test_storage_schemes_map_to_backends(tmp_path: Path) -> None:
     store = Storage()
     local = parse_uri(str(tmp_path))
     assert isinstance(store.backend(local), LocalFiles) and store.backend(local) is store.backend(local)
-    assert set(SCHEMES) == {"file", "gs"}
-    assert [parse_uri(u).is_local for u in ("/x", "file:///x", "gs://bucket/x")] == [True, True, False]
-    with pytest.raises(ConfigError, match="use a local path, file:///path or gs://bucket/prefix"):
-        parse_uri("s3://bucket/x")
+    assert set(SCHEMES) == {"file", "gs", "s3"}
+    assert all(backend_class(s).scheme == s for s in SCHEMES)
+    assert [parse_uri(u).is_local for u in ("/x", "file:///x", "gs://bucket/x", "s3://bucket/x")] \
+        == [True, True, False, False]
+    with pytest.raises(ConfigError, match="use a local path, file:///path, gs://bucket/prefix"
+                       " or s3://bucket/prefix"):
+        parse_uri("az://bucket/x")
 
 
 def test_engine_adapters_register_by_name() -> None:

@@ -2,7 +2,8 @@
 
 Faults (503s, a flipped byte) come from a small real HTTP proxy in front of the
 emulator; the real google-cloud-storage client talks to it through
-STORAGE_EMULATOR_HOST.
+STORAGE_EMULATOR_HOST. The S3 tests (tests/test_s3.py) put the same proxy in front of
+the S3 server.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import http.client
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -34,10 +35,11 @@ from nccl_back.errors import (
     StorageError,
 )
 from nccl_back.model.checkpoint import flat_skeleton
+from nccl_back.model.gcs import GcsObjects, crc32c_from_gcs
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import load_from_storage
 from nccl_back.model.skeleton import build, named_tensors
-from nccl_back.model.storage import Shard, Storage, crc32c_from_gcs, parse_uri
+from nccl_back.model.storage import Shard, Storage, parse_uri
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -49,13 +51,20 @@ def _raw(t: torch.Tensor) -> bytes:
 _HOP_BY_HOP = {"connection", "transfer-encoding", "keep-alive", "content-length"}
 
 
+def gcs_media(method: str, path: str) -> bool:
+    """A GCS request for an object's bytes (not metadata, not a listing)."""
+    return "alt=media" in path
+
+
 @dataclass
 class FaultProxy:
-    """A real HTTP proxy to the emulator that can answer 503 or flip a byte of media.
+    """A real HTTP proxy to a storage server that can answer 503 or flip a byte of media.
 
-    ``fail`` requests (of those matching ``fail_media_only``) get a 503; ``corrupt``
-    media downloads whose range starts at or after ``corrupt_from`` get their first byte
-    flipped. ``paths`` records every request.
+    ``media(method, path)`` says which requests read an object's bytes. ``fail``
+    requests (of those matching ``fail_media_only``) get a 503; ``corrupt`` media
+    downloads whose range starts at or after ``corrupt_from`` get their first byte
+    flipped. ``before(method, path, headers)``, when set, runs before each request is
+    forwarded. ``paths`` records every request, ``requests`` each one's method and path.
     """
 
     upstream: str
@@ -63,7 +72,10 @@ class FaultProxy:
     fail_media_only: bool = True
     corrupt: int = 0
     corrupt_from: int = 0
+    media: Callable[[str, str], bool] = gcs_media
+    before: Callable[[str, str, Any], None] | None = None
     paths: list[str] = field(default_factory=list)
+    requests: list[tuple[str, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: ThreadingHTTPServer | None = None
 
@@ -73,13 +85,14 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def media_requests(self) -> list[str]:
-        return [p for p in self.paths if "alt=media" in p]
+        return [p for m, p in self.requests if self.media(m, p)]
 
-    def _decide(self, path: str, range_header: str | None) -> tuple[bool, bool]:
-        media = "alt=media" in path
+    def _decide(self, method: str, path: str, range_header: str | None) -> tuple[bool, bool]:
+        media = self.media(method, path)
         start = int(range_header.split("=")[1].split("-")[0]) if range_header else 0
         with self.lock:
             self.paths.append(path)
+            self.requests.append((method, path))
             if self.fail and (media or not self.fail_media_only):
                 self.fail -= 1
                 return True, False
@@ -97,7 +110,9 @@ class FaultProxy:
                 pass
 
             def _forward(self) -> None:
-                fail, corrupt = proxy._decide(self.path, self.headers.get("Range"))
+                fail, corrupt = proxy._decide(self.command, self.path, self.headers.get("Range"))
+                if proxy.before is not None:
+                    proxy.before(self.command, self.path, self.headers)
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 if fail:
@@ -117,13 +132,17 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in _HOP_BY_HOP:
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD answer has no body but the length of the one a GET would have.
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _forward
+            do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = _forward
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # A client that gave up (a timeout test) leaves its handler nobody to answer.
+        self.server.handle_error = lambda *args: None  # type: ignore[method-assign]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
@@ -179,8 +198,9 @@ def _instant_retries() -> Iterator[None]:
 
 
 def _fast(client: Any, **settings: Any) -> Storage:
-    """Storage on a client (its retries don't wait: see ``_instant_retries``)."""
-    return Storage(Settings(**settings), client=client)
+    """Storage reading gs:// on a client (its retries don't wait: see ``_instant_retries``)."""
+    config = Settings(**settings)
+    return Storage(config, backends={"gs": GcsObjects(config, client=client)})
 
 
 def test_parse_uri_forms() -> None:
@@ -196,7 +216,7 @@ def test_parse_uri_forms() -> None:
     [
         ("gs://", "bad bucket name ''"),
         ("gs://Bad_Bucket!/x", "bad bucket name 'Bad_Bucket!'"),
-        ("s3://bucket/x", "unsupported scheme"),
+        ("az://bucket/x", "unsupported scheme"),
         ("file://relative", "needs an absolute path"),
     ],
 )
@@ -375,11 +395,11 @@ def test_flat_skeleton_reads_with_the_given_settings(
 def test_each_shard_alone_keeps_every_storage_worker_busy() -> None:
     """A shard is cut into one ranged request per storage worker (so shards complete in
     order, first in first out), never above chunk_bytes nor below 1 MiB."""
-    store = Storage(Settings(storage_workers=8, chunk_bytes=64 << 20), client=object())
+    store = Storage(Settings(storage_workers=8, chunk_bytes=64 << 20))
     shard = lambda size: Shard("gs://b/m/x.safetensors", "00000000", size)  # noqa: E731
     assert store.chunk_for(shard(8 << 20)) == 1 << 20  # 8 MiB: 8 requests
     assert store.chunk_for(shard(5 << 30)) == 64 << 20  # 5 GiB: capped at chunk_bytes
     assert store.chunk_for(shard(100 << 20)) == -(-(100 << 20) // 8)
     assert store.chunk_for(shard(1000)) == 1 << 20  # tiny: one request
-    small = Storage(Settings(storage_workers=8, chunk_bytes=8192), client=object())
+    small = Storage(Settings(storage_workers=8, chunk_bytes=8192))
     assert small.chunk_for(shard(1 << 20)) == 8192  # an explicit small chunk still rules

@@ -1,4 +1,4 @@
-"""CRC32C of local checkpoint files, computed once and cached on disk.
+"""CRC32C of checkpoint files and objects, computed once and cached on disk.
 
 A local file's CRC32C is streamed through one reused buffer and cached in
 ``<cache_dir>/crc32c-v1.json``, keyed by the file's identity (path, size, mtime, inode,
@@ -7,8 +7,11 @@ checksummed is not cached: a same-size rewrite within the file system's timestam
 granularity would keep the same key ("racy git"). A missing or damaged cache only
 costs a recomputation, and failing to write it never fails a load. The loader does not
 consult the cache: it checksums the bytes it reads into the tensors.
-:class:`~nccl_back.model.identity.ModelSpec` uses it for the version of a local
-checkpoint; ``gs://`` objects carry their CRC32C in their metadata.
+
+The same cache holds remote objects' CRC32C by URI, under whatever identity key their
+backend gives (an S3 object's endpoint, ETag and size: :mod:`nccl_back.model.s3`).
+:func:`crc32c_combine` joins the CRC32C of consecutive pieces, so an object read as
+parallel ranges is checksummed without holding it whole.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +35,8 @@ from nccl_back.config import Settings
 from nccl_back.errors import ShardNotFoundError
 from nccl_back.log import get_logger
 
-__all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "file_crc32c", "local_crc32cs"]
+__all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "crc32c_combine", "file_crc32c",
+           "local_crc32cs"]
 
 log = get_logger(__name__)
 
@@ -46,6 +51,7 @@ _RACY_NS = 2_000_000_000
 
 #: Opens a local file for checksumming (tests pass one that counts the reads).
 Opener = Callable[[str], IO[bytes]]
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 
 
 def open_unbuffered(path: str) -> IO[bytes]:
@@ -68,7 +74,8 @@ def _file_key(st: os.stat_result) -> list[int]:
 
 
 class CrcCache:
-    """CRC32C of local files by absolute path, valid while the file's identity is unchanged."""
+    """CRC32C by name (a local file's absolute path, an object's URI), each valid while
+    the identity key stored with it is unchanged."""
 
     def __init__(self, cache_dir: str) -> None:
         self.path = Path(cache_dir) / CACHE_NAME
@@ -81,14 +88,23 @@ class CrcCache:
             self.entries = {}
 
     def get(self, path: str, st: os.stat_result) -> str | None:
-        entry = self.entries.get(path)
-        if isinstance(entry, dict) and entry.get("key") == _file_key(st):
-            crc = entry.get("crc32c")
-            return crc if isinstance(crc, str) else None
-        return None
+        return self.get_key(path, _file_key(st))
 
     def put(self, path: str, st: os.stat_result, crc: str) -> None:
-        self.entries[path] = {"key": _file_key(st), "crc32c": crc}
+        self.put_key(path, _file_key(st), crc)
+
+    def get_key(self, name: str, key: list[Any]) -> str | None:
+        """The CRC32C cached for ``name`` under identity ``key``; None if absent or stale."""
+        entry = self.entries.get(name)
+        if isinstance(entry, dict) and entry.get("key") == key:
+            crc = entry.get("crc32c")
+            # The file is ours but may be damaged: a value that is no CRC is recomputed.
+            return crc if isinstance(crc, str) and _CRC_RE.match(crc) else None
+        return None
+
+    def put_key(self, name: str, key: list[Any], crc: str) -> None:
+        """Cache ``crc`` for ``name`` while its identity is ``key`` (JSON values)."""
+        self.entries[name] = {"key": key, "crc32c": crc}
         self.dirty = True
 
     def save(self) -> None:
@@ -159,3 +175,43 @@ def cached_crc32c(path: str, st: os.stat_result, cache: CrcCache, compute: Calla
             cache.put(path, st, crc)
         log.debug("crc32c_computed", path=path, size=st.st_size, crc32c=crc)
     return crc
+
+
+# CRC32C (Castagnoli), reflected, as google_crc32c computes it.
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC polynomial (both reflected, x^0 at bit 31), as zlib does."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _powers() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+#: x^(2^k) modulo the polynomial, for k in 0..31.
+_X2N = _powers()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len(B)``."""
+    p, k, n = 1 << 31, 3, len2  # x^0; x^(8 * len2) is x^(len2 * 2^3)
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2

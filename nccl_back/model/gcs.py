@@ -3,34 +3,50 @@
 The client honours ``STORAGE_EMULATOR_HOST`` (then anonymous credentials). Every request
 has a timeout and is retried with tenacity (exponential backoff with jitter) on 429,
 5xx and connection errors; the client's own retries are switched off so ours are the
-only ones. Waits between attempts go through :mod:`nccl_back._clock`. Imported on the
-first ``gs://`` read only: a worker reading local files never loads the Google client.
+only ones. Waits between attempts go through :mod:`nccl_back._clock`. One listing gives
+every object's size and CRC32C, so a spec downloads no shard byte and sends no
+per-object request. The Google client is imported on the first request only: a worker
+reading local files never loads it.
 """
 
 from __future__ import annotations
 
+import base64
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-import requests
-from tenacity import Retrying, retry_if_exception, stop_after_attempt
-from tenacity.wait import wait_base
 
-from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.errors import ShardNotFoundError, StorageError
+from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
-from nccl_back.model.storage import Location, ObjectInfo, crc32c_from_gcs
+from nccl_back.model.storage import (
+    DEFAULT_TIMEOUT,
+    Backend,
+    Location,
+    ObjectInfo,
+    register_backend,
+    with_retries,
+)
 
 log = get_logger("nccl_back.model.storage")
 
 T = TypeVar("T")
 
+# GCS bucket names: 3-222 characters of lowercase letters, digits, '-', '_' and '.'.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+def crc32c_from_gcs(b64: str) -> str:
+    """GCS metadata reports CRC32C as base64 of 4 big-endian bytes; return 8 hex digits."""
+    return base64.b64decode(b64).hex()
+
 
 def is_transient(e: BaseException) -> bool:
     """Whether a failed request is worth retrying: 429, 5xx, connection errors, timeouts."""
+    import requests
     from google.api_core import exceptions as gexc
 
     if isinstance(e, gexc.GoogleAPICallError):
@@ -55,18 +71,29 @@ class _BufferWriter:
         return n
 
 
-class GcsObjects:
-    """Reads ``gs://`` objects (:class:`~nccl_back.model.storage.Backend`); thread-safe.
+@register_backend
+class GcsObjects(Backend):
+    """Reads ``gs://`` objects; thread-safe.
 
     ``client`` is a ``google.cloud.storage.Client``, created on first use when None.
     """
 
-    def __init__(self, settings: Settings, client: Any, wait: wait_base, timeout: float) -> None:
-        self.settings = settings
+    scheme = "gs"
+    form = "gs://bucket/prefix"
+
+    def __init__(
+        self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        super().__init__(settings, timeout=timeout)
         self._client = client
-        self.wait = wait
-        self.timeout = timeout
         self._client_lock = threading.Lock()
+
+    @classmethod
+    def parse(cls, uri: str, rest: str) -> Location:
+        bucket, _, name = rest.partition("/")
+        if not _BUCKET_RE.match(bucket):
+            raise ConfigError(f"storage URI {uri!r}: bad bucket name {bucket!r}; use gs://bucket/prefix")
+        return Location("gs", bucket, name.strip("/"))
 
     @property
     def client(self) -> Any:
@@ -85,23 +112,18 @@ class GcsObjects:
                     ) from e
             return self._client
 
+    def describe(self) -> str:
+        try:
+            return f"endpoint {self.client.api_endpoint}, project {self.client.project!r}"
+        except Exception:  # a description must never fail the check it decorates
+            return ""
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one remote request with retries; map failures to nccl_back errors."""
         from google.api_core import exceptions as gexc
 
-        retrying = Retrying(
-            stop=stop_after_attempt(self.settings.storage_attempts),
-            wait=self.wait,
-            retry=retry_if_exception(is_transient),
-            reraise=True,
-            before_sleep=lambda rs: log.warning(
-                "storage_retry", what=what, attempt=rs.attempt_number,
-                error=repr(rs.outcome.exception()) if rs.outcome else None,
-            ),
-            sleep=_clock.sleep,
-        )
         try:
-            return retrying(fn)
+            return with_retries(self.settings, what, fn, is_transient)
         except gexc.NotFound as e:
             raise ShardNotFoundError(f"{what}: not found") from e
         except StorageError:
@@ -114,7 +136,6 @@ class GcsObjects:
             raise StorageError(f"{what}: {e}") from e
 
     def list_dir(self, loc: Location) -> list[ObjectInfo]:
-        # One listing returns every object's size and CRC32C: no per-object request.
         prefix = f"{loc.path}/" if loc.path else ""
 
         def listing() -> list[ObjectInfo]:
@@ -133,6 +154,13 @@ class GcsObjects:
             ]
 
         return self._call(f"listing {loc.uri}", listing)
+
+    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
+        # GCS computes every object's CRC32C, composed ones too: the listing has them all.
+        missing = [i.uri for i in infos if i.crc32c is None]
+        if missing:
+            raise StorageError(f"{missing[0]}: the object has no CRC32C in its metadata")
+        return [str(i.crc32c) for i in infos]
 
     def read_bytes(self, loc: Location) -> bytes:
         return self._call(

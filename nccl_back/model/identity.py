@@ -3,14 +3,16 @@
 ``ModelSpec.version`` is the MD5 of the canonical JSON of the model config together
 with every shard's name *within the model* (its path relative to the model's root),
 size and CRC32C. It depends on content only: the same bytes in another directory, on
-another mount point or at a ``gs://`` URI instead of a local copy share one version, so
-those workers share weights; one changed byte changes it. Hashing the bytes' checksums,
+another mount point or in any bucket of any store instead of a local copy share one
+version, so those workers share weights; one changed byte changes it. Hashing the bytes' checksums,
 not the safetensors headers, is the point: two checkpoints with identical headers and
 one differing tensor must never share a version (vLLM 0.31's header-only key did
 exactly that).
 
-CRC32C comes for free from object metadata on ``gs://``; for local files it comes
-from :mod:`nccl_back.model.crc_cache` (computed once, cached on disk by file identity).
+Each shard's CRC32C comes from the backend of its URI's scheme
+(:meth:`~nccl_back.model.storage.Storage.crc32cs`): from the store's own metadata where
+it has a whole-object CRC32C, else computed once and cached on disk
+(:mod:`nccl_back.model.crc_cache`), local files by file identity.
 
 A diffusers pipeline folder (``model_index.json`` at the root, one folder per
 component) is one spec: its version covers ``model_index.json``, every component's
@@ -29,10 +31,10 @@ from typing import Any
 
 from nccl_back import bounded_json
 from nccl_back.config import Settings
-from nccl_back.errors import CheckpointFormatError, ConfigError, ShardNotFoundError, StorageError
-from nccl_back.model.crc_cache import Opener, local_crc32cs, open_unbuffered
+from nccl_back.errors import CheckpointFormatError, ConfigError, ShardNotFoundError
+from nccl_back.model.crc_cache import Opener
 from nccl_back.model.index import INDEX_NAME, parse_index
-from nccl_back.model.storage import Location, ObjectInfo, Shard, Storage, parse_uri
+from nccl_back.model.storage import LocalFiles, Location, ObjectInfo, Shard, Storage, parse_uri
 
 __all__ = ["ModelSpec", "Shard"]
 
@@ -81,7 +83,7 @@ class ModelSpec:
 
     @property
     def name(self) -> str:
-        """The model's folder name (the last component of its directory or ``gs://``
+        """The model's folder name (the last component of its directory or bucket
         prefix), for operators; empty for a spec without shards. Never part of the
         identity."""
         if not self.shards:
@@ -179,12 +181,12 @@ class ModelSpec:
         path_or_uri: str,
         *,
         cache_dir: str | None = None,
-        client: Any = None,
         storage: Storage | None = None,
         settings: Settings | None = None,
-        opener: Opener = open_unbuffered,
+        opener: Opener | None = None,
     ) -> ModelSpec:
-        """The spec of the checkpoint in a local directory or ``gs://`` prefix.
+        """The spec of the checkpoint in a local directory or a bucket prefix (any URI
+        :func:`~nccl_back.model.storage.parse_uri` accepts).
 
         Reads ``config.json`` and the ``*.safetensors`` shards; when a
         ``*.safetensors.index.json`` is present only the shards it lists count (a
@@ -196,30 +198,36 @@ class ModelSpec:
         ``storage``, else a :class:`Storage` with ``settings`` (retries, workers); the
         CRC32C cache lives in ``cache_dir``, else the settings' ``cache_dir``.
         """
-        storage = storage or Storage(settings, client=client)
+        storage = storage or Storage(settings)
+        if opener is not None:
+            local = LocalFiles(storage.settings, opener=opener)
+            storage = Storage(storage.settings, backends={**storage.given, "file": local},
+                              timeout=storage.timeout)
         cache_dir = cache_dir or storage.settings.cache_dir
         root = parse_uri(path_or_uri)
         try:
             files = {i.name: i for i in storage.list_dir(root.uri)}
         except ShardNotFoundError as e:
+            # A remote store says what is missing (the bucket, at which endpoint).
+            why = "" if root.is_local else f" ({e})"
             raise ShardNotFoundError(
-                f"checkpoint {root.uri!r} not found; give the directory (or gs:// prefix) "
-                "holding config.json and the *.safetensors shards (or a pipeline's model_index.json)"
+                f"checkpoint {root.uri!r} not found; give the directory (or bucket prefix)"
+                " holding config.json and the *.safetensors shards (or a pipeline's"
+                f" model_index.json){why}"
             ) from e
         if PIPELINE_INDEX_NAME in files:
-            return cls._from_pipeline(storage, root, files, cache_dir, opener)
+            return cls._from_pipeline(storage, root, files, cache_dir)
         if CONFIG_NAME not in files:
             raise ShardNotFoundError(f"{root.join(CONFIG_NAME).uri!r} does not exist")
         config = _read_json(storage, files[CONFIG_NAME])
         infos = _weight_files(storage, root, files, variants=True)
         if not infos:
             raise ShardNotFoundError(f"no *.safetensors shards in {root.uri!r}")
-        return cls(config, tuple(_shards(root, infos, "", cache_dir, opener)))
+        return cls(config, tuple(_shards(storage, infos, "", cache_dir)))
 
     @classmethod
     def _from_pipeline(
-        cls, storage: Storage, root: Location, files: dict[str, ObjectInfo], cache_dir: str,
-        opener: Opener,
+        cls, storage: Storage, root: Location, files: dict[str, ObjectInfo], cache_dir: str
     ) -> ModelSpec:
         index_uri = files[PIPELINE_INDEX_NAME].uri
         index = _read_json(storage, files[PIPELINE_INDEX_NAME])
@@ -260,7 +268,7 @@ class ModelSpec:
                     f"pipeline component {name!r}: only non-safetensors weights {other[:3]};"
                     " convert them to safetensors"
                 )
-            shards.extend(_shards(folder, weights, f"{name}/", cache_dir, opener))
+            shards.extend(_shards(storage, weights, f"{name}/", cache_dir))
         config = {"model_index": index, "components": configs}
         return cls(config, tuple(shards), tuple(components))
 
@@ -317,16 +325,11 @@ def _weight_files(
     return [files[n] for n in names]
 
 
-def _shards(
-    folder: Location, infos: list[ObjectInfo], prefix: str, cache_dir: str, opener: Opener
-) -> list[Shard]:
-    """Shards named ``prefix + file name``, with CRC32C from metadata or the local cache."""
+def _shards(storage: Storage, infos: list[ObjectInfo], prefix: str, cache_dir: str) -> list[Shard]:
+    """Shards named ``prefix + file name``, with the CRC32C their backend gives."""
     if not infos:
         return []
-    if folder.is_local:
-        crcs = local_crc32cs([i.uri for i in infos], cache_dir, opener)
-    else:
-        crcs = [_remote_crc32c(i) for i in infos]
+    crcs = storage.crc32cs(infos, cache_dir)
     return [Shard(i.uri, c, i.size, prefix + i.name) for i, c in zip(infos, crcs, strict=True)]
 
 
@@ -337,8 +340,3 @@ def _shard_from_json(item: Any) -> Shard:
     uri, crc, size = str(item[0]), str(item[1]), int(item[2])
     return Shard(uri, crc, size, str(item[3]) if len(item) == 4 else "")
 
-
-def _remote_crc32c(info: ObjectInfo) -> str:
-    if info.crc32c is None:
-        raise StorageError(f"{info.uri}: the object has no CRC32C in its metadata")
-    return info.crc32c

@@ -1,45 +1,56 @@
-"""Reading checkpoints from storage: local paths, ``file://`` and ``gs://bucket/prefix``.
+"""Reading checkpoints from storage, one backend per URI scheme.
 
-Each scheme has a :class:`Backend` (the reads) and its URI form, in one map,
-:data:`SCHEMES`; :class:`Storage` picks the backend by a URI's scheme. Local files are
-read with positional reads (:class:`LocalFiles`); ``gs://`` objects by
-:class:`nccl_back.model.gcs.GcsObjects`, imported on first use, with timeouts and
-retries. A remote shard is downloaded as parallel ranged chunks into one
-pre-allocated buffer, and its CRC32C is checked against the checksum it was
-identified by: a mismatch re-downloads the shard, then raises
-:class:`ChecksumMismatchError`. Adding a scheme is a backend and an entry in the map.
+A :class:`Backend` is everything one scheme needs: its URI rules, listing with sizes,
+each object's CRC32C (from its metadata, or computed once and cached), whole and
+ranged reads, and the ranged fetch that :class:`Storage` builds parallel, verified
+downloads from. Backends register by scheme (:func:`register_backend`, like the
+transport registry); :data:`SCHEMES` names the module registering each, imported on
+first use, so a worker reading local files never loads a cloud client. Local files
+(:class:`LocalFiles`) are read with positional reads; ``gs://`` is
+:mod:`nccl_back.model.gcs`, ``s3://`` :mod:`nccl_back.model.s3`. A remote shard is
+downloaded as parallel ranged chunks into one pre-allocated buffer, and its CRC32C is
+checked against the checksum it was identified by: a mismatch re-downloads the shard,
+then raises :class:`ChecksumMismatchError`. Adding a scheme is a module with a backend
+and a line in :data:`SCHEMES`.
 """
 
 from __future__ import annotations
 
-import base64
+import abc
+import importlib
 import os
-import re
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, TypeVar
 
 import google_crc32c
 import numpy as np
-from tenacity import wait_random_exponential
-from tenacity.wait import wait_base
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import ChecksumMismatchError, ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
+from nccl_back.model.crc_cache import Opener, local_crc32cs, open_unbuffered
 
 log = get_logger("nccl_back.model.storage")
 
-#: Seconds one HTTP request to GCS may take (connect and each read).
+T = TypeVar("T")
+
+#: Seconds one request to remote storage may wait (to connect, and for each read).
 DEFAULT_TIMEOUT = 60.0
 #: Smallest ranged request a shard is cut into (smaller shards are one request).
 MIN_CHUNK_BYTES = 1 << 20
-
-# GCS bucket names: 3-222 characters of lowercase letters, digits, '-', '_' and '.'.
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+#: Every scheme a URI may have (a plain path is ``file``), and the module that
+#: registers its backend.
+SCHEMES: dict[str, str] = {
+    "file": __name__,
+    "gs": "nccl_back.model.gcs",
+    "s3": "nccl_back.model.s3",
+}
 
 
 @dataclass(frozen=True)
@@ -47,18 +58,18 @@ class Location:
     """A parsed storage address: a local absolute path, or a bucket and object name."""
 
     scheme: str
-    """A key of :data:`SCHEMES`: ``file`` or ``gs``."""
+    """A key of :data:`SCHEMES`."""
     bucket: str
     path: str
 
     @property
     def is_local(self) -> bool:
         """A file on this machine: read in place, never downloaded."""
-        return SCHEMES[self.scheme].local
+        return backend_class(self.scheme).local
 
     @property
     def uri(self) -> str:
-        """The canonical form: the absolute path for local files, ``gs://bucket/name``."""
+        """The canonical form: the absolute path for local files, ``scheme://bucket/name``."""
         return self.path if self.is_local else f"{self.scheme}://{self.bucket}/{self.path}"
 
     def join(self, name: str) -> Location:
@@ -68,38 +79,25 @@ class Location:
         return Location(self.scheme, self.bucket, f"{self.path}/{name}" if self.path else name)
 
 
-def _parse_file(uri: str, rest: str) -> Location:
-    if not rest.startswith("/"):
-        raise ConfigError(f"storage URI {uri!r}: file:// needs an absolute path (file:///dir)")
-    return Location("file", "", os.path.abspath(rest))
-
-
-def _parse_gs(uri: str, rest: str) -> Location:
-    bucket, _, name = rest.partition("/")
-    if not _BUCKET_RE.match(bucket):
-        raise ConfigError(f"storage URI {uri!r}: bad bucket name {bucket!r}; use gs://bucket/prefix")
-    return Location("gs", bucket, name.strip("/"))
-
-
-def _forms() -> str:
-    forms = ["a local path", *(s.form for s in SCHEMES.values())]
-    return ", ".join(forms[:-1]) + " or " + forms[-1]
+def forms() -> str:
+    """Every accepted URI form, for messages: ``a local path, file:///path, ... or ...``."""
+    found = ["a local path", *(backend_class(s).form for s in SCHEMES)]
+    return ", ".join(found[:-1]) + " or " + found[-1]
 
 
 def parse_uri(uri: str) -> Location:
-    """Parse a local path, ``file:///abs/path`` or ``gs://bucket/name``.
+    """Parse a local path or ``scheme://...`` by its backend's rules.
 
     Raises :class:`ConfigError` naming the bad value and the accepted forms.
     """
     if not isinstance(uri, str) or not uri:
-        raise ConfigError(f"storage URI {uri!r}: give {_forms()}")
+        raise ConfigError(f"storage URI {uri!r}: give {forms()}")
     name, sep, rest = uri.partition("://")
     if not sep:
         return Location("file", "", os.path.abspath(uri))
-    scheme = SCHEMES.get(name)
-    if scheme is None:
-        raise ConfigError(f"storage URI {uri!r}: unsupported scheme; use {_forms()}")
-    return scheme.parse(uri, rest)
+    if name not in SCHEMES:
+        raise ConfigError(f"storage URI {uri!r}: unsupported scheme; use {forms()}")
+    return backend_class(name).parse(uri, rest)
 
 
 @dataclass(frozen=True)
@@ -123,12 +121,18 @@ class Shard:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """A file or object found by :meth:`Storage.list_dir`; ``crc32c`` is None for local files."""
+    """A file or object found by :meth:`Storage.list_dir`.
+
+    ``crc32c`` is set where the listing itself carries it (``gs://``), else None: ask
+    :meth:`Storage.crc32cs`. ``tag`` is the object's version as its store reports it
+    (an S3 ETag), "" where the backend has none.
+    """
 
     uri: str
     name: str
     size: int
     crc32c: str | None
+    tag: str = ""
 
 
 def crc32c_hex(data: Any) -> str:
@@ -136,33 +140,124 @@ def crc32c_hex(data: Any) -> str:
     return f"{google_crc32c.value(data):08x}"
 
 
-def crc32c_from_gcs(b64: str) -> str:
-    """GCS metadata reports CRC32C as base64 of 4 big-endian bytes; return 8 hex digits."""
-    return base64.b64decode(b64).hex()
+class Backend(abc.ABC):
+    """What one storage scheme implements, all of it; one instance may be shared by threads.
 
+    Made by :class:`Storage` as ``cls(settings)`` on a scheme's first use. Requests to
+    remote storage are bounded by ``timeout`` and retried through :func:`with_retries`;
+    failures raise :class:`StorageError` (:class:`ShardNotFoundError` for what does not
+    exist) in one line naming the URI and the fix.
+    """
 
-class Backend(Protocol):
-    """The reads of one storage scheme; one instance may be shared by threads."""
+    scheme: ClassVar[str]
+    """The URI scheme, a key of :data:`SCHEMES`."""
+    form: ClassVar[str]
+    """The URI form, for messages (``s3://bucket/prefix``)."""
+    local: ClassVar[bool] = False
+    """Files on this machine: read in place by the loader, never downloaded."""
 
+    def __init__(self, settings: Settings, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.settings = settings
+        self.timeout = timeout
+
+    @classmethod
+    @abc.abstractmethod
+    def parse(cls, uri: str, rest: str) -> Location:
+        """``(uri, the part after "scheme://") -> Location``; :class:`ConfigError` naming
+        the value if it breaks the scheme's rules."""
+
+    @abc.abstractmethod
     def list_dir(self, loc: Location) -> list[ObjectInfo]:
-        """The files (objects) directly inside ``loc``, in any order."""
-        ...
+        """The files (objects) directly inside ``loc``, in any order, with their sizes."""
 
+    @abc.abstractmethod
+    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
+        """Each listed object's CRC32C (8 hex digits), in order: from its metadata where
+        it has a whole-object one, else computed once and cached in ``cache_dir``."""
+
+    @abc.abstractmethod
     def read_bytes(self, loc: Location) -> bytes:
         """The whole content of a small file or object."""
-        ...
 
+    @abc.abstractmethod
     def read_range(self, loc: Location, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``, ``start < end`` (fewer only if the file is shorter)."""
-        ...
 
+    @abc.abstractmethod
     def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
         """Read ``len(view)`` bytes at ``start`` into ``view`` (a download's chunk); bytes read."""
-        ...
+
+    def describe(self) -> str:
+        """Where this backend reads and as whom, for ``nccl-back check`` ("" if nothing to say)."""
+        return ""
 
 
-class LocalFiles:
-    """Files on this machine (:class:`Backend`): positional reads, no retries."""
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Called by the module :data:`SCHEMES` names, at import: ``cls`` reads ``cls.scheme``."""
+    if cls.scheme not in SCHEMES:
+        raise ConfigError(f"storage scheme {cls.scheme!r} is not one of {sorted(SCHEMES)}")
+    _REGISTRY[cls.scheme] = cls
+    return cls
+
+
+def backend_class(scheme: str) -> type[Backend]:
+    """The backend registered for ``scheme``, importing its module on first use."""
+    found = _REGISTRY.get(scheme)
+    if found is None:
+        if scheme not in SCHEMES:
+            raise ConfigError(f"storage scheme {scheme!r}: choose one of {sorted(SCHEMES)}")
+        importlib.import_module(SCHEMES[scheme])
+        found = _REGISTRY[scheme]
+    return found
+
+
+#: Waits between a remote request's attempts (slept through :mod:`nccl_back._clock`).
+RETRY_WAIT = wait_random_exponential(multiplier=0.5, max=30)
+
+
+def with_retries(
+    settings: Settings, what: str, fn: Callable[[], T], transient: Callable[[BaseException], bool]
+) -> T:
+    """``fn()``, retried while it fails with a ``transient`` error, up to
+    ``storage_attempts`` attempts with exponential backoff and jitter; the last error is
+    raised as it came (the backend maps it to a :class:`StorageError`)."""
+    retrying = Retrying(
+        stop=stop_after_attempt(settings.storage_attempts),
+        wait=RETRY_WAIT,
+        retry=retry_if_exception(transient),
+        reraise=True,
+        before_sleep=lambda rs: log.warning(
+            "storage_retry", what=what, attempt=rs.attempt_number,
+            error=repr(rs.outcome.exception()) if rs.outcome else None,
+        ),
+        sleep=_clock.sleep,
+    )
+    return retrying(fn)
+
+
+class LocalFiles(Backend):
+    """Files on this machine: positional reads, no retries; CRC32C through the cache of
+    :mod:`~nccl_back.model.crc_cache` (``opener`` opens files for checksumming)."""
+
+    scheme = "file"
+    form = "file:///path"
+    local = True
+
+    def __init__(
+        self, settings: Settings | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+        opener: Opener = open_unbuffered,
+    ) -> None:
+        super().__init__(settings or Settings(), timeout=timeout)
+        self.opener = opener
+
+    @classmethod
+    def parse(cls, uri: str, rest: str) -> Location:
+        if not rest.startswith("/"):
+            raise ConfigError(f"storage URI {uri!r}: file:// needs an absolute path (file:///dir)")
+        return Location("file", "", os.path.abspath(rest))
 
     def list_dir(self, loc: Location) -> list[ObjectInfo]:
         try:
@@ -172,6 +267,9 @@ class LocalFiles:
         except OSError as e:
             raise StorageError(f"listing {loc.path!r}: {e}") from e
         return [ObjectInfo(e.path, e.name, e.stat().st_size, None) for e in entries]
+
+    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
+        return local_crc32cs([i.uri for i in infos], cache_dir, self.opener)
 
     def read_bytes(self, loc: Location) -> bytes:
         try:
@@ -196,71 +294,64 @@ class LocalFiles:
         raise ConfigError(f"{loc.uri!r} is local; read it in place instead of downloading")
 
 
-def _gcs(storage: Storage) -> Backend:
-    from nccl_back.model.gcs import GcsObjects  # the Google client: only once gs:// is read
-
-    return GcsObjects(storage.settings, storage._client, storage.wait, storage.timeout)
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """One URI scheme: its form (for messages), its parser and its backend."""
-
-    form: str
-    local: bool
-    """Files on this machine: read in place by the loader, never downloaded."""
-    parse: Callable[[str, str], Location]
-    """``(uri, the part after "scheme://") -> Location``; :class:`ConfigError` if malformed."""
-    backend: Callable[[Storage], Backend]
-    """Makes the scheme's backend for a :class:`Storage` (once, on its first use)."""
-
-
-#: Every scheme a URI may have (a plain path is ``file``).
-SCHEMES: dict[str, Scheme] = {
-    "file": Scheme("file:///path", True, _parse_file, lambda storage: LocalFiles()),
-    "gs": Scheme("gs://bucket/prefix", False, _parse_gs, _gcs),
-}
+register_backend(LocalFiles)
 
 
 class Storage:
     """Reads files and objects through the backend of each URI's scheme; one instance
     may be shared by threads.
 
-    ``client`` is a ``google.cloud.storage.Client``, created on first ``gs://`` use when
-    not given. The waits between a remote request's attempts sleep through
-    :mod:`nccl_back._clock` (tests make them instant there).
+    ``backends`` gives ready backends by scheme (one on a client the caller made, local
+    files with another opener); the others are made on first use with ``settings``.
     """
 
     def __init__(
         self,
         settings: Settings | None = None,
         *,
-        client: Any = None,
+        backends: Mapping[str, Backend] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.settings = settings or Settings()
-        self._client = client
-        self.wait: wait_base = wait_random_exponential(multiplier=0.5, max=30)
         self.timeout = timeout
-        self._backends: dict[str, Backend] = {}
+        self.given: dict[str, Backend] = dict(backends or {})
+        for scheme, b in self.given.items():
+            if b.scheme != scheme:
+                raise ConfigError(f"backend {type(b).__name__} reads {b.scheme}://, not {scheme}://")
+        self._backends: dict[str, Backend] = dict(self.given)
         self._lock = threading.Lock()
 
     def backend(self, loc: Location) -> Backend:
         """The backend reading ``loc``'s scheme (made on first use, then shared)."""
+        return self.scheme_backend(loc.scheme)
+
+    def scheme_backend(self, scheme: str) -> Backend:
+        """The backend of ``scheme`` (a key of :data:`SCHEMES`), made on first use."""
         with self._lock:
-            found = self._backends.get(loc.scheme)
+            found = self._backends.get(scheme)
             if found is None:
-                found = self._backends[loc.scheme] = SCHEMES[loc.scheme].backend(self)
+                cls = backend_class(scheme)
+                found = self._backends[scheme] = cls(self.settings, timeout=self.timeout)
             return found
 
     def list_dir(self, uri: str) -> list[ObjectInfo]:
-        """The files (objects) directly inside directory (prefix) ``uri``, sorted by name.
-
-        For ``gs://`` one listing returns every object's size and CRC32C, so no byte is
-        downloaded and no per-object metadata request is needed.
-        """
+        """The files (objects) directly inside directory (prefix) ``uri``, sorted by name."""
         loc = parse_uri(uri)
         return sorted(self.backend(loc).list_dir(loc), key=lambda i: i.name)
+
+    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str | None = None) -> list[str]:
+        """Each listed object's CRC32C, in order, from its scheme's backend (metadata, or
+        computed once and cached in ``cache_dir``, else the settings' ``cache_dir``)."""
+        cache = cache_dir or self.settings.cache_dir
+        by_scheme: dict[str, list[int]] = {}
+        for i, info in enumerate(infos):
+            by_scheme.setdefault(parse_uri(info.uri).scheme, []).append(i)
+        out: list[str] = [""] * len(infos)
+        for scheme, idx in by_scheme.items():
+            backend = self.scheme_backend(scheme)
+            for i, crc in zip(idx, backend.crc32cs([infos[i] for i in idx], cache), strict=True):
+                out[i] = crc
+        return out
 
     def read_bytes(self, uri: str) -> bytes:
         """The whole content of a small file or object (config, index)."""

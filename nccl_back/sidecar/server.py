@@ -63,7 +63,7 @@ class ServeOptions:
     """What ``nccl-back serve`` was asked to do (beyond :class:`Settings`)."""
 
     model_uri: str
-    """Checkpoint directory or ``gs://bucket/prefix``."""
+    """Checkpoint directory, ``gs://bucket/prefix`` or ``s3://bucket/prefix``."""
     device: torch.device
     factory: Callable[[], Model] | None = None
     """Builds the skeleton (run under :func:`skeleton.build`); None: a flat skeleton
@@ -144,7 +144,7 @@ def check_local_model(uri: str) -> None:
     if loc.is_local and not os.path.isdir(loc.path):
         raise ConfigError(
             f"--model {uri!r}: no such directory; give the checkpoint directory"
-            " (or gs://bucket/prefix) holding config.json and *.safetensors"
+            " (or gs:// or s3:// bucket prefix) holding config.json and *.safetensors"
         )
 
 

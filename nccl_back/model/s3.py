@@ -1,0 +1,403 @@
+"""The ``s3://bucket/prefix`` storage backend, through ``boto3``: AWS S3 or any
+S3-compatible store (MinIO, Cloudflare R2, Ceph).
+
+What a user of those expects, and nothing of our own beyond one setting:
+
+- Endpoint: ``Settings.s3_endpoint_url`` (``NCCL_BACK_S3_ENDPOINT_URL``), else boto3's
+  own configuration: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``endpoint_url`` in
+  the AWS config file; else AWS. A custom endpoint is addressed path-style.
+- Credentials: boto3's standard chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+  ``AWS_PROFILE`` and the shared files, web identity as on EKS, container and instance
+  roles). Region: ``AWS_REGION``/``AWS_DEFAULT_REGION`` or the profile's.
+- Requests: connect and read timeouts, botocore's own retries off, ours
+  (:func:`~nccl_back.model.storage.with_retries`) on 429, 5xx, ``SlowDown`` and
+  connection errors; waits go through :mod:`nccl_back._clock`.
+
+CRC32C: a listing gives sizes and ETags but no checksum values, so each object is
+asked once (HeadObject, ``ChecksumMode=ENABLED``). A whole-object ``ChecksumCRC32C``
+is used as it is; a composite one (a multipart upload's, ``...-N``) is no CRC32C of the
+object and counts as absent: then the object is read once, as parallel ranged GETs
+pinned to the listed ETag (``If-Match``), its pieces' CRC32C combined. Either way the
+value is cached by (endpoint, bucket, key, ETag, size) in ``cache_dir``, so a restart
+sends no request per object. Downloads are ranged GETs into the destination buffer;
+:class:`~nccl_back.model.storage.Storage` checks their CRC32C.
+
+boto3 is imported on the first request only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import google_crc32c
+import numpy as np
+
+from nccl_back.config import Settings
+from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
+from nccl_back.log import get_logger
+from nccl_back.model.crc_cache import CrcCache, crc32c_combine
+from nccl_back.model.storage import (
+    DEFAULT_TIMEOUT,
+    MIN_CHUNK_BYTES,
+    Backend,
+    Location,
+    ObjectInfo,
+    register_backend,
+    with_retries,
+)
+
+log = get_logger("nccl_back.model.storage")
+
+T = TypeVar("T")
+
+# S3 bucket names: 3-63 lowercase letters, digits, '.' and '-', starting and ending
+# with a letter or digit, no '..', not an IPv4 address.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4_RE = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
+_BUCKET_RULES = "3-63 lowercase letters, digits, '.' and '-'"
+#: Pages of 1000 keys a listing may take (a prefix holds one model's files).
+MAX_LIST_PAGES = 1000
+#: Bytes read from a response body at a time (a CRC pass keeps no more per worker).
+_READ_BYTES = 1 << 20
+
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+    "ServiceUnavailable", "RequestLimitExceeded",
+})
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_DENIED_CODES = frozenset({
+    "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "AllAccessDisabled",
+})
+_CREDENTIALS_FIX = (
+    "give this worker AWS credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
+    " AWS_PROFILE, or a pod or instance role"
+)
+_ENDPOINT_FIX = "set AWS_ENDPOINT_URL_S3 (or NCCL_BACK_S3_ENDPOINT_URL) for a store other than AWS"
+
+
+def whole_object_crc32c(value: Any, checksum_type: Any, etag: Any) -> str | None:
+    """The object's CRC32C as 8 hex digits from HeadObject's ``ChecksumCRC32C``, or None
+    when there is none or it is composite (a multipart upload's CRC of its parts' CRCs:
+    ``...-N``, ``ChecksumType`` ``COMPOSITE``, or no type on a multipart ETag)."""
+    if not isinstance(value, str) or "-" in value or checksum_type == "COMPOSITE":
+        return None
+    multipart = isinstance(etag, str) and re.search(r"-\d+\"?$", etag) is not None
+    if multipart and checksum_type != "FULL_OBJECT":
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 4 else None
+
+
+def _error_code(e: Any) -> tuple[str, int]:
+    response = getattr(e, "response", None) or {}
+    code = str((response.get("Error") or {}).get("Code", ""))
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
+    return code, int(status) if isinstance(status, int) else 0
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a failed request is worth retrying: 429, 5xx, throttling, connection errors."""
+    from botocore import exceptions as bexc
+
+    if isinstance(e, bexc.ClientError):
+        code, status = _error_code(e)
+        return status == 429 or status >= 500 or code in _TRANSIENT_CODES
+    if isinstance(e, bexc.SSLError):
+        return False  # a certificate that failed will fail again
+    return isinstance(e, (bexc.HTTPClientError, bexc.ConnectionError, ConnectionError, TimeoutError))
+
+
+def _read_body(body: Any, what: str, sink: Callable[[bytes], None], most: int) -> int:
+    """Stream a response body into ``sink`` in bounded reads; bytes read (at most ``most``)."""
+    got = 0
+    try:
+        while chunk := body.read(min(_READ_BYTES, most - got + 1)):
+            got += len(chunk)
+            if got > most:
+                raise StorageError(f"{what}: the server sent more than the {most} bytes requested")
+            sink(chunk)
+    finally:
+        body.close()
+    return got
+
+
+@register_backend
+class S3Objects(Backend):
+    """Reads ``s3://`` objects; thread-safe (one boto3 client, made on first use)."""
+
+    scheme = "s3"
+    form = "s3://bucket/prefix"
+
+    def __init__(
+        self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        super().__init__(settings, timeout=timeout)
+        self._client = client
+        self._session: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def parse(cls, uri: str, rest: str) -> Location:
+        bucket, _, key = rest.partition("/")
+        if not _BUCKET_RE.match(bucket) or ".." in bucket or _IPV4_RE.match(bucket):
+            raise ConfigError(f"storage URI {uri!r}: bad bucket name {bucket!r} ({_BUCKET_RULES});"
+                              " use s3://bucket/prefix")
+        return Location("s3", bucket, key.strip("/"))
+
+    @property
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                import boto3
+                from botocore import exceptions as bexc
+                from botocore.config import Config
+
+                config = Config(
+                    connect_timeout=self.timeout, read_timeout=self.timeout,
+                    retries={"total_max_attempts": 1},  # ours are the only retries
+                    max_pool_connections=max(10, 2 * self.settings.storage_workers),
+                    # We check CRC32C over the bytes copied; botocore's own (CRC32 on
+                    # uploads, whole-object checks) would only add work.
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                )
+                try:
+                    self._session = boto3.session.Session()
+                    self._client = self._session.client(
+                        "s3", endpoint_url=self.settings.s3_endpoint_url or None, config=config
+                    )
+                except (bexc.BotoCoreError, ValueError) as e:
+                    raise StorageError(f"s3://: cannot make a client ({e}); check AWS_PROFILE,"
+                                       f" the AWS config file and the endpoint") from e
+            return self._client
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.client.meta.endpoint_url)
+
+    def describe(self) -> str:
+        try:
+            creds = self._session.get_credentials() if self._session is not None else None
+            who = f"credentials from {creds.method}" if creds is not None else "no credentials"
+            return f"endpoint {self.endpoint}, region {self.client.meta.region_name}, {who}"
+        except Exception:  # a description must never fail the check it decorates
+            return ""
+
+    def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
+        """Run one request with retries; map failures to one line naming the URI and the fix."""
+        from botocore import exceptions as bexc
+
+        try:
+            return with_retries(self.settings, what, fn, is_transient)
+        except StorageError:
+            raise
+        except bexc.ClientError as e:
+            raise self._client_error(what, loc, e) from e
+        except (bexc.NoCredentialsError, bexc.PartialCredentialsError,
+                bexc.CredentialRetrievalError) as e:
+            raise StorageError(f"{what}: no usable AWS credentials ({e}); {_CREDENTIALS_FIX}") from e
+        except bexc.SSLError as e:
+            raise StorageError(f"{what}: TLS failed ({e}); set AWS_CA_BUNDLE to the CA bundle"
+                               " that signed the endpoint's certificate") from e
+        except Exception as e:
+            if is_transient(e):
+                raise StorageError(
+                    f"{what}: failed after {self.settings.storage_attempts} attempts: {e}"
+                    f" (endpoint {self.endpoint}; {_ENDPOINT_FIX})"
+                ) from e
+            raise StorageError(f"{what}: {e}") from e
+
+    def _client_error(self, what: str, loc: Location, e: Any) -> StorageError:
+        code, status = _error_code(e)
+        if code == "NoSuchBucket":
+            return ShardNotFoundError(f"{what}: bucket {loc.bucket!r} does not exist at"
+                                      f" {self.endpoint}; check the name, or {_ENDPOINT_FIX}")
+        if code in _NOT_FOUND_CODES or status == 404:
+            return ShardNotFoundError(f"{what}: not found")
+        if code in _DENIED_CODES or status == 403:
+            return StorageError(f"{what}: access denied ({code}); give these credentials"
+                                f" s3:ListBucket and s3:GetObject on bucket {loc.bucket!r}")
+        if code == "PreconditionFailed" or status == 412:
+            return StorageError(f"{what}: the object was rewritten while it was read; retry")
+        if status in (301, 307) or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
+            return StorageError(f"{what}: bucket {loc.bucket!r} is in another region ({code});"
+                                " set AWS_REGION to the bucket's region")
+        if status >= 500 or status == 429 or code in _TRANSIENT_CODES:
+            return StorageError(f"{what}: failed after {self.settings.storage_attempts} attempts:"
+                                f" {code or status}")
+        return StorageError(f"{what}: {code or status}: {e}")
+
+    # -- listing and checksums ---------------------------------------------------------
+
+    def list_dir(self, loc: Location) -> list[ObjectInfo]:
+        prefix = f"{loc.path}/" if loc.path else ""
+
+        def listing() -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
+            args: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": prefix, "Delimiter": "/"}
+            for _ in range(MAX_LIST_PAGES):
+                page = self.client.list_objects_v2(**args)
+                for item in page.get("Contents") or ():
+                    info = self._object_info(loc, prefix, item)
+                    if info is not None:
+                        found.append(info)
+                token = page.get("NextContinuationToken")
+                if not page.get("IsTruncated") or not isinstance(token, str) or not token:
+                    return found
+                args["ContinuationToken"] = token
+            raise StorageError(f"listing {loc.uri}: over {MAX_LIST_PAGES} pages of objects;"
+                               " give the prefix of one model")
+
+        return self._call(f"listing {loc.uri}", loc, listing)
+
+    def _object_info(self, loc: Location, prefix: str, item: Any) -> ObjectInfo | None:
+        """A listed object, or None (logged) for an entry that is not one directly inside."""
+        key, size, etag = item.get("Key"), item.get("Size"), item.get("ETag")
+        ok = (isinstance(key, str) and key.startswith(prefix) and "/" not in key[len(prefix):]
+              and key != prefix and isinstance(size, int) and size >= 0
+              and isinstance(etag, str))
+        if not ok:
+            if key != prefix:
+                log.warning("s3_listing_entry_skipped", uri=loc.uri, key=repr(key)[:200])
+            return None
+        return ObjectInfo(f"s3://{loc.bucket}/{key}", key[len(prefix):], size, None, tag=etag)
+
+    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
+        cache = CrcCache(cache_dir)
+        keys = [["s3", self.endpoint, i.tag, i.size] if i.tag else None for i in infos]
+        out = [cache.get_key(i.uri, k) if k else None for i, k in zip(infos, keys, strict=True)]
+        todo = [j for j, crc in enumerate(out) if crc is None]
+        workers = max(1, min(self.settings.storage_workers, len(todo)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-s3-head") as pool:
+            heads = list(pool.map(lambda j: self._head_crc32c(infos[j]), todo))
+        for j, crc in zip(todo, heads, strict=True):
+            if crc is None:
+                # One pass at a time: each already reads with every storage worker.
+                crc = self._compute_crc32c(infos[j])
+            out[j] = crc
+            key = keys[j]
+            if key is not None:
+                cache.put_key(infos[j].uri, key, crc)
+        cache.save()
+        return [str(c) for c in out]
+
+    def _loc(self, info: ObjectInfo) -> Location:
+        bucket, _, key = info.uri[len("s3://"):].partition("/")
+        return Location("s3", bucket, key)
+
+    def _head_crc32c(self, info: ObjectInfo) -> str | None:
+        """The whole-object CRC32C in ``info``'s metadata; None if it has none."""
+        loc = self._loc(info)
+        head = self._call(
+            f"reading the metadata of {info.uri}", loc,
+            lambda: self.client.head_object(Bucket=loc.bucket, Key=loc.path, ChecksumMode="ENABLED"),
+        )
+        etag, size = head.get("ETag"), head.get("ContentLength")
+        if (info.tag and etag != info.tag) or size != info.size:
+            raise StorageError(f"{info.uri} changed after it was listed (ETag {info.tag} size"
+                               f" {info.size}, now {etag} size {size}); run again")
+        crc = whole_object_crc32c(head.get("ChecksumCRC32C"), head.get("ChecksumType"), etag)
+        if crc is None:
+            log.info("s3_no_whole_object_crc32c", uri=info.uri, size=info.size,
+                     checksum=str(head.get("ChecksumCRC32C"))[:40])
+        return crc
+
+    def _compute_crc32c(self, info: ObjectInfo) -> str:
+        """Read the object once (parallel ranged GETs pinned to its listed ETag) for its CRC32C."""
+        loc = self._loc(info)
+        size = info.size
+        step = min(self.settings.chunk_bytes,
+                   max(-(-size // self.settings.storage_workers), MIN_CHUNK_BYTES))
+        pinned = {"IfMatch": info.tag} if info.tag else {}
+
+        def piece(off: int) -> int:
+            n = min(step, size - off)
+            what = f"reading {info.uri} [{off}, {off + n}) for its CRC32C"
+
+            def fetch() -> int:
+                crc = 0
+
+                def extend(data: bytes) -> None:
+                    nonlocal crc
+                    crc = google_crc32c.extend(crc, data)
+
+                got = self._ranged(loc, off, n, what, extend, **pinned)
+                if got != n:
+                    raise StorageError(f"{what}: received {got} bytes, expected {n}")
+                return crc
+
+            return self._call(what, loc, fetch)
+
+        offsets = range(0, size, step)
+        workers = max(1, min(self.settings.storage_workers, len(offsets)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-s3-crc") as pool:
+            crcs = list(pool.map(piece, offsets))
+        total = 0
+        for off, crc in zip(offsets, crcs, strict=True):
+            total = crc32c_combine(total, crc, min(step, size - off))
+        log.info("s3_crc32c_computed", uri=info.uri, size=size, crc32c=f"{total:08x}")
+        return f"{total:08x}"
+
+    # -- reads -------------------------------------------------------------------------
+
+    def _ranged(self, loc: Location, start: int, n: int, what: str,
+                sink: Callable[[bytes], None], **extra: Any) -> int:
+        """One GET of bytes ``[start, start + n)`` streamed into ``sink``; bytes received."""
+        resp = self.client.get_object(
+            Bucket=loc.bucket, Key=loc.path, Range=f"bytes={start}-{start + n - 1}", **extra
+        )
+        got_range = resp.get("ContentRange")
+        if start and not (isinstance(got_range, str) and got_range.startswith(f"bytes {start}-")):
+            resp["Body"].close()
+            # A server that ignores Range sends the object from its first byte.
+            raise StorageError(f"{what}: the server answered Range bytes={start}-... with"
+                               f" {got_range!r}; use an endpoint that supports ranged GETs")
+        return _read_body(resp["Body"], what, sink, n)
+
+    def read_bytes(self, loc: Location) -> bytes:
+        def whole() -> bytes:
+            resp = self.client.get_object(Bucket=loc.bucket, Key=loc.path)
+            try:
+                return bytes(resp["Body"].read())
+            finally:
+                resp["Body"].close()
+
+        return self._call(f"reading {loc.uri}", loc, whole)
+
+    def read_range(self, loc: Location, start: int, end: int) -> bytes:
+        from botocore import exceptions as bexc
+
+        buf = np.empty(end - start, dtype=np.uint8)
+        try:
+            n = self.fetch_into(loc, buf.data, start)
+        except StorageError as e:
+            if isinstance(e.__cause__, bexc.ClientError) and _error_code(e.__cause__)[0] == "InvalidRange":
+                return b""  # starts past the end: the object is shorter
+            raise
+        return buf[:n].tobytes()
+
+    def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
+        """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; bytes received."""
+        what = f"downloading {loc.uri} [{start}, {start + len(view)})"
+
+        def fetch() -> int:
+            pos = 0
+
+            def copy(data: bytes) -> None:
+                nonlocal pos
+                view[pos : pos + len(data)] = data
+                pos += len(data)
+
+            return self._ranged(loc, start, len(view), what, copy)
+
+        return self._call(what, loc, fetch)

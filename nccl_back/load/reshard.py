@@ -19,7 +19,7 @@ so all ranks reshard, or none does:
    (:mod:`nccl_back.model.position_truth`).
 3. *Publish* (:func:`published`): the worker serves its own layout like any holder:
    its layout, the position truth it verified, and layer hashes of its verified bytes as
-   its flavour's ground truth (rooted in the position check: see the README).
+   its flavour's ground truth (rooted in the position check: see docs/layouts.md).
 
 A failed receive or check on any rank sends every rank to storage with its reason.
 """

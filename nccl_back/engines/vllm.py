@@ -34,7 +34,7 @@ parallelism, KV-cache dtype, revision and ``hf_overrides``. When every rank's
 parameters are described as pieces of the checkpoint (:mod:`.vllm_layout`: the layers
 of dense decoder models) the tensor-parallel size and rank leave the version: engines
 of other TP sizes then share it and reshard from each other when no engine of their
-own layout serves (the README's "Layouts"); otherwise they stay in it and engines of
+own layout serves (docs/layouts.md); otherwise they stay in it and engines of
 different layouts never exchange weights.
 
 **Ranks.** Each vLLM worker process is one rank; consensus, election and fallback run

@@ -140,7 +140,7 @@ class WeightService:
         ``sharding`` (:func:`nccl_back.sharding`): which pieces of the checkpoint this
         rank's skeleton holds. With it the rank can also load from holders of other
         layouts (world sizes), receiving only its pieces, and loads from storage by
-        cutting them from the checkpoint; see the README's "Layouts".
+        cutting them from the checkpoint; see docs/layouts.md.
         """
         self._check_open()
         rank, world = rank_and_size(group)

@@ -119,13 +119,24 @@ def _find_all(env: Env, a: Attempt, sh: Sharding) -> Found | None:
             a.reason = e
     a.timings["reshard_discovery"] = _clock.perf() - began
     if not agree(a, "reshard discovery").ok:
-        a.log.info("reshard_skipped", reason=str(a.reason) if a.reason else "another rank")
-        a.reason = before
+        why = str(a.reason) if a.reason else "another rank found none"
+        a.log.info("reshard_skipped", reason=why)
+        a.reason = _also(before, f"no reshard either: {why}")
         return None
     # One value on every rank of the group, new for every load: the ranks' random parts.
     parts = gather(secrets.randbits(62), a.group)
     share = hashlib.sha256(",".join(map(str, parts)).encode()).hexdigest()[:32]
     return None if found is None else dataclasses.replace(found, share=share)
+
+
+def _also(reason: NcclBackError | None, more: str) -> NcclBackError | None:
+    """``reason`` (its class: its fallback code) saying ``more`` as well."""
+    if reason is None:
+        return None
+    try:
+        return type(reason)(f"{reason}; {more}")
+    except TypeError:  # a class whose constructor takes more
+        return reason
 
 
 def find(env: Env, a: Attempt, sh: Sharding) -> Found:

@@ -88,6 +88,12 @@ def test_a_claim_is_signed_with_its_expiry_and_renewed_by_resigning(
     assert reg.get_signed(key, schema.CLAIM) is not None
 
 
+def _race(reg: Registry, barrier: threading.Barrier, tokens: list[str | None], peer: str, i: int,
+          slots: int, share: str) -> None:
+    barrier.wait()
+    tokens.append(reg.claim(peer, f"g-{i}", slots, 5.0, share=share))
+
+
 @pytest.mark.parametrize("slots", [2, 3, 8])
 def test_the_ranks_of_a_group_racing_for_slots_take_one(redis_url: str, namespace: str,
                                                         slots: int) -> None:
@@ -98,12 +104,8 @@ def test_the_ranks_of_a_group_racing_for_slots_take_one(redis_url: str, namespac
         share = f"{trial:032x}"
         tokens: list[str | None] = []
         barrier = threading.Barrier(4)
-
-        def rank(i: int, share: str = share) -> None:
-            barrier.wait()
-            tokens.append(reg.claim(f"p{trial}", f"g-{i}", slots, 5.0, share=share))
-
-        threads = [threading.Thread(target=rank, args=(i,)) for i in range(4)]
+        threads = [threading.Thread(target=_race, args=(reg, barrier, tokens, f"p{trial}", i, slots, share))
+                   for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:

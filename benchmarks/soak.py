@@ -21,8 +21,14 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
 - ``redis_flush`` (FLUSHALL: Redis restarted empty, cheap form), ``redis_restart`` (the
   redis-server SIGKILLed and a new empty one started on the same port), ``redis_outage``
   (SIGKILLed, and restarted empty only after a drawn pause of 0.5-4 s: a failover's window);
-- ``hostile``: records written into the namespace without the secret (garbage JSON,
-  a wrong Redis type, an unsigned copy of a real record, a fake peer of this version);
+- ``hostile``: records written into the namespace without the secret: at a key of a kind
+  drawn from the record schema (``nccl_back/coord/schema.py``), one of the corruptions
+  that kind's entry calls for (``tests/hostile.py``: a stale or TTL-less genuine copy, a
+  broken signature, garbage, raw bytes that are not UTF-8, an oversized value, hostile
+  numbers or fields, each other Redis type), or a fake peer of this version;
+- ``replay_claim``: a genuine send-slot claim copied out of Redis and written back every
+  0.5 s for a drawn 1-4 s (no secret needed): it must stop being obeyed at the expiry
+  signed into it;
 - ``shard_same`` / ``shard_changed``: one shard rewritten in place with the same bytes
   (must be harmless), with one tensor byte changed (another version: a typed error or
   exactly the bytes of the version the worker computed), or ``shard_flap``: flipped
@@ -77,8 +83,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import redis  # noqa: E402
 import soak_workers  # noqa: E402
 import torch  # noqa: E402
+from hostile import corrupt, corruptions, read_key  # noqa: E402
 
 from nccl_back.config import Settings  # noqa: E402
+from nccl_back.coord import schema  # noqa: E402
 from nccl_back.dev.servers import LocalRedis, free_port  # noqa: E402
 from nccl_back.model.identity import ModelSpec  # noqa: E402
 from nccl_back.model.skeleton import named_tensors  # noqa: E402
@@ -105,10 +113,10 @@ STORAGE_ALLOWANCE = 10.0
 HANG_MARGIN = 30.0
 GROUP_TIMEOUT = 30.0
 FAULT_KINDS = ("kill", "stop", "redis_flush", "redis_restart", "redis_outage", "hostile", "shard_same",
-               "shard_changed", "shard_flap")
-FAULT_WEIGHTS = (4, 3, 1, 1, 1, 2, 1, 1, 1)
+               "shard_changed", "shard_flap", "replay_claim")
+FAULT_WEIGHTS = (4, 3, 1, 1, 1, 3, 1, 1, 1, 1)
 NOT_INJECTED = {
-    "slow_http_client": "units run no sidecar",
+    "slow_http_client": "units run no sidecar (tests/test_health.py floods a real one)",
     "partition": "needs root and a network namespace per worker",
 }
 
@@ -134,8 +142,18 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
     """The rollout's units and faults, from its seed and number only (replayable)."""
     rng = random.Random(f"{seed}/{rollout}")
     n_units = rng.randint(3, 5)
-    units = [{"unit": u, "world": rng.choice((1, 1, 2)), "start": round(rng.uniform(0, 2.0), 2)}
-             for u in range(n_units)]
+    units: list[dict[str, Any]] = [
+        {"unit": u, "kind": "pipeline", "world": rng.choice((1, 1, 2)),
+         "start": round(rng.uniform(0, 2.0), 2)} for u in range(n_units)]
+    # The flat model's tensor-parallel units: plain and fused layouts at TP 1, 2 and 4,
+    # so ranks reshard between layouts (a group of 4 behind a one-slot holder included).
+    for _ in range(rng.choice((0, 1, 2, 2, 3))):
+        scheme = rng.choice(("plain", "megatron", "megatron"))
+        world = 1 if scheme == "plain" else rng.choice((1, 2, 2, 4))
+        units.append({"unit": 0, "kind": "tp", "scheme": scheme, "world": world,
+                      "start": round(rng.uniform(0, 2.0), 2)})
+    for _ in range(rng.choice((0, 0, 1, 2))):  # compile caches: one builds, the next fetch
+        units.append({"unit": 0, "kind": "cache", "world": 1, "start": round(rng.uniform(0, 2.0), 2)})
     units.sort(key=lambda u: u["start"])
     for i, u in enumerate(units):
         u["unit"] = i
@@ -160,8 +178,10 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
         elif kind == "redis_outage":
             f["pause"] = round(rng.uniform(0.5, 4.0), 2)
         elif kind == "hostile":
-            f["form"] = rng.choice(("garbage", "wrong_type", "unsigned", "fake_peer"))
-            f["pick"] = rng.random()
+            f["form"] = rng.choice(("schema", "schema", "schema", "fake_peer"))
+            f["pick"], f["pick2"], f["pick3"] = rng.random(), rng.random(), rng.random()
+        elif kind == "replay_claim":
+            f["pause"] = round(rng.uniform(1.0, 4.0), 2)
         elif kind.startswith("shard"):
             f["shard"] = rng.randrange(2)
             f["pick"] = rng.random()
@@ -207,6 +227,8 @@ class Outcome:
     """Distinct world sizes among the units: each is its own single-flight election, so
     the ideal is one storage read per pool."""
     worst_ratio: float = 0.0
+    caches: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Compile-cache units by outcome: ``peer`` (fetched, bytes checked) or ``built``."""
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     """Fallback reason codes of the loads that ended in storage (or typed error names)."""
     failures: list[str] = field(default_factory=list)
@@ -224,6 +246,7 @@ class Soak:
         self.namespace = f"soak{seed}"
         self.procs: list[Proc] = []
         self._stop: Any = None
+        self._replays: list[threading.Event] = []
         self._flapper: threading.Thread | None = None
         self.settings_kwargs = {**SETTINGS, "redis_url": self.redis.url, "namespace": self.namespace,
                                 "cache_dir": str(work / "cache")}
@@ -235,8 +258,9 @@ class Soak:
         if self.verbose:
             print(text, flush=True)
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.redis.port, socket_timeout=2, decode_responses=True)
+    def raw_client(self) -> redis.Redis:
+        """A client that reads values as the bytes they are (a hostile value need not be text)."""
+        return redis.Redis(port=self.redis.port, socket_timeout=2)
 
     def close(self) -> None:
         for p in self.procs:
@@ -254,6 +278,7 @@ class Soak:
         self.say(f"rollout {r} schedule {json.dumps(sched)}")
         rdir = self.work / f"r{r}"
         ckpt, expected = self._checkpoint(rdir / "ckpt", sched["values_seed"])
+        self._flat(rdir / "flat", sched["values_seed"], expected)
         version = next(iter(expected["0/1"]))
         stop = self._stop = _CTX.Event()
         hostile: set[str] = set()
@@ -262,7 +287,7 @@ class Soak:
             events.append((u["start"], 0, "start", u))
         for i, f in enumerate(sched["faults"]):
             events.append((f["t"], 1 + i, "fault", f))
-            if f["kind"] in ("stop", "redis_outage"):
+            if f["kind"] in ("stop", "redis_outage", "replay_claim"):
                 events.append((f["t"] + f["pause"], 1 + i, "cont", f))
         events.sort(key=lambda e: (e[0], e[1]))
         t0 = time.monotonic()
@@ -274,6 +299,8 @@ class Soak:
                     procs += self._start(r, item, ckpt, rdir)
                 elif what == "cont" and item["kind"] == "redis_outage":
                     self.redis.restart()  # empty, on the same port
+                elif what == "cont" and item["kind"] == "replay_claim":
+                    self._replays.pop().set()
                 elif what == "cont":
                     self._cont(procs, item)
                 else:
@@ -299,13 +326,15 @@ class Soak:
             self._check_ttls(out, hostile)
         finally:
             stop.set()
+            while self._replays:
+                self._replays.pop().set()
             for p in procs:
                 if p.process.is_alive():
                     _signal(p.process.pid, signal.SIGKILL)
                 p.process.join(5)
                 p.reader.close()
             self.procs = [p for p in self.procs if p not in procs]
-            with self.client() as c:
+            with self.raw_client() as c:
                 for k in hostile:
                     c.delete(k)
         if not out.failures:
@@ -324,6 +353,30 @@ class Soak:
         expected: dict[str, dict[str, str]] = {}
         self._record_state(path, expected)
         return path, expected
+
+    def _flat(self, path: Path, seed: int, expected: dict[str, dict[str, str]]) -> None:
+        """The flat model's checkpoint (the tensor-parallel units') and, per scheme and
+        rank layout, the digest of the pieces each must hold."""
+        import reshard_workers as rw
+        from safetensors.torch import load_file
+
+        from nccl_back.model.skeleton import build
+
+        write_checkpoint(fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=seed + 7),
+                         path, n_shards=2)
+        fresh = tempfile.mkdtemp(dir=self.work, prefix="crc-")
+        version = ModelSpec.from_dir(str(path), cache_dir=fresh).version
+        shutil.rmtree(fresh, ignore_errors=True)
+        flat = {}
+        for f in sorted(path.glob("*.safetensors")):
+            flat.update(load_file(str(f)))
+        for scheme, worlds in (("plain", (1,)), ("megatron", (1, 2, 4))):
+            for world in worlds:
+                for rank in range(world):
+                    want = rw.expected(str(path), rank, world, scheme)
+                    expected.setdefault(f"tp-{scheme}-{rank}/{world}", {})[version] = \
+                        soak_workers.digest(want)
+        expected["cache"] = {"": soak_workers.cache_digest(int(path.parent.name[1:]))}
 
     def _record_state(self, path: Path, expected: dict[str, dict[str, str]]) -> None:
         """Remember, per rank layout, the digest of the files' bytes under the version
@@ -353,7 +406,8 @@ class Soak:
         started = []
         for rank in range(u["world"]):
             job = {"rollout": r, "unit": u["unit"], "rank": rank, "world": u["world"], "port": port,
-                   "ckpt": str(ckpt), "settings": self.settings_kwargs,
+                   "kind": u.get("kind", "pipeline"), "scheme": u.get("scheme"),
+                   "ckpt": str(ckpt), "flat": str(rdir / "flat"), "settings": self.settings_kwargs,
                    "log": str(rdir / f"u{u['unit']}-{rank}.log"),
                    "hang_after": self.bound + HANG_MARGIN, "group_timeout": GROUP_TIMEOUT}
             reader, writer = _CTX.Pipe(duplex=False)
@@ -418,6 +472,11 @@ class Soak:
                 _signal(victim.process.pid, signal.SIGSTOP)
                 victim.stopped_since = time.monotonic()
             return f"{kind}_{role}"
+        if kind == "replay_claim":
+            try:
+                return self._replay_claim()
+            except redis.ConnectionError:
+                return "replay_claim_skipped_redis_down"
         if kind == "redis_flush":
             try:
                 self.redis.flushall()
@@ -437,13 +496,40 @@ class Soak:
                 return "hostile_skipped_redis_down"  # during a redis_outage
         return self._rewrite(f, ckpt, expected)
 
-    def _hostile(self, f: dict[str, Any], hostile: set[str], version: str) -> str:
-        """Write what an attacker without the secret could write; track every key touched."""
+    def _replay_claim(self) -> str:
+        """Copy a genuine claim and write it back every 0.5 s until the fault's pause ends."""
         ns = "{" + self.namespace + "}"
-        with self.client() as c:
-            keys = sorted(k for k in c.scan_iter(f"{ns}:*", count=500) if k not in hostile)
-            form = f["form"]
-            if form == "fake_peer" or not keys:
+        with self.raw_client() as c:
+            claims = [k for k in c.scan_iter(f"{ns}:claim:*", count=500)]
+            copy = c.get(claims[0]) if claims else None
+        if not claims or copy is None:
+            self._replays.append(threading.Event())  # nothing to replay; its "cont" pops it
+            return "replay_claim_none"
+        done = threading.Event()
+        self._replays.append(done)
+        key = claims[0]
+
+        def replay() -> None:
+            with self.raw_client() as c:
+                while not done.is_set():
+                    with contextlib.suppress(redis.RedisError):
+                        c.set(key, copy, px=2000)
+                    done.wait(0.5)
+
+        threading.Thread(target=replay, daemon=True, name="soak-replay").start()
+        return "replay_claim"
+
+    def _hostile(self, f: dict[str, Any], hostile: set[str], version: str) -> str:
+        """Write what an attacker without the secret could write, at a key of a kind drawn
+        from the record schema, with a corruption drawn from that kind's (tests/hostile.py),
+        or a fake peer of this version; track every key touched."""
+        ns = "{" + self.namespace + "}"
+        with self.raw_client() as c:
+            keys = sorted(k.decode() for k in c.scan_iter(f"{ns}:*", count=500) if k.decode() not in hostile)
+            kinds = [k for k in schema.KINDS if k.name != "check"]
+            kind = kinds[int(f["pick"] * len(kinds))]
+            of_kind = [k for k in keys if schema.kind_of(k) is kind]
+            if f["form"] == "fake_peer" or not of_kind:
                 pid = f"evil-{f['pick']:.6f}"
                 index, entry = f"{ns}:peers:{version}:0:1", f"{ns}:peer:{version}:0:1:{pid}"
                 c.sadd(index, pid)
@@ -451,27 +537,12 @@ class Soak:
                                          "address": "127.0.0.1:1", "transport": "gloo"}))
                 hostile.update((index, entry))
                 return "hostile_fake_peer"
-            key = keys[int(f["pick"] * len(keys))]
+            key = of_kind[int(f["pick2"] * len(of_kind))]
+            how = corruptions(kind)[int(f["pick3"] * len(corruptions(kind)))]
             hostile.add(key)
-            if form == "garbage":
-                c.delete(key)
-                c.set(key, '{"peer_id": [1, 2')
-            elif form == "wrong_type":
-                c.delete(key)
-                c.hset(key, "x", "1")
-            else:  # unsigned: the same record without its signature fields
-                raw = c.get(key) if c.type(key) == "string" else None
-                try:
-                    value = json.loads(raw) if raw else None
-                except ValueError:
-                    value = None
-                if isinstance(value, dict):
-                    for k in [k for k in value if "sig" in k or "mac" in k]:
-                        del value[k]
-                    c.set(key, json.dumps(value))
-                else:
-                    c.set(key, json.dumps({"unsigned": True}))
-            return f"hostile_{form}"
+            genuine = read_key(c, key) or (str(kind.redis_type), None)
+            corrupt(c, key, kind, how, genuine)
+            return f"hostile_{how}"
 
     def _rewrite(self, f: dict[str, Any], ckpt: Path, expected: dict[str, dict[str, str]]) -> str:
         """Rewrite one shard in place (same length: never truncated, see DESIGN's mmap lesson)."""
@@ -572,12 +643,16 @@ class Soak:
     def _check(self, procs: list[Proc], out: Outcome, expected: dict[str, dict[str, str]],
                sched: dict[str, Any]) -> None:
         worlds = {u["unit"]: u["world"] for u in sched["units"]}
-        out.pools = len(set(worlds.values()))
+        units = {u["unit"]: u for u in sched["units"]}
+        # Each (checkpoint, world size) is one single-flight election: one storage read each.
+        out.pools = len({(u.get("kind") == "tp", u["world"]) for u in sched["units"]
+                         if u.get("kind") != "cache"})
         for p in procs:
             rep = p.report
             if rep is None:
                 continue
             world = worlds[p.unit]
+            unit = units[p.unit]
             bound = self.bound + p.stopped_total
             if "seconds" in rep:
                 out.worst_ratio = max(out.worst_ratio, rep["seconds"] / bound)
@@ -590,7 +665,9 @@ class Soak:
                 out.loads += 1
                 if rep.get("fallback_reason"):
                     out.reasons[rep["fallback_reason"].split(":", 1)[0]] += 1
-                states = expected[f"{p.rank}/{world}"]
+                layout = (f"tp-{unit['scheme']}-{p.rank}/{world}" if unit.get("kind") == "tp"
+                          else f"{p.rank}/{world}")
+                states = expected[layout]
                 if rep["digest"] != states.get(rep["version"]):
                     out.wrong += 1
                     which = next((v[:12] for v, d in states.items() if d == rep["digest"]), "no version's")
@@ -599,11 +676,17 @@ class Soak:
                                         f" peer {rep.get('peer_id')} reason {rep.get('fallback_reason')}")
                 if rep["source"] == "storage" and p.rank == 0:
                     out.storage_reads += 1
-            elif rep.get("phase") == "rendezvous" and any(
-                    q.killed for q in procs if q.unit == p.unit and q is not p):
-                # Its other rank was killed before the group formed: torchrun's failure,
-                # before any library call.
+            elif rep["event"] == "cached":
+                out.caches[rep["source"]] += 1
+                if rep["source"] == "peer" and rep["digest"] != expected["cache"][""]:
+                    out.wrong += 1
+                    out.failures.append(f"WRONG CACHE unit {p.unit}: installed bytes are not the set's")
+            elif rep.get("phase") == "rendezvous":
+                # The group never formed (its other rank was killed, or the port drawn for
+                # it was taken meanwhile on a busy machine): torchrun's failure, before any
+                # library call.
                 out.typed_errors += 1
+                out.reasons["group never formed: " + str(rep.get("error")).split(":", 1)[0]] += 1
             elif rep.get("typed"):
                 out.typed_errors += 1
                 out.reasons["error " + str(rep.get("error")).split(":", 1)[0]] += 1
@@ -628,9 +711,9 @@ class Soak:
 
     def _check_ttls(self, out: Outcome, hostile: set[str]) -> None:
         ns = "{" + self.namespace + "}"
-        with self.client() as c:
-            forever = [k for k in c.scan_iter(f"{ns}:*", count=500)
-                       if k not in hostile and c.pttl(k) == -1]
+        with self.raw_client() as c:
+            forever = [k.decode() for k in c.scan_iter(f"{ns}:*", count=500)
+                       if k.decode() not in hostile and c.pttl(k) == -1]
         if forever:
             out.failures.append(f"KEYS WITHOUT TTL: {sorted(forever)[:10]}")
 
@@ -646,6 +729,9 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
     for o in outcomes:
         reasons.update(o.reasons)
     probes = collections.Counter(o.probe for o in outcomes if o.probe != "no holder")
+    caches: collections.Counter[str] = collections.Counter()
+    for o in outcomes:
+        caches.update(o.caches)
     reads = collections.Counter(o.storage_reads - o.pools for o in outcomes)
     clean_reads = collections.Counter(o.storage_reads - o.pools for o in outcomes if not o.faults)
     failed = [o for o in outcomes if o.failures]
@@ -663,6 +749,9 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         "|---|---|",
         *(f"| {k} | {v} |" for k, v in sorted(kinds.items())),
         *(f"| {k} | not injected: {why} |" for k, why in NOT_INJECTED.items()),
+        "",
+        "Compile-cache units: " + (", ".join(f"{k}: {v}" for k, v in sorted(caches.items())) or "none")
+        + " (``peer``: fetched from a unit that built it, every installed byte compared).",
         "",
         "Late probe receiver (one single-rank worker started after each rollout's faults,"
         " when a live single-rank holder of its version exists): "

@@ -79,6 +79,70 @@ def _wait_for(check: Any, timeout: float) -> bool:
     return True
 
 
+def _load(job: dict[str, Any], settings: Settings, svc: WeightService, group: Any, rank: int,
+          world: int) -> dict[str, Any]:
+    """A pipeline stage, or (``kind`` "tp") a tensor-parallel rank of the flat model in
+    its ``scheme`` ("plain": every tensor whole; "megatron": fused and sharded, loaded
+    with its sharding, so it may reshard from holders of other layouts)."""
+    if job.get("kind") == "tp":
+        import reshard_workers as rw
+
+        import nccl_back
+
+        spec = ModelSpec.from_dir(job["flat"], cache_dir=settings.cache_dir)
+        scheme = job["scheme"]
+        shapes = rw.checkpoint_shapes() if scheme == "plain" else rw.tp_shapes(world, scheme)
+        model: Any = build(lambda: rw.Flat(shapes))
+        sh = None if scheme == "plain" else nccl_back.sharding(
+            model, spec, rw.describe(rank, world, scheme), settings)
+        result = svc.load(model, spec, group=group, sharding=sh)
+    else:
+        model = make_model(rank, world)
+        spec = ModelSpec.from_dir(job["ckpt"], cache_dir=settings.cache_dir)
+        result = svc.load(model, spec, group=group)
+    tensors, _ = named_tensors(model)
+    return {"event": "loaded", "source": result.source, "digest": digest(tensors),
+            "version": spec.version, "verified": result.verified,
+            "fallback_reason": result.fallback_reason, "peer_id": result.peer_id}
+
+
+def cache_files(rollout: int) -> dict[str, bytes]:
+    """The compile cache every cache unit of a rollout builds: the same bytes in each."""
+    return {f"kernels/k{i}.bin": hashlib.sha256(f"{rollout}/{i}".encode()).digest() * (64 << i)
+            for i in range(3)}
+
+
+def _cache(job: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """A compile cache: fetched from a peer that published it (its installed bytes
+    reported), or, on a miss, built here and published (served until stop)."""
+    from nccl_back.load import artifacts
+    from nccl_back.load.artifacts import CacheKey
+
+    key = CacheKey({"soak": str(job["rollout"]), "kind": "cache"}, "ab" * 16)
+    root = Path(job["log"]).parent / f"cache-u{job['unit']}"
+    got = artifacts.fetch(settings, key, str(root), engine="soak")
+    if got.ok:
+        files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        h = hashlib.sha256()
+        for name in sorted(files):
+            h.update(name.encode() + b"\0" + files[name])
+        return {"event": "cached", "source": "peer", "digest": h.hexdigest(), "peer_id": got.peer}
+    for name, data in cache_files(job["rollout"]).items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    what = artifacts.publish(settings, key, str(root), ["kernels"], engine="soak")
+    return {"event": "cached", "source": "built", "fallback_reason": got.reason, "published": what}
+
+
+def cache_digest(rollout: int) -> str:
+    """What a fetched cache must hold (:func:`cache_files`, as :func:`_cache` digests it)."""
+    h = hashlib.sha256()
+    for name, data in sorted(cache_files(rollout).items()):
+        h.update(name.encode() + b"\0" + data)
+    return h.hexdigest()
+
+
 def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
     """One rank of one unit of one rollout; see the module docstring."""
     log = open(job["log"], "a", buffering=1)  # noqa: SIM115 - lives as long as the process
@@ -108,8 +172,6 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         # From here on a silent rank is the library's: the soak judges hangs from this on.
         out.send({"unit": job["unit"], "rank": rank, "event": "phase", "phase": "service"})
         settings = Settings(**job["settings"])
-        model = make_model(rank, world)
-        spec = ModelSpec.from_dir(job["ckpt"], cache_dir=settings.cache_dir)
         # torch's first TCPStore opens a process-wide pipe it keeps for ever (measured:
         # a second store adds none); make it now so that it is part of the baseline.
         from datetime import timedelta as _td
@@ -123,19 +185,18 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         t0 = time.monotonic()
         svc: WeightService | None = None
         try:
-            svc = WeightService(settings, worker_id=f"r{job['rollout']}u{job['unit']}-{rank}")
-            result = svc.load(model, spec, group=group)
+            if job.get("kind") == "cache":
+                report.update(_cache(job, settings))
+            else:
+                svc = WeightService(settings, worker_id=f"r{job['rollout']}u{job['unit']}-{rank}")
+                report.update(_load(job, settings, svc, group, rank, world))
+            report["seconds"] = time.monotonic() - t0
         except NcclBackError as e:
             report.update(event="error", typed=True, error=f"{type(e).__name__}: {e}",
                           seconds=time.monotonic() - t0, traceback=traceback.format_exc())
         except Exception as e:
             report.update(event="error", typed=False, error=f"{type(e).__name__}: {e}",
                           seconds=time.monotonic() - t0, traceback=traceback.format_exc())
-        else:
-            tensors, _ = named_tensors(model)
-            report.update(event="loaded", source=result.source, seconds=time.monotonic() - t0,
-                          digest=digest(tensors), version=spec.version, verified=result.verified,
-                          fallback_reason=result.fallback_reason, peer_id=result.peer_id)
         faulthandler.cancel_dump_traceback_later()
         out.send(report)
         while not stop.is_set():
@@ -143,6 +204,10 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         faulthandler.dump_traceback_later(job["hang_after"], exit=False, file=log)
         if svc is not None:
             svc.close()
+        if job.get("kind") == "cache":
+            from nccl_back.load import artifacts
+
+            artifacts.close_all()
         # Collect garbage while waiting: what only a reference cycle (an exception's
         # traceback, say) still holds is not a leak, just not freed yet.
         threads_ok = _wait_for(lambda: gc.collect() >= 0 and {t.ident for t in threading.enumerate()} <= threads0, 10)

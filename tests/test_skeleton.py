@@ -182,8 +182,9 @@ def test_bucket_goes_in_place_only_when_laid_out() -> None:
 
 
 def test_skeletons_built_in_threads_at_once_leave_other_modules_real() -> None:
-    """Builds racing in several threads neither leave nn.Module patched nor put another
-    thread's parameters on meta: a module made afterwards, or beside them, is real."""
+    """Builds racing in several threads neither leave nn.Module or nn.init patched nor
+    put another thread's parameters on meta: a module made afterwards, or beside them,
+    is real and initialised."""
     import threading
 
     from nccl_back.model.skeleton import build
@@ -191,6 +192,7 @@ def test_skeletons_built_in_threads_at_once_leave_other_modules_real() -> None:
     from models import TinyTransformer
 
     original = torch.nn.Module.register_parameter
+    zeros = torch.nn.init.zeros_
     stop = threading.Event()
     beside: list[str] = []
 
@@ -212,5 +214,7 @@ def test_skeletons_built_in_threads_at_once_leave_other_modules_real() -> None:
     stop.set()
     watcher.join(10)
     assert torch.nn.Module.register_parameter is original
+    assert torch.nn.init.zeros_ is zeros
     assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
+    assert torch.all(torch.nn.init.zeros_(torch.ones(3)) == 0)
     assert beside and set(beside) == {"cpu"}

@@ -218,30 +218,68 @@ def model_device(model: Model) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-@contextlib.contextmanager
-def no_init() -> Iterator[None]:
-    """Within this block, ``torch.nn.init`` initialisers and ``reset_parameters`` do nothing.
+class _ThreadPatch:
+    """Attributes of shared objects (``nn.init``'s initialisers, ``nn.Module``'s
+    ``register_parameter``) replaced while any thread is inside :meth:`active`, the
+    replacements acting only in the threads that are. The attributes are process-wide:
+    two blocks that each saved and restored "the original" could otherwise leave them
+    replaced for good, in every thread (every later module made on ``meta``, or never
+    initialised)."""
+
+    def __init__(self, targets: Callable[[], dict[tuple[Any, str], Callable[..., Any]]]) -> None:
+        self._targets = targets
+        """``(owner, name) -> what the call does inside a block``, given the original."""
+        self._lock = threading.Lock()
+        self._users = 0
+        self._local = threading.local()
+        self._saved: dict[tuple[Any, str], Any] = {}
+
+    def _inside(self) -> bool:
+        return bool(getattr(self._local, "depth", 0))
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                for (owner, name), inside in self._targets().items():
+                    original = getattr(owner, name)
+                    self._saved[(owner, name)] = original
+                    setattr(owner, name, self._switch(original, inside))
+            self._users += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for (owner, name), original in self._saved.items():
+                        setattr(owner, name, original)
+                    self._saved.clear()
+
+    def _switch(self, original: Callable[..., Any], inside: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return inside(original, *args, **kwargs) if self._inside() else original(*args, **kwargs)
+        return call
+
+
+def _skip_init(original: Callable[..., Any], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+_NO_INIT = _ThreadPatch(lambda: {(nn.init, f): _skip_init for f in _INIT_FUNCTIONS if hasattr(nn.init, f)})
+
+
+def no_init() -> contextlib.AbstractContextManager[None]:
+    """Within this block, this thread's ``torch.nn.init`` initialisers and
+    ``reset_parameters`` do nothing (other threads' are untouched).
 
     Parameters keep whatever their allocation holds: they are containers to be filled.
     Buffers a constructor computes with ordinary tensor ops (``inv_freq``, masks) are
     computed as usual, so nothing that a checkpoint does not carry is left uninitialised.
     """
-    saved: dict[str, Any] = {}
-    for fname in _INIT_FUNCTIONS:
-        fn = getattr(nn.init, fname, None)
-        if fn is None:
-            continue
-        saved[fname] = fn
-        setattr(nn.init, fname, _return_first)
-    try:
-        yield
-    finally:
-        for fname, fn in saved.items():
-            setattr(nn.init, fname, fn)
-
-
-def _return_first(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return tensor
+    return _NO_INIT.active()
 
 
 #: The one alignment, in bytes, of every layout nccl_back makes: tensors of a
@@ -334,47 +372,14 @@ def _real_parameter(meta: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     return new
 
 
-class _MetaPatch:
-    """``nn.Module.register_parameter`` patched while any thread builds a skeleton, acting
-    only in the threads that do: the patch is process-wide, and two builds that each
-    saved and restored "the original" could leave it patched for good (every module of
-    the process then made on ``meta``)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.users = 0
-        self.local = threading.local()
-        self.original = nn.Module.register_parameter
-
-    def register(self_: _MetaPatch, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        self_.original(module, name, param)
-        if getattr(self_.local, "depth", 0) and param is not None and param.device.type != "meta":
-            module._parameters[name] = _meta_parameter(param)
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        with self.lock:
-            if self.users == 0:
-                self.original = nn.Module.register_parameter
-                patch = self.register
-
-                def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-                    patch(module, name, param)
-
-                nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-            self.users += 1
-        self.local.depth = getattr(self.local, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self.local.depth -= 1
-            with self.lock:
-                self.users -= 1
-                if self.users == 0:
-                    nn.Module.register_parameter = self.original  # type: ignore[method-assign]
+def _on_meta(original: Callable[..., Any], module: nn.Module, name: str,
+             param: nn.Parameter | None) -> None:
+    original(module, name, param)
+    if param is not None and param.device.type != "meta":
+        module._parameters[name] = _meta_parameter(param)
 
 
-_PATCH = _MetaPatch()
+_PATCH = _ThreadPatch(lambda: {(nn.Module, "register_parameter"): _on_meta})
 
 
 def params_on_meta() -> contextlib.AbstractContextManager[None]:

@@ -1,0 +1,104 @@
+"""What an attacker (or an accident) can leave at a key of each kind of the record
+schema: the corruptions the hostile-Redis tests and the soak both write, generated from
+each kind's schema entry (its Redis type), never from a hand list of kinds."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+
+from nccl_back.coord import schema
+
+#: Seconds a corruption is kept (no TTL rescue within a test or a rollout).
+HOUR = 3600
+
+
+def corruptions(kind: schema.KeyKind) -> list[str]:
+    """What an attacker (or an accident) can leave at a key of ``kind``: every value
+    corruption, and every Redis type but the kind's own."""
+    values = ["stale", "no_ttl", "bad_sig", "garbage", "raw_bytes", "oversized", "huge_numbers",
+              "wrong_fields"]
+    return values + [f"type_{t}" for t in schema.REDIS_TYPES if t != str(kind.redis_type)]
+
+
+def corrupt(client: redis.Redis, key: str, kind: schema.KeyKind, how: str,
+            genuine: tuple[str, Any]) -> None:
+    """Write corruption ``how`` at ``key`` (kept for an hour: no TTL rescue)."""
+    gtype, gvalue = genuine
+    if how.startswith("type_"):
+        t = how[len("type_"):]
+        client.delete(key)
+        {"string": lambda: client.set(key, "x"), "list": lambda: client.rpush(key, "x"),
+         "set": lambda: client.sadd(key, "x"), "hash": lambda: client.hset(key, "n", "1"),
+         "zset": lambda: client.zadd(key, {"x": 1})}[t]()
+        client.expire(key, HOUR)
+        return
+    if how == "stale":
+        write(client, key, gtype, gvalue, HOUR)
+        return
+    if how == "no_ttl":
+        write(client, key, gtype, gvalue, None)
+        return
+    sample = gvalue if gtype == "string" else next(iter(sorted(gvalue) if gtype != "hash" else [b""]), b"")
+    try:
+        record = json.loads(sample) if isinstance(sample, bytes) and sample.startswith(b"{") else {}
+    except ValueError:
+        record = {}
+    bad: bytes
+    if how == "bad_sig":
+        bad = json.dumps({**record, "sig": "0" * 64}).encode()
+    elif how == "garbage":
+        bad = b"\x00{not json" + b"[" * 64
+    elif how == "raw_bytes":  # not UTF-8: a client decoding replies would raise on it
+        bad = b"\xff\xfe\xfa{\"sig\": \xc3\x28}" + bytes(range(128, 256))
+    elif how == "oversized":
+        bad = json.dumps({**record, "pad": "x" * (kind.max_bytes + 1)}).encode()
+    elif how == "huge_numbers":
+        bad = json.dumps({k: (10**30 if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                          for k, v in record.items()} or {"n": 10**30}).replace(
+                              "1000000000000000000000000000000", "1e400", 1).encode()
+    else:  # wrong_fields
+        bad = json.dumps({"owner": ["a"], "token": {"x": 1}, "peer_id": 7, "hashes": [1], "by": "x",
+                          "layout": 3, "macs": [1], "group": 5, "lookup": None}).encode()
+    if gtype == "string":
+        client.set(key, bad, ex=HOUR)
+    elif gtype == "list":
+        client.rpush(key, bad, bad)
+        client.expire(key, HOUR)
+    elif gtype == "set":
+        members = [bad] if how != "huge_numbers" else [f"g{i}" for i in range(3000)]
+        client.sadd(key, *members)
+        client.expire(key, HOUR)
+    else:  # hash
+        fields = {"garbage": {"n": "x", "epoch": "../../x"}, "huge_numbers": {"n": "1" * 40, "epoch": "a"},
+                  "bad_sig": {"n": "-5", "epoch": "0" * 64}, "raw_bytes": {"n": b"\xff", "epoch": b"\xfe"},
+                  }.get(how, {"n": "2", "epoch": "{}"})
+        client.hset(key, mapping=fields)  # type: ignore[arg-type]
+        client.expire(key, HOUR)
+
+
+def write(client: redis.Redis, key: str, t: str, value: Any, ttl: int | None) -> None:
+    client.delete(key)
+    if t == "string":
+        client.set(key, value)
+    elif t == "list" and value:
+        client.rpush(key, *value)
+    elif t == "set" and value:
+        client.sadd(key, *value)
+    elif t == "hash" and value:
+        client.hset(key, mapping=value)
+    if ttl is not None:
+        client.expire(key, ttl)
+
+
+
+
+def read_key(client: redis.Redis, key: str) -> tuple[str, Any] | None:
+    """``(type, value)`` of ``key`` now (bytes, as stored), or None if it is gone."""
+    t = client.type(key).decode()
+    value: Any = {"string": client.get, "list": lambda k: client.lrange(k, 0, -1),
+                  "set": client.smembers, "hash": client.hgetall,
+                  "zset": lambda k: client.zrange(k, 0, -1)}.get(t, lambda k: None)(key)
+    return None if value is None else (t, value)

@@ -244,3 +244,50 @@ def test_a_slowloris_connection_is_cut_at_its_deadline_during_a_flood(
             held = time.monotonic() - began
     assert held < 3.0 + 2.5, f"the dripping connection was held {held:.1f} s"
     assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+
+
+def _starved_server(ready: Any, stop: Any) -> None:
+    """Spawned: a HealthServer in a process left with 3 free descriptors of 256."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    with HealthServer(Metrics()) as server:
+        server.set_ready(True)
+        hoard = []
+        with contextlib.suppress(OSError):
+            while True:
+                hoard.append(os.open(os.devnull, os.O_RDONLY))
+        for fd in hoard[-3:]:
+            os.close(fd)
+        ready.put((server.port, server.max_connections))
+        stop.wait(100)
+
+
+def probe_once(port: int, i: int) -> str:
+    """Probe number ``i`` of /healthz: '' when answered, else what went wrong."""
+    try:
+        answer = probe(port, "/healthz")
+    except OSError as e:
+        return f"{i}: {e!r}"
+    return "" if answer == (200, "ok\n") else f"{i}: {answer}"
+
+
+def test_probes_answer_when_the_process_is_out_of_descriptors() -> None:
+    """With every descriptor of the process taken but three, 300 dripping clients and
+    probes: accepts fail with EMFILE, and the loop frees descriptors by evicting the
+    oldest connections, so every probe is still answered."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    with spawned(_starved_server, ready):
+        port, cap = ready.get(timeout=60)
+        assert cap == 64  # a quarter of the 256 descriptors
+        clients = []
+        try:
+            for _ in range(300):
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.send(b"G")
+                clients.append(s)
+            failures = [f for f in (probe_once(port, i) for i in range(10)) if f]
+        finally:
+            for s in clients:
+                s.close()
+    assert failures == []
+

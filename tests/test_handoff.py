@@ -252,6 +252,71 @@ def test_close_removes_socket_and_unlinks_segment(sock_dir: str) -> None:
     _assert_identical(model, reference)
 
 
+def test_a_skeleton_built_in_its_arena_is_served_from_it_without_a_copy(sock_dir: str) -> None:
+    """arena.host builds a skeleton into a segment (constructor buffers kept); the server
+    serves that very segment, attach gets the exact bytes, close() unlinks it."""
+    from nccl_back.sidecar.handoff import arena
+
+    model = _skeleton()
+    hosted = arena.host(model)
+    assert hosted.shm is not None
+    lo = hosted.tensor.data_ptr()
+    tensors = [t for _, t in model.state_dict(keep_vars=True).items()]
+    assert all(lo <= t.data_ptr() < lo + hosted.tensor.numel() for t in tensors)
+    assert torch.equal(model.ids, torch.arange(7))  # computed by the constructor
+    reference = _state(_trained(4))
+    model.load_state_dict(reference)  # a load writes in place, into the segment
+    server = HandoffServer(model, VERSION, os.path.join(sock_dir, "h.sock"), hosted=hosted).start()
+    try:
+        assert server.segment_name == hosted.shm.name
+        assert all(lo <= t.data_ptr() < lo + hosted.tensor.numel()
+                   for _, t in model.state_dict(keep_vars=True).items())
+        for mode in ("copy", "zero_copy"):
+            consumer = _skeleton()
+            attach(consumer, server.socket_path, mode, version=VERSION)
+            _assert_identical(consumer, reference)
+    finally:
+        server.close()
+    assert not os.path.exists(f"/dev/shm/{hosted.shm.name}")
+    _assert_identical(model, reference)
+
+
+def test_a_model_moved_out_of_its_arena_is_repacked_and_the_old_segment_unlinked(
+    sock_dir: str,
+) -> None:
+    """A tensor re-pointed after arena.host makes the server pack a fresh arena and
+    unlink the hosted one; consumers still get the exact bytes."""
+    from nccl_back.sidecar.handoff import arena
+
+    model = _skeleton()
+    hosted = arena.host(model)
+    assert hosted.shm is not None
+    reference = _state(_trained(5))
+    model.load_state_dict(reference)
+    model.layers[0].weight.data = model.layers[0].weight.data.clone()
+    with HandoffServer(model, VERSION, os.path.join(sock_dir, "r.sock"), hosted=hosted) as server:
+        assert server.segment_name not in (None, hosted.shm.name)
+        assert not os.path.exists(f"/dev/shm/{hosted.shm.name}")
+        consumer = _skeleton()
+        attach(consumer, server.socket_path, version=VERSION)
+        _assert_identical(consumer, reference)
+
+
+def test_a_hosted_arena_is_unlinked_when_the_server_cannot_start(sock_dir: str) -> None:
+    """A server given a hosted arena that fails to start unlinks its segment."""
+    from nccl_back.sidecar.handoff import arena
+
+    model = _skeleton()
+    hosted = arena.host(model)
+    assert hosted.shm is not None
+    blocker = os.path.join(sock_dir, "not-a-socket")
+    with open(blocker, "w"):
+        pass
+    with pytest.raises(AttachError, match="exists and is not a socket"):
+        HandoffServer(model, VERSION, blocker, hosted=hosted).start()
+    assert not os.path.exists(f"/dev/shm/{hosted.shm.name}")
+
+
 def test_socket_path_conflicts(sock_dir: str) -> None:
     """A live server's path and a regular file are refused; a stale socket is replaced."""
     path = os.path.join(sock_dir, "p.sock")

@@ -188,6 +188,16 @@ def test_port_in_use_is_a_config_error() -> None:
             HealthServer(Metrics(), port=port).start()
 
 
+def test_a_second_server_cannot_share_the_port() -> None:
+    """A second health server on a running one's port is refused (ConfigError), not
+    given a share of its probes, although the first one's listeners share the port."""
+    with HealthServer(Metrics()) as first:
+        with pytest.raises(ConfigError, match=f"health port {first.port} on 127.0.0.1 is already in use"):
+            HealthServer(Metrics(), port=first.port).start()
+        for _ in range(20):
+            assert get(first, "/healthz")[:2] == (200, "ok\n")
+
+
 def test_close_releases_the_port() -> None:
     """After close() the same port can be bound again and the old server answers nothing."""
     first = HealthServer(Metrics()).start()

@@ -36,6 +36,7 @@ from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.records import to_label
 from nccl_back.coord.registry import Registry
 from nccl_back.dev.servers import free_port
+from nccl_back.errors import WeightLoadError
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.skeleton import build
 from nccl_back.sidecar.handoff import attach
@@ -375,3 +376,117 @@ def test_sidecar_with_handoff_keeps_one_copy(
         assert outside == []
     finally:
         sidecar.close()
+
+
+#: A model large enough that a private copy of it stands out from the interpreter's noise.
+_MEMORY_MODEL_MIB = 64
+#: What ``nccl-back serve`` imports before its load, for the idle interpreter compared with.
+_IDLE = ("import sys, torch, nccl_back.cli, nccl_back.sidecar.server;"
+         " print('idle', flush=True); sys.stdin.read()")
+
+
+def _held_bytes(pid: int) -> int:
+    """RssAnon + RssShmem of ``pid``, in bytes, from its ``/proc/<pid>/status``."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["RssAnon"] + fields["RssShmem"]
+
+
+def _segments_of(pid: int) -> set[str]:
+    """The hand-off segments the process ``pid`` maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split("/dev/shm/")[1].strip() for line in maps if "/dev/shm/nccl_back_" in line}
+
+
+def _wait_gone(path: str, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(path)
+
+
+@pytest.mark.timeout(240)
+def test_cpu_sidecar_holds_the_model_once_by_its_rss(
+    env: dict[str, str], serves: list[Serve], tmp_path: Path
+) -> None:
+    """A CPU sidecar with a hand-off socket holds RssAnon+RssShmem within 1.35x the model
+    above an idle interpreter, after a storage and after a peer load; attach gets the
+    exact bytes and no segment outlives its sidecar (SIGTERM or SIGKILL)."""
+    from safetensors.torch import load_file, save_file
+
+    from nccl_back.model.checkpoint import flat_skeleton
+    from nccl_back.model.skeleton import named_tensors
+
+    ckpt = tmp_path / "big"
+    ckpt.mkdir()
+    gen = torch.Generator().manual_seed(5)
+    per = _MEMORY_MODEL_MIB * (1 << 20) // 8 // 4
+    save_file({f"layers.{i}.weight": torch.randn(per, generator=gen) for i in range(8)},
+              str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text('{"model_type": "memory"}')
+    expected = load_file(str(ckpt / "model.safetensors"))
+    nbytes = sum(t.numel() * t.element_size() for t in expected.values())
+    spec = ModelSpec.from_dir(str(ckpt), cache_dir=env["NCCL_BACK_CACHE_DIR"])
+
+    idle = subprocess.Popen([sys.executable, "-c", _IDLE], env=env, cwd=TESTS_DIR,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert idle.stdout is not None and idle.stdout.readline().strip() == "idle"
+        base = _held_bytes(idle.pid)
+    finally:
+        idle.kill()
+        idle.wait(10)
+
+    socks = [str(tmp_path / f"s{i}" / "handoff.sock") for i in range(2)]
+    sidecars: list[Serve] = []
+    for sock, source in zip(socks, ("storage", "peer"), strict=True):
+        s = Serve(["--model", str(ckpt), "--socket", sock], env, free_port())
+        serves.append(s)
+        sidecars.append(s)
+        assert s.wait_ready()["source"] == source
+        ratio = (_held_bytes(s.proc.pid) - base) / nbytes
+        assert ratio <= 1.35, f"after a {source} load the sidecar holds {ratio:.2f}x the model"
+
+    for mode in ("copy", "zero_copy"):
+        consumer = flat_skeleton(spec)
+        assert attach(consumer, socks[1], mode, version=spec.version).source == "local"
+        tensors, _ = named_tensors(consumer)
+        assert sorted(tensors) == sorted(expected)
+        for name, t in tensors.items():
+            assert torch.equal(t.view(torch.uint8), expected[name].view(torch.uint8)), name
+        del consumer, tensors
+
+    first, second = sidecars
+    (seg1,) = _segments_of(first.proc.pid)
+    (seg2,) = _segments_of(second.proc.pid)
+    assert first.stop(signal.SIGTERM) == 0
+    assert _wait_gone(f"/dev/shm/{seg1}"), "segment left behind after SIGTERM"
+    second.proc.kill()
+    second.proc.wait(10)
+    assert _wait_gone(f"/dev/shm/{seg2}"), "segment left behind after SIGKILL"
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_load_leaves_no_segment(
+    ckpt: Path, redis_url: str, namespace: str, cache_dir: str, tmp_path: Path
+) -> None:
+    """A load that fails after the skeleton was built in its segment unlinks it at close()."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
+                        bind_host="127.0.0.1", cache_dir=cache_dir, peer_ttl=3.0)
+    before = _segments_of(os.getpid())
+    options = ServeOptions(str(ckpt), torch.device("cpu"), factory=lambda: TinyTransformer(d=16),
+                           socket_path=str(tmp_path / "handoff.sock"))
+    sidecar = Sidecar(settings, options, out=io.StringIO()).start()
+    try:
+        with pytest.raises(WeightLoadError, match="checkpoint does not fit the skeleton"):
+            sidecar.load()
+        made = _segments_of(os.getpid()) - before
+        assert len(made) == 1 and all(os.path.exists(f"/dev/shm/{n}") for n in made)
+    finally:
+        sidecar.close()
+    assert sidecar.handoff is None
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in made)

@@ -218,3 +218,36 @@ def test_skeletons_built_in_threads_at_once_leave_other_modules_real() -> None:
     assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
     assert torch.all(torch.nn.init.zeros_(torch.ones(3)) == 0)
     assert beside and set(beside) == {"cpu"}
+
+def test_consolidate_into_uses_the_given_bytes_and_keeps_ties_and_buffers() -> None:
+    """consolidate_into lays a skeleton out in the given buffer, ties and buffer values kept."""
+    from nccl_back.model.skeleton import consolidate_into
+
+    class WithBuffer(Tied):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("steps", torch.arange(5))
+
+    model = build(WithBuffer)
+    offsets, total = flat_layout(manifest(model))
+    flat = torch.full((total + 64,), 0xAB, dtype=torch.uint8)
+    consolidate_into(model, flat)
+    tensors, _ = named_tensors(model)
+    for name, t in tensors.items():
+        assert t.data_ptr() == flat.data_ptr() + offsets[name], name
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(model.steps, torch.arange(5))
+    skipped = build(WithBuffer)
+    consolidate_into(skipped, torch.zeros(total, dtype=torch.uint8), keep_buffers=False)
+    assert torch.equal(skipped.steps, torch.zeros(5, dtype=torch.int64))
+
+
+def test_consolidate_into_refuses_a_buffer_that_cannot_hold_the_model() -> None:
+    """Too few bytes or not a flat uint8 tensor is a SkeletonError naming the problem."""
+    from nccl_back.model.skeleton import consolidate_into
+
+    _, total = flat_layout(manifest(Tied()))
+    with pytest.raises(SkeletonError, match=f"{total - 1} bytes given, the model needs {total}"):
+        consolidate_into(build(Tied), torch.empty(total - 1, dtype=torch.uint8))
+    with pytest.raises(SkeletonError, match="flat contiguous uint8 tensor, got torch.float32"):
+        consolidate_into(build(Tied), torch.empty(total, dtype=torch.float32))

@@ -323,9 +323,34 @@ def consolidate(model: Model) -> Model:
     return _rehome(model, man, aliases, device)
 
 
-def _rehome(model: Model, man: Manifest, aliases: Mapping[str, str], device: torch.device) -> Model:
+def consolidate_into(model: Model, flat: torch.Tensor, *, keep_buffers: bool = True) -> Model:
+    """:func:`consolidate` into ``flat``, a given uint8 tensor of at least
+    :func:`flat_layout`'s total bytes (a shared-memory segment, say), so the skeleton
+    is allocated where its bytes will live and never copied there afterwards.
+
+    ``keep_buffers=False`` skips copying buffer values: for a skeleton whose buffers
+    are all checkpoint tensors (one built from headers), so no value is worth a copy.
+    Raises :class:`SkeletonError` if ``flat`` is too small or not a flat uint8 tensor.
+    """
+    man = manifest(model)
+    tensors, aliases = named_tensors(model)
+    _, total = flat_layout(man)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():
+        raise SkeletonError(f"consolidate_into needs a flat contiguous uint8 tensor, got {flat.dtype}")
+    if flat.numel() < total:
+        raise SkeletonError(f"consolidate_into: {flat.numel()} bytes given, the model needs {total}")
+    if not tensors:
+        return model
+    return _rehome(model, man, aliases, flat.device, flat=flat, keep_buffers=keep_buffers)
+
+
+def _rehome(
+    model: Model, man: Manifest, aliases: Mapping[str, str], device: torch.device,
+    *, flat: torch.Tensor | None = None, keep_buffers: bool = True,
+) -> Model:
     offsets, total = flat_layout(man)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    if flat is None:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
     views: dict[str, torch.Tensor] = {}
     for e in man.entries:
         off = offsets[e.name]
@@ -351,7 +376,7 @@ def _rehome(model: Model, man: Manifest, aliases: Mapping[str, str], device: tor
                 if buf is not None and bname not in mod._non_persistent_buffers_set:
                     name = aliases.get(base + bname, base + bname)
                     if name in views and views[name] is not buf:
-                        if buf.device.type != "meta":
+                        if keep_buffers and buf.device.type != "meta":
                             # Constructor-computed values (cheap to keep) stay valid.
                             views[name].copy_(buf)
                         mod._buffers[bname] = views[name]

@@ -5,7 +5,7 @@ target at most :data:`MAX_TARGET` characters, a body at most :data:`MAX_BODY_BYT
 no chunked bodies, no obsolete line folding, and a header that decides anything
 (``Content-Length``, ``Host``, the drain token) given once only. No keep-alive: every
 reply says ``Connection: close``, so bytes after the first request are never read as a
-second one. The selector loop that feeds this parser is :mod:`nccl_back.sidecar.health`.
+second one. The loop that feeds this parser is :mod:`nccl_back.sidecar.loop`.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from nccl_back.model.skeleton import Model, build, manifest
 from nccl_back.model.storage import parse_uri
 from nccl_back.result import LoadResult
 from nccl_back.sidecar.drain import write_token_file
-from nccl_back.sidecar.handoff import HandoffServer
+from nccl_back.sidecar.handoff import HandoffServer, arena
 from nccl_back.sidecar.health import HealthServer
 
 _log = get_logger(__name__)
@@ -178,6 +178,7 @@ class Sidecar:
             drain_token=self._drain_token,
         )
         self.handoff: HandoffServer | None = None
+        self._hosted: arena.Arena | None = None
         self.result: LoadResult | None = None
         self.abandoned = False
         """True when a load or send outlived the drain bound: exit without joining it."""
@@ -231,13 +232,17 @@ class Sidecar:
             model = pipeline_skeletons(spec, device=opts.device)
         else:
             model = flat_skeleton(spec, opts.device, settings=self.settings)
+        if opts.socket_path is not None and opts.device.type == "cpu":
+            # Built in the hand-off's segment: the load writes the weights into shared
+            # memory once, peers are served from it and consumers map the same pages.
+            # A flat skeleton's buffers are all checkpoint tensors: nothing to copy.
+            self._hosted = arena.host(model, keep_buffers=opts.factory is not None or opts.diffusers)
         result = self.service.load(model, spec)
         if opts.socket_path is not None:
-            # The hand-off re-points the model into its arena; the service's sends read
-            # the model's tensors at send time, so they follow and one copy remains.
-            self.handoff = HandoffServer(
-                model, spec.version, opts.socket_path, hashes=self._ground_truth(spec, model)
-            ).start()
+            server = HandoffServer(model, spec.version, opts.socket_path,
+                                   hashes=self._ground_truth(spec, model), hosted=self._hosted)
+            self._hosted = None  # the hand-off server's now, unlinked by its close()
+            self.handoff = server.start()
         self.result = result
         if self._draining.is_set():
             # The service published at the end of the load, after the drain withdrew.
@@ -263,6 +268,8 @@ class Sidecar:
         """Release everything; skips waiting on sends when :attr:`abandoned`."""
         if self.handoff is not None:
             self.handoff.close()
+        arena.release(self._hosted)  # the load failed or was abandoned before the hand-off
+        self._hosted = None
         if not self.abandoned:
             self.service.close()
         self.health.close()

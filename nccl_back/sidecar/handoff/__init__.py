@@ -11,7 +11,7 @@ keeps views of it (``zero_copy``), then checks the layer hashes.
 =====================  ==============================================================
 :mod:`.protocol`       the line framing, its limits, refusals, base64
 :mod:`.perms`          local doors: private socket directory, peer uid, segment checks
-:mod:`.arena`          packing the model into the arena, mapping it, views, re-pointing
+:mod:`.arena`          building a skeleton in the arena or packing a model into it, mapping, views
 :mod:`.cuda`           the GPU arena's CUDA IPC export and import, GPUs by UUID
 :mod:`.server`         :class:`HandoffServer`, the serving half
 :mod:`.client`         :func:`attach`, the consuming half

@@ -1,9 +1,12 @@
 """The hand-off's arena: one allocation holding every canonical tensor of the model.
 
-At ``start()`` the server packs every canonical tensor into one *arena*
-(``skeleton.ALIGN``-ed offsets, the consolidated layout, a name -> offset map) and
-re-points its own model's tensors into it, so the host (or GPU) holds one copy. After
-that the server's model must be treated as read-only and its tensors are contiguous.
+The arena holds every canonical tensor (``skeleton.ALIGN``-ed offsets, the consolidated
+layout, a name -> offset map). A CPU sidecar makes it before the load
+(:func:`host`): the skeleton is built into the segment, so the load writes the
+weights into shared memory once and the process never holds a private copy. Given a
+model of its own, the server packs it at ``start()`` (:func:`pack`: a copy, then its
+tensors re-pointed into the arena), so the host (or GPU) holds one copy after that.
+Either way the server's model must then be treated as read-only.
 
 - CPU: the arena is one POSIX shared-memory segment ``/dev/shm/nccl_back_<random>``,
   created by ``multiprocessing.shared_memory.SharedMemory`` (mode 0600, so consumer
@@ -50,6 +53,7 @@ from nccl_back.model.skeleton import (
     ALIGN,
     Manifest,
     Model,
+    consolidate_into,
     dtype_from_name,
     flat_layout,
     manifest,
@@ -116,6 +120,41 @@ def pack(model: Model) -> Arena:
                 shm.unlink()
         raise
     return Arena(man, layout, arena, shm)
+
+
+def host(model: Model, *, keep_buffers: bool = True) -> Arena:
+    """A fresh segment with the CPU skeleton ``model`` built into it, before its load.
+
+    The model's tensors become views of the segment at the arena's offsets
+    (:func:`consolidate_into`; ``keep_buffers`` as there), so a load writes straight
+    into shared memory. :class:`AttachError` if /dev/shm cannot hold it; the segment
+    is removed again if this fails.
+    """
+    man = manifest(model)
+    offsets, end = flat_layout(man)
+    shm, tensor = create_segment(max(end, 1))
+    try:
+        consolidate_into(model, tensor, keep_buffers=keep_buffers)
+    except BaseException:
+        _unlink(shm)
+        raise
+    return Arena(man, list(offsets.items()), tensor, shm)
+
+
+def holds(packed: Arena, model: Model) -> bool:
+    """Whether ``model`` has the arena's manifest and every tensor still is its view of
+    the arena, at its offset (a load that wrote in place leaves it so)."""
+    if manifest(model) != packed.manifest:
+        return False
+    tensors, _ = named_tensors(model)
+    found = laid_out(tensors, dict(packed.layout), packed.tensor.numel())
+    return found is not None and found.data_ptr() == packed.tensor.data_ptr()
+
+
+def release(packed: Arena | None) -> None:
+    """Unlink the arena's segment, if it has one (mappings keep their pages until unmapped)."""
+    if packed is not None:
+        _unlink(packed.shm)
 
 
 def create_segment(size: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The hand-off's serving half: :class:`HandoffServer` answers consumers on this host.
 
-At ``start()`` it packs the model into its arena (:mod:`.arena`), binds the Unix
+At ``start()`` it packs the model into its arena (:mod:`.arena`; unless it was given
+the arena the model was built in, :func:`.arena.host`), binds the Unix
 socket 0600 in a private directory (:mod:`.perms`) and answers each consumer's one
 request line (:mod:`.protocol`) from a small thread pool: a refusal when the version
 or the manifest differs (nothing is mapped then), else where the arena is (a /dev/shm
@@ -57,7 +58,10 @@ class HandoffServer:
     ``hashes`` are the ground-truth layer hashes (from the storage load, computed with
     ``hash_mode``); when omitted they are computed from the model at ``start()``, which
     then only guards the hand-off itself. ``io_timeout`` bounds every socket operation
-    of one consumer's request. Use as a context manager or call ``start()``/``close()``.
+    of one consumer's request. ``hosted`` is the arena ``model`` was built in
+    (:func:`.arena.host`): served as it is when the model still lies in it, no copy.
+    The server owns it from here on and unlinks its segment at ``close()``.
+    Use as a context manager or call ``start()``/``close()``.
     """
 
     def __init__(
@@ -69,7 +73,9 @@ class HandoffServer:
         *,
         hash_mode: HashMode = "sampled",
         io_timeout: float = 5.0,
+        hosted: arena.Arena | None = None,
     ) -> None:
+        self._hosted = hosted
         if not version:
             raise ConfigError("version must be a non-empty string")
         if io_timeout <= 0:
@@ -152,6 +158,8 @@ class HandoffServer:
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
             self._shm = None
+        arena.release(self._hosted)
+        self._hosted = None
         self._arena = None
 
     def __enter__(self) -> HandoffServer:
@@ -166,7 +174,17 @@ class HandoffServer:
         self.close()
 
     def _pack(self) -> None:
-        packed = arena.pack(self.model)
+        hosted = self._hosted
+        if hosted is not None and arena.holds(hosted, self.model):
+            packed = hosted  # its segment is now self._shm's to unlink
+            self._hosted = None
+        else:
+            if hosted is not None:
+                # Something re-pointed the model's tensors: serve a fresh packed copy.
+                self._log.warning("handoff_arena_repacked")
+                arena.release(hosted)
+                self._hosted = None
+            packed = arena.pack(self.model)
         self._manifest, self._shm = packed.manifest, packed.shm
         self._layout.extend(packed.layout)
         self._arena = packed.tensor

@@ -35,8 +35,14 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
   between those two versions every 5 ms for a drawn 0.5-2 s (a CRC checked on one
   version, bytes copied from the other).
 
-Not injected (said in the table): slow HTTP clients on sidecars (the soak's units run no
-sidecar) and silent partitions (network namespaces need root and a per-worker netns;
+Units of other kinds run beside them: tensor-parallel ranks of a flat model in a plain
+or fused layout at TP 1, 2 and 4 (so groups reshard between layouts), compile-cache units
+(one builds and publishes a set, the next fetch it; installed bytes compared), and CPU
+sidecars with a hand-off socket on a 32 MiB model (attach's bytes compared, and what the
+process holds: RssAnon + RssShmem over the process before it, at most 1.35x the model).
+
+Not injected (said in the table): slow HTTP clients on sidecars (tests/test_health_flood.py
+floods a real one) and silent partitions (network namespaces need root and a per-worker netns;
 skipped). Invariants after every rollout:
 
 1. every unit that was not killed reported, per rank, either tensors whose bytes equal
@@ -107,6 +113,10 @@ SETTINGS: dict[str, Any] = {
     # at random moments land inside transfers and relay chains, not only between them.
     "max_send_gbps": 0.0002,
 }
+#: The sidecar units' model: what a sidecar holds is then the model, not interpreter noise.
+SIDECAR_MODEL_MIB = 32
+#: What a sidecar may hold (RssAnon + RssShmem over its process before it), per model byte.
+SIDECAR_RSS_BOUND = 1.35
 STORAGE_ALLOWANCE = 10.0
 """Seconds granted to the storage load of a tiny model (reads, CRC, copies) on a loaded
 2-core machine, with Redis calls that may each wait ``redis_timeout`` meanwhile."""
@@ -154,6 +164,8 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
                       "start": round(rng.uniform(0, 2.0), 2)})
     for _ in range(rng.choice((0, 0, 1, 2))):  # compile caches: one builds, the next fetch
         units.append({"unit": 0, "kind": "cache", "world": 1, "start": round(rng.uniform(0, 2.0), 2)})
+    for _ in range(rng.choice((0, 0, 1))):  # a sidecar with a hand-off socket: its memory checked
+        units.append({"unit": 0, "kind": "sidecar", "world": 1, "start": round(rng.uniform(0, 2.0), 2)})
     units.sort(key=lambda u: u["start"])
     for i, u in enumerate(units):
         u["unit"] = i
@@ -229,6 +241,8 @@ class Outcome:
     worst_ratio: float = 0.0
     caches: collections.Counter[str] = field(default_factory=collections.Counter)
     """Compile-cache units by outcome: ``peer`` (fetched, bytes checked) or ``built``."""
+    sidecars: list[float] = field(default_factory=list)
+    """What each sidecar unit held, per byte of its model (RssAnon + RssShmem)."""
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     """Fallback reason codes of the loads that ended in storage (or typed error names)."""
     failures: list[str] = field(default_factory=list)
@@ -250,6 +264,7 @@ class Soak:
         self._flapper: threading.Thread | None = None
         self.settings_kwargs = {**SETTINGS, "redis_url": self.redis.url, "namespace": self.namespace,
                                 "cache_dir": str(work / "cache")}
+        self.big, self.big_digest = self._big(work / "big")
         self.settings = Settings(**self.settings_kwargs)
         self.bound = load_bound(self.settings)
         atexit.register(self.close)
@@ -354,6 +369,19 @@ class Soak:
         self._record_state(path, expected)
         return path, expected
 
+    def _big(self, path: Path) -> tuple[Path, str]:
+        """The sidecars' checkpoint (large enough that what a process holds is the model,
+        not the interpreter's noise): one for the whole soak."""
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator().manual_seed(self.seed)
+        per = (SIDECAR_MODEL_MIB << 20) // 8 // 4
+        tensors = {f"layers.{i}.weight": torch.randn(per, generator=gen) for i in range(8)}
+        save_file(tensors, str(path / "model.safetensors"))
+        (path / "config.json").write_text('{"model_type": "soak-sidecar"}')
+        return path, soak_workers.digest(tensors)
+
     def _flat(self, path: Path, seed: int, expected: dict[str, dict[str, str]]) -> None:
         """The flat model's checkpoint (the tensor-parallel units') and, per scheme and
         rank layout, the digest of the pieces each must hold."""
@@ -407,7 +435,11 @@ class Soak:
         for rank in range(u["world"]):
             job = {"rollout": r, "unit": u["unit"], "rank": rank, "world": u["world"], "port": port,
                    "kind": u.get("kind", "pipeline"), "scheme": u.get("scheme"),
-                   "ckpt": str(ckpt), "flat": str(rdir / "flat"), "settings": self.settings_kwargs,
+                   "ckpt": str(ckpt), "flat": str(rdir / "flat"), "big": str(self.big),
+                   # Sidecars move the large model at the link's speed (the soak's cap is for
+                   # the tiny ones, so faults land inside their transfers).
+                   "settings": ({**self.settings_kwargs, "max_send_gbps": 0.0}
+                                if u.get("kind") == "sidecar" else self.settings_kwargs),
                    "log": str(rdir / f"u{u['unit']}-{rank}.log"),
                    "hang_after": self.bound + HANG_MARGIN, "group_timeout": GROUP_TIMEOUT}
             reader, writer = _CTX.Pipe(duplex=False)
@@ -667,7 +699,14 @@ class Soak:
                     out.reasons[rep["fallback_reason"].split(":", 1)[0]] += 1
                 layout = (f"tp-{unit['scheme']}-{p.rank}/{world}" if unit.get("kind") == "tp"
                           else f"{p.rank}/{world}")
-                states = expected[layout]
+                if unit.get("kind") == "sidecar":
+                    states = {rep["version"]: self.big_digest}
+                    out.sidecars.append(rep["rss_ratio"])
+                    if rep["rss_ratio"] > SIDECAR_RSS_BOUND:
+                        out.failures.append(f"RSS unit {p.unit}: the sidecar holds {rep['rss_ratio']:.2f}x"
+                                            f" its model (bound {SIDECAR_RSS_BOUND}x) after a {rep['source']} load")
+                else:
+                    states = expected[layout]
                 if rep["digest"] != states.get(rep["version"]):
                     out.wrong += 1
                     which = next((v[:12] for v, d in states.items() if d == rep["digest"]), "no version's")
@@ -732,6 +771,7 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
     caches: collections.Counter[str] = collections.Counter()
     for o in outcomes:
         caches.update(o.caches)
+    ratios = [r for o in outcomes for r in o.sidecars]
     reads = collections.Counter(o.storage_reads - o.pools for o in outcomes)
     clean_reads = collections.Counter(o.storage_reads - o.pools for o in outcomes if not o.faults)
     failed = [o for o in outcomes if o.failures]
@@ -752,6 +792,11 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         "",
         "Compile-cache units: " + (", ".join(f"{k}: {v}" for k, v in sorted(caches.items())) or "none")
         + " (``peer``: fetched from a unit that built it, every installed byte compared).",
+        "",
+        f"Sidecar units ({SIDECAR_MODEL_MIB} MiB model, hand-off socket, attach's bytes compared):"
+        f" {len(ratios)}; held per model byte (RssAnon + RssShmem over the process before it):"
+        + (f" max {max(ratios):.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f}" if ratios else " -")
+        + f" (bound {SIDECAR_RSS_BOUND}).",
         "",
         "Late probe receiver (one single-rank worker started after each rollout's faults,"
         " when a live single-rank holder of its version exists): "

@@ -106,6 +106,50 @@ def _load(job: dict[str, Any], settings: Settings, svc: WeightService, group: An
             "fallback_reason": result.fallback_reason, "peer_id": result.peer_id}
 
 
+def held_bytes() -> int:
+    """RssAnon + RssShmem of this process (what a user sees it hold), in bytes."""
+    fields: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["RssAnon"] + fields["RssShmem"]
+
+
+def _socket(job: dict[str, Any]) -> Path:
+    return Path(job["log"]).parent / f"sc-u{job['unit']}" / "handoff.sock"
+
+
+def _sidecar(job: dict[str, Any], settings: Settings) -> Any:
+    """A CPU sidecar with a hand-off socket (the real ``nccl-back serve`` object) for the
+    soak's large checkpoint, started (its health port bound), not yet loaded."""
+    from nccl_back.sidecar.server import ServeOptions, Sidecar
+
+    sock = _socket(job)
+    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Sidecar(settings, ServeOptions(model_uri=job["big"], device=torch.device("cpu"),
+                                          socket_path=str(sock), health_port=0)).start()
+
+
+def _sidecar_load(job: dict[str, Any], settings: Settings, sidecar: Any, report: dict[str, Any]) -> None:
+    """The sidecar's load: its memory over this process before it (RssAnon + RssShmem,
+    per byte of the model), then an app's ``attach``'s bytes."""
+    from nccl_back.model.checkpoint import flat_skeleton
+    from nccl_back.sidecar.handoff import attach
+
+    before = held_bytes()
+    result = sidecar.load()
+    spec = ModelSpec.from_dir(job["big"], cache_dir=settings.cache_dir)
+    nbytes = spec.nbytes
+    ratio = (held_bytes() - before) / nbytes
+    app = flat_skeleton(spec)
+    attach(app, str(_socket(job)), "copy", version=spec.version)
+    tensors, _ = named_tensors(app)
+    report.update(event="loaded", source=result.source, digest=digest(tensors), version=spec.version,
+                  verified=result.verified, fallback_reason=result.fallback_reason, rss_ratio=ratio)
+
+
 def cache_files(rollout: int) -> dict[str, bytes]:
     """The compile cache every cache unit of a rollout builds: the same bytes in each."""
     return {f"kernels/k{i}.bin": hashlib.sha256(f"{rollout}/{i}".encode()).digest() * (64 << i)
@@ -184,9 +228,13 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         group = dist.group.WORLD if world > 1 else None
         t0 = time.monotonic()
         svc: WeightService | None = None
+        sidecar: Any = None
         try:
             if job.get("kind") == "cache":
                 report.update(_cache(job, settings))
+            elif job.get("kind") == "sidecar":
+                sidecar = _sidecar(job, settings)
+                _sidecar_load(job, settings, sidecar, report)
             else:
                 svc = WeightService(settings, worker_id=f"r{job['rollout']}u{job['unit']}-{rank}")
                 report.update(_load(job, settings, svc, group, rank, world))
@@ -204,6 +252,9 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         faulthandler.dump_traceback_later(job["hang_after"], exit=False, file=log)
         if svc is not None:
             svc.close()
+        if sidecar is not None:
+            sidecar.close()
+            sidecar = None  # its model maps the hand-off segment until it is dropped
         if job.get("kind") == "cache":
             from nccl_back.load import artifacts
 

@@ -247,3 +247,30 @@ def test_column_and_row_helpers_tp2_from_tp1() -> None:
         half = L.layout_of(Manifest((TensorEntry("q", (4, 4), "float32"),)),
                            {"q": L.column("q", 0, 2, 8)}, ck)
         P.plan(full, [half])
+
+
+def test_a_hostile_layout_costs_a_bounded_plan() -> None:
+    """A holder layout that cuts a huge tensor into a fine grid (a record an attacker can
+    write without a secret) makes plan() refuse within its work bound, in well under a
+    second, instead of testing every cell against every piece."""
+    import time as _time
+
+    from nccl_back.model import layout as lay_mod
+    from nccl_back.model.reshard_plan import PlanError, plan
+    from nccl_back.model.skeleton import Manifest, TensorEntry
+
+    n = 1 << 16
+    shapes = {"w": (n, n)}
+    receiver = lay_mod.layout_of(Manifest((TensorEntry("w", (n, n), "float32"),)), {}, shapes)
+    rows = [lay_mod.Piece("w", 0, i * (n // 256), (i + 1) * (n // 256)) for i in range(256)]
+    cols = [lay_mod.Piece("w", 1, i * (n // 256), (i + 1) * (n // 256)) for i in range(256)]
+    hostile = lay_mod.Layout(
+        tuple(sorted([(f"r{i}", (n // 256, n), "float32", lay_mod.TensorLayout(0, (p,)))
+                      for i, p in enumerate(rows)]
+                     + [(f"c{i}", (n, n // 256), "float32", lay_mod.TensorLayout(1, (p,)))
+                        for i, p in enumerate(cols)])),
+        (("w", (n, n)),))
+    start = _time.monotonic()
+    with pytest.raises(PlanError, match="more than"):
+        plan(receiver, [hostile])
+    assert _time.monotonic() - start < 2.0

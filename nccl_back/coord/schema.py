@@ -7,8 +7,10 @@ writers give it, the largest value a genuine one has, and the typed parser a ver
 value must pass. :mod:`.keys` builds key names from it, the record families read and
 verify values through it (:meth:`.store.SignedStore.get_signed`), the metrics label
 rejections with its kinds, and the hostile-Redis tests and the soak generate their
-corruptions from it: a key kind added here is corrupted by them at once, and one
-missing here fails ``tests/test_schema.py``.
+corruptions from it: a key kind added here is corrupted by them at once (and
+``tests/test_hostile_redis.py`` fails until a rollout there writes it), one a rollout
+writes without an entry here fails there too, and ``tests/test_records_props.py``
+fails until the kind's parser has valid examples.
 
 Values are read as bytes and decoded by their parser (never by the Redis client), so
 whatever bytes the server sends end in a parsed record or an

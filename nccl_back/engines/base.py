@@ -56,7 +56,6 @@ from nccl_back.errors import (
     fallback_reason,
 )
 from nccl_back.load.service import WeightService
-from nccl_back.model import integrity
 from nccl_back.model.checkpoint import model_headers
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.layout import TensorLayout
@@ -295,14 +294,15 @@ class EngineLoad:
     result: LoadResult
     state: nn.Module
     truth: dict[str, str] | None
-    """Sampled hashes of ``state`` right after the load (None: nothing to check)."""
+    """The Verifier's fingerprint of ``state`` right after the load (None: nothing to
+    check)."""
 
     def check_served_state(self, log: logging.Logger, post_processing: str) -> None:
         """Stop serving if ``post_processing`` (the engine's step after the load) rewrote
         a served tensor in place."""
         if self.truth is None:
             return
-        after = integrity.layer_hashes(self.state, mode="sampled")
+        after = self.service.verifier.fingerprint(self.state, "sampled")  # cheap: a rewrite shows
         changed = sorted(k for k in self.truth if after.get(k) != self.truth[k])
         if changed:
             log.error("nccl_back: %s rewrote loaded tensors in place (%s); this engine"
@@ -368,7 +368,7 @@ def load_weights(adapter: EngineAdapter, settings: Settings, model: nn.Module) -
         raise
     truth = None
     if settings.verify != "none" and service.peers:
-        truth = integrity.layer_hashes(state, mode="sampled")
+        truth = service.verifier.fingerprint(state, "sampled")
     keep_serving(service)
     log_outcome(log, result, identity_s)
     return EngineLoad(service, result, state, truth)

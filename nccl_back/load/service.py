@@ -118,6 +118,12 @@ class WeightService:
         return self._server.peers
 
     @property
+    def verifier(self) -> Verifier:
+        """What "verified" means for this service's loads (``Settings.verify``, keyed by
+        the fleet secret): every check of bytes in a model goes through it."""
+        return self._env.verifier
+
+    @property
     def active_sends(self) -> int:
         """Transfers this worker is sending right now."""
         return self._server.active_sends

@@ -120,6 +120,14 @@ class Verifier:
         """This mode's part of a stored ground-truth record (empty: nothing to check)."""
         return truth_for_mode(stored, self.mode)
 
+    def fingerprint(self, model: Model, mode: str | None = None) -> dict[str, str]:
+        """Layer hashes of ``model`` under ``mode`` (None: this verifier's; ``none``
+        reads as sampled): what a local consumer checks a hand-off against, and what an
+        engine compares after its own post-processing to see whether it rewrote served
+        tensors."""
+        mode = mode or ("sampled" if self.mode == "none" else self.mode)
+        return integrity.layer_hashes(model, mode=mode, key=self.key)  # type: ignore[arg-type]
+
     def check_layers(self, model: Model, expected: Mapping[str, str]) -> None:
         """Compare the model's layer hashes with ``expected``; :class:`WeightVerificationError` naming
         the layers that differ."""

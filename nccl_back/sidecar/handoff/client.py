@@ -5,7 +5,7 @@ Steps: refuse a socket directory others can write and a listener of another uid
 refusal into an :class:`AttachError` naming what differs (for a manifest, the tensors,
 from the server's manifest sent with the refusal), map the arena (:mod:`.arena`,
 :mod:`.cuda`), fill the model, and recompute
-:func:`nccl_back.model.integrity.layer_hashes` against the hashes the server sent
+:meth:`nccl_back.load.verifier.Verifier.check_layers` against the hashes the server sent
 (:class:`WeightVerificationError`).
 
 Modes. ``copy``: the consumer copies each tensor into its own skeleton tensors and
@@ -29,8 +29,8 @@ import torch
 
 from nccl_back import _clock, bounded_json
 from nccl_back.errors import AttachError, ConfigError, SkeletonError
+from nccl_back.load.verifier import Verifier
 from nccl_back.log import get_logger
-from nccl_back.model.integrity import compare, layer_hashes
 from nccl_back.model.skeleton import Manifest, Model, manifest, model_device, named_tensors
 from nccl_back.result import LoadResult
 from nccl_back.sidecar.handoff import arena, cuda
@@ -110,7 +110,9 @@ def attach(
         expected, hash_mode = reply.get("hashes"), reply.get("hash_mode")
         if not isinstance(expected, dict) or hash_mode not in ("sampled", "full"):
             raise AttachError(f"sidecar at {endpoint} sent no usable layer hashes")
-        compare(expected, layer_hashes(model, hash_mode))
+        # Unkeyed: a local consumer holds no fleet secret (the socket's checks vouch
+        # for the sidecar; the hashes catch a misplaced or torn copy).
+        Verifier(hash_mode, None).check_layers(model, expected)
         timings["verify"] = _clock.perf() - mark
     seconds = _clock.perf() - started
     log.info("attached", bytes=mine.nbytes, seconds=round(seconds, 4), verified=verify)

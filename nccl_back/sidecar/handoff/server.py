@@ -30,8 +30,9 @@ import torch
 
 from nccl_back import _clock, bounded_json
 from nccl_back.errors import AttachError, ConfigError
+from nccl_back.load.verifier import Verifier
 from nccl_back.log import get_logger
-from nccl_back.model.integrity import HashMode, layer_hashes
+from nccl_back.model.integrity import HashMode
 from nccl_back.model.skeleton import Manifest, Model
 from nccl_back.sidecar.handoff import arena, cuda
 from nccl_back.sidecar.handoff.perms import UMASK_LOCK, peer_uid, private_dir
@@ -121,7 +122,7 @@ class HandoffServer:
         try:
             self._pack()
             if self._hashes is None:
-                self._hashes = layer_hashes(self.model, self.hash_mode)
+                self._hashes = Verifier(self.hash_mode, None).fingerprint(self.model)
             self._listener = self._bind()
         except BaseException:
             self.close()

@@ -7,13 +7,18 @@ the whole, so no phase can spend another's time and none can outlive the load:
 ========== ====================================== =====================================
 phase      bound                                  work bounded by
 ========== ====================================== =====================================
-discover   :data:`DISCOVER_SECONDS`               the peer index (``MAX_INDEX``), the
+discover   :data:`DISCOVER_SECONDS` (a reshard's) the peer index (``MAX_INDEX``), the
                                                   world keys a reshard reads
-                                                  (``MAX_WORLD_KEYS``)
-plan       :data:`PLAN_SECONDS`                   the plan's cells (``MAX_CELLS``)
+                                                  (``MAX_WORLD_KEYS``), world sizes
+                                                  planned (``reshard.MAX_WORLDS``)
+plan       within discover's                      the plan's cells and tests
+                                                  (``reshard_plan.MAX_CELLS``,
+                                                  ``MAX_TESTS``); a holder's before it
+                                                  takes a send turn
 claim      ``busy_wait``                          the holder's ``max_sends`` slots
 transfer   ``transfer_timeout``, ``stall_timeout`` the watchdog
-fetch      ``peer_budget`` (artifact sets)        ``max_artifact_bytes``
+fetch      ``peer_budget`` (artifact sets),       ``max_artifact_bytes``
+           ``artifact_wait`` (header waits)
 ========== ====================================== =====================================
 
 A spent phase raises :class:`~nccl_back.errors.BudgetSpentError` naming the phase and
@@ -28,10 +33,8 @@ from dataclasses import dataclass
 from nccl_back import _clock
 from nccl_back.errors import BudgetSpentError
 
-#: Seconds discovery (holders, truth, other layouts' holders) may take.
+#: Seconds a reshard's discovery (other layouts' holders, their truth, the plan) may take.
 DISCOVER_SECONDS = 10.0
-#: Seconds deriving a reshard plan may take (its work is bounded too).
-PLAN_SECONDS = 5.0
 
 
 @dataclass(frozen=True)

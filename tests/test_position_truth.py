@@ -164,3 +164,27 @@ def test_records_round_trip_and_forgeries_are_rejected(redis_url: str) -> None:
     forger.put_position_truth("v2", 0, 1, truth)
     with pytest.raises(UntrustedRecordError):
         reg.get_position_truth("v2", 0, 1, full.digest, "nb1")
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2])
+def test_full_sums_check_slices_of_a_three_dim_tensor_and_a_vector(cut: int) -> None:
+    """A whole holder's sums check a slice of a 3-dim tensor along any dim, and a vector;
+    one changed element of either is caught."""
+    shapes = {"c": (4, 6, 8), "b": (10,)}
+    g = torch.Generator().manual_seed(3)
+    values = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    man = Manifest(tuple(TensorEntry(n, s, "float32") for n, s in sorted(shapes.items())))
+    whole = L.layout_of(man, {}, shapes)
+    v = Verifier("full", KEY)
+    truth = v.position_truth(whole, values)
+    half = shapes["c"][cut] // 2
+    part_shape = tuple(half if i == cut else n for i, n in enumerate(shapes["c"]))
+    man2 = Manifest((TensorEntry("b", (10,), "float32"), TensorEntry("c", part_shape, "float32")))
+    lay = L.layout_of(man2, {"c": L.TensorLayout(cut, (L.Piece("c", cut, half, 2 * half),))}, shapes)
+    mine = {"b": values["b"].clone(), "c": values["c"].narrow(cut, half, half).clone()}
+    assert v.check_positions(lay, mine, {"h": truth}).elements == 10 + mine["c"].numel()
+    for name in ("c", "b"):
+        changed = {n: t.clone() for n, t in mine.items()}
+        changed[name].view(-1)[-1] += 1.0
+        with pytest.raises(WeightVerificationError, match=f"'{name}'"):
+            v.check_positions(lay, changed, {"h": truth})

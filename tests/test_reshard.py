@@ -238,3 +238,37 @@ def test_plan_mismatch_is_refused_before_data_moves(tmp_path: Path, redis_url: s
         want = rw.expected(ckpt, 0, 1, "megatron")
         got = named_tensors(skel)[0]
         assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.timeout(240)
+def test_disagreeing_position_truth_skips_those_holders(fleet: Fleet) -> None:
+    """Two TP=2 holders' truth records disagree on a replicated tensor (one rewritten
+    with the fleet key): a TP=1 receiver that would use both neither raises nor trusts
+    either; it loads the exact bytes from storage, saying why."""
+    from nccl_back.config import Settings
+    from nccl_back.coord import schema
+    from nccl_back.coord.content import PositionTruth
+    from nccl_back.coord.registry import Registry
+
+    (holder_stop,) = fleet.start(1, "plain")
+    (h,) = fleet.reports(1)
+    fleet.start(2, "megatron")
+    tp2 = fleet.reports(2)
+    assert all(r["source"] == "peer" for r in tp2), tp2
+    holder_stop.set()
+    time.sleep(4)  # the TP=1 holder's entry expires (peer_ttl 3 s)
+    s = fleet.settings
+    reg = Registry(Settings(redis_url=s["redis_url"], namespace=s["namespace"], secret=s["secret"]))
+    (key,) = [k for k in reg.scan("ct:*") if k.split(":")[4] == "2" and k.split(":")[3] == "1"]
+    got = reg.read(key, schema.POSITION_TRUTH)
+    assert got is not None
+    truth: PositionTruth = got[0]
+    j = next(i for i, m in enumerate(truth.macs["norm"]) if m is not None)
+    macs = dict(truth.macs)
+    macs["norm"] = [("0" * 8 if i == j else m) for i, m in enumerate(macs["norm"])]
+    reg.delete(key)
+    reg.put_position_truth(key.split(":")[2], 1, 2, PositionTruth(truth.layout, truth.scheme, macs))
+    fleet.start(1, "whole")
+    (r,) = fleet.reports(1)  # an exception in any worker fails here
+    assert r["source"] == "storage" and r["identical"], r
+    assert "disagree" in (r["fallback_reason"] or ""), r["fallback_reason"]

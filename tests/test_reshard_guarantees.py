@@ -162,9 +162,11 @@ def test_truth_that_does_not_cover_every_byte_is_not_used_for_full(world: World)
     assert "no truth for every byte" in (result.fallback_reason or ""), result.fallback_reason
 
 
-def test_disagreeing_truth_records_skip_their_holders_never_raise(world: World) -> None:
-    """Two storage-rooted records disagree (one forged with the fleet's own key): the
-    load neither raises nor uses those holders; it loads the exact bytes elsewhere."""
+def test_a_truth_record_forged_with_the_fleet_key_costs_a_storage_read_never_a_raise(
+        world: World) -> None:
+    """A holder's truth in checkpoint coordinates replaced by one signed with the fleet's
+    own key (a compromised worker) but saying other MACs: the load neither raises nor
+    keeps the bytes it cannot verify; it loads the exact bytes from storage."""
     holder, _ = world.holder()
     reg = Registry(world.settings)
     info = holder.peers[0]

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 #: Index keys read when listing the world sizes that hold a version: each names a
 #: (rank, world) pair a reshard may look up, so it bounds the work a flood of fake
 #: index keys (no secret needed to write key names) can cause.
-MAX_WORLD_KEYS = 512
+MAX_WORLD_KEYS = 64
 
 
 class LayoutRecords(SignedStore):

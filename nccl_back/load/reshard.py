@@ -66,6 +66,9 @@ from nccl_back.transport.broadcast import plan as broadcast_plan
 
 #: World sizes a reshard plans for (nearest to the receiver's first): each costs a plan.
 MAX_WORLDS = 8
+#: World sizes whose holders a reshard always looks up, besides its own and those the
+#: index keys name: the tensor-parallel sizes of real fleets.
+USUAL_WORLDS = (1, 2, 4, 8)
 
 
 class NoLayoutCover(NobodyHolds):
@@ -145,7 +148,11 @@ def find(env: Env, a: Attempt, sh: Sharding) -> Found:
     phase = a.rx.start_budget(env.settings).phase("reshard discovery", DISCOVER_SECONDS)
     reg, version = env.registry, a.spec.version
     by_world: dict[int, list[PeerInfo]] = {}
-    for r, w in reg.worlds(version):
+    # The usual world sizes are looked up whatever index keys exist: key names need no
+    # secret, so a flood of fake ones must not hide a genuine holder (the scanned ones,
+    # a bounded number, add other sizes).
+    usual = [(r, w) for w in sorted({a.world, *USUAL_WORLDS}) for r in range(w)]
+    for r, w in dict.fromkeys([*usual, *reg.worlds(version)]):
         phase.check(f"{len(by_world)} world sizes read")
         for p in usable_peers(env, a, reg.find_peers(version, r, w)):
             by_world.setdefault(w, []).append(p)

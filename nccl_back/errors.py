@@ -189,8 +189,6 @@ class RecordKind(str, enum.Enum):
     """A receiver's send slot on a peer (``ns:claim:...``)."""
     LEASE = "lease"
     """The single-flight download lease (``ns:dl:...``)."""
-    COHORT = "cohort"
-    """A cohort's arrival counter and epoch (``ns:cohort:...``, a hash)."""
     COHORT_MEMBER = "cohort_member"
     """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
     DOWNLOAD_STREAM = "download_stream"

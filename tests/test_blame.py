@@ -134,7 +134,7 @@ def test_progress_forwards_nothing_once_failed(advances: list[int], fail_at: int
 
 def _relay_settings(redis_url: str, namespace: str, **kw: Any) -> Settings:
     return Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
-                    advertise_host="127.0.0.1", bind_host="127.0.0.1", **kw)
+                    advertise_host="127.0.0.1", **kw)
 
 
 def _tensors() -> dict[str, torch.Tensor]:

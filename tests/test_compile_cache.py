@@ -59,7 +59,7 @@ def test_a_compiled_program_starts_from_a_peers_inductor_cache(
     """The second process fetches the first one's inductor cache (its compile is an FX-graph
     cache hit) and the precompiled headers its C++ kernels were built with (none rebuilt)."""
     s = {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
-         "bind_host": "127.0.0.1", "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
+         "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
     a = start(s, tmp_path / "a", hold=True)
     try:
         first = report(a)
@@ -86,7 +86,7 @@ def test_nothing_another_user_planted_travels(redis_url: str, namespace: str, tm
     publishes nothing from them (both logged); what the fleet serves is the clean
     engine's set only."""
     s = {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
-         "bind_host": "127.0.0.1", "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
+         "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
     clean = start(s, tmp_path / "clean", hold=True, default_dirs=True)
     try:
         first = report(clean)

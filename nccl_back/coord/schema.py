@@ -103,7 +103,8 @@ class KeyKind:
     parts: tuple[str, ...]
     """What follows the prefix, in order (a chain key has its cohort's parts first)."""
     kind: RecordKind | None
-    """What a rejected value is counted as (None: nothing is ever read back)."""
+    """What a rejected value is counted as (None: no value of it is ever rejected: nothing
+    reads it back, or only a script that replaces what it does not recognise)."""
     redis_type: RedisType
     signing: Signing
     ttl: Callable[[Settings], float]
@@ -214,7 +215,7 @@ REQUEST = KeyKind("req", "req", ("peer_id",), RecordKind.REQUEST, L, G, _peer_tt
 LEASE = KeyKind("dl", "dl", ("version", "world"), RecordKind.LEASE, S, G,
                 lambda s: s.download_lease, SMALL, "the single-flight download lease",
                parse=_plain(records.lease))
-COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), RecordKind.COHORT, H, Signing.NONE,
+COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), None, H, Signing.NONE,
                  lambda s: s.cohort_window, SMALL, "a cohort's arrival counter and epoch")
 CHAIN = KeyKind("chain", "cohort", (*_VRW, "manifest", "epoch", "chain"), RecordKind.COHORT_MEMBER,
                 L, G, _chain_ttl, SMALL, "the member records of one chain, in seat order",

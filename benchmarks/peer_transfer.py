@@ -89,10 +89,10 @@ def rounds(transport: Transport, tensors: dict[str, torch.Tensor], flat: torch.T
     for _ in range(n):
         row = {}
         for what in ["flat", *map(str, buckets)]:
-            transport.broadcast(sync).wait()
+            transport.copy(sync).wait()
             start = time.perf_counter()
             if what == "flat":
-                transport.broadcast(flat).wait()
+                transport.copy(flat).wait()
             elif transport.rank == 0:
                 send_tensors(transport, tensors, int(what))
             else:

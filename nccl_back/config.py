@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nccl_back.errors import ConfigError
-from nccl_back.kinds import TRANSPORT_KINDS, TransportKind
 from nccl_back.redis_url import parse_redis_url
+from nccl_back.transport_kinds import TRANSPORT_KINDS, TransportKind
 
 ENV_PREFIX = "NCCL_BACK_"
 #: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.

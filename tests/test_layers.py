@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parents[1] / "nccl_back"
 
 #: Layer of each top-level module or subpackage, bottom first (ARCHITECTURE.md).
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["errors", "kinds", "_clock", "bounded_json", "log", "metrics", "config",
+    **dict.fromkeys(["errors", "transport_kinds", "_clock", "bounded_json", "log", "metrics", "config",
                      "redis_url", "result", "budget"], 0),
     "model": 1,
     "coord": 2,
@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["cli", "__init__"], 7),
 }
 #: Modules of the common layer may import each other in this order only.
-COMMON_ORDER = ["errors", "kinds", "_clock", "budget", "bounded_json", "redis_url", "log",
+COMMON_ORDER = ["errors", "transport_kinds", "_clock", "budget", "bounded_json", "redis_url", "log",
                 "metrics", "config", "result"]
 MAX_LINES = 500
 

@@ -11,13 +11,13 @@ import torch
 from nccl_back.config import Settings
 from nccl_back.engines.base import engine_adapter, engine_layout, register_engine
 from nccl_back.errors import ConfigError
-from nccl_back.kinds import TRANSPORT_KINDS
 from nccl_back.model.storage import SCHEMES, LocalFiles, Storage, backend_class, parse_uri
 from nccl_back.transport import all_transports, resolve_kind, transport_classes
+from nccl_back.transport_kinds import TRANSPORT_KINDS
 
 
 def test_transport_registry_covers_exactly_the_kinds() -> None:
-    """Every name in nccl_back.kinds has its classes registered by its module, no others."""
+    """Every name in nccl_back.transport_kinds has its classes registered by its module, no others."""
     found = all_transports()
     assert sorted(found) == sorted(TRANSPORT_KINDS)
     assert all(found[k].kind == k for k in found)

@@ -26,7 +26,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.registry import truth_for_mode
 from nccl_back.errors import ConfigError, NcclBackError, RegistryError
+from nccl_back.files import write_atomic
 from nccl_back.load.service import WeightService
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
@@ -363,23 +363,10 @@ class Sidecar:
         if self.options.socket_path is not None:
             info["socket"] = self.options.socket_path
         if self.options.ready_file is not None:
-            _write_atomic(self.options.ready_file, json.dumps(info, indent=2) + "\n")
+            write_atomic(self.options.ready_file, json.dumps(info, indent=2) + "\n")
         self._out.write("ready " + " ".join(f"{k}={v}" for k, v in info.items()) + "\n")
         self._out.flush()
         self._log.info("ready", **info, fallback=result.fallback_reason)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ready-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager

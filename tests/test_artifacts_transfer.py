@@ -135,7 +135,7 @@ def test_a_holder_killed_mid_transfer_leaves_no_partial_cache(
     (src / "torch_compile_cache" / "abc123" / "big.bin").write_bytes(os.urandom(48 << 20))
     s = base_settings(redis_url, namespace)
     holder = holders.start({**s, "max_send_gbps": 0.016, "bucket_bytes": 1 << 20}, src, units)
-    out: list[flow.Fetched] = []
+    out: list[flow.FetchResult] = []
     t = threading.Thread(target=lambda: out.append(flow.fetch(
         Settings(**s, stall_timeout=3.0), flow.CacheKey(FACTORS, SCOPE), str(dst))))
     t.start()

@@ -42,7 +42,7 @@ from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import named_tensors
 from nccl_back.transport import open_rendezvous, plan
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay import Held, Member, Progress, RelayServer
+from nccl_back.transport.relay import Member, Progress, RelayServer, StepSources
 
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -84,7 +84,7 @@ def test_blame_names_exactly_the_senders_of_failing_steps_and_discards_all_they_
     source's step is held, everything before its first step still is, and the resume
     point is that first step."""
     steps, owners, bad = case
-    held = Held(steps)
+    held = StepSources(steps)
     for k, src in enumerate(owners):
         if src is not None:
             held.record(k, src)

@@ -191,7 +191,7 @@ def test_two_compile_cache_blocks_at_once_both_complete(
         t.join(120)
     assert set(results) == {"quick", "slow"}
     for name, got in results.items():
-        assert isinstance(got, flow.Fetched), (name, got)
+        assert isinstance(got, flow.FetchResult), (name, got)
     assert sorted(p.name for p in header_dir.iterdir()) == [
         "quick.h", "quick.h.gch", "slow.h", "slow.h.gch"]
 
@@ -219,7 +219,7 @@ def test_a_stalled_headers_fetch_is_waited_for_within_its_bound(
         outcome = job.result()
     ended = time.monotonic() - began
     assert ended < 5.0, ended
-    assert isinstance(got, flow.Fetched)
+    assert isinstance(got, flow.FetchResult)
     assert not outcome.ok and outcome.reason == \
         "precompiled headers: timed out after 3 s (artifact_wait)", outcome
     deadline = time.monotonic() + 30

@@ -303,7 +303,7 @@ def collect(root: str, units: Sequence[str], key: bytes, max_bytes: int, *,
 
 
 @dataclass
-class Installed:
+class InstallResult:
     """What :func:`install` did: units moved into place, units kept as they were."""
 
     installed: list[str] = field(default_factory=list)
@@ -359,7 +359,7 @@ def check_destination(root: str) -> None:
 
 
 def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryview,
-            key: bytes) -> Installed:
+            key: bytes) -> InstallResult:
     """Put the received set ``data`` under ``root``.
 
     The digest is checked first: a set with one byte changed is refused (ArtifactError)
@@ -378,7 +378,7 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
     if not hmac.compare_digest(got, man.digest):
         raise ArtifactError("artifact set: its bytes do not match the keyed digest (tampered"
                             " with, or signed under another secret); nothing written")
-    out = Installed()
+    out = InstallResult()
     root_fd = trusted_tree.open_root(root, create=True)
     try:
         for unit in man.units:
@@ -389,7 +389,7 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
 
 
 def _install_unit(root_fd: int, root: str, unit: str, man: ArtifactManifest, view: memoryview,
-                  out: Installed) -> None:
+                  out: InstallResult) -> None:
     *way, name = unit.split("/")
     try:  # each directory is checked before anything is made under it
         fds = _open_way(root_fd, root, way, create=True)

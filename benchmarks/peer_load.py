@@ -1,4 +1,4 @@
-"""A whole peer load against one raw flat gloo broadcast of the same bytes (issue 19).
+"""A whole peer load against one raw flat gloo broadcast of the same bytes.
 
 Two processes: this script (the receiver) and a child it starts (the holder). The
 holder loads a plain ``nn.Module`` (one allocation per parameter, as an engine builds

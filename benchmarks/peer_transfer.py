@@ -8,7 +8,7 @@ transport per round. In each round, on the same communicator, they run:
 * ``tensors``: :func:`send_tensors` / :func:`recv_tensors` of the model itself.
 
 Both sides' memory is allocated and touched before timing, so this measures the data
-plane, not page faults (which a real cold start also pays; see DESIGN.md). Times are
+plane, not page faults (which a real cold start also pays). Times are
 taken on the receiver, from a 1-byte synchronising broadcast to the end.
 
     .venv/bin/python benchmarks/peer_transfer.py --gib 1 --rounds 3 \

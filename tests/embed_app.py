@@ -64,8 +64,8 @@ def main() -> None:
             json.dump({"source": result.source, "verified": result.verified,
                        "seconds": result.seconds,
                        "fallback_reason": result.fallback_reason, "peer_id": result.peer_id}, f)
-        # Only a safety net for an orphan: the test touches the file when it is done,
-        # and a loaded machine took 41 s of the old 60 s cap to reach its last worker.
+        # Only a safety net for an orphan: the test touches the file when it is done
+        # (a loaded machine takes over 40 s to reach its last worker).
         deadline = time.monotonic() + 600
         while args.serve_until and not os.path.exists(args.serve_until) and time.monotonic() < deadline:
             time.sleep(0.05)

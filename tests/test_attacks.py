@@ -1,4 +1,4 @@
-"""The attacker suite (issue 12): one test per attack, each asserting the outcome (a
+"""The attacker suite: one test per attack, each asserting the outcome (a
 refusal with a reason, a skip, a storage fallback or a clear error) and a time bound.
 
 Local doors: the hand-off socket and the health port. Hostile files: safetensors

@@ -1,4 +1,4 @@
-"""Blame after a failed verification (issue 18, findings 4, 8, 9): only the sources
+"""Blame after a failed verification: only the sources
 that sent the failing steps are blamed, what they sent is discarded and sent again by
 another, a member whose bytes failed forwards none of them, stopped relay endpoints
 release the model, and every peer attempt of a load shares one budget.
@@ -426,8 +426,8 @@ def test_relay_upstreams_and_holders_share_one_peer_budget(
 ) -> None:
     """Three fake cohort members ahead of the receiver and three fake holders, all of
     which answer the handshake and then stall: the relay attempts and the holder
-    attempts together cost at most peer_budget (plus one attempt's unwinding), where
-    each part used to get its own deadline."""
+    attempts together cost at most peer_budget (plus one attempt's unwinding), not a
+    deadline each."""
     import threading
 
     from test_attacks import Tarpit, _fake_peer, _spec_and_model

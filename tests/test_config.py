@@ -181,8 +181,8 @@ def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
 )
 def test_from_env_errors_name_the_variable(env: dict[str, str], message: str) -> None:
     """Values that passed parsing but fail validation, undecodable bytes (lone surrogates
-    in os.environ) and odd URLs are ConfigErrors naming the variable (found by
-    tests/test_parsers_props.py; each used to raise ValueError or UnicodeEncodeError)."""
+    in os.environ) and odd URLs are ConfigErrors naming the variable, never a ValueError
+    or UnicodeEncodeError (cases tests/test_parsers_props.py generates)."""
     with pytest.raises(ConfigError, match=message):
         Settings.from_env(env)
 

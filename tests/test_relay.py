@@ -1,4 +1,4 @@
-"""Relay cohorts (issue 11): the data-plane hooks, the send-rate cap, cohort seats, and
+"""Relay cohorts: the data-plane hooks, the send-rate cap, cohort seats, and
 a 4-member chain whose middle member is SIGKILLed mid-transfer (real processes)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Resharding a library model (issue 21 item 5): real processes, real Redis, gloo.
+"""Resharding a library model: real processes, real Redis, gloo.
 
 A plain transformer-shaped checkpoint; a TP=1 holder serves TP=2 receivers of the
 "megatron" scheme (fused qkv / gate_up column-parallel, row-parallel o / down, the

@@ -239,7 +239,7 @@ def test_tensors_of_direct_size_travel_in_place_below_the_bucket() -> None:
     steps = plan(manifest, 8 * mib)
     assert [(s.direct, [x.name for x in s.slots]) for s in steps] == [
         (True, ["a.big"]), (True, ["b.two"]), (False, ["c.small", "d.tiny"])]
-    # At or below DIRECT_BYTES the bucket is the threshold, as before.
+    # At or below DIRECT_BYTES the bucket is the threshold.
     assert [s.direct for s in plan(manifest, mib)] == [True] * (3 + 2 + 2) + [False]
 
 

@@ -13,8 +13,8 @@ one decision (peer, storage, or strict), like any receive:
    (:func:`~nccl_back.model.reshard_plan.plan`, within the plan's work bound), and
    whose truth in checkpoint coordinates agrees and covers what the Verifier must
    check (every byte under ``full``). A world size that fails any of it is skipped with
-   its reason; none left: every rank goes on as before (the single flight, then
-   storage).
+   its reason; none left: every rank goes on as without resharding (the single
+   flight, then storage).
 2. *Receive* (:func:`receive`): from every holder the plan uses at once, a shared claim
    (:func:`.receive.claimed`), the handshake proving the *plan's* digest (a sender that
    derived another plan refuses before any data moves), exactly this rank's pieces

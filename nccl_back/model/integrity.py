@@ -1,4 +1,4 @@
-"""Per-layer integrity hashes of a model's weights (DESIGN.md layer 7).
+"""Per-layer integrity hashes of a model's weights.
 
 NCCL, gloo and shared memory move bytes without checksums, so the worker that loaded
 from storage (ground truth) publishes one hash per *layer* and a worker that got its

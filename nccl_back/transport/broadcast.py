@@ -346,8 +346,8 @@ def _acknowledge(transport: Transport) -> None:
 
     A sender's last copy can complete while its bytes are still in flight (NCCL's
     socket proxy, gloo's send buffers): tearing the communicator down then can cut the
-    receiver's tail off (seen on the GPU: the receiver never completed once the
-    sender's process moved on). After this one-byte copy from the receiver, the
+    receiver's tail off (on a GPU the receiver then never completes once the sender's
+    process moves on). After this one-byte copy from the receiver, the
     sender's "done" means the receiver's "done".
     """
     ack = torch.ones(1, dtype=torch.uint8, device=transport.device)

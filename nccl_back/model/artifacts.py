@@ -244,16 +244,11 @@ class _Collector:
         """The unit's files (none if it is absent); UntrustedPathError if anything on its
         way or in it is not trusted."""
         *way, name = unit.split("/")
-        fds: list[int] = []
+        fds = _open_way(root_fd, self.root, way, create=False)
         try:
-            fd = root_fd
-            for i, part in enumerate(way):
-                sub = trusted_tree.open_subdir(fd, part, f"{self.root}/{'/'.join(way[:i + 1])}",
-                                               create=False)
-                if sub is None:
-                    return
-                fds.append(sub)
-                fd = sub
+            if len(fds) < len(way):  # a directory on its way is absent
+                return
+            fd = fds[-1] if fds else root_fd
             try:
                 mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
             except FileNotFoundError:

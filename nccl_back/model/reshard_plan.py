@@ -30,7 +30,7 @@ import itertools
 import json
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,6 +136,18 @@ def offsets(t: TensorLayout) -> list[tuple[int, Piece | Padding]]:
         out.append((off, p))
         off += p.size if isinstance(p, Padding) else p.stop - p.start
     return out
+
+
+def held_pieces(layout: Layout, tensors: Mapping[str, torch.Tensor]
+                ) -> Iterator[tuple[str, TensorLayout, int, Piece, torch.Tensor]]:
+    """Every checkpoint piece ``layout`` places in ``tensors``: its skeleton tensor's
+    name and layout, its offset along that layout's dim, the piece, and the tensor (a
+    scalar as one element)."""
+    for name, _shape, _dtype, t in layout.tensors:
+        tensor = tensors[name].reshape(1) if tensors[name].dim() == 0 else tensors[name]
+        for off, p in offsets(t):
+            if not isinstance(p, Padding):
+                yield name, t, off, p, tensor
 
 
 def plan(receiver: Layout, holders: Sequence[Layout]) -> Plan:

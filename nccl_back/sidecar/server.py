@@ -46,7 +46,7 @@ from nccl_back.model.checkpoint import flat_skeleton
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import Model, build, manifest
-from nccl_back.model.storage import parse_uri
+from nccl_back.model.storage import forms, parse_uri
 from nccl_back.result import LoadResult
 from nccl_back.sidecar.drain import write_token_file
 from nccl_back.sidecar.handoff import HandoffServer, arena
@@ -143,8 +143,8 @@ def check_local_model(uri: str) -> None:
     loc = parse_uri(uri)
     if loc.is_local and not os.path.isdir(loc.path):
         raise ConfigError(
-            f"--model {uri!r}: no such directory; give the checkpoint directory"
-            " (or gs:// or s3:// bucket prefix) holding config.json and *.safetensors"
+            f"--model {uri!r}: no such directory; give the checkpoint ({forms()})"
+            " holding config.json and *.safetensors"
         )
 
 

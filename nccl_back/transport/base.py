@@ -33,7 +33,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -61,7 +61,23 @@ class Pending(Protocol):
         ...
 
 
-class Transport(ABC):
+C = TypeVar("C", bound="_Closing")
+
+
+class _Closing(ABC):
+    """Closed on leaving a ``with`` block."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self: C) -> C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Transport(_Closing):
     """One transfer's communicator between a sender (rank 0) and a receiver (rank 1)."""
 
     kind: str
@@ -134,14 +150,8 @@ class Transport(ABC):
     def close(self) -> None:
         """Release the communicator and its sockets/threads; idempotent."""
 
-    def __enter__(self) -> Transport:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Rendezvous(ABC):
+class Rendezvous(_Closing):
     """The sender's long-lived endpoint: receivers reach it at :attr:`address`."""
 
     kind: str
@@ -158,12 +168,6 @@ class Rendezvous(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop listening; idempotent."""
-
-    def __enter__(self) -> Rendezvous:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class RendezvousFactory(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,18 +30,17 @@ from nccl_back.transport.relay.state import (
 log = get_logger(__name__)
 
 
+@dataclass(eq=False)
 class Chain:
     """This receiver's place in a cohort, its progress and its relay endpoint."""
 
-    def __init__(self, seat: Seat, member: Member, progress: Progress, server: RelayServer,
-                 registry: Registry) -> None:
-        self.seat = seat
-        self.member = member
-        self.progress = progress
-        self.server = server
-        self._registry = registry
-        self.failed: set[str] = set()
-        """Member ids that failed this receiver as upstreams (never tried again)."""
+    seat: Seat
+    member: Member
+    progress: Progress
+    server: RelayServer
+    registry: Registry
+    failed: set[str] = field(default_factory=set)
+    """Member ids that failed this receiver as upstreams (never tried again)."""
 
     @property
     def position(self) -> int:
@@ -55,11 +54,11 @@ class Chain:
         """
         if self.position == 0:
             return []
-        found = self._registry.chain_members(self.seat.chain, 0, self.position - 1)
+        found = self.registry.chain_members(self.seat.chain, 0, self.position - 1)
         out = [m for m in reversed(found) if m is not None  # None: untrusted, said why
                and m.member_id not in self.failed and m.member_id != self.member.member_id]
         try:
-            gone = self._registry.gone_members([m.member_id for m in out])
+            gone = self.registry.gone_members([m.member_id for m in out])
         except RegistryError:
             gone = set()  # tried in turn, as without tombstones: a stopped one costs its handshake
         return [m for m in out if m.member_id not in gone]

@@ -11,8 +11,8 @@ verification, blame) is the load layer's one source loop
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection
-from typing import Any, Protocol
+from collections.abc import Callable, Collection
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -40,6 +40,9 @@ class DamagedBytes(WeightVerificationError):
         super().__init__(str(error))
         self.error = error
         self.blamed = frozenset(blamed)
+
+
+E = TypeVar("E", Chain, Stream)
 
 
 class Sender(Protocol):
@@ -90,28 +93,26 @@ class Cohorts:
     def join(self, replica: Replica, log: Any) -> Chain | None:
         """A seat in the current cohort for this rank, or None (cohorts off, or Redis or
         the rendezvous failed: then this rank receives on its own, as without cohorts)."""
-        if not self.enabled:
-            return None
-        try:
-            chain = join(self._endpoints(replica, log))
-        except NcclBackError as e:
-            log.warning("cohort_join_failed", error=str(e))
-            return None
-        self._track(chain.server)
-        return chain
+        return self._start(join, replica, log, "cohort_join_failed")
 
     def open_stream(self, replica: Replica, log: Any) -> Stream | None:
         """Stream this rank's download to waiting workers' cohorts, or None: cohorts off,
         or the announcement failed (logged)."""
+        return self._start(stream, replica, log, "stream_not_announced")
+
+    def _start(self, start: Callable[[Endpoints], E], replica: Replica, log: Any,
+               failed: str) -> E | None:
+        """What ``start`` makes of this rank's endpoints, its relay server kept for
+        :meth:`close`; None when cohorts are off or it failed (logged as ``failed``)."""
         if not self.enabled:
             return None
         try:
-            s = stream(self._endpoints(replica, log))
+            started = start(self._endpoints(replica, log))
         except NcclBackError as e:
-            log.warning("stream_not_announced", error=str(e))
+            log.warning(failed, error=str(e))
             return None
-        self._track(s.server)
-        return s
+        self._track(started.server)
+        return started
 
     def upstreams(self, chain: Chain, fed_by: Member | None) -> list[Member]:
         """The sources this rank's seat offers, best first: the members before it that

@@ -160,12 +160,6 @@ class PeerInfo:
         :class:`RegistryError`) if it is not a valid, bounded PeerInfo."""
         return peer(load(raw, "peer entry"))
 
-    @classmethod
-    def from_record(cls, data: dict[str, Any]) -> PeerInfo:
-        """From a parsed (and verified) record; :class:`UntrustedRecordError` if invalid."""
-        return peer(data)
-
-
 
 def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:
     """A peer entry: names, ``0 <= rank < world_size``, known transport, ``host:port``,

@@ -602,7 +602,7 @@ def test_request_flood_and_deep_json_request_leave_the_sender_serving(ckpt: str,
             assert receiver.load(m2, spec).source == "peer"
         assert reg.client.llen(key) <= 256  # the receiver's push trimmed the flood
         assert _rejected(sender, "request") >= 1
-        assert sender.peers and sender._server._held[sender.peers[0].peer_id].thread.is_alive()
+        assert sender.peers and sender._server._served[sender.peers[0].peer_id].thread.is_alive()
 
 
 def test_fake_peers_that_answer_the_handshake_then_stall_cost_at_most_the_budget(

@@ -12,7 +12,7 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   from peers as they appear (a worker that received serves too: the fleet fans out).
 * ``warm_tree`` / ``single_flight_tree``: the same without cohorts
   (``cohort_max_size=1``): every receiver takes a whole copy from a holder and serves
-  once it holds the weights, the binomial tree of ⌈log2(N+1)⌉ rounds (the old design).
+  once it holds the weights, the binomial tree of ⌈log2(N+1)⌉ rounds.
 
 ``--link-gbps`` caps every worker's outgoing weight traffic (``max_send_gbps``), so each
 worker has its own emulated link and this small machine measures the topology rather
@@ -298,7 +298,7 @@ def goals(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ns = sorted({n for _, n in med})
     lo, hi = ns[0], ns[-1]
     out = []
-    # Issue 11's goals (N=1 is the baseline of each scenario, in the same run).
+    # The relay's goals (N=1 is the baseline of each scenario, in the same run).
     for scenario, n, bound in (("warm", 8, 1.3), ("warm", 16, 1.5), ("single_flight", 8, 1.15)):
         if (scenario, 1) in med and (scenario, n) in med:
             ratio = med[scenario, n] / med[scenario, 1]

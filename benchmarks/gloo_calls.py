@@ -1,5 +1,5 @@
 """What one gloo call costs: a raw broadcast of the same bytes as one flat call and in
-chunks (issue 19; why ``config.STEPS_PER_MODEL`` is 64).
+chunks (why ``config.STEPS_PER_MODEL`` is 64).
 
 Two processes on loopback, a bare ``ProcessGroupGloo`` (no nccl_back code), 128 MiB by
 default. Each round times, after a barrier, one flat broadcast and then the same

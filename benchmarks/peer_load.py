@@ -1,4 +1,4 @@
-"""A whole peer load against one raw flat gloo broadcast of the same bytes (issue 19).
+"""A whole peer load against one raw flat gloo broadcast of the same bytes.
 
 Two processes: this script (the receiver) and a child it starts (the holder). The
 holder loads a plain ``nn.Module`` (one allocation per parameter, as an engine builds
@@ -92,7 +92,7 @@ def serve(args: argparse.Namespace) -> None:
         rdv = open_rendezvous(s, "gloo", registry=registry, device=torch.device("cpu"))
         print(json.dumps({"address": rdv.address}), flush=True)
         for r in range(args.rounds):
-            run_guarded(rdv.sender(f"{args.serve}-{r}"), lambda t: t.broadcast(flat).wait(),
+            run_guarded(rdv.sender(f"{args.serve}-{r}"), lambda t: t.copy(flat).wait(),
                         time.monotonic() + 600)
         sys.stdin.readline()  # the receiver's last load is done: stop serving
         rdv.close()
@@ -138,7 +138,7 @@ def measure(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
                 transport = receiver_transport(s, "gloo", address, f"{tid}-{r}",
                                                device=torch.device("cpu"), registry=registry)
                 t = time.perf_counter()
-                run_guarded(transport, lambda tr, flat=flat: tr.broadcast(flat).wait(),
+                run_guarded(transport, lambda tr, flat=flat: tr.copy(flat).wait(),
                             time.monotonic() + 600)
                 raw = time.perf_counter() - t
                 del flat

@@ -8,7 +8,7 @@ transport per round. In each round, on the same communicator, they run:
 * ``tensors``: :func:`send_tensors` / :func:`recv_tensors` of the model itself.
 
 Both sides' memory is allocated and touched before timing, so this measures the data
-plane, not page faults (which a real cold start also pays; see DESIGN.md). Times are
+plane, not page faults (which a real cold start also pays). Times are
 taken on the receiver, from a 1-byte synchronising broadcast to the end.
 
     .venv/bin/python benchmarks/peer_transfer.py --gib 1 --rounds 3 \
@@ -89,10 +89,10 @@ def rounds(transport: Transport, tensors: dict[str, torch.Tensor], flat: torch.T
     for _ in range(n):
         row = {}
         for what in ["flat", *map(str, buckets)]:
-            transport.broadcast(sync).wait()
+            transport.copy(sync).wait()
             start = time.perf_counter()
             if what == "flat":
-                transport.broadcast(flat).wait()
+                transport.copy(flat).wait()
             elif transport.rank == 0:
                 send_tensors(transport, tensors, int(what))
             else:

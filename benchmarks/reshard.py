@@ -49,7 +49,7 @@ def main() -> None:
         size = sum(p.stat().st_size for p in Path(ckpt).glob("*.safetensors"))
         fleet = t.Fleet(ckpt, {"redis_url": redis.url, "namespace": "bench-reshard",
                                "cache_dir": str(Path(tmp) / "cache"), "advertise_host": "127.0.0.1",
-                               "bind_host": "127.0.0.1", "peer_ttl": 3.0, "secret": "b" * 32,
+                               "peer_ttl": 3.0, "secret": "b" * 32,
                                "transfer_timeout": 120.0, "receiver_handshake_timeout": 10.0})
         try:
             fleet.start(1, "plain", settings={"max_concurrent_sends": args.sends})

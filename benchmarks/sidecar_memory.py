@@ -83,7 +83,7 @@ def main() -> None:
     redis = LocalRedis().start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_BACK_")}
     env.update(NCCL_BACK_REDIS_URL=redis.url, NCCL_BACK_NAMESPACE="m" + uuid.uuid4().hex[:8],
-               NCCL_BACK_ADVERTISE_HOST="127.0.0.1", NCCL_BACK_BIND_HOST="127.0.0.1",
+               NCCL_BACK_ADVERTISE_HOST="127.0.0.1",
                NCCL_BACK_CACHE_DIR=str(tmp / "cache"), NCCL_BACK_PEER_TTL="5")
     procs: list[subprocess.Popen[str]] = []
     try:

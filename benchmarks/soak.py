@@ -102,7 +102,7 @@ from models import TinyTransformer, fill_random, write_checkpoint  # noqa: E402
 SECRET = "soak-secret-0123456789abcdef"
 #: Small timeouts keep the bound tight and a rollout a few seconds long.
 SETTINGS: dict[str, Any] = {
-    "advertise_host": "127.0.0.1", "bind_host": "127.0.0.1", "secret": SECRET,
+    "advertise_host": "127.0.0.1", "secret": SECRET,
     "redis_timeout": 0.5, "peer_ttl": 2.0, "claim_ttl": 2.0,
     "sender_handshake_timeout": 1.0, "receiver_handshake_timeout": 2.0,
     "transfer_timeout": 5.0, "busy_wait": 2.0, "max_peer_attempts": 2,

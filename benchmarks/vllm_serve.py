@@ -1,5 +1,5 @@
 """Benchmark: time to the first answered HTTP request of ``vllm serve``, with compile
-caches from a peer (issue 22's measure).
+caches from a peer.
 
 Real vLLM OpenAI-compatible servers (the CPU build; its API process and engine core),
 each with its own ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR``

@@ -68,7 +68,7 @@ def engine_env(redis_url: str, work: Path, **extra: str) -> dict[str, str]:
     env.update({
         "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
         "NCCL_BACK_REDIS_URL": redis_url, "NCCL_BACK_NAMESPACE": f"bench{os.getpid()}",
-        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
+        "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1",
         "NCCL_BACK_CACHE_DIR": str(work / "crc-cache"), **extra,
     })
     return env

@@ -7,10 +7,10 @@ that a caller turns into its own typed error or a skipped record.
 
 The depth check is a structural scan in fixed-size blocks (numpy, O(n) time, a few
 MiB of memory whatever the input): it finds the string boundaries from the quotes and
-the parity of the backslashes before them, and counts brackets outside strings. A
-regular expression over the strings was the first version: Python's ``re`` keeps a
-backtracking frame per character of a string, ~115 bytes per character (a 20 MB
-header string cost 2.3 GiB before a single value was parsed).
+the parity of the backslashes before them, and counts brackets outside strings. Not a
+regular expression over the strings: Python's ``re`` keeps a backtracking frame per
+character of a string, ~115 bytes per character (a 20 MB header string would cost
+2.3 GiB before a single value is parsed).
 """
 
 from __future__ import annotations

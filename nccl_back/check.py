@@ -277,34 +277,23 @@ def check_health(target: Target, settings: Settings) -> Check:
 
 
 def check_transports(settings: Settings) -> Check:
-    """gloo available; with CUDA, NCCL's version and the visible GPUs (imports torch)."""
+    """Each registered transport kind's probe (gloo in this torch; with CUDA, NCCL's
+    version and the visible GPUs), in registry order; the first problem fails (imports
+    torch)."""
     try:
         import torch
-        import torch.distributed as dist
     except ImportError as e:
         return fail("transports", f"torch is not importable ({e})",
-                    "install torch (pip install 'nccl-back[gpu]' on GPU nodes)")
+                    "install torch (a CUDA build on GPU nodes)")
+    from nccl_back.transport.base import all_transports
+
     found = []
-    if dist.is_available() and dist.is_gloo_available():
-        found.append("gloo")
-    elif settings.transport in ("auto", "gloo"):
-        return fail("transports", f"torch {torch.__version__} has no gloo backend",
-                    "install a torch build with distributed support")
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
-        try:
-            v = torch.cuda.nccl.version()
-            nccl = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
-            found.append(f"nccl {nccl} ({n} GPU(s): {', '.join(names)})")
-        except Exception as e:  # a torch without NCCL raises from its C extension
-            return fail("transports", f"CUDA present but NCCL unavailable ({e})",
-                        "install a CUDA build of torch that ships NCCL")
-    elif settings.transport == "nccl":
-        return fail("transports", "transport=nccl but CUDA is not available here",
-                    "run on a GPU node with the NVIDIA driver, or set NCCL_BACK_TRANSPORT=gloo")
-    else:
-        found.append("no CUDA: gloo only")
+    for classes in all_transports().values():
+        probe = classes.probe(settings)
+        if probe.problem:
+            return fail("transports", probe.problem, probe.fix)
+        if probe.found:
+            found.append(probe.found)
     return ok("transports", f"torch {torch.__version__}: {', '.join(found)}")
 
 

@@ -92,8 +92,6 @@ _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("transport", str, "auto, gloo or nccl"),
     ("verify", str, "integrity check after a peer load: sampled, full or none"),
     ("advertise-host", str, "address peers use to reach this worker"),
-    ("bind-host", str, "unused since the rendezvous moved to Redis; accepted for compatibility"),
-    ("rendezvous-port", int, "unused since the rendezvous moved to Redis; accepted for compatibility"),
     ("transfer-timeout", float, "watchdog deadline of one transfer, seconds"),
     ("receiver-handshake-timeout", float, "seconds a receiver waits in the handshake"),
     ("sender-handshake-timeout", float, "seconds a sender waits in the handshake"),

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nccl_back.errors import ConfigError
-from nccl_back.kinds import TRANSPORT_KINDS, TransportKind
 from nccl_back.redis_url import parse_redis_url
+from nccl_back.transport_kinds import TRANSPORT_KINDS, TransportKind
 
 ENV_PREFIX = "NCCL_BACK_"
 #: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
@@ -111,15 +111,6 @@ class Settings:
     the address of the interface that reaches Redis (:func:`default_advertise_host`).
     A worker that advertises loopback to a Redis on another host is warned about, and
     receivers on other hosts skip it."""
-
-    bind_host: str = ""
-    """Unused since the rendezvous moved to Redis; accepted for compatibility (no rendezvous
-    listener; gloo's data sockets bind the advertised address, NCCL's follow
-    ``NCCL_SOCKET_IFNAME``)."""
-
-    rendezvous_port: int = 0
-    """Unused since the rendezvous moved to Redis; accepted for compatibility (no rendezvous
-    port is opened, :mod:`nccl_back.transport.store`; gloo and NCCL use ephemeral ports)."""
 
     sender_handshake_timeout: float = 1.0
     """Seconds a sender waits in the liveness handshake (short: don't wait on a flaky receiver)."""
@@ -340,10 +331,6 @@ class Settings:
             self.peer_budget < 0
         ):
             raise ConfigError(f"peer_budget={self.peer_budget!r}: must be 0 (automatic) or positive seconds")
-        port = self.rendezvous_port
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            raise ConfigError(f"rendezvous_port={port!r}: must be 0 to 65535"
-                              " (unused; accepted for compatibility)")
 
     def key(self, purpose: str) -> bytes | None:
         """A 32-byte key for one ``purpose`` derived from :attr:`secret` (``None`` without one).

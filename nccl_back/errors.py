@@ -170,7 +170,15 @@ FALLBACK_REASONS = (
 """Stable codes for why a worker loaded from storage instead of a peer (metric labels,
 the prefix of ``LoadResult.fallback_reason``)."""
 
-class RecordKind(str, enum.Enum):
+class StrEnum(str, enum.Enum):
+    """An enumeration whose members are their string values (``str(m) == m.value``), so a
+    member is its own metric label or table cell (``enum.StrEnum`` from Python 3.11)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RecordKind(StrEnum):
     """Every kind of value nccl_back reads from Redis and may reject: the one list that
     records, the registry (:meth:`Registry.reject`), the metrics (a label of
     ``records_rejected``) and error messages share. A ``str``, so it is its own label."""
@@ -189,8 +197,6 @@ class RecordKind(str, enum.Enum):
     """A receiver's send slot on a peer (``ns:claim:...``)."""
     LEASE = "lease"
     """The single-flight download lease (``ns:dl:...``)."""
-    COHORT = "cohort"
-    """A cohort's arrival counter and epoch (``ns:cohort:...``, a hash)."""
     COHORT_MEMBER = "cohort_member"
     """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
     DOWNLOAD_STREAM = "download_stream"
@@ -209,9 +215,6 @@ class RecordKind(str, enum.Enum):
     """An artifact set's manifest (``ns:art:...``, compile caches)."""
     ARTIFACT_INDEX = "artifact_index"
     """A model's newest artifact set and its factors (``ns:artidx:...``)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 RECORD_KINDS = tuple(k.value for k in RecordKind)

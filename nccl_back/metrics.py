@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -48,6 +49,24 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 """HTTP ``Content-Type`` of :meth:`Metrics.render`'s output."""
 
 
+M = TypeVar("M", Counter, Gauge)
+_Label = tuple[str, tuple[str, ...]]
+"""A label's name and its fixed values."""
+
+
+def _primed(kind: type[M], name: str, doc: str, label: _Label | None,
+            registry: CollectorRegistry) -> M:
+    """A metric of ``kind``; with ``label`` (a name and its fixed values), one series per
+    value, created at zero."""
+    if label is None:
+        return kind(name, doc, registry=registry)
+    key, values = label
+    metric = kind(name, doc, [key], registry=registry)
+    for value in values:
+        metric.labels(**{key: value})
+    return metric
+
+
 def _check(value: str, allowed: tuple[str, ...], what: str) -> str:
     if value not in allowed:
         raise ConfigError(f"{what}={value!r}: choose one of {', '.join(allowed)}")
@@ -59,97 +78,48 @@ class Metrics:
 
     def __init__(self, prefix: str = "nccl_back") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.loads = Counter(
-            f"{prefix}_loads", "Completed weight loads, by source.", ["source"], registry=r
-        )
-        self.loaded_bytes = Counter(
-            f"{prefix}_loaded_bytes", "Bytes of weights loaded, by source.", ["source"], registry=r
-        )
-        self.load_seconds = Histogram(
-            f"{prefix}_load_seconds",
-            "Wall time of a weight load, by source.",
-            ["source"],
-            buckets=LOAD_SECONDS_BUCKETS,
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            f"{prefix}_fallbacks",
-            "Peer loads abandoned for storage, by reason code.",
-            ["reason"],
-            registry=r,
-        )
-        self.transfers_served = Counter(
-            f"{prefix}_transfers_served",
-            "Transfers this worker sent to a receiver, by outcome.",
-            ["outcome"],
-            registry=r,
-        )
-        self.verification_failures = Counter(
-            f"{prefix}_verification_failures",
-            "Peer loads whose integrity hashes differed from the ground truth.",
-            registry=r,
-        )
-        self.records_rejected = Counter(
-            f"{prefix}_records_rejected",
-            "Redis values skipped as unsigned, badly signed, expired, malformed or without"
-            " a TTL, by record kind.",
-            ["kind"],
-            registry=r,
-        )
-        self.requests_dropped = Counter(
-            f"{prefix}_requests_dropped",
-            "Transfer requests dropped because this worker's send queue was full.",
-            registry=r,
-        )
-        self.handshake_timeouts = Counter(
-            f"{prefix}_handshake_timeouts",
-            "Liveness handshakes that timed out (either side).",
-            registry=r,
-        )
-        self.claims = Gauge(
-            f"{prefix}_active_claims",
-            "Receivers currently holding a send slot on this worker.",
-            registry=r,
-        )
-        self.ready = Gauge(
-            f"{prefix}_ready",
-            "1 once weights are loaded, verified and published; 0 before and while draining.",
-            registry=r,
-        )
-        # Sends, by role: bytes and seconds give GB/s (rate of one over rate of the other).
-        self.sent_bytes = Counter(
-            f"{prefix}_sent_bytes",
-            "Payload bytes of completed sends to receivers, by role (holder or relay).",
-            ["role"],
-            registry=r,
-        )
-        self.send_seconds = Counter(
-            f"{prefix}_send_seconds",
-            "Wall seconds of completed sends to receivers (communicator and broadcast), by role.",
-            ["role"],
-            registry=r,
-        )
-        self.sends_in_flight = Gauge(
-            f"{prefix}_sends_in_flight",
-            "Sends to receivers running now, by role (holder or relay).",
-            ["role"],
-            registry=r,
-        )
-        for role in SEND_ROLES:
-            self.sent_bytes.labels(role=role)
-            self.send_seconds.labels(role=role)
-            self.sends_in_flight.labels(role=role)
+        def counter(name: str, doc: str, label: _Label | None = None) -> Counter:
+            return _primed(Counter, f"{prefix}_{name}", doc, label, self.registry)
+
+        def gauge(name: str, doc: str, label: _Label | None = None) -> Gauge:
+            return _primed(Gauge, f"{prefix}_{name}", doc, label, self.registry)
+
+        by_source, by_role = ("source", SOURCES), ("role", SEND_ROLES)
+        self.loads = counter("loads", "Completed weight loads, by source.", by_source)
+        self.loaded_bytes = counter("loaded_bytes", "Bytes of weights loaded, by source.",
+                                    by_source)
+        self.load_seconds = Histogram(f"{prefix}_load_seconds",
+                                      "Wall time of a weight load, by source.", ["source"],
+                                      buckets=LOAD_SECONDS_BUCKETS, registry=self.registry)
         for source in SOURCES:
-            self.loads.labels(source=source)
-            self.loaded_bytes.labels(source=source)
             self.load_seconds.labels(source=source)
-        for reason in FALLBACK_REASONS:
-            self.fallbacks.labels(reason=reason)
-        for outcome in ("ok", "failed"):
-            self.transfers_served.labels(outcome=outcome)
-        for kind in (*RECORD_KINDS, UNKNOWN_KIND):
-            self.records_rejected.labels(kind=kind)
+        self.fallbacks = counter("fallbacks", "Peer loads abandoned for storage, by reason code.",
+                                 ("reason", FALLBACK_REASONS))
+        self.transfers_served = counter(
+            "transfers_served", "Transfers this worker sent to a receiver, by outcome.",
+            ("outcome", ("ok", "failed")))
+        self.verification_failures = counter(
+            "verification_failures",
+            "Peer loads whose integrity hashes differed from the ground truth.")
+        self.records_rejected = counter(
+            "records_rejected", "Redis values skipped as unsigned, badly signed, expired,"
+            " malformed or without a TTL, by record kind.", ("kind", (*RECORD_KINDS, UNKNOWN_KIND)))
+        self.requests_dropped = counter(
+            "requests_dropped", "Transfer requests dropped because this worker's send queue"
+            " was full.")
+        self.handshake_timeouts = counter("handshake_timeouts",
+                                          "Liveness handshakes that timed out (either side).")
+        self.claims = gauge("active_claims",
+                            "Receivers currently holding a send slot on this worker.")
+        self.ready = gauge("ready", "1 once weights are loaded, verified and published; 0 before"
+                           " and while draining.")
+        # Sends, by role: bytes and seconds give GB/s (rate of one over rate of the other).
+        self.sent_bytes = counter("sent_bytes", "Payload bytes of completed sends to receivers,"
+                                  " by role (holder or relay).", by_role)
+        self.send_seconds = counter("send_seconds", "Wall seconds of completed sends to receivers"
+                                    " (communicator and broadcast), by role.", by_role)
+        self.sends_in_flight = gauge("sends_in_flight", "Sends to receivers running now, by role"
+                                     " (holder or relay).", by_role)
 
     def record_load(self, source: str, nbytes: int, seconds: float) -> None:
         """Count one completed load of ``nbytes`` that took ``seconds`` from ``source``."""

@@ -2,8 +2,8 @@
 
 Runs every variant at once (each a pair of processes with its own store and NCCL
 host ids), each a 1 MiB broadcast rank 0 -> 1 under a 25 s limit, and prints one JSON
-line per variant, then the variant ``gpu_check.sh`` should use as ``KEY=VALUE`` lines.
-Raw variants use torch alone; ``ours_*`` go through nccl_back's NcclTransport.
+line per variant. Raw variants use torch alone; ``ours`` goes through nccl_back's
+NcclTransport (non-blocking, the communicator made by the first collective).
 
     python scripts/nccl_probe.py
 """
@@ -29,9 +29,7 @@ VARIANTS = {
     "raw_nonblocking_lazy_poll": (True, False, {}, True),
     "raw_nonblocking_eager_wait": (True, True, {}, False),
     "raw_nonblocking_eager_connect0": (True, True, {"NCCL_RUNTIME_CONNECT": "0"}, True),
-    "ours_nonblocking_eager": (True, True, {}, True),
-    "ours_nonblocking_lazy": (True, False, {}, True),
-    "ours_blocking": (False, False, {}, True),
+    "ours": (True, False, {}, True),
 }
 
 
@@ -57,16 +55,14 @@ def child(name: str, rank: int, port: int, q: Any) -> None:
             from nccl_back.config import Settings
             from nccl_back.coord.registry import Registry
             from nccl_back.transport import open_rendezvous, receiver_transport, run_guarded
-            from nccl_back.transport.nccl import NcclTransport
 
-            NcclTransport.nonblocking, NcclTransport.eager = nonblocking, eager
             # Our transport bootstraps through Redis (the parent's, see main()).
             s = Settings(advertise_host="127.0.0.1",
                          redis_url=os.environ["PROBE_REDIS_URL"], namespace=f"probe{port}")
             reg = Registry(s)
             tr = (open_rendezvous(s, "nccl", device=dev, registry=reg).sender("p") if rank == 0
                   else receiver_transport(s, "nccl", "127.0.0.1:0", "p", device=dev, registry=reg))
-            run_guarded(tr, lambda t: t.broadcast(x, 0).wait(), time.monotonic() + LIMIT - 3)
+            run_guarded(tr, lambda t: t.copy(x, 0).wait(), time.monotonic() + LIMIT - 3)
         else:
             store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=LIMIT))
             opts = dist.ProcessGroupNCCL.Options()
@@ -138,16 +134,9 @@ def _probe(free_port: Any) -> int:
     for p in procs:
         if p.is_alive():
             p.kill()
-    good = []
     for name, rs in results.items():
         ok = len(rs) == 2 and all(r.get("ok") for r in rs)
-        if ok:
-            good.append(name)
         print(json.dumps({"variant": name, "pass": ok, "ranks": sorted(rs, key=lambda r: r["rank"])}))
-    pick = next((n for n in ("ours_nonblocking_lazy", "ours_nonblocking_eager", "ours_blocking")
-                 if n in good), "ours_nonblocking_lazy")
-    print(f"PAIR_NCCL_NONBLOCKING={int(VARIANTS[pick][0])}")
-    print(f"PAIR_NCCL_EAGER={int(VARIANTS[pick][1])}")
     return 0
 
 

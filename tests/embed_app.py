@@ -51,7 +51,7 @@ def main() -> None:
         logging.getLogger().addHandler(_Fields(args.logging))
     settings = Settings.from_env(
         redis_url=args.redis_url, namespace=args.namespace, cache_dir=args.cache_dir,
-        advertise_host="127.0.0.1", bind_host="127.0.0.1", redis_timeout=0.5,
+        advertise_host="127.0.0.1", redis_timeout=0.5,
         peer_ttl=3.0, busy_wait=1.0, single_flight_wait=1.0,
     )
     spec = ModelSpec.from_dir(args.ckpt, cache_dir=args.cache_dir)
@@ -64,8 +64,8 @@ def main() -> None:
             json.dump({"source": result.source, "verified": result.verified,
                        "seconds": result.seconds,
                        "fallback_reason": result.fallback_reason, "peer_id": result.peer_id}, f)
-        # Only a safety net for an orphan: the test touches the file when it is done,
-        # and a loaded machine took 41 s of the old 60 s cap to reach its last worker.
+        # Only a safety net for an orphan: the test touches the file when it is done
+        # (a loaded machine takes over 40 s to reach its last worker).
         deadline = time.monotonic() + 600
         while args.serve_until and not os.path.exists(args.serve_until) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -25,10 +25,10 @@ class CorruptingTransport:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
+    def copy(self, tensor: torch.Tensor, src: int = 0) -> Any:
         self._calls += 1
         if self._calls == self._at:
             tensor = tensor.clone()
             tensor[self._byte] ^= 0xFF
             self._keep.append(tensor)
-        return self._inner.broadcast(tensor, src)
+        return self._inner.copy(tensor, src)

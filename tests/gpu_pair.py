@@ -127,18 +127,11 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
 
         # kind="gloo" runs the same scenarios on the CPU: a self-test of this harness.
         device = torch.device("cuda", 0) if kind == "nccl" else torch.device("cpu")
-        if kind == "nccl":
-            from nccl_back.transport.nccl import NcclTransport
-
-            # The device probe's choice, when it ran (scripts/nccl_probe.py).
-            NcclTransport.nonblocking = os.environ.get("PAIR_NCCL_NONBLOCKING", "1") == "1"
-            NcclTransport.eager = os.environ.get("PAIR_NCCL_EAGER", "0") == "1"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         from nccl_back.coord.registry import Registry
 
-        settings = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1",
-                            redis_url=os.environ["PAIR_REDIS_URL"],
+        settings = Settings(advertise_host="127.0.0.1", redis_url=os.environ["PAIR_REDIS_URL"],
                             namespace=os.environ["PAIR_NAMESPACE"])
         registry = Registry(settings)
         tid = "pair" + scenario

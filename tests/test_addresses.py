@@ -1,8 +1,8 @@
-"""The address a worker advertises, and the peers a receiver will not try (finding 10).
+"""The address a worker advertises, and the peers a receiver will not try.
 
 Where the host name resolves to 127.0.0.1 (a common ``/etc/hosts``, this machine's
-among them), resolving it gave every worker a loopback address no other host reaches.
-The default is now the address of the interface that reaches Redis; advertising
+among them), resolving it would give every worker a loopback address no other host
+reaches. The default is the address of the interface that reaches Redis; advertising
 loopback to a Redis on another host is warned about; and receivers skip peers that
 advertise loopback while their Redis is elsewhere, before any claim or handshake.
 """

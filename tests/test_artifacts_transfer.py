@@ -33,7 +33,7 @@ FACTORS = {"vllm": "0.32.0", "config_hash": "c0ffee", "compiler_hash": "beef"}
 
 def base_settings(redis_url: str, namespace: str, **kw: Any) -> dict[str, Any]:
     return {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
-            "bind_host": "127.0.0.1", "peer_ttl": 5.0, "secret": SECRET,
+            "peer_ttl": 5.0, "secret": SECRET,
             "receiver_handshake_timeout": 5.0, "transfer_timeout": 30.0, **kw}
 
 
@@ -135,7 +135,7 @@ def test_a_holder_killed_mid_transfer_leaves_no_partial_cache(
     (src / "torch_compile_cache" / "abc123" / "big.bin").write_bytes(os.urandom(48 << 20))
     s = base_settings(redis_url, namespace)
     holder = holders.start({**s, "max_send_gbps": 0.016, "bucket_bytes": 1 << 20}, src, units)
-    out: list[flow.Fetched] = []
+    out: list[flow.FetchResult] = []
     t = threading.Thread(target=lambda: out.append(flow.fetch(
         Settings(**s, stall_timeout=3.0), flow.CacheKey(FACTORS, SCOPE), str(dst))))
     t.start()

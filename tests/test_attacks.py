@@ -1,4 +1,4 @@
-"""The attacker suite (issue 12): one test per attack, each asserting the outcome (a
+"""The attacker suite: one test per attack, each asserting the outcome (a
 refusal with a reason, a skip, a storage fallback or a clear error) and a time bound.
 
 Local doors: the hand-off socket and the health port. Hostile files: safetensors
@@ -602,7 +602,7 @@ def test_request_flood_and_deep_json_request_leave_the_sender_serving(ckpt: str,
             assert receiver.load(m2, spec).source == "peer"
         assert reg.client.llen(key) <= 256  # the receiver's push trimmed the flood
         assert _rejected(sender, "request") >= 1
-        assert sender.peers and sender._server._held[sender.peers[0].peer_id].thread.is_alive()
+        assert sender.peers and sender._server._served[sender.peers[0].peer_id].thread.is_alive()
 
 
 def test_fake_peers_that_answer_the_handshake_then_stall_cost_at_most_the_budget(

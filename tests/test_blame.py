@@ -1,4 +1,4 @@
-"""Blame after a failed verification (issue 18, findings 4, 8, 9): only the sources
+"""Blame after a failed verification: only the sources
 that sent the failing steps are blamed, what they sent is discarded and sent again by
 another, a member whose bytes failed forwards none of them, stopped relay endpoints
 release the model, and every peer attempt of a load shares one budget.
@@ -42,7 +42,7 @@ from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import named_tensors
 from nccl_back.transport import open_rendezvous, plan
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay import Held, Member, Progress, RelayServer
+from nccl_back.transport.relay import Member, Progress, RelayServer, StepSources
 
 import workers
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -84,7 +84,7 @@ def test_blame_names_exactly_the_senders_of_failing_steps_and_discards_all_they_
     source's step is held, everything before its first step still is, and the resume
     point is that first step."""
     steps, owners, bad = case
-    held = Held(steps)
+    held = StepSources(steps)
     for k, src in enumerate(owners):
         if src is not None:
             held.record(k, src)
@@ -134,7 +134,7 @@ def test_progress_forwards_nothing_once_failed(advances: list[int], fail_at: int
 
 def _relay_settings(redis_url: str, namespace: str, **kw: Any) -> Settings:
     return Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
-                    advertise_host="127.0.0.1", bind_host="127.0.0.1", **kw)
+                    advertise_host="127.0.0.1", **kw)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -426,8 +426,8 @@ def test_relay_upstreams_and_holders_share_one_peer_budget(
 ) -> None:
     """Three fake cohort members ahead of the receiver and three fake holders, all of
     which answer the handshake and then stall: the relay attempts and the holder
-    attempts together cost at most peer_budget (plus one attempt's unwinding), where
-    each part used to get its own deadline."""
+    attempts together cost at most peer_budget (plus one attempt's unwinding), not a
+    deadline each."""
     import threading
 
     from test_attacks import Tarpit, _fake_peer, _spec_and_model

@@ -59,7 +59,7 @@ def test_a_compiled_program_starts_from_a_peers_inductor_cache(
     """The second process fetches the first one's inductor cache (its compile is an FX-graph
     cache hit) and the precompiled headers its C++ kernels were built with (none rebuilt)."""
     s = {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
-         "bind_host": "127.0.0.1", "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
+         "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
     a = start(s, tmp_path / "a", hold=True)
     try:
         first = report(a)
@@ -86,7 +86,7 @@ def test_nothing_another_user_planted_travels(redis_url: str, namespace: str, tm
     publishes nothing from them (both logged); what the fleet serves is the clean
     engine's set only."""
     s = {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
-         "bind_host": "127.0.0.1", "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
+         "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
     clean = start(s, tmp_path / "clean", hold=True, default_dirs=True)
     try:
         first = report(clean)
@@ -191,7 +191,7 @@ def test_two_compile_cache_blocks_at_once_both_complete(
         t.join(120)
     assert set(results) == {"quick", "slow"}
     for name, got in results.items():
-        assert isinstance(got, flow.Fetched), (name, got)
+        assert isinstance(got, flow.FetchResult), (name, got)
     assert sorted(p.name for p in header_dir.iterdir()) == [
         "quick.h", "quick.h.gch", "slow.h", "slow.h.gch"]
 
@@ -219,7 +219,7 @@ def test_a_stalled_headers_fetch_is_waited_for_within_its_bound(
         outcome = job.result()
     ended = time.monotonic() - began
     assert ended < 5.0, ended
-    assert isinstance(got, flow.Fetched)
+    assert isinstance(got, flow.FetchResult)
     assert not outcome.ok and outcome.reason == \
         "precompiled headers: timed out after 3 s (artifact_wait)", outcome
     deadline = time.monotonic() + 30

@@ -150,15 +150,6 @@ def test_peer_budget_is_automatic_or_explicit() -> None:
         Settings(peer_budget=-1)
 
 
-def test_unused_rendezvous_settings_still_load() -> None:
-    """bind_host and rendezvous_port are unused since the rendezvous moved to Redis, but
-    existing configurations that set them still load (an out-of-range port still fails)."""
-    s = Settings.from_env({"NCCL_BACK_BIND_HOST": "0.0.0.0", "NCCL_BACK_RENDEZVOUS_PORT": "29500"})
-    assert (s.bind_host, s.rendezvous_port) == ("0.0.0.0", 29500)
-    with pytest.raises(ConfigError, match="rendezvous_port=70000"):
-        Settings(rendezvous_port=70000)
-
-
 def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
     """bucket_bytes=0 picks the bucket per transport and model size; an explicit value wins; the send cap
     and cohort settings come from NCCL_BACK_* variables."""
@@ -190,8 +181,8 @@ def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
 )
 def test_from_env_errors_name_the_variable(env: dict[str, str], message: str) -> None:
     """Values that passed parsing but fail validation, undecodable bytes (lone surrogates
-    in os.environ) and odd URLs are ConfigErrors naming the variable (found by
-    tests/test_parsers_props.py; each used to raise ValueError or UnicodeEncodeError)."""
+    in os.environ) and odd URLs are ConfigErrors naming the variable, never a ValueError
+    or UnicodeEncodeError (cases tests/test_parsers_props.py generates)."""
     with pytest.raises(ConfigError, match=message):
         Settings.from_env(env)
 

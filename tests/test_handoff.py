@@ -449,7 +449,7 @@ def test_a_consolidated_skeleton_is_its_own_arena() -> None:
     assert _laid_out(tensors, offsets, total) is None
 
 
-# -------------------------------------------- what a consumer agrees to map (finding 9)
+# ---------------------------------------------------- what a consumer agrees to map
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ PKG = Path(__file__).resolve().parents[1] / "nccl_back"
 
 #: Layer of each top-level module or subpackage, bottom first (ARCHITECTURE.md).
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["errors", "kinds", "_clock", "bounded_json", "log", "metrics", "config",
-                     "redis_url", "result", "budget"], 0),
+    **dict.fromkeys(["errors", "transport_kinds", "_clock", "files", "bounded_json", "log",
+                     "metrics", "config", "redis_url", "result", "budget"], 0),
     "model": 1,
     "coord": 2,
     "transport": 3,
@@ -25,8 +25,8 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["cli", "__init__"], 7),
 }
 #: Modules of the common layer may import each other in this order only.
-COMMON_ORDER = ["errors", "kinds", "_clock", "budget", "bounded_json", "redis_url", "log",
-                "metrics", "config", "result"]
+COMMON_ORDER = ["errors", "transport_kinds", "_clock", "files", "budget", "bounded_json",
+                "redis_url", "log", "metrics", "config", "result"]
 MAX_LINES = 500
 
 

@@ -1,4 +1,4 @@
-"""Multi-rank workers (issue 8): every rank takes the same path, nobody stalls.
+"""Multi-rank workers: every rank takes the same path, nobody stalls.
 
 Each worker is two separate processes in their own gloo group, started as ``torchrun``
 would (tests/groups.py); real Redis, real gloo, nothing patched in the protocol. Rank 0

@@ -1,4 +1,4 @@
-"""A silent partition between two hosts (finding 10), in real network namespaces.
+"""A silent partition between two hosts, in real network namespaces.
 
 Two namespaces joined by a veth pair play two hosts, each with its own address; Redis
 runs on the receiver's. The sender advertises what the default chooses (the interface

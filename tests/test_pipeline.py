@@ -345,7 +345,7 @@ def test_pipeline_ranks_from_storage_then_from_peers(workers: Workers) -> None:
 def sidecar_env(redis_url: str, namespace: str, cache_dir: str) -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_BACK_")}
     return {**clean, "NCCL_BACK_REDIS_URL": redis_url, "NCCL_BACK_NAMESPACE": namespace,
-            "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1", "NCCL_BACK_BIND_HOST": "127.0.0.1",
+            "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1",
             "NCCL_BACK_CACHE_DIR": cache_dir, "NCCL_BACK_PEER_TTL": "3",
             "NCCL_BACK_TRANSFER_TIMEOUT": "20"}
 

@@ -1,4 +1,4 @@
-"""Relay cohorts (issue 11): the data-plane hooks, the send-rate cap, cohort seats, and
+"""Relay cohorts: the data-plane hooks, the send-rate cap, cohort seats, and
 a 4-member chain whose middle member is SIGKILLed mid-transfer (real processes)."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_busy_relay_endpoint_refuses_at_once(redis_url: str, namespace: str) -> 
     """A relay endpoint with every send slot taken refuses a request through the handshake,
     so the requester moves on at once instead of waiting out its handshake timeout."""
     settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
-                        advertise_host="127.0.0.1", bind_host="127.0.0.1")
+                        advertise_host="127.0.0.1")
     reg = Registry(settings)
     rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"), registry=reg)
     member = Member("busy-r0-stream-1", rdv.address, "gloo", "cpu")
@@ -204,7 +204,7 @@ def test_a_member_seated_behind_a_stopped_endpoint_skips_it(
     seated behind it no longer counts it as an upstream: it goes on to the next one or
     to a holder at once, instead of waiting out a handshake nobody will answer."""
     settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
-                        advertise_host="127.0.0.1", bind_host="127.0.0.1", secret=secret)
+                        advertise_host="127.0.0.1", secret=secret)
     reg = Registry(settings)
     rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"), registry=reg)
     first = Member("first-r0-relay-1", rdv.address, "gloo", "cpu")

@@ -1,4 +1,4 @@
-"""The transfer rendezvous against strangers (finding 7): no port, signed bounded keys.
+"""The transfer rendezvous against strangers: no port, signed bounded keys.
 
 The class of attacks, not one example: a party without the fleet secret may reach
 every port of the worker (there is no rendezvous port to reach) and read and write the

@@ -1,4 +1,4 @@
-"""Resharding a library model (issue 21 item 5): real processes, real Redis, gloo.
+"""Resharding a library model: real processes, real Redis, gloo.
 
 A plain transformer-shaped checkpoint; a TP=1 holder serves TP=2 receivers of the
 "megatron" scheme (fused qkv / gate_up column-parallel, row-parallel o / down, the
@@ -109,7 +109,7 @@ def fleet(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Ite
     model = fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=3)
     ckpt = str(write_checkpoint(model, tmp_path / "ckpt", n_shards=2))
     f = Fleet(ckpt, {"redis_url": redis_url, "namespace": namespace, "cache_dir": cache_dir,
-                     "advertise_host": "127.0.0.1", "bind_host": "127.0.0.1", "peer_ttl": 3.0,
+                     "advertise_host": "127.0.0.1", "peer_ttl": 3.0,
                      "transfer_timeout": 20.0, "receiver_handshake_timeout": 5.0,
                      "secret": "s" * 32, "bucket_bytes": 4096})
     yield f
@@ -219,7 +219,7 @@ def test_plan_mismatch_is_refused_before_data_moves(tmp_path: Path, redis_url: s
     model = fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=3)
     ckpt = str(write_checkpoint(model, tmp_path / "ckpt", n_shards=2))
     s = Settings(redis_url=redis_url, namespace=namespace, cache_dir=cache_dir, secret="s" * 32,
-                 advertise_host="127.0.0.1", bind_host="127.0.0.1", receiver_handshake_timeout=5.0)
+                 advertise_host="127.0.0.1", receiver_handshake_timeout=5.0)
     spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
 
     def skewed(receiver: Any, holders: Any) -> reshard_plan.Plan:

@@ -11,13 +11,13 @@ import torch
 from nccl_back.config import Settings
 from nccl_back.engines.base import engine_adapter, engine_layout, register_engine
 from nccl_back.errors import ConfigError
-from nccl_back.kinds import TRANSPORT_KINDS
 from nccl_back.model.storage import SCHEMES, LocalFiles, Storage, backend_class, parse_uri
-from nccl_back.transport import all_transports, resolve_kind, transport_classes
+from nccl_back.transport import all_transports, auto_kind, resolve_kind, transport_classes
+from nccl_back.transport_kinds import TRANSPORT_KINDS
 
 
 def test_transport_registry_covers_exactly_the_kinds() -> None:
-    """Every name in nccl_back.kinds has its classes registered by its module, no others."""
+    """Every name in nccl_back.transport_kinds has its classes registered by its module, no others."""
     found = all_transports()
     assert sorted(found) == sorted(TRANSPORT_KINDS)
     assert all(found[k].kind == k for k in found)
@@ -34,6 +34,14 @@ def test_resolve_kind_by_device_and_setting() -> None:
     with pytest.raises(ConfigError, match=r"transport=nccl needs the model on a CUDA device,"
                        r" it is on cpu; use transport=gloo or auto"):
         resolve_kind(Settings(transport="nccl"), cpu)
+
+
+def test_auto_is_read_from_the_registry() -> None:
+    """auto: of the kinds carrying a device's tensors, the most specialised; a device type
+    no kind names goes to the most general one."""
+    carriers = {d for c in all_transports().values() for d in c.devices}
+    assert carriers == {"cpu", "cuda"}
+    assert [auto_kind(d) for d in ("cpu", "cuda", "mps")] == ["gloo", "nccl", "gloo"]
 
 
 def test_storage_schemes_map_to_backends(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ def ckpt(tmp_path: Path) -> str:
 @pytest.fixture
 def settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
     return Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
-                    bind_host="127.0.0.1", cache_dir=cache_dir, peer_ttl=3.0,
+                    cache_dir=cache_dir, peer_ttl=3.0,
                     transfer_timeout=20.0, receiver_handshake_timeout=5.0)
 
 

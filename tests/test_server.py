@@ -139,7 +139,6 @@ def env(redis_url: str, namespace: str, cache_dir: str, tmp_path: Path) -> dict[
         "NCCL_BACK_REDIS_URL": redis_url,
         "NCCL_BACK_NAMESPACE": namespace,
         "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1",
-        "NCCL_BACK_BIND_HOST": "127.0.0.1",
         "NCCL_BACK_CACHE_DIR": cache_dir,
         "NCCL_BACK_PEER_TTL": "3",
         "NCCL_BACK_TRANSFER_TIMEOUT": "20",
@@ -271,7 +270,7 @@ def test_drain_gives_up_on_a_stalled_send_at_the_bound(
 ) -> None:
     """A send whose receiver stalls after the handshake: drain stops waiting at the bound."""
     settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
-                        bind_host="127.0.0.1", cache_dir=cache_dir, peer_ttl=3.0,
+                        cache_dir=cache_dir, peer_ttl=3.0,
                         transfer_timeout=3.0)
     now = [0.0]
 
@@ -359,7 +358,7 @@ def test_sidecar_with_handoff_keeps_one_copy(
 ) -> None:
     """With --factory and a socket, every tensor the sidecar serves to peers lives in the hand-off arena."""
     settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
-                        bind_host="127.0.0.1", cache_dir=cache_dir, peer_ttl=3.0)
+                        cache_dir=cache_dir, peer_ttl=3.0)
     options = ServeOptions(str(ckpt), torch.device("cpu"), factory=TinyTransformer,
                            socket_path=str(tmp_path / "handoff.sock"))
     sidecar = Sidecar(settings, options, out=io.StringIO()).start()
@@ -476,7 +475,7 @@ def test_a_failed_load_leaves_no_segment(
 ) -> None:
     """A load that fails after the skeleton was built in its segment unlinks it at close()."""
     settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
-                        bind_host="127.0.0.1", cache_dir=cache_dir, peer_ttl=3.0)
+                        cache_dir=cache_dir, peer_ttl=3.0)
     before = _segments_of(os.getpid())
     options = ServeOptions(str(ckpt), torch.device("cpu"), factory=lambda: TinyTransformer(d=16),
                            socket_path=str(tmp_path / "handoff.sock"))

@@ -62,8 +62,8 @@ def _redis(redis_url: str, namespace: str) -> None:
 
 
 def settings(**overrides: object) -> Settings:
-    base: dict[str, object] = {"advertise_host": "127.0.0.1", "bind_host": "127.0.0.1",
-                               "redis_url": REDIS["url"], "namespace": REDIS["namespace"]}
+    base: dict[str, object] = {"advertise_host": "127.0.0.1", "redis_url": REDIS["url"],
+                               "namespace": REDIS["namespace"]}
     base.update(overrides)
     return Settings(**base)  # type: ignore[arg-type]
 
@@ -125,13 +125,13 @@ class Faulty(Transport):
     def connect(self, deadline: float) -> None:
         self.inner.connect(deadline)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+    def copy(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         self.count += 1
         if self.count == self.at and self.fault == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.count == self.at and self.fault == "stall":
             self.aborted.wait(60)
-        return self.inner.broadcast(tensor, src)
+        return self.inner.copy(tensor, src)
 
     def abort(self) -> None:
         self.aborted.set()
@@ -239,7 +239,7 @@ def test_tensors_of_direct_size_travel_in_place_below_the_bucket() -> None:
     steps = plan(manifest, 8 * mib)
     assert [(s.direct, [x.name for x in s.slots]) for s in steps] == [
         (True, ["a.big"]), (True, ["b.two"]), (False, ["c.small", "d.tiny"])]
-    # At or below DIRECT_BYTES the bucket is the threshold, as before.
+    # At or below DIRECT_BYTES the bucket is the threshold.
     assert [s.direct for s in plan(manifest, mib)] == [True] * (3 + 2 + 2) + [False]
 
 
@@ -381,8 +381,8 @@ class WatchdogOnly(Transport):
         super().extend_deadline(deadline)
         self.inner.extend_deadline(deadline)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
-        return self.inner.broadcast(tensor, src)
+    def copy(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        return self.inner.copy(tensor, src)
 
     def abort(self) -> None:
         self.inner.abort()
@@ -433,7 +433,7 @@ def test_every_gloo_wording_of_a_timeout_before_the_deadline_is_a_stall(wording:
     """gloo words a per-call timeout in several ways (seen under load); each one, before
     the deadline, is a stall, and a reset is a plain TransferError."""
     s = settings()
-    tr = GlooTransport.receiver(s, registry(s), "127.0.0.1:0", "t")
+    tr = GlooTransport.receiver(s, registry(s), "127.0.0.1:0", "t", device=torch.device("cpu"))
     tr.call_timeout, tr._deadline = 3.0, time.monotonic() + 60  # as run_guarded leaves them
     assert isinstance(tr._error("broadcast", RuntimeError(wording)), TransferStalledError)
     reset = tr._error("broadcast", RuntimeError("Connection reset by peer"))

@@ -75,7 +75,7 @@ def test_cuda_tensors_through_the_gloo_data_plane(redis_url: str, namespace: str
     """bf16/fp32 CUDA tensors, bucketed and direct, arrive bit-identical over gloo."""
     from nccl_back.coord.registry import Registry
 
-    s = Settings(advertise_host="127.0.0.1", bind_host="127.0.0.1", redis_url=redis_url,
+    s = Settings(advertise_host="127.0.0.1", redis_url=redis_url,
                  namespace=namespace)
     reg = Registry(s)
     g = torch.Generator(device=CUDA).manual_seed(0)

@@ -29,7 +29,6 @@ def settings_for(redis_url: str, namespace: str, cache_dir: str, **overrides: An
         "redis_url": redis_url,
         "namespace": namespace,
         "advertise_host": "127.0.0.1",
-        "bind_host": "127.0.0.1",
         "cache_dir": cache_dir,
         "peer_ttl": 3.0,
         "transfer_timeout": 20.0,
@@ -136,11 +135,11 @@ class _KillAfter:
         else:
             setattr(self._inner, name, value)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
+    def copy(self, tensor: torch.Tensor, src: int = 0) -> Any:
         self._n -= 1
         if self._n <= 0:
             os.kill(os.getpid(), self._sig)
-        return self._inner.broadcast(tensor, src)
+        return self._inner.copy(tensor, src)
 
 
 def _install_fault(fault: str) -> None:

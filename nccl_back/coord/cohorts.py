@@ -59,7 +59,7 @@ class CohortRecords(SignedStore):
 
     def gone_members(self, member_ids: list[str]) -> set[str]:
         """Which of ``member_ids`` said their endpoint stopped (a tombstone that does not
-        verify is skipped with a reason: the member is then tried, as before)."""
+        verify is skipped with a reason: the member is then tried, as without one)."""
         if not member_ids:
             return set()
         keys = [self.keys.gone(m) for m in member_ids]

@@ -1,4 +1,4 @@
-"""All-rank consensus over the worker's own process group (DESIGN.md layer 4).
+"""All-rank consensus over the worker's own process group.
 
 A worker may be several ranks (tensor or pipeline parallel). If rank 0 goes peer to
 peer while rank 3 downloads, the group deadlocks in its next collective. So every

@@ -136,16 +136,16 @@ def run_receiver(
         registry.set_signed(r_key, _entry("receiver", x, manifest_digest), schema.HANDSHAKE)
         if after_ready is not None:
             after_ready()
-        ack = _wait(registry, r_key,
-                    lambda v: v.by == "sender" and (v.value == x + 1 or v.refused is not None),
-                    deadline, "R1 WAIT_ACK", transfer_id)
+        ack, _ = _wait(registry, r_key,
+                       lambda v: v.by == "sender" and (v.value == x + 1 or v.refused is not None),
+                       deadline, "R1 WAIT_ACK", transfer_id)
         if ack.refused is not None:
             cls = REFUSALS.get(ack.refused, PeerError)
             raise cls(f"transfer {transfer_id}: the sender refused it ({ack.refused}):"
                       f" {ack.message[:500]}")
         _check_digest(manifest_digest, ack, "sender", transfer_id)
-        got, got_raw = _wait_raw(registry, s_key, lambda v: v.by == "sender",
-                                 deadline, "R2 WAIT_Y", transfer_id)
+        got, got_raw = _wait(registry, s_key, lambda v: v.by == "sender",
+                             deadline, "R2 WAIT_Y", transfer_id)
         if got.abandoned:
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
@@ -175,8 +175,8 @@ def run_sender(registry: Registry, transfer_id: str, manifest_digest: str, timeo
     deadline = _clock.monotonic() + timeout
     abandoned = False
     try:
-        got = _wait(registry, r_key, lambda v: v.by == "receiver",
-                    deadline, "S0 WAIT_X", transfer_id)
+        got, _ = _wait(registry, r_key, lambda v: v.by == "receiver",
+                       deadline, "S0 WAIT_X", transfer_id)
         registry.set_signed(r_key, _entry("sender", got.value + 1, manifest_digest),
                             schema.HANDSHAKE)
         _check_digest(manifest_digest, got, "receiver", transfer_id)
@@ -236,20 +236,9 @@ def _wait(
     deadline: float,
     state: str,
     transfer_id: str,
-) -> HandshakeValue:
-    """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes."""
-    return _wait_raw(registry, key, ready, deadline, state, transfer_id)[0]
-
-
-def _wait_raw(
-    registry: Registry,
-    key: str,
-    ready: Callable[[HandshakeValue], bool],
-    deadline: float,
-    state: str,
-    transfer_id: str,
 ) -> tuple[HandshakeValue, str]:
-    """:func:`_wait`, also returning the raw stored value (for a compare-and-set)."""
+    """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes:
+    the value, and the raw one stored (for a compare-and-set)."""
     while True:
         # Unsigned, forged, expired or malformed values are skipped (logged, counted):
         # only the genuine other side can move the handshake on.

@@ -19,7 +19,7 @@ from typing import Any
 
 from nccl_back import _clock, bounded_json
 from nccl_back.errors import UntrustedRecordError
-from nccl_back.kinds import TRANSPORT_KINDS
+from nccl_back.transport_kinds import TRANSPORT_KINDS
 
 #: Bytes of one peer entry, request or handshake value (real ones are < 1 KiB).
 MAX_RECORD_BYTES = 16 << 10
@@ -29,7 +29,7 @@ MAX_DEPTH = 4
 MAX_SENDS = 64
 #: World size of one worker (tensor x pipeline parallel ranks).
 MAX_WORLD = 1 << 16
-#: The transport kinds a record may name (the one list: :mod:`nccl_back.kinds`).
+#: The transport kinds a record may name (the one list: :mod:`nccl_back.transport_kinds`).
 TRANSPORTS = TRANSPORT_KINDS
 #: Steps of one transfer (a resumed transfer's ``start``): far beyond any real model.
 MAX_START = 1 << 31
@@ -159,12 +159,6 @@ class PeerInfo:
         """Parse a registry value; :class:`UntrustedRecordError` (a
         :class:`RegistryError`) if it is not a valid, bounded PeerInfo."""
         return peer(load(raw, "peer entry"))
-
-    @classmethod
-    def from_record(cls, data: dict[str, Any]) -> PeerInfo:
-        """From a parsed (and verified) record; :class:`UntrustedRecordError` if invalid."""
-        return peer(data)
-
 
 
 def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:

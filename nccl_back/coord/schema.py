@@ -33,14 +33,13 @@ Signing rules, by what a record does:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from nccl_back.config import Settings
 from nccl_back.coord import content, records
-from nccl_back.errors import RecordKind, UntrustedRecordError
+from nccl_back.errors import RecordKind, StrEnum, UntrustedRecordError
 
 Parser = Callable[[dict[str, Any], Mapping[str, str], Settings], Any]
 """A verified record's body, its key's parts, the reader's settings -> the typed record."""
@@ -65,7 +64,7 @@ LAYOUT = 4 << 20
 ARTIFACT = 8 << 20
 
 
-class RedisType(str, enum.Enum):
+class RedisType(StrEnum):
     """The Redis type a genuine writer gives a key."""
 
     STRING = "string"
@@ -73,24 +72,18 @@ class RedisType(str, enum.Enum):
     SET = "set"
     HASH = "hash"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 #: Every Redis type a key may be found holding (the hostile tests write each).
 REDIS_TYPES = ("string", "list", "set", "hash", "zset")
 
 
-class Signing(str, enum.Enum):
+class Signing(StrEnum):
     """How a kind's values are signed (see the module docstring)."""
 
     GRANT = "grant"
     CONTENT = "content"
     HMAC = "hmac"
     NONE = "none"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,8 @@ class KeyKind:
     parts: tuple[str, ...]
     """What follows the prefix, in order (a chain key has its cohort's parts first)."""
     kind: RecordKind | None
-    """What a rejected value is counted as (None: nothing is ever read back)."""
+    """What a rejected value is counted as (None: no value of it is ever rejected: nothing
+    reads it back, or only a script that replaces what it does not recognise)."""
     redis_type: RedisType
     signing: Signing
     ttl: Callable[[Settings], float]
@@ -214,7 +208,7 @@ REQUEST = KeyKind("req", "req", ("peer_id",), RecordKind.REQUEST, L, G, _peer_tt
 LEASE = KeyKind("dl", "dl", ("version", "world"), RecordKind.LEASE, S, G,
                 lambda s: s.download_lease, SMALL, "the single-flight download lease",
                parse=_plain(records.lease))
-COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), RecordKind.COHORT, H, Signing.NONE,
+COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), None, H, Signing.NONE,
                  lambda s: s.cohort_window, SMALL, "a cohort's arrival counter and epoch")
 CHAIN = KeyKind("chain", "cohort", (*_VRW, "manifest", "epoch", "chain"), RecordKind.COHORT_MEMBER,
                 L, G, _chain_ttl, SMALL, "the member records of one chain, in seat order",

@@ -63,7 +63,7 @@ EXAMPLE_LAYERS = 24
 HEAD_DIM = 64
 
 #: Each demo worker's link to storage, Gbit/s: the low end of the 2-10 Gbit/s per worker
-#: a cloud bucket gives (DESIGN.md), so the demo never flatters peers.
+#: a cloud bucket gives, so the demo never flatters peers.
 STORAGE_GBIT = 2.0
 BUCKET = "nccl-back-demo"
 

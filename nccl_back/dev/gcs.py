@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from nccl_back.dev.servers import _wait_port, free_port
+from nccl_back.dev.servers import LocalProcess, free_port, python_server
 
 
 @dataclass
-class LocalGCS:
+class LocalGCS(LocalProcess):
     """A real GCS emulator (``gcp-storage-emulator``, in memory) on loopback.
 
     The real ``google-cloud-storage`` client reaches it through ``STORAGE_EMULATOR_HOST``
@@ -31,24 +28,10 @@ class LocalGCS:
     def start(self, timeout: float = 20.0) -> LocalGCS:
         if not self.port:
             self.port = free_port()
-        exe = Path(sys.executable).parent / "gcp-storage-emulator"
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "gcp_storage_emulator"]
-        self.proc = subprocess.Popen(
-            [*cmd, "start", "--host", "127.0.0.1", "--port", str(self.port), "--in-memory", "-q"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        _wait_port("127.0.0.1", self.port, self.proc, time.monotonic() + timeout, "gcp-storage-emulator")
+        self._spawn([*python_server("gcp-storage-emulator", "gcp_storage_emulator"), "start",
+                     "--host", "127.0.0.1", "--port", str(self.port), "--in-memory", "-q"],
+                    "gcp-storage-emulator", timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
     def client(self) -> Any:
         """A real ``google.cloud.storage.Client`` pointed at this emulator."""
@@ -57,9 +40,3 @@ class LocalGCS:
 
         os.environ["STORAGE_EMULATOR_HOST"] = self.host
         return storage.Client(project="test", credentials=AnonymousCredentials())
-
-    def __enter__(self) -> LocalGCS:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -7,17 +7,15 @@ import selectors
 import shutil
 import socket
 import ssl
-import subprocess
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nccl_back.dev.servers import (
     LocalRedis,
-    _wait_port,
+    Started,
     _wait_until,
     free_port,
     redis_server_binary,
@@ -25,7 +23,7 @@ from nccl_back.dev.servers import (
 
 
 @dataclass
-class LocalSentinel:
+class LocalSentinel(Started):
     """A Sentinel-managed Redis on loopback: a master, one replica and three sentinels
     (quorum 2) that fail over a few seconds after the master stops answering.
     ``url`` is a ``redis+sentinel://`` URL naming the master ``service``."""
@@ -200,11 +198,7 @@ class LocalSentinel:
     @staticmethod
     def _start_sentinel(sentinel: LocalRedis, conf: Path) -> None:
         # `redis-server FILE --sentinel`: the config file must come first, so not start().
-        sentinel.proc = subprocess.Popen(
-            [redis_server_binary(), str(conf), "--sentinel"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        _wait_port("127.0.0.1", sentinel.port, sentinel.proc, time.monotonic() + 10, "redis sentinel")
+        sentinel._spawn([redis_server_binary(), str(conf), "--sentinel"], "redis sentinel", 10)
 
     def stop(self) -> None:
         for s in [*self.sentinels, *self.servers]:
@@ -215,15 +209,9 @@ class LocalSentinel:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
-    def __enter__(self) -> LocalSentinel:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 @dataclass
-class TLSTerminator:
+class TLSTerminator(Started):
     """A TLS front for a plain TCP server (what stunnel or a cloud's TLS endpoint does):
     listens on loopback with ``certfile``/``keyfile`` and forwards each connection's
     plaintext to ``127.0.0.1:target_port``. With ``client_ca`` it requires a client
@@ -307,11 +295,5 @@ class TLSTerminator:
             self._sock.close()
         for t in self._threads:
             t.join(2)
-
-    def __enter__(self) -> TLSTerminator:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from nccl_back.dev.servers import _wait_port, free_port
+from nccl_back.dev.servers import LocalProcess, free_port, python_server
 
 
 @dataclass
-class LocalS3:
+class LocalS3(LocalProcess):
     """A real S3-compatible HTTP server (``moto_server``, in memory) in its own process.
 
     boto3 reaches it through the standard ``AWS_ENDPOINT_URL_S3`` with throw-away
@@ -42,24 +39,9 @@ class LocalS3:
     def start(self, timeout: float = 60.0) -> LocalS3:
         if not self.port:
             self.port = free_port()
-        exe = Path(sys.executable).parent / "moto_server"
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-        self.proc = subprocess.Popen(
-            [*cmd, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        _wait_port("127.0.0.1", self.port, self.proc, time.monotonic() + timeout, "moto_server")
+        self._spawn([*python_server("moto_server", "moto.server"), "-H", "127.0.0.1",
+                     "-p", str(self.port)], "moto_server", timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
     def client(self, endpoint: str | None = None) -> Any:
         """A real boto3 S3 client on this server (or on ``endpoint``, a proxy in front of it)."""
@@ -71,9 +53,3 @@ class LocalS3:
             aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
             region_name=env["AWS_DEFAULT_REGION"],
         ).client("s3", endpoint_url=endpoint or self.endpoint)
-
-    def __enter__(self) -> LocalS3:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

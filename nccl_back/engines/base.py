@@ -24,8 +24,9 @@ hooks it into the engine's own plug-in point (vLLM: a model loader for
   identity and says why (``layout_mismatch``).
 
 The hook builds the model as the engine does, calls :func:`load_weights` with the
-adapter, the settings (:func:`settings_from` the engine's config) and the model, and
-after the engine's post-processing calls :meth:`EngineLoad.check_served_state`.
+adapter (made through the registry, :func:`engine_adapter`), the settings
+(:func:`settings_from` the engine's config) and the model, and after the engine's
+post-processing calls :meth:`EngineLoad.check_served_state`.
 Everything else lives here: the identity (:func:`engine_layout`, :func:`engine_spec`),
 the served state (:func:`loaded_state`), keeping the service serving until exit,
 routing the library's warnings into the engine's logger and the outcome summary. An
@@ -56,7 +57,7 @@ from nccl_back.errors import (
     fallback_reason,
 )
 from nccl_back.load.service import WeightService
-from nccl_back.model.checkpoint import model_headers
+from nccl_back.model.checkpoint import buffer_module, model_headers
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.layout import TensorLayout
 from nccl_back.model.loader import StorageLoader
@@ -111,7 +112,7 @@ class EngineAdapter(Protocol):
 
 A = TypeVar("A", bound=type)
 
-_ENGINES: dict[str, type] = {}
+_ENGINES: dict[str, Callable[..., EngineAdapter]] = {}
 
 
 def register_engine(name: str) -> Callable[[A], A]:
@@ -124,9 +125,10 @@ def register_engine(name: str) -> Callable[[A], A]:
     return add
 
 
-def engine_adapter(name: str) -> type:
+def engine_adapter(name: str) -> Callable[..., EngineAdapter]:
     """The adapter class registered as ``name``, importing ``nccl_back.engines.{name}``
-    (and so the engine) on first use."""
+    (and so the engine) on first use: an engine's plug-in hook makes each load's adapter
+    through it."""
     if name not in _ENGINES:
         if not name.isidentifier():
             raise ConfigError(f"engine {name!r}: not an adapter name")
@@ -256,18 +258,7 @@ def loaded_state(model: nn.Module) -> nn.Module:
     service receives into and serves exactly that state.
     """
     tensors, aliases = named_tensors(model)
-    root = nn.Module()
-    for name, t in [*tensors.items(), *((a, tensors[c]) for a, c in aliases.items())]:
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            child = mod._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                mod.add_module(part, child)
-            mod = child
-        mod.register_buffer(leaf, t)
-    return root
+    return buffer_module([*tensors.items(), *((a, tensors[c]) for a, c in aliases.items())])
 
 
 def rebind(state: nn.Module, model: nn.Module, title: str) -> None:

@@ -79,6 +79,9 @@ from nccl_back.result import LoadResult
 __all__ = ["LOAD_FORMAT", "NcclBackModelLoader", "engine_layout", "engine_spec", "loaded_state",
            "register", "settings_from"]
 
+#: This adapter's name in the engine registry, the identity and the worker's label.
+ENGINE = "vllm"
+
 # A child of vLLM's logger, so the outcome shows in vLLM's own output; nothing here
 # configures logging.
 log = logging.getLogger("vllm.nccl_back")
@@ -119,10 +122,10 @@ def _layout_fields(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[s
 
 def engine_layout(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:
     """Everything besides the checkpoint that changes the tensors this rank loads."""
-    return base.engine_layout("vllm", vllm.__version__, _layout_fields(vllm_config, model_config))
+    return base.engine_layout(ENGINE, vllm.__version__, _layout_fields(vllm_config, model_config))
 
 
-@base.register_engine("vllm")
+@base.register_engine(ENGINE)
 @dataclasses.dataclass
 class VllmAdapter:
     """One vLLM load (:class:`~nccl_back.engines.base.EngineAdapter`)."""
@@ -131,7 +134,7 @@ class VllmAdapter:
     model_config: ModelConfig
     default: DefaultModelLoader
 
-    name = "vllm"
+    name = ENGINE
     title = "vLLM"
     version = vllm.__version__
     log = log
@@ -199,9 +202,9 @@ class NcclBackModelLoader(BaseModelLoader):
             from vllm.config import get_current_vllm_config
 
             vllm_config = get_current_vllm_config()
-        adapter = VllmAdapter(vllm_config, model_config, self._default)
+        adapter = base.engine_adapter(VllmAdapter.name)(vllm_config, model_config, self._default)
         self._loaded = base.load_weights(adapter, self.settings, model)
         if self._loaded is not None:
             # Still before vLLM's profile run and warm-up compile: the caches arrive in time.
             vllm_cache.share(self.settings, vllm_config, self._loaded.result.version, log,
-                             engine=f"vllm-{vllm.__version__}")
+                             engine=f"{ENGINE}-{vllm.__version__}")

@@ -193,7 +193,7 @@ def early_modelinfos(log: logging.Logger) -> None:
     try:
         got = artifacts.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
     except Exception as e:  # never breaks vLLM's start
-        got = artifacts.Fetched(False, repr(e)[:500])
+        got = artifacts.FetchResult(False, repr(e)[:500])
     early_outcome = f"from peer {got.peer}: {got.installed}" if got.ok else f"missed: {got.reason}"
     if got.ok:
         log.info("nccl_back: model infos from peer %s in %.3f s: %s", got.peer, got.seconds,
@@ -273,7 +273,7 @@ def _share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging
     received = set(got.installed)
     # Inductor's precompiled headers for its C++ kernels (CPU), global to the machine:
     # in the background, while vLLM goes on to its profile run (inductor waits for them).
-    def fetched(got: artifacts.Fetched) -> None:
+    def fetched(got: artifacts.FetchResult) -> None:
         if got.ok:
             log.info("nccl_back: precompiled headers from peer %s: %.1f MB in %.3f s",
                      got.peer, got.bytes / 1e6, got.seconds)

@@ -65,10 +65,6 @@ _ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 _LINEAR = (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
 _VOCAB = (VocabParallelEmbedding, ParallelLMHead)
 
-Sources = Mapping[str, Sequence[tuple[str, Any]]]
-"""vLLM parameter name -> the checkpoint tensors vLLM loads into it, with their shard ids."""
-
-
 def describe_engine(model: nn.Module, vllm_config: Any,
                     checkpoint: Sequence[str]) -> dict[str, TensorLayout | None]:
     """:func:`describe` for an engine of ``vllm_config``, refusing what no layer shows:

@@ -70,7 +70,7 @@ class CacheKey:
 
 
 @dataclass
-class Fetched:
+class FetchResult:
     """One fetch's outcome: installed (or kept) units, or why not."""
 
     ok: bool
@@ -153,14 +153,14 @@ def _miss_reason(service: WeightService, key: CacheKey) -> str:
 
 
 def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "library",
-          serve: bool = True) -> Fetched:
+          serve: bool = True) -> FetchResult:
     """Receive the set published under ``key`` from a live holder and install it under
     ``root``, then (``serve``) serve it on; never raises for a miss (the reason is in
     the result)."""
     start = _clock.perf()
     if settings.secret is None:
         warn_no_secret()
-        return Fetched(False, "no fleet secret (NCCL_BACK_SECRET): caches are skipped")
+        return FetchResult(False, "no fleet secret (NCCL_BACK_SECRET): caches are skipped")
     secret = settings.key("artifacts")
     assert secret is not None
     s = _transfer_settings(settings)
@@ -169,18 +169,18 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
     try:
         record = service.registry.get_artifact_set(key.lookup)
         if record is None:
-            return Fetched(False, f"no set for key {key.lookup[:12]}: {_miss_reason(service, key)}")
+            return FetchResult(False, f"no set for key {key.lookup[:12]}: {_miss_reason(service, key)}")
         man = record.manifest
         spec = artifact_spec(key.lookup, man.digest)
         if spec.version != record.version:
-            return Fetched(False, f"the set for key {key.lookup[:12]} names version"
+            return FetchResult(False, f"the set for key {key.lookup[:12]} names version"
                            f" {record.version[:12]}, its content is {spec.version[:12]}")
         if not service.registry.find_peers(spec.version, 0, 1):
-            return Fetched(False, f"no live peer holds the set for key {key.lookup[:12]}")
+            return FetchResult(False, f"no live peer holds the set for key {key.lookup[:12]}")
         artifacts.check_destination(root)  # install would refuse it; and what is "here" is not ours
         local = [u for u in man.units if os.path.lexists(os.path.join(root, u))]
         if local and len(local) == len(man.units):  # nothing to receive (a local cache wins)
-            return Fetched(False, f"every unit of the set for key {key.lookup[:12]} is"
+            return FetchResult(False, f"every unit of the set for key {key.lookup[:12]} is"
                            " already here", kept=local)
         model = _holder(man.nbytes)
         result = service.load(model, spec)
@@ -189,15 +189,15 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
         if serve:  # other new engines of the fleet receive it from here too
             _keep(service)
             served = True
-        return Fetched(True, installed=done.installed, kept=done.kept, bytes=man.nbytes,
+        return FetchResult(True, installed=done.installed, kept=done.kept, bytes=man.nbytes,
                        seconds=_clock.perf() - start, peer=result.peer_id)
     except UntrustedPathError as e:
         log.warning("artifact_install_refused", root=root, key=key.lookup[:12], reason=str(e))
-        return Fetched(False, f"not installed: {e}"[:500])
+        return FetchResult(False, f"not installed: {e}"[:500])
     except NcclBackError as e:
-        return Fetched(False, f"{type(e).__name__}: {e}"[:500])
+        return FetchResult(False, f"{type(e).__name__}: {e}"[:500])
     except OSError as e:
-        return Fetched(False, f"installing under {root}: {e}"[:500])
+        return FetchResult(False, f"installing under {root}: {e}"[:500])
     finally:
         if not served:
             service.close()

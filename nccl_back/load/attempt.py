@@ -3,7 +3,7 @@ reasons a phase gives for not loading from a peer.
 
 The phases (:mod:`.discover`, :mod:`.single_flight`, :mod:`.receive`, :mod:`.verify`,
 :mod:`.storage`, :mod:`.publish`) each read the :class:`Attempt` and write their own
-part of it; :class:`Env` is what the service lends all of them.
+part of it; :class:`Worker` is what the service lends all of them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nccl_back.coord.consensus import Group
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import NcclBackError, NoPeerError, UntrustedRecordError
-from nccl_back.load.verifier import Basis, Checked, Verifier
+from nccl_back.load.verifier import Basis, PositionCheck, Verifier
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.sharding import Sharding
@@ -64,15 +64,16 @@ class PeerBusy(Exception):
 
 
 @dataclass(frozen=True)
-class Env:
-    """What the service lends every phase: its settings and its connections."""
+class Worker:
+    """This worker's long-lived parts, which the service lends every phase of a load: its
+    settings, its connections, its server and cohorts, its metrics, its id, its verifier."""
 
     settings: Settings
     registry: Registry
     server: PeerServer
     cohorts: relay.Cohorts
     metrics: Metrics
-    worker_id: str
+    id: str
     verifier: Verifier
 
 
@@ -113,7 +114,7 @@ class Receiving:
     """What the receive phase keeps across its passes (a pass after a lost stream
     resumes the first one's bytes, within the same budget)."""
 
-    held: relay.Held | None = None
+    step_sources: relay.StepSources | None = None
     """Which source put each step in this rank's tensors (resume point, and whom to
     blame when verification fails)."""
     budget: Budget | None = None
@@ -141,10 +142,10 @@ class Receiving:
         return self.deadline - _clock.monotonic()
 
     @property
-    def holding(self) -> relay.Held:
-        if self.held is None:
+    def sources(self) -> relay.StepSources:
+        if self.step_sources is None:
             raise NcclBackError("internal: the receive phase never started")
-        return self.held
+        return self.step_sources
 
 
 @dataclass
@@ -169,7 +170,7 @@ class Attempt:
     """The ground truth to verify against: discovery's, or a stream's once published."""
     basis: Basis = Basis.NONE
     """How this rank knows its bytes are the checkpoint's (what it may publish)."""
-    checked: Checked | None = None
+    checked: PositionCheck | None = None
     """What a check in checkpoint coordinates covered (a reshard's)."""
     lease: DownloadLease | None = None
     elected: bool = False

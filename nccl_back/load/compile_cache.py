@@ -50,7 +50,7 @@ import torch
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.load import artifacts
-from nccl_back.load.artifacts import CacheKey, Fetched
+from nccl_back.load.artifacts import CacheKey, FetchResult
 from nccl_back.log import get_logger
 from nccl_back.model.artifacts import TMP_PREFIX
 
@@ -88,21 +88,21 @@ class Background:
         self.what, self.wait = what, wait
         self.deadline = _clock.monotonic() + wait
         self._done = threading.Event()
-        self._outcome: Fetched | None = None
-        self._callbacks: list[Callable[[Fetched], None]] = []
+        self._outcome: FetchResult | None = None
+        self._callbacks: list[Callable[[FetchResult], None]] = []
 
     def wait_done(self) -> bool:
         """Wait for the fetch until its deadline at most; whether it is done."""
         return _clock.wait(self._done, self.deadline - _clock.monotonic())
 
-    def result(self) -> Fetched:
+    def result(self) -> FetchResult:
         """The fetch's outcome, waiting for it until its deadline at most: past it, a miss
         saying so (the fetch may still end later; it never installs over a local file)."""
         if not self.wait_done() or self._outcome is None:
-            return Fetched(False, f"{self.what}: timed out after {self.wait:g} s (artifact_wait)")
+            return FetchResult(False, f"{self.what}: timed out after {self.wait:g} s (artifact_wait)")
         return self._outcome
 
-    def on_done(self, callback: Callable[[Fetched], None]) -> None:
+    def on_done(self, callback: Callable[[FetchResult], None]) -> None:
         """Call ``callback`` with the outcome when the fetch ends (now if it has)."""
         with _lock:
             if not self._done.is_set():
@@ -110,7 +110,7 @@ class Background:
                 return
         self._call(callback)
 
-    def finish(self, outcome: Fetched) -> None:
+    def finish(self, outcome: FetchResult) -> None:
         with _lock:
             self._outcome = outcome
             self._done.set()
@@ -118,7 +118,7 @@ class Background:
         for c in callbacks:
             self._call(c)
 
-    def _call(self, callback: Callable[[Fetched], None]) -> None:
+    def _call(self, callback: Callable[[FetchResult], None]) -> None:
         assert self._outcome is not None
         try:
             callback(self._outcome)
@@ -182,7 +182,7 @@ def header_units() -> list[str]:
 
 
 def fetch_headers(settings: Settings, key: CacheKey, *, engine: str = "library",
-                  on_done: Callable[[Fetched], None] | None = None) -> Background:
+                  on_done: Callable[[FetchResult], None] | None = None) -> Background:
     """Fetch the precompiled headers that go with ``key`` in the background, so writing
     them (~150 MB) overlaps the engine's other start-up work; inductor's
     ``_precompile_header``, as :func:`record_headers` wraps it, waits for the fetch
@@ -207,7 +207,7 @@ def fetch_headers(settings: Settings, key: CacheKey, *, engine: str = "library",
         try:
             got = artifacts.fetch(s, hkey, headers_dir(), engine=engine)
         except Exception as e:  # fetch reports its own failures; this is a last guard
-            got = Fetched(False, repr(e)[:500])
+            got = FetchResult(False, repr(e)[:500])
         with _lock:
             _IN_FLIGHT.pop(what, None)
         job.finish(got)
@@ -217,7 +217,7 @@ def fetch_headers(settings: Settings, key: CacheKey, *, engine: str = "library",
     except RuntimeError as e:  # no thread (interpreter shutting down): a miss
         with _lock:
             _IN_FLIGHT.pop(what, None)
-        job.finish(Fetched(False, f"precompiled headers not fetched: {e}"))
+        job.finish(FetchResult(False, f"precompiled headers not fetched: {e}"))
     return job
 
 
@@ -239,7 +239,7 @@ def inductor_key(name: str) -> CacheKey:
 class _Block:
     """What a ``compile_cache`` block needs at its end."""
 
-    got: Fetched
+    got: FetchResult
     settings: Settings | None = None
     root: str = ""
     key: CacheKey | None = None
@@ -255,7 +255,7 @@ def _enter(name: str, settings: Settings | None, cache_dir: str | None) -> _Bloc
         return _Block(artifacts.fetch(s, key, root), s, root, key, headers)
     except Exception as e:  # a compile never fails for its cache
         log.warning("compile_cache_skipped", name=name, error=repr(e)[:500])
-        return _Block(Fetched(False, f"compile caches skipped: {type(e).__name__}: {e}"[:500]))
+        return _Block(FetchResult(False, f"compile caches skipped: {type(e).__name__}: {e}"[:500]))
 
 
 def _leave(b: _Block) -> None:
@@ -282,7 +282,7 @@ def _leave(b: _Block) -> None:
 
 @contextlib.contextmanager
 def compile_cache(name: str, settings: Settings | None = None, *,
-                  cache_dir: str | None = None) -> Iterator[Fetched]:
+                  cache_dir: str | None = None) -> Iterator[FetchResult]:
     """Fetch ``name``'s inductor cache before the block; publish this one's after it if
     none came (see the module docstring). Never raises: a miss, a bad setting or a
     failure of its own is a result with its reason (the block's own exceptions pass)."""

@@ -19,33 +19,33 @@ from nccl_back.errors import (
 from nccl_back.load.attempt import (
     Attempt,
     Discovery,
-    Env,
     NobodyHolds,
     NobodyTrusted,
     NoTrustedTruth,
     NoTruth,
+    Worker,
 )
 from nccl_back.transport.store import unreachable_reason
 
 
-def discover(env: Env, a: Attempt) -> Discovery:
+def discover(worker: Worker, a: Attempt) -> Discovery:
     """Usable peers and the ground-truth hashes for the verify mode, or why there are none."""
-    version, man, s, reg = a.spec.version, a.target.manifest, env.settings, env.registry
+    version, man, s, reg = a.spec.version, a.target.manifest, worker.settings, worker.registry
     where = f"version {version[:12]} rank {a.rank}/{a.world}"
     try:
         rejected = reg.rejected
-        peers = _others(env, a)
+        peers = _others(worker, a)
         if not peers and reg.rejected > rejected:
             return Discovery(reason=NobodyTrusted(
                 f"no trusted peer holds {where}:"
                 f" {reg.rejected - rejected} entries rejected (see record_rejected)"))
         if not peers:
-            stream = env.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log)
+            stream = worker.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log)
             if stream is None:
                 return Discovery(reason=NobodyHolds(f"no live peer holds {where}"))
             # The elected downloader streams it; the ground truth comes at its end.
             return Discovery(stream=stream)
-        usable = usable_peers(env, a, peers)
+        usable = usable_peers(worker, a, peers)
         if not usable:
             t = a.target
             return Discovery(reason=IncompatiblePeerError(
@@ -59,7 +59,7 @@ def discover(env: Env, a: Attempt) -> Discovery:
         if s.verify == "none":
             return Discovery(candidates=matching)
         try:
-            stored = reg.get_ground_truth(version, a.rank, a.world, man.digest, env.verifier.scheme)
+            stored = reg.get_ground_truth(version, a.rank, a.world, man.digest, worker.verifier.scheme)
         except UntrustedRecordError as e:
             return Discovery(reason=NoTrustedTruth(
                 f"peers exist but the ground truth for manifest {man.digest[:12]} is not to"
@@ -68,7 +68,7 @@ def discover(env: Env, a: Attempt) -> Discovery:
             return Discovery(reason=NoTruth(
                 f"peers exist but no ground-truth hashes for manifest {man.digest[:12]}"
                 " to verify against; waiting for a holder to re-publish them (single flight)"))
-        expected = env.verifier.expected(stored)
+        expected = worker.verifier.expected(stored)
         if not expected:
             return Discovery(reason=NoPeerError(
                 f"ground truth has no {s.verify!r} hashes (set verify on the storage loader too)"))
@@ -77,45 +77,45 @@ def discover(env: Env, a: Attempt) -> Discovery:
         return Discovery(reason=e)
 
 
-def holders(env: Env, a: Attempt) -> list[PeerInfo]:
+def holders(worker: Worker, a: Attempt) -> list[PeerInfo]:
     """The usable holders of this rank's manifest now (re-read while all are busy)."""
-    found = env.registry.find_peers(a.spec.version, a.rank, a.world)
-    return [p for p in usable_peers(env, a, found) if p.manifest_digest == a.target.manifest.digest]
+    found = worker.registry.find_peers(a.spec.version, a.rank, a.world)
+    return [p for p in usable_peers(worker, a, found) if p.manifest_digest == a.target.manifest.digest]
 
 
-def sees_peer(env: Env, a: Attempt) -> bool:
+def sees_peer(worker: Worker, a: Attempt) -> bool:
     """The single flight's question: is there something for discovery to find now (a
     holder with its ground truth, a stream, or a reason discovery will tell)?"""
-    peers = _others(env, a)
+    peers = _others(worker, a)
     if not peers:
-        return env.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log) is not None
+        return worker.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log) is not None
     digest = a.target.manifest.digest
-    matching = [p for p in usable_peers(env, a, peers) if p.manifest_digest == digest]
-    if not matching or env.settings.verify == "none":
+    matching = [p for p in usable_peers(worker, a, peers) if p.manifest_digest == digest]
+    if not matching or worker.settings.verify == "none":
         return True  # discovery says what is wrong (or that nothing is)
     # A holder without its ground truth is no peer yet: it re-publishes it.
     try:
-        return env.registry.get_ground_truth(a.spec.version, a.rank, a.world, digest,
-                                             env.verifier.scheme) is not None
+        return worker.registry.get_ground_truth(a.spec.version, a.rank, a.world, digest,
+                                             worker.verifier.scheme) is not None
     except UntrustedRecordError:
         return False
 
 
-def _others(env: Env, a: Attempt) -> list[PeerInfo]:
+def _others(worker: Worker, a: Attempt) -> list[PeerInfo]:
     """Live entries for this rank's version, but this worker's own."""
-    return [p for p in env.registry.find_peers(a.spec.version, a.rank, a.world)
-            if not env.server.holds(p.peer_id)]
+    return [p for p in worker.registry.find_peers(a.spec.version, a.rank, a.world)
+            if not worker.server.holds(p.peer_id)]
 
 
-def usable_peers(env: Env, a: Attempt, peers: list[PeerInfo]) -> list[PeerInfo]:
+def usable_peers(worker: Worker, a: Attempt, peers: list[PeerInfo]) -> list[PeerInfo]:
     """Peers this rank can talk to: same transport, same device kind, not itself,
     not at an address only its own machine reaches (said why, once per peer)."""
     t = a.target
     out = []
     for p in peers:
-        if p.transport != t.kind or p.device != t.device.type or env.server.holds(p.peer_id):
+        if p.transport != t.kind or p.device != t.device.type or worker.server.holds(p.peer_id):
             continue
-        why = unreachable_reason(env.settings, p.address)
+        why = unreachable_reason(worker.settings, p.address)
         if why is not None:
             a.log.warning("peer_unreachable", peer=p.peer_id, reason=why)
             continue

@@ -15,14 +15,14 @@ from nccl_back import _clock
 from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.registry import encode_truth, truth_for_mode
 from nccl_back.errors import RegistryError, UntrustedRecordError, WeightVerificationError
-from nccl_back.load.attempt import Attempt, Env
+from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.verifier import SCHEME, Basis
 from nccl_back.model import integrity
 from nccl_back.model.layout import Layout, trivial_layout
 from nccl_back.result import LoadResult
 
 
-def peer_loaded(env: Env, a: Attempt, *, nbytes: int | None = None) -> LoadResult:
+def peer_loaded(worker: Worker, a: Attempt, *, nbytes: int | None = None) -> LoadResult:
     """A peer load's result (``verified`` as its check says); this worker then serves
     the version too. ``nbytes``: what moved, if not the whole manifest (a reshard)."""
     seconds = _clock.perf() - a.start
@@ -31,29 +31,29 @@ def peer_loaded(env: Env, a: Attempt, *, nbytes: int | None = None) -> LoadResul
         source="peer", version=a.spec.version, bytes=moved, seconds=seconds,
         peer_id=a.peer_id, verified=a.basis is not Basis.NONE, timings=a.timings,
     )
-    env.metrics.record_load("peer", moved, seconds)
+    worker.metrics.record_load("peer", moved, seconds)
     a.log.info("loaded", source="peer", peer=a.peer_id, resharded=nbytes is not None,
                verified=a.basis.value, seconds=round(seconds, 3), gbps=round(result.gbps, 3))
-    publish(env, a, "peer")
+    publish(worker, a, "peer")
     return result
 
 
-def publish_stored(env: Env, a: Attempt, hashes: dict[str, str]) -> None:
+def publish_stored(worker: Worker, a: Attempt, hashes: dict[str, str]) -> None:
     """After a storage load: claim the ground truth, then serve the version."""
     try:
-        claim_ground_truth(env, a, hashes)
+        claim_ground_truth(worker, a, hashes)
     except RegistryError as e:
         # Redis unreachable: the heartbeat stores the truth this worker holds (with
         # its entry) once Redis answers again.
         a.log.warning("ground_truth_deferred", error=str(e))
-    publish(env, a, "storage", hashes)
+    publish(worker, a, "storage", hashes)
 
 
-def publish(env: Env, a: Attempt, source: str, hashes: dict[str, str] | None = None) -> None:
+def publish(worker: Worker, a: Attempt, source: str, hashes: dict[str, str] | None = None) -> None:
     """Serve this rank's bytes with what the Verifier lets it publish for its basis:
     layer hashes (``hashes``: a storage load's, else re-published or computed), truth
     in checkpoint coordinates, and its layout."""
-    v = env.verifier
+    v = worker.verifier
     may = v.publishable(a.basis)
     lay: Layout | None = a.sharding.layout if a.sharding is not None else None
     truth, positions = hashes, None
@@ -74,20 +74,20 @@ def publish(env: Env, a: Attempt, source: str, hashes: dict[str, str] | None = N
     except Exception as e:  # only what others can check against is lost: serve anyway
         a.log.warning("truth_not_computed", error=str(e))
     try:
-        env.server.publish(a.model, a.target.manifest, a.spec.version, a.rank, a.world,
+        worker.server.publish(a.model, a.target.manifest, a.spec.version, a.rank, a.world,
                            source=source, log=a.log, truth=truth, model_name=a.spec.name,
                            layout=lay, positions=positions)
     except Exception as e:  # the rendezvous could not start: serve nobody
         a.log.warning("publish_failed", error=str(e))
 
 
-def claim_ground_truth(env: Env, a: Attempt, hashes: dict[str, str]) -> None:
+def claim_ground_truth(worker: Worker, a: Attempt, hashes: dict[str, str]) -> None:
     """Store our hashes as the ground truth; if a stored record is untrusted or
     disagrees with ours, ours win: this worker holds bytes that passed CRC32C
     against storage, so it replaces the record (and says so) instead of letting
     whoever wrote first keep every worker of the version from a verified peer load."""
-    reg, version, digest = env.registry, a.spec.version, a.target.manifest.digest
-    scheme = env.verifier.scheme
+    reg, version, digest = worker.registry, a.spec.version, a.target.manifest.digest
+    scheme = worker.verifier.scheme
     if reg.put_ground_truth(version, a.rank, a.world, digest, scheme, hashes):
         return
     try:

@@ -37,7 +37,7 @@ from nccl_back.errors import (
     fallback_reason,
 )
 from nccl_back.load import verify
-from nccl_back.load.attempt import Attempt, Env, NobodyHolds, PeerBusy, StreamLost
+from nccl_back.load.attempt import Attempt, NobodyHolds, PeerBusy, StreamLost, Worker
 from nccl_back.load.discover import discover, holders
 from nccl_back.transport import (
     Transport,
@@ -62,13 +62,13 @@ class Receive:
     share ``a.rx`` (one budget, and what the first one received and did not discard).
     """
 
-    def __init__(self, env: Env, a: Attempt) -> None:
-        self.env, self.a = env, a
+    def __init__(self, worker: Worker, a: Attempt) -> None:
+        self.worker, self.a = worker, a
 
     def run(self) -> None:
-        env, a, s, rx = self.env, self.a, self.env.settings, self.a.rx
-        if rx.held is None:
-            rx.held = relay.Held(plan(a.target.tensors, a.target.bucket(s, a.target.kind)))
+        worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
+        if rx.step_sources is None:
+            rx.step_sources = relay.StepSources(plan(a.target.tensors, a.target.bucket(s, a.target.kind)))
         if rx.budget is None:
             # One budget for every peer attempt of this load: holders, relay upstreams,
             # the stream and the pass after a lost stream. A stream-fed load may wait
@@ -79,9 +79,9 @@ class Receive:
                 rx.start_budget(s).extend(s.single_flight_max_wait)
         if self._budget_spent(rx.relay_error):
             return
-        chain = rx.chain = env.cohorts.join(a.replica(), a.log)
-        if chain is not None and rx.held.done:
-            chain.progress.advance(rx.held.done - 1)  # what an earlier pass left us
+        chain = rx.chain = worker.cohorts.join(a.replica(), a.log)
+        if chain is not None and rx.step_sources.done:
+            chain.progress.advance(rx.step_sources.done - 1)  # what an earlier pass left us
         try:
             if chain is not None and self._from_upstreams(chain, a.found.stream):
                 return
@@ -89,7 +89,7 @@ class Receive:
                 return
             if a.reason is None and not a.found.candidates:
                 # Fed by a stream that failed us: the downloader may have published since.
-                a.discovered(discover(env, a))
+                a.discovered(discover(worker, a))
                 if not a.found.candidates and (a.reason is None or isinstance(a.reason, NobodyHolds)):
                     a.reason = StreamLost(
                         f"the download streamed to this rank failed ({rx.relay_error}) and no"
@@ -107,7 +107,7 @@ class Receive:
         ``fed_by``), re-attaching further up when one fails, resuming at the first step
         we lack. False: nobody upstream (the head of a cohort no stream feeds), or none
         served us by the chain's deadline: holders then go on from where we stopped."""
-        env, a, s, rx = self.env, self.a, self.env.settings, self.a.rx
+        worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
         if chain.position == 0 and fed_by is None:
             return False
         deadline = _clock.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
@@ -120,7 +120,7 @@ class Receive:
                  else s.relay_stall_timeout)
         while _clock.monotonic() < deadline:
             try:
-                upstreams = env.cohorts.upstreams(chain, fed_by)
+                upstreams = worker.cohorts.upstreams(chain, fed_by)
             except RegistryError as e:
                 a.log.warning("cohort_read_failed", error=str(e))
                 return False
@@ -147,7 +147,7 @@ class Receive:
                 chain.failed.add(member.member_id)
                 rx.relay_error = e
                 if isinstance(e, HandshakeTimeoutError):
-                    env.metrics.record_handshake_timeout()
+                    worker.metrics.record_handshake_timeout()
                 a.log.warning("relay_upstream_failed", peer=member.member_id,
                               held_steps=chain.progress.done, reason=fallback_reason(e), error=str(e))
             except RegistryError as e:
@@ -168,7 +168,7 @@ class Receive:
         verification failure counts against the sources that sent the failing steps
         only: a holder that did not is asked again (it then sends what was discarded).
         """
-        env, a, s = self.env, self.a, self.env.settings
+        worker, a, s = self.worker, self.a, self.worker.settings
         last: NcclBackError = NoPeerError("no peer tried")
         failed: set[str] = set()
         deadline = min(_clock.monotonic() + s.busy_wait, a.rx.deadline)
@@ -184,7 +184,7 @@ class Receive:
                 if self._budget_spent(last):
                     return
                 try:
-                    with claimed(env, a, peer) as token:
+                    with claimed(worker, a, peer) as token:
                         self.pull(peer.peer_id, peer.transport, peer.address, claim=token,
                                   handshake_timeout=max(min(s.receiver_handshake_timeout,
                                                             a.rx.left()), 0.001),
@@ -207,7 +207,7 @@ class Receive:
                     failed.add(peer.peer_id)
                     i += 1
                     if isinstance(e, HandshakeTimeoutError):
-                        env.metrics.record_handshake_timeout()
+                        worker.metrics.record_handshake_timeout()
                     a.log.warning("peer_attempt_failed", peer=peer.peer_id,
                                   reason=fallback_reason(e), error=str(e))
                 except RegistryError as e:
@@ -223,7 +223,7 @@ class Receive:
                 return
             _clock.sleep(_BUSY_POLL)
             try:
-                candidates = holders(env, a)
+                candidates = holders(worker, a)
             except RegistryError as e:
                 a.reason = e
                 return
@@ -236,27 +236,27 @@ class Receive:
         """Request a transfer from ``source`` from the first step this rank lacks, prove
         it alive (handshake), receive (each step recorded as ``source``'s and reported
         to this rank's chain), verify: :class:`DamagedBytes` if that fails."""
-        env, a, s, t = self.env, self.a, self.env.settings, self.a.target
-        held = a.rx.holding
+        worker, a, s, t = self.worker, self.a, self.worker.settings, self.a.target
+        sources = a.rx.sources
         # Resume what earlier sources gave us (and verification did not discard).
-        start = resume_point(plan(t.tensors, t.bucket(s, kind)), t.tensors, held.done)
+        start = resume_point(plan(t.tensors, t.bucket(s, kind)), t.tensors, sources.done)
         request = TransferRequest(
-            transfer_id=uuid.uuid4().hex, receiver=env.worker_id, version=a.spec.version,
+            transfer_id=uuid.uuid4().hex, receiver=worker.id, version=a.spec.version,
             manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
             claim=claim, start=start,
         )
         progress = a.rx.chain.progress if a.rx.chain is not None else None
 
         def on_step(k: int) -> None:
-            held.record(k, source)
+            sources.record(k, source)
             if progress is not None:
                 progress.advance(k)
 
-        transfer(env, a, source, request, kind, address, digest=t.manifest.digest, tensors=t.tensors,
+        transfer(worker, a, source, request, kind, address, digest=t.manifest.digest, tensors=t.tensors,
                  bucket=t.bucket(s, kind), start=start, on_step=on_step,
                  handshake_timeout=handshake_timeout, deadline=deadline, stall=stall,
                  transfer_timeout=transfer_timeout)
-        verify.check(env, a, deadline)
+        verify.check(worker, a, deadline)
 
     def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
         """Record a verification failure against the sources that sent the failing steps
@@ -264,18 +264,18 @@ class Receive:
         a = self.a
         blamed = set(error.blamed) if isinstance(error, relay.DamagedBytes) else {tried}
         a.rx.blamed |= blamed
-        self.env.metrics.record_verification_failure()
+        self.worker.metrics.record_verification_failure()
         for src in sorted(blamed):
             a.log.warning("peer_attempt_failed", peer=src, reason="verification_failed",
                           via=tried, error=str(error))
         if tried not in blamed:
             a.log.info("peer_attempt_retried", peer=tried, blamed=sorted(blamed),
-                       held_steps=a.rx.holding.done)
+                       held_steps=a.rx.sources.done)
         return blamed
 
     def _budget_spent(self, last: BaseException | None) -> bool:
         """True (and ``a.reason`` set) once the load's peer budget is spent."""
-        a, s = self.a, self.env.settings
+        a, s = self.a, self.worker.settings
         if a.rx.budget is None or not a.rx.budget.spent():
             return False
         a.reason = NoPeerError(
@@ -285,7 +285,7 @@ class Receive:
         return True
 
 
-def transfer(env: Env, a: Attempt, source: str, request: TransferRequest, kind: str,
+def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, kind: str,
              address: str, *,
              digest: str, tensors: Mapping[str, torch.Tensor], bucket: int, start: int = 0,
              on_step: Callable[[int], None] | None, handshake_timeout: float, deadline: float,
@@ -297,16 +297,16 @@ def transfer(env: Env, a: Attempt, source: str, request: TransferRequest, kind: 
     ``start``. ``transfer_timeout``: a holder's transfer gets its own bound once the
     handshake is done (within ``deadline``); a relay upstream shares the chain's.
     ``started``: told the transport before data moves (a reshard aborts the others)."""
-    s = env.settings
+    s = worker.settings
     began = _clock.perf()
-    run_receiver(env.registry, request.transfer_id, digest, handshake_timeout,
-                 after_ready=lambda: env.registry.push_request(source, request.to_dict()))
+    run_receiver(worker.registry, request.transfer_id, digest, handshake_timeout,
+                 after_ready=lambda: worker.registry.push_request(source, request.to_dict()))
     a.timings[f"handshake{_suffix(request)}"] = _clock.perf() - began
     if transfer_timeout is not None:
         deadline = min(_clock.monotonic() + transfer_timeout, deadline)
     began = _clock.perf()
     transport = receiver_transport(s, kind, address, transfer_scope(s.key("store"), request.transfer_id),
-                                   device=a.target.device, registry=env.registry)
+                                   device=a.target.device, registry=worker.registry)
     if started is not None:
         started(transport)
     run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, on_step=on_step),
@@ -320,15 +320,15 @@ def _suffix(request: TransferRequest) -> str:
 
 
 @contextlib.contextmanager
-def claimed(env: Env, a: Attempt, peer: PeerInfo, *, share: str | None = None,
+def claimed(worker: Worker, a: Attempt, peer: PeerInfo, *, share: str | None = None,
             until: float | None = None) -> Iterator[str]:
     """A send slot of ``peer`` held (renewed every third of ``claim_ttl``) while the
     block runs, released after. ``until`` None: one try, :class:`PeerBusy` when every
     slot is taken; else polled until ``until`` (:class:`NoPeerError` then). ``share``:
     the receiving group's token part (its ranks hold one slot together)."""
-    s, reg = env.settings, env.registry
+    s, reg = worker.settings, worker.registry
     while True:
-        token = reg.claim(peer.peer_id, env.worker_id, peer.max_sends, s.claim_ttl, share=share)
+        token = reg.claim(peer.peer_id, worker.id, peer.max_sends, s.claim_ttl, share=share)
         if token is not None:
             break
         if until is None:

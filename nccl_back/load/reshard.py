@@ -1,7 +1,7 @@
 """Resharding: a mode of receiving for a sharded library model, from live holders of
 any layout (other world sizes, or its own when its flavour has no layer truth).
 
-Entered from ``WeightService._load`` when this rank's skeleton has a
+Entered from ``WeightService._run_phases`` when this rank's skeleton has a
 :class:`~nccl_back.model.sharding.Sharding` and some rank found no same-layout holder
 it could verify. Each step is closed by a consensus round over the receiver's group
 (:mod:`.vote`), so all ranks reshard, or none does; the outcome goes back to the load's
@@ -13,8 +13,8 @@ one decision (peer, storage, or strict), like any receive:
    (:func:`~nccl_back.model.reshard_plan.plan`, within the plan's work bound), and
    whose truth in checkpoint coordinates agrees and covers what the Verifier must
    check (every byte under ``full``). A world size that fails any of it is skipped with
-   its reason; none left: every rank goes on as before (the single flight, then
-   storage).
+   its reason; none left: every rank goes on as without resharding (the single
+   flight, then storage).
 2. *Receive* (:func:`receive`): from every holder the plan uses at once, a shared claim
    (:func:`.receive.claimed`), the handshake proving the *plan's* digest (a sender that
    derived another plan refuses before any data moves), exactly this rank's pieces
@@ -51,7 +51,7 @@ from nccl_back.errors import (
     WeightVerificationError,
     fallback_reason,
 )
-from nccl_back.load.attempt import Attempt, Env, NobodyHolds
+from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
 from nccl_back.load.discover import usable_peers
 from nccl_back.load.receive import claimed, transfer
 from nccl_back.load.verifier import merge_macs
@@ -77,7 +77,7 @@ class NoLayoutCover(NobodyHolds):
 
 
 @dataclass(frozen=True)
-class Found:
+class ReshardSources:
     """Holders to reshard from (one per holder index of the plan) and their truth."""
 
     peers: tuple[PeerInfo, ...]
@@ -91,17 +91,17 @@ class Found:
     ClaimRecords.claim`): its ranks hold a holder's send slot together."""
 
 
-def run(env: Env, a: Attempt, sh: Sharding) -> tuple[Decision, int] | None:
+def run(worker: Worker, a: Attempt, sh: Sharding) -> tuple[Decision, int] | None:
     """Reshard on every rank, or on none: the group's decision and the bytes moved, or
     None when no holders cover every rank (this rank's earlier vote restored: the load
     goes on as without it)."""
-    found = _find_all(env, a, sh)
+    found = _find_all(worker, a, sh)
     if found is None:
         return None
     t = _clock.perf()
     with caught(a, "reshard"):
         try:
-            receive(env, a, sh, found)
+            receive(worker, a, sh, found)
             a.peer_id = ",".join(found.peers[k].peer_id for k in found.plan.used)
         except NcclBackError as e:  # this rank's vote: storage (or strict), with the reason
             a.reason = e
@@ -110,14 +110,14 @@ def run(env: Env, a: Attempt, sh: Sharding) -> tuple[Decision, int] | None:
     return agree(a, "reshard"), found.plan.nbytes()
 
 
-def _find_all(env: Env, a: Attempt, sh: Sharding) -> Found | None:
+def _find_all(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | None:
     before = a.reason
-    found: Found | None = None
+    found: ReshardSources | None = None
     a.reason = None
     began = _clock.perf()
     with caught(a, "reshard_discovery"):
         try:
-            found = find(env, a, sh)
+            found = find(worker, a, sh)
         except (NoPeerError, RegistryError) as e:
             a.reason = e
     a.timings["reshard_discovery"] = _clock.perf() - began
@@ -142,11 +142,11 @@ def _also(reason: NcclBackError | None, more: str) -> NcclBackError | None:
         return reason
 
 
-def find(env: Env, a: Attempt, sh: Sharding) -> Found:
+def find(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources:
     """The first world size (nearest to ours) whose live holders cover this rank, with
     truth the Verifier can check every held position (or byte) against."""
-    phase = a.rx.start_budget(env.settings).phase("reshard discovery", DISCOVER_SECONDS)
-    reg, version = env.registry, a.spec.version
+    phase = a.rx.start_budget(worker.settings).phase("reshard discovery", DISCOVER_SECONDS)
+    reg, version = worker.registry, a.spec.version
     by_world: dict[int, list[PeerInfo]] = {}
     # The usual world sizes are looked up whatever index keys exist: key names need no
     # secret, so a flood of fake ones must not hide a genuine holder (the scanned ones,
@@ -154,14 +154,14 @@ def find(env: Env, a: Attempt, sh: Sharding) -> Found:
     usual = [(r, w) for w in sorted({a.world, *USUAL_WORLDS}) for r in range(w)]
     for r, w in dict.fromkeys([*usual, *reg.worlds(version)]):
         phase.check(f"{len(by_world)} world sizes read")
-        for p in usable_peers(env, a, reg.find_peers(version, r, w)):
+        for p in usable_peers(worker, a, reg.find_peers(version, r, w)):
             by_world.setdefault(w, []).append(p)
             break
     why = f"no live holders of version {version[:12]} in any layout"
     for w in sorted(by_world, key=lambda w: (abs(w - a.world), w))[:MAX_WORLDS]:
         phase.check(f"planning for world size {w}")
         try:
-            return _at_world(env, a, sh, by_world[w], phase)
+            return _at_world(worker, a, sh, by_world[w], phase)
         except (PlanError, NoPeerError, UntrustedRecordError, WeightVerificationError) as e:
             if isinstance(e, BudgetSpentError):
                 raise
@@ -169,12 +169,12 @@ def find(env: Env, a: Attempt, sh: Sharding) -> Found:
     raise NoLayoutCover(why)
 
 
-def _at_world(env: Env, a: Attempt, sh: Sharding, holders: list[PeerInfo], phase: Phase) -> Found:
-    reg, mine = env.registry, sh.layout
+def _at_world(worker: Worker, a: Attempt, sh: Sharding, holders: list[PeerInfo], phase: Phase) -> ReshardSources:
+    reg, mine = worker.registry, sh.layout
     peers: list[PeerInfo] = []
     layouts: list[Layout] = []
     for p in sorted(holders, key=lambda p: p.rank):
-        lay = _layout_of(env, sh, p)
+        lay = _layout_of(worker, sh, p)
         if lay is not None:
             peers.append(p)
             layouts.append(lay)
@@ -183,34 +183,34 @@ def _at_world(env: Env, a: Attempt, sh: Sharding, holders: list[PeerInfo], phase
         peers, layouts = [peers[same[0]]], [layouts[same[0]]]
     p_ = plan(mine, layouts)  # PlanError: they do not cover us (or it would cost too much)
     phase.check("the plan")
-    truths = {peers[k].peer_id: _truth(env, a, peers[k], layouts[k]) for k in p_.used}
-    _check_truth(env, sh, truths)
+    truths = {peers[k].peer_id: _truth(worker, a, peers[k], layouts[k]) for k in p_.used}
+    _check_truth(worker, sh, truths)
     group = reg.put_group([lay.digest for lay in layouts])
     reg.put_layout(mine)
     a.log.info("reshard_planned", world=holders[0].world_size, holders=len(p_.used),
                bytes=p_.nbytes(), plan=p_.digest[:12])
-    return Found(tuple(peers), tuple(layouts), p_, group, truths)
+    return ReshardSources(tuple(peers), tuple(layouts), p_, group, truths)
 
 
-def _layout_of(env: Env, sh: Sharding, p: PeerInfo) -> Layout | None:
+def _layout_of(worker: Worker, sh: Sharding, p: PeerInfo) -> Layout | None:
     """A holder's layout: a plain one holds the whole checkpoint (its manifest says so)."""
     if not p.layout:
         return sh.whole if p.manifest_digest == sh.checkpoint.digest else None
-    return env.registry.get_layout(p.layout)
+    return worker.registry.get_layout(p.layout)
 
 
-def _truth(env: Env, a: Attempt, p: PeerInfo, lay: Layout) -> PositionTruth:
-    v = env.verifier
-    got = env.registry.get_position_truth(a.spec.version, p.rank, p.world_size, lay.digest, v.scheme)
+def _truth(worker: Worker, a: Attempt, p: PeerInfo, lay: Layout) -> PositionTruth:
+    v = worker.verifier
+    got = worker.registry.get_position_truth(a.spec.version, p.rank, p.world_size, lay.digest, v.scheme)
     if got is None and v.mode != "none":
         raise NoPeerError(f"holder {p.peer_id} has no truth in checkpoint coordinates")
     return got or PositionTruth(lay.digest, v.scheme, {})
 
 
-def _check_truth(env: Env, sh: Sharding, truths: dict[str, PositionTruth]) -> None:
+def _check_truth(worker: Worker, sh: Sharding, truths: dict[str, PositionTruth]) -> None:
     """Before any byte moves: the holders' truth agrees, and covers what the Verifier
     must check (every byte this rank holds, under ``full``)."""
-    v = env.verifier
+    v = worker.verifier
     if v.mode == "none":
         return
     merge_macs(truths)  # TruthConflict: these holders are not used
@@ -223,34 +223,34 @@ def _check_truth(env: Env, sh: Sharding, truths: dict[str, PositionTruth]) -> No
             raise marginals.NotCheckable(missing)
 
 
-def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
+def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> None:
     """Every piece from its holder, all holders at once, then the Verifier's check;
     raises with the reason if not (the first holder's that failed, once every pull has
     ended). Sets this rank's basis and what it checked."""
-    s, t = env.settings, a.target
+    s, t = worker.settings, a.target
     deadline = a.rx.start_budget(s).deadline
     pulls = _Pulls()
     if len(f.plan.used) == 1:
-        _from_holder(env, a, f, f.plan.used[0], deadline, pulls)
+        _from_holder(worker, a, f, f.plan.used[0], deadline, pulls)
     else:
         # One thread per holder: a receiver's link is faster than one sender's path (a TP=1
         # rank behind TP=2 holders). Every pull is waited for, even after one failed: each
         # writes into this rank's tensors (the first failure aborts the others).
         with ThreadPoolExecutor(len(f.plan.used), thread_name_prefix="nccl_back-reshard") as pool:
-            futures = [pool.submit(_from_holder, env, a, f, k, deadline, pulls) for k in f.plan.used]
+            futures = [pool.submit(_from_holder, worker, a, f, k, deadline, pulls) for k in f.plan.used]
             errors = [fut.exception() for fut in futures]
         for e in errors:
             if e is not None:
                 raise e
     zero_padding(sh.layout, t.tensors)
-    v = env.verifier
+    v = worker.verifier
     if v.mode == "none":
         return
     began = _clock.perf()
     try:
         a.checked = v.check_positions(sh.layout, t.tensors, f.truths)
     except WeightVerificationError as e:
-        blamed = _blame(env, a, sh, f, set(e.bad))
+        blamed = _blame(worker, a, sh, f, set(e.bad))
         a.log.warning("reshard_verification_failed", blamed=sorted(blamed), error=str(e))
         raise
     a.timings["verify"] = _clock.perf() - began
@@ -258,13 +258,13 @@ def receive(env: Env, a: Attempt, sh: Sharding, f: Found) -> None:
     a.log.info("reshard_verified", positions=a.checked.positions, elements=a.checked.elements)
 
 
-def _blame(env: Env, a: Attempt, sh: Sharding, f: Found, bad: set[str]) -> set[str]:
+def _blame(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources, bad: set[str]) -> set[str]:
     """The holders that sent any piece of the checkpoint tensors in ``bad``."""
     holds = {name: {p.source for p in t.parts if hasattr(p, "source")}
              for name, _, _, t in sh.layout.tensors}
     blamed = {f.peers[m.holder].peer_id for m in f.plan.moves if holds.get(m.dst, set()) & bad}
     a.rx.blamed |= blamed
-    env.metrics.record_verification_failure()
+    worker.metrics.record_verification_failure()
     return blamed
 
 
@@ -294,18 +294,18 @@ class _Pulls:
                     tr.abort()
 
 
-def _from_holder(env: Env, a: Attempt, f: Found, k: int, deadline: float, pulls: _Pulls) -> None:
+def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int, deadline: float, pulls: _Pulls) -> None:
     """Holder ``k``'s moves: a send slot, the transfer into place, the staged copies."""
-    s, t, peer = env.settings, a.target, f.peers[k]
+    s, t, peer = worker.settings, a.target, f.peers[k]
     land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
     live: list[Transport] = []
     try:
-        with claimed(env, a, peer, share=f.share,
+        with claimed(worker, a, peer, share=f.share,
                      until=min(deadline, _clock.monotonic() + s.busy_wait)) as token:
             a.timings[f"claim.{k}"] = _clock.perf() - began
             request = TransferRequest(
-                transfer_id=uuid.uuid4().hex, receiver=env.worker_id, version=a.spec.version,
+                transfer_id=uuid.uuid4().hex, receiver=worker.id, version=a.spec.version,
                 manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
                 claim=token, layout=f.plan.receiver, group=f.group, holder=k)
             bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
@@ -321,7 +321,7 @@ def _from_holder(env: Env, a: Attempt, f: Found, k: int, deadline: float, pulls:
                 live.append(tr)
                 pulls.start(tr)
 
-            transfer(env, a, peer.peer_id, request, peer.transport, peer.address,
+            transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
                      digest=f.plan.digest, tensors=land.payload, bucket=bucket, on_step=placed,
                      handshake_timeout=max(min(s.receiver_handshake_timeout,
                                                deadline - _clock.monotonic()), 0.001),

@@ -49,7 +49,7 @@ from nccl_back.coord.consensus import Group, rank_and_size
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import NcclBackError
 from nccl_back.load import reshard
-from nccl_back.load.attempt import Attempt, Env, Target
+from nccl_back.load.attempt import Attempt, Target, Worker
 from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
 from nccl_back.load.receive import Receive
@@ -99,7 +99,7 @@ class WeightService:
                                   engine=engine)
         self._cohorts = relay.Cohorts(self.settings, self.registry, self.worker_id, self._server,
                                       self.metrics)
-        self._env = Env(self.settings, self.registry, self._server, self._cohorts, self.metrics,
+        self._worker = Worker(self.settings, self.registry, self._server, self._cohorts, self.metrics,
                         self.worker_id, Verifier(self.settings.verify, self.settings.key("integrity")))
         self._closed = False
         self._log = get_logger("nccl_back.load.service", worker=self.worker_id)
@@ -121,7 +121,7 @@ class WeightService:
     def verifier(self) -> Verifier:
         """What "verified" means for this service's loads (``Settings.verify``, keyed by
         the fleet secret): every check of bytes in a model goes through it."""
-        return self._env.verifier
+        return self._worker.verifier
 
     @property
     def active_sends(self) -> int:
@@ -154,7 +154,7 @@ class WeightService:
                     log=self._log.bind(rank=rank, version=spec.version[:12]), start=_clock.perf(),
                     sharding=sharding)
         try:
-            return self._load(a)
+            return self._run_phases(a)
         finally:
             if a.lease is not None:
                 a.lease.release()
@@ -199,19 +199,19 @@ class WeightService:
 
     # -- one load, phase by phase ----------------------------------------------------------
 
-    def _load(self, a: Attempt) -> LoadResult:
-        env = self._env
+    def _run_phases(self, a: Attempt) -> LoadResult:
+        worker = self._worker
         t = _clock.perf()
         with caught(a, "prepare"):
             a.prepared = Target.of(a.model, self.settings)
-            a.discovered(discover(env, a))
+            a.discovered(discover(worker, a))
         decision = agree(a, "discovery")
         if not decision.ok and a.sharding is not None:  # no same-layout holder: other layouts?
-            resharded = reshard.run(env, a, a.sharding)
+            resharded = reshard.run(worker, a, a.sharding)
             if resharded is not None:
                 decision, moved = resharded
                 if decision.ok:
-                    return peer_loaded(env, a, nbytes=moved)
+                    return peer_loaded(worker, a, nbytes=moved)
                 return self._storage(a, decision)
         if decision.nobody:  # some rank found nobody holding it: wait as a group, or download
             decision = self._elect(a)
@@ -226,7 +226,7 @@ class WeightService:
                 if decision.ok:
                     decision = self._receive(a)
             if decision.ok:  # every rank verified its bytes
-                return peer_loaded(env, a)
+                return peer_loaded(worker, a)
         return self._storage(a, decision)
 
     def _storage(self, a: Attempt, decision: Decision) -> LoadResult:
@@ -237,7 +237,7 @@ class WeightService:
             a.reason = decision.why()
         if self.settings.strict and decision.failed:
             raise decision.strict_error(a)
-        return fall_back(self._env, a, self._loader(a))
+        return fall_back(self._worker, a, self._loader(a))
 
     def _loader(self, a: Attempt) -> StorageLoader:
         """A sharded skeleton's pieces are cut from the checkpoint (the default loader)."""
@@ -247,13 +247,13 @@ class WeightService:
         return lambda model, spec, settings, /: load_sharded(model, spec, settings, sh)
 
     def _elect(self, a: Attempt) -> Decision:
-        single_flight(self._env, a)
+        single_flight(self._worker, a)
         return agree(a, "single flight")
 
     def _receive(self, a: Attempt) -> Decision:
         t = _clock.perf()
         with caught(a, "receive_any"):
-            Receive(self._env, a).run()
+            Receive(self._worker, a).run()
         a.timings["peer"] = _clock.perf() - t
         return agree(a, "peer load")
 

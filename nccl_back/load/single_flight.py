@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from nccl_back import _clock
 from nccl_back.coord.election import DownloadLease, Outcome, elect
 from nccl_back.errors import NcclBackError, NoPeerError
-from nccl_back.load.attempt import Attempt, Env, NobodyHolds, NobodyTrusted, NoTruth
+from nccl_back.load.attempt import Attempt, NobodyHolds, NobodyTrusted, NoTruth, Worker
 from nccl_back.load.discover import discover, sees_peer
 from nccl_back.load.vote import caught
 
@@ -25,13 +25,13 @@ class Flight:
     waited: float
 
 
-def single_flight(env: Env, a: Attempt) -> Flight:
+def single_flight(worker: Worker, a: Attempt) -> Flight:
     """Wait as a group for a holder, or download (``a.elected``). Rank 0 keeps the lease
     it may win in ``a.lease`` (released when the load ends). Sets this rank's vote:
     a fresh discovery once a peer appeared, else why it goes to storage."""
-    s = env.settings
+    s = worker.settings
     if a.rank == 0:
-        a.lease = DownloadLease(env.registry, a.spec.version, a.world, env.worker_id,
+        a.lease = DownloadLease(worker.registry, a.spec.version, a.world, worker.id,
                                 s.download_lease)
     started = _clock.monotonic()
     # Holders re-publish their entry and truth at every heartbeat, over whatever
@@ -40,13 +40,13 @@ def single_flight(env: Env, a: Attempt) -> Flight:
     # holder would have re-published (within peer_ttl, or it counts as dead). The
     # single flight still holds: one of the waiters takes the lease.
     after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
-    outcome, who, error = elect(a.lease, lambda: sees_peer(env, a), a.group, a.rank, s,
+    outcome, who, error = elect(a.lease, lambda: sees_peer(worker, a), a.group, a.rank, s,
                                 lease_after=after)
     flight = Flight(outcome, round(_clock.monotonic() - started, 3))
     if outcome == "peer":
         a.log.info("single_flight_peer_appeared", waited=flight.waited)
         with caught(a, "discover"):
-            a.discovered(discover(env, a))
+            a.discovered(discover(worker, a))
     elif outcome == "elected":
         a.log.info("single_flight_elected", waited=flight.waited)
         a.elected = True

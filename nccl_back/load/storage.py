@@ -15,7 +15,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.consensus import gather
 from nccl_back.errors import fallback_reason
-from nccl_back.load.attempt import Attempt, Env, NobodyHolds
+from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
 from nccl_back.load.publish import publish_stored
 from nccl_back.load.verifier import Basis
 from nccl_back.load.vote import OK, agree, caught
@@ -33,19 +33,19 @@ def load_checkpoint(model: Model, spec: ModelSpec, settings: Settings,
 
 
 @dataclass
-class Stored:
+class StorageLoad:
     """What this rank's storage load gave: its bytes and the hashes it publishes."""
 
     bytes: int = 0
     hashes: dict[str, str] = field(default_factory=dict)
 
 
-def fall_back(env: Env, a: Attempt, loader: StorageLoader) -> LoadResult:
+def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
     """Load from storage on every rank (the reason logged), publish, serve."""
     reason = a.reason
     code = fallback_reason(reason) if reason is not None else "other"
     if reason is not None:
-        env.metrics.record_fallback(code)
+        worker.metrics.record_fallback(code)
         if a.elected and isinstance(reason, NobodyHolds):
             # Nothing went wrong: the first worker of a version must download it.
             a.log.info("first_of_version", reason=code, detail=str(reason))
@@ -53,11 +53,11 @@ def fall_back(env: Env, a: Attempt, loader: StorageLoader) -> LoadResult:
             a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
     # An engine's own loader may rewrite tensors after loading them, and reports no
     # per-tensor fills: only the checkpoint's loader streams.
-    stream = (env.cohorts.open_stream(a.replica(), a.log)
+    stream = (worker.cohorts.open_stream(a.replica(), a.log)
               if a.elected and loader is load_checkpoint else None)
-    stored = Stored()
+    stored = StorageLoad()
     with caught(a, "load"):
-        stored = _load(env, a, loader, stream)
+        stored = _load_and_hash(worker, a, loader, stream)
     try:
         agree(a, "storage load")
     except BaseException as e:
@@ -70,9 +70,9 @@ def fall_back(env: Env, a: Attempt, loader: StorageLoader) -> LoadResult:
         source="storage", version=a.spec.version, bytes=stored.bytes, seconds=seconds,
         fallback_reason=detail, verified=True, timings=a.timings,
     )
-    env.metrics.record_load("storage", stored.bytes, seconds)
+    worker.metrics.record_load("storage", stored.bytes, seconds)
     a.log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
-    publish_stored(env, a, stored.hashes)
+    publish_stored(worker, a, stored.hashes)
     if stream is not None:  # the truth is out: receivers of the stream can verify
         stream.end(True)
     # Every rank has published (or logged why not) before rank 0 lets go of the
@@ -81,8 +81,8 @@ def fall_back(env: Env, a: Attempt, loader: StorageLoader) -> LoadResult:
     return result
 
 
-def _load(env: Env, a: Attempt, loader: StorageLoader, stream: relay.Stream | None) -> Stored:
-    s = env.settings
+def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stream: relay.Stream | None) -> StorageLoad:
+    s = worker.settings
     t = _clock.perf()
     if stream is not None:
         result = load_checkpoint(a.model, a.spec, s, on_filled=stream.filled)
@@ -92,7 +92,7 @@ def _load(env: Env, a: Attempt, loader: StorageLoader, stream: relay.Stream | No
     a.timings["storage"] = _clock.perf() - t
     a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
     t = _clock.perf()
-    hashes = env.verifier.layer_truth(a.model)
+    hashes = worker.verifier.layer_truth(a.model)
     a.timings["hash"] = _clock.perf() - t
     a.basis = Basis.STORAGE
-    return Stored(result.bytes, hashes)
+    return StorageLoad(result.bytes, hashes)

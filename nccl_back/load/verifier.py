@@ -40,7 +40,7 @@ from nccl_back.model.layout import Layout
 from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import Model
 
-__all__ = ["MODES", "SCHEME", "Basis", "Checked", "Publishable", "Verifier"]
+__all__ = ["MODES", "SCHEME", "Basis", "PositionCheck", "Publishable", "Verifier"]
 
 MODES = ("none", "sampled", "full")
 
@@ -75,7 +75,7 @@ class Publishable:
 
 
 @dataclass
-class Checked:
+class PositionCheck:
     """What one check of positions covered."""
 
     positions: int = 0
@@ -135,7 +135,7 @@ class Verifier:
         integrity.compare(expected, actual)
 
     def check_positions(self, layout: Layout, tensors: Mapping[str, torch.Tensor],
-                        truths: Mapping[str, PositionTruth]) -> Checked:
+                        truths: Mapping[str, PositionTruth]) -> PositionCheck:
         """Compare what ``layout`` holds with the truth of its sources' publishers
         (``truths``: publisher -> record). ``sampled``: every sampled position held;
         ``full``: every byte, through the per-index sums. :class:`WeightVerificationError` naming the
@@ -144,7 +144,7 @@ class Verifier:
         :class:`marginals.NotCheckable` when the truth lacks some position or piece."""
         macs = merge_macs(truths)
         mine = position_truth.held_macs(layout, tensors, self.key)
-        out = Checked(macs=mine)
+        out = PositionCheck(macs=mine)
         out.positions = position_truth.compare(mine, macs)
         if self.mode == "full":
             truth = marginals.Truth()

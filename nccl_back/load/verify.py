@@ -5,7 +5,7 @@ that sent them.
 The truth is discovery's (the hashes a storage load published) or, for a rank fed by
 a streamed download, the hashes that downloader publishes once its load is complete.
 A mismatch blames only the sources of the steps carrying the failing layers
-(:class:`~nccl_back.transport.relay.Held`), and discards what they sent. A rank whose
+(:class:`~nccl_back.transport.relay.StepSources`), and discards what they sent. A rank whose
 check passed records its :class:`~.verifier.Basis`: what it may publish follows from it.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from nccl_back import _clock
 from nccl_back.coord.election import DownloadLease
 from nccl_back.errors import TransferTimeoutError, UntrustedRecordError, WeightVerificationError
-from nccl_back.load.attempt import Attempt, Env
+from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.verifier import Basis
 from nccl_back.model import integrity
 from nccl_back.transport.relay import DamagedBytes
@@ -23,49 +23,49 @@ from nccl_back.transport.relay import DamagedBytes
 _POLL = 0.05
 
 
-def check(env: Env, a: Attempt, deadline: float) -> None:
+def check(worker: Worker, a: Attempt, deadline: float) -> None:
     """Verify what the last transfer left in this rank's tensors (``verify`` "none":
     nothing to check, and nothing this rank may publish as truth); :class:`DamagedBytes`
     if it fails."""
-    if a.truth is None and a.found.stream is not None and env.verifier.mode != "none":
+    if a.truth is None and a.found.stream is not None and worker.verifier.mode != "none":
         t = _clock.perf()
-        a.truth = await_truth(env, a, deadline)
+        a.truth = await_truth(worker, a, deadline)
         a.timings["await_truth"] = _clock.perf() - t
     if a.truth is None:
         a.basis = Basis.NONE
         return
     t = _clock.perf()
-    layers(env, a, a.truth)
+    layers(worker, a, a.truth)
     a.timings["verify"] = _clock.perf() - t
-    a.basis = env.verifier.basis()
+    a.basis = worker.verifier.basis()
 
 
-def layers(env: Env, a: Attempt, truth: dict[str, str]) -> None:
+def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:
     """Compare the tensors' layer hashes with ``truth``; on a mismatch, never forward
     what this rank holds again, discard what the guilty sources sent, raise
     :class:`DamagedBytes`."""
     try:
-        env.verifier.check_layers(a.model, truth)
+        worker.verifier.check_layers(a.model, truth)
     except WeightVerificationError as e:
         if a.rx.chain is not None:
             # Downstream members may hold some of these bytes already: their links
             # end now and this endpoint refuses every later request.
             a.rx.chain.progress.fail(f"verification failed: {e}")
-        held = a.rx.holding
-        blamed = held.blame(set(e.bad), integrity.layer_of)
-        held.discard(blamed)
+        sources = a.rx.sources
+        blamed = sources.blame(set(e.bad), integrity.layer_of)
+        sources.discard(blamed)
         raise DamagedBytes(e, blamed) from e
 
 
-def await_truth(env: Env, a: Attempt, deadline: float) -> dict[str, str]:
+def await_truth(worker: Worker, a: Attempt, deadline: float) -> dict[str, str]:
     """The ground truth a streaming downloader publishes once its load is complete
     (it hashes what it streamed); :class:`TransferError` if none comes by ``deadline``
     or the stream's downloader gave up (its relay endpoint is gone)."""
-    version, digest, verifier = a.spec.version, a.target.manifest.digest, env.verifier
-    reg = env.registry
+    version, digest, verifier = a.spec.version, a.target.manifest.digest, worker.verifier
+    reg = worker.registry
     # Only to read whether a (trusted) downloader holds the lease: a value there that
     # is not to be trusted counts as nobody, never as a reason to wait or raise.
-    lease = DownloadLease(reg, version, a.world, env.worker_id, env.settings.download_lease)
+    lease = DownloadLease(reg, version, a.world, worker.id, worker.settings.download_lease)
     while True:
         # Read "still loading" before the truth: the downloader writes the truth before
         # it drops its stream record and releases its lease, so no truth after "gone"

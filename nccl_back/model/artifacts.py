@@ -244,16 +244,11 @@ class _Collector:
         """The unit's files (none if it is absent); UntrustedPathError if anything on its
         way or in it is not trusted."""
         *way, name = unit.split("/")
-        fds: list[int] = []
+        fds = _open_way(root_fd, self.root, way, create=False)
         try:
-            fd = root_fd
-            for i, part in enumerate(way):
-                sub = trusted_tree.open_subdir(fd, part, f"{self.root}/{'/'.join(way[:i + 1])}",
-                                               create=False)
-                if sub is None:
-                    return
-                fds.append(sub)
-                fd = sub
+            if len(fds) < len(way):  # a directory on its way is absent
+                return
+            fd = fds[-1] if fds else root_fd
             try:
                 mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
             except FileNotFoundError:
@@ -303,7 +298,7 @@ def collect(root: str, units: Sequence[str], key: bytes, max_bytes: int, *,
 
 
 @dataclass
-class Installed:
+class InstallResult:
     """What :func:`install` did: units moved into place, units kept as they were."""
 
     installed: list[str] = field(default_factory=list)
@@ -359,7 +354,7 @@ def check_destination(root: str) -> None:
 
 
 def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryview,
-            key: bytes) -> Installed:
+            key: bytes) -> InstallResult:
     """Put the received set ``data`` under ``root``.
 
     The digest is checked first: a set with one byte changed is refused (ArtifactError)
@@ -378,7 +373,7 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
     if not hmac.compare_digest(got, man.digest):
         raise ArtifactError("artifact set: its bytes do not match the keyed digest (tampered"
                             " with, or signed under another secret); nothing written")
-    out = Installed()
+    out = InstallResult()
     root_fd = trusted_tree.open_root(root, create=True)
     try:
         for unit in man.units:
@@ -389,7 +384,7 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
 
 
 def _install_unit(root_fd: int, root: str, unit: str, man: ArtifactManifest, view: memoryview,
-                  out: Installed) -> None:
+                  out: InstallResult) -> None:
     *way, name = unit.split("/")
     try:  # each directory is checked before anything is made under it
         fds = _open_way(root_fd, root, way, create=True)

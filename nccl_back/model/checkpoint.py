@@ -16,7 +16,7 @@ but torch has no element type for (``F6_E2M3``, ``F6_E3M2``; ``F4`` on a torch w
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -199,9 +199,20 @@ def flat_skeleton(
     # One allocation, laid out as consolidate() would, instead of one per tensor.
     offsets, total = flat_layout(man)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
+    return buffer_module(
+        (e.name, flat[offsets[e.name]: offsets[e.name] + e.nbytes]
+         .view(dtype_from_name(e.dtype)).view(e.shape)) for e in man.entries)
+
+
+def buffer_module(tensors: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+    """Nested empty ``nn.Module``s holding each tensor as a persistent buffer at its
+    dotted name, so the module's ``state_dict`` names are exactly those names.
+
+    Raises :class:`SkeletonError` for a name that cannot be a module path.
+    """
     root = nn.Module()
-    for e in man.entries:
-        *path, leaf = e.name.split(".")
+    for name, t in tensors:
+        *path, leaf = name.split(".")
         module = root
         try:
             for part in path:
@@ -210,11 +221,8 @@ def flat_skeleton(
                     child = nn.Module()
                     module.add_module(part, child)
                 module = child
-            view = flat[offsets[e.name] : offsets[e.name] + e.nbytes]
-            module.register_buffer(leaf, view.view(dtype_from_name(e.dtype)).view(e.shape))
+            module.register_buffer(leaf, t)
         except (KeyError, TypeError) as err:
             # e.g. both "a" and "a.b" are tensors, or a name part is empty.
-            raise SkeletonError(
-                f"checkpoint tensor name {e.name!r} cannot be a module path: {err}"
-            ) from err
+            raise SkeletonError(f"tensor name {name!r} cannot be a module path: {err}") from err
     return root

@@ -16,11 +16,9 @@ parallel ranges is checksummed without holding it whole.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +31,7 @@ import numpy as np
 from nccl_back import bounded_json
 from nccl_back.config import Settings
 from nccl_back.errors import ShardNotFoundError
+from nccl_back.files import write_atomic
 from nccl_back.log import get_logger
 
 __all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "crc32c_combine", "file_crc32c",
@@ -108,27 +107,17 @@ class CrcCache:
         self.dirty = True
 
     def save(self) -> None:
-        """Write atomically (tmp + rename): a concurrent reader sees the old or new file."""
+        """Write atomically (:func:`~nccl_back.files.write_atomic`): a concurrent reader
+        sees the old or new file."""
         if not self.dirty:
             return
-        tmp: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".crc32c-", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.entries, f, sort_keys=True)
-            os.replace(tmp, self.path)
-            tmp = None
+            write_atomic(self.path, json.dumps(self.entries, sort_keys=True))
             self.dirty = False
         except OSError as e:
             # The cache is an optimisation: failing to write it must not fail the load.
             log.warning("crc_cache_write_failed", path=str(self.path), error=str(e))
-        finally:
-            if tmp is not None:
-                # A write that failed (disk full, a file size limit) must not leave its
-                # temporary file behind: each failed save would leak another.
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
 
 def file_crc32c(

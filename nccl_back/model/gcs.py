@@ -13,25 +13,19 @@ from __future__ import annotations
 
 import base64
 import re
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
-from nccl_back.log import get_logger
 from nccl_back.model.storage import (
-    DEFAULT_TIMEOUT,
     Backend,
     Location,
     ObjectInfo,
     register_backend,
     with_retries,
 )
-
-log = get_logger("nccl_back.model.storage")
 
 T = TypeVar("T")
 
@@ -81,13 +75,6 @@ class GcsObjects(Backend):
     scheme = "gs"
     form = "gs://bucket/prefix"
 
-    def __init__(
-        self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
-        super().__init__(settings, timeout=timeout)
-        self._client = client
-        self._client_lock = threading.Lock()
-
     @classmethod
     def parse(cls, uri: str, rest: str) -> Location:
         bucket, _, name = rest.partition("/")
@@ -95,22 +82,17 @@ class GcsObjects(Backend):
             raise ConfigError(f"storage URI {uri!r}: bad bucket name {bucket!r}; use gs://bucket/prefix")
         return Location("gs", bucket, name.strip("/"))
 
-    @property
-    def client(self) -> Any:
-        # Header reads run in threads; the lock makes the first ones share one client.
-        with self._client_lock:
-            if self._client is None:
-                from google.auth.exceptions import DefaultCredentialsError
-                from google.cloud import storage
+    def _make_client(self) -> Any:
+        from google.auth.exceptions import DefaultCredentialsError
+        from google.cloud import storage
 
-                try:
-                    self._client = storage.Client()
-                except DefaultCredentialsError as e:
-                    raise StorageError(
-                        f"no Google Cloud credentials for gs:// ({e}); run `gcloud auth "
-                        "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
-                    ) from e
-            return self._client
+        try:
+            return storage.Client()
+        except DefaultCredentialsError as e:
+            raise StorageError(
+                f"no Google Cloud credentials for gs:// ({e}); run `gcloud auth "
+                "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
+            ) from e
 
     def describe(self) -> str:
         try:
@@ -122,18 +104,10 @@ class GcsObjects(Backend):
         """Run one remote request with retries; map failures to nccl_back errors."""
         from google.api_core import exceptions as gexc
 
-        try:
-            return with_retries(self.settings, what, fn, is_transient)
-        except gexc.NotFound as e:
-            raise ShardNotFoundError(f"{what}: not found") from e
-        except StorageError:
-            raise
-        except Exception as e:
-            if is_transient(e):
-                raise StorageError(
-                    f"{what}: failed after {self.settings.storage_attempts} attempts: {e}"
-                ) from e
-            raise StorageError(f"{what}: {e}") from e
+        def known(e: BaseException) -> StorageError | None:
+            return ShardNotFoundError(f"{what}: not found") if isinstance(e, gexc.NotFound) else None
+
+        return with_retries(self.settings, what, fn, is_transient, known=known)
 
     def list_dir(self, loc: Location) -> list[ObjectInfo]:
         prefix = f"{loc.path}/" if loc.path else ""

@@ -1,4 +1,4 @@
-"""Per-layer integrity hashes of a model's weights (DESIGN.md layer 7).
+"""Per-layer integrity hashes of a model's weights.
 
 NCCL, gloo and shared memory move bytes without checksums, so the worker that loaded
 from storage (ground truth) publishes one hash per *layer* and a worker that got its
@@ -338,51 +338,70 @@ def _sampled_in_place(
     return payloads, rest
 
 
-def _full_payloads(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+def _by_device(tensors: Mapping[str, torch.Tensor]) -> dict[torch.device, list[str]]:
     by_device: dict[torch.device, list[str]] = defaultdict(list)
     for name, t in tensors.items():
         by_device[t.device].append(name)
+    return by_device
+
+
+def _host_sums(names: list[str], tensors: Mapping[str, torch.Tensor], size: int,
+               weights: torch.Tensor, scratch: torch.Tensor) -> list[list[int]]:
+    """Each named tensor's :func:`_chunk_sums` over ``size``-byte words, in one
+    device-to-host copy for all of them."""
+    partials: list[torch.Tensor] = []
+    counts: list[int] = []
+    for n in names:
+        sums = _chunk_sums(tensors[n], weights, scratch, size)
+        partials.extend(sums)
+        counts.append(len(sums))
+    flat = torch.stack(partials).cpu().tolist() if partials else []
+    out, start = [], 0
+    for count in counts:
+        out.append(flat[start: start + count])
+        start += count
+    return out
+
+
+def _full_payloads(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
     payloads: dict[str, bytes] = {}
-    for device, names in by_device.items():
-        longest = max((_word_count(tensors[n]) for n in names), default=0)
+    for device, names in _by_device(tensors).items():
+        longest = max((_word_count(tensors[n], 8) for n in names), default=0)
         weights = torch.arange(min(longest, _CHUNK_WORDS), dtype=torch.int64, device=device)
         weights = weights.mul_(_WEIGHT_MUL).bitwise_or_(1)  # wraps mod 2**64; odd
         scratch = torch.empty_like(weights)
-        partials: list[torch.Tensor] = []
-        counts: list[int] = []
-        for n in names:
-            chunk_sums = _chunk_sums(tensors[n], weights, scratch)
-            partials.extend(chunk_sums)
-            counts.append(len(chunk_sums))
-        # One device-to-host copy for all chunk sums of this device.
-        sums = torch.stack(partials).cpu().tolist() if partials else []
-        start = 0
-        for n, count in zip(names, counts, strict=True):
+        for n, sums in zip(names, _host_sums(names, tensors, 8, weights, scratch),
+                           strict=True):
             acc = 0
-            for s in sums[start : start + count]:
+            for s in sums:
                 acc = (acc * _CHUNK_MUL + (s & _MASK64)) & _MASK64
-            start += count
             payloads[n] = acc.to_bytes(8, "little")
     return payloads
 
 
-def _word_count(t: torch.Tensor) -> int:
+def _word_count(t: torch.Tensor, size: int) -> int:
     nbytes = t.numel() * t.element_size()
-    return nbytes // 8 if nbytes % 8 == 0 else nbytes
+    return nbytes // size if nbytes % size == 0 else nbytes
 
 
-def _chunk_sums(
-    t: torch.Tensor, weights: torch.Tensor, scratch: torch.Tensor
-) -> list[torch.Tensor]:
-    """Weighted sums of the tensor's words, one 0-d int64 tensor per chunk, in order."""
+def _chunk_sums(t: torch.Tensor, weights: torch.Tensor, scratch: torch.Tensor,
+                size: int) -> list[torch.Tensor]:
+    """``sum(w_i * x_i) mod 2**64`` per chunk of the tensor's ``size``-byte words (8:
+    int64 words; 4: unsigned 32-bit words; bytes when its byte count is not a multiple
+    of ``size``), one 0-d int64 tensor per chunk, in order."""
     sums: list[torch.Tensor] = []
-    for chunk, word in _word_chunks(t, 8):
+    for chunk, word in _word_chunks(t, size):
         n = chunk.numel() // word
         out = scratch[:n]
         if word == 8:
             torch.mul(chunk.view(torch.int64), weights[:n], out=out)
         else:
-            out.copy_(chunk).mul_(weights[:n])
+            if word == 4:
+                # Sign-extended into int64, then masked: the word as an unsigned 32-bit value.
+                out.copy_(chunk.view(torch.int32)).bitwise_and_(0xFFFFFFFF)
+            else:
+                out.copy_(chunk)
+            out.mul_(weights[:n])
         sums.append(out.sum())  # int64 additions wrap mod 2**64, in any order
     return sums
 
@@ -429,55 +448,19 @@ class _KeyedWeights:
 _KEYED_WEIGHTS = _KeyedWeights()
 
 
-def _keyed_word_count(t: torch.Tensor) -> int:
-    nbytes = t.numel() * t.element_size()
-    return nbytes // 4 if nbytes % 4 == 0 else nbytes
-
-
 def _keyed_full_payloads(tensors: Mapping[str, torch.Tensor], key: bytes) -> dict[str, bytes]:
     """Per tensor, the keyed multilinear hash of each chunk, 4 bytes each, in order."""
-    by_device: dict[torch.device, list[str]] = defaultdict(list)
-    for name, t in tensors.items():
-        by_device[t.device].append(name)
     payloads: dict[str, bytes] = {}
-    for device, names in by_device.items():
-        longest = max((_keyed_word_count(tensors[n]) for n in names), default=0)
+    for device, names in _by_device(tensors).items():
+        longest = max((_word_count(tensors[n], 4) for n in names), default=0)
         n_weights = min(longest, _CHUNK_WORDS)
         stream = _KEYED_WEIGHTS.get(key, n_weights, device)
         # Word 0 of the stream is the additive key m; the weights k_i follow it.
         offset = int(stream[0].item()) & _MASK64 if stream.numel() else 0
         weights = stream[1 : n_weights + 1]
         scratch = torch.empty(n_weights, dtype=torch.int64, device=device)
-        partials: list[torch.Tensor] = []
-        counts: list[int] = []
-        for n in names:
-            chunk_sums = _keyed_chunk_sums(tensors[n], weights, scratch)
-            partials.extend(chunk_sums)
-            counts.append(len(chunk_sums))
-        sums = torch.stack(partials).cpu().tolist() if partials else []
-        start = 0
-        for n, count in zip(names, counts, strict=True):
-            payloads[n] = b"".join(
-                (((s + offset) & _MASK64) >> 32).to_bytes(4, "little")
-                for s in sums[start : start + count]
-            )
-            start += count
+        for n, sums in zip(names, _host_sums(names, tensors, 4, weights, scratch),
+                           strict=True):
+            payloads[n] = b"".join((((s + offset) & _MASK64) >> 32).to_bytes(4, "little")
+                                   for s in sums)
     return payloads
-
-
-def _keyed_chunk_sums(
-    t: torch.Tensor, weights: torch.Tensor, scratch: torch.Tensor
-) -> list[torch.Tensor]:
-    """``sum(k_i * x_i) mod 2**64`` per chunk of unsigned 32-bit words (or bytes)."""
-    sums: list[torch.Tensor] = []
-    for chunk, word in _word_chunks(t, 4):
-        n = chunk.numel() // word
-        out = scratch[:n]
-        if word == 4:
-            # Sign-extended into int64, then masked: the word as an unsigned 32-bit value.
-            out.copy_(chunk.view(torch.int32)).bitwise_and_(0xFFFFFFFF)
-        else:
-            out.copy_(chunk)
-        out.mul_(weights[:n])
-        sums.append(out.sum())  # int64 additions wrap mod 2**64, in any order
-    return sums

@@ -159,8 +159,7 @@ def layout_of(man: Manifest, described: Mapping[str, TensorLayout],
     """The full layout of a skeleton whose manifest is ``man``: ``described`` for the
     tensors it names, the whole checkpoint tensor of its name for the others.
 
-    ``checkpoint``: logical shape of every checkpoint tensor (the safetensors headers:
-    :func:`checkpoint_shapes`). Raises :class:`LayoutError` for a description that
+    ``checkpoint``: logical shape of every checkpoint tensor (from the safetensors headers). Raises :class:`LayoutError` for a description that
     names no skeleton tensor or no checkpoint tensor, or does not tile its tensor.
     """
     entries = {e.name: e for e in man.entries}
@@ -213,11 +212,6 @@ def check_tensor(name: str, shape: Sequence[int], t: TensorLayout,
 def trivial_layout(man: Manifest) -> Layout:
     """A plain skeleton's layout: every tensor whole (what a holder without one holds)."""
     return layout_of(man, {}, {e.name: e.shape for e in man.entries})
-
-
-def checkpoint_shapes(headers: Sequence[Any]) -> dict[str, tuple[int, ...]]:
-    """Logical shape of every checkpoint tensor, from its shards' headers."""
-    return {n: tuple(i.shape) for h in headers for n, i in h.tensors.items()}
 
 
 def _part_json(p: Part) -> list[Any]:

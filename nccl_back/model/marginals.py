@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from nccl_back.errors import NoPeerError, UntrustedRecordError
-from nccl_back.model.layout import Layout, Padding, Piece
-from nccl_back.model.reshard_plan import offsets
+from nccl_back.model.layout import Layout, Piece
+from nccl_back.model.reshard_plan import held_pieces
 
 Runs = dict[str, list[tuple[int, int, bytes]]]
 """Checkpoint tensor -> ``(dim, start, little-endian uint64 sums)`` (coord.content's)."""
@@ -164,17 +164,13 @@ def _regions(layout: Layout, tensors: Mapping[str, torch.Tensor]
     """Every piece ``layout`` holds: its source, the source's shape, the piece, and the
     piece's elements in ``tensors`` (shaped as the source sliced along the piece's dim)."""
     shapes = layout.source_shapes
-    for name, _shape, _dtype, t in layout.tensors:
-        tensor = tensors[name].reshape(1) if tensors[name].dim() == 0 else tensors[name]
-        for off, p in offsets(t):
-            if isinstance(p, Padding):
-                continue
-            src = shapes[p.source] or (1,)
-            want = tuple(p.stop - p.start if i == p.dim else n for i, n in enumerate(src))
-            region = tensor.narrow(t.dim, off, p.stop - p.start)
-            if tuple(region.shape) != want:
-                raise NotCheckable(f"{name}: a piece of {p.source} is not a slice of its tensor")
-            yield p.source, src, p, region
+    for name, t, off, p, tensor in held_pieces(layout, tensors):
+        src = shapes[p.source] or (1,)
+        want = tuple(p.stop - p.start if i == p.dim else n for i, n in enumerate(src))
+        region = tensor.narrow(t.dim, off, p.stop - p.start)
+        if tuple(region.shape) != want:
+            raise NotCheckable(f"{name}: a piece of {p.source} is not a slice of its tensor")
+        yield p.source, src, p, region
 
 
 def held(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | None) -> Runs:

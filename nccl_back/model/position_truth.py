@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from nccl_back.errors import NoPeerError, WeightVerificationError
-from nccl_back.model.layout import Layout, Padding
-from nccl_back.model.reshard_plan import offsets
+from nccl_back.model.layout import Layout
+from nccl_back.model.reshard_plan import held_pieces
 
 #: Positions sampled per checkpoint tensor (a TP=8 rank of a sharded one checks ~16).
 SAMPLES = 128
@@ -77,28 +77,24 @@ def held_macs(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | 
     hold none): what a storage loader publishes, and what a receiver compares."""
     shapes = layout.source_shapes
     out: Macs = {}
-    for name, _shape, _dtype, t in layout.tensors:
-        tensor = tensors[name].reshape(1) if tensors[name].dim() == 0 else tensors[name]
-        for off, p in offsets(t):
-            if isinstance(p, Padding):
-                continue
-            src = shapes[p.source] or (1,)
-            pos = positions(p.source, shapes[p.source], key)
-            macs = out.setdefault(p.source, [None] * len(pos))
-            prefix = _prefix(key, p.source, shapes[p.source])
-            y = np.stack(np.unravel_index(pos, src)) if len(pos) else np.zeros((len(src), 0), np.int64)
-            inside = (y[p.dim] >= p.start) & (y[p.dim] < p.stop)
-            js = np.nonzero(inside)[0]
-            if not len(js):
-                continue
-            x = y[:, js].copy()
-            x[p.dim] -= p.start
-            x[t.dim] += off
-            index = tuple(torch.from_numpy(row).to(tensor.device) for row in x)
-            values = tensor[index].contiguous().cpu()
-            raw = values.view(torch.uint8).reshape(len(js), -1).numpy()
-            for n, j in enumerate(js.tolist()):
-                macs[j] = _mac(prefix, j, int(pos[j]), raw[n].tobytes())
+    for _name, t, off, p, tensor in held_pieces(layout, tensors):
+        src = shapes[p.source] or (1,)
+        pos = positions(p.source, shapes[p.source], key)
+        macs = out.setdefault(p.source, [None] * len(pos))
+        prefix = _prefix(key, p.source, shapes[p.source])
+        y = np.stack(np.unravel_index(pos, src)) if len(pos) else np.zeros((len(src), 0), np.int64)
+        inside = (y[p.dim] >= p.start) & (y[p.dim] < p.stop)
+        js = np.nonzero(inside)[0]
+        if not len(js):
+            continue
+        x = y[:, js].copy()
+        x[p.dim] -= p.start
+        x[t.dim] += off
+        index = tuple(torch.from_numpy(row).to(tensor.device) for row in x)
+        values = tensor[index].contiguous().cpu()
+        raw = values.view(torch.uint8).reshape(len(js), -1).numpy()
+        for n, j in enumerate(js.tolist()):
+            macs[j] = _mac(prefix, j, int(pos[j]), raw[n].tobytes())
     return out
 
 

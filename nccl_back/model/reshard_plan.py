@@ -30,7 +30,7 @@ import itertools
 import json
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,7 +103,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class _Held:
+class _HeldPiece:
     """One piece somewhere: its box in source coordinates, and where it lives."""
 
     order: tuple[int, str, int]
@@ -113,10 +113,10 @@ class _Held:
     """Tensor coordinates = source coordinates + shift."""
 
 
-def _pieces(layout: Layout, k: int) -> dict[tuple[str, str], list[_Held]]:
+def _pieces(layout: Layout, k: int) -> dict[tuple[str, str], list[_HeldPiece]]:
     """(source, dtype) -> the pieces ``layout`` holds of it, as boxes of the source."""
     shapes = layout.source_shapes
-    out: dict[tuple[str, str], list[_Held]] = {}
+    out: dict[tuple[str, str], list[_HeldPiece]] = {}
     for name, _shape, dtype, t in layout.tensors:
         for j, (off, p) in enumerate(offsets(t)):
             if isinstance(p, Padding):
@@ -126,7 +126,7 @@ def _pieces(layout: Layout, k: int) -> dict[tuple[str, str], list[_Held]]:
             shift = [0] * len(src)
             shift[p.dim] -= p.start
             shift[t.dim] += off
-            out.setdefault((p.source, dtype), []).append(_Held((k, name, j), name, box, tuple(shift)))
+            out.setdefault((p.source, dtype), []).append(_HeldPiece((k, name, j), name, box, tuple(shift)))
     return out
 
 
@@ -138,12 +138,24 @@ def offsets(t: TensorLayout) -> list[tuple[int, Piece | Padding]]:
     return out
 
 
+def held_pieces(layout: Layout, tensors: Mapping[str, torch.Tensor]
+                ) -> Iterator[tuple[str, TensorLayout, int, Piece, torch.Tensor]]:
+    """Every checkpoint piece ``layout`` places in ``tensors``: its skeleton tensor's
+    name and layout, its offset along that layout's dim, the piece, and the tensor (a
+    scalar as one element)."""
+    for name, _shape, _dtype, t in layout.tensors:
+        tensor = tensors[name].reshape(1) if tensors[name].dim() == 0 else tensors[name]
+        for off, p in offsets(t):
+            if not isinstance(p, Padding):
+                yield name, t, off, p, tensor
+
+
 def plan(receiver: Layout, holders: Sequence[Layout]) -> Plan:
     """The moves that fill ``receiver`` from ``holders`` (index = holder rank);
     :class:`PlanError` if the holders lack an element it needs, or disagree with it
     on a checkpoint tensor's shape."""
     mine = receiver.source_shapes
-    held: dict[tuple[str, str], list[_Held]] = {}
+    held: dict[tuple[str, str], list[_HeldPiece]] = {}
     for k, h in enumerate(holders):
         for src, shape in h.sources:
             if src in mine and mine[src] != shape:
@@ -177,7 +189,7 @@ class _Work:
                             f" ({MAX_TESTS} tests): no real layout does")
 
 
-def _cover(want: _Held, candidates: list[_Held], work: _Work) -> list[tuple[_Held, Box]]:
+def _cover(want: _HeldPiece, candidates: list[_HeldPiece], work: _Work) -> list[tuple[_HeldPiece, Box]]:
     """``want``'s box, cut into boxes each owned by one candidate containing it."""
     clipped = [(c, b) for c in candidates if (b := _clip(c.box, want.box)) is not None]
     cuts = []

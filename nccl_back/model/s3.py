@@ -30,7 +30,6 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -141,10 +140,8 @@ class S3Objects(Backend):
     def __init__(
         self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT
     ) -> None:
-        super().__init__(settings, timeout=timeout)
-        self._client = client
+        super().__init__(settings, timeout=timeout, client=client)
         self._session: Any = None
-        self._lock = threading.Lock()
 
     @classmethod
     def parse(cls, uri: str, rest: str) -> Location:
@@ -154,32 +151,28 @@ class S3Objects(Backend):
                               " use s3://bucket/prefix")
         return Location("s3", bucket, key.strip("/"))
 
-    @property
-    def client(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                import boto3
-                from botocore import exceptions as bexc
-                from botocore.config import Config
+    def _make_client(self) -> Any:
+        import boto3
+        from botocore import exceptions as bexc
+        from botocore.config import Config
 
-                config = Config(
-                    connect_timeout=self.timeout, read_timeout=self.timeout,
-                    retries={"total_max_attempts": 1},  # ours are the only retries
-                    max_pool_connections=max(10, 2 * self.settings.storage_workers),
-                    # We check CRC32C over the bytes copied; botocore's own (CRC32 on
-                    # uploads, whole-object checks) would only add work.
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                )
-                try:
-                    self._session = boto3.session.Session()
-                    self._client = self._session.client(
-                        "s3", endpoint_url=self.settings.s3_endpoint_url or None, config=config
-                    )
-                except (bexc.BotoCoreError, ValueError) as e:
-                    raise StorageError(f"s3://: cannot make a client ({e}); check AWS_PROFILE,"
-                                       f" the AWS config file and the endpoint") from e
-            return self._client
+        config = Config(
+            connect_timeout=self.timeout, read_timeout=self.timeout,
+            retries={"total_max_attempts": 1},  # ours are the only retries
+            max_pool_connections=max(10, 2 * self.settings.storage_workers),
+            # We check CRC32C over the bytes copied; botocore's own (CRC32 on
+            # uploads, whole-object checks) would only add work.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        try:
+            self._session = boto3.session.Session()
+            return self._session.client(
+                "s3", endpoint_url=self.settings.s3_endpoint_url or None, config=config
+            )
+        except (bexc.BotoCoreError, ValueError) as e:
+            raise StorageError(f"s3://: cannot make a client ({e}); check AWS_PROFILE,"
+                               f" the AWS config file and the endpoint") from e
 
     @property
     def endpoint(self) -> str:
@@ -197,25 +190,19 @@ class S3Objects(Backend):
         """Run one request with retries; map failures to one line naming the URI and the fix."""
         from botocore import exceptions as bexc
 
-        try:
-            return with_retries(self.settings, what, fn, is_transient)
-        except StorageError:
-            raise
-        except bexc.ClientError as e:
-            raise self._client_error(what, loc, e) from e
-        except (bexc.NoCredentialsError, bexc.PartialCredentialsError,
-                bexc.CredentialRetrievalError) as e:
-            raise StorageError(f"{what}: no usable AWS credentials ({e}); {_CREDENTIALS_FIX}") from e
-        except bexc.SSLError as e:
-            raise StorageError(f"{what}: TLS failed ({e}); set AWS_CA_BUNDLE to the CA bundle"
-                               " that signed the endpoint's certificate") from e
-        except Exception as e:
-            if is_transient(e):
-                raise StorageError(
-                    f"{what}: failed after {self.settings.storage_attempts} attempts: {e}"
-                    f" (endpoint {self.endpoint}; {_ENDPOINT_FIX})"
-                ) from e
-            raise StorageError(f"{what}: {e}") from e
+        def known(e: BaseException) -> StorageError | None:
+            if isinstance(e, bexc.ClientError):
+                return self._client_error(what, loc, e)
+            if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError,
+                              bexc.CredentialRetrievalError)):
+                return StorageError(f"{what}: no usable AWS credentials ({e}); {_CREDENTIALS_FIX}")
+            if isinstance(e, bexc.SSLError):
+                return StorageError(f"{what}: TLS failed ({e}); set AWS_CA_BUNDLE to the CA"
+                                    " bundle that signed the endpoint's certificate")
+            return None
+
+        return with_retries(self.settings, what, fn, is_transient, known=known,
+                            hint=f" (endpoint {self.endpoint}; {_ENDPOINT_FIX})")
 
     def _client_error(self, what: str, loc: Location, e: Any) -> StorageError:
         code, status = _error_code(e)

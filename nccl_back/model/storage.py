@@ -156,9 +156,25 @@ class Backend(abc.ABC):
     local: ClassVar[bool] = False
     """Files on this machine: read in place by the loader, never downloaded."""
 
-    def __init__(self, settings: Settings, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, settings: Settings, *, timeout: float = DEFAULT_TIMEOUT,
+                 client: Any = None) -> None:
         self.settings = settings
         self.timeout = timeout
+        self._client = client
+        self._client_lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """The backend's client: the one given, else :meth:`_make_client`'s, made once
+        (reads run in threads: the first ones share it)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _make_client(self) -> Any:
+        """A client of the remote store (:class:`StorageError` naming the fix if none)."""
+        raise StorageError(f"{self.scheme}:// has no client")
 
     @classmethod
     @abc.abstractmethod
@@ -219,12 +235,32 @@ RETRY_WAIT = wait_random_exponential(multiplier=0.5, max=30)
 
 
 def with_retries(
-    settings: Settings, what: str, fn: Callable[[], T], transient: Callable[[BaseException], bool]
+    settings: Settings, what: str, fn: Callable[[], T], transient: Callable[[BaseException], bool],
+    *, known: Callable[[BaseException], StorageError | None] = lambda e: None, hint: str = "",
 ) -> T:
     """``fn()``, retried while it fails with a ``transient`` error, up to
-    ``storage_attempts`` attempts with exponential backoff and jitter; the last error is
-    raised as it came (the backend maps it to a :class:`StorageError`)."""
-    retrying = Retrying(
+    ``storage_attempts`` attempts with exponential backoff and jitter.
+
+    Every failure is one :class:`StorageError` on ``what``: the one ``known`` maps the
+    last error to (a missing object, refused credentials: the backend's words), else
+    "failed after N attempts" (then ``hint``) for a transient one, else its own text.
+    """
+    try:
+        return _retrying(settings, what, transient)(fn)
+    except StorageError:
+        raise
+    except Exception as e:
+        mapped = known(e)
+        if mapped is not None:
+            raise mapped from e
+        if transient(e):
+            raise StorageError(f"{what}: failed after {settings.storage_attempts} attempts:"
+                               f" {e}{hint}") from e
+        raise StorageError(f"{what}: {e}") from e
+
+
+def _retrying(settings: Settings, what: str, transient: Callable[[BaseException], bool]) -> Any:
+    return Retrying(
         stop=stop_after_attempt(settings.storage_attempts),
         wait=RETRY_WAIT,
         retry=retry_if_exception(transient),
@@ -235,7 +271,6 @@ def with_retries(
         ),
         sleep=_clock.sleep,
     )
-    return retrying(fn)
 
 
 class LocalFiles(Backend):

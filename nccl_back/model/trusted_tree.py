@@ -62,25 +62,25 @@ def dir_problem(st: os.stat_result) -> str | None:
     """Why the root or a directory under it is not trusted, or None."""
     if not stat.S_ISDIR(st.st_mode):
         return "not a directory"
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        return f"owned by uid {st.st_uid}, not this process's ({uid})"
-    if st.st_mode & _OTHERS_WRITE:
-        return f"writable by group or others (mode {_mode(st)})"
-    return None
+    return _owner_problem(st)
 
 
 def file_problem(st: os.stat_result) -> str | None:
     """Why a file is not trusted, or None."""
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
+    hard_links = f"has {st.st_nlink} hard links" if st.st_nlink != 1 else None
+    return _owner_problem(st) or hard_links
+
+
+def _owner_problem(st: os.stat_result) -> str | None:
+    """Why an entry this process did not write alone is not trusted: owned by another
+    uid, or writable by group or others; None if it did."""
     uid = os.geteuid()
     if st.st_uid != uid:
         return f"owned by uid {st.st_uid}, not this process's ({uid})"
     if st.st_mode & _OTHERS_WRITE:
         return f"writable by group or others (mode {_mode(st)})"
-    if st.st_nlink != 1:
-        return f"has {st.st_nlink} hard links"
     return None
 
 

@@ -9,7 +9,6 @@ carry it. Nothing here imports torch: the preStop hook must start fast.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import stat
@@ -17,6 +16,7 @@ import urllib.error
 import urllib.request
 
 from nccl_back.errors import AttachError, ConfigError, NcclBackError
+from nccl_back.files import write_atomic
 from nccl_back.sidecar.http import TOKEN_HEADER
 
 _MAX_TOKEN_FILE = 1024
@@ -35,16 +35,7 @@ def write_token_file(path: str, token: str | None = None) -> str:
         private_dir(directory, create=True)
     except AttachError as e:
         raise ConfigError(f"drain token file {path}: {e}") from e
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, token)
     return token
 
 

@@ -26,7 +26,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.registry import truth_for_mode
 from nccl_back.errors import ConfigError, NcclBackError, RegistryError
+from nccl_back.files import write_atomic
 from nccl_back.load.service import WeightService
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
@@ -46,7 +46,7 @@ from nccl_back.model.checkpoint import flat_skeleton
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import Model, build, manifest
-from nccl_back.model.storage import parse_uri
+from nccl_back.model.storage import forms, parse_uri
 from nccl_back.result import LoadResult
 from nccl_back.sidecar.drain import write_token_file
 from nccl_back.sidecar.handoff import HandoffServer, arena
@@ -143,8 +143,8 @@ def check_local_model(uri: str) -> None:
     loc = parse_uri(uri)
     if loc.is_local and not os.path.isdir(loc.path):
         raise ConfigError(
-            f"--model {uri!r}: no such directory; give the checkpoint directory"
-            " (or gs:// or s3:// bucket prefix) holding config.json and *.safetensors"
+            f"--model {uri!r}: no such directory; give the checkpoint ({forms()})"
+            " holding config.json and *.safetensors"
         )
 
 
@@ -363,23 +363,10 @@ class Sidecar:
         if self.options.socket_path is not None:
             info["socket"] = self.options.socket_path
         if self.options.ready_file is not None:
-            _write_atomic(self.options.ready_file, json.dumps(info, indent=2) + "\n")
+            write_atomic(self.options.ready_file, json.dumps(info, indent=2) + "\n")
         self._out.write("ready " + " ".join(f"{k}={v}" for k, v in info.items()) + "\n")
         self._out.flush()
         self._log.info("ready", **info, fallback=result.fallback_reason)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ready-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager

@@ -1,18 +1,20 @@
-"""Transports: a 2-rank broadcast channel (gloo on CPU, NCCL on GPU), the watchdog
-that bounds it, and the bucketed data plane that walks a state dict over it.
+"""Transports: a 2-rank channel (gloo on CPU, NCCL on GPU), the watchdog that bounds
+it, and the bucketed data plane that walks a state dict over it.
 
 A kind is a module ``nccl_back.transport.{kind}`` registering its classes
 (:func:`~nccl_back.transport.base.register_transport`) under a name of
-:data:`nccl_back.kinds.TRANSPORT_KINDS`; the factories below look kinds up there."""
+:data:`nccl_back.transport_kinds.TRANSPORT_KINDS`; the factories below look kinds up there."""
 
 from nccl_back.transport.base import (
     RECEIVER_RANK,
     SENDER_RANK,
     Pending,
+    Probe,
     Rendezvous,
     Transport,
     TransportClasses,
     all_transports,
+    auto_kind,
     open_rendezvous,
     receiver_transport,
     register_transport,
@@ -33,12 +35,14 @@ __all__ = [
     "RECEIVER_RANK",
     "SENDER_RANK",
     "Pending",
+    "Probe",
     "Rendezvous",
     "Step",
     "TransferStats",
     "Transport",
     "TransportClasses",
     "all_transports",
+    "auto_kind",
     "open_rendezvous",
     "payload_bytes",
     "plan",

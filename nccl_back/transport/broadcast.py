@@ -1,15 +1,15 @@
-"""The data plane: walk a state dict in sorted name order and broadcast it, rank 0 -> 1.
+"""The data plane: walk a state dict in sorted name order and copy it, rank 0 -> 1.
 
-Broadcast is a collective: both sides must issue the same calls, in the same order,
-with the same sizes, or data lands in the wrong buffer without any error. So the
-sequence of calls (:func:`plan`) is derived from the names, shapes and dtypes alone,
+Each copy (:meth:`Transport.copy`, a 2-rank broadcast underneath) is a collective:
+both sides must issue the same calls, in the same order, with the same sizes, or data
+lands in the wrong buffer without any error. So the sequence of calls (:func:`plan`) is derived from the names, shapes and dtypes alone,
 identically on both sides, and its digest is exchanged first: a difference (another
 manifest, another ``bucket_bytes``) raises :class:`ManifestMismatchError` on both sides
 before any tensor is touched.
 
 Tensors smaller than ``bucket_bytes`` and than :data:`DIRECT_BYTES` are coalesced into
 flat byte buckets (packed on the sender, unpacked on the receiver) because a call per
-small tensor costs more in latency than in bytes; larger ones are broadcast in place,
+small tensor costs more in latency than in bytes; larger ones are copied in place,
 cut into chunks of ``bucket_bytes``. So no step is larger than a bucket: a relay (:mod:`nccl_back.transport.relay`)
 forwards step k while k+1 arrives, and each hop of a chain costs one step, not one
 tensor. Everything travels as bytes (``uint8`` views), so no backend has to support
@@ -21,7 +21,7 @@ The sender may gate each step on ``ready(k)`` (a relay forwards only what it hol
 pace it through ``pace(nbytes)`` (the worker's send-rate cap); the receiver reports each
 step whose bytes are in place through ``on_step(k)``.
 
-Two bucket buffers are allocated once and alternate, and at most two broadcasts are in
+Two bucket buffers are allocated once and alternate, and at most two copies are in
 flight: the sender packs bucket k+1 while bucket k is on the wire, the receiver unpacks
 bucket k while k+1 arrives.
 
@@ -77,7 +77,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class Step:
-    """One broadcast call: a packed bucket of small tensors, or one big tensor in place."""
+    """One copy: a packed bucket of small tensors, or one big tensor in place."""
 
     direct: bool
     nbytes: int
@@ -90,7 +90,7 @@ class TransferStats:
 
     bytes: int
     """Payload bytes (tensor bytes, without bucket padding)."""
-    broadcasts: int
+    copies: int
     buckets: int
     seconds: float
 
@@ -100,7 +100,7 @@ class TransferStats:
 
 
 def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> list[Step]:
-    """The broadcast calls for ``source``, from names, shapes and dtypes alone.
+    """The copies for ``source``, from names, shapes and dtypes alone.
 
     Tensors are visited in sorted name order; each one of ``bucket_bytes`` or
     :data:`DIRECT_BYTES` or more is sent in place in chunks of ``bucket_bytes`` (one
@@ -203,9 +203,9 @@ def send_tensors(
                         _copy(_slot_view(data, slot), tensors[slot.name])
             if pace is not None:
                 pace(step.nbytes)
-            # ``data`` stays referenced by the window until its broadcast is done: a
+            # ``data`` stays referenced by the window until its copy is done: a
             # temporary copy must not be freed while on the wire.
-            window.add(transport.broadcast(data, SENDER_RANK), None, data)
+            window.add(transport.copy(data, SENDER_RANK), None, data)
         window.drain()
         _acknowledge(transport)
     return _stats(steps[start:], began)
@@ -261,7 +261,7 @@ def recv_tensors(
                 else:
                     data = buffers.next(step.nbytes)
                     finish = lambda data=data, slots=step.slots: _unpack(data, slots, tensors)  # noqa: E731
-            window.add(transport.broadcast(data, SENDER_RANK), finish, data, k, stepped)
+            window.add(transport.copy(data, SENDER_RANK), finish, data, k, stepped)
         window.drain()
         _acknowledge(transport)
     return _stats(steps[start:], began)
@@ -326,17 +326,17 @@ def _check_devices(transport: Transport, tensors: Mapping[str, torch.Tensor]) ->
 
 
 def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0) -> None:
-    """Sender broadcasts the plan digest, receiver answers with a verdict byte."""
+    """Sender sends the plan digest, receiver answers with a verdict byte."""
     mine = torch.frombuffer(bytearray(plan_digest(steps, start)), dtype=torch.uint8).to(transport.device)
     theirs = mine.clone() if transport.rank == SENDER_RANK else torch.zeros_like(mine)
-    transport.broadcast(theirs, SENDER_RANK).wait()
+    transport.copy(theirs, SENDER_RANK).wait()
     transport.progressed()
     verdict = torch.tensor([int(torch.equal(mine, theirs))], dtype=torch.uint8, device=transport.device)
-    transport.broadcast(verdict, RECEIVER_RANK).wait()
+    transport.copy(verdict, RECEIVER_RANK).wait()
     transport.progressed()
     if not int(verdict.item()):
         raise ManifestMismatchError(
-            f"transfer {transport.transfer_id}: sender and receiver planned different broadcasts"
+            f"transfer {transport.transfer_id}: sender and receiver planned different copies"
             " (different tensors, bucket_bytes or start step); nothing was transferred"
         )
 
@@ -344,14 +344,14 @@ def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0) -> N
 def _acknowledge(transport: Transport) -> None:
     """The receiver tells the sender it holds everything; the sender waits for it.
 
-    A sender's last broadcast can complete while its bytes are still in flight (NCCL's
+    A sender's last copy can complete while its bytes are still in flight (NCCL's
     socket proxy, gloo's send buffers): tearing the communicator down then can cut the
-    receiver's tail off (seen on the GPU: the receiver never completed once the
-    sender's process moved on). After this one-byte broadcast from the receiver, the
+    receiver's tail off (on a GPU the receiver then never completes once the sender's
+    process moves on). After this one-byte copy from the receiver, the
     sender's "done" means the receiver's "done".
     """
     ack = torch.ones(1, dtype=torch.uint8, device=transport.device)
-    transport.broadcast(ack, RECEIVER_RANK).wait()
+    transport.copy(ack, RECEIVER_RANK).wait()
     transport.progressed()
 
 
@@ -360,7 +360,7 @@ def _in_place(step: Step, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor |
 
     In a consolidated skeleton (:func:`nccl_back.model.skeleton.consolidate`) adjacent small
     tensors sit in one allocation at the bucket's own aligned offsets; then the bucket
-    needs no packing or unpacking: it is broadcast straight from/into the tensors.
+    needs no packing or unpacking: it is copied straight from/into the tensors.
     (Padding bytes between them travel too; they belong to no tensor.) Returns None
     when the layout differs, and the bucket goes through a staging buffer instead.
     """
@@ -422,7 +422,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _stats(steps: list[Step], start: float) -> TransferStats:
     return TransferStats(
         bytes=sum(x.nbytes for s in steps for x in s.slots),
-        broadcasts=len(steps),
+        copies=len(steps),
         buckets=sum(1 for s in steps if not s.direct),
         seconds=time.perf_counter() - start,
     )

@@ -3,24 +3,26 @@
 Why this binding (the requirements come from NCCL's fault-tolerance guide):
 
 * ``ncclCommAbort`` is safe only on a **non-blocking** communicator with no other
-  thread inside an NCCL call. cupy's ``NcclConfig`` cannot ask for non-blocking
-  (and since cupy 14 its unique ids are ``bytes``, which broke the old receiver);
+  thread inside an NCCL call. cupy's ``NcclConfig`` cannot ask for non-blocking;
   torch's ``ProcessGroupNCCL`` can (``Options.config.blocking = 0``), has ``abort()``,
   and uses the NCCL that the user's torch already ships (CUDA 12 or 13), so the
   process never loads a second ``libnccl``. nccl4py would also meet the bar but is
   one more native dependency that must match torch's NCCL.
 * **Every NCCL call from the thread that owns the communicator.** The transfer's
   worker thread (:func:`~nccl_back.transport.run_guarded`) builds the group, issues
-  every broadcast, polls for completion and, on a deadline or an abort request,
+  every copy, polls for completion and, on a deadline or an abort request,
   calls ``abort()`` itself. :meth:`NcclTransport.abort` from any other thread (the
   watchdog, a drain) only *signals*; the owner acts on it at its next poll.
 * **The connect phase inside the deadline.** The unique id travels through the
   transfer's signed Redis keys (:mod:`.store`; no rendezvous port is open), each wait
-  bounded by the time left; the communicator is created by a one-byte collective inside ``connect``, and
-  host-side waits inside torch's non-blocking NCCL calls (creation, and since NCCL
-  2.22 the lazy connect that waits for the peer's first call) are bounded by
-  ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which this module sets, if the user has not, to
-  :data:`NONBLOCKING_TIMEOUT_S` before its first communicator (torch reads it once).
+  bounded by the time left. The communicator is created by a one-byte collective
+  inside ``connect``, not by ``eager_connect_single_device``: a non-blocking
+  communicator made that way need not ever report ``_is_initialized()``
+  (``benchmarks/RESULTS.md``, GPU). Host-side waits inside torch's non-blocking NCCL
+  calls (creation, and since NCCL 2.22 the lazy connect that waits for the peer's
+  first call) are bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which this module
+  sets, if the user has not, to :data:`NONBLOCKING_TIMEOUT_S` before its first
+  communicator (torch reads it once).
 * **A stall is bounded too.** torch's NCCL work has no per-call timeout we can use,
   so the stall bound (:func:`~nccl_back.transport.run_guarded`'s ``stall``) is the
   watchdog's: when no step completed within it, it asks for the abort, which the
@@ -36,6 +38,9 @@ Why this binding (the requirements come from NCCL's fault-tolerance guide):
   torch orders after ours. Before the transfer counts as done the receiver waits for
   its stream (:meth:`NcclTransport.finish`), so ``load`` returns ready tensors, and a
   slow receiver never queues work on the worker's default stream.
+
+What NCCL shares with gloo (the receiver factory, the bootstrap keys, the deadline,
+error classification) is :class:`~nccl_back.transport.store.StoreTransport`.
 """
 
 from __future__ import annotations
@@ -53,17 +58,10 @@ import torch.distributed as dist
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.errors import TransferError, TransferTimeoutError
+from nccl_back.errors import TransferError
 from nccl_back.log import get_logger
-from nccl_back.transport.base import (
-    RECEIVER_RANK,
-    SENDER_RANK,
-    WORLD_SIZE,
-    Pending,
-    Transport,
-    register_transport,
-)
-from nccl_back.transport.store import RedisStore, StoreRendezvous, split_address
+from nccl_back.transport.base import SENDER_RANK, WORLD_SIZE, Pending, Probe, register_transport
+from nccl_back.transport.store import StoreRendezvous, StoreTransport
 
 if TYPE_CHECKING:
     from nccl_back.coord.registry import Registry
@@ -97,12 +95,13 @@ _GROUP_ENV = {
 }
 
 
-def check_available(device: torch.device) -> None:
-    """Raise :class:`TransferError` unless NCCL and the CUDA ``device`` are usable."""
-    if device.type != "cuda":
+def check_available(device: torch.device | None) -> torch.device:
+    """``device``; :class:`TransferError` unless NCCL and the CUDA ``device`` are usable."""
+    if device is None or device.type != "cuda":
         raise TransferError(f"the nccl transport needs a CUDA device, got {device}")
     if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
         raise TransferError(GPU_HINT)
+    return device
 
 
 @contextlib.contextmanager
@@ -122,20 +121,6 @@ def _group_env() -> Iterator[None]:
                     os.environ[k] = v
 
 
-class NcclRendezvous(StoreRendezvous):
-    """The sender's endpoint for NCCL transfers (see :mod:`.store`)."""
-
-    kind = "nccl"
-
-    def __init__(self, settings: Settings, registry: Registry, *, device: torch.device) -> None:
-        check_available(device)
-        super().__init__(settings, registry, device=device)
-
-    def _sender(self, transfer_id: str, registry: Registry) -> NcclTransport:
-        return NcclTransport(SENDER_RANK, transfer_id, device=self.device, settings=self.settings,
-                             registry=registry)
-
-
 class _NcclPending:
     def __init__(self, work: Any, transport: NcclTransport) -> None:
         self._work = work
@@ -145,62 +130,24 @@ class _NcclPending:
         self._transport._wait_work(self._work)
 
 
-class NcclTransport(Transport):
+class NcclTransport(StoreTransport):
     """One transfer over a fresh 2-rank, non-blocking ``ProcessGroupNCCL``."""
 
     kind = "nccl"
-    #: Non-blocking communicator (the default, and the only mode in which abort is
-    #: safe); the device probe (``scripts/nccl_probe.py``) compares it with blocking.
-    nonblocking: bool = True
-    #: Create the communicator in :meth:`connect` rather than at the first broadcast.
-    #: Off: on the H200 check (torch 2.11, NCCL 2.28.9) a non-blocking communicator
-    #: made by ``eager_connect_single_device`` never reported ``_is_initialized()``
-    #: within 10 s and its first broadcast failed, while the same communicator made
-    #: lazily by the first collective worked (``scripts/nccl_probe.py``). Lazily, the
-    #: connect is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (above).
-    eager: bool = False
 
-    def __init__(
-        self,
-        rank: int,
-        transfer_id: str,
-        *,
-        device: torch.device,
-        settings: Settings,
-        registry: Registry,
-    ) -> None:
-        check_available(device)
+    def __init__(self, rank: int, transfer_id: str, settings: Settings, registry: Registry, *,
+                 device: torch.device | None) -> None:
+        device = check_available(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(rank, transfer_id, device)
-        self._settings = settings
-        self._registry = registry  # the bootstrap keys' Redis (:class:`RedisStore`)
-        self._store: RedisStore | None = None
-        self._deadline = float("inf")
-        self._abort_requested = threading.Event()
+        super().__init__(rank, transfer_id, settings, registry, device=device)
         self._pg: Any = None
         self._stream: torch.cuda.Stream | None = None
         # The caller's stream at creation: the transfer must not read or write the
         # model before work already queued on it (a load, a consolidate) is done.
         self._after = torch.cuda.current_stream(device).record_event()
 
-    @classmethod
-    def receiver(cls, settings: Settings, registry: Registry, address: str, transfer_id: str, *,
-                 device: torch.device) -> NcclTransport:
-        """The rank-1 side of a transfer with the sender at ``address`` (checked for form:
-        the bootstrap itself goes through Redis)."""
-        split_address(address)
-        return cls(RECEIVER_RANK, transfer_id, device=device, settings=settings, registry=registry)
-
     # -- the owner thread ------------------------------------------------------------------
-
-    def _left(self, what: str) -> float:
-        if self._abort_requested.is_set():
-            raise TransferTimeoutError(f"nccl transfer {self.transfer_id} aborted during {what}")
-        left = self._deadline - _clock.monotonic()
-        if left <= 0:
-            raise TransferTimeoutError(f"nccl transfer {self.transfer_id}: {what} passed the deadline")
-        return left
 
     def connect(self, deadline: float) -> None:
         self._deadline = deadline
@@ -210,27 +157,15 @@ class NcclTransport(Transport):
         # The current stream is per thread: this worker thread's copies and the
         # group's stream ordering all follow the transfer's own stream from here on.
         torch.cuda.set_stream(self._stream)
-        left = self._left("connect")
         try:
-            self._store = RedisStore(self._registry, self._prefix,
-                                     self._settings.key("rendezvous"), _clock.monotonic() + left)
-            prefixed = dist.PrefixStore("nccl", self._store)
+            prefixed = self._bootstrap()
             opts = dist.ProcessGroupNCCL.Options()
-            if self.nonblocking:
-                config = opts.config  # a copy in some torch builds: set it back whole
-                config.blocking = 0
-                opts.config = config
+            config = opts.config  # a copy in some torch builds: set it back whole
+            config.blocking = 0
+            opts.config = config
             opts._timeout = timedelta(seconds=self._left("connect") + TORCH_TIMEOUT_SLACK_S)
             with _group_env():
-                pg = dist.ProcessGroupNCCL(prefixed, self.rank, WORLD_SIZE, opts)
-            self._pg = pg
-            if self.eager:
-                # With blocking=0 creation returns at once and goes on in the background.
-                pg.eager_connect_single_device(self.device)
-                ready = getattr(pg, "_is_initialized", None)
-                while ready is not None and not ready():
-                    self._left("connect")
-                    _clock.sleep(POLL_S * 10)
+                self._pg = dist.ProcessGroupNCCL(prefixed, self.rank, WORLD_SIZE, opts)
             # The first collective creates the communicator (lazily) and, since NCCL
             # 2.22, connects the two ranks: a one-byte broadcast now keeps both inside
             # the connect deadline instead of the first data step's.
@@ -244,13 +179,13 @@ class NcclTransport(Transport):
             raise self._error("connect", e) from e
         log.debug("nccl_connected", transfer_id=self.transfer_id, rank=self.rank)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = SENDER_RANK) -> Pending:
-        self._left("broadcast")
+    def copy(self, tensor: torch.Tensor, src: int = SENDER_RANK) -> Pending:
+        self._left("copy")
         if self._pg is None:
-            raise TransferError(f"nccl transfer {self.transfer_id}: broadcast before connect")
+            raise TransferError(f"{self._name}: copy before connect")
         if tensor.device != self.device or not tensor.is_contiguous():
             raise TransferError(
-                f"nccl broadcast needs a contiguous tensor on {self.device}, got {tensor.device}"
+                f"nccl copy needs a contiguous tensor on {self.device}, got {tensor.device}"
             )
         return _NcclPending(self._issue(tensor, src), self)
 
@@ -259,13 +194,13 @@ class NcclTransport(Transport):
             return self._pg.broadcast([tensor.reshape(-1).view(torch.uint8)], _bcast_opts(src))
         except Exception as e:
             self._abort_now()
-            raise self._error("broadcast", e) from e
+            raise self._error("copy", e) from e
 
     def _wait_work(self, work: Any) -> None:
         """Poll ``work`` until done, an abort request or the deadline (owner thread only)."""
         try:
             while not work.is_completed():
-                self._left("broadcast")
+                self._left("copy")
                 _clock.sleep(POLL_S)
             # Orders this thread's stream after the collective (no host wait) and
             # raises the error the collective ended with, if any.
@@ -275,7 +210,7 @@ class NcclTransport(Transport):
             raise
         except Exception as e:
             self._abort_now()
-            raise self._error("broadcast", e) from e
+            raise self._error("copy", e) from e
 
     def finish(self) -> None:
         """Wait (polling, bounded) until every copy queued on the transfer's stream ran."""
@@ -289,12 +224,6 @@ class NcclTransport(Transport):
         except TransferError:
             self._abort_now()
             raise
-
-    def _error(self, what: str, e: BaseException) -> TransferError:
-        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-        if timed_out or self._abort_requested.is_set() or _clock.monotonic() >= self._deadline:
-            return TransferTimeoutError(f"nccl transfer {self.transfer_id}: {what} timed out: {e}")
-        return TransferError(f"nccl transfer {self.transfer_id}: {what} failed (peer gone?): {e}")
 
     def _abort_now(self) -> None:
         """``ncclCommAbort`` from the owner thread: kernels stuck on a dead peer exit."""
@@ -315,7 +244,7 @@ class NcclTransport(Transport):
 
     def abort(self) -> None:
         """Ask the owner thread to abort; it does at its next poll (never from here)."""
-        self._abort_requested.set()
+        self._aborted.set()
 
     def close(self) -> None:
         """Release the communicator (owner thread); idempotent.
@@ -325,13 +254,18 @@ class NcclTransport(Transport):
         destroy it never waits on a peer.
         """
         self._abort_now()
-        if self._store is not None:
-            self._store.close()  # this side's bootstrap keys (their TTL bounds them too)
-        self._store = None
+        self._drop_bootstrap()
 
-    @property
-    def _prefix(self) -> str:
-        return f"nccl/{self.transfer_id}"
+
+class NcclRendezvous(StoreRendezvous):
+    """The sender's endpoint for NCCL transfers (see :mod:`.store`)."""
+
+    kind = "nccl"
+    transport = NcclTransport
+
+    def __init__(self, settings: Settings, registry: Registry, *, device: torch.device) -> None:
+        check_available(device)
+        super().__init__(settings, registry, device=device)
 
 
 def _bcast_opts(src: int) -> Any:
@@ -351,4 +285,24 @@ def nonblocking_timeout() -> float:
     return value if math.isfinite(value) and value > 0 else float(NONBLOCKING_TIMEOUT_S)
 
 
-register_transport("nccl", NcclRendezvous, NcclTransport.receiver, devices=("cuda",))
+def probe(settings: Settings) -> Probe:
+    """NCCL's version and the visible GPUs; a failure when CUDA is present but NCCL is
+    not usable, or when the settings name nccl on a machine without CUDA."""
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
+        try:
+            v = torch.cuda.nccl.version()
+        except Exception as e:  # a torch without NCCL raises from its C extension
+            return Probe("", f"CUDA present but NCCL unavailable ({e})",
+                         "install a CUDA build of torch that ships NCCL")
+        version = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+        return Probe(f"nccl {version} ({n} GPU(s): {', '.join(names)})")
+    if settings.transport == "nccl":
+        return Probe("", "transport=nccl but CUDA is not available here",
+                     "run on a GPU node with the NVIDIA driver, or set NCCL_BACK_TRANSPORT=gloo")
+    return Probe("no CUDA: nccl unused")
+
+
+register_transport("nccl", NcclRendezvous, NcclTransport.receiver, devices=("cuda",),
+                   probe=probe)

@@ -16,7 +16,7 @@ import threading
 
 from nccl_back import _clock
 
-#: Seconds of bytes the bucket may hold (a late thread catches up, no longer bursts).
+#: Seconds of bytes the bucket may hold (how far a late thread may catch up at once).
 DEFAULT_BURST = 0.05
 
 

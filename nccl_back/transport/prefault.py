@@ -10,8 +10,8 @@ system call (cheaper than a trap per page) and never changes a byte; the receivi
 thread then writes into mapped memory.
 
 Best effort and invisible: CPU memory only (device memory has no such faults), Linux
-only, any ``madvise`` error ends the prefaulting quietly (the writes fault the pages
-in as before). The thread takes no memory beyond what the tensors own, stays a bounded
+only, any ``madvise`` error ends the prefaulting quietly (the writes then fault the
+pages in themselves). The thread takes no memory beyond what the tensors own, stays a bounded
 number of steps ahead of the receiver, skips what the receiver has already passed and
 is stopped and joined when the transfer ends, on every path.
 

@@ -52,8 +52,8 @@ class Role:
     poll_failed: str
     loop_error: str
     counts_handshake_timeouts: bool
-    """Whether a sender handshake that timed out is counted (a holder's are; a relay
-    member's never were, and the counter's meaning stays as it was)."""
+    """Whether a sender handshake that timed out is counted in ``handshake_timeouts``
+    (a holder's are; a relay endpoint's are not: the counter speaks of holders)."""
 
 
 HOLDER = Role("holder", done="served", failed="serve_failed", crashed="serve_crashed",

@@ -71,7 +71,7 @@ SHARED_SENDS = 8
 
 
 @dataclass
-class _Held:
+class _Served:
     """A model this worker holds and serves."""
 
     model: Model
@@ -124,7 +124,7 @@ class PeerServer:
         self.registry = registry
         self.metrics = metrics
         self.worker_id = worker_id
-        self._held: dict[str, _Held] = {}
+        self._served: dict[str, _Served] = {}
         self._rendezvous: dict[str, Rendezvous] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -136,28 +136,28 @@ class PeerServer:
     @property
     def peers(self) -> list[PeerInfo]:
         """What this worker currently publishes."""
-        return [h.info for h in self._held.values()]
+        return [h.info for h in self._served.values()]
 
     @property
     def active_sends(self) -> int:
-        return sum(h.active for h in self._held.values())
+        return sum(h.active for h in self._served.values())
 
     def holds(self, peer_id: str) -> bool:
         """Whether ``peer_id`` is one of this worker's own entries (never its own peer)."""
-        return peer_id in self._held
+        return peer_id in self._served
 
     def served_tensors(self, peer_id: str) -> dict[str, torch.Tensor]:
         """The tensors a send of ``peer_id`` reads now (the model's current storage)."""
-        return named_tensors(self._held[peer_id].model)[0]
+        return named_tensors(self._served[peer_id].model)[0]
 
     def close(self) -> None:
         """Stop serving, withdraw every published entry, release sockets and threads."""
         self.withdraw()
-        for held in list(self._held.values()):
-            if held.thread is not None:
-                held.thread.join(self.settings.redis_timeout + 2)
+        for served in list(self._served.values()):
+            if served.thread is not None:
+                served.thread.join(self.settings.redis_timeout + 2)
             # In-flight sends end within their own watchdog deadline.
-            held.pool.shutdown(wait=True)
+            served.pool.shutdown(wait=True)
         if self._heartbeat is not None:
             self._heartbeat.join(self.settings.heartbeat_interval + self.settings.redis_timeout + 1)
         for rv in self._rendezvous.values():
@@ -171,7 +171,7 @@ class PeerServer:
         Receivers see a transfer error and fall back; this worker's weights are
         untouched. Returns how many sends were aborted.
         """
-        n = sum(held.sends.abort() for held in list(self._held.values()))
+        n = sum(served.sends.abort() for served in list(self._served.values()))
         if n:
             self._log.warning("sends_aborted", count=n)
         return n
@@ -183,9 +183,9 @@ class PeerServer:
         """
         with self._entries_lock:
             self._stop.set()
-            for held in list(self._held.values()):
+            for served in list(self._served.values()):
                 with contextlib.suppress(RegistryError):
-                    self.registry.withdraw(held.info.peer_id, held.info.version)
+                    self.registry.withdraw(served.info.peer_id, served.info.version)
         self.metrics.set_ready(False)
 
     def publish(
@@ -226,21 +226,21 @@ class PeerServer:
             # Read at send time: the model may have moved since publication.
             sends = Sends(HOLDER, s, self.registry, self.metrics, self.pacer, rv, man.digest, kind,
                           lambda: named_tensors(model)[0], s.transfer_timeout, s.stall_timeout)
-            held = _Held(model, man, info,
+            served = _Served(model, man, info,
                          ThreadPoolExecutor(s.max_concurrent_sends * SHARED_SENDS,
                                             thread_name_prefix=f"nccl-back-send-{rank}"),
                          sends, truth=truth, layout=layout, positions=positions)
-            self._held[peer_id] = held
+            self._served[peer_id] = served
             try:
-                self._keep(held)
+                self._keep(served)
             except Exception as e:
                 # Redis unreachable now (an outage, a failover): hold the entry anyway. The
                 # heartbeat publishes it, with its truth, once Redis answers, so workers
                 # that loaded during an outage still serve the fleet after it.
                 log.warning("publish_deferred", peer=peer_id, error=str(e))
-        held.thread = threading.Thread(target=self._serve_loop, args=(held,), daemon=True,
+        served.thread = threading.Thread(target=self._serve_loop, args=(served,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
-        held.thread.start()
+        served.thread.start()
         if self._heartbeat is None or not self._heartbeat.is_alive():
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name="nccl-back-heartbeat")
@@ -261,51 +261,51 @@ class PeerServer:
 
     def _heartbeat_loop(self) -> None:
         while not _clock.wait(self._stop, self.settings.heartbeat_interval):
-            for held in list(self._held.values()):
+            for served in list(self._served.values()):
                 with self._entries_lock:
                     if self._stop.is_set():  # withdrawn meanwhile: never re-publish
                         return
                     try:
-                        self._keep(held)
+                        self._keep(served)
                     except Exception as e:  # whatever Redis holds, the next beat comes
-                        self._log.warning("heartbeat_failed", peer=held.info.peer_id, error=repr(e))
+                        self._log.warning("heartbeat_failed", peer=served.info.peer_id, error=repr(e))
             self.metrics.set_claims(self.active_sends)
 
-    def _keep(self, held: _Held) -> None:
+    def _keep(self, served: _Served) -> None:
         """Store (or refresh) everything this holder publishes: its truth first, then its
         entry, then its truth in checkpoint coordinates and its layout."""
-        self.registry.heartbeat(held.info, SCHEME, held.truth)
-        if held.positions is not None or held.layout is not None:
-            lay = held.layout or trivial_layout(held.manifest)
-            self.registry.keep_positions(held.info.version, held.info.rank, held.info.world_size,
-                                         lay, held.positions, store_layout=held.layout is not None)
+        self.registry.heartbeat(served.info, SCHEME, served.truth)
+        if served.positions is not None or served.layout is not None:
+            lay = served.layout or trivial_layout(served.manifest)
+            self.registry.keep_positions(served.info.version, served.info.rank, served.info.world_size,
+                                         lay, served.positions, store_layout=served.layout is not None)
 
-    def _serve_loop(self, held: _Held) -> None:
-        bound = QUEUE_PER_SLOT * held.info.max_sends
-        log = self._log.bind(peer=held.info.peer_id)
+    def _serve_loop(self, served: _Served) -> None:
+        bound = QUEUE_PER_SLOT * served.info.max_sends
+        log = self._log.bind(peer=served.info.peer_id)
 
         def enqueue(request: TransferRequest) -> None:
             token = _shared_token(request)
-            with held.lock:
+            with served.lock:
                 if token is None:
-                    full = held.queued - sum(held.shared.values()) >= bound
+                    full = served.queued - sum(served.shared.values()) >= bound
                 else:  # the ranks of one group share a slot: up to SHARED_SENDS requests
-                    full = held.shared.get(token, 0) >= SHARED_SENDS or (
-                        token not in held.shared and len(held.shared) >= bound)
+                    full = served.shared.get(token, 0) >= SHARED_SENDS or (
+                        token not in served.shared and len(served.shared) >= bound)
                 if not full:
-                    held.queued += 1
+                    served.queued += 1
                     if token is not None:
-                        held.shared[token] = held.shared.get(token, 0) + 1
+                        served.shared[token] = served.shared.get(token, 0) + 1
             if full:
                 self.metrics.record_request_dropped()
                 log.warning("request_dropped", queued=bound, receiver=request.receiver)
                 return
-            held.pool.submit(self._serve_one, held, request)
+            served.pool.submit(self._serve_one, served, request)
 
-        answer(self.registry, held.info.peer_id, HOLDER, log, self._stop, 0.5, enqueue)
+        answer(self.registry, served.info.peer_id, HOLDER, log, self._stop, 0.5, enqueue)
 
-    def _serve_one(self, held: _Held, request: TransferRequest) -> None:
-        log = self._log.bind(rank=held.info.rank, version=held.info.version[:12],
+    def _serve_one(self, served: _Served, request: TransferRequest) -> None:
+        log = self._log.bind(rank=served.info.rank, version=served.info.version[:12],
                              peer=request.receiver, transfer_id=request.transfer_id)
         # Only reshard requests (each a rank's share of the model) share a token's turn;
         # any other request, claimed or not, takes a turn of its own.
@@ -313,14 +313,14 @@ class PeerServer:
         turn = token or request.transfer_id
         # Derived before the turn: a costly plan (a hostile layout record) must not hold
         # the send slot a genuine receiver waits for.
-        moves, digest = self._reshard_moves(held, request) if request.layout is not None else ((), "")
-        self._admit(held, turn)
-        with held.lock:
-            held.active += 1
+        moves, digest = self._reshard_moves(served, request) if request.layout is not None else ((), "")
+        self._admit(served, turn)
+        with served.lock:
+            served.active += 1
         self.metrics.set_claims(self.active_sends)
         ok = False
         try:
-            refusal = self._refusal(held, request)
+            refusal = self._refusal(served, request)
             if refusal is not None:
                 decline(self.registry, request, *refusal, log, HOLDER,
                         code=refusal[0], reason=refusal[1])
@@ -328,56 +328,56 @@ class PeerServer:
                 decline(self.registry, request, "incompatible", moves, log, HOLDER,
                         code="layout_mismatch")
             elif request.layout is not None:
-                ok = self._reshard(held, request, moves, digest, log)
+                ok = self._reshard(served, request, moves, digest, log)
             else:
-                ok = held.sends.serve(request, log) is not None
+                ok = served.sends.serve(request, log) is not None
         finally:
             if not ok and request.claim is not None:
                 # Our side failed (receiver crashed, gave up, or was refused): free its
                 # slot now rather than when the claim expires.
                 with contextlib.suppress(RegistryError):
-                    self.registry.release(held.info.peer_id, request.claim)
+                    self.registry.release(served.info.peer_id, request.claim)
             self.metrics.record_served(ok)
-            with held.lock:
-                held.active -= 1
-                held.queued -= 1
+            with served.lock:
+                served.active -= 1
+                served.queued -= 1
                 if token is not None:
-                    held.shared[token] -= 1
-                    if not held.shared[token]:
-                        del held.shared[token]
-            self._leave(held, turn)
+                    served.shared[token] -= 1
+                    if not served.shared[token]:
+                        del served.shared[token]
+            self._leave(served, turn)
             self.metrics.set_claims(self.active_sends)
 
-    def _admit(self, held: _Held, turn: str) -> None:
+    def _admit(self, served: _Served, turn: str) -> None:
         """Wait until the send of claim token ``turn`` may run: sends of that token already
         run (another rank of the same receiving group, up to :data:`SHARED_SENDS`), or
         fewer than ``max_sends`` tokens do. At once while stopping (the request is then
         declined as draining)."""
-        with held.turns:
+        with served.turns:
             while not self._stop.is_set():
-                n = held.sending.get(turn, 0)
-                if (0 < n < SHARED_SENDS) or (n == 0 and len(held.sending) < held.info.max_sends):
+                n = served.sending.get(turn, 0)
+                if (0 < n < SHARED_SENDS) or (n == 0 and len(served.sending) < served.info.max_sends):
                     break
-                held.turns.wait(0.5)
-            held.sending[turn] = held.sending.get(turn, 0) + 1
+                served.turns.wait(0.5)
+            served.sending[turn] = served.sending.get(turn, 0) + 1
 
-    def _leave(self, held: _Held, turn: str) -> None:
-        with held.turns:
-            held.sending[turn] -= 1
-            if not held.sending[turn]:
-                del held.sending[turn]
-            held.turns.notify_all()
+    def _leave(self, served: _Served, turn: str) -> None:
+        with served.turns:
+            served.sending[turn] -= 1
+            if not served.sending[turn]:
+                del served.sending[turn]
+            served.turns.notify_all()
 
-    def _reshard_moves(self, held: _Held, request: TransferRequest
+    def _reshard_moves(self, served: _Served, request: TransferRequest
                        ) -> tuple[tuple[Move, ...] | str, str]:
         """This holder's moves for a receiver of another layout (the plan both ends
         derive from the receiver's layout and the holders', records in Redis), or why
         there are none; derived once per (receiver layout, group, holder index)."""
         key = (request.layout or "", request.group or "", request.holder or 0)
-        got = held.plans.get(key)
+        got = served.plans.get(key)
         if got is not None:
             return got
-        mine = held.layout if held.layout is not None else trivial_layout(held.manifest)
+        mine = served.layout if served.layout is not None else trivial_layout(served.manifest)
         reg = self.registry
         receiver = reg.get_layout(request.layout) if request.layout else None
         group = reg.get_group(request.group) if request.group else None
@@ -393,25 +393,25 @@ class PeerServer:
             digest = p.digest
         except PlanError as e:
             out, digest = f"reshard: {e}"[:200], ""
-        if len(held.plans) >= 64:
-            held.plans.clear()  # receivers of a few layouts: a bound, not a policy
-        held.plans[key] = (out, digest)
+        if len(served.plans) >= 64:
+            served.plans.clear()  # receivers of a few layouts: a bound, not a policy
+        served.plans[key] = (out, digest)
         return out, digest
 
-    def _reshard(self, held: _Held, request: TransferRequest, moves: tuple[Move, ...],
+    def _reshard(self, served: _Served, request: TransferRequest, moves: tuple[Move, ...],
                  digest: str, log: Any) -> bool:
         """Send the pieces a receiver of another layout needs from this holder, one byte
         tensor per move (:func:`~nccl_back.model.reshard_plan.sent`); the plan's digest is
         proven in the handshake, so a receiver that computed another plan is refused
         before any data moves."""
         log.info("resharding", plan=digest[:12], bytes=sum(m.nbytes for m in moves))
-        return held.sends.serve(request, log, digest=digest,
-                                tensors=lambda: sent(moves, named_tensors(held.model)[0])
+        return served.sends.serve(request, log, digest=digest,
+                                tensors=lambda: sent(moves, named_tensors(served.model)[0])
                                 ) is not None
 
-    def _refusal(self, held: _Held, request: TransferRequest) -> tuple[str, str] | None:
+    def _refusal(self, served: _Served, request: TransferRequest) -> tuple[str, str] | None:
         """Why this request must not be served, as ``(code, message)``; None to serve it."""
-        info = held.info
+        info = served.info
         if self._stop.is_set():
             # Queued before the drain began: a drain reported done must stay done.
             return "draining", "the peer is draining"

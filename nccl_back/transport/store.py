@@ -45,19 +45,24 @@ import hmac
 import ipaddress
 import socket
 import threading
-from abc import abstractmethod
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.errors import ConfigError, RegistryError, TransferError, TransferTimeoutError
+from nccl_back.errors import (
+    ConfigError,
+    RegistryError,
+    TransferError,
+    TransferStalledError,
+    TransferTimeoutError,
+)
 from nccl_back.log import get_logger
 from nccl_back.redis_url import parse_redis_url
-from nccl_back.transport.base import Rendezvous, Transport
+from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Rendezvous, Transport
 
 if TYPE_CHECKING:
     from nccl_back.coord.registry import Registry
@@ -294,13 +299,87 @@ class RedisStore(dist.Store):
             log.debug("rendezvous_cleanup_failed", scope=self._scope, error=str(e))
 
 
+S = TypeVar("S", bound="StoreTransport")
+
+
+class StoreTransport(Transport):
+    """A transport whose process group bootstraps through :class:`RedisStore`: what the
+    gloo and NCCL transports share (the receiver factory, the bootstrap keys' life, the
+    deadline and the words an error is classified by)."""
+
+    def __init__(self, rank: int, transfer_id: str, settings: Settings, registry: Registry, *,
+                 device: torch.device) -> None:
+        super().__init__(rank, transfer_id, device)
+        self.settings = settings
+        self._registry = registry  # the bootstrap keys' Redis
+        self._store: RedisStore | None = None
+        self._aborted = threading.Event()
+        """An abort was asked for (from any thread); every later wait fails at once."""
+
+    @classmethod
+    def receiver(cls: type[S], settings: Settings, registry: Registry, address: str,
+                 transfer_id: str, *, device: torch.device) -> S:
+        """The rank-1 side of a transfer with the sender at ``address`` (checked for form:
+        the bootstrap itself goes through Redis)."""
+        split_address(address)
+        return cls(RECEIVER_RANK, transfer_id, settings, registry, device=device)
+
+    @property
+    def _name(self) -> str:
+        return f"{self.kind} transfer {self.transfer_id}"
+
+    def _left(self, what: str) -> float:
+        """Seconds left to the deadline; :class:`TransferTimeoutError` when none are, or
+        once an abort was asked for."""
+        if self._aborted.is_set():
+            raise TransferTimeoutError(f"{self._name} aborted during {what}")
+        left = self._deadline - _clock.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"{self._name}: {what} passed the deadline")
+        return left
+
+    def _bootstrap(self) -> dist.Store:
+        """This transfer's bootstrap keys (``{kind}/{transfer_id}``), every wait on them
+        ending by the connect deadline."""
+        self._store = RedisStore(self._registry, f"{self.kind}/{self.transfer_id}",
+                                 self.settings.key("rendezvous"),
+                                 _clock.monotonic() + self._left("connect"))
+        return dist.PrefixStore(self.kind, self._store)
+
+    def _drop_bootstrap(self) -> None:
+        """Delete this side's bootstrap keys (not right after connect: the peer may still
+        be reading them; their TTL bounds them anyway)."""
+        if self._store is not None:
+            self._store.close()
+        self._store = None
+
+    def _error(self, what: str, e: BaseException) -> TransferError:
+        """The error a failed call of ``what`` raises, by why it failed."""
+        if self._aborted.is_set():
+            return TransferTimeoutError(f"{self._name} aborted during {what}: {e}")
+        # The libraries word their timeouts differently by where they fire ("Timed out
+        # waiting ...", "Application timeout caused pair closure").
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        past = _clock.monotonic() >= self._deadline
+        if timed_out and not past and self.per_call_timeout:
+            # The per-call timeout fired before the deadline: it was the stall bound.
+            return TransferStalledError(f"{self._name}: {what} stalled"
+                                        f" (no progress for {self.call_timeout:g} s): {e}")
+        if timed_out or past:
+            return TransferTimeoutError(f"{self._name}: {what} timed out: {e}")
+        return TransferError(f"{self._name}: {what} failed (peer gone?): {e}")
+
+
 class StoreRendezvous(Rendezvous):
     """The sender's endpoint: no listener, just what makes its per-transfer transports.
 
     :attr:`address` is ``{advertise_host}:0``: the host the transports' data sockets
     bind on (receivers check it is reachable), port 0 saying there is no rendezvous
-    port to reach. A kind's subclass says how to make its rank-0 transport.
+    port to reach. A kind's subclass names its :attr:`transport` (and its ``kind``).
     """
+
+    transport: type[StoreTransport]
+    """The kind's transport; its rank-0 side is made per transfer."""
 
     def __init__(self, settings: Settings, registry: Registry, *, device: torch.device) -> None:
         self.settings = settings
@@ -313,14 +392,11 @@ class StoreRendezvous(Rendezvous):
     def address(self) -> str:
         return join_address(self.settings.advertise_host, 0)
 
-    @abstractmethod
-    def _sender(self, transfer_id: str, registry: Registry) -> Transport:
-        """A new rank-0 transport of this kind bootstrapping through ``registry``."""
-
     def sender(self, transfer_id: str) -> Transport:
         if self._registry is None:
             raise TransferError(f"the {self.kind} rendezvous is closed")
-        return self._sender(transfer_id, self._registry)
+        return self.transport(SENDER_RANK, transfer_id, self.settings, self._registry,
+                              device=self.device)
 
     def close(self) -> None:
         self._registry = None

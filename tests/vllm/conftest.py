@@ -34,7 +34,6 @@ def engine_env(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> d
         "NCCL_BACK_REDIS_URL": redis_server.url,
         "NCCL_BACK_NAMESPACE": f"vllm{os.getpid()}",
         "NCCL_BACK_ADVERTISE_HOST": "127.0.0.1",
-        "NCCL_BACK_BIND_HOST": "127.0.0.1",
         "NCCL_BACK_CACHE_DIR": str(tmp_path_factory.mktemp("crc-cache")),
         # Long enough that an entry gone after a clean exit was withdrawn, not expired,
         # and that a crashed peer's entry outlives an engine start on a loaded machine.

@@ -1,5 +1,5 @@
 """Local hand-off: a sidecar that holds loaded weights gives them to a process on the
-same host, with no storage and no network (issue 4, item 2).
+same host, with no storage and no network.
 
 The sidecar runs a :class:`HandoffServer`; an inference process calls :func:`attach`
 with its skeleton and the server's Unix socket path. One JSON line goes each way; the

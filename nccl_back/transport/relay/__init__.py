@@ -26,7 +26,7 @@ downstream links at once, so they re-attach too. Every member verifies what it g
 against the ground truth, as any receiver does. A member whose verification fails
 forwards nothing more (its endpoint refuses every request while it lingers); its
 downstream, which may hold some of those bytes, finds them in its own verification,
-blames the sources that sent the failing steps (:class:`Held`), discards what they
+blames the sources that sent the failing steps (:class:`StepSources`), discards what they
 sent and receives it again from someone else.
 
 Streamed downloads (single flight). The worker elected to download a version
@@ -57,8 +57,8 @@ liveness handshake.
 """
 
 from nccl_back.coord.records import Member
-from nccl_back.transport.relay.chain import Chain, Place, Stream, join, stream
-from nccl_back.transport.relay.receive import Cohorts, DamagedBytes, Replica, Sender
+from nccl_back.transport.relay.chain import Chain, Endpoints, Replica, Stream, join, stream
+from nccl_back.transport.relay.receive import Cohorts, DamagedBytes, Sender
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
     LINGER,
@@ -66,9 +66,9 @@ from nccl_back.transport.relay.state import (
     RELAY_HANDSHAKE,
     STREAM_SENDS,
     Fills,
-    Held,
     Progress,
     Seat,
+    StepSources,
 )
 
 __all__ = [
@@ -76,11 +76,11 @@ __all__ = [
     "Cohorts",
     "DamagedBytes",
     "Fills",
-    "Held",
+    "StepSources",
     "LINGER",
     "MAX_RELAY_SENDS",
     "Member",
-    "Place",
+    "Endpoints",
     "Progress",
     "RELAY_HANDSHAKE",
     "RelayServer",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,18 +30,17 @@ from nccl_back.transport.relay.state import (
 log = get_logger(__name__)
 
 
+@dataclass(eq=False)
 class Chain:
     """This receiver's place in a cohort, its progress and its relay endpoint."""
 
-    def __init__(self, seat: Seat, member: Member, progress: Progress, server: RelayServer,
-                 registry: Registry) -> None:
-        self.seat = seat
-        self.member = member
-        self.progress = progress
-        self.server = server
-        self._registry = registry
-        self.failed: set[str] = set()
-        """Member ids that failed this receiver as upstreams (never tried again)."""
+    seat: Seat
+    member: Member
+    progress: Progress
+    server: RelayServer
+    registry: Registry
+    failed: set[str] = field(default_factory=set)
+    """Member ids that failed this receiver as upstreams (never tried again)."""
 
     @property
     def position(self) -> int:
@@ -55,11 +54,11 @@ class Chain:
         """
         if self.position == 0:
             return []
-        found = self._registry.chain_members(self.seat.chain, 0, self.position - 1)
+        found = self.registry.chain_members(self.seat.chain, 0, self.position - 1)
         out = [m for m in reversed(found) if m is not None  # None: untrusted, said why
                and m.member_id not in self.failed and m.member_id != self.member.member_id]
         try:
-            gone = self._registry.gone_members([m.member_id for m in out])
+            gone = self.registry.gone_members([m.member_id for m in out])
         except RegistryError:
             gone = set()  # tried in turn, as without tombstones: a stopped one costs its handshake
         return [m for m in out if m.member_id not in gone]
@@ -69,14 +68,9 @@ class Chain:
 
 
 @dataclass(frozen=True)
-class Place:
-    """Where one rank's relay endpoints live and what they serve: the same for a chain
-    member (:func:`join`) and a streamed download (:func:`stream`)."""
+class Replica:
+    """One rank's copy of a version as cohort records key it, and how that rank speaks."""
 
-    settings: Settings
-    registry: Registry
-    rendezvous: Rendezvous
-    worker_id: str
     version: str
     rank: int
     world: int
@@ -84,27 +78,44 @@ class Place:
     kind: str
     device: torch.device
     tensors: dict[str, torch.Tensor]
-    pacer: Pacer
-    log: Any
-    metrics: Metrics | None = None
-    """Where relay sends are counted (the service's); None: counted nowhere visible."""
 
     @property
     def key(self) -> tuple[str, int, int, str]:
         """``(version, rank, world, manifest digest)``: what the registry keys it by."""
         return (self.version, self.rank, self.world, self.manifest_digest)
 
+    def speaks(self, member: Member) -> bool:
+        return member.transport == self.kind and member.device == self.device.type
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """What one rank's relay endpoints are made of, the same for a chain member
+    (:func:`join`) and a streamed download (:func:`stream`): the worker's connections,
+    the replica they serve and the pacing of their sends."""
+
+    settings: Settings
+    registry: Registry
+    rendezvous: Rendezvous
+    worker_id: str
+    replica: Replica
+    pacer: Pacer
+    log: Any
+    metrics: Metrics | None = None
+    """Where relay sends are counted (the service's); None: counted nowhere visible."""
+
     def server(self, role: str, **options: Any) -> RelayServer:
         """A relay endpoint (not started) of a fresh member ``{worker}-r{rank}-{role}-…``."""
-        member = Member(f"{self.worker_id}-r{self.rank}-{role}-{uuid.uuid4().hex[:6]}"[-200:],
-                        self.rendezvous.address, self.kind, self.device.type)
-        return RelayServer(self.settings, self.registry, self.rendezvous, member, self.tensors,
-                           self.manifest_digest, self.pacer, Progress(),
+        r = self.replica
+        member = Member(f"{self.worker_id}-r{r.rank}-{role}-{uuid.uuid4().hex[:6]}"[-200:],
+                        self.rendezvous.address, r.kind, r.device.type)
+        return RelayServer(self.settings, self.registry, self.rendezvous, member, r.tensors,
+                           r.manifest_digest, self.pacer, Progress(),
                            self.log.bind(member=member.member_id), metrics=self.metrics,
                            **options)
 
 
-def join(p: Place) -> Chain:
+def join(p: Endpoints) -> Chain:
     """Take a seat in the current cohort and start this member's relay endpoint.
 
     Raises :class:`RegistryError` (the caller then receives on its own, as without
@@ -115,7 +126,7 @@ def join(p: Place) -> Chain:
     member = server.member
     try:
         chain_key, position = p.registry.join_cohort(
-            *p.key, member.to_dict(), window=s.cohort_window, max_size=s.cohort_max_size,
+            *p.replica.key, member.to_dict(), window=s.cohort_window, max_size=s.cohort_max_size,
             ttl=s.transfer_timeout + s.busy_wait,
         )
     except RegistryError:
@@ -158,7 +169,7 @@ class Stream:
             self._registry.drop_stream(*self._key, self.member.member_id)
 
 
-def stream(p: Place) -> Stream:
+def stream(p: Endpoints) -> Stream:
     """Start the relay endpoint a download is streamed from and announce it.
 
     Raises :class:`RegistryError` (the worker then downloads without streaming).
@@ -168,10 +179,11 @@ def stream(p: Place) -> Stream:
     wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
     server = p.server("stream", max_sends=STREAM_SENDS, send_timeout=wait).start()
     try:
-        p.registry.put_stream(*p.key, server.member.to_dict(), ttl=wait)
+        p.registry.put_stream(*p.replica.key, server.member.to_dict(), ttl=wait)
     except RegistryError:
         server.end(False, "could not announce the stream")
         raise
-    steps = plan(p.tensors, p.settings.bucket_for(p.kind, payload_bytes(p.tensors)))
+    tensors = p.replica.tensors
+    steps = plan(tensors, p.settings.bucket_for(p.replica.kind, payload_bytes(tensors)))
     p.log.info("download_streamed", member=server.member.member_id, steps=len(steps))
-    return Stream(p.registry, server, steps, p.key)
+    return Stream(p.registry, server, steps, p.replica.key)

@@ -11,9 +11,8 @@ verification, blame) is the load layer's one source loop
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Collection
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -27,13 +26,13 @@ from nccl_back.errors import (
 from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay.chain import Chain, Place, Stream, join, stream
+from nccl_back.transport.relay.chain import Chain, Endpoints, Replica, Stream, join, stream
 from nccl_back.transport.relay.server import RelayServer
 
 
 class DamagedBytes(WeightVerificationError):
     """Verification failed after a transfer; ``blamed`` names the sources (holders, relay
-    members, a stream) that sent the steps carrying the failing layers (:class:`.Held`).
+    members, a stream) that sent the steps carrying the failing layers (:class:`.StepSources`).
     What they sent was discarded, so the next source sends it again. Internal: what a
     load reports (or raises with ``strict``) is :attr:`error`, the integrity check's own."""
 
@@ -43,24 +42,7 @@ class DamagedBytes(WeightVerificationError):
         self.blamed = frozenset(blamed)
 
 
-@dataclass(frozen=True)
-class Replica:
-    """One rank's copy of a version as cohort records key it, and how that rank speaks."""
-
-    version: str
-    rank: int
-    world: int
-    manifest_digest: str
-    kind: str
-    device: torch.device
-    tensors: dict[str, torch.Tensor]
-
-    @property
-    def key(self) -> tuple[str, int, int, str]:
-        return (self.version, self.rank, self.world, self.manifest_digest)
-
-    def speaks(self, member: Member) -> bool:
-        return member.transport == self.kind and member.device == self.device.type
+E = TypeVar("E", Chain, Stream)
 
 
 class Sender(Protocol):
@@ -111,28 +93,26 @@ class Cohorts:
     def join(self, replica: Replica, log: Any) -> Chain | None:
         """A seat in the current cohort for this rank, or None (cohorts off, or Redis or
         the rendezvous failed: then this rank receives on its own, as without cohorts)."""
-        if not self.enabled:
-            return None
-        try:
-            chain = join(self._place(replica, log))
-        except NcclBackError as e:
-            log.warning("cohort_join_failed", error=str(e))
-            return None
-        self._track(chain.server)
-        return chain
+        return self._start(join, replica, log, "cohort_join_failed")
 
     def open_stream(self, replica: Replica, log: Any) -> Stream | None:
         """Stream this rank's download to waiting workers' cohorts, or None: cohorts off,
         or the announcement failed (logged)."""
+        return self._start(stream, replica, log, "stream_not_announced")
+
+    def _start(self, start: Callable[[Endpoints], E], replica: Replica, log: Any,
+               failed: str) -> E | None:
+        """What ``start`` makes of this rank's endpoints, its relay server kept for
+        :meth:`close`; None when cohorts are off or it failed (logged as ``failed``)."""
         if not self.enabled:
             return None
         try:
-            s = stream(self._place(replica, log))
+            started = start(self._endpoints(replica, log))
         except NcclBackError as e:
-            log.warning("stream_not_announced", error=str(e))
+            log.warning(failed, error=str(e))
             return None
-        self._track(s.server)
-        return s
+        self._track(started.server)
+        return started
 
     def upstreams(self, chain: Chain, fed_by: Member | None) -> list[Member]:
         """The sources this rank's seat offers, best first: the members before it that
@@ -143,14 +123,11 @@ class Cohorts:
             upstreams.append(fed_by)  # the cohort's source, or past every member
         return upstreams
 
-    def _place(self, replica: Replica, log: Any) -> Place:
-        """Where this rank's relay endpoints live (raises if the rendezvous fails)."""
-        return Place(
-            self.settings, self._registry, self._sender.rendezvous(replica.kind, replica.device),
-            self._worker_id, replica.version, replica.rank, replica.world,
-            replica.manifest_digest, replica.kind, replica.device, replica.tensors,
-            self._sender.pacer, log, self._metrics,
-        )
+    def _endpoints(self, replica: Replica, log: Any) -> Endpoints:
+        """What this rank's relay endpoints are made of (raises if the rendezvous fails)."""
+        return Endpoints(self.settings, self._registry,
+                         self._sender.rendezvous(replica.kind, replica.device), self._worker_id,
+                         replica, self._sender.pacer, log, self._metrics)
 
     def _track(self, server: RelayServer) -> None:
         """Keep ``server`` for :meth:`close` (dropping the endpoints that stopped)."""

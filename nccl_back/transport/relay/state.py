@@ -97,7 +97,7 @@ class Progress:
                 self._cond.wait(min(left, 0.5))
 
 
-class Held:
+class StepSources:
     """Which source put each step of this rank's plan into its tensors (thread-safe).
 
     A receiver may fill its tensors from several sources (a relay upstream that died,

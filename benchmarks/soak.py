@@ -676,9 +676,10 @@ class Soak:
                sched: dict[str, Any]) -> None:
         worlds = {u["unit"]: u["world"] for u in sched["units"]}
         units = {u["unit"]: u for u in sched["units"]}
-        # Each (checkpoint, world size) is one single-flight election: one storage read each.
-        out.pools = len({(u.get("kind") == "tp", u["world"]) for u in sched["units"]
-                         if u.get("kind") != "cache"})
+        # Each (checkpoint, world size) is one single-flight election: one storage read each
+        # (pipeline units, tensor-parallel units and sidecars each load their own checkpoint).
+        out.pools = len({(u.get("kind", "pipeline"), u["world"]) for u in sched["units"]
+                         if u.get("kind") != "cache"})  # sidecars hold a version of their own
         for p in procs:
             rep = p.report
             if rep is None:

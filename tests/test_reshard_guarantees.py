@@ -259,3 +259,18 @@ def test_an_outage_at_publication_costs_a_heartbeat_not_the_publication(
     finally:
         world.close()
         server.stop()
+
+
+def test_a_plain_worker_reshards_from_holders_of_another_layout(world: World) -> None:
+    """A plain skeleton (no sharding given) whose version only fused-layout workers hold
+    receives its tensors from them (resharded, verified in checkpoint coordinates)
+    instead of reading storage."""
+    holder, _ = world.holder()
+    fused = world.service()
+    assert world.reshard(fused).source == "peer"
+    holder.close()  # only the fused worker holds the version now
+    plain = build(lambda: rw.Flat(rw.checkpoint_shapes()))
+    result = world.service().load(plain, world.spec)
+    assert result.source == "peer" and result.verified, result.fallback_reason
+    assert result.peer_id == fused.peers[0].peer_id
+    assert _bytes(named_tensors(plain)[0]) == _bytes(rw.expected(world.ckpt, 0, 1, "plain"))

@@ -47,7 +47,7 @@ from nccl_back.config import Settings
 from nccl_back.coord.auth import warn_unsigned
 from nccl_back.coord.consensus import Group, rank_and_size
 from nccl_back.coord.registry import PeerInfo, Registry
-from nccl_back.errors import NcclBackError
+from nccl_back.errors import ManifestMismatchError, NcclBackError
 from nccl_back.load import reshard
 from nccl_back.load.attempt import Attempt, Target, Worker
 from nccl_back.load.discover import discover
@@ -61,7 +61,7 @@ from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import StorageLoader
-from nccl_back.model.sharding import Sharding, load_sharded
+from nccl_back.model.sharding import Sharding, load_sharded, sharding
 from nccl_back.model.skeleton import Model, manifest
 from nccl_back.result import LoadResult
 from nccl_back.transport import relay
@@ -206,8 +206,9 @@ class WeightService:
             a.prepared = Target.of(a.model, self.settings)
             a.discovered(discover(worker, a))
         decision = agree(a, "discovery")
-        if not decision.ok and a.sharding is not None:  # no same-layout holder: other layouts?
-            resharded = reshard.run(worker, a, a.sharding)
+        sh = a.sharding or self._plain_sharding(a)
+        if not decision.ok and sh is not None:  # no same-layout holder: other layouts?
+            resharded = reshard.run(worker, a, sh)
             if resharded is not None:
                 decision, moved = resharded
                 if decision.ok:
@@ -228,6 +229,21 @@ class WeightService:
             if decision.ok:  # every rank verified its bytes
                 return peer_loaded(worker, a)
         return self._storage(a, decision)
+
+    def _plain_sharding(self, a: Attempt) -> Sharding | None:
+        """A single-rank plain skeleton of the checkpoint (every tensor whole) facing
+        holders of another layout only: its trivial sharding, so it can reshard from
+        them (only its pieces move, checked in checkpoint coordinates) instead of reading
+        storage. None where it does not apply (an engine's own loader, a group, a
+        skeleton that is not the checkpoint's tensors)."""
+        if (a.world != 1 or self._storage_loader is not load_checkpoint
+                or not isinstance(a.reason, ManifestMismatchError)):
+            return None
+        try:
+            return sharding(a.model, a.spec, {}, self.settings)
+        except NcclBackError as e:
+            a.log.info("no_plain_reshard", reason=str(e))
+            return None
 
     def _storage(self, a: Attempt, decision: Decision) -> LoadResult:
         """The group goes to storage (or, ``strict``, raises): a rank that could have

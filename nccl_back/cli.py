@@ -62,12 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_check(sub)
 
-    p = sub.add_parser(
-        "drain",
-        help="drain the local sidecar and wait until it has (a Kubernetes preStop hook)",
-        description="POST /drain to the sidecar's health port on 127.0.0.1 and wait until"
-        " its in-flight transfers have finished; exit 1 if that fails.",
-    )
+    p = sub.add_parser("drain", help="drain the local sidecar and wait until it has (a Kubernetes"
+                       " preStop hook)", description="POST /drain to the sidecar's health port on"
+                       " 127.0.0.1 and wait until its in-flight transfers have finished; exit 1 if"
+                       " that fails.")
     p.add_argument("--port", type=int, default=9400, help="the sidecar's --health-port (default 9400)")
     p.add_argument("--timeout", type=float, default=130.0, help="seconds to wait at most")
     p.add_argument("--token-file", help="file holding the sidecar's drain token")
@@ -104,13 +102,10 @@ _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
 
 
 def _add_serve(sub: Any) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="sidecar: load a model (peer first) and serve it until SIGTERM",
-        description="Load a model (from a live peer, storage as fallback), serve it to peers"
-        " and local consumers, answer health probes; SIGTERM drains and exits 0."
-        " Settings come from NCCL_BACK_* variables; flags win.",
-    )
+    p = sub.add_parser("serve", help="sidecar: load a model (peer first) and serve it until SIGTERM",
+                       description="Load a model (from a live peer, storage as fallback), serve it"
+                       " to peers and local consumers, answer health probes; SIGTERM drains and"
+                       " exits 0. Settings come from NCCL_BACK_* variables; flags win.")
     p.add_argument("--model", required=True, metavar="PATH_OR_URI",
                    help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix")
     how = p.add_mutually_exclusive_group()
@@ -149,13 +144,10 @@ def _add_serve(sub: Any) -> None:
 def _add_check(sub: Any) -> None:
     from nccl_back.check import NAMES
 
-    p = sub.add_parser(
-        "check",
-        help="preflight: can this worker reach Redis, bind its ports, read its model?",
-        description="Run every check a worker needs before a rollout, with the settings"
-        " `serve` would use (NCCL_BACK_* variables; flags win); one line per check, exit 1"
-        f" if any fails. Checks: {', '.join(NAMES)}.",
-    )
+    p = sub.add_parser("check", help="preflight: can this worker reach Redis, bind its ports, read"
+                       " its model?", description="Run every check a worker needs before a rollout,"
+                       " with the settings `serve` would use (NCCL_BACK_* variables; flags win);"
+                       f" one line per check, exit 1 if any fails. Checks: {', '.join(NAMES)}.")
     p.add_argument("--model", metavar="PATH_OR_URI",
                    help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix to read (storage check)")
     p.add_argument("--health-host", default="127.0.0.1",

@@ -131,7 +131,7 @@ def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:
     assert reg.get_ground_truth("v1", 0, 1, "m1", "old") == {"sampled|a": "1"}
     reg.client.set(reg.ground_truth_key("v1", 0, 1, "m1", "new"),
                    reg.client.get(reg.ground_truth_key("v1", 0, 1, "m1", "old")), px=5000)
-    with pytest.raises(RegistryError, match="scheme 'old' stored under 'new'"):
+    with pytest.raises(RegistryError, match="scheme 'old' under another key"):
         reg.get_ground_truth("v1", 0, 1, "m1", "new")
 
 

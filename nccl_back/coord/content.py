@@ -46,11 +46,12 @@ Marginals = dict[str, list[tuple[int, int, bytes]]]
 (:mod:`nccl_back.model.position_truth`)."""
 
 
-def _scheme(data: Mapping[str, Any], parts: Mapping[str, str], what: str) -> str:
-    scheme = records.ident(dict(data), "scheme", what)
-    if "scheme" in parts and scheme != parts["scheme"]:
-        raise UntrustedRecordError(f"{what}: scheme {scheme!r} stored under {parts['scheme']!r}")
-    return scheme
+#: Most factors in an artifact index record, and the longest name or value.
+MAX_FACTORS = 32
+MAX_FACTOR_CHARS = 200
+
+
+# -- the records --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,6 @@ class GroundTruth:
     """``{"mode|layer": hex digest}`` (:func:`nccl_back.coord.truth.encode_truth`)."""
 
 
-def ground_truth(data: dict[str, Any], parts: Mapping[str, str]) -> GroundTruth:
-    what = "ground truth"
-    digest = records.hexdigest(data, "manifest_digest", what)
-    if "manifest" in parts and digest != parts["manifest"]:
-        raise UntrustedRecordError(f"{what}: digest {digest[:12]!r} under another key")
-    hashes = data.get("hashes")
-    if not isinstance(hashes, dict):
-        raise UntrustedRecordError(f"{what}: hashes must be an object")
-    for k, v in hashes.items():
-        if len(k) > _LAYER or not isinstance(v, str) or not records.IDENT.fullmatch(v):
-            raise UntrustedRecordError(f"{what}: hashes must map layer names to digests")
-    return GroundTruth(digest, _scheme(data, parts, what), dict(hashes))
-
-
 @dataclass(frozen=True)
 class PositionTruth:
     """Truth in checkpoint coordinates that one rank of one layout holds."""
@@ -86,6 +73,53 @@ class PositionTruth:
     macs: Macs
     marginals: Marginals = field(default_factory=dict)
     """Per-index sums along a dim of each held range (``full`` mode only)."""
+
+
+@dataclass(frozen=True)
+class ArtifactSetRecord:
+    """A published set: under which lookup key, served as which version, what it holds."""
+
+    lookup: str
+    version: str
+    manifest: ArtifactManifest
+
+    def to_json(self) -> dict[str, object]:
+        return {"lookup": self.lookup, "version": self.version, "manifest": self.manifest.to_json()}
+
+
+@dataclass(frozen=True)
+class ArtifactIndex:
+    """The newest set of one model: its lookup key and the factors it was derived from."""
+
+    lookup: str
+    factors: dict[str, str]
+
+
+
+
+# -- their parsers ----------------------------------------------------------------------
+
+
+def _of_key(data: dict[str, Any], name: str, parts: Mapping[str, str], part: str, what: str) -> str:
+    """Field ``name`` (a name or digest), which must equal the key's part ``part`` where
+    the key names it: a record never describes another key than its own."""
+    value = records.ident(data, name, what)
+    if part in parts and value != parts[part]:
+        raise UntrustedRecordError(f"{what}: {name} {value[:16]!r} under another key"
+                                   f" (stored under {parts[part][:16]!r})")
+    return value
+
+
+def ground_truth(data: dict[str, Any], parts: Mapping[str, str]) -> GroundTruth:
+    what = "ground truth"
+    digest = _of_key(data, "manifest_digest", parts, "manifest", what)
+    hashes = data.get("hashes")
+    if not isinstance(hashes, dict):
+        raise UntrustedRecordError(f"{what}: hashes must be an object")
+    for k, v in hashes.items():
+        if len(k) > _LAYER or not isinstance(v, str) or not records.IDENT.fullmatch(v):
+            raise UntrustedRecordError(f"{what}: hashes must map layer names to digests")
+    return GroundTruth(digest, _of_key(data, "scheme", parts, "scheme", what), dict(hashes))
 
 
 def encode_macs(macs: Macs) -> dict[str, str]:
@@ -141,10 +175,9 @@ def decode_marginals(data: object, what: str = "position truth") -> Marginals:
 
 def position_truth(data: dict[str, Any], parts: Mapping[str, str]) -> PositionTruth:
     what = "position truth"
-    lay = records.hexdigest(data, "layout", what)
-    if "layout" in parts and lay != parts["layout"]:
-        raise UntrustedRecordError(f"{what}: another layout's truth")
-    return PositionTruth(lay, _scheme(data, parts, what), decode_macs(data.get("macs"), what),
+    return PositionTruth(_of_key(data, "layout", parts, "layout", what),
+                         _of_key(data, "scheme", parts, "scheme", what),
+                         decode_macs(data.get("macs"), what),
                          decode_marginals(data.get("marginals", {}), what))
 
 
@@ -174,31 +207,6 @@ def hex_token(value: object, what: str) -> str:
     if not isinstance(value, str) or not _HEXDIGEST.fullmatch(value):
         raise UntrustedRecordError(f"{what} must be 8 to 64 hex characters")
     return value
-
-
-@dataclass(frozen=True)
-class ArtifactSetRecord:
-    """A published set: under which lookup key, served as which version, what it holds."""
-
-    lookup: str
-    version: str
-    manifest: ArtifactManifest
-
-    def to_json(self) -> dict[str, object]:
-        return {"lookup": self.lookup, "version": self.version, "manifest": self.manifest.to_json()}
-
-
-#: Most factors in an artifact index record, and the longest name or value.
-MAX_FACTORS = 32
-MAX_FACTOR_CHARS = 200
-
-
-@dataclass(frozen=True)
-class ArtifactIndex:
-    """The newest set of one model: its lookup key and the factors it was derived from."""
-
-    lookup: str
-    factors: dict[str, str]
 
 
 def artifact_set(data: dict[str, Any], parts: Mapping[str, str], max_bytes: int) -> ArtifactSetRecord:

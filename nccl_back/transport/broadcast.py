@@ -162,15 +162,9 @@ def plan_digest(steps: list[Step], start: int = 0) -> bytes:
     return hashlib.md5(payload.encode()).digest()
 
 
-def send_tensors(
-    transport: Transport,
-    tensors: Mapping[str, torch.Tensor],
-    bucket_bytes: int,
-    *,
-    start: int = 0,
-    ready: Callable[[int], None] | None = None,
-    pace: Callable[[int], None] | None = None,
-) -> TransferStats:
+def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *,
+                 start: int = 0, ready: Callable[[int], None] | None = None,
+                 pace: Callable[[int], None] | None = None) -> TransferStats:
     """Broadcast ``tensors`` (rank 0) to the receiver from step ``start``; they are only read.
 
     ``ready(k)`` returns once step k's bytes are in ``tensors`` (it raises to end the
@@ -211,14 +205,8 @@ def send_tensors(
     return _stats(steps[start:], began)
 
 
-def recv_tensors(
-    transport: Transport,
-    tensors: Mapping[str, torch.Tensor],
-    bucket_bytes: int,
-    *,
-    start: int = 0,
-    on_step: Callable[[int], None] | None = None,
-) -> TransferStats:
+def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *,
+                 start: int = 0, on_step: Callable[[int], None] | None = None) -> TransferStats:
     """Receive into the skeleton's ``tensors`` (rank 1) from step ``start``, in place.
 
     ``on_step(k)`` is called, in step order, once step k's bytes are in ``tensors``.

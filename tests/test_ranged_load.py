@@ -101,9 +101,100 @@ def test_a_byte_changed_after_listing_fails_the_file_it_is_in(ckpt: str) -> None
         _check(spec, intervals)
 
 
+def test_bytes_nobody_holds_are_read_by_rank_0_for_their_crc_only(ckpt: str) -> None:
+    """A checkpoint tensor no rank holds (norm): rank 0 reads it as a gap, so every byte
+    of every file is still proven; the skeletons stay as loaded."""
+    spec = ModelSpec.from_dir(ckpt, cache_dir=str(Path(ckpt).parent / "cache"))
+    shapes = {n: s for n, s in rw.tp_shapes(2, "rows").items() if n != "norm"}
+    loads, models = [], []
+    for rank in range(2):
+        model = build(lambda: rw.Flat(shapes))
+        described = {n: t for n, t in rw.describe(rank, 2, "rows").items() if n != "norm"}
+        loads.append(RangedLoad(spec, sharding(model, spec, described, Settings()), Storage(Settings())))
+        models.append(model)
+    spans = [s for ld in loads for s in ld.spans]
+    holes = gaps(spec.shards, spans)
+    assert [hi - lo for _, lo, hi in holes] == [rw.checkpoint_shapes()["norm"][0] * 4]
+    runs = [ld.run(m, cut_points(spans), holes if r == 0 else [])
+            for r, (ld, m) in enumerate(zip(loads, models, strict=True))]
+    _check(spec, [ivs for _, ivs in runs])
+    assert runs[0][0].bytes - runs[1][0].bytes == holes[0][2] - holes[0][1]
+
+
 def _only_rank1_reads(ckpt: str, spec: ModelSpec) -> tuple[str, int]:
     """The file and offset of the last byte of ``embed`` (rows only rank 1 holds)."""
     from nccl_back.model.checkpoint import locate, model_headers
 
     _, info = locate(model_headers(Storage(Settings()), spec))["embed"]
     return info.uri, info.end - 1
+
+
+# -- a TP=2 worker of real processes ------------------------------------------------------
+
+from test_reshard import Fleet  # noqa: E402  (the reshard tests' processes, reused)
+
+
+@pytest.fixture
+def fleet(ckpt: str, redis_url: str, namespace: str, cache_dir: str) -> Any:
+    f = Fleet(ckpt, {"redis_url": redis_url, "namespace": namespace, "cache_dir": cache_dir,
+                     "advertise_host": "127.0.0.1", "peer_ttl": 3.0, "secret": "s" * 32})
+    yield f
+    f.close()
+
+
+def _data_bytes(ckpt: str) -> int:
+    """The checkpoint's tensor bytes (its files less their headers)."""
+    return sum(torch.Size(s).numel() * 4 for s in rw.checkpoint_shapes().values())
+
+
+@pytest.mark.timeout(240)
+def test_tp2_worker_first_load_is_bit_exact_and_reads_the_checkpoint_once(fleet: Fleet, ckpt: str) -> None:
+    """A TP=2 worker of column-parallel pieces loads its exact bytes from storage, reading
+    each tensor byte once in total but the replicated norm (each rank's own, 0.3%)."""
+    fleet.start(2, "rows")
+    reports = fleet.reports(2)
+    assert all(r["source"] == "storage" and r["identical"] for r in reports), reports
+    norm = rw.checkpoint_shapes()["norm"][0] * 4
+    assert sum(r["bytes"] for r in reports) == _data_bytes(ckpt) + norm
+    assert all(r["timings"]["storage.verify"] >= 0 for r in reports)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_megatron_worker_is_bit_exact_and_reads_row_parallel_tensors_per_rank(
+        fleet: Fleet, ckpt: str) -> None:
+    """Fused, column and row-parallel pieces: bit-exact; row-parallel tensors (and the
+    replicated norm) are each rank's whole span, every other byte is read once."""
+    fleet.start(2, "megatron")
+    reports = fleet.reports(2)
+    assert all(r["source"] == "storage" and r["identical"] for r in reports), reports
+    shapes = rw.checkpoint_shapes()
+    twice = sum(torch.Size(shapes[n]).numel() * 4 for n in ("o", "down", "norm"))
+    assert sum(r["bytes"] for r in reports) == _data_bytes(ckpt) + twice
+
+
+@pytest.mark.timeout(240)
+def test_a_byte_changed_after_listing_fails_the_load_on_every_rank(fleet: Fleet, ckpt: str) -> None:
+    """One byte flipped after the listing, in rows only rank 1 reads: every rank raises
+    ChecksumMismatchError naming the file, and no rank reports weights."""
+    spec = ModelSpec.from_dir(ckpt, cache_dir=fleet.settings["cache_dir"])
+    path, offset = _only_rank1_reads(ckpt, spec)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    fleet.start(2, "rows", spec=spec)
+    reports = fleet.reports(2, errors=True)
+    for r in reports:
+        assert "source" not in r, r
+        assert r["error"].startswith("ChecksumMismatchError"), r["error"]
+        assert os.path.basename(path) in r["error"], r["error"]
+
+
+@pytest.mark.timeout(240)
+def test_a_single_rank_sharded_load_still_works(fleet: Fleet, ckpt: str) -> None:
+    """World 1 with a sharding (pieces that are whole tensors): bit-exact, every byte read once."""
+    fleet.start(1, "megatron")
+    (r,) = fleet.reports(1)
+    assert r["source"] == "storage" and r["identical"], r
+    assert r["bytes"] == _data_bytes(ckpt)

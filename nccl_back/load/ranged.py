@@ -13,6 +13,7 @@ file, on every rank, as a corrupted whole-file load raises on its rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nccl_back import _clock
@@ -52,7 +53,7 @@ class RangedLoader:
         return LoadResult("storage", spec.version, result.bytes, _clock.perf() - start,
                           timings=timings)
 
-    def _everyone(self, mine: _Outcome, part: Any) -> list[Any]:
+    def _everyone(self, mine: _Outcome, part: Callable[[Any], Any]) -> list[Any]:
         """Every rank's ``part`` of its outcome; raises (after the collective) this rank's
         error, or a :class:`ConsensusError` naming a rank that failed."""
         got = exchange(None if mine.error else part(mine.value), self.group)
@@ -72,7 +73,8 @@ class _Outcome:
         self.value, self.error = value, error
 
 
-def _attempt(fn: Any) -> _Outcome:
+def _attempt(fn: Callable[[], Any]) -> _Outcome:
+    """``fn()``'s value, or its error: held until every rank has entered the collective."""
     try:
         return _Outcome(fn())
     except Exception as e:

@@ -41,8 +41,12 @@ class Flat(nn.Module):
 def tp_shapes(world: int, scheme: str) -> dict[str, tuple[int, ...]]:
     """Scheme "megatron": fused qkv and gate_up column-parallel, o/down row-parallel, the
     vocabulary split by rows; scheme "cols": separate q/k/v split by input columns
-    (row-parallel everywhere), the vocabulary split by columns."""
+    (row-parallel everywhere), the vocabulary split by columns; scheme "rows": every
+    matrix split by rows (column-parallel everywhere: each rank's pieces are contiguous
+    spans of the files)."""
     w = world
+    if scheme == "rows":
+        return {n: (s[0] // w, s[1]) if len(s) == 2 else s for n, s in checkpoint_shapes().items()}
     if scheme == "megatron":
         return {"qkv": ((D + D) // w, D), "o": (D, D // w), "gate_up": (2 * F // w, D),
                 "down": (D, F // w), "norm": (D,), "embed": (V // w, D)}
@@ -64,7 +68,7 @@ def describe(rank: int, world: int, scheme: str) -> dict[str, nccl_back.model.la
     else:
         for n, s in checkpoint_shapes().items():
             if len(s) == 2:
-                out[n] = row(n, rank, world, s[1])
+                out[n] = column(n, rank, world, s[0]) if scheme == "rows" else row(n, rank, world, s[1])
     return out
 
 
@@ -87,7 +91,7 @@ def expected(ckpt: str, rank: int, world: int, scheme: str) -> dict[str, torch.T
 
 
 def rank_main(env: dict[str, str], ckpt: str, settings: dict[str, Any], scheme: str,
-              conn: Any, stop: Any, fault: str | None = None) -> None:
+              conn: Any, stop: Any, fault: str | None = None, spec: ModelSpec | None = None) -> None:
     os.environ.update(env)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     report: dict[str, Any] = {"group": env["MASTER_PORT"], "rank": rank}
@@ -97,7 +101,8 @@ def rank_main(env: dict[str, str], ckpt: str, settings: dict[str, Any], scheme: 
             dist.init_process_group("gloo", rank=rank, world_size=world)
             group = dist.group.WORLD
         s = Settings(**settings)
-        spec = ModelSpec.from_dir(ckpt, cache_dir=s.cache_dir)
+        # ``spec``: listed by the test (then the files may change before the load).
+        spec = spec or ModelSpec.from_dir(ckpt, cache_dir=s.cache_dir)
         shapes = checkpoint_shapes() if scheme in ("plain", "whole") else tp_shapes(world, scheme)
         model = build(lambda: Flat(shapes))
         sh = None if scheme == "plain" else nccl_back.sharding(model, spec, describe(rank, world, scheme), s)

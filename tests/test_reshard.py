@@ -39,7 +39,7 @@ class Fleet:
         self.readers: list[Any] = []
 
     def start(self, world: int, scheme: str, fault: str | None = None,
-              settings: dict[str, Any] | None = None) -> Any:
+              settings: dict[str, Any] | None = None, spec: Any = None) -> Any:
         port, stops = str(free_port()), []
         for rank in range(world):
             # One event per process: a process killed inside ``wait`` may leave its
@@ -53,7 +53,7 @@ class Fleet:
             p = CTX.Process(target=rw.rank_main, daemon=True,
                             args=(env, self.ckpt, {**self.settings, **(settings or {})}, scheme,
                                   writer, stop),
-                            kwargs={"fault": fault})
+                            kwargs={"fault": fault, "spec": spec})
             p.start()
             self.procs.append(p)
             self.stops.append(stop)

@@ -76,3 +76,20 @@ def gather(code: int, group: Group) -> list[int]:
         return [int(x) for x in t.cpu().tolist()]
     except Exception as e:
         raise ConsensusError(f"all_reduce over the worker's group failed: {e}") from e
+
+
+def exchange(obj: Any, group: Group) -> list[Any]:
+    """Every rank's ``obj`` (picklable), indexed by rank, on every rank: for small lists
+    a phase's check needs from every rank (the ranged load's byte intervals). Unpickled:
+    only ever between the ranks of one worker, never from a peer.
+
+    Without a group: ``[obj]``. A failing collective raises :class:`ConsensusError`.
+    """
+    if group is None:
+        return [obj]
+    try:
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    except Exception as e:
+        raise ConsensusError(f"all_gather_object over the worker's group failed: {e}") from e

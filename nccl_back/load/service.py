@@ -52,6 +52,7 @@ from nccl_back.load import reshard
 from nccl_back.load.attempt import Attempt, Target, Worker
 from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
+from nccl_back.load.ranged import RangedLoader
 from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import single_flight
 from nccl_back.load.storage import fall_back, load_checkpoint
@@ -61,7 +62,7 @@ from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import StorageLoader
-from nccl_back.model.sharding import Sharding, load_sharded, sharding
+from nccl_back.model.sharding import Sharding, sharding
 from nccl_back.model.skeleton import Model, manifest
 from nccl_back.result import LoadResult
 from nccl_back.transport import relay
@@ -256,11 +257,12 @@ class WeightService:
         return fall_back(self._worker, a, self._loader(a))
 
     def _loader(self, a: Attempt) -> StorageLoader:
-        """A sharded skeleton's pieces are cut from the checkpoint (the default loader)."""
+        """A sharded skeleton reads only its own pieces, its ranks proving each file's
+        CRC32C together (the default loader; :mod:`nccl_back.load.ranged`)."""
         sh = a.sharding
         if sh is None or self._storage_loader is not load_checkpoint:
             return self._storage_loader
-        return lambda model, spec, settings, /: load_sharded(model, spec, settings, sh)
+        return RangedLoader(sh, a.group)
 
     def _elect(self, a: Attempt) -> Decision:
         single_flight(self._worker, a)

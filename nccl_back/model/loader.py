@@ -195,7 +195,7 @@ def _check_header(buf: Any, header: ShardHeader) -> None:
 _CHUNK_BYTES = 1 << 20
 
 
-def _read_exact(fd: int, dest: np.ndarray, offset: int, path: str, size: int) -> None:
+def read_exact(fd: int, dest: np.ndarray, offset: int, path: str, size: int) -> None:
     """Fill ``dest`` from ``offset`` of the file; a short read means the file shrank."""
     done = 0
     while done < dest.size:
@@ -237,7 +237,7 @@ def _load_local(shard: Shard, copies: Sequence[_Copy], header: ShardHeader,
                 f"{path}: {st.st_size} bytes, its identity says {shard.size} (changed since fingerprinted?)"
             )
         head = np.empty(len(header.raw), dtype=np.uint8)
-        _read_exact(fd, head, 0, path, shard.size)
+        read_exact(fd, head, 0, path, shard.size)
         if head.tobytes() != header.raw:
             raise ChecksumMismatchError(
                 f"{path}: its header changed between the header read and the load"
@@ -280,7 +280,7 @@ def _read_tensor(fd: int, info: TensorInfo, target: torch.Tensor | None, bounce:
             dest = whole[off : off + n]
         else:
             dest = bounce[:n]
-        _read_exact(fd, dest, info.start + off, path, size)
+        read_exact(fd, dest, info.start + off, path, size)
         # A numpy array, not a memoryview: google_crc32c is several times slower on those.
         crc = google_crc32c.extend(crc, dest)
         if flat is not None and host is None:

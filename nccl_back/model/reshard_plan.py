@@ -19,8 +19,9 @@ element is filled exactly once; padding is filled by nothing.
 byte tensor per move, in plan order, that is the box itself wherever the box is one
 contiguous run of memory (a slice along the first dim of a contiguous tensor), so most
 bytes are neither packed by the sender nor copied again by the receiver; the other boxes
-are staged. :func:`pack` and :func:`unpack` apply moves through one buffer (the sharded
-storage load).
+are staged. :func:`pack` and :func:`unpack` apply moves through one buffer (the whole-checkpoint
+sharded storage load); :func:`place` applies them from chunks of source rows (the
+ranged one).
 """
 
 from __future__ import annotations
@@ -289,6 +290,19 @@ def unpack(moves: Sequence[Move], buffer: torch.Tensor, tensors: Mapping[str, to
     for m, at in zip(moves, starts, strict=True):
         dst = _view(tensors[m.dst], m.dst_box)
         dst.copy_(buffer[at:at + m.nbytes].view(dst.dtype).view(dst.shape))
+
+
+def place(m: Move, rows: tuple[int, int], chunk: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy the part of ``m`` whose source rows (dim 0) are in ``rows`` from ``chunk``
+    (those rows of the source, as read from a file) into the receiver's tensor: the
+    ranged storage load places each staged chunk of a checkpoint tensor this way."""
+    lo, hi = max(m.src_box[0][0], rows[0]), min(m.src_box[0][1], rows[1])
+    if lo >= hi:
+        return
+    shift = m.dst_box[0][0] - m.src_box[0][0]  # a move is a translation: same in every row
+    src_box = ((lo - rows[0], hi - rows[0]), *m.src_box[1:])
+    _strided_copy(_view(tensors[m.dst], ((lo + shift, hi + shift), *m.dst_box[1:])),
+                  _view(chunk, src_box))
 
 
 def _name(i: int) -> str:

@@ -1,5 +1,5 @@
 """A tensor-parallel library model's sharding: its :class:`~.layout.Layout` and the
-checkpoint it is cut from, and the storage load that cuts it.
+checkpoint it is cut from, and the whole-checkpoint storage load that cuts it.
 
 ``nccl_back.sharding(model, spec, {name: column(...), ...})`` reads the checkpoint's
 headers (one ranged read per shard), checks the description against them and the
@@ -67,10 +67,11 @@ def sharding(model: Model, spec: ModelSpec, described: Mapping[str, TensorLayout
 
 
 def load_sharded(model: Model, spec: ModelSpec, settings: Settings, sharding: Sharding) -> LoadResult:
-    """The storage load of a sharded skeleton: the checkpoint into a whole-checkpoint
-    buffer (CRC32C-checked, as any load), then this rank's pieces cut from it by the
-    plan a receiver of a whole-checkpoint holder would use. Reads the whole checkpoint on
-    every rank (simple, correct; a ranged read of the pieces is left for later)."""
+    """The whole-checkpoint storage load of a sharded skeleton: the checkpoint into a
+    whole-checkpoint buffer (CRC32C-checked, as any load), then this rank's pieces cut
+    from it by the plan a receiver of a whole-checkpoint holder would use. Reads the
+    whole checkpoint on every rank: the reference the ranged load
+    (:mod:`nccl_back.load.ranged`, what a worker runs) is compared against."""
     whole = flat_skeleton(spec, "cpu", settings=settings)
     result = load_from_storage(whole, spec, settings=settings)
     tensors = named_tensors(model)[0]

@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-import google_crc32c
 import numpy as np
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
@@ -34,6 +33,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import ChecksumMismatchError, ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
+from nccl_back.model.crc import crc32c_hex
 from nccl_back.model.crc_cache import Opener, local_crc32cs, open_unbuffered
 
 log = get_logger("nccl_back.model.storage")
@@ -133,11 +133,6 @@ class ObjectInfo:
     size: int
     crc32c: str | None
     tag: str = ""
-
-
-def crc32c_hex(data: Any) -> str:
-    """CRC32C of a bytes-like object or numpy array, as 8 hex digits."""
-    return f"{google_crc32c.value(data):08x}"
 
 
 class Backend(abc.ABC):

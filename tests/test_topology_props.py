@@ -3,8 +3,14 @@ processes, only the construction, its bounds, a member's removal and late arriva
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import sys
 from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import given, settings
@@ -196,3 +202,35 @@ def test_bad_arguments_and_unknown_members_are_refused() -> None:
             tp.build(*args)
     with pytest.raises(KeyError):
         tp.remove(tp.build(4, 4), 9)
+
+
+@functools.cache
+def _simulate() -> ModuleType:
+    """benchmarks/simulate.py, loaded once from its file (benchmarks is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate.py"
+    spec = importlib.util.spec_from_file_location("simulate", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["simulate"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 300), st.integers(1, 64), st.integers(1, 4), st.data())
+def test_a_member_killed_at_a_random_step_costs_its_subtree_one_resume(
+        n: int, s: int, h: int, data: st.DataObject) -> None:
+    """In the simulated fan-out, a member killed at any moment leaves every survivor with
+    every step exactly once, the slowest within detect + set-up + one transfer + 4D steps
+    of the undisturbed slowest (or of the death)."""
+    sim = _simulate()
+    c = replace(sim.RUN7, steps=s)
+    topo = tp.build(n, s, h)
+    dead = data.draw(st.integers(0, n - 1))
+    at = data.draw(st.floats(0.0, c.setup + (s + 2) * c.step))
+    calm = max(sim.fanout(topo, c, [0.0] * s).values())
+    kill = sim.Kill(dead, at, detect=data.draw(st.sampled_from([0.3, 10.0])))
+    last = sim.fanout(topo, c, [0.0] * s, kill)  # raises on a step received twice
+    assert set(last) == set(range(n)) - {dead}
+    slack = kill.detect + c.setup + (s + 4 * tp.depth_bound(n, h)) * c.step
+    assert max(last.values()) <= max(calm, at) + slack + 1e-9

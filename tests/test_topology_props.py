@@ -149,8 +149,7 @@ def test_a_removed_members_children_try_their_ancestors_first(
 def test_a_late_arrival_gets_every_step_within_the_bounds(n: int, s: int, h: int) -> None:
     """One receiver joining a fan-out in flight gets every step once, as a leaf, with
     depth <= D + 1 and nobody's sends over budget."""
-    topo, new = tp.join(tp.build(n, s, h))
-    assert new == n
+    topo = tp.join(tp.build(n, s, h), new := n)
     assert_exactly_once(topo, set(range(n + 1)))
     assert topo.sends(new) == 0
     assert max_depth(topo) <= tp.depth_bound(max(n, 1), h) + 1
@@ -163,8 +162,8 @@ def test_late_arrivals_in_turn_each_add_at_most_one_hop(n: int, s: int, h: int, 
     """k late arrivals in turn: every one gets every step once, sends stay in budget,
     depth <= D + k."""
     topo = tp.build(n, s, h)
-    for _ in range(k):
-        topo, _new = tp.join(topo)
+    for new in range(n, n + k):
+        topo = tp.join(topo, new)
     assert_exactly_once(topo, set(range(n + k)))
     assert max_sends(topo) <= tp.budget(s)
     assert max_depth(topo) <= tp.depth_bound(max(n, 1), h) + k
@@ -178,8 +177,7 @@ def test_removal_then_arrival_still_delivers_everything(
     exactly once (bounds are only promised for one event)."""
     topo = tp.build(n, s, h)
     first = data.draw(st.integers(0, n - 1))
-    topo = tp.remove(topo, first)
-    topo, new = tp.join(topo)
+    topo = tp.join(tp.remove(topo, first), n)
     second = data.draw(st.sampled_from(sorted(set(range(n + 1)) - {first})))
     topo = tp.remove(topo, second)
     assert_exactly_once(topo, set(range(n + 1)) - {first, second})
@@ -196,12 +194,15 @@ def test_the_single_tree_delivers_everything_but_sends_twice(n: int, s: int, h: 
 
 
 def test_bad_arguments_and_unknown_members_are_refused() -> None:
-    """build refuses a negative fleet, no steps or no holder; remove an unknown id."""
+    """build refuses a negative fleet, no steps or no holder; remove an unknown id; join
+    an id in use."""
     for args in ((-1, 4, 1), (4, 0, 1), (4, 4, 0)):
         with pytest.raises(ValueError):
             tp.build(*args)
     with pytest.raises(KeyError):
         tp.remove(tp.build(4, 4), 9)
+    with pytest.raises(ValueError):
+        tp.join(tp.build(4, 4), 3)
 
 
 @functools.cache

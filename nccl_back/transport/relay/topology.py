@@ -29,8 +29,8 @@ Bounds (``S`` steps, ``n = ceil(N/H)`` receivers in the largest group):
 After a member's death (:func:`remove`), each of its children re-attaches, with its
 subtree, to the nearest ancestor with budget to spare, else to the shallowest member
 with budget to spare, else (slack) to the least-loaded receiver (a holder's link
-feeds everyone: it stays within its budget); never into its own subtree. After one removal: every survivor still gets every step exactly once; depth
-<= ``2D - 1`` (the orphan's subtree hangs below a node of depth <= D); sends <=
+feeds everyone: it stays within its budget); never into its own subtree. After one
+removal: every survivor still gets every step exactly once; depth <= ``2D - 1`` (the orphan's subtree hangs below a node of depth <= D); sends <=
 ``budget(S) + ceil(S/2)`` (at most one extra child on one node, only when no node
 has budget to spare). A late arrival (:func:`join`) is a leaf in both trees,
 attached in each to the shallowest node with budget to spare: the first one keeps
@@ -175,8 +175,8 @@ def single_tree(receivers: int, steps: int, holders: int = 1) -> Topology:
 def _adopter(topo: Topology, tree: int, orphan: int, near: list[int]) -> int:
     """Where ``orphan`` re-attaches in ``tree``: ``near`` (nearest first), then the
     shallowest node, with budget to spare; else the least-loaded receiver (slack: a
-    holder's link feeds everyone, so it stays within budget). Never below
-    itself, nor below another orphan not yet re-attached (no cycles)."""
+    holder's link feeds everyone, so it stays within budget). Never below itself, nor
+    below another orphan not yet re-attached (no cycles)."""
     extra, cap = len(topo.steps_in(tree)), budget(topo.steps)
     hops: dict[int, int] = {}
     for n in [holder(h) for h in range(topo.holders)] + topo.receivers:
@@ -201,19 +201,21 @@ def remove(topo: Topology, dead: int) -> Topology:
         near = topo._up(dead, tree)
         for orphan in topo.children(dead, tree):
             # A fresh Topology per orphan: children and sends as the earlier ones landed.
-            cur = Topology(topo.steps, topo.holders, parents)
-            parents[tree][orphan] = _adopter(cur, tree, orphan, near)
+            up = _adopter(Topology(topo.steps, topo.holders, parents), tree, orphan, near)
             parents = (dict(parents[0]), dict(parents[1]))
+            parents[tree][orphan] = up
     return Topology(topo.steps, topo.holders, parents)
 
 
-def join(topo: Topology) -> tuple[Topology, int]:
-    """``topo`` with one late arrival (the returned id), a leaf in both trees."""
-    new = max(topo.parents[0], default=-1) + 1
+def join(topo: Topology, new: int) -> Topology:
+    """``topo`` with receiver ``new`` arriving late, a leaf in both trees. Its id must be
+    new (an arrival position: the dead's are not reused)."""
+    if new < 0 or new in topo.parents[0]:
+        raise ValueError(f"receiver id {new} is taken or negative")
     parents = (dict(topo.parents[0]), dict(topo.parents[1]))
     for tree in range(TREES):
         cur = Topology(topo.steps, topo.holders, parents)
         up = _adopter(cur, tree, new, [])
         parents = (dict(parents[0]), dict(parents[1]))
         parents[tree][new] = up
-    return Topology(topo.steps, topo.holders, parents), new
+    return Topology(topo.steps, topo.holders, parents)

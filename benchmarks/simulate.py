@@ -22,6 +22,23 @@ transfer (skeleton, discovery, verification: warm N=1 minus its transfer), the
 per-link set-up (handshake + communicator), the per-step cost (transfer N=1 / steps),
 the storage download of one worker at N=1. Its N ≤ 16 predictions are printed next to
 the measured medians, and the plot shows both (points measured, lines simulated).
+Without that JSON (``benchmarks/out/`` is not in a fresh clone) it uses run 7's costs
+as RESULTS.md writes them (:data:`RUN7`), says so, and prints no comparison or plot.
+
+Fan-out designs (issue 30), built from ``nccl_back/transport/relay/topology.py`` and
+run by a discrete-event model of capped links (:func:`fanout`), for N = 1 ... 4096,
+warm with 1 and with 4 holders, and brand-new (the single flight's stream feeding the
+fan-out), next to ``chain``:
+
+* ``dtree``: two interior-disjoint pipelined binary trees per holder, even steps down
+  one, odd down the other; every worker sends at most one model's worth.
+* ``btree``: one pipelined binary tree per holder; interior workers send two models'
+  worth through the same capped link.
+* ``collective``: the cohort as one k-rank communicator per holder with a pipelined
+  broadcast at its optimum (S − 1 + ⌈log2 k⌉ rounds); a member's death stalls it,
+  and every member rebuilds it and restarts.
+
+and the cost of one member (a tree's root) killed halfway through the transfer.
 
     .venv/bin/python benchmarks/simulate.py --measured benchmarks/out/cold_start.json
 """
@@ -31,9 +48,13 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
+import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
+
+from nccl_back.transport.relay import topology as tp
 
 SIM_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: Cohort heads a streamed download serves at once (``nccl_back.transport.relay.STREAM_SENDS``).
@@ -151,6 +172,229 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
     return out
 
 
+# Fan-out designs (issue 30), each built from nccl_back.transport.relay.topology.
+
+#: Fleet sizes of the fan-out tables.
+FANOUT_SIZES = (1, 64, 256, 1024, 4096)
+#: ``relay_stall_timeout`` (``Settings``): the most a member waits for its next step.
+STALL = 10.0
+#: Run 7's N=1 costs as benchmarks/RESULTS.md ("Simulation") gives them: used when no
+#: measured JSON is at hand (``benchmarks/out/`` is not in a fresh clone).
+RUN7 = Costs(fixed=0.21, setup=0.039, step=3.38 / 65, steps=65, download=14.7, shards=8)
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Receiver ``member`` dies at ``at``; those it fed notice ``detect`` seconds later."""
+
+    member: int
+    at: float
+    detect: float = STALL
+
+
+def _ready(c: Costs, fresh: bool) -> list[float]:
+    """When the holder has each step: warm, at once; brand-new, once its shard is in."""
+    if not fresh:
+        return [0.0] * c.steps
+    return [(k * c.shards // c.steps + 1) * c.download / c.shards for k in range(c.steps)]
+
+
+def fanout(topo: tp.Topology, c: Costs, ready: list[float],
+           kill: Kill | None = None) -> dict[int, float]:
+    """When each surviving receiver holds its last step, by discrete events.
+
+    Every worker has one outgoing link at the capped rate (``c.step`` per step), set up
+    once per child (``c.setup``, all at the start); it serves its children round-robin,
+    each child's steps in order, as soon as it holds them. With ``kill``, the member's
+    sends that had not ended by ``kill.at`` are lost; at ``kill.at + kill.detect``
+    :func:`topology.remove` re-attaches its children, whose new parents (over a new
+    link) send the steps they lack, round-robin with their other children.
+    """
+    inf = float("inf")
+    have: dict[int, list[float]] = {n: [inf] * c.steps for n in topo.receivers}
+    for h in range(topo.holders):
+        have[tp.holder(h)] = [inf] * c.steps
+    queue: dict[int, dict[int, list[int]]] = {n: {} for n in have}
+    opened: dict[tuple[int, int], float] = {}
+    served: dict[tuple[int, int], float] = {}
+    busy: set[int] = set()
+    events: list[tuple[float, int, int, int, int]] = []  # (t, seq, node, child, step)
+    seq = 0
+    dead = kill.member if kill else tp.holder(0) - 1  # no node has that id
+
+    def gone(node: int, t: float) -> bool:
+        return kill is not None and node == dead and t > kill.at
+
+    def push(t: float, node: int, child: int, step: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, node, child, step))
+
+    def kick(node: int, t: float) -> None:
+        if node in busy or gone(node, t):
+            return
+        waiting = [ch for ch, q in queue[node].items() if q and not gone(ch, t)]
+        if not waiting:
+            return
+        ch = min(waiting, key=lambda x: (served.get((node, x), -1.0), x))
+        k = heapq.heappop(queue[node][ch])
+        busy.add(node)
+        push(max(t, opened.get((node, ch), c.setup)) + c.step, node, ch, k)
+
+    def holds(node: int, k: int, t: float) -> None:
+        if have[node][k] < inf:
+            raise AssertionError(f"{node} got step {k} twice (at {have[node][k]:.3f} and {t:.3f})")
+        have[node][k] = t
+        for ch in topo.children(node, topo.tree_of(k)):
+            if have[ch][k] == inf:  # an adopted orphan may hold it already
+                heapq.heappush(queue[node].setdefault(ch, []), k)
+        kick(node, t)
+
+    for h in range(topo.holders):
+        for k, t in enumerate(ready):
+            push(t, tp.holder(h), tp.holder(h), k)  # node == child: the holder holds k
+    if kill is not None:
+        push(kill.at + kill.detect, dead, dead, -1)  # the detection
+    while events:
+        t, _, node, child, k = heapq.heappop(events)
+        if k < 0:  # the dead member's children re-attach
+            old, topo = topo, tp.remove(topo, node)
+            for tree in range(tp.TREES):
+                for orphan in old.children(node, tree):
+                    up = topo.parents[tree][orphan]
+                    opened[up, orphan] = t + c.setup
+                    for s in topo.steps_in(tree):
+                        if have[orphan][s] == inf and have[up][s] < inf:
+                            heapq.heappush(queue[up].setdefault(orphan, []), s)
+                    kick(up, t)
+        elif node == child:
+            holds(node, k, t)
+        else:
+            busy.discard(node)
+            if gone(node, t):
+                continue  # lost with its sender
+            served[node, child] = t
+            if not gone(child, t):
+                holds(child, k, t)
+            kick(node, t)
+    return {r: max(have[r]) for r in topo.receivers}
+
+
+def _finish(last: dict[int, float], c: Costs, fresh: bool) -> list[float]:
+    """Verified-weights times: brand-new receivers verify against what the downloader
+    publishes once its own load is in (as :func:`single_flight`)."""
+    if not fresh:
+        return [t + c.fixed for t in last.values()]
+    first = c.download + c.fixed
+    return [first] + [max(t, first) + c.fixed for t in last.values()]
+
+
+def tree_design(n: int, c: Costs, holders: int = 1, fresh: bool = False,
+                double: bool = True, kill: Kill | None = None) -> list[float]:
+    """``dtree`` (two interior-disjoint trees) or ``btree`` (one tree), ``n`` workers.
+
+    Brand-new (``fresh``): one of the ``n`` is the downloader, the holder of the rest.
+    """
+    make = tp.build if double else tp.single_tree
+    topo = make(n - 1 if fresh else n, c.steps, 1 if fresh else holders)
+    return _finish(fanout(topo, c, _ready(c, fresh), kill), c, fresh)
+
+
+def collective(n: int, c: Costs, holders: int = 1, fresh: bool = False,
+               kill_at: float | None = None, detect: float = STALL) -> list[float]:
+    """A cohort as one k-rank communicator per holder with a pipelined broadcast, at
+    its optimum (Bar-Noy & Kipnis: S - 1 + ceil(log2 k) rounds), set-up in
+    ceil(log2 k) rounds of a 2-rank set-up. A member's death stalls the whole
+    communicator: after ``detect`` every member rebuilds it and restarts at step 0.
+    """
+    k = (n if fresh else -(-n // holders) + 1)  # ranks: the holder and its receivers
+    rounds = max(1, math.ceil(math.log2(k))) if k > 1 else 0
+    ready = _ready(c, fresh)
+
+    def last(start: float) -> float:
+        out = start
+        for s in range(c.steps):
+            out = max(ready[s], out) + c.step
+        return out + (rounds - 1) * c.step
+
+    end = last(rounds * c.setup)
+    if kill_at is not None and kill_at < end:
+        end = last(kill_at + detect + rounds * c.setup)
+    times = {r: end for r in range((n - 1) if fresh else n)}
+    return _finish(times, c, fresh) if k > 1 else _finish({}, c, fresh)
+
+
+FANOUT_DESIGNS = ("chain", "dtree", "btree", "collective")
+
+
+def fanout_predict(c: Costs, sizes: tuple[int, ...] = FANOUT_SIZES
+                   ) -> dict[str, dict[str, dict[int, tuple[float, float]]]]:
+    """(median, slowest) seconds per scenario, design and N."""
+    out: dict[str, dict[str, dict[int, tuple[float, float]]]] = {}
+    for scenario, holders, fresh in (("warm, 1 holder", 1, False),
+                                     ("warm, 4 holders", 4, False),
+                                     ("brand-new (single flight)", 1, True)):
+        rows: dict[str, dict[int, tuple[float, float]]] = {d: {} for d in FANOUT_DESIGNS}
+        for n in sizes:
+            runs = {
+                "chain": (single_flight(n, c) if fresh
+                          else chain(n, c, holders_at=[0.0] * holders)),
+                "dtree": tree_design(n, c, holders, fresh),
+                "btree": tree_design(n, c, holders, fresh, double=False),
+                "collective": collective(n, c, holders, fresh),
+            }
+            for d, times in runs.items():
+                rows[d][n] = (statistics.median(times), max(times))
+        out[scenario] = rows
+    return out
+
+
+def kill_predict(c: Costs, detect: float, sizes: tuple[int, ...] = (64, 1024, 4096)
+                 ) -> list[dict[str, Any]]:
+    """Receiver 1 (the first child of a tree's root: half the fleet below it in that
+    tree) killed halfway through N=1's transfer: its descendants' slowest finish
+    against N=1 + the time to notice (the stall bound, by default), and everyone
+    else's slowest against N=1. A collective's death reaches every member."""
+    one = tree_design(1, c)[0]
+    at = c.setup + c.steps // 2 * c.step
+    rows = []
+    for n in sizes:
+        for design in ("dtree", "btree", "collective"):
+            if design == "collective":
+                times = collective(n, c, kill_at=at, detect=detect)
+                hit, rest = times[1:], []  # every survivor restarts
+            else:
+                topo = (tp.build if design == "dtree" else tp.single_tree)(n, c.steps)
+                below = set().union(*(topo.subtree(1, t) for t in range(tp.TREES))) - {1}
+                last = fanout(topo, c, _ready(c, False), Kill(1, at, detect))
+                hit = [last[r] + c.fixed for r in below] or [one]
+                rest = [last[r] + c.fixed for r in last if r not in below]
+            rows.append({"design": design, "n": n, "descendants": len(hit),
+                         "slowest": max(hit), "vs_bound": max(hit) / (one + detect),
+                         "others_slowest": max(rest) / one if rest else None})
+    return rows
+
+
+def print_fanout(c: Costs, pred: dict[str, dict[str, dict[int, tuple[float, float]]]],
+                 kills: list[dict[str, Any]], detect: float) -> None:
+    print(f"\nfan-out designs (topology.py), median x N=1 (slowest x N=1); steps {c.steps}, "
+          f"step {c.step * 1000:.1f} ms, set-up {c.setup * 1000:.0f} ms, fixed {c.fixed:.2f} s")
+    for scenario, rows in pred.items():
+        print(f"{scenario}: N=1 = " + ", ".join(f"{d} {rows[d][1][0]:.2f} s" for d in rows))
+        print(f"{'N':>6}" + "".join(f"{d:>18}" for d in rows))
+        for n in sorted(rows["chain"]):
+            cells = [f"{rows[d][n][0] / rows[d][1][0]:.2f} ({rows[d][n][1] / rows[d][1][0]:.2f})"
+                     for d in rows]
+            print(f"{n:>6}" + "".join(f"{x:>18}" for x in cells))
+    print(f"\nreceiver 1 killed halfway through N=1's transfer, noticed after {detect:g} s:")
+    print(f"{'design':<12}{'N':>6}{'affected':>10}{'slowest (s)':>13}"
+          f"{'/ (N=1 + detect)':>18}{'others / N=1':>14}")
+    for r in kills:
+        print(f"{r['design']:<12}{r['n']:>6}{r['descendants']:>10}{r['slowest']:>13.2f}"
+              f"{r['vs_bound']:>18.2f}"
+              + (f"{r['others_slowest']:>14.2f}" if r["others_slowest"] else f"{'none':>14}"))
+
+
 def calibrate(measured: dict[str, Any], bucket: int, cohort_max: int) -> Costs:
     """Costs from the N=1 rows of a `cold_start.py` JSON."""
     rows = {(s["scenario"], s["n"]): s for s in measured["summary"]}
@@ -205,12 +449,36 @@ def main() -> None:
     p.add_argument("--cohort-max", type=int, default=16)
     p.add_argument("--png", default="benchmarks/fleet_scale.png")
     p.add_argument("--out", default="benchmarks/out/simulate.json")
+    p.add_argument("--detect", type=float, default=STALL,
+                   help="seconds until a dead member's children notice (default: the stall bound)")
     args = p.parse_args()
-    with open(args.measured) as f:
-        measured = json.load(f)
-    c = calibrate(measured, args.bucket_bytes, args.cohort_max)
-    pred = predict(c)
-    print(f"costs: {c}")
+    pred: dict[str, dict[int, float]] = {}
+    if os.path.exists(args.measured):
+        with open(args.measured) as f:
+            measured = json.load(f)
+        c = calibrate(measured, args.bucket_bytes, args.cohort_max)
+        pred = predict(c)
+        print(f"costs: {c}")
+        compare(pred, measured, args.png)
+    else:
+        c = RUN7
+        print(f"{args.measured} not found: using run 7's costs written in benchmarks/RESULTS.md "
+              f"('Simulation'), no measured comparison and no plot.\ncosts: {c}")
+    fan = fanout_predict(c)
+    kills = kill_predict(c, args.detect)
+    print_fanout(c, fan, kills, args.detect)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"costs": c.__dict__,
+                   "predicted": {k: {str(n): v for n, v in s.items()} for k, s in pred.items()},
+                   "fanout": {sc: {d: {str(n): v for n, v in r.items()} for d, r in rows.items()}
+                              for sc, rows in fan.items()},
+                   "killed": kills}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: str) -> None:
+    """The model against a measured run, and the plot."""
     med = {(s["scenario"], s["n"]): s["median_s"] for s in measured["summary"]}
     # The model has no CPU: on a small machine N workers building skeletons at once
     # (allocation, header reads) slow each other down. "net" removes that growth of
@@ -230,15 +498,11 @@ def main() -> None:
         s = pred[scenario]
         print(f"{scenario}: N=1024 / N=1 = {s[1024] / s[1]:.2f}")
     meta = measured["meta"]
-    plot(pred, measured, args.png,
+    plot(pred, measured, png,
          f"{meta['model_bytes'] / 2**20:.0f} MiB, link {meta.get('link_gbps', 0):g} GB/s per worker, "
          f"storage {meta['storage_gbps']:g} GB/s shared; points: cold_start.py on 2 CPUs, "
          "lines: simulate.py")
-    with open(args.out, "w") as f:
-        json.dump({"costs": c.__dict__, "predicted": {k: {str(n): v for n, v in s.items()}
-                                                      for k, s in pred.items()}}, f, indent=1)
-    print(f"wrote {args.png}, {args.out}")
-
+    print(f"wrote {png}")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,237 @@
+"""Property tests of the fan-out topology (nccl_back/transport/relay/topology.py): no
+processes, only the construction, its bounds, a member's removal and late arrivals."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nccl_back.transport.relay import topology as tp
+from nccl_back.transport.relay.topology import Topology
+
+FLEETS = st.integers(1, 4096)
+STEPS = st.integers(1, 256)
+HOLDERS = st.integers(1, 8)
+FAST = settings(max_examples=25, deadline=None)
+
+
+def deliveries(topo: Topology) -> dict[int, Counter[int]]:
+    """How many times each receiver gets each step, walking from the holders down the
+    children of each step's tree. Every step of one tree takes the same walk, so each
+    tree is walked once and its count applies to each of its steps."""
+    reached: list[Counter[int]] = []
+    for tree in range(tp.TREES):
+        seen: Counter[int] = Counter()
+        todo = [tp.holder(h) for h in range(topo.holders)]
+        while todo:
+            node = todo.pop()
+            for child in topo.children(node, tree):
+                seen[child] += 1
+                assert seen[child] == 1, "a node reached twice: a cycle or a second parent"
+                todo.append(child)
+        reached.append(seen)
+    return {r: Counter({s: reached[topo.tree_of(s)][r] for s in range(topo.steps)})
+            for r in topo.receivers}
+
+
+def assert_exactly_once(topo: Topology, receivers: set[int]) -> None:
+    got = deliveries(topo)
+    assert set(got) == receivers
+    for r in receivers:
+        assert got[r] == Counter(dict.fromkeys(range(topo.steps), 1)), r
+
+
+def max_depth(topo: Topology) -> int:
+    return max((topo.depth(r) for r in topo.receivers), default=0)
+
+
+def max_sends(topo: Topology) -> int:
+    return max((topo.sends(r) for r in topo.receivers), default=0)
+
+
+@FAST
+@given(FLEETS, STEPS, HOLDERS)
+def test_every_receiver_gets_every_step_exactly_once(n: int, s: int, h: int) -> None:
+    """Each receiver gets each of the S steps exactly once, from holders down the trees."""
+    assert_exactly_once(tp.build(n, s, h), set(range(n)))
+
+
+@FAST
+@given(FLEETS, STEPS, HOLDERS)
+def test_depth_grows_with_log_n(n: int, s: int, h: int) -> None:
+    """No receiver is more than D = floor(log2 ceil(N/H)) + 1 hops from its holder."""
+    topo = tp.build(n, s, h)
+    assert max_depth(topo) <= tp.depth_bound(n, h) <= 2 * math.ceil(math.log2(n)) + 1
+
+
+@FAST
+@given(FLEETS, STEPS, HOLDERS)
+def test_each_node_sends_at_most_one_model(n: int, s: int, h: int) -> None:
+    """A receiver sends at most S + 1 step-copies, a holder exactly S (when it serves any)."""
+    topo = tp.build(n, s, h)
+    assert max_sends(topo) <= tp.budget(s) <= s + 1
+    for k in range(h):
+        assert topo.sends(tp.holder(k)) == (s if k < n else 0)
+
+
+@FAST
+@given(FLEETS, HOLDERS)
+def test_trees_are_interior_disjoint(n: int, h: int) -> None:
+    """A receiver forwards in at most one of the two trees."""
+    topo = tp.build(n, 8, h)
+    assert not any(topo.children(r, 0) and topo.children(r, 1) for r in range(n))
+
+
+@FAST
+@given(FLEETS, HOLDERS)
+def test_receivers_are_spread_over_all_holders(n: int, h: int) -> None:
+    """Each holder serves ceil or floor of N/H receivers, in both trees."""
+    topo = tp.build(n, 4, h)
+    for tree in range(tp.TREES):
+        sizes = [len(topo.subtree(tp.holder(k), tree)) - 1 for k in range(h)]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n
+
+
+@FAST
+@given(FLEETS, STEPS, HOLDERS, st.data())
+def test_parent_and_ancestors_agree(n: int, s: int, h: int, data: st.DataObject) -> None:
+    """A step's parent is its first ancestor; the ancestors end at the receiver's holder."""
+    topo = tp.build(n, s, h)
+    r = data.draw(st.integers(0, n - 1))
+    k = data.draw(st.integers(0, s - 1))
+    up = topo.ancestors(r, k)
+    assert up[0] == topo.parent(r, k) and up[-1] == tp.holder(r % h)
+    assert r in topo.children(up[0], topo.tree_of(k))
+
+
+@FAST
+@given(st.integers(2, 4096), STEPS, HOLDERS, st.data())
+def test_a_members_removal_keeps_every_step_once_within_slack(
+        n: int, s: int, h: int, data: st.DataObject) -> None:
+    """Without any one member, every survivor still gets every step exactly once, depth
+    stays <= 2D - 1 and sends <= budget + ceil(S/2)."""
+    topo = tp.build(n, s, h)
+    dead = data.draw(st.integers(0, n - 1))
+    after = tp.remove(topo, dead)
+    assert_exactly_once(after, set(range(n)) - {dead})
+    assert max_depth(after) <= 2 * tp.depth_bound(n, h) - 1
+    assert max_sends(after) <= tp.budget(s) + math.ceil(s / 2)
+    for k in range(h):
+        assert after.sends(tp.holder(k)) <= tp.budget(s)
+
+
+@FAST
+@given(st.integers(2, 4096), STEPS, HOLDERS, st.data())
+def test_a_removed_members_children_try_their_ancestors_first(
+        n: int, s: int, h: int, data: st.DataObject) -> None:
+    """The first orphan of a dead member lands on the dead member's own parent."""
+    topo = tp.build(n, s, h)
+    dead = data.draw(st.integers(0, n - 1))
+    after = tp.remove(topo, dead)
+    for tree in range(tp.TREES):
+        kids = topo.children(dead, tree)
+        if kids:
+            assert after.parents[tree][kids[0]] == topo.parents[tree][dead]
+
+
+@FAST
+@given(st.integers(0, 4096), STEPS, HOLDERS)
+def test_a_late_arrival_gets_every_step_within_the_bounds(n: int, s: int, h: int) -> None:
+    """One receiver joining a fan-out in flight gets every step once, as a leaf, with
+    depth <= D + 1 and nobody's sends over budget."""
+    topo = tp.join(tp.build(n, s, h), new := n)
+    assert_exactly_once(topo, set(range(n + 1)))
+    assert topo.sends(new) == 0
+    assert max_depth(topo) <= tp.depth_bound(max(n, 1), h) + 1
+    assert max_sends(topo) <= tp.budget(s)
+
+
+@FAST
+@given(st.integers(0, 512), STEPS, HOLDERS, st.integers(2, 6))
+def test_late_arrivals_in_turn_each_add_at_most_one_hop(n: int, s: int, h: int, k: int) -> None:
+    """k late arrivals in turn: every one gets every step once, sends stay in budget,
+    depth <= D + k."""
+    topo = tp.build(n, s, h)
+    for new in range(n, n + k):
+        topo = tp.join(topo, new)
+    assert_exactly_once(topo, set(range(n + k)))
+    assert max_sends(topo) <= tp.budget(s)
+    assert max_depth(topo) <= tp.depth_bound(max(n, 1), h) + k
+
+
+@FAST
+@given(st.integers(3, 1024), STEPS, st.integers(1, 4), st.data())
+def test_removal_then_arrival_still_delivers_everything(
+        n: int, s: int, h: int, data: st.DataObject) -> None:
+    """A death, then a late arrival, then a second death: every survivor gets every step
+    exactly once (bounds are only promised for one event)."""
+    topo = tp.build(n, s, h)
+    first = data.draw(st.integers(0, n - 1))
+    topo = tp.join(tp.remove(topo, first), n)
+    second = data.draw(st.sampled_from(sorted(set(range(n + 1)) - {first})))
+    topo = tp.remove(topo, second)
+    assert_exactly_once(topo, set(range(n + 1)) - {first, second})
+
+
+@FAST
+@given(FLEETS, STEPS, HOLDERS)
+def test_the_single_tree_delivers_everything_but_sends_twice(n: int, s: int, h: int) -> None:
+    """The comparison design delivers every step once; its interior nodes send 2S."""
+    topo = tp.single_tree(n, s, h)
+    assert_exactly_once(topo, set(range(n)))
+    biggest = math.ceil(n / h)
+    assert max_sends(topo) == (2 * s if biggest >= 3 else s if biggest == 2 else 0)
+
+
+def test_bad_arguments_and_unknown_members_are_refused() -> None:
+    """build refuses a negative fleet, no steps or no holder; remove an unknown id; join
+    an id in use."""
+    for args in ((-1, 4, 1), (4, 0, 1), (4, 4, 0)):
+        with pytest.raises(ValueError):
+            tp.build(*args)
+    with pytest.raises(KeyError):
+        tp.remove(tp.build(4, 4), 9)
+    with pytest.raises(ValueError):
+        tp.join(tp.build(4, 4), 3)
+
+
+@functools.cache
+def _simulate() -> ModuleType:
+    """benchmarks/simulate.py, loaded once from its file (benchmarks is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate.py"
+    spec = importlib.util.spec_from_file_location("simulate", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["simulate"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 300), st.integers(1, 64), st.integers(1, 4), st.data())
+def test_a_member_killed_at_a_random_step_costs_its_subtree_one_resume(
+        n: int, s: int, h: int, data: st.DataObject) -> None:
+    """In the simulated fan-out, a member killed at any moment leaves every survivor with
+    every step exactly once, the slowest within detect + set-up + one transfer + 4D steps
+    of the undisturbed slowest (or of the death)."""
+    sim = _simulate()
+    c = replace(sim.RUN7, steps=s)
+    topo = tp.build(n, s, h)
+    dead = data.draw(st.integers(0, n - 1))
+    at = data.draw(st.floats(0.0, c.setup + (s + 2) * c.step))
+    calm = max(sim.fanout(topo, c, [0.0] * s).values())
+    kill = sim.Kill(dead, at, detect=data.draw(st.sampled_from([0.3, 10.0])))
+    last = sim.fanout(topo, c, [0.0] * s, kill)  # raises on a step received twice
+    assert set(last) == set(range(n)) - {dead}
+    slack = kill.detect + c.setup + (s + 4 * tp.depth_bound(n, h)) * c.step
+    assert max(last.values()) <= max(calm, at) + slack + 1e-9

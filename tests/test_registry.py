@@ -343,3 +343,27 @@ def test_unreachable_redis_raises_registry_error_quickly(namespace: str) -> None
     with pytest.raises(RegistryError, match="redis publish failed"):
         reg.publish_peer(peer())
     assert time.monotonic() - start < 5
+
+
+def test_an_oversized_record_is_refused_and_replaced_without_its_bytes_leaving_the_server(
+    redis_url: str, namespace: str
+) -> None:
+    """A value over its kind's bound (64 MiB + 1 of ground truth, a lease) is rejected by a
+    reader, repaired by its holder and taken over by an acquirer while the server sends
+    under 1 MiB in all: its bytes never cross the wire."""
+    from nccl_back.errors import UntrustedRecordError
+
+    reg = make_registry(redis_url, namespace, secret="s" * 32)
+    info = peer()
+    key = reg.ground_truth_key("v1", 0, 1, info.manifest_digest, "s1")
+    lease = reg.keys.lease("v1", 1)
+    for k, kind in ((key, schema.GROUND_TRUTH), (lease, schema.LEASE)):
+        reg.client.set(k, b"x" * (kind.max_bytes + 1), ex=3600)
+    sent = int(reg.client.info("stats")["total_net_output_bytes"])
+    with pytest.raises(UntrustedRecordError, match="not a bounded string value"):
+        reg.get_ground_truth("v1", 0, 1, info.manifest_digest, "s1")
+    reg.keep_ground_truth(info, "s1", {"layer": "abc"})
+    assert reg.get_ground_truth("v1", 0, 1, info.manifest_digest, "s1") == {"layer": "abc"}
+    assert reg.acquire(lease, {"owner": "w1"}, schema.LEASE, 5.0) is not None
+    assert reg.client.strlen(lease) < 1024
+    assert int(reg.client.info("stats")["total_net_output_bytes"]) - sent < 1 << 20

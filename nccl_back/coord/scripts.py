@@ -38,14 +38,35 @@ return 0
 
 # Take over a key whose value the caller read and found untrusted (ARGV[1]; '' for a
 # wrong type): only if it still holds exactly that, so a genuine writer that got there
-# meanwhile keeps it.
+# meanwhile keeps it. With a bound (ARGV[4]), the caller found the value over it without
+# reading it: taken over while it still is (any value that long is untrusted).
 _TAKE_LUA = """
 local t = redis.call('TYPE', KEYS[1])['ok']
-if (t == 'string' and redis.call('GET', KEYS[1]) == ARGV[1]) or (t ~= 'string' and t ~= 'none') then
-  redis.call('DEL', KEYS[1])
+local drop = t ~= 'string' and t ~= 'none'
+if t == 'string' then
+  if ARGV[4] ~= '' then
+    drop = redis.call('STRLEN', KEYS[1]) > tonumber(ARGV[4])
+  else
+    drop = redis.call('GET', KEYS[1]) == ARGV[1]
+  end
 end
+if drop then redis.call('DEL', KEYS[1]) end
 if redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 1 end
 return 0
+"""
+
+# One value and its PTTL in one step, bounded: a value longer than ARGV[1] bytes is
+# refused by its length alone, so an oversized value never crosses the wire (reading
+# 64 MiB of garbage at every poll would slow every reader, and its repair, for seconds).
+# {0}: absent; {-1}: another type; {2, pttl, length}: over the bound; {1, pttl, value}.
+_BOUNDED_GET_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return {0} end
+if t ~= 'string' then return {-1} end
+local ttl = redis.call('PTTL', KEYS[1])
+local n = redis.call('STRLEN', KEYS[1])
+if n > tonumber(ARGV[1]) then return {2, ttl, n} end
+return {1, ttl, redis.call('GET', KEYS[1])}
 """
 
 # A peer entry and its index in one step; an index of another type or oversized
@@ -82,11 +103,12 @@ return 1
 
 # A holder's heartbeat on the ground truth it holds: 1 and extended if the value is
 # still the one it last verified (ARGV[1], its SHA-1), 0 absent, -1 another Redis type,
-# 2 changed (the caller reads and verifies it).
+# 2 changed (the caller reads and verifies it); over ARGV[3] bytes it is not hashed.
 _KEEP_TRUTH_LUA = """
 local t = redis.call('TYPE', KEYS[1])['ok']
 if t == 'none' then return 0 end
 if t ~= 'string' then return -1 end
+if redis.call('STRLEN', KEYS[1]) > tonumber(ARGV[3]) then return 2 end
 if ARGV[1] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
@@ -158,6 +180,7 @@ class Scripts:
         self.join_cohort = client.register_script(_JOIN_COHORT_LUA)
         self.set_nx = client.register_script(_SET_NX_LUA)
         self.take = client.register_script(_TAKE_LUA)
+        self.bounded_get = client.register_script(_BOUNDED_GET_LUA)
         self.publish = client.register_script(_PUBLISH_LUA)
         self.repair = client.register_script(_REPAIR_LUA)
         self.push = client.register_script(_PUSH_LUA)

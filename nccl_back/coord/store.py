@@ -46,6 +46,17 @@ T = TypeVar("T")
 #: What :meth:`SignedStore._get_with_ttl` returns for a key of another Redis type.
 WRONG_TYPE: Any = object()
 
+
+class Oversized:
+    """What :meth:`SignedStore._get_with_ttl` returns for a value over its kind's bound:
+    its length, not its bytes (they never cross the wire)."""
+
+    def __init__(self, size: int, bound: int) -> None:
+        self.size, self.bound = size, bound
+
+    def __repr__(self) -> str:
+        return f"<{self.size} bytes, over the bound of {self.bound}>"
+
 #: A record kept longer than this many times the TTL its writers give it was not
 #: written by a worker (a replayed or forged record): it is not obeyed.
 TTL_SLACK = 2.0
@@ -134,7 +145,7 @@ class SignedStore:
         new = self.signed(key, value, kind, ttl)
         if self.set_json(key, new, ttl, nx=True):
             return new
-        raw, ttl_ms = self._get_with_ttl(key)
+        raw, ttl_ms = self._get_with_ttl(key, kind)
         if raw is None:  # expired between the two calls
             return new if self.set_json(key, new, ttl, nx=True) else None
         if raw is WRONG_TYPE:
@@ -148,9 +159,12 @@ class SignedStore:
         self.reject(kind.kind, key, f"{why}; taken over")
         return new if self._take(key, seen, new, ttl) else None
 
-    def _take(self, key: str, seen: bytes, new: Raw, ttl: float) -> bool:
-        """Replace what :meth:`acquire` found untrusted (``seen``; b'' for a wrong type)."""
-        return bool(self._call("take", lambda: self.lua.take(keys=[key], args=[seen, new, ms(ttl)])))
+    def _take(self, key: str, seen: bytes | Oversized, new: Raw, ttl: float) -> bool:
+        """Replace what :meth:`acquire` found untrusted (``seen``; b'' for a wrong type; an
+        :class:`Oversized` value while it still is)."""
+        args = ([b"", new, ms(ttl), seen.bound] if isinstance(seen, Oversized)
+                else [seen, new, ms(ttl), ""])
+        return bool(self._call("take", lambda: self.lua.take(keys=[key], args=args)))
 
     def compare_and_set(self, key: str, expected: Any, value: Any, ttl: float) -> bool:
         """Replace ``key``'s JSON value by ``value`` only if it is exactly ``expected``."""
@@ -175,19 +189,23 @@ class SignedStore:
 
     # -- reading --------------------------------------------------------------------------
 
-    def _get_with_ttl(self, key: str) -> tuple[Any, int]:
+    def _get_with_ttl(self, key: str, kind: KeyKind) -> tuple[Any, int]:
         """``(raw bytes or None, PTTL in ms)`` in one round trip; :data:`WRONG_TYPE` as the
-        value when the key holds a list, set or hash (another writer's, never ours)."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(key)
-        pipe.pttl(key)
+        value when the key holds a list, set or hash (another writer's, never ours), an
+        :class:`Oversized` one (its bytes left on the server) when it is longer than
+        ``kind``'s bound."""
+        got = self._call("GET", lambda: self.lua.bounded_get(keys=[key], args=[kind.max_bytes]))
         try:
-            raw, ttl_ms = self._call("GET", pipe.execute)
-        except RegistryError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
+            state, ttl_ms = int(got[0]), (int(got[1]) if len(got) > 1 else -2)
+        except (TypeError, ValueError, IndexError) as e:
+            raise RegistryError(f"bounded GET of {key}: unexpected reply {got!r}"[:200]) from e
+        if state == 0:
+            return None, -2
+        if state == -1:
             return WRONG_TYPE, -2
-        return raw, int(ttl_ms)
+        if state == 2:
+            return Oversized(int(got[2]), kind.max_bytes), ttl_ms
+        return got[2], ttl_ms
 
     def _get_with_ttls(self, keys: list[str], kind: KeyKind) -> tuple[list[Any], list[int]]:
         """Values (None for absent keys, :data:`WRONG_TYPE` for keys of another Redis
@@ -224,7 +242,7 @@ class SignedStore:
         """As :meth:`get_signed`, but a value that is there and not to be trusted raises
         :class:`UntrustedRecordError` (rejected: logged, counted) instead of reading as
         absent: for records whose absence and forgery call for different answers."""
-        raw, ttl_ms = self._get_with_ttl(key)
+        raw, ttl_ms = self._get_with_ttl(key, kind)
         if raw is None:
             return None
         try:

@@ -111,7 +111,7 @@ class TruthRecords(SignedStore):
                                     info.manifest_digest, scheme)
         ttl = schema.GROUND_TRUTH.ttl(self.settings)
         state = int(self._call("keep_truth", lambda: self.lua.keep_truth(
-            keys=[key], args=[self._good_truth.get(key, ""), ms(ttl)])))
+            keys=[key], args=[self._good_truth.get(key, ""), ms(ttl), schema.GROUND_TRUTH.max_bytes])))
         if state == 1:
             return
         value = self._value(info.manifest_digest, scheme, truth)
@@ -120,7 +120,7 @@ class TruthRecords(SignedStore):
                 log.info("ground_truth_republished", key=key, was="absent" if state == 0 else "wrong type")
             self._good_truth.pop(key, None)
             return
-        raw, ttl_ms = self._get_with_ttl(key)
+        raw, ttl_ms = self._get_with_ttl(key, schema.GROUND_TRUTH)
         if raw is None or raw is WRONG_TYPE:
             return  # changed again meanwhile: the next beat sees it
         try:

@@ -46,7 +46,7 @@ from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import Registry
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.errors import RECORD_KINDS, RecordKind
-from nccl_back.load import artifacts
+from nccl_back.load import artifacts, storage
 from nccl_back.load.artifacts import CacheKey
 from nccl_back.load.service import WeightService
 from nccl_back.metrics import Metrics
@@ -393,13 +393,28 @@ def test_every_corruption_of_artifact_records_is_a_miss_or_the_exact_set(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("with_holder", [False, True], ids=["empty", "live-holder"])
+@pytest.mark.parametrize(("with_holder", "publish_delay"), [(False, 0.0), (True, 0.0), (False, 1.5)],
+                         ids=["empty", "live-holder", "empty-slow-publish"])
 def test_every_key_of_another_type_at_once_keeps_the_single_flight(
-    fleet: Fleet, captured: dict[str, Any], with_holder: bool
+    fleet: Fleet, captured: dict[str, Any], with_holder: bool, publish_delay: float,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every key of a captured rollout replaced at once by a value of another Redis type:
     three workers released together read storage once among them (none with a live
-    holder), each with the exact weights, none raising."""
+    holder), each with the exact weights, none raising.
+
+    ``publish_delay``: the elected downloader publishes its entry that much later (a
+    loaded machine), so the waiters find only its stream beside the rejected entries:
+    they must receive the stream, not read storage because entries were rejected."""
+    if publish_delay:
+        real = storage.publish_stored
+
+        def slow_publish(worker: Any, a: Any, hashes: dict[str, str]) -> None:
+            if a.elected:
+                time.sleep(publish_delay)
+            real(worker, a, hashes)
+
+        monkeypatch.setattr(storage, "publish_stored", slow_publish)
     fleet.clean()
     holder = WeightService(fleet.settings) if with_holder else None
     try:

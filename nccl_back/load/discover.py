@@ -35,16 +35,20 @@ def discover(worker: Worker, a: Attempt) -> Discovery:
     try:
         rejected = reg.rejected
         peers = _others(worker, a)
-        if not peers and reg.rejected > rejected:
-            return Discovery(reason=NobodyTrusted(
-                f"no trusted peer holds {where}:"
-                f" {reg.rejected - rejected} entries rejected (see record_rejected)"))
+        untrusted = reg.rejected - rejected  # peer entries (and index) skipped
         if not peers:
+            # The elected downloader's stream first, as sees_peer looks: rejected
+            # entries (a dead holder's key an attacker overwrote, an index of another
+            # type) must not send to storage a waiter the single flight woke for it.
             stream = worker.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log)
-            if stream is None:
-                return Discovery(reason=NobodyHolds(f"no live peer holds {where}"))
-            # The elected downloader streams it; the ground truth comes at its end.
-            return Discovery(stream=stream)
+            if stream is not None:
+                # The elected downloader streams it; the ground truth comes at its end.
+                return Discovery(stream=stream)
+            if untrusted:
+                return Discovery(reason=NobodyTrusted(
+                    f"no trusted peer holds {where}:"
+                    f" {untrusted} entries rejected (see record_rejected)"))
+            return Discovery(reason=NobodyHolds(f"no live peer holds {where}"))
         usable = usable_peers(worker, a, peers)
         if not usable:
             t = a.target

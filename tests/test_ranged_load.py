@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 import reshard_workers as rw
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nccl_back.config import Settings
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.errors import ChecksumMismatchError
 from nccl_back.model.crc import check_file
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.ranged import RangedLoad, cut_points, gaps, schedule
+from nccl_back.model.ranged import Chunk, Need, Needs, RangedLoad, cut_points, gaps, schedule
 from nccl_back.model.sharding import Sharding, load_sharded, sharding
 from nccl_back.model.skeleton import build, named_tensors
 from nccl_back.model.storage import Storage
@@ -127,6 +129,43 @@ def test_the_schedule_splits_shared_tensors_into_balanced_blocks_that_tile_them(
         assert (need.lo, need.hi) == (0, rw.checkpoint_shapes()[need.name][0])
         sizes = [hi - lo for _, lo, hi in blocks]
         assert max(sizes) - min(sizes) <= 1
+
+
+@given(st.integers(1, 8), st.lists(st.tuples(st.integers(1, 40), st.integers(1, 16),
+                                             st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)),
+                                                      min_size=1, max_size=8)), max_size=6),
+       st.integers(1, 300))
+def test_every_byte_of_every_needed_row_is_read_by_exactly_one_rank(
+        world: int, tensors: list[Any], stage: int) -> None:
+    """Any needs: the ranks' reads are disjoint and cover every needed row; a shared
+    tensor's blocks are within one row of each other; chunks fit the staging size (or
+    are one row) and tile each block in order."""
+    needs: list[list[Need]] = [[] for _ in range(world)]
+    at = 0
+    for i, (rows, row_bytes, wanted) in enumerate(tensors):
+        for r, (a, b) in enumerate(wanted[:world]):
+            lo, hi = sorted((min(a, rows), min(b, rows)))
+            if hi > lo:
+                needs[r].append(Need(f"t{i}", "f", at, row_bytes, lo, hi))
+        at += rows * row_bytes
+    sched = schedule([Needs((), tuple(n), stage) for n in needs])
+    read = sorted((lo, hi) for _, lo, hi in sched.every_read if hi > lo)
+    assert all(a[1] <= b[0] for a, b in zip(read, read[1:], strict=False)), read
+    covered = [False] * at
+    for lo, hi in read:
+        covered[lo:hi] = [True] * (hi - lo)
+    for n in (n for rank in needs for n in rank):
+        assert all(covered[n.start + n.lo * n.row_bytes:n.start + n.hi * n.row_bytes])
+    for need, blocks, _ in sched.shared:
+        sizes = [hi - lo for _, lo, hi in blocks]
+        assert sum(sizes) == need.hi - need.lo and max(sizes) - min(sizes) <= 1
+    by_block: dict[tuple[str, int], list[Chunk]] = {}
+    for c in sched.chunks():
+        assert c.nbytes <= max(stage, c.need.row_bytes) and c.nbytes <= sched.chunk_bytes
+        by_block.setdefault((c.need.name, c.owner), []).append(c)
+    for chunks in by_block.values():
+        assert [c.rows[0] for c in chunks] == [chunks[0].block[0]] + [c.rows[1] for c in chunks[:-1]]
+        assert chunks[-1].rows[1] == chunks[-1].block[1]
 
 
 @pytest.mark.parametrize("name", ["embed", "o"])

@@ -149,7 +149,7 @@ def schedule(needs: Sequence[Needs]) -> Schedule:
     shared = []
     for name, held in sorted(by_name.items()):
         spans = sorted((s.lo, s.hi) for s in held)
-        if not any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)):
+        if held[0].row_bytes == 0 or not any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)):
             continue
         lo, hi = spans[0][0], max(h for _, h in spans)
         first = held[0]

@@ -10,7 +10,9 @@ and alternating: two fresh processes joined by gloo load their pieces from stora
 either by today's whole-buffer path (``model.sharding.load_sharded``: the checkpoint
 into a whole-checkpoint buffer on each rank, then cut) or by the ranged path
 (``load.ranged.RangedLoader``: each rank reads its pieces' spans through a 64 MiB
-staging buffer, the ranks prove every file's CRC32C together). Per rank: bytes read
+staging buffer; tensors both ranks need rows of, the row-parallel o/down and the norm,
+are read by halves, one per rank, and broadcast over gloo in staging-sized chunks; the
+ranks prove every file's CRC32C together). Per rank: bytes read
 (``rchar`` of ``/proc/self/io`` over the load: every read and pread, so both paths
 are counted the same way), seconds, peak RSS (``VmHWM``) and its rise over the load.
 The files are in the page cache (the parent lists them first): this measures what
@@ -78,6 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     read = _rchar() - io0
     print(json.dumps({"rank": args.rank, "seconds": seconds, "read": read, "share": share,
                       "loader_bytes": result.bytes, "verify": result.timings.get("verify", 0.0),
+                      "shared": result.timings.get("shared", 0.0),
                       "hwm": _status("VmHWM"), "hwm_before": hwm0,
                       "rss_before": rss0}), flush=True)
     dist.destroy_process_group()
@@ -157,7 +160,9 @@ def _report(scheme: str, mode: str, groups: list[list[dict[str, Any]]], size: in
           f" median of {len(groups)}); VmHWM per rank {hwm[0] / mib:.0f} / {hwm[1] / mib:.0f} MiB,"
           f" rise over the load {rise[0] / mib:.0f} / {rise[1] / mib:.0f} MiB (share {share / mib:.0f} MiB)"
           + (f"; the loaders' own count {counted / mib:.1f} MiB = {counted / size:.2f}x, the CRC check"
-             f" {med(max(r['verify'] for r in g) for g in groups):.3f} s" if mode == "ranged" else ""))
+             f" {med(max(r['verify'] for r in g) for g in groups):.3f} s, the shared tensors' reads and"
+             f" broadcasts {med(max(r['shared'] for r in g) for g in groups):.2f} s"
+             if mode == "ranged" else ""))
 
 
 if __name__ == "__main__":

@@ -90,6 +90,17 @@ def expected(ckpt: str, rank: int, world: int, scheme: str) -> dict[str, torch.T
     return out
 
 
+def _fail_shared_reads() -> None:
+    """This rank's reads of its blocks of shared tensors fail (the ranged load)."""
+    from nccl_back.errors import StorageError
+    from nccl_back.model.ranged import RangedLoad
+
+    def fail(self: RangedLoad, c: Any) -> Any:
+        raise StorageError(f"injected: reading {c.need.name} rows {c.rows}")
+
+    RangedLoad.read_chunk = fail  # type: ignore[method-assign]
+
+
 def rank_main(env: dict[str, str], ckpt: str, settings: dict[str, Any], scheme: str,
               conn: Any, stop: Any, fault: str | None = None, spec: ModelSpec | None = None) -> None:
     os.environ.update(env)
@@ -101,6 +112,8 @@ def rank_main(env: dict[str, str], ckpt: str, settings: dict[str, Any], scheme: 
             dist.init_process_group("gloo", rank=rank, world_size=world)
             group = dist.group.WORLD
         s = Settings(**settings)
+        if fault == "fail_shared_read" and rank == 1:
+            _fail_shared_reads()
         # ``spec``: listed by the test (then the files may change before the load).
         spec = spec or ModelSpec.from_dir(ckpt, cache_dir=s.cache_dir)
         shapes = checkpoint_shapes() if scheme in ("plain", "whole") else tp_shapes(world, scheme)

@@ -34,8 +34,11 @@ def rank_and_size(group: Group) -> tuple[int, int]:
         raise ConsensusError(f"cannot read rank/size of the worker's process group: {e}") from e
 
 
-def _vote_device(group: Group) -> torch.device:
-    # NCCL collectives need a CUDA tensor; gloo (and everything else) takes a CPU one.
+def vote_device(group: Group) -> torch.device:
+    """Where a collective's tensors live: NCCL needs CUDA tensors; gloo (and everything
+    else, and no group) takes CPU ones."""
+    if group is None:
+        return torch.device("cpu")
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -52,7 +55,7 @@ def agree(vote: bool, group: Group) -> bool:
     if group is None:
         return vote
     try:
-        t = torch.tensor([1 if vote else 0], dtype=torch.int32, device=_vote_device(group))
+        t = torch.tensor([1 if vote else 0], dtype=torch.int32, device=vote_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         return bool(int(t.item()))
     except Exception as e:
@@ -70,7 +73,7 @@ def gather(code: int, group: Group) -> list[int]:
         return [code]
     try:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        t = torch.zeros(world, dtype=torch.int64, device=_vote_device(group))
+        t = torch.zeros(world, dtype=torch.int64, device=vote_device(group))
         t[rank] = code
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return [int(x) for x in t.cpu().tolist()]
@@ -93,3 +96,16 @@ def exchange(obj: Any, group: Group) -> list[Any]:
         return out
     except Exception as e:
         raise ConsensusError(f"all_gather_object over the worker's group failed: {e}") from e
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, group: Group) -> None:
+    """``tensor`` from rank ``src`` of ``group`` (its rank in the group) into every
+    rank's ``tensor`` (same size; on :func:`vote_device`): the ranged load's shared
+    chunks. Without a group: nothing to do. A failing collective (the group's timeout
+    included) raises :class:`ConsensusError`."""
+    if group is None:
+        return
+    try:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+    except Exception as e:
+        raise ConsensusError(f"broadcast from rank {src} over the worker's group failed: {e}") from e

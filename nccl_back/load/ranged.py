@@ -1,28 +1,37 @@
 """The storage load of a sharded skeleton, across the worker's ranks: each rank reads
-only its own pieces (:mod:`nccl_back.model.ranged`), and the ranks prove every file's
-CRC32C together, with no whole file on any rank.
+only its own pieces (:mod:`nccl_back.model.ranged`), tensors several ranks need are read
+once by the group and handed over, and the ranks prove every file's CRC32C together,
+with no whole file on any rank.
 
-Two collectives, entered by every rank whatever happened to it (so a rank that failed
-never leaves the others waiting in a collective it skipped): the spans each rank will
-read (so every rank cuts its interval CRCs at every rank's boundaries, and rank 0 also
-reads what nobody needs, for its CRC only), then each rank's interval CRCs. Every rank
-then checks every file the same way (:func:`~nccl_back.model.crc.check_file`): any
-mismatch is the same :class:`~nccl_back.errors.ChecksumMismatchError`, naming the
-file, on every rank, as a corrupted whole-file load raises on its rank.
+Collectives, entered by every rank whatever happened to it (so a rank that failed never
+leaves the others waiting in a collective it skipped): what each rank needs (so every
+rank derives the same :func:`~nccl_back.model.ranged.schedule`: who reads which block of
+each shared tensor, where every rank cuts its interval CRCs, and rank 0 also reads what
+nobody needs, for its CRC only); one broadcast per shared chunk, from the rank that read
+it, in the schedule's order (a rank whose read failed still sends, and only then says
+so; over an NCCL group a chunk travels through one device buffer of a chunk's size,
+over gloo straight from and into the staging buffer); then each rank's interval CRCs. Every rank then checks every file the same way
+(:func:`~nccl_back.model.crc.check_file`): any mismatch is the same
+:class:`~nccl_back.errors.ChecksumMismatchError`, naming the file, on every rank, as a
+corrupted whole-file load raises on its rank. Chunks are handed over before that proof;
+nothing is reported loaded until it passed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
+
+import torch
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord.consensus import Group, exchange, rank_and_size
+from nccl_back.coord.consensus import Group, broadcast_from, exchange, rank_and_size, vote_device
 from nccl_back.errors import ConsensusError
 from nccl_back.model.crc import check_file
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.ranged import RangedLoad, cut_points, gaps
+from nccl_back.model.ranged import RangedLoad, Schedule, cut_points, gaps, schedule
 from nccl_back.model.sharding import Sharding
 from nccl_back.model.skeleton import Model
 from nccl_back.model.storage import Storage
@@ -38,20 +47,54 @@ class RangedLoader:
 
     def __call__(self, model: Model, spec: ModelSpec, settings: Settings, /) -> LoadResult:
         start = _clock.perf()
+        rank = rank_and_size(self.group)[0]
         load = _attempt(lambda: RangedLoad(spec, self.sharding, Storage(settings)))
-        spans = self._everyone(load, lambda ok: ok.spans)
-        everyone = [s for rank_spans in spans for s in rank_spans]
-        extra = gaps(spec.shards, everyone) if rank_and_size(self.group)[0] == 0 else []
-        ran = _attempt(lambda: load.value.run(model, cut_points(everyone), extra))
+        sched = schedule(self._everyone(load, lambda ok: ok.needs))
+        everyone = sched.every_read
+        extra = gaps(spec.shards, everyone) if rank == 0 else []
+        ran = _attempt(lambda: load.value.begin(model, cut_points(everyone), sched, rank, extra))
+        if ran.error is None:
+            ran = _attempt(lambda: load.value.read_own(extra))
+        t = _clock.perf()
+        ran = self._share(load.value, sched, rank, ran)
+        shared = _clock.perf() - t
+        if ran.error is None:
+            ran = _attempt(load.value.finish)
         intervals = self._everyone(ran, lambda ok: ok[1])
         t = _clock.perf()
         for shard in spec.shards:
             check_file(shard.uri, shard.size, shard.crc32c,
                        [(r, iv) for r, ivs in enumerate(intervals) for iv in ivs if iv.uri == shard.uri])
         result: LoadResult = ran.value[0]
-        timings = {**result.timings, "verify": _clock.perf() - t}
+        timings = {**result.timings, "shared": shared, "verify": _clock.perf() - t}
         return LoadResult("storage", spec.version, result.bytes, _clock.perf() - start,
                           timings=timings)
+
+    def _share(self, load: RangedLoad, sched: Schedule, rank: int, ran: _Outcome) -> _Outcome:
+        """Every shared chunk from its reader to every rank, placed where this rank needs
+        it. Every rank enters every broadcast: after a failure it sends or receives
+        bytes it then ignores, and its error waits for the interval exchange."""
+        if not sched.shared:
+            return ran
+        device = vote_device(self.group)
+        cap = sched.chunk_bytes
+        staged = torch.empty(cap, dtype=torch.uint8, device=device) if device.type != "cpu" else None
+        for c in sched.chunks():
+            buf: torch.Tensor | None = None
+            if ran.error is None:
+                got = _attempt(partial(load.read_chunk, c) if c.owner == rank
+                               else partial(load.buffer, c.nbytes))
+                ran, buf = (ran, got.value) if got.error is None else (got, None)
+            if staged is not None:  # an NCCL group: the chunk travels in device memory
+                wire = staged[:c.nbytes]
+                if buf is not None and c.owner == rank:
+                    wire.copy_(buf)
+            else:
+                wire = buf if buf is not None else torch.empty(c.nbytes, dtype=torch.uint8)
+            broadcast_from(wire, c.owner, self.group)
+            if ran.error is None:
+                ran = _attempt(partial(load.place, c, wire))
+        return ran
 
     def _everyone(self, mine: _Outcome, part: Callable[[Any], Any]) -> list[Any]:
         """Every rank's ``part`` of its outcome; raises (after the collective) this rank's

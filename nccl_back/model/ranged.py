@@ -9,6 +9,14 @@ if a row is larger) and each chunk's part of every move of
 :func:`~.reshard_plan.plan` (this layout from a whole-checkpoint holder) is copied
 straight into the rank's tensors (:func:`~.reshard_plan.place`).
 
+A checkpoint tensor more than one rank needs rows of (overlapping spans: a piece along
+dim 1, a replicated tensor) is read once by the group: :func:`schedule`, from every
+rank's :attr:`RangedLoad.needs`, splits its rows into one contiguous block per rank
+(balanced by bytes), each rank reads its own block (:meth:`RangedLoad.read_chunk`, in
+staging-sized chunks, CRC-ing its intervals like any span) and the caller hands each
+chunk to every rank (:meth:`RangedLoad.buffer`, :meth:`RangedLoad.place`), in the
+order :meth:`Schedule.chunks` gives every rank alike.
+
 No rank reads a whole file, so no rank can check a file's CRC32C alone. Instead each
 rank returns the CRC32C of every elementary interval it read (its spans cut at every
 rank's boundaries, which the caller gathers first: :func:`cut_points`), plus one for
@@ -48,6 +56,112 @@ Span = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
+class Need:
+    """Rows ``[lo, hi)`` of checkpoint tensor ``name`` (``row_bytes`` each, its data at
+    byte ``start`` of ``uri``), as one rank's layout needs them."""
+
+    name: str
+    uri: str
+    start: int
+    row_bytes: int
+    lo: int
+    hi: int
+
+    def span(self, lo: int, hi: int) -> Span:
+        return (self.uri, self.start + lo * self.row_bytes, self.start + hi * self.row_bytes)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one rank will read, before it reads any tensor byte: exchanged by the group."""
+
+    heads: tuple[Span, ...]
+    sources: tuple[Need, ...]
+    stage_bytes: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``rows`` of shared tensor ``need.name``, read by rank ``owner`` (part of
+    its block ``block``) and handed to every rank."""
+
+    need: Need
+    owner: int
+    block: tuple[int, int]
+    rows: tuple[int, int]
+    step: int
+    """Rows per chunk of the block."""
+
+    @property
+    def nbytes(self) -> int:
+        return (self.rows[1] - self.rows[0]) * self.need.row_bytes
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Who reads what: every rank derives the same from the same :class:`Needs`."""
+
+    needs: tuple[Needs, ...]
+    shared: tuple[tuple[Need, tuple[tuple[int, int, int], ...], int], ...]
+    """Per shared tensor: its rows (the union of every rank's), ``(rank, lo, hi)`` per
+    non-empty block, and the rows per chunk."""
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(n.name for n, _, _ in self.shared)
+
+    def reads(self, rank: int) -> list[Span]:
+        """The spans rank ``rank`` reads: headers, its own rows of unshared tensors, its blocks."""
+        mine = self.needs[rank]
+        out = list(mine.heads) + [n.span(n.lo, n.hi) for n in mine.sources
+                                  if n.name not in self.names and n.hi > n.lo]
+        return out + [n.span(lo, hi) for n, blocks, _ in self.shared for k, lo, hi in blocks if k == rank]
+
+    @property
+    def every_read(self) -> list[Span]:
+        return [s for r in range(len(self.needs)) for s in self.reads(r)]
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Every shared chunk, in the one order every rank hands them over in."""
+        for need, blocks, step in self.shared:
+            for owner, lo, hi in blocks:
+                for a in range(lo, hi, step):
+                    yield Chunk(need, owner, (lo, hi), (a, min(a + step, hi)), step)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max((min(step, hi - lo) * n.row_bytes for n, blocks, step in self.shared
+                    for _, lo, hi in blocks), default=0)
+
+
+def schedule(needs: Sequence[Needs]) -> Schedule:
+    """Split every tensor whose rows more than one rank needs (overlapping row spans)
+    into one contiguous block per rank, balanced by bytes (rows ``[lo, hi)``, the union
+    of the ranks' spans, cut at ``lo + n*k // world``), chunked by the smallest staging
+    size; a tensor's row geometry is the lowest rank's (if ranks parsed different
+    headers, the header CRCs fail the load)."""
+    world = len(needs)
+    stage = min((n.stage_bytes for n in needs), default=STAGE_BYTES)
+    by_name: dict[str, list[Need]] = {}
+    for n in needs:
+        for s in n.sources:
+            by_name.setdefault(s.name, []).append(s)
+    shared = []
+    for name, held in sorted(by_name.items()):
+        spans = sorted((s.lo, s.hi) for s in held)
+        if held[0].row_bytes == 0 or not any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)):
+            continue
+        lo, hi = spans[0][0], max(h for _, h in spans)
+        first = held[0]
+        union = Need(name, first.uri, first.start, first.row_bytes, lo, hi)
+        rows = hi - lo
+        blocks = tuple((k, lo + rows * k // world, lo + rows * (k + 1) // world) for k in range(world)
+                       if rows * (k + 1) // world > rows * k // world)
+        shared.append((union, blocks, max(stage // max(first.row_bytes, 1), 1)))
+    return Schedule(tuple(needs), tuple(shared))
+
+
+@dataclass(frozen=True)
 class _Source:
     """One checkpoint tensor this rank reads rows ``rows`` of, and the moves fed by them."""
 
@@ -63,8 +177,10 @@ class _Source:
 
 
 class RangedLoad:
-    """One rank's ranged load: what it will read (:attr:`spans`, known from its layout
-    and the headers before any tensor byte is read), then :meth:`run`."""
+    """One rank's ranged load: what it will read (:attr:`needs`, known from its layout
+    and the headers before any tensor byte is read); then, given the group's
+    :class:`Schedule`, :meth:`begin`, :meth:`read_own`, the shared chunks
+    (:meth:`read_chunk` or :meth:`buffer`, then :meth:`place`) and :meth:`finish`."""
 
     def __init__(self, spec: ModelSpec, sharding: Sharding, storage: Storage,
                  stage_bytes: int = STAGE_BYTES) -> None:
@@ -76,43 +192,101 @@ class RangedLoad:
         for m in plan(sharding.layout, [sharding.whole]).moves:
             by_source.setdefault(m.src, []).append(m)
         self.sources = [_source(located[name][1], moves) for name, moves in sorted(by_source.items())]
+        self._by_name = {s.info.name: s for s in self.sources}
+
+    @property
+    def needs(self) -> Needs:
+        """The headers this rank parsed (their CRCs come from the bytes it read them as,
+        so ranks must agree on them) and the rows of each checkpoint tensor it needs."""
+        heads = tuple((h.uri, 0, len(h.raw)) for h in self.headers)
+        return Needs(heads, tuple(Need(s.info.name, s.info.uri, s.info.start, s.row_bytes, *s.rows)
+                                  for s in self.sources), self.stage_cap)
 
     @property
     def spans(self) -> list[Span]:
-        """The file bytes this rank reads into its tensors, and the headers it parsed
-        (their CRCs come from the bytes it read them as, so ranks must agree on them)."""
-        heads = [(h.uri, 0, len(h.raw)) for h in self.headers]
-        return heads + [s.span for s in self.sources if s.span[2] > s.span[1]]
+        """The file bytes this rank would read alone (no tensor shared with another rank)."""
+        return schedule([self.needs]).reads(0)
+
+    def begin(self, model: Model, cuts: Mapping[str, Sequence[int]], sched: Schedule,
+              rank: int, extra: Sequence[Span] = ()) -> None:
+        """Open the staging buffer (big enough for this rank's reads, ``extra`` and
+        every shared chunk) for a load into ``model``, CRC-ing intervals cut at ``cuts``."""
+        self._start = _clock.perf()
+        self._tensors = named_tensors(model)[0]
+        self._shared = sched.names
+        spans = [*extra, *sched.reads(rank)[len(self.headers):]]
+        row = max((s.row_bytes for s in self.sources), default=0)
+        stage = max(min(self.stage_cap, max((hi - lo for _, lo, hi in spans), default=0)), row,
+                    sched.chunk_bytes, 1)
+        self._reader = _Reader(self.storage, self.spec.shards, cuts, stage)
+        self._block: Iterator[tuple[int, np.ndarray]] | None = None
+        self._intervals = [Interval(h.uri, 0, len(h.raw), google_crc32c.value(h.raw))
+                           for h in self.headers]
+
+    def read_own(self, extra: Sequence[Span] = ()) -> None:
+        """Read the rows of unshared tensors into place, and ``extra`` for their CRC only."""
+        reader = self._reader
+        with torch.no_grad():
+            for s in self.sources:
+                if s.info.name not in self._shared:
+                    self._fill(reader, s, self._tensors)
+        for uri, lo, hi in extra:
+            for _ in reader.read(uri, lo, hi, len(reader.stage)):
+                pass
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """The staging buffer's first ``nbytes`` (bytes), where another rank's chunk lands."""
+        return torch.from_numpy(self._reader.stage[:nbytes])
+
+    def read_chunk(self, c: Chunk) -> torch.Tensor:
+        """Read chunk ``c`` of this rank's own block into the staging buffer (its
+        intervals CRC-ed across the whole block); valid until the next read."""
+        n = c.need
+        if c.rows[0] == c.block[0]:
+            self._block = self._reader.read(*n.span(*c.block), c.step * n.row_bytes)
+        if self._block is None:
+            raise ValueError(f"chunk {c.rows} of {n.name} read before its block's first")
+        off, buf = next(self._block)
+        if (off, len(buf)) != (n.span(*c.rows)[1], c.nbytes):
+            raise ValueError(f"{n.name}: staged bytes at {off} ({len(buf)}), the chunk says"
+                             f" {n.span(*c.rows)[1]} ({c.nbytes}): staging smaller than a chunk?")
+        if c.rows[1] == c.block[1]:
+            for _ in self._block:  # the block's last interval CRC
+                pass
+            self._block = None
+        return torch.from_numpy(buf)
+
+    def place(self, c: Chunk, chunk: torch.Tensor) -> None:
+        """Copy what this rank needs of chunk ``c`` (its bytes, on any device) into place."""
+        s = self._by_name.get(c.need.name)
+        if s is None:
+            return
+        shape = s.info.shape or (1,)
+        rows = chunk.view(s.info.dtype).view((c.rows[1] - c.rows[0], *shape[1:]))
+        with torch.no_grad():
+            for m in s.moves:
+                place(m, c.rows, rows, self._tensors)
+
+    def finish(self) -> tuple[LoadResult, list[Interval]]:
+        """Close the files; the load (``bytes``: read from storage) and every interval's CRC."""
+        reader = self._reader
+        reader.close()
+        zero_padding(self.sharding.layout, self._tensors)
+        seconds = _clock.perf() - self._start
+        result = LoadResult("storage", self.spec.version, reader.bytes, seconds,
+                            timings={"read": reader.seconds, "copy": seconds - reader.seconds})
+        return result, self._intervals + reader.intervals
 
     def run(self, model: Model, cuts: Mapping[str, Sequence[int]],
             extra: Sequence[Span] = ()) -> tuple[LoadResult, list[Interval]]:
-        """Read this rank's spans into ``model``'s tensors, and ``extra`` for their CRC
-        only; return the load (``bytes``: bytes read from storage) and the CRC32C of
-        every elementary interval read, cut at ``cuts`` (uri -> offsets)."""
-        start = _clock.perf()
-        tensors = named_tensors(model)[0]
-        reader = _Reader(self.storage, self.spec.shards, cuts, self._stage_bytes(extra))
+        """This rank's load alone (nothing shared): :attr:`spans` into ``model``'s tensors
+        and ``extra`` for their CRC only."""
+        self.begin(model, cuts, schedule([self.needs]), 0, extra)
         try:
-            intervals = [Interval(h.uri, 0, len(h.raw), google_crc32c.value(h.raw))
-                         for h in self.headers]
-            with torch.no_grad():
-                for s in self.sources:
-                    self._fill(reader, s, tensors)
-            for uri, lo, hi in extra:
-                for _ in reader.read(uri, lo, hi, len(reader.stage)):
-                    pass
+            self.read_own(extra)
         finally:
-            reader.close()
-        zero_padding(self.sharding.layout, tensors)
-        seconds = _clock.perf() - start
-        result = LoadResult("storage", self.spec.version, reader.bytes, seconds,
-                            timings={"read": reader.seconds, "copy": seconds - reader.seconds})
-        return result, intervals + reader.intervals
-
-    def _stage_bytes(self, extra: Sequence[Span]) -> int:
-        longest = max([hi - lo for _, lo, hi in [*extra, *(s.span for s in self.sources)]], default=0)
-        row = max((s.row_bytes for s in self.sources), default=0)
-        return max(min(self.stage_cap, longest), row, 1)
+            self._reader.close()
+        return self.finish()
 
     def _fill(self, reader: _Reader, s: _Source, tensors: Mapping[str, torch.Tensor]) -> None:
         """Read ``s``'s rows in chunks of whole rows and place each chunk's moves."""

@@ -25,7 +25,7 @@ the measured medians, and the plot shows both (points measured, lines simulated)
 Without that JSON (``benchmarks/out/`` is not in a fresh clone) it uses run 7's costs
 as RESULTS.md writes them (:data:`RUN7`), says so, and prints no comparison or plot.
 
-Fan-out designs (issue 30), built from ``nccl_back/transport/relay/topology.py`` and
+Fan-out designs, built from ``nccl_back/transport/relay/topology.py`` and
 run by a discrete-event model of capped links (:func:`fanout`), for N = 1 ... 4096,
 warm with 1 and with 4 holders, and brand-new (the single flight's stream feeding the
 fan-out), next to ``chain``:
@@ -172,7 +172,7 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
     return out
 
 
-# Fan-out designs (issue 30), each built from nccl_back.transport.relay.topology.
+# Fan-out designs, each built from nccl_back.transport.relay.topology.
 
 #: Fleet sizes of the fan-out tables.
 FANOUT_SIZES = (1, 64, 256, 1024, 4096)

@@ -367,3 +367,22 @@ def test_an_oversized_record_is_refused_and_replaced_without_its_bytes_leaving_t
     assert reg.acquire(lease, {"owner": "w1"}, schema.LEASE, 5.0) is not None
     assert reg.client.strlen(lease) < 1024
     assert int(reg.client.info("stats")["total_net_output_bytes"]) - sent < 1 << 20
+
+
+def test_oversized_peer_entries_cost_a_reader_their_bound_not_their_size(
+    redis_url: str, namespace: str
+) -> None:
+    """Peer entries read in a batch (discovery, ``status``) send at most their kind's
+    bound + 1 bytes each: a 16 MiB value at a genuine holder's key is skipped with a
+    reason while the holder is still found."""
+    reg = make_registry(redis_url, namespace, secret="s" * 32)
+    good, bad = peer("good"), peer("bad")
+    reg.publish_peer(good)
+    reg.publish_peer(bad)
+    reg.client.set(reg.keys.peer("v1", 0, 1, "bad"), b"{" + b" " * (16 << 20), ex=3600)
+    sent = int(reg.client.info("stats")["total_net_output_bytes"])
+    rejected = reg.rejected
+    assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["good"]
+    assert [s.info.peer_id for s in reg.list_all()["v1"]] == ["good"]
+    assert reg.rejected - rejected == 2
+    assert int(reg.client.info("stats")["total_net_output_bytes"]) - sent < 1 << 20

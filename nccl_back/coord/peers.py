@@ -173,13 +173,9 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         keys = list(self._scan(self.keys.all_peers()))
         if not keys:
             return {}
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-            pipe.pttl(key)
-        values = self._call("list", pipe.execute)
+        raws, ttls = self._get_with_ttls(keys, schema.PEER)
         peers: list[tuple[PeerInfo, float]] = []
-        for key, raw, ttl_ms in zip(keys, values[::2], values[1::2], strict=True):
+        for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
             info = self._entry(key, raw, ttl_ms)
             if info is not None:
                 peers.append((info, max(int(ttl_ms), 0) / 1000))

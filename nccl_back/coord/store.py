@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any, TypeVar
 
 import redis
@@ -208,26 +207,27 @@ class SignedStore:
         return got[2], ttl_ms
 
     def _get_with_ttls(self, keys: list[str], kind: KeyKind) -> tuple[list[Any], list[int]]:
-        """Values (None for absent keys, :data:`WRONG_TYPE` for keys of another Redis
-        type, rejected) and PTTLs, in one round trip."""
+        """Values and PTTLs in one round trip, as :meth:`_get_with_ttl` gives them (None for
+        absent keys, :data:`WRONG_TYPE` for keys of another Redis type, rejected,
+        :class:`Oversized` for values over ``kind``'s bound): at most the bound + 1 bytes
+        of each value cross the wire."""
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:  # GETs, not MGET: a cluster pipeline refuses MGET
-            pipe.get(key)
-            pipe.pttl(key)
+        for key in keys:  # GETRANGE, not MGET: bounded, and a cluster pipeline refuses MGET
+            pipe.pttl(key)  # first: a key absent here and written before the read is unseen
+            pipe.getrange(key, 0, kind.max_bytes)
         try:
             out = self._call("GET", pipe.execute)
         except RegistryError as e:
             if "WRONGTYPE" not in str(e):
                 raise
             # Some key holds a list or a set: read them one by one, wrong types as absent.
-            out = []
-            for key in keys:
-                try:
-                    out += [self._call("GET", partial(self.client.get, key)), self.ttl(key)]
-                except RegistryError:
+            got = [self._get_with_ttl(key, kind) for key in keys]
+            for key, (raw, _) in zip(keys, got, strict=True):
+                if raw is WRONG_TYPE:
                     self.reject(kind.kind, key, "wrong Redis type")
-                    out += [WRONG_TYPE, -2]
-        return list(out[::2]), [int(t) for t in out[1::2]]
+            return [raw for raw, _ in got], [ttl for _, ttl in got]
+        ttls = [int(t) for t in out[::2]]
+        return [_bounded(raw, ttl, kind) for raw, ttl in zip(out[1::2], ttls, strict=True)], ttls
 
     def get_signed(self, key: str, kind: KeyKind, *, ttl: float | None = None) -> tuple[Any, Raw] | None:
         """The typed record at ``key`` (``kind``'s parser's) and its raw value (for a
@@ -331,6 +331,17 @@ class SignedStore:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _bounded(raw: bytes, ttl_ms: int, kind: KeyKind) -> Any:
+    """A GETRANGE reply read after its PTTL as :meth:`SignedStore._get_with_ttl` gives
+    values: None if the key was absent (or deleted between the two, or empty: no record
+    of ours is), :class:`Oversized` past ``kind``'s bound, else the bytes."""
+    if ttl_ms == -2 or not raw:
+        return None
+    if len(raw) > kind.max_bytes:
+        return Oversized(len(raw), kind.max_bytes)
+    return raw
 
 
 def _kind(kind: RecordKind | str) -> RecordKind | str:

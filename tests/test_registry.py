@@ -386,3 +386,14 @@ def test_oversized_peer_entries_cost_a_reader_their_bound_not_their_size(
     assert [s.info.peer_id for s in reg.list_all()["v1"]] == ["good"]
     assert reg.rejected - rejected == 2
     assert int(reg.client.info("stats")["total_net_output_bytes"]) - sent < 1 << 20
+
+
+def test_a_started_server_used_as_a_context_stops_when_the_block_ends() -> None:
+    """``with LocalRedis().start() as r:`` (the README's form) leaves no server behind."""
+    import socket
+
+    with LocalRedis().start() as r:
+        port = r.port
+        redis.Redis.from_url(r.url).ping()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), 1):
+        pass

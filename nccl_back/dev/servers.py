@@ -43,6 +43,7 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], deadline: fl
 
 
 S = TypeVar("S", bound="Started")
+P = TypeVar("P", bound="LocalProcess")
 
 
 class Started:
@@ -72,6 +73,13 @@ class LocalProcess(Started):
         """Run ``argv`` and return once it listens on :attr:`port`."""
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_port("127.0.0.1", self.port, self.proc, time.monotonic() + timeout, what)
+
+    def __enter__(self: P) -> P:
+        # ``with X().start() as x:`` (the README's quickstart) must not spawn a second
+        # server: the first would outlive the block.
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        return self.start()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

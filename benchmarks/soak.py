@@ -623,11 +623,12 @@ class Soak:
             late = [p for p in waiting
                     if now > p.started + self.bound + HANG_MARGIN + p.stopped_total]
             for p in late:
-                partner_killed = any(q.killed for q in procs if q.unit == p.unit and q is not p)
-                if not p.in_service and partner_killed:
-                    # Stuck in torch's rendezvous with a killed rank (gloo's connect does
-                    # not always honour its timeout): the group never formed, before any
-                    # library call. Not the library's hang.
+                partner_gone = any(q.killed or (q.report or {}).get("phase") == "rendezvous"
+                                   for q in procs if q.unit == p.unit and q is not p)
+                if not p.in_service and partner_gone:
+                    # Stuck in torch's rendezvous with a rank that was killed or gave up on
+                    # it (gloo's connect does not always honour its timeout): the group
+                    # never formed, before any library call. Not the library's hang.
                     _signal(p.process.pid, signal.SIGKILL)
                     p.killed = True
                     out.typed_errors += 1

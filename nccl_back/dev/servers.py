@@ -23,9 +23,32 @@ from typing import Any, TypeVar
 
 from nccl_back.errors import NcclBackError
 
+_PORTS = random.SystemRandom()  # a seeded ``random`` must not make processes draw alike
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
+    """A TCP port that was free a moment ago on ``host``.
+
+    Drawn below the kernel's ephemeral range: a port the kernel hands out (to an outgoing
+    connection, or to a listener on port 0 such as gloo's) can be taken between this
+    draw and its use, and a rendezvous whose port was taken that way hung a group rank.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PORTS.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -16,7 +16,17 @@ rm -rf "$site"
 if [ "$#" -gt 0 ] || [ "${NCCL_BACK_SKIP_VLLM:-0}" = 1 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-.venv/bin/python -m pytest
-bash scripts/bootstrap_vllm.sh
+# .venv-vllm is set up (mostly downloads and unpacking) while the main suite runs.
+vllm_log=$(mktemp)
+bash scripts/bootstrap_vllm.sh >"$vllm_log" 2>&1 &
+vllm_setup=$!
+status=0
+.venv/bin/python -m pytest || status=$?
+vllm_status=0
+wait "$vllm_setup" || vllm_status=$?
+cat "$vllm_log" >&2
+rm -f "$vllm_log"
+[ "$vllm_status" = 0 ] || exit "$vllm_status"
+[ "$status" = 0 ] || exit "$status"
 # pyproject's addopts ignore tests/vllm for the main run; this run is only that folder.
 exec .venv-vllm/bin/python -m pytest tests/vllm -m vllm -o addopts=-ra

@@ -14,6 +14,13 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   (``cohort_max_size=1``): every receiver takes a whole copy from a holder and serves
   once it holds the weights, the binomial tree of ⌈log2(N+1)⌉ rounds.
 
+* ``warm_kill``: ``warm`` with one receiver SIGKILLed mid-transfer (``--kill-at`` of the
+  warm N=1 median after the release): the survivors' times say what its death cost the
+  receivers below it (they re-attach further up).
+
+Each receiver's upstream depth (hops from the holder or the downloader, from the source
+its load reports) is in the rows and the table.
+
 ``--link-gbps`` caps every worker's outgoing weight traffic (``max_send_gbps``), so each
 worker has its own emulated link and this small machine measures the topology rather
 than its CPUs. ``--max-storage-n`` bounds the storage-only sizes (linear, slow).
@@ -62,7 +69,7 @@ from nccl_back.dev.gcs import LocalGCS
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.model.identity import ModelSpec
 
-SCENARIOS = ("storage", "warm", "warm_tree", "single_flight", "single_flight_tree")
+SCENARIOS = ("storage", "warm", "warm_kill", "warm_tree", "single_flight", "single_flight_tree")
 BUCKET = "cold-start-bench"
 PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
 
@@ -127,6 +134,32 @@ def worker_main(
                                         "traceback": traceback.format_exc()}).encode())
 
 
+def depths(rows: list[dict[str, Any]]) -> None:
+    """Set each row's ``depth``: hops from the holder or the storage reader, following the
+    source its load reports (a relay member's or holder's id starts with its worker's
+    name); None where the source is no worker of the round (it died, or the holder)."""
+    by_name = {r["worker"]: r for r in rows}
+    names = sorted(by_name, key=len, reverse=True)  # the longest name that prefixes an id
+
+    def upstream(r: dict[str, Any]) -> dict[str, Any] | None:
+        pid = r.get("peer_id") or ""
+        return next((by_name[w] for w in names if pid.startswith(w + "-")), None)
+
+    def depth(r: dict[str, Any], seen: frozenset[str]) -> int | None:
+        if r["source"] == "storage":
+            return 0
+        up = upstream(r)
+        if up is None:
+            return 1 if (r.get("peer_id") or "").startswith("warm-r") else None
+        if up["worker"] in seen:
+            return None
+        d = depth(up, seen | {r["worker"]})
+        return None if d is None else d + 1
+
+    for r in rows:
+        r["depth"] = depth(r, frozenset())
+
+
 def parts(row: dict[str, Any]) -> dict[str, float]:
     """A worker's ready time split into :data:`PARTS` (seconds)."""
     t = row["timings"]
@@ -156,6 +189,8 @@ class Bench:
         self.gcs = LocalGCS().start()
         self.proxy: Any = None
         self.procs: list[Any] = []
+        self.kill_after = 1.0
+        """Seconds after the release at which ``warm_kill`` kills its victim."""
 
     def prepare(self) -> ModelSpec:
         """Write the model, upload it, start the throttle; returns the checkpoint's spec."""
@@ -221,7 +256,15 @@ class Bench:
                     raise RuntimeError(f"{msg['worker']} failed: {msg['error']}")
             go_wall.value = time.time()
             go.set()
-            rows = _collect(conns, 1, deadline)
+            victim = None
+            if scenario == "warm_kill" and n > 1:
+                # A receiver early in arrival order, so that it likely has others below it.
+                victim = min(n - 1, n // 4)
+                time.sleep(self.kill_after)
+                proc = self.procs[-n + victim]
+                killed_running = proc.is_alive()
+                proc.kill()
+            rows = _collect([c for i, c in enumerate(conns) if i != victim], 1, deadline)
         finally:
             stop.set()
             self._reap()
@@ -229,6 +272,11 @@ class Bench:
             if "error" in r:
                 raise RuntimeError(f"{r['worker']} failed: {r['error']}\n{r.get('traceback', '')}")
             r.update(scenario=scenario, n=n, **{f"{k}_s": v for k, v in parts(r).items()})
+        depths(rows)
+        if victim is not None:
+            for r in rows:
+                r["victim"] = f"{scenario}-{n}-w{victim}"
+                r["victim_killed_while_loading"] = killed_running
         return rows
 
     def _reap(self) -> None:
@@ -289,6 +337,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "median_after_skeleton_s": statistics.median(r["ready_s"] - r["skeleton_s"] for r in rs),
                 **{f"median_{p}_s": statistics.median(r[f"{p}_s"] for r in rs) for p in PARTS},
                 "from_storage": sources["storage"], "from_peer": sources["peer"],
+                "max_depth": max((r["depth"] for r in rs if r.get("depth") is not None), default=None),
+                "victim_killed_while_loading": any(r.get("victim_killed_while_loading") for r in rs),
             })
     return out
 
@@ -307,6 +357,25 @@ def goals(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
             net = {s["n"]: s["median_after_skeleton_s"] for s in summary if s["scenario"] == scenario}
             out.append({"goal": f"{scenario}, skeleton build excluded: N={n} <= {bound} x N=1",
                         "ratio": net[n] / net[1], "pass": net[n] / net[1] <= bound})
+    warm_ns = [n for n in ns if ("warm", n) in med]
+    if len(warm_ns) >= 2 and warm_ns[0] == 1 and warm_ns[-1] >= 32:
+        big = next(s for s in summary if s["scenario"] == "warm" and s["n"] == warm_ns[-1])
+        base = med["warm", 1]
+        out.append({"goal": f"warm, one holder: N={big['n']} median <= 1.2 x N=1, slowest <= 1.35 x,"
+                            " storage reads 0",
+                    "ratio": big["median_s"] / base, "slowest_ratio": big["max_s"] / base,
+                    "max_depth": big["max_depth"],
+                    "pass": (big["median_s"] <= 1.2 * base and big["max_s"] <= 1.35 * base
+                             and big["from_storage"] == 0)})
+    kill = [s for s in summary if s["scenario"] == "warm_kill" and s["n"] > 1]
+    if kill and ("warm", 1) in med:
+        k = kill[-1]
+        bound = (med["warm", 1] + Settings().relay_stall_timeout) * 1.2
+        alive = "" if k["victim_killed_while_loading"] else " (the victim had finished: not a test)"
+        out.append({"goal": f"warm_kill: N={k['n']}, one receiver SIGKILLed mid-transfer{alive}: slowest"
+                            f" survivor / warm N=1 <= {bound / med['warm', 1]:.2f} ((N=1 + stall bound) x 1.2)",
+                    "ratio": k["max_s"] / med["warm", 1],
+                    "pass": k["max_s"] <= bound and k["victim_killed_while_loading"]})
     for scenario in ("warm_tree", "single_flight_tree"):
         if (scenario, lo) in med and (scenario, hi) in med:
             out.append({"goal": f"{scenario} (old design, for comparison): N={hi} / N={lo}",
@@ -345,12 +414,13 @@ def machine() -> dict[str, Any]:
 
 
 def print_table(summary: list[dict[str, Any]]) -> None:
-    cols = ["scenario", "N", "median", "min", "max", *PARTS, "sources"]
+    cols = ["scenario", "N", "median", "min", "max", *PARTS, "depth", "sources"]
     lines = []
     for s in summary:
         src = " + ".join(f"{s[f'from_{k}']} {k}" for k in ("storage", "peer") if s[f"from_{k}"])
         lines.append([s["scenario"], str(s["n"]), *(f"{s[k]:.2f}" for k in ("median_s", "min_s", "max_s")),
-                      *(f"{s[f'median_{p}_s']:.2f}" for p in PARTS), src])
+                      *(f"{s[f'median_{p}_s']:.2f}" for p in PARTS),
+                      "-" if s["max_depth"] is None else str(s["max_depth"]), src])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     print("ready time after release, seconds (medians over all workers of all rounds; parts too)")
     for row in [cols, *lines]:
@@ -365,6 +435,7 @@ def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     labels = {"storage": "storage only", "warm": "one warm peer, relay chain",
+              "warm_kill": "one warm peer, a receiver killed mid-transfer",
               "warm_tree": "one warm peer, binomial tree (old)",
               "single_flight": "single flight, streamed relay chain",
               "single_flight_tree": "single flight, binomial tree (old)"}
@@ -410,6 +481,9 @@ def main() -> int:
                    help="workers build their skeleton before the release, as an engine builds"
                         " its model before load(): N processes on a few CPUs then do not slow"
                         " each other's builds inside the measured time")
+    p.add_argument("--kill-at", type=float, default=0.4,
+                   help="warm_kill: kill its victim this fraction of the warm N=1 median after the"
+                        " release (warm runs first)")
     p.add_argument("--out", default="benchmarks/out", help="directory for the JSON and CSV")
     p.add_argument("--png", default="benchmarks/cold_start.png")
     args = p.parse_args()
@@ -434,6 +508,9 @@ def main() -> int:
                     if scenario == "storage" and n > args.max_storage_n:
                         continue
                     t = time.perf_counter()
+                    warm1 = [r["ready_s"] for r in rows if r["scenario"] == "warm" and r["n"] == 1]
+                    if warm1:
+                        bench.kill_after = args.kill_at * statistics.median(warm1)
                     got = bench.round(scenario, n, spec)
                     for r in got:
                         r["repeat"] = rep
@@ -451,6 +528,8 @@ def main() -> int:
     print()
     for g in verdicts:
         extra = f", slope {g['slope_s_per_worker']:.2f} s/worker, R^2 {g['r2']:.3f}" if "r2" in g else ""
+        if "slowest_ratio" in g:
+            extra = f", slowest {g['slowest_ratio']:.2f}, deepest receiver {g['max_depth']} hops"
         print(f"{'PASS' if g['pass'] else 'MISS'}  {g['goal']}: measured {g['ratio']:.2f}{extra}")
 
     os.makedirs(args.out, exist_ok=True)
@@ -462,7 +541,7 @@ def main() -> int:
             "seconds": time.perf_counter() - started}
     with open(os.path.join(args.out, "cold_start.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary, "goals": verdicts, "workers": rows}, f, indent=1)
-    fields = ["scenario", "n", "repeat", "worker", "source", "peer_id", "ready_s", *(f"{p}_s" for p in PARTS),
+    fields = ["scenario", "n", "repeat", "worker", "source", "peer_id", "depth", "ready_s", *(f"{p}_s" for p in PARTS),
               "load_s", "bytes", "verified", "fallback_reason"]
     with open(os.path.join(args.out, "cold_start.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")

@@ -415,7 +415,12 @@ LABELS = {"storage": "storage only", "warm": "warm peer, relay chain",
           "single_flight_tree": "single flight, binomial tree (old)"}
 
 
-def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str, title: str) -> None:
+DESIGNED = {"warm_dtree": "warm peer, double tree (designed, not yet live)",
+            "single_flight_dtree": "single flight, double tree (designed, not yet live)"}
+
+
+def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str, title: str,
+         designed: dict[str, dict[int, float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -427,8 +432,15 @@ def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str,
         (line,) = ax.plot(ns, [series[n] for n in ns], label=f"{LABELS[scenario]} (simulated)")
         pts = [s for s in measured["summary"] if s["scenario"] == scenario]
         if pts:
-            ax.plot([s["n"] for s in pts], [s["median_s"] for s in pts], "o",
-                    color=line.get_color(), label=f"{LABELS[scenario]} (measured)")
+            # Error bars: the fastest and the slowest worker of the measured rounds.
+            ax.errorbar([s["n"] for s in pts], [s["median_s"] for s in pts],
+                        yerr=[[s["median_s"] - s["min_s"] for s in pts],
+                              [s["max_s"] - s["median_s"] for s in pts]],
+                        fmt="o", capsize=3, color=line.get_color(),
+                        label=f"{LABELS[scenario]} (measured)")
+    for scenario, series in designed.items():
+        ns = sorted(series)
+        ax.plot(ns, [series[n] for n in ns], "--", label=f"{DESIGNED[scenario]} (simulated)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(list(SIM_SIZES), [str(n) for n in SIM_SIZES])
@@ -459,7 +471,7 @@ def main() -> None:
         c = calibrate(measured, args.bucket_bytes, args.cohort_max)
         pred = predict(c)
         print(f"costs: {c}")
-        compare(pred, measured, args.png)
+        compare(pred, measured, args.png, c)
     else:
         c = RUN7
         print(f"{args.measured} not found: using run 7's costs written in benchmarks/RESULTS.md "
@@ -477,7 +489,7 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: str) -> None:
+def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: str, c: Costs) -> None:
     """The model against a measured run, and the plot."""
     med = {(s["scenario"], s["n"]): s["median_s"] for s in measured["summary"]}
     # The model has no CPU: on a small machine N workers building skeletons at once
@@ -498,10 +510,13 @@ def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: st
         s = pred[scenario]
         print(f"{scenario}: N=1024 / N=1 = {s[1024] / s[1]:.2f}")
     meta = measured["meta"]
+    designed = {"warm_dtree": {n: statistics.median(tree_design(n, c, 1, False)) for n in SIM_SIZES},
+                "single_flight_dtree": {n: statistics.median(tree_design(n, c, 1, True))
+                                        for n in SIM_SIZES}}
     plot(pred, measured, png,
          f"{meta['model_bytes'] / 2**20:.0f} MiB, link {meta.get('link_gbps', 0):g} GB/s per worker, "
-         f"storage {meta['storage_gbps']:g} GB/s shared; points: cold_start.py on 2 CPUs, "
-         "lines: simulate.py")
+         f"storage {meta['storage_gbps']:g} GB/s shared\npoints: cold_start.py on 2 CPUs, "
+         "lines: simulate.py; bars: fastest-slowest worker", designed)
     print(f"wrote {png}")
 
 if __name__ == "__main__":

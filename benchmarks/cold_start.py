@@ -72,6 +72,8 @@ from nccl_back.model.identity import ModelSpec
 SCENARIOS = ("storage", "warm", "warm_kill", "warm_tree", "single_flight", "single_flight_tree")
 BUCKET = "cold-start-bench"
 PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
+#: The warm peer's worker name (its peer ids start with it).
+HOLDER = "warm"
 
 
 # -- a worker (child process) -----------------------------------------------------------
@@ -150,7 +152,7 @@ def depths(rows: list[dict[str, Any]]) -> None:
             return 0
         up = upstream(r)
         if up is None:
-            return 1 if (r.get("peer_id") or "").startswith("warm-r") else None
+            return 1 if (r.get("peer_id") or "").startswith(HOLDER + "-r") else None
         if up["worker"] in seen:
             return None
         d = depth(up, seen | {r["worker"]})
@@ -240,7 +242,7 @@ class Bench:
                 # The warm peer loads unthrottled: only the N workers' cold start counts.
                 warm_go, warm_wall = self.ctx.Event(), self.ctx.Value("d", time.time())
                 warm_go.set()
-                conn = self.spawn("warm", self.settings(ns, scenario), spec, self.gcs.host, warm_go,
+                conn = self.spawn(HOLDER, self.settings(ns, scenario), spec, self.gcs.host, warm_go,
                                   warm_wall, stop)
                 for msg in _collect([conn], 2, deadline):
                     if "error" in msg:

@@ -72,8 +72,14 @@ from nccl_back.model.identity import ModelSpec
 SCENARIOS = ("storage", "warm", "warm_kill", "warm_tree", "single_flight", "single_flight_tree")
 BUCKET = "cold-start-bench"
 PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
-#: The warm peer's worker name (its peer ids start with it).
+#: The warm peers' worker names start with this (``warm``, ``warm1``, ...; their peer
+#: ids start with the name).
 HOLDER = "warm"
+
+
+def holder_names(k: int) -> list[str]:
+    """The worker names of ``k`` warm peers."""
+    return [HOLDER if i == 0 else f"{HOLDER}{i}" for i in range(k)]
 
 
 # -- a worker (child process) -----------------------------------------------------------
@@ -136,10 +142,11 @@ def worker_main(
                                         "traceback": traceback.format_exc()}).encode())
 
 
-def depths(rows: list[dict[str, Any]]) -> None:
-    """Set each row's ``depth``: hops from the holder or the storage reader, following the
+def depths(rows: list[dict[str, Any]], holders: Sequence[str] = (HOLDER,)) -> None:
+    """Set each row's ``depth``: hops from a holder or the storage reader, following the
     source its load reports (a relay member's or holder's id starts with its worker's
-    name); None where the source is no worker of the round (it died, or the holder)."""
+    name), and ``root``: the holder (worker name) or ``storage`` at the top of its path;
+    both None where the source is no worker of the round nor a holder (it died)."""
     by_name = {r["worker"]: r for r in rows}
     names = sorted(by_name, key=len, reverse=True)  # the longest name that prefixes an id
 
@@ -147,19 +154,21 @@ def depths(rows: list[dict[str, Any]]) -> None:
         pid = r.get("peer_id") or ""
         return next((by_name[w] for w in names if pid.startswith(w + "-")), None)
 
-    def depth(r: dict[str, Any], seen: frozenset[str]) -> int | None:
+    def path(r: dict[str, Any], seen: frozenset[str]) -> tuple[int, str] | None:
         if r["source"] == "storage":
-            return 0
+            return 0, "storage"
         up = upstream(r)
         if up is None:
-            return 1 if (r.get("peer_id") or "").startswith(HOLDER + "-r") else None
+            pid = r.get("peer_id") or ""
+            return next(((1, h) for h in holders if pid.startswith(h + "-r")), None)
         if up["worker"] in seen:
             return None
-        d = depth(up, seen | {r["worker"]})
-        return None if d is None else d + 1
+        p = path(up, seen | {r["worker"]})
+        return None if p is None else (p[0] + 1, p[1])
 
     for r in rows:
-        r["depth"] = depth(r, frozenset())
+        p = path(r, frozenset())
+        r["depth"], r["root"] = (None, None) if p is None else p
 
 
 def parts(row: dict[str, Any]) -> dict[str, float]:
@@ -239,14 +248,17 @@ class Bench:
         deadline = time.monotonic() + self.args.timeout
         try:
             if scenario.startswith("warm"):
-                # The warm peer loads unthrottled: only the N workers' cold start counts.
-                warm_go, warm_wall = self.ctx.Event(), self.ctx.Value("d", time.time())
-                warm_go.set()
-                conn = self.spawn(HOLDER, self.settings(ns, scenario), spec, self.gcs.host, warm_go,
-                                  warm_wall, stop)
-                for msg in _collect([conn], 2, deadline):
-                    if "error" in msg:
-                        raise RuntimeError(f"warm peer failed: {msg['error']}\n{msg.get('traceback', '')}")
+                # The warm peers load unthrottled, one after the other (the first from
+                # storage, the others from it): only the N workers' cold start counts.
+                for name in holder_names(self.args.holders):
+                    warm_go, warm_wall = self.ctx.Event(), self.ctx.Value("d", time.time())
+                    warm_go.set()
+                    conn = self.spawn(name, self.settings(ns, scenario),
+                                      spec, self.gcs.host, warm_go, warm_wall, stop)
+                    for msg in _collect([conn], 2, deadline):
+                        if "error" in msg:
+                            raise RuntimeError(f"warm peer {name} failed: {msg['error']}\n"
+                                               f"{msg.get('traceback', '')}")
             conns = [
                 self.spawn(f"{scenario}-{n}-w{i}",
                            self.settings(f"{ns}-{i}" if scenario == "storage" else ns, scenario),
@@ -274,7 +286,7 @@ class Bench:
             if "error" in r:
                 raise RuntimeError(f"{r['worker']} failed: {r['error']}\n{r.get('traceback', '')}")
             r.update(scenario=scenario, n=n, **{f"{k}_s": v for k, v in parts(r).items()})
-        depths(rows)
+        depths(rows, holder_names(self.args.holders))
         if victim is not None:
             for r in rows:
                 r["victim"] = f"{scenario}-{n}-w{victim}"
@@ -340,12 +352,15 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 **{f"median_{p}_s": statistics.median(r[f"{p}_s"] for r in rs) for p in PARTS},
                 "from_storage": sources["storage"], "from_peer": sources["peer"],
                 "max_depth": max((r["depth"] for r in rs if r.get("depth") is not None), default=None),
+                # Which holder (or the storage reader) each receiver's path starts at.
+                "roots": {str(k): sum(r.get("root") == k for r in rs)
+                          for k in sorted({r.get("root") for r in rs}, key=str)},
                 "victim_killed_while_loading": any(r.get("victim_killed_while_loading") for r in rs),
             })
     return out
 
 
-def goals(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def goals(summary: list[dict[str, Any]], holders: int = 1) -> list[dict[str, Any]]:
     med = {(s["scenario"], s["n"]): s["median_s"] for s in summary}
     ns = sorted({n for _, n in med})
     lo, hi = ns[0], ns[-1]
@@ -363,7 +378,8 @@ def goals(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if len(warm_ns) >= 2 and warm_ns[0] == 1 and warm_ns[-1] >= 32:
         big = next(s for s in summary if s["scenario"] == "warm" and s["n"] == warm_ns[-1])
         base = med["warm", 1]
-        out.append({"goal": f"warm, one holder: N={big['n']} median <= 1.2 x N=1, slowest <= 1.35 x,"
+        who = "one holder" if holders == 1 else f"{holders} holders"
+        out.append({"goal": f"warm, {who}: N={big['n']} median <= 1.2 x N=1, slowest <= 1.35 x,"
                             " storage reads 0",
                     "ratio": big["median_s"] / base, "slowest_ratio": big["max_s"] / base,
                     "max_depth": big["max_depth"],
@@ -483,14 +499,17 @@ def main() -> int:
                    help="workers build their skeleton before the release, as an engine builds"
                         " its model before load(): N processes on a few CPUs then do not slow"
                         " each other's builds inside the measured time")
+    p.add_argument("--holders", type=int, default=1,
+                   help="warm scenarios: warm peers serving before the N workers start")
     p.add_argument("--kill-at", type=float, default=0.4,
                    help="warm_kill: kill its victim this fraction of the warm N=1 median after the"
                         " release (warm runs first)")
     p.add_argument("--out", default="benchmarks/out", help="directory for the JSON and CSV")
     p.add_argument("--png", default="benchmarks/cold_start.png")
     args = p.parse_args()
-    if args.model_mb <= 0 or args.storage_gbps <= 0 or min(args.sizes) < 1 or args.repeat < 1:
-        p.error("--model-mb, --storage-gbps, --sizes and --repeat must be positive")
+    if (args.model_mb <= 0 or args.storage_gbps <= 0 or min(args.sizes) < 1 or args.repeat < 1
+            or args.holders < 1):
+        p.error("--model-mb, --storage-gbps, --sizes, --repeat and --holders must be positive")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # Other work on the machine skews every figure: record the load around the run.
@@ -524,7 +543,7 @@ def main() -> int:
         bench.close()
 
     summary = summarise(rows)
-    verdicts = goals(summary)
+    verdicts = goals(summary, args.holders)
     print()
     print_table(summary)
     print()
@@ -533,17 +552,21 @@ def main() -> int:
         if "slowest_ratio" in g:
             extra = f", slowest {g['slowest_ratio']:.2f}, deepest receiver {g['max_depth']} hops"
         print(f"{'PASS' if g['pass'] else 'MISS'}  {g['goal']}: measured {g['ratio']:.2f}{extra}")
+    for s in summary:
+        if s["scenario"].startswith("warm") and args.holders > 1:
+            print(f"{s['scenario']} N={s['n']}: receivers per holder {s['roots']}")
 
     os.makedirs(args.out, exist_ok=True)
     meta = {"model_bytes": spec.nbytes, "shards": len(spec.shards),
             "skeleton_first": args.skeleton_first,
-            "storage_gbps": args.storage_gbps, "link_gbps": args.link_gbps, "sizes": sorted(args.sizes), "repeat": args.repeat,
+            "storage_gbps": args.storage_gbps, "link_gbps": args.link_gbps, "holders": args.holders,
+            "sizes": sorted(args.sizes), "repeat": args.repeat,
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
             "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
             "seconds": time.perf_counter() - started}
     with open(os.path.join(args.out, "cold_start.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary, "goals": verdicts, "workers": rows}, f, indent=1)
-    fields = ["scenario", "n", "repeat", "worker", "source", "peer_id", "depth", "ready_s", *(f"{p}_s" for p in PARTS),
+    fields = ["scenario", "n", "repeat", "worker", "source", "peer_id", "depth", "root", "ready_s", *(f"{p}_s" for p in PARTS),
               "load_s", "bytes", "verified", "fallback_reason"]
     with open(os.path.join(args.out, "cold_start.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")

@@ -167,9 +167,10 @@ def test_keys_live_no_longer_than_the_connect_phase(fleet: Settings, registry: R
 
 def pair(fleet: Settings, registry: Registry, tid: str, want: dict[str, torch.Tensor],
          got: dict[str, torch.Tensor], connect_s: float,
-         during: Callable[[], None] | None = None) -> list[BaseException]:
+         during: Callable[[], None] | None = None, stall: float | None = None) -> list[BaseException]:
     """A sender and a receiver (two threads) transfer ``want`` into ``got`` through a
-    rendezvous; ``during`` runs beside them. Returns what each side raised."""
+    rendezvous; ``during`` runs beside them; ``stall``: each side's stall bound, as a
+    load passes one. Returns what each side raised."""
     errors: list[BaseException] = []
     before = listening_sockets()
     with open_rendezvous(fleet, "gloo", device=CPU, registry=registry) as rdv:
@@ -178,7 +179,8 @@ def pair(fleet: Settings, registry: Registry, tid: str, want: dict[str, torch.Te
 
         def side(tr: object, fn: object) -> None:
             try:
-                run_guarded(tr, fn, now + 60, connect_deadline=now + connect_s)  # type: ignore[arg-type]
+                run_guarded(tr, fn, now + 60, connect_deadline=now + connect_s,  # type: ignore[arg-type]
+                            stall=stall)
             except NcclBackError as e:
                 errors.append(e)
 
@@ -233,7 +235,9 @@ def test_a_stranger_overwriting_the_bootstrap_fails_it_cleanly_never_feeds_it(
                 for stored in junk:
                     attacker.client.set(key, stored, px=2000)
 
-    errors = pair(fleet, registry, tid, WANT, got, connect_s=4, during=flood)
+    # A side that formed its half of the communicator before the flood won waits for the
+    # other at the stall bound, as in a load (without one it would wait out the deadline).
+    errors = pair(fleet, registry, tid, WANT, got, connect_s=4, during=flood, stall=5)
     if errors:  # the flood won the race: a clean, typed failure of both sides
         assert all(isinstance(e, TransferError) for e in errors), errors
         for n in WANT:

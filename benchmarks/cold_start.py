@@ -26,7 +26,9 @@ worker has its own emulated link and this small machine measures the topology ra
 than its CPUs. ``--max-storage-n`` bounds the storage-only sizes (linear, slow).
 
 Workers are spawned first and released together by one Event once imports and set-up
-are done, so Python start-up is not counted as cold start. Each worker records the
+are done, so Python start-up is not counted as cold start (``--stagger S``: worker i
+starts i·S seconds after the release, a rolling start; its time counts from its own
+start). ``--holders K``: K warm peers serve in the warm scenarios. Each worker records the
 time from the release to "weights verified and ready" and its parts: skeleton
 (``flat_skeleton``: header reads and allocation), discovery (incl. the single-flight
 wait), handshake, transfer or download, verification (peer) or ground-truth hashing
@@ -88,12 +90,14 @@ def holder_names(k: int) -> list[str]:
 def worker_main(
     name: str, settings_json: str, spec_json: str, storage_host: str, conn: Connection,
     go: Any, go_wall: Any, stop: Any, log_level: str, skeleton_first: bool = False,
+    delay: float = 0.0,
 ) -> None:
     """Set up, report ready, wait for ``go``, then skeleton + load; report; serve until ``stop``.
 
     ``skeleton_first``: build the skeleton before reporting ready, as an engine builds its
     model from code before it calls ``load`` (then ``skeleton_s`` is 0 and the time is
-    in ``prebuilt_s``)."""
+    in ``prebuilt_s``). ``delay``: start this long after ``go`` (``ready_s`` counts from
+    this worker's own start)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent cleans up on Ctrl-C
     os.environ["STORAGE_EMULATOR_HOST"] = storage_host
     from nccl_back.log import configure
@@ -120,6 +124,7 @@ def worker_main(
             conn.send_bytes(b'{"ready": true}')
             if not go.wait(600):
                 raise TimeoutError("never released")
+            time.sleep(delay)
             t0 = time.perf_counter()
             if model is None:
                 model = flat_skeleton(spec, "cpu")
@@ -128,7 +133,7 @@ def worker_main(
             ready_wall = time.time()
             conn.send_bytes(json.dumps({
                 "worker": name, "source": result.source, "peer_id": result.peer_id,
-                "ready_s": ready_wall - go_wall.value, "local_s": time.perf_counter() - t0,
+                "ready_s": ready_wall - go_wall.value - delay, "local_s": time.perf_counter() - t0,
                 "skeleton_s": skeleton, "prebuilt_s": prebuilt, "load_s": result.seconds,
                 "bytes": result.bytes,
                 "verified": result.verified, "fallback_reason": result.fallback_reason,
@@ -229,12 +234,12 @@ class Bench:
         return json.dumps({k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def spawn(self, name: str, settings: str, spec: ModelSpec, storage_host: str,
-              go: Any, go_wall: Any, stop: Any) -> Connection:
+              go: Any, go_wall: Any, stop: Any, delay: float = 0.0) -> Connection:
         recv, send = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=worker_main, daemon=True, name=name,
                                 args=(name, settings, json.dumps(spec.to_json()), storage_host,
                                       send, go, go_wall, stop, self.args.log_level,
-                                      self.args.skeleton_first))
+                                      self.args.skeleton_first, delay))
         proc.start()
         send.close()
         self.procs.append(proc)
@@ -262,7 +267,7 @@ class Bench:
             conns = [
                 self.spawn(f"{scenario}-{n}-w{i}",
                            self.settings(f"{ns}-{i}" if scenario == "storage" else ns, scenario),
-                           spec, self.proxy_host, go, go_wall, stop)
+                           spec, self.proxy_host, go, go_wall, stop, delay=i * self.args.stagger)
                 for i in range(n)
             ]
             for msg in _collect(conns, 1, deadline):
@@ -499,6 +504,9 @@ def main() -> int:
                    help="workers build their skeleton before the release, as an engine builds"
                         " its model before load(): N processes on a few CPUs then do not slow"
                         " each other's builds inside the measured time")
+    p.add_argument("--stagger", type=float, default=0.0,
+                   help="worker i starts i x this many seconds after the release (a rolling"
+                        " start; each worker's time counts from its own start). 0: together")
     p.add_argument("--holders", type=int, default=1,
                    help="warm scenarios: warm peers serving before the N workers start")
     p.add_argument("--kill-at", type=float, default=0.4,
@@ -508,8 +516,9 @@ def main() -> int:
     p.add_argument("--png", default="benchmarks/cold_start.png")
     args = p.parse_args()
     if (args.model_mb <= 0 or args.storage_gbps <= 0 or min(args.sizes) < 1 or args.repeat < 1
-            or args.holders < 1):
-        p.error("--model-mb, --storage-gbps, --sizes, --repeat and --holders must be positive")
+            or args.holders < 1 or args.stagger < 0):
+        p.error("--model-mb, --storage-gbps, --sizes, --repeat and --holders must be positive,"
+                " --stagger not negative")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # Other work on the machine skews every figure: record the load around the run.
@@ -559,7 +568,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     meta = {"model_bytes": spec.nbytes, "shards": len(spec.shards),
             "skeleton_first": args.skeleton_first,
-            "storage_gbps": args.storage_gbps, "link_gbps": args.link_gbps, "holders": args.holders,
+            "storage_gbps": args.storage_gbps, "link_gbps": args.link_gbps, "holders": args.holders, "stagger_s": args.stagger,
             "sizes": sorted(args.sizes), "repeat": args.repeat,
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
             "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),

@@ -157,8 +157,10 @@ class Settings:
     0 (unset, the default): unlimited."""
 
     cohort_window: float = 2.0
-    """Seconds during which receivers of the same version and rank that start a transfer
-    join one cohort (a pipelined relay chain) instead of queueing for whole copies."""
+    """Receivers of the same version and rank that start a transfer at most this many
+    seconds after the cohort's previous arrival join it (a pipelined relay chain; a
+    rolling start keeps joining the chain in flight) instead of queueing for whole
+    copies; after a window with no arrival the next one starts a new cohort."""
 
     cohort_max_size: int = 16
     """Most receivers in one relay chain; the next ones start another chain. 1: no

@@ -196,6 +196,22 @@ def test_cohort_seats_fill_chains_in_order_then_a_new_chain(redis_url: str, name
 
 
 
+def test_a_rolling_start_keeps_joining_the_chain_in_flight(redis_url: str, namespace: str) -> None:
+    """Arrivals each less than a window after the previous one sit in one chain however
+    long the whole start takes; a whole window without an arrival starts a new cohort."""
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
+    member = Member("w-r0-relay-1", "127.0.0.1:5000", "gloo", "cpu").to_dict()
+    seats = []
+    for _ in range(5):  # 4 gaps of 0.2 s: the start spans 0.8 s, two 0.4 s windows
+        seats.append(reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.4, max_size=8, ttl=10))
+        time.sleep(0.2)
+    assert [p for _, p in seats] == [0, 1, 2, 3, 4]
+    assert len({c for c, _ in seats}) == 1
+    time.sleep(0.5)
+    later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.4, max_size=8, ttl=10)
+    assert pos == 0 and later != seats[0][0]
+
+
 @pytest.mark.parametrize("secret", [None, "relay-test-fleet-secret-0123456789"], ids=["plain", "secret"])
 def test_a_member_seated_behind_a_stopped_endpoint_skips_it(
     redis_url: str, namespace: str, secret: str | None

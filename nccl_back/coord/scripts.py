@@ -135,7 +135,9 @@ return 0
 
 # Take a seat in the current cohort: the n-th arrival of a window sits at position
 # (n-1) % max in chain (n-1) // max; the record is pushed in the same step, so the
-# list index is the position. A new window (the hash expired) gets a new epoch.
+# list index is the position. Every arrival keeps the window open for another window
+# (a rolling start joins the chain in flight); a new window (the hash expired: nobody
+# arrived for a whole window) gets a new epoch.
 # A cohort hash that is not one we write (another type, a counter or epoch that is no
 # number or name, no TTL or one far past the window) starts a new window instead of
 # refusing every join; so does a chain list of another type.
@@ -156,8 +158,8 @@ end
 local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
 if n == 1 then
   redis.call('HSET', KEYS[1], 'epoch', ARGV[1])
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 local epoch = redis.call('HGET', KEYS[1], 'epoch') or ARGV[1]
 local size = tonumber(ARGV[3])
 local chain = KEYS[1] .. ':' .. epoch .. ':' .. math.floor((n - 1) / size)

@@ -2,8 +2,9 @@
 
 With whole 2-rank copies, N receivers of one holder need a binomial tree of
 ⌈log2(N+1)⌉ rounds. Instead, receivers of the same version, rank and manifest that
-start within ``cohort_window`` seconds join one *cohort* (at most ``cohort_max_size``
-members, then the next one starts), ordered by arrival::
+arrive at most ``cohort_window`` seconds after the previous arrival join one *cohort*
+(at most ``cohort_max_size`` members per chain, then the next chain starts), ordered by
+arrival::
 
     holder -> m0 -> m1 -> m2 -> ...      (each arrow: one 2-rank link, gloo or NCCL)
 
@@ -12,10 +13,11 @@ receives from member p-1, which forwards step k (a bucket, :mod:`.transport.broa
 as soon as step k is in its own tensors, while step k+1 arrives. So the chain takes
 about one transfer plus one step per member, whatever its length. A late arrival
 joins the tail: its upstream forwards what it already holds at link speed and then
-follows. Each link is a separate 2-rank communicator (not one NCCL communicator for
-the cohort, whose pipelined broadcast would be faster per byte) because a member
-that dies then breaks one link, not the whole cohort, and the same code runs on gloo
-and NCCL.
+follows; so a rolling start (workers arriving one by one, less than a window apart)
+joins the chain in flight instead of queueing for a holder's send slot. Each link is
+a separate 2-rank communicator (not one NCCL communicator for the cohort, whose
+pipelined broadcast would be faster per byte) because a member that dies then breaks
+one link, not the whole cohort, and the same code runs on gloo and NCCL.
 
 Failure: a member whose upstream link fails (the upstream died: gloo raises in
 ~0.3 s; or stalled: no step within ``relay_stall_timeout``) re-attaches to the
@@ -45,7 +47,8 @@ download_lease)`` between steps, since its pace is storage's.
 
 Registry (keys built by :class:`~nccl_back.coord.keys.Keys`)::
 
-    ns:cohort:{v}:{r}:{w}:{d}                 hash {n, epoch}; TTL cohort_window
+    ns:cohort:{v}:{r}:{w}:{d}                 hash {n, epoch}; TTL cohort_window,
+                                              renewed by every arrival
     ns:cohort:{v}:{r}:{w}:{d}:{epoch}:{c}     list of member records, in chain order
     ns:stream:{v}:{r}:{w}:{d}                 the downloader's member record; dropped
                                               when its load ends (TTL as a bound)

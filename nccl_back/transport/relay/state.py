@@ -18,8 +18,8 @@ log = get_logger(__name__)
 
 #: Seconds a member's relay endpoint stays up, idle, after its own load ended and the
 #: cohort window passed, for a downstream member that is still re-attaching. A late
-#: arrival (within the window) may sit behind a member that already finished: the
-#: endpoint stays up ``cohort_window`` + this, so it still finds it.
+#: arrival (within a window of the previous one) may sit behind a member that already
+#: finished: the endpoint stays up ``cohort_window`` + this, so it still finds it.
 LINGER = 2.0
 #: Seconds a member waits in the handshake with a relay upstream: a live one answers
 #: within its poll interval, so a dead one costs little.

@@ -81,6 +81,7 @@ def test_any_text_made_a_label_parses_as_one(text: str) -> None:
 
 @st.composite
 def requests(draw: st.DrawFn) -> records.TransferRequest:
+    parts = draw(st.none() | st.integers(1, records.MAX_PARTS))
     return records.TransferRequest(
         transfer_id=draw(NAME), receiver=draw(NAME), version=draw(NAME),
         manifest_digest=draw(HEX), transport=draw(st.sampled_from(records.TRANSPORTS)),
@@ -89,6 +90,7 @@ def requests(draw: st.DrawFn) -> records.TransferRequest:
         start=draw(st.none() | st.integers(0, records.MAX_START)),
         layout=draw(st.none() | DIGEST), group=draw(st.none() | DIGEST),
         holder=draw(st.none() | st.integers(0, records.MAX_WORLD)),
+        part=None if parts is None else draw(st.integers(0, parts - 1)), parts=parts,
     )
 
 
@@ -247,6 +249,25 @@ def test_requests_round_trip(req: records.TransferRequest) -> None:
     """A valid request survives its wire form exactly (absent fields stay absent)."""
     wire = json.loads(json.dumps(req.to_dict()))
     assert records.request(wire) == req
+
+
+@PROPS
+@given(requests(), st.one_of(st.none(), st.integers(-3, 9), st.booleans(), st.text(max_size=3)),
+       st.one_of(st.none(), st.integers(-3, 9), st.booleans(), st.text(max_size=3)))
+def test_a_request_names_a_real_part_of_its_steps_or_is_refused(
+    req: records.TransferRequest, part: Any, parts: Any
+) -> None:
+    """part/parts parse only together, as integers with 0 <= part < parts <= MAX_PARTS."""
+    wire = {k: v for k, v in req.to_dict().items() if k not in ("part", "parts")}
+    wire |= {k: v for k, v in (("part", part), ("parts", parts)) if v is not None}
+    ok = (part is None and parts is None) or (
+        type(part) is int and type(parts) is int and 0 <= part < parts <= records.MAX_PARTS)
+    if ok:
+        got = records.request(wire)
+        assert (got.part, got.parts) == (part, parts)
+    else:
+        with pytest.raises(UntrustedRecordError, match=r"transfer request: part"):
+            records.request(wire)
 
 
 @PROPS

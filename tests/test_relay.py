@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,21 @@ from test_transport import (  # _redis: its autouse fixture gives the helpers a 
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord import records
+from nccl_back.coord.auth import transfer_scope
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.registry import Registry
-from nccl_back.errors import NoPeerError, TransferError, UntrustedRecordError
+from nccl_back.errors import ManifestMismatchError, NoPeerError, TransferError, UntrustedRecordError
 from nccl_back.log import get_logger
-from nccl_back.transport import open_rendezvous, plan, recv_tensors, send_tensors
+from nccl_back.transport import (
+    open_rendezvous,
+    parts,
+    payload_bytes,
+    plan,
+    receiver_transport,
+    recv_tensors,
+    run_guarded,
+    send_tensors,
+)
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.relay import (
@@ -72,6 +83,53 @@ def test_resumed_transfer_fills_only_the_missing_steps_and_reports_each() -> Non
                                                   on_step=seen.append)) == (None, None)
     assert seen == list(range(start, len(steps)))
     assert mismatches(got, want) == []
+
+
+@pytest.mark.timeout(60)
+def test_two_senders_fill_one_receiver_each_with_its_part_of_the_steps() -> None:
+    """Parts 0 and 1 of 2, sent at once by two senders into one skeleton (a chunked
+    non-contiguous tensor among them), deliver every step exactly once, byte-exact; a
+    resumed part sends only its own steps from ``start``."""
+    want = model_tensors()
+    steps = plan(want, BUCKET)
+    split = parts(steps, 2)
+    assert all(split)
+    got = skeleton_like(want)
+    seen: list[list[int]] = [[], []]
+    errors: list[object] = [None, None]
+
+    def one(i: int) -> None:
+        errors[i] = in_process_pair(lambda t: send_tensors(t, want, BUCKET, part=(i, 2)),
+                                    lambda t: recv_tensors(t, got, BUCKET, part=(i, 2),
+                                                           on_step=seen[i].append))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert errors == [(None, None), (None, None)]
+    assert seen == split
+    assert mismatches(got, want) == []
+    # Resume part 1 half-way: only its own steps from there travel.
+    start = split[1][len(split[1]) // 2]
+    again: list[int] = []
+    assert in_process_pair(lambda t: send_tensors(t, want, BUCKET, start=start, part=(1, 2)),
+                           lambda t: recv_tensors(t, got, BUCKET, start=start, part=(1, 2),
+                                                  on_step=again.append)) == (None, None)
+    assert again == [k for k in split[1] if k >= start]
+
+
+@pytest.mark.timeout(60)
+def test_sender_and_receiver_of_different_parts_move_nothing() -> None:
+    """Part 0 offered to a receiver of part 1: ManifestMismatchError on both sides before any byte."""
+    want = model_tensors()
+    got = skeleton_like(want)
+    before = {n: t.clone() for n, t in got.items()}
+    s_err, r_err = in_process_pair(lambda t: send_tensors(t, want, BUCKET, part=(0, 2)),
+                                   lambda t: recv_tensors(t, got, BUCKET, part=(1, 2)))
+    assert isinstance(s_err, ManifestMismatchError) and isinstance(r_err, ManifestMismatchError)
+    assert mismatches(got, before) == []
 
 
 @pytest.mark.timeout(60)
@@ -120,6 +178,57 @@ def test_fills_advance_a_step_once_every_tensor_it_carries_is_in() -> None:
     assert progress.done == 0  # step 0 still lacks its first tensor
     fills.filled(names[0])
     assert progress.done == len(steps)
+
+
+@pytest.mark.timeout(60)
+def test_two_endpoints_each_serve_the_part_a_request_names(redis_url: str, namespace: str) -> None:
+    """A request naming part i of 2 is served with only that part's steps: two relay
+    endpoints asked for one part each fill one receiver, byte-exact."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
+                        advertise_host="127.0.0.1")
+    reg = Registry(settings)
+    want = model_tensors()
+    steps = plan(want, BUCKET)
+    got = skeleton_like(want)
+    seen: list[list[int]] = [[], []]
+    rdvs = [open_rendezvous(settings, "gloo", device=torch.device("cpu"), registry=reg) for _ in range(2)]
+    servers = []
+    for i, rdv in enumerate(rdvs):
+        progress = Progress()
+        progress.complete(len(steps))
+        servers.append(RelayServer(settings, reg, rdv, Member(f"part{i}-r0-relay-1", rdv.address, "gloo", "cpu"),
+                                   want, "ab" * 16, Pacer(0.0), progress, get_logger("test")).start())
+    errors: list[BaseException | None] = [None, None]
+
+    def pull(i: int) -> None:
+        tid = f"t-part-{i}-{uuid.uuid4().hex[:8]}"
+        request = records.TransferRequest(tid, "r", "v1", "ab" * 16, "gloo", "cpu", part=i, parts=2)
+        try:
+            run_receiver(reg, tid, "ab" * 16, 10.0,
+                         after_ready=lambda: reg.push_request(servers[i].member.member_id, request.to_dict()))
+            tr = receiver_transport(settings, "gloo", rdvs[i].address,
+                                    transfer_scope(settings.key("store"), tid), device=torch.device("cpu"),
+                                    registry=reg)
+            run_guarded(tr, lambda t: recv_tensors(t, got, settings.bucket_for("gloo", payload_bytes(want)),
+                                                   part=(i, 2), on_step=seen[i].append),
+                        time.monotonic() + 30)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors[i] = e
+
+    try:
+        threads = [threading.Thread(target=pull, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(45)
+        assert errors == [None, None]
+        split = parts(plan(want, settings.bucket_for("gloo", payload_bytes(want))), 2)
+        assert seen == split
+        assert mismatches(got, want) == []
+    finally:
+        for server, rdv in zip(servers, rdvs, strict=True):
+            server.close(2.0)
+            rdv.close()
 
 
 @pytest.mark.timeout(30)

@@ -1,5 +1,6 @@
-"""Property tests of the fan-out topology (nccl_back/transport/relay/topology.py): no
-processes, only the construction, its bounds, a member's removal and late arrivals."""
+"""Property tests of the fan-out topology (nccl_back/transport/relay/topology.py) and
+of the plan's split into the parts its trees carry: no processes, only the
+construction, its bounds, a member's removal and late arrivals."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nccl_back.coord.records import MAX_PARTS
+from nccl_back.model.skeleton import Manifest, TensorEntry
+from nccl_back.transport import parts, plan
 from nccl_back.transport.relay import topology as tp
 from nccl_back.transport.relay.topology import Topology
 
@@ -235,3 +239,32 @@ def test_a_member_killed_at_a_random_step_costs_its_subtree_one_resume(
     assert set(last) == set(range(n)) - {dead}
     slack = kill.detect + c.setup + (s + 4 * tp.depth_bound(n, h)) * c.step
     assert max(last.values()) <= max(calm, at) + slack + 1e-9
+
+
+TENSORS = st.dictionaries(st.from_regex(r"[a-e]\.[a-z]{1,3}", fullmatch=True),
+                          st.tuples(st.integers(0, 3000), st.sampled_from(["float32", "uint8", "bfloat16"])),
+                          min_size=1, max_size=12)
+
+
+@FAST
+@given(TENSORS, st.integers(16, 4096), st.integers(1, MAX_PARTS))
+def test_the_parts_of_a_plan_deliver_every_step_once_in_balance(
+        tensors: dict[str, tuple[int, str]], bucket: int, n: int) -> None:
+    """parts(): every step in exactly one part, in order; a tensor's chunks in one part;
+    parts differ in bytes by at most one such unit."""
+    manifest = Manifest(tuple(TensorEntry(k, (numel,), dt) for k, (numel, dt) in sorted(tensors.items())))
+    steps = plan(manifest, bucket)
+    split = parts(steps, n)
+    assert len(split) == n
+    assert sorted(k for p in split for k in p) == list(range(len(steps)))
+    assert all(p == sorted(p) for p in split)
+    where = {k: i for i, p in enumerate(split) for k in p}
+    units: dict[str, set[int]] = {}
+    for k, step in enumerate(steps):
+        if step.direct:
+            units.setdefault(step.slots[0].name, set()).add(where[k])
+    assert all(len(v) == 1 for v in units.values())
+    unit_bytes = [sum(s.nbytes for s in steps if s.direct and s.slots[0].name == name) for name in units]
+    unit_bytes += [s.nbytes for s in steps if not s.direct]
+    load = [sum(steps[k].nbytes for k in p) for p in split]
+    assert max(load) - min(load) <= max(unit_bytes, default=0)

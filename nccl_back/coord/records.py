@@ -33,6 +33,8 @@ MAX_WORLD = 1 << 16
 TRANSPORTS = TRANSPORT_KINDS
 #: Steps of one transfer (a resumed transfer's ``start``): far beyond any real model.
 MAX_START = 1 << 31
+#: Parts a transfer's steps may be split into (a fan-out's trees, each from its own source).
+MAX_PARTS = 4
 PEER_SOURCES = ("storage", "peer", "adopted")
 DEVICES = ("cpu", "cuda")
 HANDSHAKE_SIDES = ("receiver", "sender")
@@ -216,6 +218,9 @@ class TransferRequest:
     """The digest of the holders' layouts the plan is computed over (a layout record)."""
     holder: int | None = None
     """Which of those holders the request is for."""
+    part: int | None = None
+    """Send only part ``part`` of the steps split into ``parts`` (both set, or neither)."""
+    parts: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set (absent optional ones stay absent)."""
@@ -238,7 +243,16 @@ def request(data: dict[str, Any], what: str = "transfer request") -> TransferReq
         layout=hexdigest(data, "layout", what) if "layout" in data else None,
         group=hexdigest(data, "group", what) if "group" in data else None,
         holder=integer(data, "holder", what, 0, MAX_WORLD) if "holder" in data else None,
+        **_part(data, what),
     )
+
+
+def _part(data: dict[str, Any], what: str) -> dict[str, int]:
+    """A request's ``part`` and ``parts``: both absent, or part ``0 <= part < parts``."""
+    if "part" not in data and "parts" not in data:
+        return {}
+    parts = integer(data, "parts", what, 1, MAX_PARTS)
+    return {"part": integer(data, "part", what, 0, parts - 1), "parts": parts}
 
 
 @dataclass(frozen=True)

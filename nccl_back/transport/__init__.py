@@ -29,11 +29,13 @@ from nccl_back.transport.broadcast import (
     recv_tensors,
     send_tensors,
 )
+from nccl_back.transport.parts import Part, parts
 from nccl_back.transport.watchdog import run_guarded
 
 __all__ = [
     "RECEIVER_RANK",
     "SENDER_RANK",
+    "Part",
     "Pending",
     "Probe",
     "Rendezvous",
@@ -44,6 +46,7 @@ __all__ = [
     "all_transports",
     "auto_kind",
     "open_rendezvous",
+    "parts",
     "payload_bytes",
     "plan",
     "receiver_transport",

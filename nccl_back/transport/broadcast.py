@@ -17,6 +17,9 @@ bf16, bool or complex.
 
 A transfer may start at step ``start`` > 0 (a relay member re-attaching after its
 upstream failed resumes where it was): the digest covers ``start`` and the steps from it.
+It may also move only one ``part`` of the steps (:func:`~.parts.parts`, cut from the plan alone
+so both sides agree): parts from several sources fill one receiver side by side, as the
+fan-out's trees do.
 The sender may gate each step on ``ready(k)`` (a relay forwards only what it holds) and
 pace it through ``pace(nbytes)`` (the worker's send-rate cap); the receiver reports each
 step whose bytes are in place through ``on_step(k)``.
@@ -39,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +51,7 @@ from nccl_back.errors import ManifestMismatchError, TransferError
 from nccl_back.log import get_logger
 from nccl_back.model.skeleton import ALIGN, Manifest, dtype_from_name, dtype_name
 from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
+from nccl_back.transport.parts import Part, parts
 from nccl_back.transport.prefault import Prefaulter, Range
 
 log = get_logger(__name__)
@@ -151,30 +156,34 @@ def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def plan_digest(steps: list[Step], start: int = 0) -> bytes:
-    """MD5 of the plan from step ``start``: equal on both sides iff they will issue
-    identical calls."""
-    payload = json.dumps(
-        [start, [[s.direct, s.nbytes, [[x.name, list(x.shape), x.dtype, x.offset] for x in s.slots]]
-                 for s in steps[start:]]],
-        separators=(",", ":"),
-    )
-    return hashlib.md5(payload.encode()).digest()
+def plan_digest(steps: list[Step], start: int = 0, part: Part | None = None) -> bytes:
+    """MD5 of the plan from step ``start`` (of ``part`` only): equal on both sides iff
+    they will issue identical calls."""
+    def calls(todo: Iterable[int]) -> list[Any]:
+        return [[s.direct, s.nbytes, [[x.name, list(x.shape), x.dtype, x.offset] for x in s.slots]]
+                for s in (steps[k] for k in todo)]
+
+    whole: list[Any] = [start, calls(range(start, len(steps)))]
+    if part is not None:  # names the part and each step's index: parts of one plan differ
+        todo = _todo(steps, start, part)
+        whole = [start, list(part), todo, calls(todo)]
+    return hashlib.md5(json.dumps(whole, separators=(",", ":")).encode()).digest()
 
 
 def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *,
-                 start: int = 0, ready: Callable[[int], None] | None = None,
+                 start: int = 0, part: Part | None = None, ready: Callable[[int], None] | None = None,
                  pace: Callable[[int], None] | None = None) -> TransferStats:
-    """Broadcast ``tensors`` (rank 0) to the receiver from step ``start``; they are only read.
+    """Broadcast ``tensors`` (rank 0) to the receiver from step ``start`` (of ``part``
+    only, if given); they are only read.
 
     ``ready(k)`` returns once step k's bytes are in ``tensors`` (it raises to end the
     transfer); ``pace(n)`` returns once ``n`` more bytes may go out.
     """
     began = time.perf_counter()
-    steps, buffers, window = _begin(transport, tensors, bucket_bytes, start)
+    steps, todo, buffers, window = _begin(transport, tensors, bucket_bytes, start, part)
     whole: tuple[str, torch.Tensor] | None = None  # a non-contiguous source, made contiguous once
     with torch.no_grad():
-        for k in range(start, len(steps)):
+        for k in todo:
             step = steps[k]
             if ready is not None:
                 ready(k)
@@ -202,20 +211,22 @@ def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
             window.add(transport.copy(data, SENDER_RANK), None, data)
         window.drain()
         _acknowledge(transport)
-    return _stats(steps[start:], began)
+    return _stats([steps[k] for k in todo], began)
 
 
 def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *,
-                 start: int = 0, on_step: Callable[[int], None] | None = None) -> TransferStats:
-    """Receive into the skeleton's ``tensors`` (rank 1) from step ``start``, in place.
+                 start: int = 0, part: Part | None = None,
+                 on_step: Callable[[int], None] | None = None) -> TransferStats:
+    """Receive into the skeleton's ``tensors`` (rank 1) from step ``start`` (of ``part``
+    only, if given), in place.
 
     ``on_step(k)`` is called, in step order, once step k's bytes are in ``tensors``.
     Fresh CPU memory is faulted in a few steps ahead of the bytes (:mod:`.prefault`).
     """
     began = time.perf_counter()
-    steps, buffers, window = _begin(transport, tensors, bucket_bytes, start)
+    steps, todo, buffers, window = _begin(transport, tensors, bucket_bytes, start, part)
     staged: dict[str, torch.Tensor] = {}  # non-contiguous destinations, received whole first
-    ahead = Prefaulter(_destinations(steps, tensors, start) if transport.device.type == "cpu" else [])
+    ahead = Prefaulter(_destinations(steps, tensors, todo) if transport.device.type == "cpu" else [])
 
     def stepped(k: int) -> None:
         ahead.advance(k + 1)
@@ -223,7 +234,7 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
             on_step(k)
 
     with torch.no_grad(), ahead:
-        for k in range(start, len(steps)):
+        for k in todo:
             step = steps[k]
             window.make_room()
             finish: Callable[[], None] | None
@@ -252,7 +263,7 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
             window.add(transport.copy(data, SENDER_RANK), finish, data, k, stepped)
         window.drain()
         _acknowledge(transport)
-    return _stats(steps[start:], began)
+    return _stats([steps[k] for k in todo], began)
 
 
 def resume_point(steps: list[Step], tensors: Mapping[str, torch.Tensor], done: int) -> int:
@@ -268,23 +279,38 @@ def resume_point(steps: list[Step], tensors: Mapping[str, torch.Tensor], done: i
 # -- helpers --------------------------------------------------------------------------------
 
 
+def _todo(steps: list[Step], start: int, part: Part | None) -> list[int]:
+    """The step indices a transfer from ``start`` (of ``part``) moves, in order."""
+    if part is None:
+        return list(range(start, len(steps)))
+    i, n = part
+    if not 0 <= i < n:
+        raise TransferError(f"part {i} of {n}: no such part")
+    return [k for k in parts(steps, n)[i] if k >= start]
+
+
 def _begin(
-    transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, start: int
-) -> tuple[list[Step], _Buffers, _Window]:
-    """Both sides: plan, check devices, agree on the plan, set up buffers and window."""
+    transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, start: int,
+    part: Part | None,
+) -> tuple[list[Step], list[int], _Buffers, _Window]:
+    """Both sides: plan, the steps to move, check devices, agree on the plan, set up
+    buffers and window."""
     steps = plan(tensors, bucket_bytes)
     if not 0 <= start <= len(steps):
         raise TransferError(f"start={start}: the plan has {len(steps)} steps")
+    todo = _todo(steps, start, part)
     _check_devices(transport, tensors)
-    _agree_on_plan(transport, steps, start)
-    return steps, _Buffers(steps[start:], transport.device), _Window(transport)
+    _agree_on_plan(transport, steps, start, part)
+    return steps, todo, _Buffers([steps[k] for k in todo], transport.device), _Window(transport)
 
 
-def _destinations(steps: list[Step], tensors: Mapping[str, torch.Tensor], start: int) -> list[list[Range]]:
+def _destinations(steps: list[Step], tensors: Mapping[str, torch.Tensor],
+                  todo: list[int]) -> list[list[Range]]:
     """Per step, the CPU memory its bytes end in (what :class:`Prefaulter` faults in):
-    a consolidated bucket's own span, else each contiguous destination's bytes."""
+    a consolidated bucket's own span, else each contiguous destination's bytes; nothing
+    for the steps this transfer does not move."""
     out: list[list[Range]] = [[] for _ in steps]
-    for k in range(start, len(steps)):
+    for k in todo:
         step = steps[k]
         laid_out = None if step.direct else _in_place(step, tensors)
         if laid_out is not None:
@@ -313,9 +339,11 @@ def _check_devices(transport: Transport, tensors: Mapping[str, torch.Tensor]) ->
             )
 
 
-def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0) -> None:
+def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0,
+                   part: Part | None = None) -> None:
     """Sender sends the plan digest, receiver answers with a verdict byte."""
-    mine = torch.frombuffer(bytearray(plan_digest(steps, start)), dtype=torch.uint8).to(transport.device)
+    mine = torch.frombuffer(bytearray(plan_digest(steps, start, part)),
+                            dtype=torch.uint8).to(transport.device)
     theirs = mine.clone() if transport.rank == SENDER_RANK else torch.zeros_like(mine)
     transport.copy(theirs, SENDER_RANK).wait()
     transport.progressed()
@@ -325,7 +353,7 @@ def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0) -> N
     if not int(verdict.item()):
         raise ManifestMismatchError(
             f"transfer {transport.transfer_id}: sender and receiver planned different copies"
-            " (different tensors, bucket_bytes or start step); nothing was transferred"
+            " (different tensors, bucket_bytes, start step or part); nothing was transferred"
         )
 
 

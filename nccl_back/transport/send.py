@@ -158,6 +158,7 @@ class Sends:
         digest = self.digest if digest is None else digest
         read = self.tensors if tensors is None else tensors
         start = request.start or 0
+        part = None if request.parts is None else (request.part or 0, request.parts)
         transport: Transport | None = None
         try:
             run_sender(self.registry, request.transfer_id, digest, s.sender_handshake_timeout)
@@ -172,13 +173,15 @@ class Sends:
             def send(tr: Transport) -> TransferStats:
                 payload = read()
                 bucket = s.bucket_for(self.kind, payload_bytes(payload))
-                return send_tensors(tr, payload, bucket, start=start, ready=ready, pace=self.pacer.take)
+                return send_tensors(tr, payload, bucket, start=start, part=part, ready=ready,
+                                    pace=self.pacer.take)
 
             with self.metrics.sending(self.role.name):
                 stats = run_guarded(transport, send, deadline,
                                     connect_deadline=now + s.connect_timeout, stall=self.stall)
             self.metrics.record_sent(self.role.name, stats.bytes, stats.seconds)
-            log.info(self.role.done, start=start, bytes=stats.bytes, gbps=round(stats.gbps, 3))
+            log.info(self.role.done, start=start, part=part, bytes=stats.bytes,
+                     gbps=round(stats.gbps, 3))
             return stats
         except NcclBackError as e:
             if isinstance(e, HandshakeTimeoutError) and self.role.counts_handshake_timeouts:

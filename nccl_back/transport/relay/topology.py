@@ -15,8 +15,9 @@ group of ``n`` receivers, in order ``g[0] .. g[n-1]``:
 A heap of ``n`` nodes has its interior nodes at the first ``n//2`` positions, so A's
 interior is ``g[0 .. n//2-1]`` and B's is ``g[n-n//2 .. n-1]``: disjoint. Every
 receiver is interior in at most one tree and a leaf in the other. Step ``k`` travels
-down tree ``k % 2`` (even steps A, odd steps B); a member forwards a step as soon as
-it holds it.
+down tree ``k % 2`` (even steps A, odd steps B): the model of the data plane's split,
+:func:`nccl_back.transport.parts.parts`, which balances the two halves by bytes
+(equal-sized steps: the same halves). A member forwards a step as soon as it holds it.
 
 Bounds (``S`` steps, ``n = ceil(N/H)`` receivers in the largest group):
 

@@ -165,6 +165,24 @@ def test_relay_forwards_only_steps_it_holds_and_stops_when_upstream_gives_up() -
     assert not any(ahead)
 
 
+def test_progress_marks_steps_landing_out_of_order_and_counts_the_leading_run() -> None:
+    """Steps of two parts landing interleaved: each is forwardable as it lands; done is
+    the leading run; complete(n) marks a prefix without losing steps held past it."""
+    progress = Progress()
+    for k in (1, 3, 4):
+        progress.advance(k)
+    assert progress.done == 0
+    progress.wait_for(3, time.monotonic() + 1)  # held, though step 0 is not
+    with pytest.raises(TransferError, match="step 2 not received"):
+        progress.wait_for(2, time.monotonic() + 0.05)
+    progress.advance(0)
+    assert progress.done == 2
+    progress.complete(3)
+    assert progress.done == 5
+    progress.advance(2)  # already counted: no change
+    assert progress.done == 5
+
+
 def test_fills_advance_a_step_once_every_tensor_it_carries_is_in() -> None:
     """Storage fills in any order become step progress in plan order: a step counts once
     all its tensors are filled, and only after every step before it."""

@@ -81,7 +81,7 @@ class Receive:
             return
         chain = rx.chain = worker.cohorts.join(a.replica(), a.log)
         if chain is not None and rx.step_sources.done:
-            chain.progress.advance(rx.step_sources.done - 1)  # what an earlier pass left us
+            chain.progress.complete(rx.step_sources.done)  # what an earlier pass left us
         try:
             if chain is not None and self._from_upstreams(chain, a.found.stream):
                 return

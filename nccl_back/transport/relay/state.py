@@ -42,30 +42,46 @@ class Seat:
 
 
 class Progress:
-    """How many leading steps of a member's transfer are in its tensors (thread-safe).
+    """Which steps of a member's transfer are in its tensors (thread-safe).
 
-    Its relay sends wait here for the step they forward next; a member that gives up
-    fails it, which ends those sends (so their receivers re-attach elsewhere).
+    Steps may arrive out of order (a receiver filled by two sources at once, each
+    sending its part of the steps): each is marked as it lands, and :attr:`done` is the
+    leading run of them. Its relay sends wait here for the step they forward next; a
+    member that gives up fails it, which ends those sends (so their receivers re-attach
+    elsewhere).
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._done = 0
+        self._ahead: set[int] = set()  # held steps past the leading run (bounded by the plan)
         self._failed: str | None = None
 
     @property
     def done(self) -> int:
+        """Leading steps in place."""
         with self._cond:
             return self._done
 
     def advance(self, step: int) -> None:
-        """Step ``step`` is in place (steps arrive in order, a resumed transfer included)."""
+        """Step ``step`` is in place."""
         with self._cond:
-            self._done = max(self._done, step + 1)
+            if step >= self._done:
+                self._ahead.add(step)
+                while self._done in self._ahead:
+                    self._ahead.discard(self._done)
+                    self._done += 1
             self._cond.notify_all()
 
     def complete(self, steps: int) -> None:
-        self.advance(steps - 1)
+        """Steps ``[0, steps)`` are in place (a whole load, or what an earlier pass left)."""
+        with self._cond:
+            self._done = max(self._done, steps)
+            self._ahead = {k for k in self._ahead if k >= self._done}
+            while self._done in self._ahead:
+                self._ahead.discard(self._done)
+                self._done += 1
+            self._cond.notify_all()
 
     def fail(self, reason: str) -> None:
         with self._cond:
@@ -89,7 +105,7 @@ class Progress:
             while True:
                 if self._failed is not None:
                     raise TransferError(f"relay upstream gave up at step {self._done}: {self._failed}")
-                if self._done > step:
+                if step < self._done or step in self._ahead:
                     return
                 left = deadline - _clock.monotonic()
                 if left <= 0:

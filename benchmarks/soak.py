@@ -246,6 +246,8 @@ class Outcome:
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     """Fallback reason codes of the loads that ended in storage (or typed error names)."""
     failures: list[str] = field(default_factory=list)
+    several: int = 0
+    """Peer loads filled by several holders at once (idle holders' parts, a reshard)."""
     probe: str = ""
     """The late probe receiver: ``peer``, ``storage <reason code>`` with a live holder of
     its version, or ``no holder`` (nothing to receive from: not counted)."""
@@ -697,6 +699,7 @@ class Soak:
                      f" {rep.get('seconds', 0):.2f} s {rep.get('fallback_reason') or ''}")
             if rep["event"] == "loaded":
                 out.loads += 1
+                out.several += rep["source"] == "peer" and "," in (rep.get("peer_id") or "")
                 if rep.get("fallback_reason"):
                     out.reasons[rep["fallback_reason"].split(":", 1)[0]] += 1
                 layout = (f"tp-{unit['scheme']}-{p.rank}/{world}" if unit.get("kind") == "tp"
@@ -786,6 +789,9 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         f"| {len(outcomes)} | {sum(o.loads for o in outcomes)} | {sum(o.typed_errors for o in outcomes)}"
         f" | {sum(o.wrong for o in outcomes)} | {sum(o.hangs for o in outcomes)}"
         f" | {max((o.worst_ratio for o in outcomes), default=0):.2f} | {len(failed)} |",
+        "",
+        f"Peer loads filled by several holders at once (idle holders' parts, or a reshard's"
+        f" holders): {sum(o.several for o in outcomes)}.",
         "",
         "| fault | injected |",
         "|---|---|",

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from nccl_back.errors import ConfigError
 from nccl_back.redis_url import parse_redis_url
-from nccl_back.transport_kinds import TRANSPORT_KINDS, TransportKind
+from nccl_back.transport_kinds import MAX_PARTS, TRANSPORT_KINDS, TransportKind
 
 ENV_PREFIX = "NCCL_BACK_"
 #: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
@@ -130,6 +130,13 @@ class Settings:
     max_concurrent_sends: int = 1
     """How many receivers one sender serves at once (the ranks of one worker resharding
     from it count as one receiver: together they take one model's worth of bytes)."""
+
+    holder_parts: int = 2
+    """How many idle holders a receiver pulls the model from at once, each sending its own
+    part of the steps (balanced by bytes) under its own ``max_send_gbps``: behind capped
+    senders a receiver then fills that many times faster. Only holders with a free send
+    slot are used, and not by a receiver that has members seated below it in a relay
+    chain. 1: one holder sends everything. At most 4."""
 
     max_peer_attempts: int = 3
     """Peers a receiver tries before it falls back to storage."""
@@ -301,6 +308,11 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        if not isinstance(self.holder_parts, int) or isinstance(self.holder_parts, bool) or not (
+            1 <= self.holder_parts <= MAX_PARTS
+        ):
+            raise ConfigError(f"holder_parts={self.holder_parts!r}: must be an integer from 1"
+                              f" (one holder sends everything) to {MAX_PARTS}")
         for name in ("bucket_bytes", "max_send_gbps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (

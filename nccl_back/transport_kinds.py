@@ -1,4 +1,5 @@
-"""Names every layer shares and none owns: the transport kinds.
+"""Names every layer shares and none owns: the transport kinds, and how many parts one
+transfer's steps may be split into.
 
 The common layer (no imports from the package), so coordination records can check a
 peer's advertised transport and the transports can register under the same names
@@ -15,3 +16,7 @@ TransportKind = Literal["gloo", "nccl"]
 
 #: Every transport kind, in preference order for error messages.
 TRANSPORT_KINDS: tuple[TransportKind, ...] = get_args(TransportKind)
+
+#: Parts a transfer's steps may be split into, each from its own source (a receiver's
+#: idle holders, a fan-out's trees): what a request may name and a setting may ask for.
+MAX_PARTS = 4

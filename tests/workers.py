@@ -187,12 +187,14 @@ def _install_fault(fault: str) -> None:
     elif fault == "corrupt_send_last":
         from faults import CorruptingTransport  # type: ignore[import-not-found]
 
-        from nccl_back.transport import plan
+        from nccl_back.transport import parts, plan
 
         orig_last = sender.send_tensors
 
         def corrupt_last(transport: Any, tensors: Any, bucket: int, **k: Any) -> Any:
-            last = len(plan(tensors, bucket)) - k.get("start", 0)  # the last step sent
+            steps, start, part = plan(tensors, bucket), k.get("start", 0), k.get("part")
+            todo = range(len(steps)) if part is None else parts(steps, part[1])[part[0]]
+            last = sum(1 for j in todo if j >= start)  # the last step sent
             return orig_last(CorruptingTransport(transport, byte=3, step=last), tensors, bucket, **k)
 
         sender.send_tensors = corrupt_last  # type: ignore[assignment]

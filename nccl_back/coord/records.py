@@ -19,7 +19,7 @@ from typing import Any
 
 from nccl_back import _clock, bounded_json
 from nccl_back.errors import UntrustedRecordError
-from nccl_back.transport_kinds import TRANSPORT_KINDS
+from nccl_back.transport_kinds import MAX_PARTS, TRANSPORT_KINDS
 
 #: Bytes of one peer entry, request or handshake value (real ones are < 1 KiB).
 MAX_RECORD_BYTES = 16 << 10
@@ -33,8 +33,6 @@ MAX_WORLD = 1 << 16
 TRANSPORTS = TRANSPORT_KINDS
 #: Steps of one transfer (a resumed transfer's ``start``): far beyond any real model.
 MAX_START = 1 << 31
-#: Parts a transfer's steps may be split into (a fan-out's trees, each from its own source).
-MAX_PARTS = 4
 PEER_SOURCES = ("storage", "peer", "adopted")
 DEVICES = ("cpu", "cuda")
 HANDSHAKE_SIDES = ("receiver", "sender")

@@ -17,6 +17,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from nccl_back.transport import (
     run_guarded,
 )
 from nccl_back.transport.broadcast import resume_point
+from nccl_back.transport.parts import Part
 from nccl_back.transport.relay import RELAY_HANDSHAKE
 from nccl_back.transport.store import unreachable_reason
 
@@ -95,7 +97,9 @@ class Receive:
                         f"the download streamed to this rank failed ({rx.relay_error}) and no"
                         " peer holds the version yet; back to the election")
             if a.reason is None:
-                self._from_holders()
+                failed = self._from_holders_in_parts()
+                if a.peer_id is None and a.reason is None:
+                    self._from_holders(failed)
         finally:
             if chain is not None:
                 chain.end(a.peer_id is not None, str(a.reason or ""))
@@ -159,7 +163,100 @@ class Receive:
 
     # -- holders --------------------------------------------------------------------------
 
-    def _from_holders(self) -> None:
+    def _from_holders_in_parts(self) -> set[str]:
+        """Part ``i`` of ``n`` from each of ``n`` idle holders at once (``holder_parts``),
+        into this rank's tensors, then one verification: ``a.peer_id`` names them all.
+
+        Not tried when fewer than two holders have a free send slot now, when this rank
+        holds steps already, or when members are seated below it (their chain moves at
+        this rank's send cap whatever it receives at, and the holders' other slots serve
+        other cohorts' heads). A failed part, or failed verification, leaves what landed
+        and verified nothing: the one-holder loop resumes at the first step this rank
+        lacks, without the holders returned (those whose part failed).
+        """
+        worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
+        if s.holder_parts < 2 or rx.sources.sources() or self._seated_below():
+            return set()
+        with contextlib.ExitStack() as held:
+            picked: list[tuple[PeerInfo, str]] = []
+            for peer in a.found.candidates:
+                if len(picked) == s.holder_parts or self._budget_spent(None):
+                    break
+                if peer.peer_id in rx.blamed:
+                    continue
+                try:
+                    picked.append((peer, held.enter_context(claimed(worker, a, peer))))
+                except PeerBusy:
+                    continue
+                except RegistryError:
+                    break
+            if len(picked) < 2:
+                return set()  # the claims taken go back as the block ends
+            n = len(picked)
+            a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
+            with ThreadPoolExecutor(n - 1, thread_name_prefix="nccl_back-part") as pool:
+                later = [pool.submit(self._part, peer, token, (i, n))
+                         for i, (peer, token) in enumerate(picked[1:], 1)]
+                errors = [_error_of(lambda: self._part(*picked[0], (0, n)))]
+                errors += [f.exception() for f in later]
+        failed: set[str] = set()
+        for i, ((peer, _), e) in enumerate(zip(picked, errors, strict=True)):
+            if e is None:
+                continue
+            if not isinstance(e, (PeerError, RegistryError)):
+                raise e
+            failed.add(peer.peer_id)
+            if isinstance(e, HandshakeTimeoutError):
+                worker.metrics.record_handshake_timeout()
+            a.log.warning("peer_attempt_failed", peer=peer.peer_id, part=i,
+                          reason=fallback_reason(e), error=str(e))
+        if failed:
+            return failed
+        try:
+            verify.check(worker, a, rx.deadline)
+        except WeightVerificationError as e:
+            self.blame(e, ",".join(p.peer_id for p, _ in picked))
+            return set()
+        a.peer_id = ",".join(p.peer_id for p, _ in picked)
+        return set()
+
+    def _part(self, peer: PeerInfo, claim: str, part: Part) -> None:
+        """Part ``part`` of the steps from holder ``peer`` (its slot ``claim`` held)."""
+        worker, a, s, t = self.worker, self.a, self.worker.settings, self.a.target
+        request = TransferRequest(
+            transfer_id=uuid.uuid4().hex, receiver=worker.id, version=a.spec.version,
+            manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
+            claim=claim, part=part[0], parts=part[1])
+        transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
+                 digest=t.manifest.digest, tensors=t.tensors, bucket=t.bucket(s, peer.transport),
+                 part=part, on_step=self._recorder(peer.peer_id),
+                 handshake_timeout=max(min(s.receiver_handshake_timeout, a.rx.left()), 0.001),
+                 deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout, stall=s.stall_timeout)
+
+    def _seated_below(self) -> bool:
+        """Whether a member is seated below this rank in its relay chain (unknown: yes)."""
+        chain = self.a.rx.chain
+        if chain is None:
+            return False
+        try:
+            return bool(self.worker.registry.chain_members(chain.seat.chain, chain.position + 1,
+                                                           chain.position + 1))
+        except RegistryError:
+            return True
+
+    def _recorder(self, source: str) -> Callable[[int], None]:
+        """What a transfer from ``source`` calls as each step lands: the step recorded as
+        ``source``'s and reported to this rank's chain."""
+        sources = self.a.rx.sources
+        progress = self.a.rx.chain.progress if self.a.rx.chain is not None else None
+
+        def on_step(k: int) -> None:
+            sources.record(k, source)
+            if progress is not None:
+                progress.advance(k)
+        return on_step
+
+    def _from_holders(self, failed: set[str]) -> None:
         """Try holders until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
 
         A peer whose send slots are all claimed is not a failure: the receiver waits
@@ -169,8 +266,8 @@ class Receive:
         only: a holder that did not is asked again (it then sends what was discarded).
         """
         worker, a, s = self.worker, self.a, self.worker.settings
-        last: NcclBackError = NoPeerError("no peer tried")
-        failed: set[str] = set()
+        last: NcclBackError = NoPeerError("no peer tried" if not failed else
+                                          f"holders {sorted(failed)} failed their parts")
         deadline = min(_clock.monotonic() + s.busy_wait, a.rx.deadline)
         candidates = a.found.candidates
         while True:
@@ -245,15 +342,8 @@ class Receive:
             manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
             claim=claim, start=start,
         )
-        progress = a.rx.chain.progress if a.rx.chain is not None else None
-
-        def on_step(k: int) -> None:
-            sources.record(k, source)
-            if progress is not None:
-                progress.advance(k)
-
         transfer(worker, a, source, request, kind, address, digest=t.manifest.digest, tensors=t.tensors,
-                 bucket=t.bucket(s, kind), start=start, on_step=on_step,
+                 bucket=t.bucket(s, kind), start=start, on_step=self._recorder(source),
                  handshake_timeout=handshake_timeout, deadline=deadline, stall=stall,
                  transfer_timeout=transfer_timeout)
         verify.check(worker, a, deadline)
@@ -288,7 +378,7 @@ class Receive:
 def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, kind: str,
              address: str, *,
              digest: str, tensors: Mapping[str, torch.Tensor], bucket: int, start: int = 0,
-             on_step: Callable[[int], None] | None, handshake_timeout: float, deadline: float,
+             part: Part | None = None, on_step: Callable[[int], None] | None, handshake_timeout: float, deadline: float,
              stall: float, transfer_timeout: float | None = None,
              started: Callable[[Transport], None] | None = None) -> None:
     """One transfer from ``source``, on every path: the request pushed once the
@@ -309,14 +399,25 @@ def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, 
                                    device=a.target.device, registry=worker.registry)
     if started is not None:
         started(transport)
-    run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, on_step=on_step),
+    run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, part=part,
+                                                    on_step=on_step),
                 deadline, connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
                 stall=stall)
     a.timings[f"transfer{_suffix(request)}"] = _clock.perf() - began
 
 
 def _suffix(request: TransferRequest) -> str:
-    return "" if request.holder is None else f".{request.holder}"
+    return ("" if request.holder is None else f".{request.holder}") + (
+        "" if request.parts is None else f".p{request.part}")
+
+
+def _error_of(fn: Callable[[], None]) -> BaseException | None:
+    """What ``fn()`` raised, or None: held until every part has ended."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None
 
 
 @contextlib.contextmanager

@@ -318,7 +318,8 @@ def test_damaged_holder_is_blamed_and_the_good_one_serves(
     # damaged holder is still listed when the receiver looks (at 3 s it lapsed once
     # under load and the receiver went straight to the good one, blaming nobody).
     fleet.settings.update(verify="full", max_concurrent_sends=2, peer_ttl=30.0)
-    settings = workers.settings_for(**fleet.settings, cohort_max_size=cohort)
+    # One holder at a time (parts from several: tests/test_holder_parts.py).
+    settings = workers.settings_for(**fleet.settings, cohort_max_size=cohort, holder_parts=1)
     reg = Registry(settings)
     spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
     try:

@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nccl_back.coord.records import MAX_PARTS
-from nccl_back.model.integrity import layer_of
 from nccl_back.model.skeleton import Manifest, TensorEntry
 from nccl_back.transport import parts, plan
 from nccl_back.transport.relay import topology as tp
@@ -251,25 +250,23 @@ TENSORS = st.dictionaries(st.from_regex(r"[a-e]\.[a-z]{1,3}", fullmatch=True),
 @given(TENSORS, st.integers(16, 4096), st.integers(1, MAX_PARTS))
 def test_the_parts_of_a_plan_deliver_every_step_once_in_balance(
         tensors: dict[str, tuple[int, str]], bucket: int, n: int) -> None:
-    """parts(): every step in exactly one part, in order; all steps carrying a layer in
-    one part (a tensor's chunks too); parts differ in bytes by at most one unit (a
-    layer with the steps that carry it, joined through buckets holding two layers)."""
+    """parts(): n runs of consecutive steps that together hold every step once, in
+    order; a tensor's chunks in one part; each part within one unit (a step, or a
+    chunked tensor's steps) of an even share of the bytes."""
     manifest = Manifest(tuple(TensorEntry(k, (numel,), dt) for k, (numel, dt) in sorted(tensors.items())))
     steps = plan(manifest, bucket)
     split = parts(steps, n)
     assert len(split) == n
-    assert sorted(k for p in split for k in p) == list(range(len(steps)))
-    assert all(p == sorted(p) for p in split)
+    assert [k for p in split for k in p] == list(range(len(steps)))
+    assert all(p == list(range(p[0], p[0] + len(p))) for p in split if p)
     where = {k: i for i, p in enumerate(split) for k in p}
-    layers: dict[str, set[int]] = {}
+    units: dict[str, set[int]] = {}
     for k, step in enumerate(steps):
-        for slot in step.slots:
-            layers.setdefault(layer_of(slot.name), set()).add(k)
-    assert all(len({where[k] for k in ks}) == 1 for ks in layers.values())
-    units: list[set[int]] = []  # layers' step sets, merged while any two meet
-    for ks in layers.values():
-        meet = [u for u in units if u & ks]
-        units = [u for u in units if not u & ks] + [set(ks).union(*meet)]
-    unit_bytes = [sum(steps[k].nbytes for k in u) for u in units]
-    load = [sum(steps[k].nbytes for k in p) for p in split]
-    assert max(load) - min(load) <= max(unit_bytes, default=0)
+        if step.direct:
+            units.setdefault(step.slots[0].name, set()).add(where[k])
+    assert all(len(v) == 1 for v in units.values())
+    unit_bytes = [sum(s.nbytes for s in steps if s.direct and s.slots[0].name == name) for name in units]
+    unit_bytes += [s.nbytes for s in steps if not s.direct]
+    total = sum(s.nbytes for s in steps)
+    for p in split:
+        assert abs(sum(steps[k].nbytes for k in p) * n - total) <= max(unit_bytes, default=0) * n

@@ -170,9 +170,10 @@ class Receive:
         Not tried when fewer than two holders have a free send slot now, when this rank
         holds steps already, or when members are seated below it (their chain moves at
         this rank's send cap whatever it receives at, and the holders' other slots serve
-        other cohorts' heads). A failed part, or failed verification, leaves what landed
-        and verified nothing: the one-holder loop resumes at the first step this rank
-        lacks, without the holders returned (those whose part failed).
+        other cohorts' heads). A failed part leaves what landed: the one-holder loop
+        resumes at the first step this rank lacks, without the holders returned (those
+        whose part failed). Failed verification blames the one holder that sent the
+        failing layers; when they came from several (the layer at a cut), none.
         """
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
         if s.holder_parts < 2 or rx.sources.sources() or self._seated_below():
@@ -215,7 +216,14 @@ class Receive:
         try:
             verify.check(worker, a, rx.deadline)
         except WeightVerificationError as e:
-            self.blame(e, ",".join(p.peer_id for p, _ in picked))
+            blamed = e.blamed if isinstance(e, relay.DamagedBytes) else frozenset()
+            if len(blamed) == 1:
+                self.blame(e, next(iter(blamed)))
+                return set()
+            # A failing layer at a cut came from several holders: none is blamed, what
+            # they sent is gone, and the one-holder loop tells them apart.
+            worker.metrics.record_verification_failure()
+            a.log.warning("holder_parts_unplaced", peers=sorted(blamed), error=str(e))
             return set()
         a.peer_id = ",".join(p.peer_id for p, _ in picked)
         return set()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nccl_back.errors import TransferError
-from nccl_back.model.integrity import layer_of
 from nccl_back.transport_kinds import MAX_PARTS
 
 if TYPE_CHECKING:
@@ -17,40 +16,30 @@ Part = tuple[int, int]
 
 
 def parts(steps: list[Step], n: int) -> list[list[int]]:
-    """The step indices split into ``n`` parts balanced by bytes, each in step order,
-    from the plan alone (both sides, and every member of a fan-out, cut alike).
+    """The step indices cut into ``n`` runs of consecutive steps balanced by bytes, from
+    the plan alone (both sides, and every member of a fan-out, cut alike).
 
-    The unit is a layer (:func:`~nccl_back.model.integrity.layer_of`), with every step
-    that carries any of its tensors (a bucket holding two layers joins them): all of a
-    layer's bytes come from one source, so a layer that fails verification names that
-    source alone, and a tensor sent in chunks (staged whole within one transfer) stays
-    in one part. Each unit, in plan order, goes to the part with the fewest bytes so
-    far (the lowest index on a tie), so the parts advance through the model side by
-    side and differ by at most one unit.
+    Part ``p`` ends at the unit boundary nearest to ``(p + 1) / n`` of the bytes (the
+    earlier one on a tie), so each part is within one unit of an even share. The unit
+    is a step, or every chunk of a tensor sent in place in several (a receiver stages a
+    non-contiguous destination whole within one transfer). Consecutive runs, not
+    interleaved steps, so that few layers have bytes in two parts (those at a cut, and
+    those whose small tensors ride in a bucket across one): a layer that fails
+    verification then mostly names its one sender.
     """
     if not 1 <= n <= MAX_PARTS:
         raise TransferError(f"parts={n}: must be 1 to {MAX_PARTS}")
-    unit = list(range(len(steps)))  # union-find over steps: a step joins its layers' unit
-
-    def root(k: int) -> int:
-        while unit[k] != k:
-            unit[k] = unit[unit[k]]
-            k = unit[k]
-        return k
-
-    first: dict[str, int] = {}
+    ends = [0]  # unit boundaries (step indices) and the bytes before each
+    before = [0]
     for k, step in enumerate(steps):
-        for slot in step.slots:
-            j = first.setdefault(layer_of(slot.name), k)
-            a, b = sorted((root(j), root(k)))
-            unit[b] = a
-    members: dict[int, list[int]] = {}
-    for k in range(len(steps)):
-        members.setdefault(root(k), []).append(k)
-    out: list[list[int]] = [[] for _ in range(n)]
-    load = [0] * n
-    for ks in members.values():  # in the order of their first steps
-        i = min(range(n), key=lambda j: (load[j], j))
-        out[i] += ks
-        load[i] += sum(steps[k].nbytes for k in ks)
-    return [sorted(p) for p in out]
+        last = k + 1 == len(steps)
+        if last or not (step.direct and steps[k + 1].direct
+                        and steps[k + 1].slots[0].name == step.slots[0].name):
+            ends.append(k + 1)
+            before.append(before[-1] + sum(steps[j].nbytes for j in range(ends[-2], k + 1)))
+    total, cuts = before[-1], [0]
+    for p in range(1, n):
+        b = min(range(len(ends)), key=lambda i: (abs(before[i] * n - p * total), i))
+        cuts.append(max(cuts[-1], ends[b]))
+    cuts.append(len(steps))
+    return [list(range(cuts[p], cuts[p + 1])) for p in range(n)]

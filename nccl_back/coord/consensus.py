@@ -8,12 +8,15 @@ is how one rank's failure reaches every rank.
 
 :func:`gather` carries more than a vote: every rank's small integer code (an
 ``all_reduce(SUM)`` over a one-hot vector), so every rank learns *which* rank failed and
-how, and all ranks take the same decision from the same codes. A rank takes part in
-every round whatever happened to it (its code says so); nobody leaves a round early.
+how, and all ranks take the same decision from the same codes; :func:`gather_ints`
+carries a list of integers per rank the same way (a ranged load's needs and CRCs).
+Nothing another rank sends is unpickled. A rank takes part in every round whatever
+happened to it (its code says so); nobody leaves a round early.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -81,21 +84,39 @@ def gather(code: int, group: Group) -> list[int]:
         raise ConsensusError(f"all_reduce over the worker's group failed: {e}") from e
 
 
-def exchange(obj: Any, group: Group) -> list[Any]:
-    """Every rank's ``obj`` (picklable), indexed by rank, on every rank: for small lists
-    a phase's check needs from every rank (the ranged load's byte intervals). Unpickled:
-    only ever between the ranks of one worker, never from a peer.
+#: Most integers one rank may send in :func:`gather_ints` (a rank's count sizes the
+#: tensor every rank allocates).
+MAX_INTS = 1 << 22
 
-    Without a group: ``[obj]``. A failing collective raises :class:`ConsensusError`.
+
+def gather_ints(values: Sequence[int] | None, group: Group) -> list[list[int] | None]:
+    """Every rank's ``values`` (non-negative int64s, at most :data:`MAX_INTS`; None: this
+    rank failed), indexed by rank, on every rank. Two collectives over fixed-shape
+    tensors and nothing unpickled: what another rank sends can only be integers, which
+    the caller decodes and checks.
+
+    Without a group: ``[values]``. A failing collective, or a count beyond the bound,
+    raises :class:`ConsensusError`.
     """
+    if values is not None and (len(values) > MAX_INTS or any(not 0 <= v < 1 << 63 for v in values)):
+        raise ValueError(f"{len(values)} values: at most {MAX_INTS}, each in [0, 2**63)")
     if group is None:
-        return [obj]
+        return [None if values is None else list(values)]
+    counts = gather(0 if values is None else len(values) + 1, group)  # 0: failed
+    if max(counts) > MAX_INTS + 1:
+        bad = max(range(len(counts)), key=lambda r: counts[r])
+        raise ConsensusError(f"rank {bad} of the worker's group sent a count of"
+                             f" {counts[bad] - 1} integers, beyond {MAX_INTS}", failed_rank=bad)
     try:
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        t = torch.zeros((world, max(max(counts) - 1, 1)), dtype=torch.int64, device=vote_device(group))
+        if values:
+            t[rank, :len(values)] = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)  # each rank fills its own row
+        rows = t.cpu().tolist()
     except Exception as e:
-        raise ConsensusError(f"all_gather_object over the worker's group failed: {e}") from e
+        raise ConsensusError(f"all_reduce over the worker's group failed: {e}") from e
+    return [None if c == 0 else [int(x) for x in rows[r][:c - 1]] for r, c in enumerate(counts)]
 
 
 def broadcast_from(tensor: torch.Tensor, src: int, group: Group) -> None:

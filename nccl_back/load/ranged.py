@@ -27,11 +27,17 @@ import torch
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord.consensus import Group, broadcast_from, exchange, rank_and_size, vote_device
+from nccl_back.coord.consensus import Group, broadcast_from, gather_ints, rank_and_size, vote_device
 from nccl_back.errors import ConsensusError
 from nccl_back.model.crc import check_file
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import RangedLoad, Schedule, cut_points, gaps, schedule
+from nccl_back.model.ranged_wire import (
+    decode_intervals,
+    decode_needs,
+    encode_intervals,
+    encode_needs,
+)
 from nccl_back.model.sharding import Sharding
 from nccl_back.model.skeleton import Model
 from nccl_back.model.storage import Storage
@@ -49,7 +55,10 @@ class RangedLoader:
         start = _clock.perf()
         rank = rank_and_size(self.group)[0]
         load = _attempt(lambda: RangedLoad(spec, self.sharding, Storage(settings)))
-        sched = schedule(self._everyone(load, lambda ok: ok.needs))
+        names = [e.name for e in self.sharding.checkpoint.entries]  # sorted, alike on every rank
+        sched = schedule(self._everyone(
+            load, lambda ok: encode_needs(ok.needs, spec, names),
+            lambda ints: decode_needs(ints, spec, names), "needs"))
         everyone = sched.every_read
         extra = gaps(spec.shards, everyone) if rank == 0 else []
         ran = _attempt(lambda: load.value.begin(model, cut_points(everyone), sched, rank, extra))
@@ -60,7 +69,8 @@ class RangedLoader:
         shared = _clock.perf() - t
         if ran.error is None:
             ran = _attempt(load.value.finish)
-        intervals = self._everyone(ran, lambda ok: ok[1])
+        intervals = self._everyone(ran, lambda ok: encode_intervals(ok[1], spec),
+                                   lambda ints: decode_intervals(ints, spec), "interval CRCs")
         t = _clock.perf()
         for shard in spec.shards:
             check_file(shard.uri, shard.size, shard.crc32c,
@@ -96,17 +106,28 @@ class RangedLoader:
                 ran = _attempt(partial(load.place, c, wire))
         return ran
 
-    def _everyone(self, mine: _Outcome, part: Callable[[Any], Any]) -> list[Any]:
-        """Every rank's ``part`` of its outcome; raises (after the collective) this rank's
-        error, or a :class:`ConsensusError` naming a rank that failed."""
-        got = exchange(None if mine.error else part(mine.value), self.group)
-        if mine.error is not None:
-            raise mine.error
+    def _everyone(self, mine: _Outcome, encode: Callable[[Any], list[int]],
+                  decode: Callable[[list[int]], Any], what: str) -> list[Any]:
+        """Every rank's part of its outcome (``encode``-d as integers on the sending rank,
+        ``decode``-d and checked on this one); raises (after the collective) this rank's
+        error, or a :class:`ConsensusError` naming a rank that failed or sent integers
+        that do not decode."""
+        sent = _attempt(lambda: encode(mine.value)) if mine.error is None else mine
+        got = gather_ints(None if sent.error else sent.value, self.group)
+        if sent.error is not None:
+            raise sent.error
         failed = [r for r, g in enumerate(got) if g is None]
         if failed:
             raise ConsensusError(f"rank {failed[0]} of this worker failed its ranged storage"
                                  " load; every rank stops (see that rank's error)", failed_rank=failed[0])
-        return got
+        out = []
+        for r, ints in enumerate(got):
+            try:
+                out.append(decode(ints or []))
+            except ValueError as e:
+                raise ConsensusError(f"rank {r} of this worker sent {what} that do not decode:"
+                                     f" {e}", failed_rank=r) from e
+        return out
 
 
 class _Outcome:

@@ -4,11 +4,14 @@ not the load: real holder processes over gloo, the receiver in this process."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_blame import _blamed, _cohorts_closed, _events, _exact, _holder, _wait
+from test_blame import _blamed, _cohorts_closed, _events, _exact, _failures, _holder, _wait
 from test_service import MODEL, Fleet, _ok
 
 from nccl_back.config import Settings
@@ -27,17 +30,55 @@ def ckpt(tmp_path: Path) -> str:
     return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=7), tmp_path / "ckpt"))
 
 
-def _two_holders(fleet: Fleet, reg: Registry, version: str, fault: str | None = None) -> tuple[str, str]:
-    """Holder ``a`` (from storage), then ``b`` (from ``a``; ``fault`` in its sends), both
-    serving with their cohort windows closed: the peer ids."""
-    fleet.start("a", serve_for=120)
-    _ok(fleet.report())
-    fleet.start("b", serve_for=120, fault=fault)
-    _ok(fleet.report())
-    a = _wait("holder a", lambda: _holder(reg, version, "a"))
-    b = _wait("holder b", lambda: _holder(reg, version, "b"))
+def _fleet(ckpt: str, redis_url: str, namespace: str, cache_dir: str, **overrides: Any,
+           ) -> tuple[Fleet, Settings, Registry, ModelSpec]:
+    """A fleet verifying everything (and its settings, registry and spec)."""
+    fleet = Fleet(ckpt, redis_url, namespace, cache_dir)
+    fleet.settings.update(verify="full", peer_ttl=30.0, **overrides)
+    settings = workers.settings_for(**fleet.settings)
+    return fleet, settings, Registry(settings), ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
+
+
+def _holders(fleet: Fleet, reg: Registry, version: str, faults: dict[str, str | None],
+             model_kwargs: dict[str, Any] = MODEL) -> list[str]:
+    """One holder per role in ``faults``, started one after another (the first from
+    storage, each next one from those before; its fault in its sends), all serving
+    with their cohort windows closed: the peer ids, in that order."""
+    for role, fault in faults.items():
+        fleet.start(role, serve_for=120, fault=fault, model_kwargs=model_kwargs)
+        _ok(fleet.report())
+    ids = [_wait(f"holder {role}", lambda role=role: _holder(reg, version, role)).peer_id
+           for role in faults]
     _cohorts_closed(fleet.settings["redis_url"], fleet.settings["namespace"])
-    return a.peer_id, b.peer_id
+    return ids
+
+
+def _load(settings: Settings, spec: ModelSpec, ckpt: str, caplog: pytest.LogCaptureFixture,
+          model_kwargs: dict[str, Any] = MODEL) -> tuple[Any, list[dict[str, Any]], float, bool]:
+    """Load in this process: the result, the events, verification failures, exactness."""
+    model = workers.make_model(model_kwargs)
+    with _events(caplog) as events, WeightService(settings, worker_id="receiver") as svc:
+        result = svc.load(model, spec)
+        failures = _failures(svc)
+    return result, events, failures, _exact(model, ckpt)
+
+
+def _close(fleet: Fleet) -> None:
+    """Stop the fleet, a SIGSTOPped holder (which never sees the stop event) killed."""
+    for p in fleet.procs:
+        if p.is_alive() and p.pid is not None:
+            with open(f"/proc/{p.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    os.kill(p.pid, signal.SIGKILL)
+    fleet.close()
+
+
+def _parts_of(events: list[dict[str, Any]]) -> list[list[str]]:
+    return [e["peers"] for e in events if e.get("event") == "holder_parts"]
+
+
+def _failed(events: list[dict[str, Any]]) -> set[str]:
+    return {e["peer"] for e in events if e.get("event") == "peer_attempt_failed"}
 
 
 @pytest.mark.timeout(180)
@@ -46,24 +87,36 @@ def test_a_receiver_fills_from_two_idle_holders_one_part_each(
 ) -> None:
     """With two idle holders, the load pulls part 0 from one and part 1 from the other
     at once, each step once, and verifies every byte: both holders named as its peer."""
-    fleet = Fleet(ckpt, redis_url, namespace, cache_dir)
-    fleet.settings.update(verify="full", peer_ttl=30.0)
-    settings = workers.settings_for(**fleet.settings)
-    reg = Registry(settings)
-    spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir)
     try:
-        a, b = _two_holders(fleet, reg, spec.version)
-        model = workers.make_model(MODEL)
-        with _events(caplog) as events, WeightService(settings, worker_id="receiver") as svc:
-            result = svc.load(model, spec)
+        a, b = _holders(fleet, reg, spec.version, {"a": None, "b": None})
+        result, events, _, exact = _load(settings, spec, ckpt, caplog)
         assert result.source == "peer", result.fallback_reason
-        assert result.verified and _exact(model, ckpt)
+        assert result.verified and exact
         assert set(result.peer_id.split(",")) == {a, b}
         assert {"transfer.p0", "transfer.p1"} <= set(result.timings), result.timings
-        assert [e["peers"] for e in events if e.get("event") == "holder_parts"] == [
-            result.peer_id.split(",")]
+        assert _parts_of(events) == [result.peer_id.split(",")]
     finally:
-        fleet.close()
+        _close(fleet)
+
+
+@pytest.mark.timeout(180)
+def test_three_idle_holders_each_send_one_third(
+    ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """holder_parts=3 with three idle holders: three parts at once, verified and
+    byte-exact, all three named as the load's peer."""
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir, holder_parts=3)
+    try:
+        ids = _holders(fleet, reg, spec.version, {"a": None, "b": None, "c": None})
+        result, events, _, exact = _load(settings, spec, ckpt, caplog)
+        assert result.source == "peer", result.fallback_reason
+        assert result.verified and exact
+        assert sorted(result.peer_id.split(",")) == sorted(ids)
+        assert {"transfer.p0", "transfer.p1", "transfer.p2"} <= set(result.timings), result.timings
+        assert len(_parts_of(events)) == 1
+    finally:
+        _close(fleet)
 
 
 @pytest.mark.timeout(180)
@@ -73,23 +126,74 @@ def test_a_holder_killed_mid_part_costs_its_part_and_the_other_holder_finishes(
     """A holder SIGKILLed a few steps into its part fails only that part: the load goes
     on from the surviving holder at the first step it lacks, verified, byte-exact, no
     storage read, the dead holder logged as failed."""
-    fleet = Fleet(ckpt, redis_url, namespace, cache_dir)
-    fleet.settings.update(verify="full", peer_ttl=30.0)
-    settings = workers.settings_for(**fleet.settings)
-    reg = Registry(settings)
-    spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir)
     try:
-        a, b = _two_holders(fleet, reg, spec.version, fault="kill_mid_send")
-        model = workers.make_model(MODEL)
-        with _events(caplog) as events, WeightService(settings, worker_id="receiver") as svc:
-            result = svc.load(model, spec)
+        a, b = _holders(fleet, reg, spec.version, {"a": None, "b": "kill_mid_send"})
+        result, events, _, exact = _load(settings, spec, ckpt, caplog)
         assert result.source == "peer", result.fallback_reason
-        assert result.verified and _exact(model, ckpt)
+        assert result.verified and exact
         assert result.peer_id == a
-        assert [e["peers"] for e in events if e.get("event") == "holder_parts"] != []
-        assert {e["peer"] for e in events if e.get("event") == "peer_attempt_failed"} == {b}
+        assert _parts_of(events) != []
+        assert _failed(events) == {b}
     finally:
-        fleet.close()
+        _close(fleet)
+
+
+#: The stall bound of the stopped-holder test, and what the load must stay under.
+STALL = 3.0
+WELL_BEFORE = 25.0
+
+
+@pytest.mark.timeout(180)
+def test_a_holder_stopped_mid_part_costs_the_stall_bound_and_the_other_holder_finishes(
+    ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A holder SIGSTOPped a few steps into its part (no reset: a dead node or a
+    partition) fails that part at the stall bound, not the transfer deadline: the
+    other holder sends the rest, verified and byte-exact, the stopped one logged as
+    stalled."""
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir,
+                                        stall_timeout=STALL, transfer_timeout=100.0)
+    try:
+        a, b = _holders(fleet, reg, spec.version, {"a": None, "b": "stop_mid_send"})
+        t0 = time.monotonic()
+        result, events, _, exact = _load(settings, spec, ckpt, caplog)
+        took = time.monotonic() - t0
+        assert result.source == "peer", result.fallback_reason
+        assert result.verified and exact
+        assert result.peer_id == a
+        assert _parts_of(events) != []
+        stalled = [e for e in events if e.get("event") == "peer_attempt_failed"]
+        assert [e["peer"] for e in stalled] == [b]
+        assert "stalled" in stalled[0]["error"], stalled[0]
+        assert STALL <= took < WELL_BEFORE, took
+    finally:
+        _close(fleet)
+
+
+@pytest.mark.timeout(180)
+def test_the_first_failing_part_aborts_the_others_whose_holders_are_asked_again(
+    ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A holder that dies a few steps into its part aborts the other part at its next
+    step (that holder sends a step each 0.4 s, 10 s for its part): the load does not
+    wait it out, the aborted holder is not counted as failed and sends everything,
+    verified and exact."""
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir,
+                                        max_concurrent_sends=2)
+    try:
+        a, b = _holders(fleet, reg, spec.version, {"a": "slow_part_send", "b": "kill_mid_send"})
+        t0 = time.monotonic()
+        result, events, _, exact = _load(settings, spec, ckpt, caplog)
+        took = time.monotonic() - t0
+        assert result.source == "peer", result.fallback_reason
+        assert result.verified and exact
+        assert result.peer_id == a
+        assert [e["peer"] for e in events if e.get("event") == "holder_part_aborted"] == [a]
+        assert _failed(events) == {b}
+        assert took < 8.0, took
+    finally:
+        _close(fleet)
 
 
 #: Three layers: the cut between two parts falls inside layer 1 (with the fleet's bucket).
@@ -102,33 +206,12 @@ def _good_and_damaged(tmp_path: Path, redis_url: str, namespace: str, cache_dir:
     slots each, one of the other's taken so that ``first`` is asked first (least
     claimed first) and sends part 0."""
     ckpt = str(write_checkpoint(fill_random(TinyTransformer(**CUT_MODEL), seed=7), tmp_path / "ckpt"))
-    fleet = Fleet(ckpt, redis_url, namespace, cache_dir)
-    fleet.settings.update(verify="full", peer_ttl=30.0, max_concurrent_sends=2)
-    settings = workers.settings_for(**fleet.settings)
-    reg = Registry(settings)
-    spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
-    fleet.start("a", serve_for=120, model_kwargs=CUT_MODEL)
-    _ok(fleet.report())
-    fleet.start("b", serve_for=120, fault="corrupt_send", model_kwargs=CUT_MODEL)
-    _ok(fleet.report())
-    a = _wait("holder a", lambda: _holder(reg, spec.version, "a"))
-    b = _wait("holder b", lambda: _holder(reg, spec.version, "b"))
-    later = b if first == "a" else a
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir, max_concurrent_sends=2)
+    a, b = _holders(fleet, reg, spec.version, {"a": None, "b": "corrupt_send"}, CUT_MODEL)
     # As long as a claim may be kept without being taken over: the load is well inside it.
     ttl = settings.claim_ttl * TTL_SLACK
-    assert reg.claim(later.peer_id, "test-holdout", later.max_sends, ttl) is not None
-    _cohorts_closed(redis_url, namespace)
-    return fleet, settings, spec, ckpt, a.peer_id, b.peer_id
-
-
-def _load(settings: Settings, spec: ModelSpec, ckpt: str, caplog: pytest.LogCaptureFixture,
-          ) -> tuple[Any, list[dict[str, Any]], float, bool]:
-    """Load in this process: the result, the events, verification failures, exactness."""
-    model = workers.make_model(CUT_MODEL)
-    with _events(caplog) as events, WeightService(settings, worker_id="receiver") as svc:
-        result = svc.load(model, spec)
-        failures = float(svc.metrics.verification_failures._value.get())
-    return result, events, failures, _exact(model, ckpt)
+    assert reg.claim(b if first == "a" else a, "test-holdout", 2, ttl) is not None
+    return fleet, settings, spec, ckpt, a, b
 
 
 @pytest.mark.timeout(180)
@@ -141,11 +224,11 @@ def test_a_holder_whose_part_fails_verification_is_blamed_alone(
     discarded, and the good holder sends the rest: verified, byte-exact."""
     fleet, settings, spec, ckpt, a, b = _good_and_damaged(tmp_path, redis_url, namespace, cache_dir, "b")
     try:
-        result, events, failures, exact = _load(settings, spec, ckpt, caplog)
+        result, events, failures, exact = _load(settings, spec, ckpt, caplog, CUT_MODEL)
         assert result.source == "peer", result.fallback_reason
         assert result.verified and exact
         assert result.peer_id == a
-        assert [e["peers"] for e in events if e.get("event") == "holder_parts"] == [[b, a]]
+        assert _parts_of(events) == [[b, a]]
         assert _blamed(events) == {b}
         assert failures == 1
     finally:
@@ -162,7 +245,7 @@ def test_a_damaged_layer_at_the_cut_blames_neither_holder_and_one_holder_then_se
     blamed; the load starts over from one holder and ends verified and byte-exact."""
     fleet, settings, spec, ckpt, a, b = _good_and_damaged(tmp_path, redis_url, namespace, cache_dir, "a")
     try:
-        result, events, failures, exact = _load(settings, spec, ckpt, caplog)
+        result, events, failures, exact = _load(settings, spec, ckpt, caplog, CUT_MODEL)
         assert result.source == "peer", result.fallback_reason
         assert result.verified and exact
         assert result.peer_id == a

@@ -14,10 +14,10 @@ one :class:`~nccl_back.budget.Budget` (``peer_budget``). A reshard
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from nccl_back.errors import (
 from nccl_back.load import verify
 from nccl_back.load.attempt import Attempt, NobodyHolds, PeerBusy, StreamLost, Worker
 from nccl_back.load.discover import discover, holders
+from nccl_back.load.pulls import Pulls
 from nccl_back.transport import (
     Transport,
     plan,
@@ -173,7 +174,8 @@ class Receive:
         other cohorts' heads). A failed part leaves what landed: the one-holder loop
         resumes at the first step this rank lacks, without the holders returned (those
         whose part failed). Failed verification blames the one holder that sent the
-        failing layers; when they came from several (the layer at a cut), none.
+        failing layers; when they came from several (a layer at a cut, or damage in more
+        than one part), none.
         """
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
         if s.holder_parts < 2 or rx.sources.sources() or self._seated_below():
@@ -195,17 +197,20 @@ class Receive:
                 return set()  # the claims taken go back as the block ends
             n = len(picked)
             a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
-            with ThreadPoolExecutor(n - 1, thread_name_prefix="nccl_back-part") as pool:
-                later = [pool.submit(self._part, peer, token, (i, n))
-                         for i, (peer, token) in enumerate(picked[1:], 1)]
-                errors = [_error_of(lambda: self._part(*picked[0], (0, n)))]
-                errors += [f.exception() for f in later]
+            pulls = Pulls()
+            errors = pulls.run([functools.partial(self._part, peer, token, (i, n))
+                                for i, (peer, token) in enumerate(picked)], "nccl_back-part")
         failed: set[str] = set()
         for i, ((peer, _), e) in enumerate(zip(picked, errors, strict=True)):
             if e is None:
                 continue
             if not isinstance(e, (PeerError, RegistryError)):
                 raise e
+            if i != pulls.first:
+                # Aborted when the first part failed: not this holder's failure, it is
+                # asked again.
+                a.log.info("holder_part_aborted", peer=peer.peer_id, part=i, error=str(e))
+                continue
             failed.add(peer.peer_id)
             if isinstance(e, HandshakeTimeoutError):
                 worker.metrics.record_handshake_timeout()
@@ -220,26 +225,26 @@ class Receive:
             if len(blamed) == 1:
                 self.blame(e, next(iter(blamed)))
                 return set()
-            # A failing layer at a cut came from several holders: none is blamed, what
-            # they sent is gone, and the one-holder loop tells them apart.
+            # The failing layers came from several holders (a layer at a cut, or damage
+            # in more than one part): none is blamed, what they sent is gone, and the
+            # one-holder loop tells them apart.
             worker.metrics.record_verification_failure()
             a.log.warning("holder_parts_unplaced", peers=sorted(blamed), error=str(e))
             return set()
         a.peer_id = ",".join(p.peer_id for p, _ in picked)
         return set()
 
-    def _part(self, peer: PeerInfo, claim: str, part: Part) -> None:
+    def _part(self, peer: PeerInfo, claim: str, part: Part,
+              started: Callable[[Transport], None]) -> None:
         """Part ``part`` of the steps from holder ``peer`` (its slot ``claim`` held)."""
         worker, a, s, t = self.worker, self.a, self.worker.settings, self.a.target
-        request = TransferRequest(
-            transfer_id=uuid.uuid4().hex, receiver=worker.id, version=a.spec.version,
-            manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
-            claim=claim, part=part[0], parts=part[1])
+        request = new_request(worker, a, claim, part=part[0], parts=part[1])
         transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
                  digest=t.manifest.digest, tensors=t.tensors, bucket=t.bucket(s, peer.transport),
                  part=part, on_step=self._recorder(peer.peer_id),
                  handshake_timeout=max(min(s.receiver_handshake_timeout, a.rx.left()), 0.001),
-                 deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout, stall=s.stall_timeout)
+                 deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout, stall=s.stall_timeout,
+                 started=started)
 
     def _seated_below(self) -> bool:
         """Whether a member is seated below this rank in its relay chain (unknown: yes)."""
@@ -345,11 +350,7 @@ class Receive:
         sources = a.rx.sources
         # Resume what earlier sources gave us (and verification did not discard).
         start = resume_point(plan(t.tensors, t.bucket(s, kind)), t.tensors, sources.done)
-        request = TransferRequest(
-            transfer_id=uuid.uuid4().hex, receiver=worker.id, version=a.spec.version,
-            manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
-            claim=claim, start=start,
-        )
+        request = new_request(worker, a, claim, start=start)
         transfer(worker, a, source, request, kind, address, digest=t.manifest.digest, tensors=t.tensors,
                  bucket=t.bucket(s, kind), start=start, on_step=self._recorder(source),
                  handshake_timeout=handshake_timeout, deadline=deadline, stall=stall,
@@ -377,10 +378,18 @@ class Receive:
         if a.rx.budget is None or not a.rx.budget.spent():
             return False
         a.reason = NoPeerError(
-            f"peer attempts spent their budget of {s.peer_budget_seconds:g} s"
-            f" (peer_budget); last: {last}"
-        )
+            f"peer attempts spent their budget of {s.peer_budget_seconds:g} s (peer_budget)"
+            + ("" if last is None else f"; last: {last}"))
         return True
+
+
+def new_request(worker: Worker, a: Attempt, claim: str | None, **fields: Any) -> TransferRequest:
+    """A fresh request from this rank for ``a``'s version (``claim``: the slot held)."""
+    t = a.target
+    return TransferRequest(
+        transfer_id=uuid.uuid4().hex, receiver=worker.id, version=a.spec.version,
+        manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
+        claim=claim, **fields)
 
 
 def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, kind: str,
@@ -417,15 +426,6 @@ def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, 
 def _suffix(request: TransferRequest) -> str:
     return ("" if request.holder is None else f".{request.holder}") + (
         "" if request.parts is None else f".p{request.part}")
-
-
-def _error_of(fn: Callable[[], None]) -> BaseException | None:
-    """What ``fn()`` raised, or None: held until every part has ended."""
-    try:
-        fn()
-    except Exception as e:
-        return e
-    return None
 
 
 @contextlib.contextmanager

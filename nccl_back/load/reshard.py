@@ -27,20 +27,17 @@ one decision (peer, storage, or strict), like any receive:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import hashlib
 import secrets
-import threading
-import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nccl_back import _clock
 from nccl_back.budget import DISCOVER_SECONDS, Phase
 from nccl_back.coord.consensus import gather
 from nccl_back.coord.content import PositionTruth
-from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo
 from nccl_back.errors import (
     BudgetSpentError,
@@ -53,7 +50,8 @@ from nccl_back.errors import (
 )
 from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
 from nccl_back.load.discover import usable_peers
-from nccl_back.load.receive import claimed, transfer
+from nccl_back.load.pulls import Pulls
+from nccl_back.load.receive import claimed, new_request, transfer
 from nccl_back.load.verifier import merge_macs
 from nccl_back.load.vote import Decision, agree, caught
 from nccl_back.model import marginals
@@ -225,23 +223,18 @@ def _check_truth(worker: Worker, sh: Sharding, truths: dict[str, PositionTruth])
 
 def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> None:
     """Every piece from its holder, all holders at once, then the Verifier's check;
-    raises with the reason if not (the first holder's that failed, once every pull has
-    ended). Sets this rank's basis and what it checked."""
+    raises with the reason if not (that of the holder that failed first, once every
+    pull has ended). Sets this rank's basis and what it checked."""
     s, t = worker.settings, a.target
     deadline = a.rx.start_budget(s).deadline
-    pulls = _Pulls()
-    if len(f.plan.used) == 1:
-        _from_holder(worker, a, f, f.plan.used[0], deadline, pulls)
-    else:
-        # One thread per holder: a receiver's link is faster than one sender's path (a TP=1
-        # rank behind TP=2 holders). Every pull is waited for, even after one failed: each
-        # writes into this rank's tensors (the first failure aborts the others).
-        with ThreadPoolExecutor(len(f.plan.used), thread_name_prefix="nccl_back-reshard") as pool:
-            futures = [pool.submit(_from_holder, worker, a, f, k, deadline, pulls) for k in f.plan.used]
-            errors = [fut.exception() for fut in futures]
-        for e in errors:
-            if e is not None:
-                raise e
+    # One pull per holder at once: a receiver's link is faster than one sender's path
+    # (a TP=1 rank behind TP=2 holders).
+    pulls = Pulls()
+    errors = pulls.run([functools.partial(_from_holder, worker, a, f, k, deadline)
+                        for k in f.plan.used], "nccl_back-reshard")
+    cause = errors[pulls.first] if pulls.first is not None else None
+    if cause is not None:
+        raise cause
     zero_padding(sh.layout, t.tensors)
     v = worker.verifier
     if v.mode == "none":
@@ -268,71 +261,31 @@ def _blame(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources, bad: set
     return blamed
 
 
-class _Pulls:
-    """One receive's transfers in flight: the first failure aborts the others."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._live: set[Transport] = set()
-        self._failed = False
-
-    def start(self, transport: Transport) -> None:
-        with self._lock:
-            self._live.add(transport)
-            if self._failed:
-                transport.abort()
-
-    def end(self, transport: Transport) -> None:
-        with self._lock:
-            self._live.discard(transport)
-
-    def fail(self) -> None:
-        with self._lock:
-            self._failed = True
-            for tr in self._live:
-                with contextlib.suppress(Exception):  # already torn down
-                    tr.abort()
-
-
-def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int, deadline: float, pulls: _Pulls) -> None:
+def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int, deadline: float,
+                 started: Callable[[Transport], None]) -> None:
     """Holder ``k``'s moves: a send slot, the transfer into place, the staged copies."""
     s, t, peer = worker.settings, a.target, f.peers[k]
     land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
-    live: list[Transport] = []
-    try:
-        with claimed(worker, a, peer, share=f.share,
-                     until=min(deadline, _clock.monotonic() + s.busy_wait)) as token:
-            a.timings[f"claim.{k}"] = _clock.perf() - began
-            request = TransferRequest(
-                transfer_id=uuid.uuid4().hex, receiver=worker.id, version=a.spec.version,
-                manifest_digest=t.manifest.digest, transport=t.kind, device=t.device.type,
-                claim=token, layout=f.plan.receiver, group=f.group, holder=k)
-            bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
-            # Staged boxes are copied into place as their step arrives, while the next ones do.
-            done = {j: [n for n in names if n in land.staged]
-                    for j, names in completes(broadcast_plan(land.payload, bucket)).items()}
+    with claimed(worker, a, peer, share=f.share,
+                 until=min(deadline, _clock.monotonic() + s.busy_wait)) as token:
+        a.timings[f"claim.{k}"] = _clock.perf() - began
+        request = new_request(worker, a, token, layout=f.plan.receiver, group=f.group, holder=k)
+        bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
+        # Staged boxes are copied into place as their step arrives, while the next ones do.
+        done = {j: [n for n in names if n in land.staged]
+                for j, names in completes(broadcast_plan(land.payload, bucket)).items()}
 
-            def placed(step: int) -> None:
-                for name in done.get(step, ()):
-                    land.place(name)
+        def placed(step: int) -> None:
+            for name in done.get(step, ()):
+                land.place(name)
 
-            def started(tr: Transport) -> None:
-                live.append(tr)
-                pulls.start(tr)
-
-            transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
-                     digest=f.plan.digest, tensors=land.payload, bucket=bucket, on_step=placed,
-                     handshake_timeout=max(min(s.receiver_handshake_timeout,
-                                               deadline - _clock.monotonic()), 0.001),
-                     deadline=deadline, transfer_timeout=s.transfer_timeout,
-                     stall=s.stall_timeout, started=started)
-    except BaseException:
-        pulls.fail()
-        raise
-    finally:
-        for tr in live:
-            pulls.end(tr)
+        transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
+                 digest=f.plan.digest, tensors=land.payload, bucket=bucket, on_step=placed,
+                 handshake_timeout=max(min(s.receiver_handshake_timeout,
+                                           deadline - _clock.monotonic()), 0.001),
+                 deadline=deadline, transfer_timeout=s.transfer_timeout,
+                 stall=s.stall_timeout, started=started)
     began = _clock.perf()
     land.finish()
     a.timings[f"unpack.{k}"] = _clock.perf() - began

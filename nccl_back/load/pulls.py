@@ -1,0 +1,70 @@
+"""Transfers into one rank's tensors from several sources at once.
+
+A reshard pulls each holder's pieces at once; a load in parts pulls part ``i`` from
+holder ``i``. Both wait for every pull (each writes into this rank's tensors, so none
+may still run once the caller moves on), and the first failure aborts the others'
+transports: the caller then starts over without waiting out the slower pulls, and
+learns which pull failed first (the cause; the others' errors may only be the abort).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from nccl_back.transport import Transport
+
+#: A pull: given the callback its transfer calls with its transport before data moves.
+Pull = Callable[[Callable[[Transport], None]], None]
+
+
+class Pulls:
+    """One receive's pulls in flight: :meth:`run` them, then read :attr:`first`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[Transport] = set()
+        self.first: int | None = None
+        """The index of the pull that failed first (None while none has)."""
+
+    def run(self, pulls: Sequence[Pull], name: str) -> list[BaseException | None]:
+        """Run every pull at once (the first on this thread, each other on a thread
+        named after ``name``) and wait for all of them: what each raised, or None."""
+        if len(pulls) == 1:
+            return [self._one(0, pulls[0])]
+        with ThreadPoolExecutor(len(pulls) - 1, thread_name_prefix=name) as pool:
+            later = [pool.submit(self._one, i, p) for i, p in enumerate(pulls[1:], 1)]
+            errors = [self._one(0, pulls[0])]
+            errors += [f.result() for f in later]
+        return errors
+
+    def _one(self, i: int, pull: Pull) -> BaseException | None:
+        mine: list[Transport] = []
+
+        def started(transport: Transport) -> None:
+            mine.append(transport)
+            with self._lock:
+                self._live.add(transport)
+                if self.first is not None:
+                    transport.abort()
+
+        try:
+            pull(started)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller once all have ended
+            self._fail(i)
+            return e
+        finally:
+            with self._lock:
+                self._live.difference_update(mine)
+        return None
+
+    def _fail(self, i: int) -> None:
+        with self._lock:
+            if self.first is not None:
+                return
+            self.first = i
+            for tr in self._live:
+                with contextlib.suppress(Exception):  # already torn down
+                    tr.abort()

@@ -51,6 +51,7 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,12 +291,15 @@ def _finish(last: dict[int, float], c: Costs, fresh: bool) -> list[float]:
 
 
 def tree_design(n: int, c: Costs, holders: int = 1, fresh: bool = False,
-                double: bool = True, kill: Kill | None = None) -> list[float]:
-    """``dtree`` (two interior-disjoint trees) or ``btree`` (one tree), ``n`` workers.
+                make: Callable[[int, int, int], tp.Topology] = tp.build,
+                kill: Kill | None = None) -> list[float]:
+    """``n`` workers behind the fan-out ``make`` builds: ``dtree`` (two
+    interior-disjoint trees, :func:`topology.build`), ``grown`` (the same grown one
+    arrival at a time, :func:`topology.grown`; all arrived before data moves) or
+    ``btree`` (one tree, :func:`topology.single_tree`).
 
     Brand-new (``fresh``): one of the ``n`` is the downloader, the holder of the rest.
     """
-    make = tp.build if double else tp.single_tree
     topo = make(n - 1 if fresh else n, c.steps, 1 if fresh else holders)
     return _finish(fanout(topo, c, _ready(c, fresh), kill), c, fresh)
 
@@ -324,7 +328,10 @@ def collective(n: int, c: Costs, holders: int = 1, fresh: bool = False,
     return _finish(times, c, fresh) if k > 1 else _finish({}, c, fresh)
 
 
-FANOUT_DESIGNS = ("chain", "dtree", "btree", "collective")
+FANOUT_DESIGNS = ("chain", "dtree", "grown", "btree", "collective")
+#: The tree designs' constructions (topology.py).
+MAKERS: dict[str, Callable[[int, int, int], tp.Topology]] = {
+    "dtree": tp.build, "grown": tp.grown, "btree": tp.single_tree}
 
 
 def fanout_predict(c: Costs, sizes: tuple[int, ...] = FANOUT_SIZES
@@ -339,8 +346,7 @@ def fanout_predict(c: Costs, sizes: tuple[int, ...] = FANOUT_SIZES
             runs = {
                 "chain": (single_flight(n, c) if fresh
                           else chain(n, c, holders_at=[0.0] * holders)),
-                "dtree": tree_design(n, c, holders, fresh),
-                "btree": tree_design(n, c, holders, fresh, double=False),
+                **{d: tree_design(n, c, holders, fresh, make=MAKERS[d]) for d in MAKERS},
                 "collective": collective(n, c, holders, fresh),
             }
             for d, times in runs.items():
@@ -359,12 +365,12 @@ def kill_predict(c: Costs, detect: float, sizes: tuple[int, ...] = (64, 1024, 40
     at = c.setup + c.steps // 2 * c.step
     rows = []
     for n in sizes:
-        for design in ("dtree", "btree", "collective"):
+        for design in ("dtree", "grown", "btree", "collective"):
             if design == "collective":
                 times = collective(n, c, kill_at=at, detect=detect)
                 hit, rest = times[1:], []  # every survivor restarts
             else:
-                topo = (tp.build if design == "dtree" else tp.single_tree)(n, c.steps)
+                topo = MAKERS[design](n, c.steps, 1)
                 below = set().union(*(topo.subtree(1, t) for t in range(tp.TREES))) - {1}
                 last = fanout(topo, c, _ready(c, False), Kill(1, at, detect))
                 hit = [last[r] + c.fixed for r in below] or [one]

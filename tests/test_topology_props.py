@@ -9,6 +9,7 @@ import importlib.util
 import math
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +28,9 @@ FLEETS = st.integers(1, 4096)
 STEPS = st.integers(1, 256)
 HOLDERS = st.integers(1, 8)
 FAST = settings(max_examples=25, deadline=None)
+#: Both constructions of the two trees: for a fixed size, and grown arrival by arrival.
+Make = Callable[..., Topology]
+MAKERS = pytest.mark.parametrize("make", [tp.build, tp.grown], ids=["build", "grown"])
 
 
 def deliveries(topo: Topology) -> dict[int, Counter[int]]:
@@ -63,54 +67,60 @@ def max_sends(topo: Topology) -> int:
     return max((topo.sends(r) for r in topo.receivers), default=0)
 
 
+@MAKERS
 @FAST
 @given(FLEETS, STEPS, HOLDERS)
-def test_every_receiver_gets_every_step_exactly_once(n: int, s: int, h: int) -> None:
+def test_every_receiver_gets_every_step_exactly_once(make: Make, n: int, s: int, h: int) -> None:
     """Each receiver gets each of the S steps exactly once, from holders down the trees."""
-    assert_exactly_once(tp.build(n, s, h), set(range(n)))
+    assert_exactly_once(make(n, s, h), set(range(n)))
 
 
+@MAKERS
 @FAST
 @given(FLEETS, STEPS, HOLDERS)
-def test_depth_grows_with_log_n(n: int, s: int, h: int) -> None:
+def test_depth_grows_with_log_n(make: Make, n: int, s: int, h: int) -> None:
     """No receiver is more than D = floor(log2 ceil(N/H)) + 1 hops from its holder."""
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     assert max_depth(topo) <= tp.depth_bound(n, h) <= 2 * math.ceil(math.log2(n)) + 1
 
 
+@MAKERS
 @FAST
 @given(FLEETS, STEPS, HOLDERS)
-def test_each_node_sends_at_most_one_model(n: int, s: int, h: int) -> None:
+def test_each_node_sends_at_most_one_model(make: Make, n: int, s: int, h: int) -> None:
     """A receiver sends at most S + 1 step-copies, a holder exactly S (when it serves any)."""
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     assert max_sends(topo) <= tp.budget(s) <= s + 1
     for k in range(h):
         assert topo.sends(tp.holder(k)) == (s if k < n else 0)
 
 
+@MAKERS
 @FAST
 @given(FLEETS, HOLDERS)
-def test_trees_are_interior_disjoint(n: int, h: int) -> None:
+def test_trees_are_interior_disjoint(make: Make, n: int, h: int) -> None:
     """A receiver forwards in at most one of the two trees."""
-    topo = tp.build(n, 8, h)
+    topo = make(n, 8, h)
     assert not any(topo.children(r, 0) and topo.children(r, 1) for r in range(n))
 
 
+@MAKERS
 @FAST
 @given(FLEETS, HOLDERS)
-def test_receivers_are_spread_over_all_holders(n: int, h: int) -> None:
+def test_receivers_are_spread_over_all_holders(make: Make, n: int, h: int) -> None:
     """Each holder serves ceil or floor of N/H receivers, in both trees."""
-    topo = tp.build(n, 4, h)
+    topo = make(n, 4, h)
     for tree in range(tp.TREES):
         sizes = [len(topo.subtree(tp.holder(k), tree)) - 1 for k in range(h)]
         assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n
 
 
+@MAKERS
 @FAST
 @given(FLEETS, STEPS, HOLDERS, st.data())
-def test_parent_and_ancestors_agree(n: int, s: int, h: int, data: st.DataObject) -> None:
+def test_parent_and_ancestors_agree(make: Make, n: int, s: int, h: int, data: st.DataObject) -> None:
     """A step's parent is its first ancestor; the ancestors end at the receiver's holder."""
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     r = data.draw(st.integers(0, n - 1))
     k = data.draw(st.integers(0, s - 1))
     up = topo.ancestors(r, k)
@@ -118,13 +128,14 @@ def test_parent_and_ancestors_agree(n: int, s: int, h: int, data: st.DataObject)
     assert r in topo.children(up[0], topo.tree_of(k))
 
 
+@MAKERS
 @FAST
 @given(st.integers(2, 4096), STEPS, HOLDERS, st.data())
 def test_a_members_removal_keeps_every_step_once_within_slack(
-        n: int, s: int, h: int, data: st.DataObject) -> None:
+        make: Make, n: int, s: int, h: int, data: st.DataObject) -> None:
     """Without any one member, every survivor still gets every step exactly once, depth
     stays <= 2D - 1 and sends <= budget + ceil(S/2)."""
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     dead = data.draw(st.integers(0, n - 1))
     after = tp.remove(topo, dead)
     assert_exactly_once(after, set(range(n)) - {dead})
@@ -134,12 +145,13 @@ def test_a_members_removal_keeps_every_step_once_within_slack(
         assert after.sends(tp.holder(k)) <= tp.budget(s)
 
 
+@MAKERS
 @FAST
 @given(st.integers(2, 4096), STEPS, HOLDERS, st.data())
 def test_a_removed_members_children_try_their_ancestors_first(
-        n: int, s: int, h: int, data: st.DataObject) -> None:
+        make: Make, n: int, s: int, h: int, data: st.DataObject) -> None:
     """The first orphan of a dead member lands on the dead member's own parent."""
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     dead = data.draw(st.integers(0, n - 1))
     after = tp.remove(topo, dead)
     for tree in range(tp.TREES):
@@ -148,24 +160,26 @@ def test_a_removed_members_children_try_their_ancestors_first(
             assert after.parents[tree][kids[0]] == topo.parents[tree][dead]
 
 
+@MAKERS
 @FAST
 @given(st.integers(0, 4096), STEPS, HOLDERS)
-def test_a_late_arrival_gets_every_step_within_the_bounds(n: int, s: int, h: int) -> None:
+def test_a_late_arrival_gets_every_step_within_the_bounds(make: Make, n: int, s: int, h: int) -> None:
     """One receiver joining a fan-out in flight gets every step once, as a leaf, with
     depth <= D + 1 and nobody's sends over budget."""
-    topo = tp.join(tp.build(n, s, h), new := n)
+    topo = tp.join(make(n, s, h), new := n)
     assert_exactly_once(topo, set(range(n + 1)))
     assert topo.sends(new) == 0
     assert max_depth(topo) <= tp.depth_bound(max(n, 1), h) + 1
     assert max_sends(topo) <= tp.budget(s)
 
 
+@MAKERS
 @FAST
 @given(st.integers(0, 512), STEPS, HOLDERS, st.integers(2, 6))
-def test_late_arrivals_in_turn_each_add_at_most_one_hop(n: int, s: int, h: int, k: int) -> None:
+def test_late_arrivals_in_turn_each_add_at_most_one_hop(make: Make, n: int, s: int, h: int, k: int) -> None:
     """k late arrivals in turn: every one gets every step once, sends stay in budget,
     depth <= D + k."""
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     for new in range(n, n + k):
         topo = tp.join(topo, new)
     assert_exactly_once(topo, set(range(n + k)))
@@ -173,13 +187,14 @@ def test_late_arrivals_in_turn_each_add_at_most_one_hop(n: int, s: int, h: int, 
     assert max_depth(topo) <= tp.depth_bound(max(n, 1), h) + k
 
 
+@MAKERS
 @FAST
 @given(st.integers(3, 1024), STEPS, st.integers(1, 4), st.data())
 def test_removal_then_arrival_still_delivers_everything(
-        n: int, s: int, h: int, data: st.DataObject) -> None:
+        make: Make, n: int, s: int, h: int, data: st.DataObject) -> None:
     """A death, then a late arrival, then a second death: every survivor gets every step
     exactly once (bounds are only promised for one event)."""
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     first = data.draw(st.integers(0, n - 1))
     topo = tp.join(tp.remove(topo, first), n)
     second = data.draw(st.sampled_from(sorted(set(range(n + 1)) - {first})))
@@ -198,11 +213,12 @@ def test_the_single_tree_delivers_everything_but_sends_twice(n: int, s: int, h: 
 
 
 def test_bad_arguments_and_unknown_members_are_refused() -> None:
-    """build refuses a negative fleet, no steps or no holder; remove an unknown id; join
-    an id in use."""
+    """build and grown refuse a negative fleet, no steps or no holder; remove an unknown
+    id; join an id in use."""
     for args in ((-1, 4, 1), (4, 0, 1), (4, 4, 0)):
-        with pytest.raises(ValueError):
-            tp.build(*args)
+        for make in (tp.build, tp.grown):
+            with pytest.raises(ValueError, match="need receivers >= 0, steps >= 1, holders >= 1"):
+                make(*args)
     with pytest.raises(KeyError):
         tp.remove(tp.build(4, 4), 9)
     with pytest.raises(ValueError):
@@ -221,16 +237,17 @@ def _simulate() -> ModuleType:
     return mod
 
 
+@MAKERS
 @settings(max_examples=20, deadline=None)
 @given(st.integers(2, 300), st.integers(1, 64), st.integers(1, 4), st.data())
 def test_a_member_killed_at_a_random_step_costs_its_subtree_one_resume(
-        n: int, s: int, h: int, data: st.DataObject) -> None:
+        make: Make, n: int, s: int, h: int, data: st.DataObject) -> None:
     """In the simulated fan-out, a member killed at any moment leaves every survivor with
     every step exactly once, the slowest within detect + set-up + one transfer + 4D steps
     of the undisturbed slowest (or of the death)."""
     sim = _simulate()
     c = replace(sim.RUN7, steps=s)
-    topo = tp.build(n, s, h)
+    topo = make(n, s, h)
     dead = data.draw(st.integers(0, n - 1))
     at = data.draw(st.floats(0.0, c.setup + (s + 2) * c.step))
     calm = max(sim.fanout(topo, c, [0.0] * s).values())
@@ -270,3 +287,29 @@ def test_the_parts_of_a_plan_deliver_every_step_once_in_balance(
     total = sum(s.nbytes for s in steps)
     for p in split:
         assert abs(sum(steps[k].nbytes for k in p) * n - total) <= max(unit_bytes, default=0) * n
+
+
+@FAST
+@given(st.integers(1, 300), HOLDERS)
+def test_a_grown_tree_changes_few_parents_as_the_cohort_grows(n: int, h: int) -> None:
+    """Grown arrival by arrival, each tree of size n is the last one's plus the
+    newcomer; an interior node's parent never changes, and a leaf's changes at most
+    floor(log2 n) + 1 times (its slot doubles each time)."""
+    before = tp.grown(0, 4, h)
+    moves: Counter[tuple[int, int]] = Counter()
+    for size in range(1, n + 1):
+        now = tp.grown(size, 4, h)
+        for tree in range(tp.TREES):
+            assert set(now.parents[tree]) == set(before.parents[tree]) | {size - 1}
+            for r, up in before.parents[tree].items():
+                if now.parents[tree][r] != up:
+                    assert not now.children(r, tree), "an interior node moved"
+                    moves[r, tree] += 1
+        before = now
+    assert max(moves.values(), default=0) <= math.ceil(n / h).bit_length()
+
+
+@pytest.mark.parametrize("n", [16, 64, 1024, 4096])
+def test_a_grown_tree_is_as_shallow_as_a_built_one(n: int) -> None:
+    """At the sizes the benchmarks use, growing costs no depth over building."""
+    assert max_depth(tp.grown(n, 128)) == max_depth(tp.build(n, 128))

@@ -15,9 +15,16 @@ group of ``n`` receivers, in order ``g[0] .. g[n-1]``:
 A heap of ``n`` nodes has its interior nodes at the first ``n//2`` positions, so A's
 interior is ``g[0 .. n//2-1]`` and B's is ``g[n-n//2 .. n-1]``: disjoint. Every
 receiver is interior in at most one tree and a leaf in the other. Step ``k`` travels
-down tree ``k % 2`` (even steps A, odd steps B): the model of the data plane's split,
-:func:`nccl_back.transport.parts.parts`, which balances the two halves by bytes
-(equal-sized steps: the same halves). A member forwards a step as soon as it holds it.
+down tree ``k % 2`` (even steps A, odd steps B). The data plane's split
+(:func:`nccl_back.transport.parts.parts`) is two consecutive runs balanced by bytes
+instead: the same number of steps per tree for equal-sized steps, and the same
+times behind a warm holder, but behind a streamed download a run's steps are ready
+only as the download reaches them, which this model does not show. A member
+forwards a step as soon as it holds it.
+
+:func:`build` needs the cohort's final size (tree B is over it reversed);
+:func:`grown` builds the same bounds one arrival at a time, changing few parents
+per arrival, for a cohort that is still forming.
 
 Bounds (``S`` steps, ``n = ceil(N/H)`` receivers in the largest group):
 
@@ -46,6 +53,7 @@ Node ids: receivers are ``0, 1, ...``; holder ``h`` is ``-1 - h`` (:func:`holder
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -164,6 +172,61 @@ def build(receivers: int, steps: int, holders: int = 1) -> Topology:
     for h, group in enumerate(_groups(receivers, holders)):
         a |= _heap(group, holder(h))
         b |= _heap(group[::-1], holder(h))
+    return Topology(steps, holders, (a, b))
+
+
+def _grown(group: list[int], tree: int, top: int) -> dict[int, int]:
+    """Tree ``tree`` over ``group`` as it grew, one arrival at a time (see :func:`grown`).
+
+    Slots are heap indices: slot 0's parent is ``top``, slot ``c``'s is the interior
+    node at index ``(c-1)//2``. Interior node ``k`` sits at slot ``k``; a leaf sits at
+    the smallest free slot whose parent is present, and moves to the smallest one
+    then free (a later slot) when interior node ``k`` arrives at its slot."""
+    interior: list[int] = []
+    at: dict[int, int] = {}  # slot -> receiver
+    free = [0]  # slots whose parent is present, lazily cleaned (heapq)
+
+    def take() -> int:
+        while free[0] in at or free[0] < len(interior):
+            heapq.heappop(free)
+        return heapq.heappop(free)
+
+    for j, r in enumerate(group):
+        if j % TREES == tree:
+            k = len(interior)
+            interior.append(r)
+            for c in (2 * k + 1, 2 * k + 2):
+                heapq.heappush(free, c)
+            if k in at:
+                at[take()] = at[k]
+            at[k] = r
+        else:
+            at[take()] = r
+    return {r: (top if c == 0 else interior[(c - 1) // 2]) for c, r in at.items()}
+
+
+def grown(receivers: int, steps: int, holders: int = 1) -> Topology:
+    """Two interior-disjoint trees per holder that grow with the cohort: what
+    :func:`build` gives for a fixed size, but each arrival changes few parents.
+
+    :func:`build`'s tree B is a heap over the cohort *reversed*: it needs the final
+    size, and rebuilt as receivers arrive it changes almost every B-parent each time.
+    Here parity decides the role instead: in tree ``t`` the receivers at even
+    (``t = 0``) or odd (``t = 1``) arrival positions are interior, a heap in arrival
+    order, and the others are leaves on the free child slots. So an interior node's
+    parent never changes, and a leaf moves only when the interior node whose heap
+    index is its slot arrives: at most ``floor(log2 n) + 1`` moves over a cohort of
+    ``n`` (property-tested), at the depth :func:`build` gives. Every receiver is interior in one tree and a leaf in
+    the other, has at most two children in each (one model's worth of sends), and a
+    holder has one child per tree. ``grown(n + 1)`` is ``grown(n)`` with arrival ``n``.
+    """
+    if receivers < 0 or steps < 1 or holders < 1:
+        raise ValueError("need receivers >= 0, steps >= 1, holders >= 1")
+    a: dict[int, int] = {}
+    b: dict[int, int] = {}
+    for h, group in enumerate(_groups(receivers, holders)):
+        a |= _grown(group, 0, holder(h))
+        b |= _grown(group, 1, holder(h))
     return Topology(steps, holders, (a, b))
 
 

@@ -357,8 +357,8 @@ def fanout_predict(c: Costs, sizes: tuple[int, ...] = FANOUT_SIZES
 
 def kill_predict(c: Costs, detect: float, sizes: tuple[int, ...] = (64, 1024, 4096)
                  ) -> list[dict[str, Any]]:
-    """Receiver 1 (the first child of a tree's root: half the fleet below it in that
-    tree) killed halfway through N=1's transfer: its descendants' slowest finish
+    """Receiver 1 (``dtree``: the first child of a tree's root, half the fleet below it
+    in that tree; ``grown``: tree B's root, all of it) killed halfway through N=1's transfer: its descendants' slowest finish
     against N=1 + the time to notice (the stall bound, by default), and everyone
     else's slowest against N=1. A collective's death reaches every member."""
     one = tree_design(1, c)[0]

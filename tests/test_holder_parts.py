@@ -171,31 +171,6 @@ def test_a_holder_stopped_mid_part_costs_the_stall_bound_and_the_other_holder_fi
         _close(fleet)
 
 
-@pytest.mark.timeout(180)
-def test_the_first_failing_part_aborts_the_others_whose_holders_are_asked_again(
-    ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A holder that dies a few steps into its part aborts the other part at its next
-    step (that holder sends a step each 0.4 s, 10 s for its part): the load does not
-    wait it out, the aborted holder is not counted as failed and sends everything,
-    verified and exact."""
-    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir,
-                                        max_concurrent_sends=2)
-    try:
-        a, b = _holders(fleet, reg, spec.version, {"a": "slow_part_send", "b": "kill_mid_send"})
-        t0 = time.monotonic()
-        result, events, _, exact = _load(settings, spec, ckpt, caplog)
-        took = time.monotonic() - t0
-        assert result.source == "peer", result.fallback_reason
-        assert result.verified and exact
-        assert result.peer_id == a
-        assert [e["peer"] for e in events if e.get("event") == "holder_part_aborted"] == [a]
-        assert _failed(events) == {b}
-        assert took < 8.0, took
-    finally:
-        _close(fleet)
-
-
 #: Three layers: the cut between two parts falls inside layer 1 (with the fleet's bucket).
 CUT_MODEL = {"n_layers": 3, "d": 64}
 

@@ -142,17 +142,6 @@ class _KillAfter:
         return self._inner.copy(tensor, src)
 
 
-class _SlowCopies(_KillAfter):
-    """Wraps a transport: each broadcast waits ``seconds`` first."""
-
-    def __init__(self, inner: Any, seconds: float) -> None:
-        self._inner, self._seconds = inner, seconds
-
-    def copy(self, tensor: torch.Tensor, src: int = 0) -> Any:
-        time.sleep(self._seconds)
-        return self._inner.copy(tensor, src)
-
-
 def _install_fault(fault: str) -> None:
     from nccl_back.load import receive, storage
     from nccl_back.transport import send as sender  # the send path holders (and relays) share
@@ -217,16 +206,6 @@ def _install_fault(fault: str) -> None:
             return orig_slow(transport, *a, **k)
 
         sender.send_tensors = slow  # type: ignore[assignment]
-    elif fault == "slow_part_send":
-        # Each step of a part's send waits 0.4 s first (a holder whose link is busy).
-        orig_part = sender.send_tensors
-
-        def slow_part(transport: Any, *a: Any, **k: Any) -> Any:
-            if k.get("part") is not None:
-                transport = _SlowCopies(transport, 0.4)
-            return orig_part(transport, *a, **k)
-
-        sender.send_tensors = slow_part  # type: ignore[assignment]
     elif fault == "kill_mid_download":
         def die(*a: Any, **k: Any) -> Any:
             time.sleep(0.3)

@@ -2,9 +2,15 @@
 
 A reshard pulls each holder's pieces at once; a load in parts pulls part ``i`` from
 holder ``i``. Both wait for every pull (each writes into this rank's tensors, so none
-may still run once the caller moves on), and the first failure aborts the others'
-transports: the caller then starts over without waiting out the slower pulls, and
-learns which pull failed first (the cause; the others' errors may only be the abort).
+may still run once the caller moves on) and learn which pull failed first (the cause;
+with ``abort``, the others' errors may only be the abort).
+
+``abort``: the first failure aborts the others' transports, each at its next step (a
+gloo wait under way is not interrupted). A reshard does: its load starts over without
+the pieces. A load in parts does not: what the other parts land stays, and the
+holder of an aborted part would stay busy until its own side gives up (a receiver
+that closes its end without exiting resets nothing, so the holder's send stalls), so
+asking that holder again at once would time out in the handshake.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ Pull = Callable[[Callable[[Transport], None]], None]
 class Pulls:
     """One receive's pulls in flight: :meth:`run` them, then read :attr:`first`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, abort: bool) -> None:
+        self._abort = abort
         self._lock = threading.Lock()
         self._live: set[Transport] = set()
         self.first: int | None = None
@@ -47,7 +54,7 @@ class Pulls:
             mine.append(transport)
             with self._lock:
                 self._live.add(transport)
-                if self.first is not None:
+                if self._abort and self.first is not None:
                     transport.abort()
 
         try:
@@ -65,6 +72,8 @@ class Pulls:
             if self.first is not None:
                 return
             self.first = i
+            if not self._abort:
+                return
             for tr in self._live:
                 with contextlib.suppress(Exception):  # already torn down
                     tr.abort()

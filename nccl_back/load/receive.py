@@ -197,20 +197,16 @@ class Receive:
                 return set()  # the claims taken go back as the block ends
             n = len(picked)
             a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
-            pulls = Pulls()
-            errors = pulls.run([functools.partial(self._part, peer, token, (i, n))
-                                for i, (peer, token) in enumerate(picked)], "nccl_back-part")
+            # Not aborted on a failure: what the other parts land stays (see Pulls).
+            errors = Pulls(abort=False).run(
+                [functools.partial(self._part, peer, token, (i, n))
+                 for i, (peer, token) in enumerate(picked)], "nccl_back-part")
         failed: set[str] = set()
         for i, ((peer, _), e) in enumerate(zip(picked, errors, strict=True)):
             if e is None:
                 continue
             if not isinstance(e, (PeerError, RegistryError)):
                 raise e
-            if i != pulls.first:
-                # Aborted when the first part failed: not this holder's failure, it is
-                # asked again.
-                a.log.info("holder_part_aborted", peer=peer.peer_id, part=i, error=str(e))
-                continue
             failed.add(peer.peer_id)
             if isinstance(e, HandshakeTimeoutError):
                 worker.metrics.record_handshake_timeout()

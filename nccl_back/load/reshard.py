@@ -229,7 +229,7 @@ def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> None
     deadline = a.rx.start_budget(s).deadline
     # One pull per holder at once: a receiver's link is faster than one sender's path
     # (a TP=1 rank behind TP=2 holders).
-    pulls = Pulls()
+    pulls = Pulls(abort=True)
     errors = pulls.run([functools.partial(_from_holder, worker, a, f, k, deadline)
                         for k in f.plan.used], "nccl_back-reshard")
     cause = errors[pulls.first] if pulls.first is not None else None

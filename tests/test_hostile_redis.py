@@ -24,6 +24,7 @@ make a transfer fail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -190,7 +191,10 @@ class KeyWatch:
             key = msg["channel"].decode().split(":", 1)[1]
             if self.race is not None and kind_of(key) == self.race[0] and key not in self.raced:
                 self.raced.append(key)
-                self.race[1](key)
+                # The library may rewrite the key between our delete and our write (a
+                # WRONGTYPE reply): the race is lost, and this thread must keep watching.
+                with contextlib.suppress(redis.ResponseError):
+                    self.race[1](key)
                 continue
             if self.keys.get(key, ("", None))[1] is None:
                 # A key already gone (a request popped at once) keeps its name.

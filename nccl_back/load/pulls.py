@@ -51,10 +51,12 @@ class Pulls:
         mine: list[Transport] = []
 
         def started(transport: Transport) -> None:
+            if not self._abort:
+                return  # nothing will abort it: not tracked
             mine.append(transport)
             with self._lock:
                 self._live.add(transport)
-                if self._abort and self.first is not None:
+                if self.first is not None:
                     transport.abort()
 
         try:

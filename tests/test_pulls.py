@@ -1,0 +1,112 @@
+"""Pulls into one rank's tensors from several sources (``load/pulls.py``): every pull is
+waited for, the first failure is the one named, and only ``abort`` stops the others.
+
+The pulls here are plain functions and the transports stand-ins that record an abort:
+what is under test is the coordination, which never touches data.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from nccl_back.errors import TransferError
+from nccl_back.load.pulls import Pulls
+
+WAIT = 10.0
+
+
+class Recorder:
+    """A transport stand-in: records that it was aborted."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def test_the_pull_that_failed_first_is_named_though_another_fails_later() -> None:
+    """Pull 1 fails at once, pull 0 after it: ``first`` is 1, and both errors come back."""
+    failed = threading.Event()
+
+    def late(started: Callable[[Any], None]) -> None:
+        assert failed.wait(WAIT)
+        raise TransferError("late: the abort's echo")
+
+    def early(started: Callable[[Any], None]) -> None:
+        failed.set()
+        raise TransferError("early: the cause")
+
+    pulls = Pulls(abort=True)
+    errors = pulls.run([late, early], "test-pull")
+    assert pulls.first == 1
+    assert [str(e) for e in errors] == ["late: the abort's echo", "early: the cause"]
+
+
+def test_abort_reaches_a_running_pull_and_one_that_starts_after_the_failure() -> None:
+    """With ``abort``, the first failure aborts the transport of a pull under way, and a
+    pull whose transport starts afterwards is aborted as it starts."""
+    running, later = Recorder(), Recorder()
+    failed = threading.Event()
+
+    def under_way(started: Callable[[Any], None]) -> None:
+        started(running)
+        assert running.aborted.wait(WAIT)
+        raise TransferError("aborted at its next step")
+
+    def starts_late(started: Callable[[Any], None]) -> None:
+        assert failed.wait(WAIT)
+        time.sleep(0.05)  # the failure is recorded before this transport starts
+        started(later)
+        assert later.aborted.is_set()
+        raise TransferError("aborted as it started")
+
+    def fails(started: Callable[[Any], None]) -> None:
+        time.sleep(0.05)  # the others are under way
+        failed.set()
+        raise TransferError("the cause")
+
+    pulls = Pulls(abort=True)
+    errors = pulls.run([under_way, starts_late, fails], "test-pull")
+    assert pulls.first == 2
+    assert str(errors[2]) == "the cause"
+    assert running.aborted.is_set() and later.aborted.is_set()
+
+
+def test_without_abort_the_other_pulls_finish_and_are_waited_for() -> None:
+    """Without ``abort`` a failure touches no other transport, and :meth:`run` returns
+    only once every pull has ended."""
+    transport = Recorder()
+    finished = threading.Event()
+
+    def slow(started: Callable[[Any], None]) -> None:
+        started(transport)
+        time.sleep(0.3)
+        finished.set()
+
+    def fails(started: Callable[[Any], None]) -> None:
+        raise TransferError("the cause")
+
+    pulls = Pulls(abort=False)
+    errors = pulls.run([fails, slow], "test-pull")
+    assert finished.is_set()
+    assert pulls.first == 0 and errors[1] is None
+    assert not transport.aborted.is_set()
+
+
+def test_an_error_that_is_not_a_transfer_error_comes_back_too() -> None:
+    """Whatever a pull raises is handed back, not raised on a pool thread and lost."""
+
+    def broken(started: Callable[[Any], None]) -> None:
+        raise ValueError("a bug")
+
+    pulls = Pulls(abort=True)
+    errors = pulls.run([lambda started: None, broken], "test-pull")
+    assert errors[0] is None
+    with pytest.raises(ValueError, match="a bug"):
+        raise errors[1]  # type: ignore[misc]

@@ -1,6 +1,8 @@
 """A TP=2 worker's storage load: the whole-checkpoint buffer against the ranged read.
 
 Run: ``.venv/bin/python benchmarks/sharded_storage.py [--d 1728 --repeat 2]``
+(``--storage gs --storage-gbps 0.2``: the checkpoint in the GCS emulator instead, each
+rank reaching it through its own throttled link, ``nccl_back/dev/throttle.py``)
 
 A plain transformer-shaped fp32 checkpoint (``tests/reshard_workers.py``: embed 8D×D,
 q/k/v/o, gate/up/down 4D×D, a norm; ~256 MiB at D=1728) in two local files. For each
@@ -16,12 +18,14 @@ ranks prove every file's CRC32C together). Per rank: bytes read
 (``rchar`` of ``/proc/self/io`` over the load: every read and pread, so both paths
 are counted the same way), seconds, peak RSS (``VmHWM``) and its rise over the load.
 The files are in the page cache (the parent lists them first): this measures what
-each rank reads and holds, not a disk.
+each rank reads and holds, not a disk. From ``gs://`` the bytes come over sockets, which
+``rchar`` does not count: there the loaders' own count is the figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -86,14 +90,17 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_group(mode: str, scheme: str, ckpt: str, cache: str, d: int) -> list[dict[str, Any]]:
+def run_group(mode: str, scheme: str, ckpt: str, cache: str, d: int,
+              hosts: list[str]) -> list[dict[str, Any]]:
+    """One TP=2 group's load; rank r reaches the emulated bucket through ``hosts[r]``."""
     from nccl_back.dev.servers import free_port
 
     port = str(free_port())
     env = {**os.environ, "RESHARD_D": str(d), "RESHARD_F": str(4 * d), "RESHARD_V": str(8 * d)}
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", "--rank", str(r), "--port", port, "--mode", mode,
-         "--scheme", scheme, "--ckpt", ckpt, "--cache", cache], env=env, stdout=subprocess.PIPE)
+         "--scheme", scheme, "--ckpt", ckpt, "--cache", cache],
+        env={**env, "STORAGE_EMULATOR_HOST": hosts[r]} if hosts else env, stdout=subprocess.PIPE)
         for r in range(2)]
     out = []
     for p in procs:
@@ -116,6 +123,10 @@ def main() -> None:
     ap.add_argument("--scheme", default="rows")
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--cache", default="")
+    ap.add_argument("--storage", choices=("local", "gs"), default="local",
+                    help="where the checkpoint lies: local files, or the GCS emulator")
+    ap.add_argument("--storage-gbps", type=float, default=0.0,
+                    help="gs: each rank's link to the bucket in GB/s (0: unthrottled)")
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -133,16 +144,42 @@ def main() -> None:
         ckpt = str(write_checkpoint(model, Path(tmp) / "ckpt", n_shards=2))
         del model
         cache = str(Path(tmp) / "cache")
-        ModelSpec.from_dir(ckpt, cache_dir=cache)  # the CRC32C cache, and the page cache
         size = sum(p.stat().st_size for p in Path(ckpt).glob("*.safetensors"))
-        print(f"checkpoint {size / 2**20:.1f} MiB in 2 files; TP=2, gloo, D={args.d}")
-        for scheme in args.schemes.split(","):
-            runs: dict[str, list[list[dict[str, Any]]]] = {"whole": [], "ranged": []}
-            for _ in range(args.repeat):
-                for mode in ("whole", "ranged"):
-                    runs[mode].append(run_group(mode, scheme, ckpt, cache, args.d))
-            for mode, groups in runs.items():
-                _report(scheme, mode, groups, size)
+        with contextlib.ExitStack() as up:
+            hosts: list[str] = []
+            if args.storage == "gs":
+                ckpt, hosts = _bucket(up, ckpt, args.storage_gbps)
+            ModelSpec.from_dir(ckpt, cache_dir=cache)  # the CRC32C cache, and the page cache
+            print(f"checkpoint {size / 2**20:.1f} MiB in 2 files at {ckpt}; TP=2, gloo,"
+                  f" D={args.d}" + (f"; each rank's link {args.storage_gbps:g} GB/s"
+                                    if args.storage_gbps else ""))
+            for scheme in args.schemes.split(","):
+                runs: dict[str, list[list[dict[str, Any]]]] = {"whole": [], "ranged": []}
+                for _ in range(args.repeat):
+                    for mode in ("whole", "ranged"):
+                        runs[mode].append(run_group(mode, scheme, ckpt, cache, args.d, hosts))
+                for mode, groups in runs.items():
+                    _report(scheme, mode, groups, size)
+
+
+def _bucket(up: contextlib.ExitStack, ckpt: str, gbps: float) -> tuple[str, list[str]]:
+    """Upload ``ckpt`` to a GCS emulator; its ``gs://`` URI and each rank's endpoint (its
+    own throttled proxy when ``gbps``)."""
+    from nccl_back.dev import throttle
+    from nccl_back.dev.gcs import LocalGCS
+
+    gcs = up.enter_context(LocalGCS().start())
+    bucket = gcs.client().create_bucket("ckpt")  # sets STORAGE_EMULATOR_HOST here
+    for f in sorted(Path(ckpt).iterdir()):
+        bucket.blob(f"ckpt/{f.name}").upload_from_filename(str(f))
+    if not gbps:
+        return "gs://ckpt/ckpt", [gcs.host, gcs.host]
+    hosts = []
+    for _ in range(2):
+        proxy = throttle.serve(gcs.host, gbps, cache=True)
+        up.callback(proxy.shutdown)
+        hosts.append(f"http://127.0.0.1:{proxy.server_address[1]}")
+    return "gs://ckpt/ckpt", hosts
 
 
 def _report(scheme: str, mode: str, groups: list[list[dict[str, Any]]], size: int) -> None:
@@ -159,7 +196,8 @@ def _report(scheme: str, mode: str, groups: list[list[dict[str, Any]]], size: in
           f" total {total / mib:.1f} MiB = {total / size:.2f}x checkpoint; {secs:.2f} s (slowest rank,"
           f" median of {len(groups)}); VmHWM per rank {hwm[0] / mib:.0f} / {hwm[1] / mib:.0f} MiB,"
           f" rise over the load {rise[0] / mib:.0f} / {rise[1] / mib:.0f} MiB (share {share / mib:.0f} MiB)"
-          + (f"; the loaders' own count {counted / mib:.1f} MiB = {counted / size:.2f}x, the CRC check"
+          + f"; the loaders' own count {counted / mib:.1f} MiB = {counted / size:.2f}x"
+          + (f", the CRC check"
              f" {med(max(r['verify'] for r in g) for g in groups):.3f} s, the shared tensors' reads and"
              f" broadcasts {med(max(r['shared'] for r in g) for g in groups):.2f} s"
              if mode == "ranged" else ""))

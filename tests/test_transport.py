@@ -467,3 +467,31 @@ if __name__ == "__main__":
     parsed = parser.parse_args()
     REDIS.update(url=parsed.redis_url, namespace=parsed.namespace)
     serve(parsed)
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_that_gave_up_frees_its_sender_at_once_though_its_error_is_kept() -> None:
+    """A receiver that gives up mid-transfer, its error (and so its traceback) kept as a
+    load keeps its last error, closes its connection: the sender fails at its next step,
+    not after its own per-call timeout (a holder's send slot held for the stall bound)."""
+    want = {f"w{i:02d}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 64 MiB: past the socket buffers
+    got = {n: torch.empty_like(t) for n, t in want.items()}
+    ended: dict[str, float] = {}
+
+    def send(t: Transport) -> None:
+        try:
+            send_tensors(t, want, BUCKET)
+        finally:
+            ended["sender"] = time.monotonic()
+
+    def recv(t: Transport) -> None:
+        def on_step(k: int) -> None:
+            if k == 1:
+                ended["receiver"] = time.monotonic()
+                raise TransferError("given up after two steps")
+        recv_tensors(t, got, BUCKET, on_step=on_step)
+
+    s_err, r_err = in_process_pair(send, recv, timeout=60)
+    assert isinstance(r_err, TransferError) and "given up" in str(r_err)
+    assert isinstance(s_err, TransferError), s_err
+    assert ended["sender"] - ended["receiver"] < 5.0, ended

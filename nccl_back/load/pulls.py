@@ -6,11 +6,10 @@ may still run once the caller moves on) and learn which pull failed first (the c
 with ``abort``, the others' errors may only be the abort).
 
 ``abort``: the first failure aborts the others' transports, each at its next step (a
-gloo wait under way is not interrupted). A reshard does: its load starts over without
-the pieces. A load in parts does not: what the other parts land stays, and the
-holder of an aborted part would stay busy until its own side gives up (a receiver
-that closes its end without exiting resets nothing, so the holder's send stalls), so
-asking that holder again at once would time out in the handshake.
+gloo wait under way is not interrupted); an aborted transport closes, which fails its
+sender's next call, so that sender's slot is free at once. A reshard aborts: its load
+starts over without the pieces. A load in parts does not: what the other parts land
+stays, and a healthy part finishing is worth more than its sender's slot.
 """
 
 from __future__ import annotations

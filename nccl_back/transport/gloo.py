@@ -7,8 +7,10 @@ and keys of an earlier attempt must not meet this one. ``init_process_group`` is
 called.
 
 Measured behaviour this relies on: a crashed peer makes a pending call raise within
-~0.3 s; a stalled peer makes it raise at its per-call timeout; ``abort()`` does not
-unblock a wait already running. Hence every call gets the time left to the deadline as
+~0.3 s; a stalled peer makes it raise at its per-call timeout; ``abort()`` (and
+``shutdown()``) neither unblock a wait already running nor close the connections, which
+close only when the group and every ``Work`` of it are freed (then the peer's next call
+fails within ~0.1 s). Hence every call gets the time left to the deadline as
 its own timeout (or the stall bound, :attr:`Transport.call_timeout`, when shorter), so
 the watchdog's worker thread always unwinds by the deadline.
 
@@ -18,6 +20,7 @@ error classification) is :class:`~nccl_back.transport.store.StoreTransport`.
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -38,14 +41,20 @@ log = get_logger(__name__)
 
 class _GlooPending:
     def __init__(self, work: dist.Work, transport: GlooTransport) -> None:
-        self._work = work
+        self._work: dist.Work | None = work
         self._transport = transport
 
     def wait(self) -> None:
+        work = self._work
+        if work is None:
+            raise TransferError(f"{self._transport._name}: wait after close")
         try:
-            self._work.wait()
+            work.wait()
         except RuntimeError as e:
             raise self._transport._error("copy", e) from e
+
+    def drop(self) -> None:
+        self._work = None
 
 
 class GlooTransport(StoreTransport):
@@ -59,6 +68,8 @@ class GlooTransport(StoreTransport):
         super().__init__(rank, transfer_id, settings, registry,
                          device=device or torch.device("cpu"))
         self._pg: dist.ProcessGroupGloo | None = None
+        self._pending: weakref.WeakSet[_GlooPending] = weakref.WeakSet()
+        """Calls issued and maybe still referenced (their Work keeps the group alive)."""
 
     def connect(self, deadline: float) -> None:
         self._deadline = deadline
@@ -87,7 +98,9 @@ class GlooTransport(StoreTransport):
             work = self._pg.broadcast(tensor, src, timedelta(seconds=per_call))  # type: ignore[attr-defined]
         except RuntimeError as e:
             raise self._error("copy", e) from e
-        return _GlooPending(work, self)
+        pending = _GlooPending(work, self)
+        self._pending.add(pending)
+        return pending
 
     def abort(self) -> None:
         # gloo's abort is safe from any thread (it does not unblock a running wait: the
@@ -102,7 +115,13 @@ class GlooTransport(StoreTransport):
 
     def close(self) -> None:
         # Dropping the group joins gloo's threads; every pending call has a timeout of
-        # at most the deadline, so this cannot block past it.
+        # at most the deadline, so this cannot block past it. Its connections close only
+        # once no Work is left either: a failed transfer's error keeps its frames, and so
+        # their pending calls, for as long as the load keeps the error, and the peer's
+        # sends would then block until its own per-call timeout.
+        for pending in list(self._pending):
+            pending.drop()
+        self._pending.clear()
         self._pg = None
         self._drop_bootstrap()
 

@@ -150,8 +150,8 @@ def test_a_holder_stopped_mid_part_costs_the_stall_bound_and_the_other_holder_fi
 ) -> None:
     """A holder SIGSTOPped a few steps into its part (no reset: a dead node or a
     partition) fails that part at the stall bound, not the transfer deadline: the
-    other holder sends the rest, verified and byte-exact, the stopped one logged as
-    stalled."""
+    other holder sends that part's remainder (not its own part again), verified and
+    byte-exact, the stopped one logged as stalled."""
     fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir,
                                         stall_timeout=STALL, transfer_timeout=100.0)
     try:
@@ -163,6 +163,8 @@ def test_a_holder_stopped_mid_part_costs_the_stall_bound_and_the_other_holder_fi
         assert result.verified and exact
         assert result.peer_id == a
         assert _parts_of(events) != []
+        # Both parts' transfers, and no whole-model pull from the first step lacking.
+        assert {k for k in result.timings if k.startswith("transfer")} == {"transfer.p0", "transfer.p1"}
         stalled = [e for e in events if e.get("event") == "peer_attempt_failed"]
         assert [e["peer"] for e in stalled] == [b]
         assert "stalled" in stalled[0]["error"], stalled[0]

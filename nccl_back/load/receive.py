@@ -51,6 +51,7 @@ from nccl_back.transport import (
 )
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.parts import Part
+from nccl_back.transport.parts import parts as split
 from nccl_back.transport.relay import RELAY_HANDSHAKE
 from nccl_back.transport.store import unreachable_reason
 
@@ -166,16 +167,17 @@ class Receive:
 
     def _from_holders_in_parts(self) -> set[str]:
         """Part ``i`` of ``n`` from each of ``n`` idle holders at once (``holder_parts``),
-        into this rank's tensors, then one verification: ``a.peer_id`` names them all.
+        into this rank's tensors, then one verification: ``a.peer_id`` names those whose
+        parts landed.
 
         Not tried when fewer than two holders have a free send slot now, when this rank
         holds steps already, or when members are seated below it (their chain moves at
         this rank's send cap whatever it receives at, and the holders' other slots serve
-        other cohorts' heads). A failed part leaves what landed: the one-holder loop
-        resumes at the first step this rank lacks, without the holders returned (those
-        whose part failed). Failed verification blames the one holder that sent the
-        failing layers; when they came from several (a layer at a cut, or damage in more
-        than one part), none.
+        other cohorts' heads). A failed part leaves what landed, and its remainder comes
+        from a holder whose part landed; with none left, the one-holder loop resumes at
+        the first step this rank lacks, without the holders returned (those that failed).
+        Failed verification blames the one holder that sent the failing layers; when
+        they came from several (a layer at a cut, or damage in more than one part), none.
         """
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
         if s.holder_parts < 2 or rx.sources.sources() or self._seated_below():
@@ -201,18 +203,23 @@ class Receive:
             errors = Pulls(abort=False).run(
                 [functools.partial(self._part, peer, token, (i, n))
                  for i, (peer, token) in enumerate(picked)], "nccl_back-part")
-        failed: set[str] = set()
-        for i, ((peer, _), e) in enumerate(zip(picked, errors, strict=True)):
-            if e is None:
-                continue
-            if not isinstance(e, (PeerError, RegistryError)):
-                raise e
-            failed.add(peer.peer_id)
-            if isinstance(e, HandshakeTimeoutError):
-                worker.metrics.record_handshake_timeout()
-            a.log.warning("peer_attempt_failed", peer=peer.peer_id, part=i,
-                          reason=fallback_reason(e), error=str(e))
-        if failed:
+            for i, ((peer, _), e) in enumerate(zip(picked, errors, strict=True)):
+                if e is not None:
+                    self._part_failed(peer, i, e)
+            failed = {peer.peer_id for (peer, _), e in zip(picked, errors, strict=True) if e is not None}
+            # A failed part's remainder comes from a holder whose own part landed (its
+            # slot still held), from the first step of it this rank lacks: the parts that
+            # landed are not sent again.
+            done = [(peer, token) for (peer, token), e in zip(picked, errors, strict=True) if e is None]
+            lost = [i for i, e in enumerate(errors) if e is not None]
+            while lost and done and not self._budget_spent(None):
+                try:
+                    self._part(*done[0], (lost[0], n), lambda _tr: None)
+                    lost.pop(0)
+                except (PeerError, RegistryError) as e:
+                    self._part_failed(done[0][0], lost[0], e)
+                    failed.add(done.pop(0)[0].peer_id)
+        if lost:
             return failed
         try:
             verify.check(worker, a, rx.deadline)
@@ -220,24 +227,40 @@ class Receive:
             blamed = e.blamed if isinstance(e, relay.DamagedBytes) else frozenset()
             if len(blamed) == 1:
                 self.blame(e, next(iter(blamed)))
-                return set()
+                return failed
             # The failing layers came from several holders (a layer at a cut, or damage
             # in more than one part): none is blamed, what they sent is gone, and the
             # one-holder loop tells them apart.
             worker.metrics.record_verification_failure()
             a.log.warning("holder_parts_unplaced", peers=sorted(blamed), error=str(e))
-            return set()
-        a.peer_id = ",".join(p.peer_id for p, _ in picked)
+            return failed
+        a.peer_id = ",".join(p.peer_id for p, _ in done)
         return set()
+
+    def _part_failed(self, peer: PeerInfo, i: int, e: BaseException) -> None:
+        """Log part ``i``'s failure at holder ``peer``; anything but a peer's or Redis's
+        failure is a bug, raised."""
+        if not isinstance(e, (PeerError, RegistryError)):
+            raise e
+        if isinstance(e, HandshakeTimeoutError):
+            self.worker.metrics.record_handshake_timeout()
+        self.a.log.warning("peer_attempt_failed", peer=peer.peer_id, part=i,
+                           reason=fallback_reason(e), error=str(e))
 
     def _part(self, peer: PeerInfo, claim: str, part: Part,
               started: Callable[[Transport], None]) -> None:
-        """Part ``part`` of the steps from holder ``peer`` (its slot ``claim`` held)."""
+        """Part ``part`` of the steps from holder ``peer`` (its slot ``claim`` held), from
+        the first step of it this rank lacks."""
         worker, a, s, t = self.worker, self.a, self.worker.settings, self.a.target
-        request = new_request(worker, a, claim, part=part[0], parts=part[1])
+        steps = plan(t.tensors, t.bucket(s, peer.transport))
+        first = a.rx.sources.lacking(split(steps, part[1])[part[0]])
+        if first is None:
+            return  # every step of it is held
+        start = resume_point(steps, t.tensors, first)
+        request = new_request(worker, a, claim, start=start, part=part[0], parts=part[1])
         transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
                  digest=t.manifest.digest, tensors=t.tensors, bucket=t.bucket(s, peer.transport),
-                 part=part, on_step=self._recorder(peer.peer_id),
+                 start=start, part=part, on_step=self._recorder(peer.peer_id),
                  handshake_timeout=max(min(s.receiver_handshake_timeout, a.rx.left()), 0.001),
                  deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout, stall=s.stall_timeout,
                  started=started)

@@ -142,6 +142,11 @@ class StepSources:
             if 0 <= step < len(self._sources):
                 self._sources[step] = source
 
+    def lacking(self, steps: list[int]) -> int | None:
+        """The first of ``steps`` not held (None: all are)."""
+        with self._lock:
+            return next((k for k in steps if self._sources[k] is None), None)
+
     def sources(self) -> set[str]:
         """Every source whose steps are held."""
         with self._lock:

@@ -43,9 +43,12 @@ class Fleet:
         ).stdout
         return dict(json.loads(out)["versions"])
 
-    def peers(self) -> dict[str, dict[str, Any]]:
-        """The live peers of every version, by id."""
-        return {p["peer_id"]: p for v in self.versions().values() for p in v["peers"]}
+    def peers(self, version: str = "") -> dict[str, dict[str, Any]]:
+        """The live peers of the versions starting with ``version``, by id. Other modules'
+        engines share the namespace, and one killed before it withdrew (a rank that
+        outlived its executor's shutdown grace) stays listed for the peer TTL."""
+        return {p["peer_id"]: p for v, entry in self.versions().items() if v.startswith(version)
+                for p in entry["peers"]}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_tp1_holder_to_tp2_engine(fleet: Fleet) -> None:
     assert [r["source"] for r in ranks] == ["peer", "peer"], r2.tail()
     # One version for every layout of this content: the TP=1 holder's.
     assert {r["version"] for r in ranks} == {h1.loaded()["version"]}
-    peers = fleet.peers()
+    peers = fleet.peers(h1.loaded()["version"] or "?")
     assert {(peers[r["peer"] or ""]["world_size"], peers[r["peer"] or ""]["source"])
             for r in ranks} == {(1, "storage")}
     # R2 now serves its own layout, as a peer-loaded holder of both ranks.

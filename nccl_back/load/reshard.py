@@ -16,9 +16,9 @@ one decision (peer, storage, or strict), like any receive:
    its reason; none left: every rank goes on as without resharding (the single
    flight, then storage).
 2. *Receive* (:func:`receive`): from every holder the plan uses at once, a shared claim
-   (:func:`.receive.claimed`), the handshake proving the *plan's* digest (a sender that
+   (:func:`.asking.claimed`), the handshake proving the *plan's* digest (a sender that
    derived another plan refuses before any data moves), exactly this rank's pieces
-   through the one transfer path (:func:`.receive.transfer`), received in place where a
+   through the one transfer path (:func:`.asking.transfer`), received in place where a
    piece is contiguous in its tensor (:class:`~nccl_back.model.reshard_plan.Landing`);
    then the Verifier checks what this rank holds against the holders' truth.
 3. *Publish*: as any peer load (:func:`.publish.peer_loaded`): what the Verifier allows
@@ -48,10 +48,10 @@ from nccl_back.errors import (
     WeightVerificationError,
     fallback_reason,
 )
+from nccl_back.load.asking import claimed, new_request, transfer
 from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
 from nccl_back.load.discover import usable_peers
 from nccl_back.load.pulls import Pulls
-from nccl_back.load.receive import claimed, new_request, transfer
 from nccl_back.load.verifier import merge_macs
 from nccl_back.load.vote import Decision, agree, caught
 from nccl_back.model import marginals

@@ -1,0 +1,156 @@
+"""A load in parts (``holder_parts``): part ``i`` of ``n`` from each of ``n`` idle
+holders at once, then one verification, since several senders fill one receiver faster
+than one does.
+
+A step of the receive loop (:class:`~.receive.Receive`), kept apart so that loop stays
+one page: it asks each holder as every path does (:mod:`.asking`) and uses the loop's
+blame, step recorder and the load's one budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from nccl_back.coord.registry import PeerInfo
+from nccl_back.errors import (
+    HandshakeTimeoutError,
+    PeerError,
+    RegistryError,
+    WeightVerificationError,
+    fallback_reason,
+)
+from nccl_back.load import verify
+from nccl_back.load.asking import claimed, new_request, transfer
+from nccl_back.load.attempt import PeerBusy
+from nccl_back.load.pulls import Pulls
+from nccl_back.transport import Transport, plan, relay
+from nccl_back.transport.broadcast import Step, resume_point
+from nccl_back.transport.parts import Part
+from nccl_back.transport.parts import parts as split
+
+if TYPE_CHECKING:
+    from nccl_back.load.receive import Receive
+
+
+def from_holders_in_parts(rcv: Receive) -> set[str]:
+    """Part ``i`` of ``n`` from each of ``n`` idle holders at once (``holder_parts``),
+    into this rank's tensors, then one verification: ``a.peer_id`` names those whose
+    parts landed.
+
+    Not tried when fewer than two holders have a free send slot now, when this rank
+    holds steps already, or when members are seated below it (their chain moves at
+    this rank's send cap whatever it receives at, and the holders' other slots serve
+    other cohorts' heads). A failed part leaves what landed, and its remainder comes
+    from a holder whose part landed; with none left, the one-holder loop resumes at
+    the first step this rank lacks, without the holders returned (those that failed).
+    Failed verification blames the one holder that sent the failing layers; when
+    they came from several (a layer at a cut, or damage in more than one part), none.
+    """
+    worker, a, s, rx = rcv.worker, rcv.a, rcv.worker.settings, rcv.a.rx
+    if s.holder_parts < 2 or rx.sources.sources() or _seated_below(rcv):
+        return set()
+    with contextlib.ExitStack() as held:
+        picked: list[tuple[PeerInfo, str]] = []
+        for peer in a.found.candidates:
+            if len(picked) == s.holder_parts or rcv.budget_spent(None):
+                break
+            if peer.peer_id in rx.blamed:
+                continue
+            try:
+                picked.append((peer, held.enter_context(claimed(worker, a, peer))))
+            except PeerBusy:
+                continue
+            except RegistryError:
+                break
+        if len(picked) < 2:
+            return set()  # the claims taken go back as the block ends
+        n = len(picked)
+        a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
+        # One plan for every part: each candidate speaks this rank's transport (discover).
+        t = a.target
+        steps = plan(t.tensors, t.bucket(s, t.kind))
+        # Not aborted on a failure: what the other parts land stays (see Pulls).
+        errors = Pulls(abort=False).run(
+            [functools.partial(_part, rcv, steps, peer, token, (i, n))
+             for i, (peer, token) in enumerate(picked)], "nccl_back-part")
+        failed: set[str] = set()
+        done: list[tuple[PeerInfo, str]] = []  # whose part landed (its slot still held)
+        lost: list[int] = []  # the parts that failed
+        for i, ((peer, token), e) in enumerate(zip(picked, errors, strict=True)):
+            if e is None:
+                done.append((peer, token))
+            else:
+                _part_failed(rcv, peer, i, e)
+                failed.add(peer.peer_id)
+                lost.append(i)
+        # A failed part's remainder comes from a holder whose own part landed, from the
+        # first step of it this rank lacks: the parts that landed are not sent again.
+        while lost and done and not rcv.budget_spent(None):
+            try:
+                _part(rcv, steps, *done[0], (lost[0], n), lambda _tr: None)
+                lost.pop(0)
+            except (PeerError, RegistryError) as e:
+                _part_failed(rcv, done[0][0], lost[0], e)
+                failed.add(done.pop(0)[0].peer_id)
+    if lost:
+        return failed
+    try:
+        verify.check(worker, a, rx.deadline)
+    except WeightVerificationError as e:
+        blamed = e.blamed if isinstance(e, relay.DamagedBytes) else frozenset()
+        if len(blamed) == 1:
+            rcv.blame(e, next(iter(blamed)))
+            return failed
+        # The failing layers came from several holders (a layer at a cut, or damage
+        # in more than one part): none is blamed, what they sent is gone, and the
+        # one-holder loop tells them apart.
+        worker.metrics.record_verification_failure()
+        a.log.warning("holder_parts_unplaced", peers=sorted(blamed), error=str(e))
+        return failed
+    a.peer_id = ",".join(p.peer_id for p, _ in done)
+    return set()
+
+
+def _part_failed(rcv: Receive, peer: PeerInfo, i: int, e: BaseException) -> None:
+    """Log part ``i``'s failure at holder ``peer``; anything but a peer's or Redis's
+    failure is a bug, raised."""
+    if not isinstance(e, (PeerError, RegistryError)):
+        raise e
+    if isinstance(e, HandshakeTimeoutError):
+        rcv.worker.metrics.record_handshake_timeout()
+    rcv.a.log.warning("peer_attempt_failed", peer=peer.peer_id, part=i,
+                      reason=fallback_reason(e), error=str(e))
+
+
+def _part(rcv: Receive, steps: list[Step], peer: PeerInfo, claim: str, part: Part,
+          started: Callable[[Transport], None]) -> None:
+    """Part ``part`` of ``steps`` (this rank's plan) from holder ``peer`` (its slot
+    ``claim`` held), from the first step of it this rank lacks."""
+    worker, a, s, t = rcv.worker, rcv.a, rcv.worker.settings, rcv.a.target
+    first = a.rx.sources.lacking(split(steps, part[1])[part[0]])
+    if first is None:
+        return  # every step of it is held
+    start = resume_point(steps, t.tensors, first)
+    request = new_request(worker, a, claim, start=start, part=part[0], parts=part[1])
+    transfer(
+        worker, a, peer.peer_id, request, peer.transport, peer.address,
+        digest=t.manifest.digest, tensors=t.tensors, bucket=t.bucket(s, peer.transport),
+        start=start, part=part, on_step=rcv.recorder(peer.peer_id),
+        handshake_timeout=max(min(s.receiver_handshake_timeout, a.rx.left()), 0.001),
+        deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout, stall=s.stall_timeout,
+        started=started)
+
+
+def _seated_below(rcv: Receive) -> bool:
+    """Whether a member is seated below this rank in its relay chain (unknown: yes)."""
+    chain = rcv.a.rx.chain
+    if chain is None:
+        return False
+    try:
+        return bool(rcv.worker.registry.chain_members(chain.seat.chain, chain.position + 1,
+                                                      chain.position + 1))
+    except RegistryError:
+        return True

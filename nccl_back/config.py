@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from nccl_back.errors import ConfigError
 from nccl_back.redis_url import parse_redis_url
-from nccl_back.transport_kinds import MAX_PARTS, TRANSPORT_KINDS, TransportKind
+from nccl_back.transport_kinds import MAX_HOLDER_PARTS, TRANSPORT_KINDS, TransportKind
 
 ENV_PREFIX = "NCCL_BACK_"
 #: Names a file holding the secret (a mounted Kubernetes Secret), instead of the value.
@@ -309,10 +309,10 @@ class Settings:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
         if not isinstance(self.holder_parts, int) or isinstance(self.holder_parts, bool) or not (
-            1 <= self.holder_parts <= MAX_PARTS
+            1 <= self.holder_parts <= MAX_HOLDER_PARTS
         ):
             raise ConfigError(f"holder_parts={self.holder_parts!r}: must be an integer from 1"
-                              f" (one holder sends everything) to {MAX_PARTS}")
+                              f" (one holder sends everything) to {MAX_HOLDER_PARTS}")
         for name in ("bucket_bytes", "max_send_gbps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (

@@ -18,5 +18,10 @@ TransportKind = Literal["gloo", "nccl"]
 TRANSPORT_KINDS: tuple[TransportKind, ...] = get_args(TransportKind)
 
 #: Parts a transfer's steps may be split into, each from its own source (a receiver's
-#: idle holders, a fan-out's trees): what a request may name and a setting may ask for.
-MAX_PARTS = 4
+#: idle holders, a fan-out's trees, a cooperative download's members): what a request
+#: may name. A download group has at most this many members.
+MAX_PARTS = 64
+
+#: Idle holders one receiver may pull one part from each at once (``holder_parts``):
+#: beyond a few, a receiver's own link, not its holders', is the limit.
+MAX_HOLDER_PARTS = 4

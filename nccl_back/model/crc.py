@@ -86,19 +86,21 @@ class Interval:
     crc: int
 
 
-def file_crc(uri: str, size: int, intervals: Iterable[tuple[int, Interval]]) -> int:
+def file_crc(uri: str, size: int, intervals: Iterable[tuple[int, Interval]],
+             who: str = "ranks") -> int:
     """The CRC32C of file ``uri`` (``size`` bytes) from ``(rank, interval)`` pairs that
     cover it, cut at every rank's boundaries (two intervals are equal or disjoint).
 
     :class:`ChecksumMismatchError` naming the file if two ranks read different bytes
     for the same interval, if intervals overlap without being equal, or if some bytes
-    were read by nobody: then the file's content is unproven."""
+    were read by nobody: then the file's content is unproven. ``who`` names the readers
+    in messages (the ranks of one worker, or the members of a cooperative download)."""
     seen: dict[tuple[int, int], tuple[int, int]] = {}
     for rank, iv in intervals:
         key = (iv.start, iv.end)
         if key in seen and seen[key][1] != iv.crc:
             raise ChecksumMismatchError(
-                f"{uri}: ranks {seen[key][0]} and {rank} read different bytes at"
+                f"{uri}: {who} {seen[key][0]} and {rank} read different bytes at"
                 f" [{iv.start}, {iv.end}) (the file changed during the load?)")
         seen.setdefault(key, (rank, iv.crc))
     crc, at = 0, 0
@@ -113,12 +115,13 @@ def file_crc(uri: str, size: int, intervals: Iterable[tuple[int, Interval]]) -> 
     return crc
 
 
-def check_file(uri: str, size: int, expected: str, intervals: Iterable[tuple[int, Interval]]) -> None:
+def check_file(uri: str, size: int, expected: str, intervals: Iterable[tuple[int, Interval]],
+               who: str = "ranks") -> None:
     """Raise :class:`ChecksumMismatchError` unless the intervals prove file ``uri`` has
     CRC32C ``expected`` (8 hex digits, from its identity)."""
-    got = f"{file_crc(uri, size, intervals):08x}"
+    got = f"{file_crc(uri, size, intervals, who):08x}"
     if got != expected:
         raise ChecksumMismatchError(
-            f"{uri}: CRC32C {got} of the bytes loaded (combined over every rank's ranges)"
+            f"{uri}: CRC32C {got} of the bytes loaded (combined over all {who}' ranges)"
             f" differs from {expected} in its identity (changed or corrupted since"
             " fingerprinted, or during the load?)")

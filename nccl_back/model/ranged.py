@@ -218,7 +218,7 @@ class RangedLoad:
         row = max((s.row_bytes for s in self.sources), default=0)
         stage = max(min(self.stage_cap, max((hi - lo for _, lo, hi in spans), default=0)), row,
                     sched.chunk_bytes, 1)
-        self._reader = _Reader(self.storage, self.spec.shards, cuts, stage)
+        self._reader = SpanReader(self.storage, self.spec.shards, cuts, stage)
         self._block: Iterator[tuple[int, np.ndarray]] | None = None
         self._intervals = [Interval(h.uri, 0, len(h.raw), google_crc32c.value(h.raw))
                            for h in self.headers]
@@ -288,7 +288,7 @@ class RangedLoad:
             self._reader.close()
         return self.finish()
 
-    def _fill(self, reader: _Reader, s: _Source, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _fill(self, reader: SpanReader, s: _Source, tensors: Mapping[str, torch.Tensor]) -> None:
         """Read ``s``'s rows in chunks of whole rows and place each chunk's moves."""
         uri, lo, hi = s.span
         if hi <= lo:
@@ -309,7 +309,7 @@ def _source(info: TensorInfo, moves: list[Move]) -> _Source:
     return _Source(info, rows, info.nbytes // shape[0] if shape[0] else 0, tuple(moves))
 
 
-class _Reader:
+class SpanReader:
     """Ranged reads into one staging buffer, through the storage seam (local files with
     positional reads), counting bytes and CRC-ing each elementary interval read."""
 

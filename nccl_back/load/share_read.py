@@ -1,0 +1,184 @@
+"""One member's share of a cooperative download, read from storage into its tensors,
+and the proof that the members' shares together are the checkpoint.
+
+Member ``i`` of ``n`` reads its spans (:func:`~.shares.shares`) through one bounded
+staging buffer (:class:`~nccl_back.model.ranged.SpanReader`: ranged requests to a
+bucket, positional reads of a local file): the bytes of every tensor its part of the
+plan carries are copied straight into the model's tensors, the rest (headers, padding,
+tensors the model does not load) only CRC-ed. It returns the CRC32C of every interval
+it read, cut at every member's span boundaries so that two members' intervals are
+equal or disjoint, plus one for each header it parsed: members derive their shares
+from the headers they parsed, so a member that parsed other bytes than the header's
+reader read fails the proof instead of reading the wrong spans unnoticed.
+
+:func:`prove` combines every member's intervals into each file's CRC32C
+(:func:`~nccl_back.model.crc.check_file`) and compares it with storage's own, the one
+the version's identity lists: no member read a whole file, yet every byte is proven.
+When a file fails, :func:`blame` reads it again whole, cut at the same points, and names
+the members whose intervals differ from storage's bytes (a member that read a changed
+file, or reported CRCs of bytes it did not read); nobody, when the file itself no longer
+matches its identity (changed at rest since it was listed).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import google_crc32c
+import numpy as np
+import torch
+
+from nccl_back import _clock
+from nccl_back.errors import CheckpointFormatError
+from nccl_back.load.shares import Where, shares
+from nccl_back.model.checkpoint import ShardHeader, locate
+from nccl_back.model.crc import Interval, check_file, file_crc
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.ranged import STAGE_BYTES, Span, SpanReader, cut_points
+from nccl_back.model.storage import Storage
+
+if TYPE_CHECKING:
+    from nccl_back.transport.broadcast import Step
+
+#: How :func:`prove`'s errors name the readers of a file.
+WHO = "members"
+
+
+@dataclass(frozen=True)
+class ShareRead:
+    """What one member read: ``bytes`` from storage in ``seconds``, and the CRC32C of
+    every interval it read (and of each header it parsed)."""
+
+    member: int
+    bytes: int
+    seconds: float
+    intervals: tuple[Interval, ...]
+
+
+@dataclass(frozen=True)
+class Blame:
+    """Why a file failed :func:`prove`: the members whose intervals differ from the
+    bytes storage serves, or ``changed_at_rest`` (the file differs from its identity)."""
+
+    members: tuple[int, ...]
+    changed_at_rest: bool
+
+
+def places(headers: Sequence[ShardHeader]) -> dict[str, Where]:
+    """Each tensor's bytes in its file, by the name the model gives it."""
+    return {name: (info.uri, info.start, info.end) for name, (_, info) in locate(headers).items()}
+
+
+def read_share(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
+               steps: Sequence[Step], n: int, i: int, tensors: Mapping[str, torch.Tensor],
+               stage_bytes: int = STAGE_BYTES) -> ShareRead:
+    """Member ``i`` of ``n``: its share of ``spec``'s files into ``tensors`` (the
+    model's, named as ``headers`` name them; those of other parts are left untouched)."""
+    sizes = {s.uri: s.size for s in spec.shards}
+    every = shares(steps, places(headers), sizes, n)
+    heads = [(h.uri, 0, len(h.raw)) for h in headers]
+    cuts = cut_points([*heads, *(span for member in every for span in member)])
+    return read_spans(storage, spec, headers, every[i], cuts, tensors, member=i,
+                      stage_bytes=stage_bytes)
+
+
+def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
+               spans: Sequence[Span], cuts: Mapping[str, Sequence[int]],
+               tensors: Mapping[str, torch.Tensor], *, member: int,
+               stage_bytes: int = STAGE_BYTES) -> ShareRead:
+    """``spans`` into the tensors they hold bytes of, every interval between ``cuts``
+    CRC-ed: a share, or another member's spans read again after :func:`blame`."""
+    start = _clock.perf()
+    targets = _Targets(spans, tensors, places(headers))
+    stage = max(1, min(stage_bytes, max((hi - lo for _, lo, hi in spans), default=1)))
+    reader = SpanReader(storage, spec.shards, cuts, stage)
+    try:
+        with torch.no_grad():
+            for uri, lo, hi in spans:
+                for off, buf in reader.read(uri, lo, hi, stage):
+                    targets.place(uri, off, buf)
+            targets.unstage()
+    finally:
+        reader.close()
+    heads = [Interval(h.uri, 0, len(h.raw), google_crc32c.value(h.raw)) for h in headers]
+    return ShareRead(member, reader.bytes, _clock.perf() - start, tuple(heads + reader.intervals))
+
+
+def prove(spec: ModelSpec, reads: Sequence[ShareRead]) -> None:
+    """:class:`~nccl_back.errors.ChecksumMismatchError` naming the first file whose
+    members' intervals do not combine into the CRC32C its identity lists (or leave
+    bytes unread, or disagree on one interval)."""
+    for shard in spec.shards:
+        check_file(shard.uri, shard.size, shard.crc32c,
+                   [(r.member, iv) for r in reads for iv in r.intervals if iv.uri == shard.uri], WHO)
+
+
+def blame(storage: Storage, spec: ModelSpec, uri: str, reads: Sequence[ShareRead]) -> Blame:
+    """Read file ``uri`` whole, CRC-ed between every member's cuts, and compare each
+    member's intervals of it with those of storage's bytes."""
+    shard = next(s for s in spec.shards if s.uri == uri)
+    mine = [(r.member, iv) for r in reads for iv in r.intervals if iv.uri == uri]
+    reader = SpanReader(storage, [shard], cut_points([(uri, iv.start, iv.end) for _, iv in mine]),
+                        max(1, min(STAGE_BYTES, shard.size)))
+    try:
+        for _ in reader.read(uri, 0, shard.size, len(reader.stage)):
+            pass
+    finally:
+        reader.close()
+    if f"{file_crc(uri, shard.size, [(0, iv) for iv in reader.intervals], WHO):08x}" != shard.crc32c:
+        return Blame((), changed_at_rest=True)
+    served = {(iv.start, iv.end): iv.crc for iv in reader.intervals}
+    return Blame(tuple(sorted({m for m, iv in mine if served.get((iv.start, iv.end)) != iv.crc})),
+                 changed_at_rest=False)
+
+
+class _Target:
+    """A tensor's bytes ``[start, end)`` of its file, and where they go: the tensor's
+    own memory, or a staging copy for a tensor whose memory is not one run of bytes."""
+
+    def __init__(self, name: str, t: torch.Tensor, start: int, end: int) -> None:
+        if t.numel() * t.element_size() != end - start:
+            raise CheckpointFormatError(f"{name}: {t.numel() * t.element_size()} bytes in the"
+                                        f" model, {end - start} in its checkpoint file")
+        self.tensor, self.start, self.end = t, start, end
+        self.staged = None if t.is_contiguous() else torch.empty(end - start, dtype=torch.uint8,
+                                                                 device=t.device)
+        self.bytes = self.staged if self.staged is not None else t.detach().reshape(-1).view(torch.uint8)
+
+
+class _Targets:
+    """The tensors with bytes in some spans, by file, sorted by their start."""
+
+    def __init__(self, spans: Sequence[Span], tensors: Mapping[str, torch.Tensor],
+                 where: Mapping[str, Where]) -> None:
+        self.by_uri: dict[str, list[_Target]] = {}
+        for name, t in tensors.items():
+            if name not in where or t.numel() == 0:
+                continue
+            uri, start, end = where[name]
+            if any(u == uri and lo < end and start < hi for u, lo, hi in spans):
+                self.by_uri.setdefault(uri, []).append(_Target(name, t, start, end))
+        for targets in self.by_uri.values():
+            targets.sort(key=lambda x: x.start)
+        self.starts = {uri: [x.start for x in xs] for uri, xs in self.by_uri.items()}
+
+    def place(self, uri: str, off: int, buf: np.ndarray) -> None:
+        """Copy the staged bytes at offset ``off`` of ``uri`` into every tensor they overlap."""
+        targets = self.by_uri.get(uri, [])
+        end = off + len(buf)
+        for x in targets[max(bisect.bisect_right(self.starts.get(uri, []), off) - 1, 0):]:
+            if x.start >= end:
+                break
+            lo, hi = max(x.start, off), min(x.end, end)
+            if lo < hi:
+                x.bytes[lo - x.start:hi - x.start].copy_(torch.from_numpy(buf[lo - off:hi - off]))
+
+    def unstage(self) -> None:
+        """Copy the staged bytes of tensors that are not one run of memory into them."""
+        for xs in self.by_uri.values():
+            for x in xs:
+                if x.staged is not None:
+                    x.tensor.copy_(x.staged.view(x.tensor.dtype).view(x.tensor.shape))

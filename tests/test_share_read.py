@@ -1,0 +1,198 @@
+"""A cooperative download's members each read their share from real storage (files,
+the GCS emulator) into their tensors; their interval CRCs together prove every file,
+and a file or a member's report that differs is caught and blamed."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import reshard_workers as rw
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nccl_back.config import Settings
+from nccl_back.dev.gcs import LocalGCS
+from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError
+from nccl_back.load.share_read import Blame, ShareRead, blame, places, prove, read_share
+from nccl_back.load.shares import shares
+from nccl_back.model.checkpoint import model_headers
+from nccl_back.model.identity import ModelSpec
+from nccl_back.model.skeleton import build, named_tensors
+from nccl_back.model.storage import Storage
+from nccl_back.transport import plan
+from nccl_back.transport.parts import parts
+
+from models import fill_random, write_checkpoint
+
+BUCKET = 4096
+"""Small enough that the plan has bucketed and in-place steps (``norm`` rides in a bucket)."""
+
+
+def _source() -> Any:
+    return fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=11)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_checkpoint(_source(), tmp_path_factory.mktemp("share") / "ckpt", n_shards=2))
+
+
+def _spec(ckpt: str) -> ModelSpec:
+    return ModelSpec.from_dir(ckpt, cache_dir=str(Path(ckpt).parent / "cache") if "://" not in ckpt else None)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _members(spec: ModelSpec, n: int, stage: int, names: Any = None) -> tuple[list[Any], list[ShareRead], list[Any]]:
+    """Every member's read into its own model (filled with 0xAB beforehand), side by side."""
+    storage = Storage(Settings())
+    models, reads = [], []
+    steps: list[Any] = []
+    for i in range(n):
+        model = build(lambda: rw.Flat(rw.checkpoint_shapes()))
+        tensors = {k: v for k, v in named_tensors(model)[0].items() if names is None or k in names}
+        for t in tensors.values():
+            t.detach().view(-1).view(torch.uint8).fill_(0xAB)
+        steps = plan(tensors, BUCKET)
+        reads.append(read_share(storage, spec, model_headers(storage, spec), steps, n, i, tensors,
+                                stage_bytes=stage))
+        models.append(tensors)
+    return models, reads, steps
+
+
+def _check_parts(models: list[Any], steps: list[Any]) -> None:
+    """Each member holds exactly the tensors of its part, byte for byte; the others untouched."""
+    want = named_tensors(_source())[0]
+    for i, part in enumerate(parts(steps, len(models))):
+        mine = {slot.name for k in part for slot in steps[k].slots}
+        for name, t in models[i].items():
+            if name in mine:
+                assert _bytes(t) == _bytes(want[name]), (i, name)
+            else:
+                assert set(_bytes(t)) == {0xAB}, (i, name)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_members_read_their_parts_into_their_tensors_and_together_prove_every_file(ckpt: str, n: int) -> None:
+    """Tiny staging: each member's part is exact, storage serves every byte once, and
+    the combined intervals match every file's CRC32C."""
+    spec = _spec(ckpt)
+    models, reads, steps = _members(spec, n, stage=1000)
+    _check_parts(models, steps)
+    assert sum(r.bytes for r in reads) == sum(s.size for s in spec.shards)
+    prove(spec, reads)
+
+
+def test_members_read_ranged_requests_of_a_bucket(ckpt: str, gcs: LocalGCS) -> None:
+    """The same from the GCS emulator, through the real client: parts exact, each
+    object's bytes read once in all, every object's CRC32C (its metadata) proven."""
+    bucket = gcs.client().create_bucket("b" + uuid.uuid4().hex[:12])
+    for f in sorted(Path(ckpt).iterdir()):
+        bucket.blob(f"m/{f.name}").upload_from_filename(str(f))
+    spec = _spec(f"gs://{bucket.name}/m")
+    models, reads, steps = _members(spec, 3, stage=5000)
+    _check_parts(models, steps)
+    assert sum(r.bytes for r in reads) == sum(s.size for s in spec.shards)
+    prove(spec, reads)
+
+
+def test_tensors_the_model_does_not_load_are_read_for_their_crc_only(ckpt: str) -> None:
+    """A model without ``norm`` and ``q``: their bytes are still read by one member
+    (so the files are proven), and no member's tensors are written beyond its part."""
+    spec = _spec(ckpt)
+    names = set(rw.checkpoint_shapes()) - {"norm", "q"}
+    models, reads, steps = _members(spec, 3, stage=777, names=names)
+    _check_parts(models, steps)
+    assert sum(r.bytes for r in reads) == sum(s.size for s in spec.shards)
+    prove(spec, reads)
+
+
+def test_a_file_changed_after_it_was_listed_fails_the_proof_and_blames_nobody(tmp_path: Path) -> None:
+    """One tensor byte flipped at rest after the spec was taken: the proof names the
+    file, and reading it again finds storage itself no longer serves the listed file."""
+    ckpt = str(write_checkpoint(_source(), tmp_path / "ckpt", n_shards=2))
+    spec = _spec(ckpt)
+    victim = spec.shards[1].uri
+    where = places(model_headers(Storage(Settings()), spec))
+    _, start, _ = next(w for w in where.values() if w[0] == victim)
+    path = Path(ckpt) / Path(victim).name
+    data = bytearray(path.read_bytes())
+    data[start + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _, reads, _ = _members(spec, 3, stage=1000)
+    with pytest.raises(ChecksumMismatchError, match=rf"{Path(victim).name}: CRC32C \w+ of the bytes"
+                                                    r" loaded \(combined over all members' ranges\)"):
+        prove(spec, reads)
+    assert blame(Storage(Settings()), spec, victim, reads) == Blame((), changed_at_rest=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 5), st.data())
+def test_a_member_that_reports_other_bytes_than_storage_serves_is_blamed_alone(
+        ckpt: str, n: int, data: st.DataObject) -> None:
+    """Any member, any of its intervals, any other CRC: the proof fails naming that
+    file, and reading the file again names exactly that member."""
+    spec = _spec(ckpt)
+    _, reads, _ = _members(spec, n, stage=data.draw(st.integers(100, 100_000)))
+    liar = data.draw(st.integers(0, n - 1))
+    k = data.draw(st.integers(0, len(reads[liar].intervals) - 1))
+    iv = reads[liar].intervals[k]
+    forged = dataclasses.replace(iv, crc=iv.crc ^ data.draw(st.integers(1, 0xFFFFFFFF)))
+    reads[liar] = dataclasses.replace(
+        reads[liar], intervals=(*reads[liar].intervals[:k], forged, *reads[liar].intervals[k + 1:]))
+    with pytest.raises(ChecksumMismatchError, match=Path(iv.uri).name):
+        prove(spec, reads)
+    assert blame(Storage(Settings()), spec, iv.uri, reads) == Blame((liar,), changed_at_rest=False)
+
+
+def test_shares_of_every_member_are_cut_where_any_member_cuts(ckpt: str) -> None:
+    """Members' intervals of one file are equal or disjoint (the proof needs it), and
+    each member's header interval matches the header reader's."""
+    spec = _spec(ckpt)
+    _, reads, _ = _members(spec, 4, stage=1 << 20)
+    for s in spec.shards:
+        ivs = sorted({(iv.start, iv.end) for r in reads for iv in r.intervals if iv.uri == s.uri})
+        assert all(a[1] <= b[0] for a, b in zip(ivs, ivs[1:], strict=False)), ivs
+
+
+def test_a_tensor_whose_size_differs_from_its_checkpoint_bytes_is_refused(ckpt: str) -> None:
+    """A model tensor of another size than its file's bytes: one error naming it."""
+    spec = _spec(ckpt)
+    storage = Storage(Settings())
+    tensors = dict(named_tensors(build(lambda: rw.Flat(rw.checkpoint_shapes())))[0])
+    steps = plan(tensors, BUCKET)
+    tensors["norm"] = torch.empty(3)
+    with pytest.raises(CheckpointFormatError, match=r"norm: 12 bytes in the model, \d+ in its checkpoint file"):
+        read_share(storage, spec, model_headers(storage, spec), steps, 1, 0, tensors)
+
+
+def test_a_tensor_that_is_not_one_run_of_memory_is_filled_through_a_staging_copy(ckpt: str) -> None:
+    """A transposed view as the destination: its values equal the checkpoint's."""
+    spec = _spec(ckpt)
+    storage = Storage(Settings())
+    tensors = dict(named_tensors(build(lambda: rw.Flat(rw.checkpoint_shapes())))[0])
+    rows, cols = rw.checkpoint_shapes()["up"]
+    tensors["up"] = torch.empty(cols, rows).t()
+    assert not tensors["up"].is_contiguous()
+    steps = plan(tensors, BUCKET)
+    prove(spec, [read_share(storage, spec, model_headers(storage, spec), steps, 1, 0, tensors)])
+    assert _bytes(tensors["up"]) == _bytes(named_tensors(_source())[0]["up"])
+
+
+def test_the_shares_split_the_checkpoint_as_the_headers_place_it(ckpt: str) -> None:
+    """``places`` from real headers: every model tensor has its file's bytes, and the
+    shares over them tile each file."""
+    spec = _spec(ckpt)
+    headers = model_headers(Storage(Settings()), spec)
+    where = places(headers)
+    assert set(where) == set(rw.checkpoint_shapes())
+    tensors = named_tensors(_source())[0]
+    got = shares(plan(tensors, BUCKET), where, {s.uri: s.size for s in spec.shards}, 3)
+    assert sum(hi - lo for member in got for _, lo, hi in member) == sum(s.size for s in spec.shards)

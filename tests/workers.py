@@ -143,7 +143,7 @@ class _KillAfter:
 
 
 def _install_fault(fault: str) -> None:
-    from nccl_back.load import receive, storage
+    from nccl_back.load import asking, storage
     from nccl_back.transport import send as sender  # the send path holders (and relays) share
 
     if fault == "kill_mid_send":
@@ -161,19 +161,19 @@ def _install_fault(fault: str) -> None:
 
         sender.send_tensors = stop  # type: ignore[assignment]
     elif fault == "stop_mid_recv":
-        orig_stop_recv = receive.recv_tensors
+        orig_stop_recv = asking.recv_tensors
 
         def stop_recv(transport: Any, *a: Any, **k: Any) -> Any:
             return orig_stop_recv(_KillAfter(transport, 3, signal.SIGSTOP), *a, **k)
 
-        receive.recv_tensors = stop_recv  # type: ignore[assignment]
+        asking.recv_tensors = stop_recv  # type: ignore[assignment]
     elif fault == "kill_mid_recv":
-        orig_recv = receive.recv_tensors
+        orig_recv = asking.recv_tensors
 
         def recv(transport: Any, *a: Any, **k: Any) -> Any:
             return orig_recv(_KillAfter(transport, 3), *a, **k)
 
-        receive.recv_tensors = recv  # type: ignore[assignment]
+        asking.recv_tensors = recv  # type: ignore[assignment]
     elif fault == "corrupt_send":
         from faults import CorruptingTransport  # type: ignore[import-not-found]
 

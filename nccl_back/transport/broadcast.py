@@ -108,8 +108,8 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
     """The copies for ``source``, from names, shapes and dtypes alone.
 
     Tensors are visited in sorted name order; each one of ``bucket_bytes`` or
-    :data:`DIRECT_BYTES` or more is sent in place in chunks of ``bucket_bytes`` (one
-    step each), smaller ones fill the
+    :data:`DIRECT_BYTES` or more is sent in place in chunks of ``bucket_bytes`` (rounded
+    down to whole elements; one step each), smaller ones fill the
     open bucket (at ``ALIGN``-ed offsets) until the next would not fit. Empty tensors
     carry no bytes and get no step.
     """
@@ -124,10 +124,13 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
         if nbytes == 0:
             continue
         if nbytes >= direct_from:
-            # In place, in chunks of at most a bucket (a relay's unit of forwarding):
-            # a direct slot's offset is its chunk's byte offset within the tensor.
-            for at in range(0, nbytes, bucket_bytes):
-                size = min(bucket_bytes, nbytes - at)
+            # In place, in chunks of at most a bucket (a relay's unit of forwarding) of
+            # whole elements (each chunk lands on its own, even in a non-contiguous
+            # destination): a direct slot's offset is its chunk's byte offset in the tensor.
+            item = dtype_from_name(dtype).itemsize
+            chunk = max(bucket_bytes - bucket_bytes % item, item)
+            for at in range(0, nbytes, chunk):
+                size = min(chunk, nbytes - at)
                 steps.append(Step(True, size, (Slot(name, shape, dtype, at, size),)))
             continue
         offset = -(-used // ALIGN) * ALIGN
@@ -181,7 +184,6 @@ def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
     """
     began = time.perf_counter()
     steps, todo, buffers, window = _begin(transport, tensors, bucket_bytes, start, part)
-    whole: tuple[str, torch.Tensor] | None = None  # a non-contiguous source, made contiguous once
     with torch.no_grad():
         for k in todo:
             step = steps[k]
@@ -191,11 +193,12 @@ def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
             if step.direct:
                 slot = step.slots[0]
                 src = tensors[slot.name]
-                if not src.is_contiguous():
-                    if whole is None or whole[0] != slot.name:
-                        whole = (slot.name, src.contiguous())
-                    src = whole[1]
-                data = _as_bytes(src)[slot.offset: slot.offset + slot.nbytes]
+                if src.is_contiguous():
+                    data = _as_bytes(src)[slot.offset: slot.offset + slot.nbytes]
+                else:  # this chunk's elements only: a relay forwards each chunk as it lands
+                    data = torch.empty(slot.nbytes, dtype=torch.uint8, device=src.device)
+                    for view, at in _flat_pieces(src, slot):
+                        data.view(src.dtype)[at:at + view.numel()].view(view.shape).copy_(view)
             else:
                 laid_out = _in_place(step, tensors)
                 if laid_out is not None:
@@ -225,7 +228,6 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
     """
     began = time.perf_counter()
     steps, todo, buffers, window = _begin(transport, tensors, bucket_bytes, start, part)
-    staged: dict[str, torch.Tensor] = {}  # non-contiguous destinations, received whole first
     ahead = Prefaulter(_destinations(steps, tensors, todo) if transport.device.type == "cpu" else [])
 
     def stepped(k: int) -> None:
@@ -242,17 +244,10 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
                 slot = step.slots[0]
                 dst = tensors[slot.name]
                 if dst.is_contiguous():
-                    whole, finish = dst, None
-                else:
-                    if slot.name not in staged:
-                        staged[slot.name] = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-                    whole = staged[slot.name]
-                    if slot.offset + slot.nbytes == dst.numel() * dst.element_size():
-                        del staged[slot.name]
-                        finish = lambda dst=dst, tmp=whole: _copy(dst, tmp)  # noqa: E731
-                    else:
-                        finish = None
-                data = _as_bytes(whole)[slot.offset: slot.offset + slot.nbytes]
+                    data, finish = _as_bytes(dst)[slot.offset: slot.offset + slot.nbytes], None
+                else:  # staged, then this chunk's elements written in place on their own
+                    data = torch.empty(slot.nbytes, dtype=torch.uint8, device=dst.device)
+                    finish = lambda dst=dst, data=data, slot=slot: _scatter(dst, data, slot)  # noqa: E731
             else:
                 laid_out = _in_place(step, tensors)
                 if laid_out is not None:
@@ -267,13 +262,9 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
 
 
 def resume_point(steps: list[Step], tensors: Mapping[str, torch.Tensor], done: int) -> int:
-    """Where a receiver holding steps ``[0, done)`` resumes: ``done``, or earlier when
-    ``done`` falls inside a non-contiguous tensor's chunks (those are staged whole)."""
-    k = min(max(done, 0), len(steps))
-    while 0 < k < len(steps) and steps[k].direct and steps[k].slots[0].offset > 0 \
-            and not tensors[steps[k].slots[0].name].is_contiguous():
-        k -= 1
-    return k
+    """Where a receiver holding steps ``[0, done)`` resumes: ``done`` (every step, a
+    chunk of a non-contiguous tensor too, is in place once reported)."""
+    return min(max(done, 0), len(steps))
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -405,6 +396,40 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _slot_view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:
     raw = buf[slot.offset : slot.offset + slot.nbytes]
     return raw.view(dtype_from_name(slot.dtype)).view(slot.shape)
+
+
+def _flat_pieces(t: torch.Tensor, slot: Slot) -> list[tuple[torch.Tensor, int]]:
+    """Views of ``t`` (not contiguous) that together are the elements chunk ``slot``
+    carries, in row-major order, each with its first element's index in the chunk:
+    at most two partial rows per dimension and one block of whole rows."""
+    item = t.element_size()
+    return _pieces(t, slot.offset // item, (slot.offset + slot.nbytes) // item, 0)
+
+
+def _pieces(t: torch.Tensor, start: int, end: int, at: int) -> list[tuple[torch.Tensor, int]]:
+    if t.dim() <= 1:
+        return [(t.reshape(-1)[start:end], at)]
+    inner = t[0].numel()
+    out: list[tuple[torch.Tensor, int]] = []
+    pos = start
+    while pos < end:
+        row, off = divmod(pos, inner)
+        if off == 0 and end - pos >= inner:
+            rows = (end - pos) // inner
+            out.append((t[row:row + rows], at + pos - start))
+            pos += rows * inner
+        else:
+            stop = min(end, (row + 1) * inner)
+            out += _pieces(t[row], off, stop - row * inner, at + pos - start)
+            pos = stop
+    return out
+
+
+def _scatter(dst: torch.Tensor, data: torch.Tensor, slot: Slot) -> None:
+    """Chunk ``slot``'s received bytes into its elements of ``dst`` (not contiguous)."""
+    elems = data.view(dst.dtype)
+    for view, at in _flat_pieces(dst, slot):
+        view.copy_(elems[at:at + view.numel()].view(view.shape))
 
 
 def _unpack(buf: torch.Tensor, slots: tuple[Slot, ...], tensors: Mapping[str, torch.Tensor]) -> None:

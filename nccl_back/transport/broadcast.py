@@ -53,6 +53,7 @@ from nccl_back.model.skeleton import ALIGN, Manifest, dtype_from_name, dtype_nam
 from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
 from nccl_back.transport.parts import Part, parts
 from nccl_back.transport.prefault import Prefaulter, Range
+from nccl_back.transport.strided import gather, scatter
 
 log = get_logger(__name__)
 
@@ -196,9 +197,7 @@ def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
                 if src.is_contiguous():
                     data = _as_bytes(src)[slot.offset: slot.offset + slot.nbytes]
                 else:  # this chunk's elements only: a relay forwards each chunk as it lands
-                    data = torch.empty(slot.nbytes, dtype=torch.uint8, device=src.device)
-                    for view, at in _flat_pieces(src, slot):
-                        data.view(src.dtype)[at:at + view.numel()].view(view.shape).copy_(view)
+                    data = gather(src, slot.offset, slot.nbytes)
             else:
                 laid_out = _in_place(step, tensors)
                 if laid_out is not None:
@@ -247,7 +246,7 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
                     data, finish = _as_bytes(dst)[slot.offset: slot.offset + slot.nbytes], None
                 else:  # staged, then this chunk's elements written in place on their own
                     data = torch.empty(slot.nbytes, dtype=torch.uint8, device=dst.device)
-                    finish = lambda dst=dst, data=data, slot=slot: _scatter(dst, data, slot)  # noqa: E731
+                    finish = lambda dst=dst, data=data, at=slot.offset: scatter(dst, data, at)  # noqa: E731
             else:
                 laid_out = _in_place(step, tensors)
                 if laid_out is not None:
@@ -396,40 +395,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _slot_view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:
     raw = buf[slot.offset : slot.offset + slot.nbytes]
     return raw.view(dtype_from_name(slot.dtype)).view(slot.shape)
-
-
-def _flat_pieces(t: torch.Tensor, slot: Slot) -> list[tuple[torch.Tensor, int]]:
-    """Views of ``t`` (not contiguous) that together are the elements chunk ``slot``
-    carries, in row-major order, each with its first element's index in the chunk:
-    at most two partial rows per dimension and one block of whole rows."""
-    item = t.element_size()
-    return _pieces(t, slot.offset // item, (slot.offset + slot.nbytes) // item, 0)
-
-
-def _pieces(t: torch.Tensor, start: int, end: int, at: int) -> list[tuple[torch.Tensor, int]]:
-    if t.dim() <= 1:
-        return [(t.reshape(-1)[start:end], at)]
-    inner = t[0].numel()
-    out: list[tuple[torch.Tensor, int]] = []
-    pos = start
-    while pos < end:
-        row, off = divmod(pos, inner)
-        if off == 0 and end - pos >= inner:
-            rows = (end - pos) // inner
-            out.append((t[row:row + rows], at + pos - start))
-            pos += rows * inner
-        else:
-            stop = min(end, (row + 1) * inner)
-            out += _pieces(t[row], off, stop - row * inner, at + pos - start)
-            pos = stop
-    return out
-
-
-def _scatter(dst: torch.Tensor, data: torch.Tensor, slot: Slot) -> None:
-    """Chunk ``slot``'s received bytes into its elements of ``dst`` (not contiguous)."""
-    elems = data.view(dst.dtype)
-    for view, at in _flat_pieces(dst, slot):
-        view.copy_(elems[at:at + view.numel()].view(view.shape))
 
 
 def _unpack(buf: torch.Tensor, slots: tuple[Slot, ...], tensors: Mapping[str, torch.Tensor]) -> None:

@@ -76,7 +76,12 @@ def run_guarded(
 
     def target() -> None:
         try:
-            transport.connect(first)
+            try:
+                transport.connect(first)
+            except TransferTimeoutError as e:
+                # The rendezvous saw the deadline pass before this thread's watcher woke
+                # (a loaded machine): the same error as the watcher's, naming the phase.
+                raise TransferTimeoutError(f"{_not_formed(transport, first < deadline)} ({e})") from e
             transport.extend_deadline(deadline)
             transport.progressed()  # the stall bound counts from the communicator's birth
             connected.set()
@@ -99,10 +104,7 @@ def run_guarded(
         thread.join(max(first - _clock.monotonic(), 0.0))
         if thread.is_alive() and not connected.is_set():
             _abort(transport, thread, "connect")
-            raise TransferTimeoutError(
-                f"{transport.kind} transfer {transport.transfer_id}: the communicator did not"
-                " form by the connect deadline (the peer gave up or is gone); aborted"
-            )
+            raise TransferTimeoutError(f"{_not_formed(transport, True)}; aborted")
     while True:
         wait = deadline - _clock.monotonic()
         if stall is not None:
@@ -154,3 +156,9 @@ def _abort(transport: Transport, thread: threading.Thread, phase: str) -> None:
         # Only a wait that ignores both the deadline and the abort request can get
         # here; the daemon thread is left behind, the caller still falls back.
         log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=grace)
+
+
+def _not_formed(transport: Transport, connect: bool) -> str:
+    return (f"{transport.kind} transfer {transport.transfer_id}: the communicator did not"
+            f" form by the {'connect' if connect else 'transfer'} deadline (the peer gave up"
+            " or is gone)")

@@ -33,7 +33,7 @@ import torch
 
 from nccl_back import _clock
 from nccl_back.errors import CheckpointFormatError
-from nccl_back.load.shares import Where, shares
+from nccl_back.load.shares import shares
 from nccl_back.model.checkpoint import ShardHeader, locate
 from nccl_back.model.crc import Interval, check_file, file_crc
 from nccl_back.model.identity import ModelSpec
@@ -67,8 +67,8 @@ class Blame:
     changed_at_rest: bool
 
 
-def places(headers: Sequence[ShardHeader]) -> dict[str, Where]:
-    """Each tensor's bytes in its file, by the name the model gives it."""
+def places(headers: Sequence[ShardHeader]) -> dict[str, Span]:
+    """Each tensor's bytes in its file, ``(uri, start, end)``, by the name the model gives it."""
     return {name: (info.uri, info.start, info.end) for name, (_, info) in locate(headers).items()}
 
 
@@ -77,12 +77,11 @@ def read_share(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader]
                stage_bytes: int = STAGE_BYTES) -> ShareRead:
     """Member ``i`` of ``n``: its share of ``spec``'s files into ``tensors`` (the
     model's, named as ``headers`` name them; those of other parts are left untouched)."""
-    sizes = {s.uri: s.size for s in spec.shards}
-    every = shares(steps, places(headers), sizes, n)
+    where = places(headers)
+    every = shares(steps, where, {s.uri: s.size for s in spec.shards}, n)
     heads = [(h.uri, 0, len(h.raw)) for h in headers]
     cuts = cut_points([*heads, *(span for member in every for span in member)])
-    return read_spans(storage, spec, headers, every[i], cuts, tensors, member=i,
-                      stage_bytes=stage_bytes)
+    return _read(storage, spec, headers, where, every[i], cuts, tensors, i, stage_bytes)
 
 
 def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
@@ -91,8 +90,15 @@ def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader]
                stage_bytes: int = STAGE_BYTES) -> ShareRead:
     """``spans`` into the tensors they hold bytes of, every interval between ``cuts``
     CRC-ed: a share, or another member's spans read again after :func:`blame`."""
+    return _read(storage, spec, headers, places(headers), spans, cuts, tensors, member,
+                 stage_bytes)
+
+
+def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
+          where: Mapping[str, Span], spans: Sequence[Span], cuts: Mapping[str, Sequence[int]],
+          tensors: Mapping[str, torch.Tensor], member: int, stage_bytes: int) -> ShareRead:
     start = _clock.perf()
-    targets = _Targets(spans, tensors, places(headers))
+    targets = _Targets(spans, tensors, where)
     stage = max(1, min(stage_bytes, max((hi - lo for _, lo, hi in spans), default=1)))
     reader = SpanReader(storage, spec.shards, cuts, stage)
     try:
@@ -137,7 +143,9 @@ def blame(storage: Storage, spec: ModelSpec, uri: str, reads: Sequence[ShareRead
 
 class _Target:
     """A tensor's bytes ``[start, end)`` of its file, and where they go: the tensor's
-    own memory, or a staging copy for a tensor whose memory is not one run of bytes."""
+    own memory, or a staging copy for a tensor whose memory is not one run of bytes
+    (the reader's buffers cut anywhere, mid-element too, so they cannot be scattered
+    into its elements as they come, as a chunk of the plan is)."""
 
     def __init__(self, name: str, t: torch.Tensor, start: int, end: int) -> None:
         if t.numel() * t.element_size() != end - start:
@@ -153,7 +161,7 @@ class _Targets:
     """The tensors with bytes in some spans, by file, sorted by their start."""
 
     def __init__(self, spans: Sequence[Span], tensors: Mapping[str, torch.Tensor],
-                 where: Mapping[str, Where]) -> None:
+                 where: Mapping[str, Span]) -> None:
         self.by_uri: dict[str, list[_Target]] = {}
         for name, t in tensors.items():
             if name not in where or t.numel() == 0:

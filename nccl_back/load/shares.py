@@ -28,16 +28,12 @@ from nccl_back.transport.parts import parts
 if TYPE_CHECKING:
     from nccl_back.transport.broadcast import Step
 
-Where = tuple[str, int, int]
-"""``(uri, start, end)``: a checkpoint tensor's bytes in its file."""
-
-
-def shares(steps: Sequence[Step], where: Mapping[str, Where], sizes: Mapping[str, int],
+def shares(steps: Sequence[Step], where: Mapping[str, Span], sizes: Mapping[str, int],
            n: int) -> list[list[Span]]:
     """Each of ``n`` workers' spans, in file order (files by name), adjacent ones merged.
 
     ``steps``: the plan over the tensors as the checkpoint names them; ``where``: each
-    such tensor's bytes in its file; ``sizes``: every file of the checkpoint (each must
+    such tensor's bytes in its file, ``(uri, start, end)``; ``sizes``: every file of the checkpoint (each must
     be read by someone). :class:`CheckpointFormatError` if a step's tensor has no place,
     or its bytes are not its place's size, or two tensors overlap or leave their file.
     """
@@ -65,7 +61,7 @@ def shares(steps: Sequence[Step], where: Mapping[str, Where], sizes: Mapping[str
     return out
 
 
-def _place(name: str, where: Mapping[str, Where], sizes: Mapping[str, int]) -> Where:
+def _place(name: str, where: Mapping[str, Span], sizes: Mapping[str, int]) -> Span:
     if name not in where:
         raise CheckpointFormatError(f"{name}: in the plan but not in the checkpoint")
     uri, start, end = where[name]

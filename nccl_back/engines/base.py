@@ -36,6 +36,7 @@ SGLang adapter is then its ~50 lines of SGLang. This module never imports an eng
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -309,6 +310,15 @@ def keep_serving(service: WeightService) -> None:
     """Serve until the process exits, then withdraw from the registry."""
     _SERVICES.append(service)
     atexit.register(service.close)
+
+
+def withdraw_all() -> int:
+    """Withdraw every service this process serves (an engine's shutdown has begun; they
+    still close at exit). How many were serving."""
+    for service in _SERVICES:
+        with contextlib.suppress(Exception):  # shutting down: nothing left to tell
+            service.withdraw()
+    return len(_SERVICES)
 
 
 def _storage_loader(adapter: EngineAdapter, model: nn.Module) -> StorageLoader:

@@ -205,6 +205,36 @@ class NcclBackModelLoader(BaseModelLoader):
         adapter = base.engine_adapter(VllmAdapter.name)(vllm_config, model_config, self._default)
         self._loaded = base.load_weights(adapter, self.settings, model)
         if self._loaded is not None:
+            _withdraw_when_shutdown_starts()
             # Still before vLLM's profile run and warm-up compile: the caches arrive in time.
             vllm_cache.share(self.settings, vllm_config, self._loaded.result.version, log,
                              engine=f"{ENGINE}-{vllm.__version__}")
+
+
+def _withdraw_when_shutdown_starts() -> None:
+    """Leave the registry the moment vLLM starts shutting this worker process down.
+
+    vLLM's executor gives a worker a grace period (5 s) from the start of its shutdown,
+    then kills it. The worker's own teardown (message queues, the worker, the distributed
+    state) runs first, about a second on a quiet machine and past the grace on a loaded
+    one, and ``atexit``, where the service withdraws and closes, only after it: a worker
+    killed before then stays listed until its entry's TTL, and a receiver may spend a
+    handshake timeout on it. So the withdrawal also runs first thing in the worker's
+    shutdown (the service still closes at exit). Under another executor (no
+    ``WorkerProc``), exit alone withdraws.
+    """
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:
+        return
+    original = WorkerProc.shutdown
+    if getattr(original, "nccl_back_withdraws", False):
+        return
+
+    def shutdown(self: Any) -> None:
+        if base.withdraw_all():
+            log.info("nccl_back: withdrawn from the registry: vLLM is shutting this worker down")
+        original(self)
+
+    shutdown.nccl_back_withdraws = True  # type: ignore[attr-defined]
+    WorkerProc.shutdown = shutdown

@@ -114,8 +114,10 @@ def test_peer_load_matches_auto(fleet: Fleet) -> None:
     assert a_tokens == b_tokens == by_name(fleet, "auto").wait_ready()["tokens"]
 
     assert b.release() == 0
-    # Gone at once (the TTL is 600 s): B withdrew its entry when the engine shut down.
+    # Gone at once (the TTL is 600 s): B withdrew its entry when the engine shut down,
+    # first thing (vLLM kills a worker whose teardown outlasts its grace period).
     assert [p["peer_id"] for p in fleet.peers()] == [loaded["peer"]]
+    assert "withdrawn from the registry: vLLM is shutting this worker down" in b.log(), b.tail()
 
 
 def test_other_dtype_never_receives(fleet: Fleet) -> None:

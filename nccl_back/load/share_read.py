@@ -163,11 +163,16 @@ class _Targets:
     def __init__(self, spans: Sequence[Span], tensors: Mapping[str, torch.Tensor],
                  where: Mapping[str, Span]) -> None:
         self.by_uri: dict[str, list[_Target]] = {}
+        read: dict[str, list[tuple[int, int]]] = {}
+        for uri, lo, hi in spans:
+            read.setdefault(uri, []).append((lo, hi))
+        for runs in read.values():
+            runs.sort()
         for name, t in tensors.items():
             if name not in where or t.numel() == 0:
                 continue
             uri, start, end = where[name]
-            if any(u == uri and lo < end and start < hi for u, lo, hi in spans):
+            if _overlaps(read.get(uri, []), start, end):
                 self.by_uri.setdefault(uri, []).append(_Target(name, t, start, end))
         for targets in self.by_uri.values():
             targets.sort(key=lambda x: x.start)
@@ -190,3 +195,9 @@ class _Targets:
             for x in xs:
                 if x.staged is not None:
                     x.tensor.copy_(x.staged.view(x.tensor.dtype).view(x.tensor.shape))
+
+
+def _overlaps(runs: Sequence[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether any of ``runs`` (sorted, disjoint) overlaps ``[start, end)``."""
+    k = bisect.bisect_right(runs, (end, -1)) - 1  # the last run starting before ``end``
+    return k >= 0 and runs[k][1] > start

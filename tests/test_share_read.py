@@ -5,6 +5,7 @@ and a file or a member's report that differs is caught and blamed."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,31 @@ def test_a_file_changed_after_it_was_listed_fails_the_proof_and_blames_nobody(tm
                                                     r" loaded \(combined over all members' ranges\)"):
         prove(spec, reads)
     assert blame(Storage(Settings()), spec, victim, reads) == Blame((), changed_at_rest=True)
+
+
+def test_a_file_cut_short_after_its_header_was_read_stops_every_member_reading_it(tmp_path: Path) -> None:
+    """A file truncated between the header read and the share reads: each member whose
+    share is in it stops with one error naming the file and both sizes (nothing placed
+    from a short read); the others read theirs."""
+    ckpt = str(write_checkpoint(_source(), tmp_path / "ckpt", n_shards=2))
+    spec, storage = _spec(ckpt), Storage(Settings())
+    headers = model_headers(storage, spec)
+    victim = spec.shards[1]
+    path = Path(ckpt) / Path(victim.uri).name
+    os.truncate(path, victim.size - 100)
+    model = build(lambda: rw.Flat(rw.checkpoint_shapes()))
+    tensors = named_tensors(model)[0]
+    steps = plan(tensors, BUCKET)
+    sizes = {sh.uri: sh.size for sh in spec.shards}
+    every = shares(steps, places(headers), sizes, 3)
+    assert any(u == victim.uri for member in every for u, _, _ in member)
+    for i, member in enumerate(every):
+        if any(u == victim.uri for u, _, _ in member):
+            with pytest.raises(CheckpointFormatError, match=rf"{path}: {victim.size - 100} bytes, its"
+                                                            rf" identity says {victim.size} \(changed since"):
+                read_share(storage, spec, headers, steps, 3, i, tensors, stage_bytes=1000)
+        else:
+            assert read_share(storage, spec, headers, steps, 3, i, tensors, stage_bytes=1000).bytes > 0
 
 
 @settings(max_examples=25, deadline=None)

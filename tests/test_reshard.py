@@ -173,6 +173,23 @@ def test_tp2_holders_to_tp1_receiver(fleet: Fleet) -> None:
     assert r["bytes"] == r["own_bytes"] and "," in r["peer_id"], r  # both holder ranks
 
 
+@pytest.mark.timeout(240)
+def test_a_dead_holder_still_listed_costs_a_handshake_then_other_layouts_serve(fleet: Fleet) -> None:
+    """A TP=1 holder SIGKILLed while its entry lives on: a TP=1 receiver's handshake with
+    it times out, then it reshards from TP=2 holders instead of reading storage."""
+    fleet.start(1, "whole", settings={"peer_ttl": 120.0})  # listed long after its death
+    (h,) = fleet.reports(1)
+    fleet.start(2, "megatron")
+    tp2 = fleet.reports(2)
+    assert all(r["source"] == "peer" for r in tp2), [r["fallback_reason"] for r in tp2]
+    fleet.kill(0)
+    fleet.start(1, "whole")
+    (r,) = fleet.reports(1, timeout=120)
+    assert r["source"] == "peer" and r["identical"], r
+    sources = r["peer_id"].split(",")
+    assert len(sources) == 2 and not any(p.startswith(f"g{h['group']}-") for p in sources), r
+
+
 @pytest.mark.timeout(180)
 def test_holder_killed_mid_reshard_falls_back_with_its_reason(fleet: Fleet) -> None:
     """TP=2 holders sending slowly (max_send_gbps); one is killed while the TP=1 receiver

@@ -121,6 +121,9 @@ class Receiving:
     """The deadline shared by every peer attempt of the load (``peer_budget``)."""
     blamed: set[str] = field(default_factory=set)
     """Sources that sent bytes which failed verification (never tried again)."""
+    failed: set[str] = field(default_factory=set)
+    """Holders that failed this rank (no answer, a broken transfer): a reshard after the
+    receive does not ask them again."""
     failed_streams: set[str] = field(default_factory=set)
     """Streams that failed this rank (never tried again, nor counted as a peer)."""
     relay_error: NcclBackError | None = None

@@ -81,8 +81,11 @@ class Receive:
                         " peer holds the version yet; back to the election")
             if a.reason is None:
                 failed = holder_parts.from_holders_in_parts(self)
-                if a.peer_id is None and a.reason is None:
-                    self._from_holders(failed)
+                try:
+                    if a.peer_id is None and a.reason is None:
+                        self._from_holders(failed)
+                finally:
+                    rx.failed |= failed
         finally:
             if chain is not None:
                 chain.end(a.peer_id is not None, str(a.reason or ""))

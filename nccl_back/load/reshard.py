@@ -3,7 +3,8 @@ any layout (other world sizes, or its own when its flavour has no layer truth).
 
 Entered from ``WeightService._run_phases`` when this rank's skeleton has a
 :class:`~nccl_back.model.sharding.Sharding` and some rank found no same-layout holder
-it could verify. Each step is closed by a consensus round over the receiver's group
+it could verify, or the same-layout receive failed some rank (the holders that failed
+it are not asked again). Each step is closed by a consensus round over the receiver's group
 (:mod:`.vote`), so all ranks reshard, or none does; the outcome goes back to the load's
 one decision (peer, storage, or strict), like any receive:
 
@@ -153,6 +154,8 @@ def find(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources:
     for r, w in dict.fromkeys([*usual, *reg.worlds(version)]):
         phase.check(f"{len(by_world)} world sizes read")
         for p in usable_peers(worker, a, reg.find_peers(version, r, w)):
+            if p.peer_id in a.rx.failed or p.peer_id in a.rx.blamed:
+                continue  # it failed this load's receive already
             by_world.setdefault(w, []).append(p)
             break
     why = f"no live holders of version {version[:12]} in any layout"

@@ -56,7 +56,7 @@ from nccl_back.load.ranged import RangedLoader
 from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import single_flight
 from nccl_back.load.storage import fall_back, load_checkpoint
-from nccl_back.load.verifier import Verifier
+from nccl_back.load.verifier import Basis, Verifier
 from nccl_back.load.vote import Decision, agree, caught
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
@@ -208,7 +208,8 @@ class WeightService:
             a.discovered(discover(worker, a))
         decision = agree(a, "discovery")
         sh = a.sharding or self._plain_sharding(a)
-        if not decision.ok and sh is not None:  # no same-layout holder: other layouts?
+        layouts_tried = not decision.ok and sh is not None
+        if layouts_tried and sh is not None:  # no same-layout holder: other layouts?
             resharded = reshard.run(worker, a, sh)
             if resharded is not None:
                 decision, moved = resharded
@@ -229,6 +230,23 @@ class WeightService:
                     decision = self._receive(a)
             if decision.ok:  # every rank verified its bytes
                 return peer_loaded(worker, a)
+            if decision.failed and sh is not None and not layouts_tried:
+                return self._other_layouts(a, sh, decision)
+        return self._storage(a, decision)
+
+    def _other_layouts(self, a: Attempt, sh: Sharding, failed: Decision) -> LoadResult:
+        """The holders of this layout failed the group (one killed but still listed, a
+        broken transfer, bytes that failed verification): holders of other layouts
+        before storage. Every rank reshards, one whose own receive went well too (the
+        group loads one way); of the failed receive only the peers that failed are kept,
+        never asked again, and what the reshard moves is checked on its own."""
+        a.truth, a.basis = None, Basis.NONE
+        resharded = reshard.run(self._worker, a, sh)
+        if resharded is None:
+            return self._storage(a, failed)
+        decision, moved = resharded
+        if decision.ok:
+            return peer_loaded(self._worker, a, nbytes=moved)
         return self._storage(a, decision)
 
     def _plain_sharding(self, a: Attempt) -> Sharding | None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import gc
 import importlib
 import json
 import logging
@@ -307,9 +308,18 @@ _SERVICES: list[WeightService] = []
 
 
 def keep_serving(service: WeightService) -> None:
-    """Serve until the process exits, then withdraw from the registry."""
+    """Serve until the process exits, then withdraw from the registry and close."""
     _SERVICES.append(service)
-    atexit.register(service.close)
+    atexit.register(_close_at_exit, service)
+
+
+def _close_at_exit(service: WeightService) -> None:
+    service.close()
+    # Measured in vLLM's worker: without a full collection here, the interpreter's own
+    # final one (py-spy: gc_collect_main) ran past vLLM's 5 s shutdown grace in 4 of 4
+    # clean exits and the worker was killed; after this one (0.6 s) it exited within
+    # about a second, as a worker without nccl_back does.
+    gc.collect()
 
 
 def withdraw_all() -> int:

@@ -40,7 +40,8 @@ different layouts never exchange weights.
 **Ranks.** Each vLLM worker process is one rank; consensus, election and fallback run
 over the engine's world group (gloo ``cpu_group``): every rank loads from a peer, or
 every rank loads from storage. After its load an engine serves its weights in the
-background while it answers requests, and leaves the registry when it exits.
+background while it answers requests, and leaves the registry as soon as vLLM starts
+shutting the worker down.
 
 **Compile caches** travel too, with a fleet secret (:mod:`.vllm_cache`): fetched right
 after the weights, before vLLM's warm-up compile; published once the engine is ready.

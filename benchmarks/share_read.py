@@ -72,11 +72,23 @@ def worker(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     at = float(sys.stdin.readline())
     time.sleep(max(at - time.time(), 0.0))
+    hwm = _vm_hwm()
     read = read_share(storage, spec, headers, steps, args.n, args.member, tensors)
     done = time.time()
     print(json.dumps({"member": args.member, "done": done - at, "bytes": read.bytes,
+                      "rise": _vm_hwm() - hwm,
                       "intervals": [[iv.uri, iv.start, iv.end, iv.crc] for iv in read.intervals]}),
           flush=True)
+
+
+def _vm_hwm() -> int:
+    """This process's peak resident memory (``VmHWM``), bytes. The model's tensors are
+    allocated untouched, so its rise over a read is the pages the share filled plus what
+    the read itself held (its staging buffer, the client's buffers)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def run(n: int, ckpt: str, hosts: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -173,9 +185,12 @@ def main() -> None:
             slowest = [max(r["done"] for r in g) for g in groups]
             read = statistics.median(sum(r["bytes"] for r in g) for g in groups)
             proven = all(_proven(ckpt, g) for g in groups)
+            # Memory beyond the share: the worst member of any run.
+            extra = max(r["rise"] - r["bytes"] for g in groups for r in g)
             print(f"N={n:2d}: every share read in {statistics.median(slowest):.2f} s (median;"
                   f" runs {', '.join(f'{s:.2f}' for s in slowest)}) = {statistics.median(slowest) / one:.2f}x"
-                  f" N=1; storage bytes {read / size:.2f}x the checkpoint; every object proven: {proven}")
+                  f" N=1; storage bytes {read / size:.2f}x the checkpoint; every object proven: {proven};"
+                  f" peak RSS rise over the read at most {extra / 2**20:.0f} MiB beyond the member's share")
 
 
 if __name__ == "__main__":

@@ -208,14 +208,12 @@ class WeightService:
             a.discovered(discover(worker, a))
         decision = agree(a, "discovery")
         sh = a.sharding or self._plain_sharding(a)
-        layouts_tried = not decision.ok and sh is not None
-        if layouts_tried and sh is not None:  # no same-layout holder: other layouts?
-            resharded = reshard.run(worker, a, sh)
+        layouts_tried = False
+        if not decision.ok and sh is not None:  # no same-layout holder: other layouts?
+            layouts_tried = True
+            resharded = self._reshard(a, sh)
             if resharded is not None:
-                decision, moved = resharded
-                if decision.ok:
-                    return peer_loaded(worker, a, nbytes=moved)
-                return self._storage(a, decision)
+                return resharded
         if decision.nobody:  # some rank found nobody holding it: wait as a group, or download
             decision = self._elect(a)
         a.timings["discovery"] = _clock.perf() - t
@@ -231,19 +229,24 @@ class WeightService:
             if decision.ok:  # every rank verified its bytes
                 return peer_loaded(worker, a)
             if decision.failed and sh is not None and not layouts_tried:
-                return self._other_layouts(a, sh, decision)
+                # The holders of this layout failed the group (one killed but still
+                # listed, a broken transfer, bytes that failed verification): holders of
+                # other layouts before storage. Every rank reshards, one whose own
+                # receive went well too (the group loads one way); of the failed receive
+                # only the peers that failed are kept (never asked again), and what the
+                # reshard moves is checked on its own.
+                a.truth, a.basis = None, Basis.NONE
+                resharded = self._reshard(a, sh)
+                if resharded is not None:
+                    return resharded
         return self._storage(a, decision)
 
-    def _other_layouts(self, a: Attempt, sh: Sharding, failed: Decision) -> LoadResult:
-        """The holders of this layout failed the group (one killed but still listed, a
-        broken transfer, bytes that failed verification): holders of other layouts
-        before storage. Every rank reshards, one whose own receive went well too (the
-        group loads one way); of the failed receive only the peers that failed are kept,
-        never asked again, and what the reshard moves is checked on its own."""
-        a.truth, a.basis = None, Basis.NONE
+    def _reshard(self, a: Attempt, sh: Sharding) -> LoadResult | None:
+        """From holders of other layouts: the load's result (a peer load, or storage
+        after the reshard failed), or None when no holders cover every rank."""
         resharded = reshard.run(self._worker, a, sh)
         if resharded is None:
-            return self._storage(a, failed)
+            return None
         decision, moved = resharded
         if decision.ok:
             return peer_loaded(self._worker, a, nbytes=moved)

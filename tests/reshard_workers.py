@@ -114,6 +114,10 @@ def rank_main(env: dict[str, str], ckpt: str, settings: dict[str, Any], scheme: 
         s = Settings(**settings)
         if fault == "fail_shared_read" and rank == 1:
             _fail_shared_reads()
+        if fault == "corrupt_send" or (fault == "corrupt_send_rank1" and rank == 1):
+            from workers import _install_fault  # type: ignore[import-not-found]
+
+            _install_fault("corrupt_send")  # what this rank serves has a byte changed
         # ``spec``: listed by the test (then the files may change before the load).
         spec = spec or ModelSpec.from_dir(ckpt, cache_dir=s.cache_dir)
         shapes = checkpoint_shapes() if scheme in ("plain", "whole") else tp_shapes(world, scheme)

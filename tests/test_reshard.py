@@ -28,6 +28,8 @@ from nccl_back.model.skeleton import build
 from models import fill_random, write_checkpoint
 
 CTX = mp.get_context("forkserver")
+#: Every byte checked: one changed element escapes sampled verification by design.
+FULL = {"verify": "full"}
 CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.load.service", "reshard_workers"])
 
 
@@ -188,6 +190,46 @@ def test_a_dead_holder_still_listed_costs_a_handshake_then_other_layouts_serve(f
     assert r["source"] == "peer" and r["identical"], r
     sources = r["peer_id"].split(",")
     assert len(sources) == 2 and not any(p.startswith(f"g{h['group']}-") for p in sources), r
+
+
+@pytest.mark.timeout(240)
+def test_a_same_layout_holder_failing_verification_is_passed_over_for_other_layouts(
+        fleet: Fleet) -> None:
+    """A TP=1 holder that serves one changed byte: the TP=1 receiver's full verification
+    catches it, and it reshards from TP=2 holders instead of reading storage, bit-exact."""
+    fleet.start(2, "megatron", settings=FULL)
+    tp2 = fleet.reports(2)
+    assert [r["source"] for r in tp2] == ["storage", "storage"], tp2
+    fleet.start(1, "whole", fault="corrupt_send", settings=FULL)
+    (bad,) = fleet.reports(1)
+    assert bad["source"] == "peer" and bad["identical"], bad
+    fleet.start(1, "whole", settings=FULL)
+    (r,) = fleet.reports(1, timeout=120)
+    assert r["source"] == "peer" and r["identical"], r
+    sources = r["peer_id"].split(",")
+    assert len(sources) == 2 and not any(p.startswith(f"g{bad['group']}-") for p in sources), r
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_failing_its_same_layout_receive_sends_the_whole_group_to_reshard(
+        fleet: Fleet) -> None:
+    """strict TP=2 receiver whose rank 1 gets a changed byte from its same-layout holder:
+    both ranks reshard (a group loads one way), rank 1 never from the holder that failed
+    it, bit-exact, no error."""
+    fleet.start(1, "whole", settings=FULL)
+    (h,) = fleet.reports(1)
+    fleet.start(2, "megatron", fault="corrupt_send_rank1", settings=FULL)
+    bad = fleet.reports(2)
+    assert all(r["source"] == "peer" and r["identical"] for r in bad), bad
+    fleet.start(2, "megatron", settings={**FULL, "strict": True})
+    tp2 = fleet.reports(2, timeout=120)
+    for r in tp2:
+        assert r["source"] == "peer" and r["identical"], [x["fallback_reason"] for x in tp2]
+        assert "reshard_discovery" in r["timings"], r  # the reshard ran on both ranks
+    # Rank 1's reshard skips the holder it blamed: the TP=1 holder serves it. Rank 0's
+    # may use the failed group's rank 0, which served it verified bytes.
+    assert tp2[1]["peer_id"].startswith(f"g{h['group']}-0"), tp2[1]
+    assert tp2[0]["peer_id"].startswith((f"g{h['group']}-0", f"g{bad[0]['group']}-0")), tp2[0]
 
 
 @pytest.mark.timeout(180)

@@ -197,6 +197,8 @@ class RecordKind(StrEnum):
     """A receiver's send slot on a peer (``ns:claim:...``)."""
     LEASE = "lease"
     """The single-flight download lease (``ns:dl:...``)."""
+    DOWNLOAD_GROUP = "download_group"
+    """A worker waiting with others for a version nobody holds (``ns:dlg:...``)."""
     COHORT_MEMBER = "cohort_member"
     """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
     DOWNLOAD_STREAM = "download_stream"

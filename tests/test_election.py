@@ -102,3 +102,31 @@ def test_peer_wins_over_the_lease(settings: Settings, registry: Registry) -> Non
     outcome, _, _ = elect(waiter, lambda: True, None, 0, settings)
     assert outcome == "peer"
     assert not waiter.held and waiter.holder() is None
+
+
+@pytest.mark.timeout(30)
+def test_the_elected_worker_sees_who_waits_with_it(settings: Settings, registry: Registry) -> None:
+    """Every waiter's rank 0 enters the download group as it starts to wait: the elected one
+    reads them all, each once, in arrival order."""
+    holder, first, second = _lease(registry, "A"), _lease(registry, "B"), _lease(registry, "C")
+    clock = FakeClock()
+    try:
+        assert holder.try_acquire()
+        with _clock.use(clock):
+            for waiter in (first, second, first):
+                assert elect(waiter, lambda: False, None, 0, settings)[0] == "timeout"
+        assert holder.group() == ["B", "C"]
+        holder.release()
+        assert elect(holder, lambda: False, None, 0, settings)[0] == "elected"
+        assert holder.group() == ["B", "C", "A"]
+        assert _lease(registry, "X").group() == ["B", "C", "A"]
+    finally:
+        holder.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_other_than_0_never_joins_the_download_group(settings: Settings, registry: Registry) -> None:
+    """A worker is one member of its download group, whatever its number of ranks."""
+    waiter = _lease(registry, "B")
+    assert elect(waiter, lambda: True, None, 1, settings)[0] == "peer"
+    assert waiter.group() == []

@@ -276,7 +276,8 @@ def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
     return {
         "peer": ks.peer(v, 0, 1, peer_id), "peers": ks.peer_index(v, 0, 1),
         "gt": reg.ground_truth_key(v, 0, 1, d, "nb1"), "claim": ks.claim(peer_id, 0),
-        "req": ks.requests(peer_id), "dl": ks.lease(v, 1), "cohort": ks.cohort(v, 0, 1, d),
+        "req": ks.requests(peer_id), "dl": ks.lease(v, 1), "dlg": ks.download_group(v, 1),
+        "cohort": ks.cohort(v, 0, 1, d),
         "stream": ks.stream(v, 0, 1, d),
         # Truth in checkpoint coordinates, keyed by the holder's (plain) layout digest.
         "ct": next(iter(reg.scan(ks.position_truth(v, 0, 1, "*", "nb1")[len(ks.key("")):])),
@@ -463,13 +464,13 @@ def test_every_key_of_another_type_at_once_keeps_the_single_flight(
 def test_untrusted_records_are_counted_by_the_real_metrics(fleet: Fleet, captured: dict[str, Any]) -> None:
     """Rejections of every kind reach the service's real metrics (never a ConfigError)."""
     fleet.clean()
-    for kind in ("peer", "gt", "dl", "stream"):
+    for kind in ("peer", "gt", "dl", "dlg", "stream"):
         key, gtype, gvalue = captured[kind]
         corrupt(fleet.client, key, schema.BY_NAME[kind], "bad_sig", (gtype, gvalue))
     with WeightService(fleet.settings) as svc:
         assert fleet.load(svc).source == "storage"
         counted = {k: svc.metrics.records_rejected.labels(kind=k)._value.get()
-                   for k in ("lease", "download_stream")}
+                   for k in ("lease", "download_group", "download_stream")}
     assert all(v >= 1 for v in counted.values()), counted
 
 

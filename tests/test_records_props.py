@@ -97,6 +97,7 @@ def requests(draw: st.DrawFn) -> records.TransferRequest:
 CLAIMS = st.builds(records.Claim, token=st.tuples(st.integers(0, 999), HEX).map(
     lambda t: f"{t[0]}:{t[1]}"), receiver=NAME)
 LEASES = st.builds(records.Lease, owner=NAME)
+WAITERS = st.builds(records.Waiter, worker=NAME)
 MEMBERS = st.builds(records.Member, member_id=NAME, address=ADDRESS,
                     transport=st.sampled_from(records.TRANSPORTS), device=st.sampled_from(records.DEVICES))
 HANDSHAKES = st.one_of(
@@ -130,6 +131,7 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "claim": CLAIMS.map(asdict),
     "req": requests().map(lambda r: r.to_dict()),
     "dl": LEASES.map(asdict),
+    "dlg": WAITERS.map(asdict),
     "chain": MEMBERS.map(lambda m: m.to_dict()),
     "stream": MEMBERS.map(lambda m: m.to_dict()),
     "gone": GONE,

@@ -17,6 +17,11 @@ A waiter gives up after ``Settings.single_flight_wait`` unless the elected downl
 is still alive (its lease is still being renewed): then it keeps waiting, up to
 ``Settings.single_flight_max_wait``, because a large model can take longer.
 
+Every waiting worker's rank 0 also enters the version's download group as it starts to
+wait (:meth:`DownloadLease.join`), so the one elected knows who waits with it
+(:meth:`DownloadLease.group`): the workers a cooperative download splits the
+checkpoint among.
+
 The lease itself (key, signing, take-over, compare-and-set renewal) is a record family
 of the registry (:mod:`.leases`); this module holds the policy: who tries it, how long
 waiters wait, and how the group agrees.
@@ -85,6 +90,15 @@ class DownloadLease:
             log.info("download_lease_acquired", key=self.key, owner=self.owner)
         return got
 
+    def join(self) -> None:
+        """Enter this worker in the version's download group (the workers waiting for it)."""
+        self.registry.join_download_group(self.version, self.world, self.owner)
+
+    def group(self) -> list[str]:
+        """The workers that entered the download group, in arrival order (this one too,
+        once it joined)."""
+        return self.registry.download_group(self.version, self.world)
+
     def holder(self) -> str | None:
         """The worker holding the lease now, or None (also when the value there is not
         to be trusted: skipped with a reason, counted, and taken over by the next try)."""
@@ -136,10 +150,14 @@ def elect(
     then would be one storage read too many).
     """
     start = _clock.monotonic()
+    joined = False
     while True:
         code = 0
         error: NcclBackError | None = None
         try:
+            if rank == 0 and lease is not None and not joined:
+                lease.join()
+                joined = True
             if sees_peer():
                 code |= _SEES_PEER
             if rank == 0 and lease is not None and _clock.monotonic() - start >= lease_after:

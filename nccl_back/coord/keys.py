@@ -89,6 +89,11 @@ class Keys:
         ranks: one per worker (taken by its rank 0), never one per rank."""
         return self.key(K.LEASE.prefix, version, world_size)
 
+    def download_group(self, version: str, world_size: int) -> str:
+        """The workers of ``world_size`` ranks waiting together for ``version`` (one entry
+        per worker, pushed by its rank 0)."""
+        return self.key(K.DOWNLOAD_GROUP.prefix, version, world_size)
+
     # -- relay: cohorts and streamed downloads ----------------------------------------------
 
     def cohort(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:

@@ -8,12 +8,21 @@ not verify (written without the secret, a stale genuine copy, garbage, another R
 type, a TTL far beyond the lease's) is never obeyed: the next taker takes it over
 atomically (:meth:`SignedStore.acquire`), at most one of them. The election that uses
 it is :mod:`.election`.
+
+Beside it, the download group ``ns:dlg:{v}:{w}``: a list of ``{"worker": worker_id}``
+records, one pushed by each waiting worker's rank 0 as it starts to wait (signed with
+an expiry of the longest wait), read in arrival order by whoever is elected: the
+workers that could split the download with it.
 """
 
 from __future__ import annotations
 
 from nccl_back.coord import schema
-from nccl_back.coord.store import Raw, SignedStore
+from nccl_back.coord.store import Raw, SignedStore, ms
+from nccl_back.errors import RecordKind, RegistryError
+
+#: Entries kept in a download group's list (the newest): a flood cannot grow it.
+MAX_GROUP_ENTRIES = 256
 
 
 class LeaseRecords(SignedStore):
@@ -48,3 +57,31 @@ class LeaseRecords(SignedStore):
     def drop_lease(self, version: str, world_size: int, held: Raw) -> bool:
         """Delete the lease if it still holds ``held`` (a new owner's stays)."""
         return self.compare_and_delete(self.lease_key(version, world_size), held)
+
+    def join_download_group(self, version: str, world_size: int, worker: str) -> None:
+        """Say that ``worker`` waits for ``version`` with the others of its group."""
+        key = self.keys.download_group(version, world_size)
+        raw = self.signed(key, {"worker": worker}, schema.DOWNLOAD_GROUP)
+        ttl = schema.DOWNLOAD_GROUP.ttl(self.settings)
+        self._call("join_download_group", lambda: self.lua.push(
+            keys=[key], args=[raw, MAX_GROUP_ENTRIES, ms(ttl)]))
+
+    def download_group(self, version: str, world_size: int) -> list[str]:
+        """The workers waiting for ``version``, each once, in arrival order (entries that
+        do not verify are skipped with a reason, counted)."""
+        key = self.keys.download_group(version, world_size)
+        try:
+            raws = self._call("LRANGE", lambda: self.client.lrange(key, 0, MAX_GROUP_ENTRIES - 1))
+        except RegistryError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            # Garbage of another type there: nobody joined through it; the next join
+            # replaces it.
+            self.reject(RecordKind.DOWNLOAD_GROUP, key, "wrong Redis type")
+            return []
+        workers: list[str] = []
+        for raw in raws:
+            got = self.parse(key, raw, schema.DOWNLOAD_GROUP)
+            if got is not None and got.worker not in workers:
+                workers.append(got.worker)
+        return workers

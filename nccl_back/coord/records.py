@@ -298,6 +298,18 @@ def lease(data: dict[str, Any], what: str = "download lease") -> Lease:
 
 
 @dataclass(frozen=True)
+class Waiter:
+    """A worker that waits, with the others of its download group, for a version nobody
+    holds (election.py)."""
+
+    worker: str
+
+
+def waiter(data: dict[str, Any], what: str = "download group member") -> Waiter:
+    return Waiter(worker=ident(data, "worker", what))
+
+
+@dataclass(frozen=True)
 class Claim:
     """A receiver's hold on one send slot of a peer."""
 

@@ -208,6 +208,10 @@ REQUEST = KeyKind("req", "req", ("peer_id",), RecordKind.REQUEST, L, G, _peer_tt
 LEASE = KeyKind("dl", "dl", ("version", "world"), RecordKind.LEASE, S, G,
                 lambda s: s.download_lease, SMALL, "the single-flight download lease",
                parse=_plain(records.lease))
+DOWNLOAD_GROUP = KeyKind("dlg", "dlg", ("version", "world"), RecordKind.DOWNLOAD_GROUP, L, G,
+                         lambda s: s.single_flight_max_wait, SMALL,
+                         "the workers waiting together for a version nobody holds, in arrival"
+                         " order", parse=_plain(records.waiter))
 COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), None, H, Signing.NONE,
                  lambda s: s.cohort_window, SMALL, "a cohort's arrival counter and epoch")
 CHAIN = KeyKind("chain", "cohort", (*_VRW, "manifest", "epoch", "chain"), RecordKind.COHORT_MEMBER,
@@ -237,7 +241,7 @@ ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_IND
 #: Every kind of key, in the order of the key schema.
 KINDS: tuple[KeyKind, ...] = (
     PEER, INDEX, GROUND_TRUTH, LAYOUT_RECORD, GROUP, POSITION_TRUTH, CLAIM, REQUEST, LEASE,
-    COHORT, CHAIN, STREAM, GONE, HANDSHAKE, RENDEZVOUS, CHECK, ARTIFACT_SET, ARTIFACT_INDEX,
+    DOWNLOAD_GROUP, COHORT, CHAIN, STREAM, GONE, HANDSHAKE, RENDEZVOUS, CHECK, ARTIFACT_SET, ARTIFACT_INDEX,
 )
 BY_NAME: dict[str, KeyKind] = {k.name: k for k in KINDS}
 

@@ -48,7 +48,7 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
         with caught(a, "discover"):
             a.discovered(discover(worker, a))
     elif outcome == "elected":
-        a.log.info("single_flight_elected", waited=flight.waited)
+        a.log.info("single_flight_elected", waited=flight.waited, group=_group(a))
         a.elected = True
         if isinstance(a.reason, NobodyHolds):
             # Same class: "nobody trusted" keeps its own fallback reason.
@@ -69,3 +69,15 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
     else:
         a.log.warning("single_flight_rank_failed", failed_rank=who)
     return flight
+
+
+def _group(a: Attempt) -> list[str] | None:
+    """Who waits for the version with this worker (rank 0, which holds the lease), for
+    the log; None on the other ranks or when Redis cannot say (the download goes on)."""
+    if a.lease is None or not a.lease.held:
+        return None
+    try:
+        return a.lease.group()
+    except NcclBackError as e:
+        a.log.warning("download_group_unread", error=str(e))
+        return None

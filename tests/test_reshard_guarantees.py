@@ -227,7 +227,7 @@ def test_an_outage_at_publication_costs_a_heartbeat_not_the_publication(
 
     monkeypatch.setattr(publish_module, "publish", publish_in_outage)
     world = World(ckpt, settings_for(server.url, "outage", cache_dir, secret=SECRET,
-                                     bucket_bytes=4096, redis_timeout=0.5, peer_ttl=1.5))
+                                     bucket_bytes=4096, redis_timeout=0.5, peer_ttl=3.0))
     try:
         holder, _ = world.holder()  # its truth could not be stored either
         outage["on"] = False

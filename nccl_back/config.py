@@ -210,6 +210,13 @@ class Settings:
     """Upper bound in seconds on waiting for an elected downloader that is alive (still
     renewing its lease) past ``single_flight_wait``: a large model can take longer."""
 
+    download_group_window: float = 0.0
+    """Seconds the worker elected to download a version nobody holds waits for the
+    others of its download group before it names the members of a cooperative download
+    (the roster), each to read one part of the checkpoint. Naming them is all it does so
+    far: the members still wait for the elected worker's stream, so a window only delays
+    the rollout. 0 (the default): nobody named, no wait."""
+
     claim_ttl: float = 6.0
     """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it
     while its attempt runs, so a crashed receiver frees the slot within this bound."""
@@ -324,6 +331,10 @@ class Settings:
         ):
             raise ConfigError(f"s3_endpoint_url={self.s3_endpoint_url!r}: give http(s)://host[:port]"
                               " (the store's endpoint, no bucket or path), or leave it empty")
+        w = self.download_group_window
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w < self.single_flight_wait:
+            raise ConfigError(f"download_group_window={w!r}: must be 0 (no cooperative download) or a"
+                              f" number of seconds below single_flight_wait={self.single_flight_wait!r}")
         if self.single_flight_max_wait < self.single_flight_wait:
             raise ConfigError(
                 f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at least"

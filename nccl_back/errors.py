@@ -199,6 +199,8 @@ class RecordKind(StrEnum):
     """The single-flight download lease (``ns:dl:...``)."""
     DOWNLOAD_GROUP = "download_group"
     """A worker waiting with others for a version nobody holds (``ns:dlg:...``)."""
+    DOWNLOAD_ROSTER = "download_roster"
+    """The members of a cooperative download, named by the worker elected (``ns:dlr:...``)."""
     COHORT_MEMBER = "cohort_member"
     """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
     DOWNLOAD_STREAM = "download_stream"

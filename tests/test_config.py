@@ -35,6 +35,10 @@ def test_defaults_are_valid() -> None:
         ({"cohort_max_size": 0}, r"cohort_max_size=0: must be a positive integer"),
         ({"cohort_window": 0}, r"cohort_window=0: must be a positive number"),
         ({"relay_stall_timeout": -1}, r"relay_stall_timeout=-1: must be a positive number"),
+        ({"download_group_window": -1}, r"download_group_window=-1: must be 0 \(no cooperative"),
+        ({"download_group_window": 300.0},
+         r"download_group_window=300.0: .* below single_flight_wait=300.0"),
+        ({"download_group_window": float("nan")}, r"download_group_window=nan"),
     ],
 )
 def test_bad_values_name_the_value(kwargs: dict[str, object], message: str) -> None:

@@ -13,6 +13,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.election import DownloadLease, elect
 from nccl_back.coord.registry import Registry
+from nccl_back.transport_kinds import MAX_PARTS
 
 
 class FakeClock(_clock.Clock):
@@ -130,3 +131,111 @@ def test_a_rank_other_than_0_never_joins_the_download_group(settings: Settings, 
     waiter = _lease(registry, "B")
     assert elect(waiter, lambda: True, None, 1, settings)[0] == "peer"
     assert waiter.group() == []
+
+
+@pytest.fixture
+def cooperative(redis_url: str, namespace: str) -> Iterator[Registry]:
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace, single_flight_wait=10.0,
+                            single_flight_max_wait=50.0, download_lease=15.0,
+                            download_group_window=0.2, secret="election-test-secret-" + "x" * 16))
+    yield reg
+    reg.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_elected_worker_names_itself_then_the_waiters_in_arrival_order(cooperative: Registry) -> None:
+    """After its window the elected worker names itself member 0 and the waiters 1, 2, ...;
+    a waiter that joined after it named them is not named."""
+    holder, first, second = _lease(cooperative, "A"), _lease(cooperative, "B"), _lease(cooperative, "C")
+    try:
+        assert holder.try_acquire()
+        with _clock.use(FakeClock()):
+            for waiter in (first, second):
+                assert elect(waiter, lambda: False, None, 0, cooperative.settings)[0] == "timeout"
+                assert waiter.member is None  # nobody named yet
+        assert holder.name_members(cooperative.settings.download_group_window) == ["A", "B", "C"]
+        late = _lease(cooperative, "D")
+        late.join()
+        for waiter, member in ((_lease(cooperative, "B"), (1, 3)), (_lease(cooperative, "C"), (2, 3)),
+                               (late, None)):
+            waiter.read_roster()
+            assert waiter.member == member
+    finally:
+        holder.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_waiter_learns_its_member_number_at_its_polls(cooperative: Registry) -> None:
+    """A waiting worker's rank 0 reads the holder's roster as it polls and keeps its number."""
+    holder, waiter = _lease(cooperative, "A"), _lease(cooperative, "B")
+    try:
+        assert holder.try_acquire()
+        waiter.join()
+        holder.name_members(0.0)
+        with _clock.use(FakeClock()):
+            assert elect(waiter, lambda: False, None, 0, cooperative.settings)[0] == "timeout"
+        assert waiter.member == (1, 2)
+    finally:
+        holder.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_roster_whose_owner_does_not_hold_the_lease_names_nobody(cooperative: Registry) -> None:
+    """A roster of a former (or forged) owner is not obeyed: the waiter waits for the
+    holder's own roster, and one of a released lease names nobody."""
+    holder, waiter = _lease(cooperative, "A"), _lease(cooperative, "B")
+    try:
+        assert holder.try_acquire()
+        waiter.join()
+        cooperative.name_download_roster("v1", 2, ["X", "B"])
+        waiter.read_roster()
+        assert waiter.member is None and waiter.roster() is None
+        holder.name_members(0.0)
+        waiter.read_roster()
+        assert waiter.member == (1, 2)
+        holder.release()
+        assert _lease(cooperative, "B").roster() is None
+    finally:
+        holder.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_roster_names_at_most_max_parts_members(cooperative: Registry) -> None:
+    """Past MAX_PARTS the waiters are not named (they stay receivers of the fan-out)."""
+    holder = _lease(cooperative, "A")
+    try:
+        assert holder.try_acquire()
+        waiters = [f"w{i:03d}" for i in range(MAX_PARTS + 5)]
+        for w in waiters:
+            _lease(cooperative, w).join()
+        assert holder.name_members(0.0) == ["A", *waiters[:MAX_PARTS - 1]]
+        last = _lease(cooperative, waiters[MAX_PARTS - 1])
+        last.read_roster()
+        assert last.member is None
+    finally:
+        holder.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_roster_that_does_not_verify_is_skipped_and_counted(cooperative: Registry) -> None:
+    """Garbage, a forged signature or another Redis type at the roster names nobody; each
+    is counted as a rejection, and the holder's next roster replaces it."""
+    holder, waiter = _lease(cooperative, "A"), _lease(cooperative, "B")
+    key = cooperative.keys.download_roster("v1", 2)
+    try:
+        assert holder.try_acquire()
+        waiter.join()
+        for garbage in (lambda: cooperative.client.set(key, b"\xff{not json", px=5000),
+                        lambda: cooperative.client.set(key, b'{"owner":"A","members":["A","B"]}', px=5000),
+                        lambda: cooperative.client.rpush(key, b"x")):
+            cooperative.client.delete(key)
+            garbage()
+            before = cooperative.rejected
+            waiter.read_roster()
+            assert waiter.member is None and cooperative.rejected == before + 1
+        cooperative.client.delete(key)
+        holder.name_members(0.0)
+        waiter.read_roster()
+        assert waiter.member == (1, 2)
+    finally:
+        holder.release()

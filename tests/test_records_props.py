@@ -98,6 +98,8 @@ CLAIMS = st.builds(records.Claim, token=st.tuples(st.integers(0, 999), HEX).map(
     lambda t: f"{t[0]}:{t[1]}"), receiver=NAME)
 LEASES = st.builds(records.Lease, owner=NAME)
 WAITERS = st.builds(records.Waiter, worker=NAME)
+ROSTERS = st.lists(NAME, min_size=1, max_size=records.MAX_PARTS, unique=True).map(
+    lambda ms: records.Roster(owner=ms[0], members=tuple(ms)))
 MEMBERS = st.builds(records.Member, member_id=NAME, address=ADDRESS,
                     transport=st.sampled_from(records.TRANSPORTS), device=st.sampled_from(records.DEVICES))
 HANDSHAKES = st.one_of(
@@ -132,6 +134,7 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "req": requests().map(lambda r: r.to_dict()),
     "dl": LEASES.map(asdict),
     "dlg": WAITERS.map(asdict),
+    "dlr": ROSTERS.map(asdict),
     "chain": MEMBERS.map(lambda m: m.to_dict()),
     "stream": MEMBERS.map(lambda m: m.to_dict()),
     "gone": GONE,
@@ -403,3 +406,27 @@ def test_group_records_parse_only_when_they_are_what_their_key_names(
     if isinstance(other, str) and other:
         with pytest.raises(UntrustedRecordError, match="group"):
             content.group({"group": other}, {"group": hashlib.sha256(other.encode()).hexdigest()})
+
+
+@PROPS
+@given(ROSTERS)
+def test_rosters_round_trip(roster: records.Roster) -> None:
+    """A roster parses back to what its owner named, each member at its number."""
+    got = records.roster(json.loads(json.dumps(asdict(roster))))
+    assert got == roster
+    assert [got.index(m) for m in roster.members] == list(range(len(roster.members)))
+
+
+@pytest.mark.parametrize(("members", "match"), [
+    ([], r"members must be a list of 1 to 64 worker names, got \[\]"),
+    (["A"] * 2, "members must be distinct, the owner first"),
+    (["B", "A"], "members must be distinct, the owner first"),
+    ([f"w{i}" for i in range(65)], "members must be a list of 1 to 64"),
+    (["A", "no spaces"], "member must be a name of"),
+])
+def test_a_roster_naming_nobody_twice_the_owner_first_or_too_many_is_refused(
+    members: list[str], match: str
+) -> None:
+    """A roster is refused unless it names 1 to 64 distinct workers, its owner first."""
+    with pytest.raises(UntrustedRecordError, match=match):
+        records.roster({"owner": "A", "members": members})

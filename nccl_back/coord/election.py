@@ -20,7 +20,13 @@ is still alive (its lease is still being renewed): then it keeps waiting, up to
 Every waiting worker's rank 0 also enters the version's download group as it starts to
 wait (:meth:`DownloadLease.join`), so the one elected knows who waits with it
 (:meth:`DownloadLease.group`): the workers a cooperative download splits the
-checkpoint among.
+checkpoint among. With ``Settings.download_group_window`` set, the elected worker
+waits that long for arrivals, then names the members in a roster
+(:meth:`DownloadLease.name_members`: itself first, then the group in arrival order, at
+most ``MAX_PARTS``); each waiter's rank 0 reads it at its polls until a roster of the
+lease's holder is there (:meth:`DownloadLease.roster`) and keeps its member number in
+:attr:`DownloadLease.member`. A waiter not named (late, or past ``MAX_PARTS``) is a
+receiver as before.
 
 The lease itself (key, signing, take-over, compare-and-set renewal) is a record family
 of the registry (:mod:`.leases`); this module holds the policy: who tries it, how long
@@ -36,10 +42,12 @@ from typing import Literal
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.consensus import Group, gather
+from nccl_back.coord.records import Roster
 from nccl_back.coord.registry import Registry
 from nccl_back.coord.store import Raw
 from nccl_back.errors import NcclBackError
 from nccl_back.log import get_logger
+from nccl_back.transport_kinds import MAX_PARTS
 
 log = get_logger("nccl_back.coord.election")
 
@@ -69,6 +77,10 @@ class DownloadLease:
         after an expiry a late renewal or release never takes the lease from its new owner."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.member: tuple[int, int] | None = None
+        """``(i, n)`` once the roster of the lease's holder names this worker member ``i``
+        of ``n``; None before, or when it was not named."""
+        self._roster_seen = False
 
     @property
     def held(self) -> bool:
@@ -98,6 +110,38 @@ class DownloadLease:
         """The workers that entered the download group, in arrival order (this one too,
         once it joined)."""
         return self.registry.download_group(self.version, self.world)
+
+    def name_members(self, window: float) -> list[str]:
+        """Wait ``window`` seconds for waiters to join the download group, then name this
+        worker (holding the lease) and the first of them, at most ``MAX_PARTS`` in all, in
+        the roster: the cooperative download's members, returned."""
+        _clock.wait(self._stop, window)
+        members = [self.owner, *[w for w in self.group() if w != self.owner][:MAX_PARTS - 1]]
+        self.registry.name_download_roster(self.version, self.world, members)
+        return members
+
+    def roster(self) -> Roster | None:
+        """The roster of the worker holding the lease now, or None: none named yet, or
+        one whose owner no longer holds the lease (dead, or taken over), which names
+        nobody."""
+        got = self.registry.download_roster(self.version, self.world)
+        if got is None or got.owner == self.owner or got.owner != self.holder():
+            return None
+        return got
+
+    def read_roster(self) -> None:
+        """Learn this worker's member number (:attr:`member`) from the holder's roster;
+        once one was read, never again (a waiter it does not name is a receiver)."""
+        if self._roster_seen:
+            return
+        got = self.roster()
+        if got is None:
+            return
+        self._roster_seen = True
+        i = got.index(self.owner)
+        if i is not None:
+            self.member = (i, len(got.members))
+        log.info("download_roster_read", key=self.key, owner=got.owner, member=i, of=len(got.members))
 
     def holder(self) -> str | None:
         """The worker holding the lease now, or None (also when the value there is not
@@ -165,6 +209,8 @@ def elect(
                     code |= _ELECTED
                 elif _give_up(lease, _clock.monotonic() - start, settings):
                     code |= _GIVE_UP
+                elif settings.download_group_window > 0:
+                    lease.read_roster()
         except NcclBackError as e:
             error, code = e, _FAILED
         codes = gather(code, group)

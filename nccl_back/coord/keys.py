@@ -94,6 +94,11 @@ class Keys:
         per worker, pushed by its rank 0)."""
         return self.key(K.DOWNLOAD_GROUP.prefix, version, world_size)
 
+    def download_roster(self, version: str, world_size: int) -> str:
+        """The members of the cooperative download of ``version`` by workers of
+        ``world_size`` ranks, named by the worker elected."""
+        return self.key(K.DOWNLOAD_ROSTER.prefix, version, world_size)
+
     # -- relay: cohorts and streamed downloads ----------------------------------------------
 
     def cohort(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:

@@ -12,12 +12,16 @@ it is :mod:`.election`.
 Beside it, the download group ``ns:dlg:{v}:{w}``: a list of ``{"worker": worker_id}``
 records, one pushed by each waiting worker's rank 0 as it starts to wait (signed with
 an expiry of the longest wait), read in arrival order by whoever is elected: the
-workers that could split the download with it.
+workers that could split the download with it. The roster ``ns:dlr:{v}:{w}``,
+``{"owner": elected, "members": [elected, ...]}``, is who the elected worker named to
+split it; waiters obey it only while its owner holds the lease (a dead owner's roster
+names nobody).
 """
 
 from __future__ import annotations
 
 from nccl_back.coord import schema
+from nccl_back.coord.records import Roster
 from nccl_back.coord.store import Raw, SignedStore, ms
 from nccl_back.errors import RecordKind, RegistryError
 
@@ -85,3 +89,15 @@ class LeaseRecords(SignedStore):
             if got is not None and got.worker not in workers:
                 workers.append(got.worker)
         return workers
+
+    def name_download_roster(self, version: str, world_size: int, members: list[str]) -> None:
+        """Name the members of ``version``'s cooperative download (the caller, holding the
+        lease, first), over whatever was there (a former owner's roster, garbage)."""
+        key = self.keys.download_roster(version, world_size)
+        self.set_signed(key, {"owner": members[0], "members": members}, schema.DOWNLOAD_ROSTER)
+
+    def download_roster(self, version: str, world_size: int) -> Roster | None:
+        """The roster of ``version``'s cooperative download, or None (also when the value
+        there is not to be trusted: skipped with a reason, counted)."""
+        got = self.get_signed(self.keys.download_roster(version, world_size), schema.DOWNLOAD_ROSTER)
+        return None if got is None else got[0]

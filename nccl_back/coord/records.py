@@ -310,6 +310,32 @@ def waiter(data: dict[str, Any], what: str = "download group member") -> Waiter:
 
 
 @dataclass(frozen=True)
+class Roster:
+    """The members of a cooperative download: the worker elected to download (member 0,
+    the owner) and those of its download group it named, in arrival order; member ``i``
+    reads part ``i`` of ``len(members)`` (election.py)."""
+
+    owner: str
+    members: tuple[str, ...]
+
+    def index(self, worker: str) -> int | None:
+        """``worker``'s member number, or None when it is not named."""
+        return self.members.index(worker) if worker in self.members else None
+
+
+def roster(data: dict[str, Any], what: str = "download roster") -> Roster:
+    owner = ident(data, "owner", what)
+    names = data.get("members")
+    if not isinstance(names, list) or not 1 <= len(names) <= MAX_PARTS:
+        raise UntrustedRecordError(
+            f"{what}: members must be a list of 1 to {MAX_PARTS} worker names, got {_show(names)}")
+    members = tuple(ident({"member": n}, "member", what) for n in names)
+    if members[0] != owner or len(set(members)) != len(members):
+        raise UntrustedRecordError(f"{what}: members must be distinct, the owner first")
+    return Roster(owner=owner, members=members)
+
+
+@dataclass(frozen=True)
 class Claim:
     """A receiver's hold on one send slot of a peer."""
 

@@ -212,6 +212,10 @@ DOWNLOAD_GROUP = KeyKind("dlg", "dlg", ("version", "world"), RecordKind.DOWNLOAD
                          lambda s: s.single_flight_max_wait, SMALL,
                          "the workers waiting together for a version nobody holds, in arrival"
                          " order", parse=_plain(records.waiter))
+DOWNLOAD_ROSTER = KeyKind("dlr", "dlr", ("version", "world"), RecordKind.DOWNLOAD_ROSTER, S, G,
+                          lambda s: s.single_flight_max_wait, SMALL,
+                          "the members of a cooperative download, named by the worker elected",
+                          parse=_plain(records.roster))
 COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), None, H, Signing.NONE,
                  lambda s: s.cohort_window, SMALL, "a cohort's arrival counter and epoch")
 CHAIN = KeyKind("chain", "cohort", (*_VRW, "manifest", "epoch", "chain"), RecordKind.COHORT_MEMBER,
@@ -241,7 +245,8 @@ ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_IND
 #: Every kind of key, in the order of the key schema.
 KINDS: tuple[KeyKind, ...] = (
     PEER, INDEX, GROUND_TRUTH, LAYOUT_RECORD, GROUP, POSITION_TRUTH, CLAIM, REQUEST, LEASE,
-    DOWNLOAD_GROUP, COHORT, CHAIN, STREAM, GONE, HANDSHAKE, RENDEZVOUS, CHECK, ARTIFACT_SET, ARTIFACT_INDEX,
+    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, COHORT, CHAIN, STREAM, GONE, HANDSHAKE, RENDEZVOUS, CHECK,
+    ARTIFACT_SET, ARTIFACT_INDEX,
 )
 BY_NAME: dict[str, KeyKind] = {k.name: k for k in KINDS}
 

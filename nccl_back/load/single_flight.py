@@ -48,7 +48,7 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
         with caught(a, "discover"):
             a.discovered(discover(worker, a))
     elif outcome == "elected":
-        a.log.info("single_flight_elected", waited=flight.waited, group=_group(a))
+        a.log.info("single_flight_elected", waited=flight.waited, group=_group(a, s.download_group_window))
         a.elected = True
         if isinstance(a.reason, NobodyHolds):
             # Same class: "nobody trusted" keeps its own fallback reason.
@@ -71,13 +71,14 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
     return flight
 
 
-def _group(a: Attempt) -> list[str] | None:
+def _group(a: Attempt, window: float) -> list[str] | None:
     """Who waits for the version with this worker (rank 0, which holds the lease), for
-    the log; None on the other ranks or when Redis cannot say (the download goes on)."""
+    the log: with a ``window``, the members it names after waiting it out. None on the
+    other ranks or when Redis cannot say (the download goes on)."""
     if a.lease is None or not a.lease.held:
         return None
     try:
-        return a.lease.group()
+        return a.lease.name_members(window) if window > 0 else a.lease.group()
     except NcclBackError as e:
         a.log.warning("download_group_unread", error=str(e))
         return None

@@ -48,7 +48,7 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
         with caught(a, "discover"):
             a.discovered(discover(worker, a))
     elif outcome == "elected":
-        a.log.info("single_flight_elected", waited=flight.waited, group=_group(a, s.download_group_window))
+        a.log.info("single_flight_elected", waited=flight.waited, group=_members(a, s.download_group_window))
         a.elected = True
         if isinstance(a.reason, NobodyHolds):
             # Same class: "nobody trusted" keeps its own fallback reason.
@@ -71,10 +71,11 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
     return flight
 
 
-def _group(a: Attempt, window: float) -> list[str] | None:
-    """Who waits for the version with this worker (rank 0, which holds the lease), for
-    the log: with a ``window``, the members it names after waiting it out. None on the
-    other ranks or when Redis cannot say (the download goes on)."""
+def _members(a: Attempt, window: float) -> list[str] | None:
+    """Rank 0, holding the lease: with a ``window``, name the cooperative download's
+    members after waiting it out (the roster waiters read); else who waits with it.
+    Returned for the log; None on the other ranks or when Redis cannot say (the
+    download goes on without a roster)."""
     if a.lease is None or not a.lease.held:
         return None
     try:

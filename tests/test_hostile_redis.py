@@ -76,13 +76,14 @@ LOAD_BOUND = 25.0
 
 
 def _settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
-    # peer_ttl 3 s, not less: the holder shares this process (and 2 loaded cores) with
-    # the receiver, and a holder whose beats lapse is rightly no holder (then storage).
+    # peer_ttl and redis_timeout 3 s, not less: the holder shares this process (and 2
+    # loaded cores) with the receiver; a holder whose beats lapse is rightly no holder,
+    # and a Redis call cut short sends the load to storage.
     # A download-group window: the elected worker names a roster, one more kind to corrupt.
     return Settings(
         redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
         cache_dir=cache_dir, secret=SECRET, peer_ttl=3.0,
-        redis_timeout=1.0, sender_handshake_timeout=1.0, receiver_handshake_timeout=2.0,
+        redis_timeout=3.0, sender_handshake_timeout=1.0, receiver_handshake_timeout=2.0,
         transfer_timeout=10.0, single_flight_wait=8.0, single_flight_max_wait=12.0,
         download_lease=2.0, busy_wait=6.0, claim_ttl=2.0, cohort_window=0.3,
         relay_stall_timeout=3.0, max_peer_attempts=2, download_group_window=0.2,

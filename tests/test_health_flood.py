@@ -218,8 +218,10 @@ def test_every_probe_answers_within_a_second_under_a_connection_flood(
             break
     assert failures == [], f"{len(failures)} of {PROBES} probes failed: {failures}"
     assert held <= cap
-    # A flood of this test's size, not a trickle the server could never fall behind.
-    assert connections > 10 * cap
+    # A flood several times the server's cap, not a trickle it could never fall behind.
+    # Not more: at nice 19 beside CI's two suites the flood made 8,573 connections in 9 s
+    # (the quiet machine makes several times that).
+    assert connections > 4 * cap
 
 
 def test_a_slowloris_connection_is_cut_at_its_deadline_during_a_flood(

@@ -113,6 +113,9 @@ def fleet(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Ite
     f = Fleet(ckpt, {"redis_url": redis_url, "namespace": namespace, "cache_dir": cache_dir,
                      "advertise_host": "127.0.0.1", "peer_ttl": 3.0,
                      "transfer_timeout": 20.0, "receiver_handshake_timeout": 5.0,
+                     # Waits a 2-core machine running CI's two suites can meet: at the
+                     # defaults a GET timed out there and the receiver rightly went to storage.
+                     "redis_timeout": 3.0, "sender_handshake_timeout": 3.0,
                      "secret": "s" * 32, "bucket_bytes": 4096})
     yield f
     f.close()

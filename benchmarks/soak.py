@@ -109,6 +109,8 @@ SETTINGS: dict[str, Any] = {
     "single_flight_wait": 3.0, "download_lease": 2.0, "single_flight_max_wait": 6.0,
     "cohort_window": 0.5, "relay_stall_timeout": 2.0, "storage_attempts": 2,
     "bucket_bytes": 16384,
+    # The elected worker names a roster of who waits with it: one more path and key kind.
+    "download_group_window": 0.3,
     # 200 kB/s per sender: a transfer of the 117 kB transformer takes ~0.6 s, so faults
     # at random moments land inside transfers and relay chains, not only between them.
     "max_send_gbps": 0.0002,
@@ -256,8 +258,10 @@ class Outcome:
 class Soak:
     """Runs rollouts against one real redis-server; every process is reaped on exit."""
 
-    def __init__(self, work: Path, seed: int, faults: tuple[str, ...], verbose: bool = True) -> None:
+    def __init__(self, work: Path, seed: int, faults: tuple[str, ...], verbose: bool = True,
+                 keep: bool = False) -> None:
         self.work, self.seed, self.fault_kinds, self.verbose = work, seed, faults, verbose
+        self.keep = keep  # every rollout's directory (its logs), not only a failed one's
         self.redis = LocalRedis(port=free_port()).start()
         self.namespace = f"soak{seed}"
         self.procs: list[Proc] = []
@@ -354,7 +358,7 @@ class Soak:
             with self.raw_client() as c:
                 for k in hostile:
                     c.delete(k)
-        if not out.failures:
+        if not out.failures and not self.keep:
             shutil.rmtree(rdir, ignore_errors=True)
         status = "ok" if not out.failures else "FAILED"
         self.say(f"rollout {r} {status}: loads={out.loads} typed_errors={out.typed_errors} "
@@ -872,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0, help="stop starting rollouts after this many seconds")
     ap.add_argument("--results", type=Path, help="replace the soak section of this RESULTS.md")
     ap.add_argument("--json", type=Path, help="write a summary here")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory, every rollout's logs too")
     args = ap.parse_args(argv)
     faults = tuple(k for k in args.faults.split(",") if k)
     unknown = set(faults) - set(FAULT_KINDS)
@@ -883,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: seed {args.seed}, rollouts {numbers[0]}..{numbers[-1]}, work {work}; "
           f"silent partitions skipped ({NOT_INJECTED['partition']}); slow HTTP clients skipped "
           f"({NOT_INJECTED['slow_http_client']}); timing is not replayed, schedules are", flush=True)
-    soak = Soak(work, args.seed, faults)
+    soak = Soak(work, args.seed, faults, keep=args.keep)
     outcomes: list[Outcome] = []
     t0 = time.monotonic()
 

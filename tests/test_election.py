@@ -1,18 +1,25 @@
 """Single-flight election against a real redis-server, time driven by a fake clock.
 
 (The group form, one election per multi-rank worker, is exercised end to end with real
-processes in tests/test_multirank.py.)"""
+processes in tests/test_multirank.py; the member number's way to every rank here, with
+real processes in a gloo group.)"""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import time
 from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord.election import DownloadLease, elect
+from nccl_back.coord.election import DownloadLease, Election, elect
 from nccl_back.coord.registry import Registry
+from nccl_back.dev.servers import free_port
 from nccl_back.transport_kinds import MAX_PARTS
 
 
@@ -67,8 +74,8 @@ def test_waiter_keeps_waiting_while_the_downloader_renews(settings: Settings, re
     try:
         assert holder.try_acquire()
         with _clock.use(clock):
-            outcome, who, error = elect(waiter, lambda: False, None, 0, settings)
-        assert (outcome, who, error) == ("timeout", 0, None)
+            result = elect(waiter, lambda: False, None, 0, settings)
+        assert result == Election("timeout", 0)
         assert 50.0 <= clock.now <= 52.0
     finally:
         holder.release()
@@ -88,8 +95,8 @@ def test_waiter_takes_over_when_the_lease_is_gone(settings: Settings, registry: 
     try:
         assert holder.try_acquire()
         with _clock.use(clock):
-            outcome, who, _ = elect(waiter, sees_peer, None, 0, settings)
-        assert (outcome, who) == ("elected", 0)
+            result = elect(waiter, sees_peer, None, 0, settings)
+        assert result == Election("elected", 0)
         assert waiter.held and waiter.holder() == "B"
     finally:
         waiter.release()
@@ -100,8 +107,7 @@ def test_waiter_takes_over_when_the_lease_is_gone(settings: Settings, registry: 
 def test_peer_wins_over_the_lease(settings: Settings, registry: Registry) -> None:
     """A peer seen in the same poll wins: the lease just taken is given back at once."""
     waiter = _lease(registry, "B")
-    outcome, _, _ = elect(waiter, lambda: True, None, 0, settings)
-    assert outcome == "peer"
+    assert elect(waiter, lambda: True, None, 0, settings) == Election("peer")
     assert not waiter.held and waiter.holder() is None
 
 
@@ -115,10 +121,10 @@ def test_the_elected_worker_sees_who_waits_with_it(settings: Settings, registry:
         assert holder.try_acquire()
         with _clock.use(clock):
             for waiter in (first, second, first):
-                assert elect(waiter, lambda: False, None, 0, settings)[0] == "timeout"
+                assert elect(waiter, lambda: False, None, 0, settings).outcome == "timeout"
         assert holder.group() == ["B", "C"]
         holder.release()
-        assert elect(holder, lambda: False, None, 0, settings)[0] == "elected"
+        assert elect(holder, lambda: False, None, 0, settings).outcome == "elected"
         assert holder.group() == ["B", "C", "A"]
         assert _lease(registry, "X").group() == ["B", "C", "A"]
     finally:
@@ -129,7 +135,7 @@ def test_the_elected_worker_sees_who_waits_with_it(settings: Settings, registry:
 def test_a_rank_other_than_0_never_joins_the_download_group(settings: Settings, registry: Registry) -> None:
     """A worker is one member of its download group, whatever its number of ranks."""
     waiter = _lease(registry, "B")
-    assert elect(waiter, lambda: True, None, 1, settings)[0] == "peer"
+    assert elect(waiter, lambda: True, None, 1, settings).outcome == "peer"
     assert waiter.group() == []
 
 
@@ -151,7 +157,7 @@ def test_the_elected_worker_names_itself_then_the_waiters_in_arrival_order(coope
         assert holder.try_acquire()
         with _clock.use(FakeClock()):
             for waiter in (first, second):
-                assert elect(waiter, lambda: False, None, 0, cooperative.settings)[0] == "timeout"
+                assert elect(waiter, lambda: False, None, 0, cooperative.settings).outcome == "timeout"
                 assert waiter.member is None  # nobody named yet
         assert holder.name_members(cooperative.settings.download_group_window) == ["A", "B", "C"]
         late = _lease(cooperative, "D")
@@ -173,7 +179,7 @@ def test_a_waiter_learns_its_member_number_at_its_polls(cooperative: Registry) -
         waiter.join()
         holder.name_members(0.0)
         with _clock.use(FakeClock()):
-            assert elect(waiter, lambda: False, None, 0, cooperative.settings)[0] == "timeout"
+            assert elect(waiter, lambda: False, None, 0, cooperative.settings).outcome == "timeout"
         assert waiter.member == (1, 2)
     finally:
         holder.release()
@@ -226,7 +232,7 @@ def test_a_roster_that_does_not_verify_is_skipped_and_counted(cooperative: Regis
         assert holder.try_acquire()
         waiter.join()
         for garbage in (lambda: cooperative.client.set(key, b"\xff{not json", px=5000),
-                        lambda: cooperative.client.set(key, b'{"owner":"A","members":["A","B"]}', px=5000),
+                        lambda: cooperative.client.set(key, b'{"members":["A","B"]}', px=5000),
                         lambda: cooperative.client.rpush(key, b"x")):
             cooperative.client.delete(key)
             garbage()
@@ -239,3 +245,47 @@ def test_a_roster_that_does_not_verify_is_skipped_and_counted(cooperative: Regis
         assert waiter.member == (1, 2)
     finally:
         holder.release()
+
+
+def _waiting_rank(rank: int, port: int, settings: Settings, out: Any) -> None:
+    """Spawned: one rank of worker "B" (2 ranks, its own gloo group) waiting for a peer,
+    which it sees once a roster is there; puts its Election."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    registry = Registry(settings)
+    try:
+        lease = _lease(registry, "B") if rank == 0 else None
+        out.put((rank, elect(lease, lambda: registry.download_roster("v1", 2) is not None,
+                             dist.group.WORLD, rank, settings)))
+    finally:
+        registry.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_every_rank_of_a_waiting_worker_learns_its_member_number(cooperative: Registry) -> None:
+    """A 2-rank worker (separate processes, real gloo) named member 1 of 2: rank 0 read the
+    roster, and both ranks leave the wait knowing (1, 2)."""
+    holder = _lease(cooperative, "A")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_waiting_rank, args=(r, port, cooperative.settings, out), daemon=True)
+             for r in range(2)]
+    try:
+        assert holder.try_acquire()
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 60
+        while "B" not in holder.group():  # rank 0 joins as it starts to wait
+            assert time.monotonic() < deadline, "worker B never joined the download group"
+            time.sleep(0.05)
+        assert holder.name_members(0.0) == ["A", "B"]
+        results = dict(out.get(timeout=60) for _ in procs)
+        assert results == {0: Election("peer", member=(1, 2)), 1: Election("peer", member=(1, 2))}
+    finally:
+        holder.release()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()

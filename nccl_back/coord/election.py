@@ -25,8 +25,9 @@ waits that long for arrivals, then names the members in a roster
 (:meth:`DownloadLease.name_members`: itself first, then the group in arrival order, at
 most ``MAX_PARTS``); each waiter's rank 0 reads it at its polls until a roster of the
 lease's holder is there (:meth:`DownloadLease.roster`) and keeps its member number in
-:attr:`DownloadLease.member`. A waiter not named (late, or past ``MAX_PARTS``) is a
-receiver as before.
+:attr:`DownloadLease.member`. Rank 0's code carries that number in every later poll, so
+the wait's last collective tells every rank of the worker (:attr:`Election.member`). A
+waiter not named (late, or past ``MAX_PARTS``) is a receiver as before.
 
 The lease itself (key, signing, take-over, compare-and-set renewal) is a record family
 of the registry (:mod:`.leases`); this module holds the policy: who tries it, how long
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from nccl_back import _clock
@@ -58,6 +60,8 @@ _SEES_PEER = 1
 _ELECTED = 2  # rank 0 only
 _GIVE_UP = 4  # rank 0 only
 _FAILED = 8  # this rank could not poll (Redis): the group stops waiting
+# Rank 0's member number i of n in a roster, above the bits (i < n <= MAX_PARTS < 256).
+_MEMBER_I, _MEMBER_N = 8, 16
 
 #: Seconds between two polls of the group.
 POLL = 0.1
@@ -173,6 +177,23 @@ class DownloadLease:
                 log.warning("download_lease_renew_failed", key=self.key, error=str(e))
 
 
+@dataclass(frozen=True)
+class Election:
+    """How a group's wait ended: the same on every rank."""
+
+    outcome: Outcome
+    """``"peer"`` (every rank sees a peer), ``"elected"`` (rank 0 holds the lease: this
+    worker downloads), ``"timeout"`` (nobody published in time: download too) or
+    ``"error"`` (a rank could not poll)."""
+    rank: int | None = None
+    """The rank that decided it: 0 when elected or timed out, the failing rank on error."""
+    error: NcclBackError | None = None
+    """On the rank that could not poll, its error; None on the others."""
+    member: tuple[int, int] | None = None
+    """With a peer found: ``(i, n)`` when the roster of the worker holding the lease
+    named this worker member ``i`` of ``n``, as rank 0 read it; None when not named."""
+
+
 def elect(
     lease: DownloadLease | None,
     sees_peer: Callable[[], bool],
@@ -181,14 +202,11 @@ def elect(
     settings: Settings,
     *,
     lease_after: float = 0.0,
-) -> tuple[Outcome, int | None, NcclBackError | None]:
+) -> Election:
     """Wait, as a group, until every rank sees a peer or rank 0 wins ``lease``.
 
-    Every rank of ``group`` calls this (``lease`` matters on rank 0 only). Returns
-    ``(outcome, rank, error)``: ``"peer"`` (every rank sees a peer), ``"elected"``
-    (rank 0 holds the lease: this worker downloads), ``"timeout"`` (nobody published in
-    time: download too) or ``"error"`` (``rank`` could not poll; ``error`` is its
-    :class:`NcclBackError` on that rank, None on the others). Same result on every rank.
+    Every rank of ``group`` calls this (``lease`` matters on rank 0 only); every rank
+    returns the same :class:`Election` (but for ``error``, kept where it was raised).
     ``lease_after``: seconds rank 0 waits before it tries the lease (holders exist but
     their ground truth is missing: they re-publish it within a heartbeat, and a download
     then would be one storage read too many).
@@ -211,21 +229,30 @@ def elect(
                     code |= _GIVE_UP
                 elif settings.download_group_window > 0:
                     lease.read_roster()
+            if rank == 0 and lease is not None and lease.member is not None:
+                i, n = lease.member
+                code |= i << _MEMBER_I | n << _MEMBER_N
         except NcclBackError as e:
             error, code = e, _FAILED
         codes = gather(code, group)
         failed = [r for r, c in enumerate(codes) if c & _FAILED]
         if failed:
-            return "error", failed[0], error
+            return Election("error", failed[0], error)
         if all(c & _SEES_PEER for c in codes):
             if lease is not None and lease.held:
                 lease.release()  # a peer is there after all: let nobody wait on us
-            return "peer", None, None
+            return Election("peer", member=_member(codes[0]))
         if codes[0] & _ELECTED:
-            return "elected", 0, None
+            return Election("elected", 0)
         if codes[0] & _GIVE_UP:
-            return "timeout", 0, None
+            return Election("timeout", 0)
         _clock.sleep(POLL)
+
+
+def _member(code: int) -> tuple[int, int] | None:
+    """The member number rank 0's ``code`` carries, if any."""
+    n = code >> _MEMBER_N & 0xFF
+    return (code >> _MEMBER_I & 0xFF, n) if n else None
 
 
 def _give_up(lease: DownloadLease, waited: float, settings: Settings) -> bool:

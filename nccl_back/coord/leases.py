@@ -13,7 +13,7 @@ Beside it, the download group ``ns:dlg:{v}:{w}``: a list of ``{"worker": worker_
 records, one pushed by each waiting worker's rank 0 as it starts to wait (signed with
 an expiry of the longest wait), read in arrival order by whoever is elected: the
 workers that could split the download with it. The roster ``ns:dlr:{v}:{w}``,
-``{"owner": elected, "members": [elected, ...]}``, is who the elected worker named to
+``{"members": [elected, ...]}``, is who the elected worker named to
 split it; waiters obey it only while its owner holds the lease (a dead owner's roster
 names nobody).
 """
@@ -94,7 +94,7 @@ class LeaseRecords(SignedStore):
         """Name the members of ``version``'s cooperative download (the caller, holding the
         lease, first), over whatever was there (a former owner's roster, garbage)."""
         key = self.keys.download_roster(version, world_size)
-        self.set_signed(key, {"owner": members[0], "members": members}, schema.DOWNLOAD_ROSTER)
+        self.set_signed(key, {"members": members}, schema.DOWNLOAD_ROSTER)
 
     def download_roster(self, version: str, world_size: int) -> Roster | None:
         """The roster of ``version``'s cooperative download, or None (also when the value

@@ -315,8 +315,12 @@ class Roster:
     the owner) and those of its download group it named, in arrival order; member ``i``
     reads part ``i`` of ``len(members)`` (election.py)."""
 
-    owner: str
     members: tuple[str, ...]
+
+    @property
+    def owner(self) -> str:
+        """The worker that named them (member 0)."""
+        return self.members[0]
 
     def index(self, worker: str) -> int | None:
         """``worker``'s member number, or None when it is not named."""
@@ -324,15 +328,14 @@ class Roster:
 
 
 def roster(data: dict[str, Any], what: str = "download roster") -> Roster:
-    owner = ident(data, "owner", what)
     names = data.get("members")
     if not isinstance(names, list) or not 1 <= len(names) <= MAX_PARTS:
         raise UntrustedRecordError(
             f"{what}: members must be a list of 1 to {MAX_PARTS} worker names, got {_show(names)}")
     members = tuple(ident({"member": n}, "member", what) for n in names)
-    if members[0] != owner or len(set(members)) != len(members):
-        raise UntrustedRecordError(f"{what}: members must be distinct, the owner first")
-    return Roster(owner=owner, members=members)
+    if len(set(members)) != len(members):
+        raise UntrustedRecordError(f"{what}: members must be distinct")
+    return Roster(members=members)
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,9 @@ class Attempt:
     checked: PositionCheck | None = None
     """What a check in checkpoint coordinates covered (a reshard's)."""
     lease: DownloadLease | None = None
+    member: tuple[int, int] | None = None
+    """``(i, n)``: the cooperative download's roster named this worker member ``i`` of
+    ``n`` (known on every rank); None when it was not named."""
     elected: bool = False
     """This worker was elected to download (single flight): it streams its download."""
     rx: Receiving = field(default_factory=Receiving)

@@ -40,10 +40,11 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
     # holder would have re-published (within peer_ttl, or it counts as dead). The
     # single flight still holds: one of the waiters takes the lease.
     after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
-    outcome, who, error = elect(a.lease, lambda: sees_peer(worker, a), a.group, a.rank, s,
-                                lease_after=after)
+    result = elect(a.lease, lambda: sees_peer(worker, a), a.group, a.rank, s, lease_after=after)
+    outcome, error = result.outcome, result.error
     flight = Flight(outcome, round(_clock.monotonic() - started, 3))
     if outcome == "peer":
+        a.member = result.member
         a.log.info("single_flight_peer_appeared", waited=flight.waited)
         with caught(a, "discover"):
             a.discovered(discover(worker, a))
@@ -67,7 +68,7 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
         else:
             a.error = error
     else:
-        a.log.warning("single_flight_rank_failed", failed_rank=who)
+        a.log.warning("single_flight_rank_failed", failed_rank=result.rank)
     return flight
 
 

@@ -76,14 +76,24 @@ def test_crafted_headers_are_format_errors(
         _parse(_file(header, data))
 
 
-def test_many_entries_over_the_same_bytes_are_refused_fast() -> None:
-    """20,000 entries over one 4 KiB range (an 80 MB skeleton from a small file): refused."""
-    header = {f"t{i}": _entry(0, 4096) for i in range(20_000)}
-    blob = _file(header, bytes(4096))
-    start = time.monotonic()
-    with pytest.raises(CheckpointFormatError, match="overlap"):
-        _parse(blob)
-    assert time.monotonic() - start < 2.0
+def _refusal_seconds(entries: int) -> float:
+    """The fastest of 3 refusals of ``entries`` entries over one 4 KiB range."""
+    blob = _file({f"t{i}": _entry(0, 4096) for i in range(entries)}, bytes(4096))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        with pytest.raises(CheckpointFormatError, match="overlap"):
+            _parse(blob)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_many_entries_over_the_same_bytes_are_refused_without_quadratic_work() -> None:
+    """20,000 entries over one 4 KiB range (an 80 MB skeleton from a small file) are
+    refused in under 40x the time of 2,000 (linear work is 10x, quadratic 100x; 16x
+    measured, the sort included): a ratio in one run, since a loaded machine slows both
+    alike (an absolute bound of 2 s failed beside CI's two suites)."""
+    assert _refusal_seconds(20_000) < 40 * _refusal_seconds(2_000)
 
 
 def test_nesting_depth_ignores_brackets_in_strings() -> None:

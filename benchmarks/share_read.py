@@ -16,10 +16,10 @@ every object's CRC32C from all of them. Reported: the time until the slowest sha
 has landed, against N=1 (one worker reading every byte, its whole link), the bytes
 read from storage against the checkpoint, and whether the proof passed.
 
-**The storage side only**: the exchange of the shares between the workers (each must
-end with every byte) is not wired yet, so this is not the time to a verified model; it
-is the floor the exchange then adds to (with a pipelined exchange, about the larger of
-the two).
+**The storage side only**: the exchange of the shares (``load/cooperative.py``: the
+parts gathered by the elected worker, proven, then streamed to every member) is not in
+this figure, so this is not the time to a verified model; it is the floor the exchange
+adds to.
 """
 
 from __future__ import annotations

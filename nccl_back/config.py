@@ -213,9 +213,10 @@ class Settings:
     download_group_window: float = 0.0
     """Seconds the worker elected to download a version nobody holds waits for the
     others of its download group before it names the members of a cooperative download
-    (the roster), each to read one part of the checkpoint. Naming them is all it does so
-    far: the members still wait for the elected worker's stream, so a window only delays
-    the rollout. 0 (the default): nobody named, no wait."""
+    (the roster), each to read one part of the checkpoint from storage and serve it to
+    the elected worker, which proves every file and streams the whole
+    (:mod:`nccl_back.load.cooperative`). Single-rank workers loading the checkpoint's own
+    tensors with cohorts on take part. 0 (the default): nobody named, no wait."""
 
     claim_ttl: float = 6.0
     """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it

@@ -201,6 +201,8 @@ class RecordKind(StrEnum):
     """A worker waiting with others for a version nobody holds (``ns:dlg:...``)."""
     DOWNLOAD_ROSTER = "download_roster"
     """The members of a cooperative download, named by the worker elected (``ns:dlr:...``)."""
+    DOWNLOAD_MEMBER = "download_member"
+    """Where a cooperative download's member serves its part (``ns:dlm:...``)."""
     COHORT_MEMBER = "cohort_member"
     """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
     DOWNLOAD_STREAM = "download_stream"

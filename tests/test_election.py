@@ -113,18 +113,18 @@ def test_peer_wins_over_the_lease(settings: Settings, registry: Registry) -> Non
 
 @pytest.mark.timeout(30)
 def test_the_elected_worker_sees_who_waits_with_it(settings: Settings, registry: Registry) -> None:
-    """Every waiter's rank 0 enters the download group as it starts to wait: the elected one
-    reads them all, each once, in arrival order."""
+    """Every cooperating waiter's rank 0 enters the download group as it starts to wait: the
+    elected one reads them all, each once, in arrival order."""
     holder, first, second = _lease(registry, "A"), _lease(registry, "B"), _lease(registry, "C")
     clock = FakeClock()
     try:
         assert holder.try_acquire()
         with _clock.use(clock):
             for waiter in (first, second, first):
-                assert elect(waiter, lambda: False, None, 0, settings).outcome == "timeout"
+                assert elect(waiter, lambda: False, None, 0, settings, cooperate=True).outcome == "timeout"
         assert holder.group() == ["B", "C"]
         holder.release()
-        assert elect(holder, lambda: False, None, 0, settings).outcome == "elected"
+        assert elect(holder, lambda: False, None, 0, settings, cooperate=True).outcome == "elected"
         assert holder.group() == ["B", "C", "A"]
         assert _lease(registry, "X").group() == ["B", "C", "A"]
     finally:
@@ -135,8 +135,23 @@ def test_the_elected_worker_sees_who_waits_with_it(settings: Settings, registry:
 def test_a_rank_other_than_0_never_joins_the_download_group(settings: Settings, registry: Registry) -> None:
     """A worker is one member of its download group, whatever its number of ranks."""
     waiter = _lease(registry, "B")
-    assert elect(waiter, lambda: True, None, 1, settings).outcome == "peer"
+    assert elect(waiter, lambda: True, None, 1, settings, cooperate=True).outcome == "peer"
     assert waiter.group() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_cannot_read_a_share_never_joins_the_download_group(
+        settings: Settings, registry: Registry) -> None:
+    """A waiter that cannot cooperate (several ranks, a sharded or engine skeleton) is
+    never named a member: it does not enter the group."""
+    holder, waiter = _lease(registry, "A"), _lease(registry, "B")
+    try:
+        assert holder.try_acquire()
+        with _clock.use(FakeClock()):
+            assert elect(waiter, lambda: False, None, 0, settings).outcome == "timeout"
+        assert holder.group() == []
+    finally:
+        holder.release()
 
 
 @pytest.fixture
@@ -157,7 +172,8 @@ def test_the_elected_worker_names_itself_then_the_waiters_in_arrival_order(coope
         assert holder.try_acquire()
         with _clock.use(FakeClock()):
             for waiter in (first, second):
-                assert elect(waiter, lambda: False, None, 0, cooperative.settings).outcome == "timeout"
+                assert elect(waiter, lambda: False, None, 0, cooperative.settings,
+                             cooperate=True).outcome == "timeout"
                 assert waiter.member is None  # nobody named yet
         assert holder.name_members(cooperative.settings.download_group_window) == ["A", "B", "C"]
         late = _lease(cooperative, "D")
@@ -172,14 +188,17 @@ def test_the_elected_worker_names_itself_then_the_waiters_in_arrival_order(coope
 
 @pytest.mark.timeout(30)
 def test_a_waiter_learns_its_member_number_at_its_polls(cooperative: Registry) -> None:
-    """A waiting worker's rank 0 reads the holder's roster as it polls and keeps its number."""
+    """A waiting worker's rank 0 reads the holder's roster as it polls: the wait ends as
+    member 1 of 2 (not waiting out single_flight_wait)."""
     holder, waiter = _lease(cooperative, "A"), _lease(cooperative, "B")
+    clock = FakeClock()
     try:
         assert holder.try_acquire()
         waiter.join()
         holder.name_members(0.0)
-        with _clock.use(FakeClock()):
-            assert elect(waiter, lambda: False, None, 0, cooperative.settings).outcome == "timeout"
+        with _clock.use(clock):
+            got = elect(waiter, lambda: False, None, 0, cooperative.settings, cooperate=True)
+        assert got == Election("member", 0, member=(1, 2)) and clock.now < 1.0
         assert waiter.member == (1, 2)
     finally:
         holder.release()
@@ -248,15 +267,14 @@ def test_a_roster_that_does_not_verify_is_skipped_and_counted(cooperative: Regis
 
 
 def _waiting_rank(rank: int, port: int, settings: Settings, out: Any) -> None:
-    """Spawned: one rank of worker "B" (2 ranks, its own gloo group) waiting for a peer,
-    which it sees once a roster is there; puts its Election."""
+    """Spawned: one rank of worker "B" (2 ranks, its own gloo group) waiting for a peer
+    (none comes); puts its Election."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=30))
     registry = Registry(settings)
     try:
         lease = _lease(registry, "B") if rank == 0 else None
-        out.put((rank, elect(lease, lambda: registry.download_roster("v1", 2) is not None,
-                             dist.group.WORLD, rank, settings)))
+        out.put((rank, elect(lease, lambda: False, dist.group.WORLD, rank, settings, cooperate=True)))
     finally:
         registry.close()
         dist.destroy_process_group()
@@ -265,7 +283,7 @@ def _waiting_rank(rank: int, port: int, settings: Settings, out: Any) -> None:
 @pytest.mark.timeout(90)
 def test_every_rank_of_a_waiting_worker_learns_its_member_number(cooperative: Registry) -> None:
     """A 2-rank worker (separate processes, real gloo) named member 1 of 2: rank 0 read the
-    roster, and both ranks leave the wait knowing (1, 2)."""
+    roster, and both ranks leave the wait together as member (1, 2)."""
     holder = _lease(cooperative, "A")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -282,7 +300,7 @@ def test_every_rank_of_a_waiting_worker_learns_its_member_number(cooperative: Re
             time.sleep(0.05)
         assert holder.name_members(0.0) == ["A", "B"]
         results = dict(out.get(timeout=60) for _ in procs)
-        assert results == {0: Election("peer", member=(1, 2)), 1: Election("peer", member=(1, 2))}
+        assert results == {0: Election("member", 0, member=(1, 2)), 1: Election("member", 0, member=(1, 2))}
     finally:
         holder.release()
         for p in procs:

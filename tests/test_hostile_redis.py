@@ -29,6 +29,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,16 +216,16 @@ class KeyWatch:
 
 @pytest.fixture(scope="module")
 def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
-    """``{kind: (key, type, genuine value)}`` of three real rollouts: an elected storage
-    loader (streaming its download) and a receiver served by it; a reshard from a plain
-    holder; an artifact set published and fetched."""
+    """``{kind: (key, type, genuine value)}`` of three real rollouts: two workers starting
+    together (one elected, the other a member of its cooperative download, then served
+    by its stream); a reshard from a plain holder; an artifact set published and fetched."""
     fleet.clean()
     watch = KeyWatch(fleet.client, fleet.settings.namespace)
     try:
-        with WeightService(fleet.settings) as first:
-            assert fleet.load(first).source == "storage"
-            with WeightService(fleet.settings) as second:
-                assert fleet.load(second).source == "peer"
+        with WeightService(fleet.settings) as first, WeightService(fleet.settings) as second, \
+                ThreadPoolExecutor(2) as pool:
+            loads = [pool.submit(fleet.load, svc) for svc in (first, second)]
+            assert sorted(f.result(timeout=120).source for f in loads) == ["peer", "storage"]
             with WeightService(fleet.settings) as holder:
                 assert fleet.flat_holder(holder).source == "storage"
                 with WeightService(fleet.settings) as receiver:
@@ -281,7 +282,7 @@ def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
         "peer": ks.peer(v, 0, 1, peer_id), "peers": ks.peer_index(v, 0, 1),
         "gt": reg.ground_truth_key(v, 0, 1, d, "nb1"), "claim": ks.claim(peer_id, 0),
         "req": ks.requests(peer_id), "dl": ks.lease(v, 1), "dlg": ks.download_group(v, 1),
-        "dlr": ks.download_roster(v, 1),
+        "dlr": ks.download_roster(v, 1), "dlm": ks.download_member(v, 0, 1, 1),
         "cohort": ks.cohort(v, 0, 1, d),
         "stream": ks.stream(v, 0, 1, d),
         # Truth in checkpoint coordinates, keyed by the holder's (plain) layout digest.

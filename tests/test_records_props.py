@@ -135,6 +135,7 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "dl": LEASES.map(asdict),
     "dlg": WAITERS.map(asdict),
     "dlr": ROSTERS.map(asdict),
+    "dlm": MEMBERS.map(lambda m: m.to_dict()),
     "chain": MEMBERS.map(lambda m: m.to_dict()),
     "stream": MEMBERS.map(lambda m: m.to_dict()),
     "gone": GONE,

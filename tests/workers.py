@@ -71,7 +71,9 @@ def worker_main(
 ) -> None:
     """Load (peer first), report, then keep serving until ``stop`` is set or time runs out.
 
-    ``fault``: ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
+    ``fault``: ``kill_member_1_on_share`` SIGKILLs member 1 of a cooperative download
+    once it read its share; ``corrupt_member_1_share`` makes it serve one wrong byte of
+    its part. ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
     broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
     byte of the first step of every send on the wire, ``corrupt_send_last`` of the last
     step (tests/faults.py). ``adopt_as``: instead of
@@ -80,6 +82,11 @@ def worker_main(
     loading (everything else is ready, so the load starts the moment it is set).
     """
     import faulthandler
+    import logging
+    import sys
+
+    if os.environ.get("NB_TEST_LOG"):  # a worker's log lines on stderr, for debugging a test
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"{role} %(name)s %(message)s")
 
     # If a worker ever hangs, its stacks reach the test's captured stderr.
     faulthandler.dump_traceback_later(40, exit=True)
@@ -146,7 +153,26 @@ def _install_fault(fault: str) -> None:
     from nccl_back.load import asking, storage
     from nccl_back.transport import send as sender  # the send path holders (and relays) share
 
-    if fault == "kill_mid_send":
+    if fault in ("kill_member_1_on_share", "corrupt_member_1_share"):
+        from nccl_back.load import cooperative
+        from nccl_back.transport.parts import parts
+
+        orig_share = cooperative.read_share
+
+        def share(*a: Any, **k: Any) -> Any:
+            got = orig_share(*a, **k)
+            if a[5] == 1:  # member 1 of a cooperative download (the elected worker is 0)
+                if fault == "kill_member_1_on_share":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                steps, tensors = a[3], a[6]
+                first = steps[parts(steps, a[4])[1][0]]  # the first step of its own part
+                slot = first.slots[0]
+                at = slot.offset if first.direct else 0
+                tensors[slot.name].view(-1).view(torch.uint8)[at] ^= 0xFF  # serves one wrong byte
+            return got
+
+        cooperative.read_share = share  # type: ignore[assignment]
+    elif fault == "kill_mid_send":
         orig_send = sender.send_tensors
 
         def send(transport: Any, *a: Any, **k: Any) -> Any:

@@ -17,17 +17,19 @@ A waiter gives up after ``Settings.single_flight_wait`` unless the elected downl
 is still alive (its lease is still being renewed): then it keeps waiting, up to
 ``Settings.single_flight_max_wait``, because a large model can take longer.
 
-Every waiting worker's rank 0 also enters the version's download group as it starts to
-wait (:meth:`DownloadLease.join`), so the one elected knows who waits with it
+Every waiting worker that can read a share (``cooperate``: one rank, the checkpoint's
+own tensors) has its rank 0 enter the version's download group as it starts to wait (:meth:`DownloadLease.join`), so the one elected knows who waits with it
 (:meth:`DownloadLease.group`): the workers a cooperative download splits the
 checkpoint among. With ``Settings.download_group_window`` set, the elected worker
 waits that long for arrivals, then names the members in a roster
 (:meth:`DownloadLease.name_members`: itself first, then the group in arrival order, at
 most ``MAX_PARTS``); each waiter's rank 0 reads it at its polls until a roster of the
 lease's holder is there (:meth:`DownloadLease.roster`) and keeps its member number in
-:attr:`DownloadLease.member`. Rank 0's code carries that number in every later poll, so
-the wait's last collective tells every rank of the worker (:attr:`Election.member`). A
-waiter not named (late, or past ``MAX_PARTS``) is a receiver as before.
+:attr:`DownloadLease.member`. Rank 0's code carries that number, so that poll's
+collective tells every rank of the worker and the wait ends as ``"member"``
+(:attr:`Election.member`): the worker reads and serves its share, then waits again,
+for the stream, without the roster. A waiter not named (late, or past ``MAX_PARTS``) is
+a receiver as before. Only a worker that can read a share takes part (``cooperate``).
 
 The lease itself (key, signing, take-over, compare-and-set renewal) is a record family
 of the registry (:mod:`.leases`); this module holds the policy: who tries it, how long
@@ -53,7 +55,7 @@ from nccl_back.transport_kinds import MAX_PARTS
 
 log = get_logger("nccl_back.coord.election")
 
-Outcome = Literal["peer", "elected", "timeout", "error"]
+Outcome = Literal["peer", "elected", "member", "timeout", "error"]
 
 # Per-rank bits of one poll's code.
 _SEES_PEER = 1
@@ -183,15 +185,16 @@ class Election:
 
     outcome: Outcome
     """``"peer"`` (every rank sees a peer), ``"elected"`` (rank 0 holds the lease: this
-    worker downloads), ``"timeout"`` (nobody published in time: download too) or
-    ``"error"`` (a rank could not poll)."""
+    worker downloads), ``"member"`` (the elected worker's roster named this one: it reads
+    and serves its share, then waits on), ``"timeout"`` (nobody published in time:
+    download too) or ``"error"`` (a rank could not poll)."""
     rank: int | None = None
     """The rank that decided it: 0 when elected or timed out, the failing rank on error."""
     error: NcclBackError | None = None
     """On the rank that could not poll, its error; None on the others."""
     member: tuple[int, int] | None = None
-    """With a peer found: ``(i, n)`` when the roster of the worker holding the lease
-    named this worker member ``i`` of ``n``, as rank 0 read it; None when not named."""
+    """``(i, n)`` with ``"member"``: the roster of the worker holding the lease named this
+    worker member ``i`` of ``n``, as rank 0 read it."""
 
 
 def elect(
@@ -202,6 +205,7 @@ def elect(
     settings: Settings,
     *,
     lease_after: float = 0.0,
+    cooperate: bool = False,
 ) -> Election:
     """Wait, as a group, until every rank sees a peer or rank 0 wins ``lease``.
 
@@ -209,7 +213,10 @@ def elect(
     returns the same :class:`Election` (but for ``error``, kept where it was raised).
     ``lease_after``: seconds rank 0 waits before it tries the lease (holders exist but
     their ground truth is missing: they re-publish it within a heartbeat, and a download
-    then would be one storage read too many).
+    then would be one storage read too many). ``cooperate``: this worker can read a share
+    of a cooperative download, so rank 0 joins the download group and (with
+    ``download_group_window``) reads the roster, and the wait ends as ``"member"`` once
+    it names this worker.
     """
     start = _clock.monotonic()
     joined = False
@@ -217,7 +224,7 @@ def elect(
         code = 0
         error: NcclBackError | None = None
         try:
-            if rank == 0 and lease is not None and not joined:
+            if rank == 0 and lease is not None and cooperate and not joined:
                 lease.join()
                 joined = True
             if sees_peer():
@@ -227,9 +234,9 @@ def elect(
                     code |= _ELECTED
                 elif _give_up(lease, _clock.monotonic() - start, settings):
                     code |= _GIVE_UP
-                elif settings.download_group_window > 0:
+                elif cooperate and settings.download_group_window > 0:
                     lease.read_roster()
-            if rank == 0 and lease is not None and lease.member is not None:
+            if rank == 0 and lease is not None and cooperate and lease.member is not None:
                 i, n = lease.member
                 code |= i << _MEMBER_I | n << _MEMBER_N
         except NcclBackError as e:
@@ -238,10 +245,15 @@ def elect(
         failed = [r for r, c in enumerate(codes) if c & _FAILED]
         if failed:
             return Election("error", failed[0], error)
+        member = _member(codes[0])
+        if member is not None:
+            # Before "peer": the elected worker's stream is announced as it names the
+            # members, and it waits for their shares.
+            return Election("member", 0, member=member)
         if all(c & _SEES_PEER for c in codes):
             if lease is not None and lease.held:
                 lease.release()  # a peer is there after all: let nobody wait on us
-            return Election("peer", member=_member(codes[0]))
+            return Election("peer")
         if codes[0] & _ELECTED:
             return Election("elected", 0)
         if codes[0] & _GIVE_UP:

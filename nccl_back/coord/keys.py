@@ -99,6 +99,11 @@ class Keys:
         ``world_size`` ranks, named by the worker elected."""
         return self.key(K.DOWNLOAD_ROSTER.prefix, version, world_size)
 
+    def download_member(self, version: str, rank: int, world_size: int, member: int) -> str:
+        """Where member ``member`` of ``version``'s cooperative download serves its part
+        (one rank's)."""
+        return self.key(K.DOWNLOAD_MEMBER.prefix, version, rank, world_size, member)
+
     # -- relay: cohorts and streamed downloads ----------------------------------------------
 
     def cohort(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:

@@ -15,13 +15,15 @@ an expiry of the longest wait), read in arrival order by whoever is elected: the
 workers that could split the download with it. The roster ``ns:dlr:{v}:{w}``,
 ``{"members": [elected, ...]}``, is who the elected worker named to
 split it; waiters obey it only while its owner holds the lease (a dead owner's roster
-names nobody).
+names nobody). Each member's rank ``r`` then announces where it serves its part, a
+member record at ``ns:dlm:{v}:{r}:{w}:{i}``, which only the elected worker reads (no peer
+entry: nobody else finds a partial holder).
 """
 
 from __future__ import annotations
 
 from nccl_back.coord import schema
-from nccl_back.coord.records import Roster
+from nccl_back.coord.records import Member, Roster
 from nccl_back.coord.store import Raw, SignedStore, ms
 from nccl_back.errors import RecordKind, RegistryError
 
@@ -100,4 +102,18 @@ class LeaseRecords(SignedStore):
         """The roster of ``version``'s cooperative download, or None (also when the value
         there is not to be trusted: skipped with a reason, counted)."""
         got = self.get_signed(self.keys.download_roster(version, world_size), schema.DOWNLOAD_ROSTER)
+        return None if got is None else got[0]
+
+    def announce_download_member(self, version: str, rank: int, world_size: int, member: int,
+                                 record: Member) -> None:
+        """Say where member ``member`` of ``version``'s cooperative download serves its
+        part (this rank's), over whatever was there."""
+        key = self.keys.download_member(version, rank, world_size, member)
+        self.set_signed(key, record.to_dict(), schema.DOWNLOAD_MEMBER)
+
+    def download_member(self, version: str, rank: int, world_size: int, member: int) -> Member | None:
+        """Where member ``member`` serves its part, or None (also when the value there is
+        not to be trusted: skipped with a reason, counted)."""
+        got = self.get_signed(self.keys.download_member(version, rank, world_size, member),
+                              schema.DOWNLOAD_MEMBER)
         return None if got is None else got[0]

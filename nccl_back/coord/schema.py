@@ -216,6 +216,10 @@ DOWNLOAD_ROSTER = KeyKind("dlr", "dlr", ("version", "world"), RecordKind.DOWNLOA
                           lambda s: s.single_flight_max_wait, SMALL,
                           "the members of a cooperative download, named by the worker elected",
                           parse=_plain(records.roster))
+DOWNLOAD_MEMBER = KeyKind("dlm", "dlm", (*_VRW, "member"), RecordKind.DOWNLOAD_MEMBER, S, G,
+                          lambda s: s.single_flight_max_wait, SMALL,
+                          "the relay endpoint a cooperative download's member serves its part from",
+                          parse=_plain(records.member))
 COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), None, H, Signing.NONE,
                  lambda s: s.cohort_window, SMALL, "a cohort's arrival counter and epoch")
 CHAIN = KeyKind("chain", "cohort", (*_VRW, "manifest", "epoch", "chain"), RecordKind.COHORT_MEMBER,
@@ -245,7 +249,7 @@ ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_IND
 #: Every kind of key, in the order of the key schema.
 KINDS: tuple[KeyKind, ...] = (
     PEER, INDEX, GROUND_TRUTH, LAYOUT_RECORD, GROUP, POSITION_TRUTH, CLAIM, REQUEST, LEASE,
-    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, COHORT, CHAIN, STREAM, GONE, HANDSHAKE, RENDEZVOUS, CHECK,
+    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, DOWNLOAD_MEMBER, COHORT, CHAIN, STREAM, GONE, HANDSHAKE, RENDEZVOUS, CHECK,
     ARTIFACT_SET, ARTIFACT_INDEX,
 )
 BY_NAME: dict[str, KeyKind] = {k.name: k for k in KINDS}

@@ -176,9 +176,16 @@ class Attempt:
     checked: PositionCheck | None = None
     """What a check in checkpoint coordinates covered (a reshard's)."""
     lease: DownloadLease | None = None
+    cooperative: bool = False
+    """This rank can take part in a cooperative download (one rank, the checkpoint's own
+    tensors, cohorts on): it joins the download group and may be named a member."""
     member: tuple[int, int] | None = None
     """``(i, n)``: the cooperative download's roster named this worker member ``i`` of
     ``n`` (known on every rank); None when it was not named."""
+    share: relay.Share | None = None
+    """This member's endpoint serving its part (ended when the load ends)."""
+    roster: list[str] | None = None
+    """The members this worker, elected, named (itself first); None without a roster."""
     elected: bool = False
     """This worker was elected to download (single flight): it streams its download."""
     rx: Receiving = field(default_factory=Receiving)

@@ -50,6 +50,7 @@ from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import ManifestMismatchError, NcclBackError
 from nccl_back.load import reshard
 from nccl_back.load.attempt import Attempt, Target, Worker
+from nccl_back.load.cooperative import serve_share
 from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
 from nccl_back.load.ranged import RangedLoader
@@ -154,9 +155,15 @@ class WeightService:
         a = Attempt(model, spec, group, rank, world,
                     log=self._log.bind(rank=rank, version=spec.version[:12]), start=_clock.perf(),
                     sharding=sharding)
+        # A share is read by tensor names of the checkpoint, one rank at a time (ranks'
+        # proofs are not combined yet), and served through a relay endpoint.
+        a.cooperative = (world == 1 and sharding is None and self._storage_loader is load_checkpoint
+                         and self._cohorts.enabled)
         try:
             return self._run_phases(a)
         finally:
+            if a.share is not None:
+                a.share.end(True)
             if a.lease is not None:
                 a.lease.release()
 
@@ -286,7 +293,12 @@ class WeightService:
         return RangedLoader(sh, a.group)
 
     def _elect(self, a: Attempt) -> Decision:
-        single_flight(self._worker, a)
+        flight = single_flight(self._worker, a)
+        if flight.outcome == "member":
+            # Named in the elected worker's roster: read and serve the share, then wait,
+            # as any waiter, for its stream.
+            serve_share(self._worker, a)
+            single_flight(self._worker, a)
         return agree(a, "single flight")
 
     def _receive(self, a: Attempt) -> Decision:

@@ -40,16 +40,22 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
     # holder would have re-published (within peer_ttl, or it counts as dead). The
     # single flight still holds: one of the waiters takes the lease.
     after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
-    result = elect(a.lease, lambda: sees_peer(worker, a), a.group, a.rank, s, lease_after=after)
+    # A member waits again after serving its share: for the stream, not a second roster.
+    cooperate = a.cooperative and a.member is None
+    result = elect(a.lease, lambda: sees_peer(worker, a), a.group, a.rank, s, lease_after=after,
+                   cooperate=cooperate)
     outcome, error = result.outcome, result.error
     flight = Flight(outcome, round(_clock.monotonic() - started, 3))
-    if outcome == "peer":
+    if outcome == "member":
         a.member = result.member
+        a.log.info("download_member_named", waited=flight.waited, member=a.member)
+    elif outcome == "peer":
         a.log.info("single_flight_peer_appeared", waited=flight.waited)
         with caught(a, "discover"):
             a.discovered(discover(worker, a))
     elif outcome == "elected":
-        a.log.info("single_flight_elected", waited=flight.waited, group=_members(a, s.download_group_window))
+        a.log.info("single_flight_elected", waited=flight.waited,
+                   group=_members(a, s.download_group_window if cooperate else 0.0))
         a.elected = True
         if isinstance(a.reason, NobodyHolds):
             # Same class: "nobody trusted" keeps its own fallback reason.
@@ -74,13 +80,16 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
 
 def _members(a: Attempt, window: float) -> list[str] | None:
     """Rank 0, holding the lease: with a ``window``, name the cooperative download's
-    members after waiting it out (the roster waiters read); else who waits with it.
-    Returned for the log; None on the other ranks or when Redis cannot say (the
-    download goes on without a roster)."""
+    members after waiting it out (the roster waiters read, kept in ``a.roster``); else
+    who waits with it. Returned for the log; None on the other ranks or when Redis
+    cannot say (the download goes on without a roster)."""
     if a.lease is None or not a.lease.held:
         return None
     try:
-        return a.lease.name_members(window) if window > 0 else a.lease.group()
+        if window > 0:
+            a.roster = a.lease.name_members(window)
+            return a.roster
+        return a.lease.group()
     except NcclBackError as e:
         a.log.warning("download_group_unread", error=str(e))
         return None

@@ -16,6 +16,7 @@ from nccl_back.config import Settings
 from nccl_back.coord.consensus import gather
 from nccl_back.errors import fallback_reason
 from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
+from nccl_back.load.cooperative import gather_parts
 from nccl_back.load.publish import publish_stored
 from nccl_back.load.verifier import Basis
 from nccl_back.load.vote import OK, agree, caught
@@ -84,15 +85,24 @@ def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
 def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stream: relay.Stream | None) -> StorageLoad:
     s = worker.settings
     t = _clock.perf()
-    if stream is not None:
+    if stream is not None and a.roster is not None and len(a.roster) > 1:
+        got = gather_parts(worker, a, len(a.roster))
+        stream.loaded()
+        a.log.info("download_gathered", members=len(a.roster), read_for=list(got.read_for),
+                   bytes=got.bytes)
+        nbytes = got.bytes
+    elif stream is not None:
         result = load_checkpoint(a.model, a.spec, s, on_filled=stream.filled)
         stream.loaded()
+        nbytes = result.bytes
+        a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
     else:
         result = loader(a.model, a.spec, s)
+        nbytes = result.bytes
+        a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
     a.timings["storage"] = _clock.perf() - t
-    a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
     t = _clock.perf()
     hashes = worker.verifier.layer_truth(a.model)
     a.timings["hash"] = _clock.perf() - t
     a.basis = Basis.STORAGE
-    return StorageLoad(result.bytes, hashes)
+    return StorageLoad(nbytes, hashes)

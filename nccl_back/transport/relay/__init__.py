@@ -60,7 +60,7 @@ liveness handshake.
 """
 
 from nccl_back.coord.records import Member
-from nccl_back.transport.relay.chain import Chain, Endpoints, Replica, Stream, join, stream
+from nccl_back.transport.relay.chain import Chain, Endpoints, Replica, Share, Stream, join, stream
 from nccl_back.transport.relay.receive import Cohorts, DamagedBytes, Sender
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
@@ -91,6 +91,7 @@ __all__ = [
     "STREAM_SENDS",
     "Seat",
     "Sender",
+    "Share",
     "Stream",
     "join",
     "stream",

@@ -1,4 +1,5 @@
-"""Cohort membership: a member's seat, its upstreams, and a streamed download's endpoint."""
+"""Cohort membership: a member's seat, its upstreams, a streamed download's endpoint, and
+a cooperative download member's endpoint for its part."""
 
 from __future__ import annotations
 
@@ -187,3 +188,42 @@ def stream(p: Endpoints) -> Stream:
     steps = plan(tensors, p.settings.bucket_for(p.replica.kind, payload_bytes(tensors)))
     p.log.info("download_streamed", member=server.member.member_id, steps=len(steps))
     return Stream(p.registry, server, steps, p.replica.key)
+
+
+class Share:
+    """A cooperative download member's relay endpoint for one rank: it serves part ``i``
+    of the plan to the elected worker, each step once the member's share read put it in
+    place (announced only where the elected worker looks: no peer entry)."""
+
+    def __init__(self, server: RelayServer) -> None:
+        self.server = server
+
+    @property
+    def member(self) -> Member:
+        return self.server.member
+
+    def placed(self, steps: list[int]) -> None:
+        """These steps of the part are in the member's tensors: they may go out."""
+        for k in steps:
+            self.server.progress.advance(k)
+
+    def end(self, ok: bool, reason: str = "") -> None:
+        """The member's load ended; failed (or its share unread): requests are refused."""
+        self.server.end(ok, reason)
+
+
+def share(p: Endpoints, member: int) -> Share:
+    """Start member ``member``'s endpoint for this rank's part and announce it to the
+    elected worker (listening before the record is out). Raises :class:`RegistryError`."""
+    # The elected worker asks at once; the send then waits for the share's read, as a
+    # stream's waits for storage: the same bound.
+    wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
+    server = p.server("share", max_sends=1, send_timeout=wait).start()
+    r = p.replica
+    try:
+        p.registry.announce_download_member(r.version, r.rank, r.world, member, server.member)
+    except RegistryError:
+        server.end(False, "could not announce the share")
+        raise
+    p.log.info("download_share_announced", member=member, endpoint=server.member.member_id)
+    return Share(server)

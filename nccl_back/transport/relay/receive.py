@@ -10,6 +10,7 @@ verification, blame) is the load layer's one source loop
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Collection
 from typing import Any, Protocol, TypeVar
@@ -26,7 +27,16 @@ from nccl_back.errors import (
 from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay.chain import Chain, Endpoints, Replica, Stream, join, stream
+from nccl_back.transport.relay.chain import (
+    Chain,
+    Endpoints,
+    Replica,
+    Share,
+    Stream,
+    join,
+    share,
+    stream,
+)
 from nccl_back.transport.relay.server import RelayServer
 
 
@@ -42,7 +52,7 @@ class DamagedBytes(WeightVerificationError):
         self.blamed = frozenset(blamed)
 
 
-E = TypeVar("E", Chain, Stream)
+E = TypeVar("E", Chain, Stream, Share)
 
 
 class Sender(Protocol):
@@ -99,6 +109,12 @@ class Cohorts:
         """Stream this rank's download to waiting workers' cohorts, or None: cohorts off,
         or the announcement failed (logged)."""
         return self._start(stream, replica, log, "stream_not_announced")
+
+    def open_share(self, replica: Replica, log: Any, member: int) -> Share | None:
+        """Serve this rank's part of a cooperative download as member ``member``, or None:
+        cohorts off, or the announcement failed (logged)."""
+        return self._start(functools.partial(share, member=member), replica, log,
+                           "share_not_announced")
 
     def _start(self, start: Callable[[Endpoints], E], replica: Replica, log: Any,
                failed: str) -> E | None:

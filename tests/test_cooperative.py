@@ -1,0 +1,124 @@
+"""A cooperative first download with real processes: workers that start together for a
+version nobody holds split its download (each reads its share from storage), the
+elected worker gathers the parts, proves every file and streams the whole; every worker
+ends with the checkpoint's exact bytes, verified. A member killed before it serves costs
+its share, not the download."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from groups import CTX
+from test_service import Fleet, _ok
+
+from models import TinyTransformer, fill_random, write_checkpoint
+
+#: Large enough for several steps per part at the fleet's 16 KiB bucket.
+MODEL = {"n_layers": 4, "d": 64}
+COOPERATIVE = {"download_group_window": 1.0, "peer_ttl": 3.0, "redis_timeout": 3.0,
+               "sender_handshake_timeout": 3.0, "single_flight_wait": 60.0,
+               "single_flight_max_wait": 90.0, "relay_stall_timeout": 5.0}
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> str:
+    return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=7), tmp_path / "ckpt",
+                                n_shards=2))
+
+
+@pytest.fixture
+def fleet(ckpt: str, redis_url: str, namespace: str, cache_dir: str) -> Any:
+    f = Fleet(ckpt, redis_url, namespace, cache_dir)
+    yield f
+    f.close()
+
+
+def _checkpoint_bytes(ckpt: str) -> int:
+    return sum(p.stat().st_size for p in Path(ckpt).glob("*.safetensors"))
+
+
+def _start_together(fleet: Fleet, n: int, **kwargs: Any) -> list[Any]:
+    go = CTX.Event()
+    procs = [fleet.start(f"w{i}", settings=COOPERATIVE, go=go, serve_for=30, model_kwargs=MODEL, **kwargs)
+             for i in range(n)]
+    time.sleep(3.0)  # every worker built its skeleton and waits for go
+    go.set()
+    return procs
+
+
+@pytest.mark.timeout(180)
+def test_three_workers_split_the_first_download_and_all_hold_the_verified_checkpoint(
+        fleet: Fleet, ckpt: str) -> None:
+    """Three workers started together: one elected, two members reading their shares;
+    the elected worker read about a third of the checkpoint from storage, every worker
+    holds its exact bytes, verified."""
+    _start_together(fleet, 3)
+    reports = [_ok(fleet.report(120)) for _ in range(3)]
+    sources = sorted(r["source"] for r in reports)
+    assert sources == ["peer", "peer", "storage"], reports
+    elected = next(r for r in reports if r["source"] == "storage")
+    members = [r for r in reports if r["source"] == "peer"]
+    # Every member read its share (its timings say how long).
+    assert all("share" in r["timings"] for r in members), members
+    # The elected worker read its own share plus the bytes no tensor holds: not the whole.
+    assert elected["bytes"] < 0.6 * _checkpoint_bytes(ckpt), elected
+
+
+@pytest.mark.timeout(180)
+def test_a_member_killed_before_it_serves_costs_its_share_not_the_download(
+        fleet: Fleet, ckpt: str) -> None:
+    """One member SIGKILLed as it reads its share: the elected worker reads that share
+    itself after the stall bound, and the others still end verified."""
+    procs = _start_together(fleet, 3, fault="kill_member_1_on_share")
+    reports = []
+    deadline = time.monotonic() + 150
+    while len(reports) < 2 and time.monotonic() < deadline:
+        r = fleet.report(max(deadline - time.monotonic(), 1))
+        reports.append(r)
+    assert len(reports) == 2, reports
+    for r in reports:
+        _ok(r)
+    assert sum(1 for p in procs if p.exitcode == -signal.SIGKILL) == 1, [p.exitcode for p in procs]
+    assert os.path.exists(ckpt)
+
+
+@pytest.mark.timeout(180)
+def test_a_member_serving_a_wrong_byte_is_blamed_and_its_share_read_again(fleet: Fleet) -> None:
+    """Member 1 serves one altered byte of its part: the elected worker's proof fails on
+    that file, blames member 1, reads its share of the file again, and every worker
+    (member 1 too, from the stream) ends with the checkpoint's exact bytes, verified."""
+    _start_together(fleet, 3, fault="corrupt_member_1_share")
+    reports = [_ok(fleet.report(120)) for _ in range(3)]
+    assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports
+
+
+@pytest.mark.timeout(180)
+def test_a_late_arrival_is_no_member_and_receives_the_whole(fleet: Fleet, ckpt: str) -> None:
+    """A worker arriving after the roster was named is not a member (it reads nothing
+    from storage) and receives the whole from the fan-out, verified like the others."""
+    _start_together(fleet, 2)
+    time.sleep(2.5)  # past the window: the roster is named
+    fleet.start("late", settings=COOPERATIVE, serve_for=30, model_kwargs=MODEL)
+    reports = [_ok(fleet.report(120)) for _ in range(3)]
+    late = next(r for r in reports if r["role"] == "late")
+    assert late["source"] == "peer" and "share" not in late["timings"], late
+    assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports
+
+
+@pytest.mark.timeout(180)
+def test_members_with_different_send_caps_all_end_verified(fleet: Fleet) -> None:
+    """One member's link capped at 1 MB/s, the others' not: the elected worker waits for
+    the slow part (it makes progress, so no stall bound fires) and nobody falls back."""
+    go = CTX.Event()
+    for i, cap in enumerate((0.0, 0.001, 0.0)):
+        fleet.start(f"w{i}", settings={**COOPERATIVE, "max_send_gbps": cap}, go=go, serve_for=30,
+                    model_kwargs=MODEL)
+    time.sleep(3.0)
+    go.set()
+    reports = [_ok(fleet.report(120)) for _ in range(3)]
+    assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports

@@ -10,6 +10,10 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
 * ``warm``: one warm peer, loaded and serving before the N workers start;
 * ``single_flight``: no peer; one worker is elected to download, the others receive
   from peers as they appear (a worker that received serves too: the fleet fans out).
+* ``cooperative``: ``single_flight`` with ``download_group_window`` (``--group-window``):
+  the workers waiting together each read one share from storage, the elected worker
+  gathers and proves the parts, then streams the whole (``load/cooperative.py``); with
+  ``--own-links`` each worker reaches storage through its own capped link.
 * ``warm_tree`` / ``single_flight_tree``: the same without cohorts
   (``cohort_max_size=1``): every receiver takes a whole copy from a holder and serves
   once it holds the weights, the binomial tree of ⌈log2(N+1)⌉ rounds.
@@ -75,7 +79,7 @@ from nccl_back.dev.servers import LocalRedis
 from nccl_back.model.identity import ModelSpec
 
 SCENARIOS = ("storage", "warm", "warm_whole", "warm_kill", "warm_tree", "single_flight",
-             "single_flight_tree")
+             "single_flight_tree", "cooperative")
 BUCKET = "cold-start-bench"
 PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
 #: The warm peers' worker names start with this (``warm``, ``warm1``, ...; their peer
@@ -238,6 +242,8 @@ class Bench:
         self.redis = LocalRedis().start()
         self.gcs = LocalGCS().start()
         self.proxy: Any = None
+        self.links: list[Any] = []
+        """With ``--own-links``: one capped proxy per worker (its own link to the bucket)."""
         self.procs: list[Any] = []
         self.kill_after = 1.0
         """Seconds after the release at which ``warm_kill`` kills its victim."""
@@ -253,7 +259,16 @@ class Bench:
         spec = ModelSpec.from_dir(f"gs://{BUCKET}/model")
         # Uploads are done: the objects are immutable from here on, so the proxy may cache.
         self.proxy = throttle.serve(self.gcs.host, self.args.storage_gbps, cache=True)
+        if self.args.own_links:
+            cache = throttle.GetCache()
+            self.links = [throttle.serve(self.gcs.host, self.args.storage_gbps, cache=cache)
+                          for _ in range(max(self.args.sizes))]
         return spec
+
+    def storage_host(self, i: int) -> str:
+        """Where worker ``i`` reaches the bucket: its own link, or the shared one."""
+        proxy = self.links[i] if self.links else self.proxy
+        return f"http://127.0.0.1:{proxy.server_address[1]}"
 
     @property
     def proxy_host(self) -> str:
@@ -265,7 +280,8 @@ class Bench:
                      cache_dir=os.path.join(self.tmp, "cache"),
                      max_send_gbps=self.args.link_gbps,
                      cohort_max_size=1 if scenario.endswith("_tree") else Settings().cohort_max_size,
-                     holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts)
+                     holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts,
+                     download_group_window=self.args.group_window if scenario == "cooperative" else 0.0)
         return json.dumps({k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def spawn(self, name: str, settings: str, spec: ModelSpec, storage_host: str,
@@ -302,7 +318,7 @@ class Bench:
             conns = [
                 self.spawn(f"{scenario}-{n}-w{i}",
                            self.settings(f"{ns}-{i}" if scenario == "storage" else ns, scenario),
-                           spec, self.proxy_host, go, go_wall, stop, delay=i * self.args.stagger)
+                           spec, self.storage_host(i), go, go_wall, stop, delay=i * self.args.stagger)
                 for i in range(n)
             ]
             for msg in _collect(conns, 1, deadline):
@@ -460,6 +476,11 @@ def goals(summary: list[dict[str, Any]], holders: int = 1) -> list[dict[str, Any
                     "ratio": None if below is None else below / med["warm", 1],
                     "others_ratio": None if k["others_max_s"] is None else k["others_max_s"] / med["warm", 1],
                     "pass": below is not None and below <= bound and k["victim_killed_while_loading"]})
+    for n, bound in ((4, 0.35), (8, 0.2), (16, 0.12)):
+        if ("cooperative", n) in med and ("single_flight", 1) in med:
+            ratio = med["cooperative", n] / med["single_flight", 1]
+            out.append({"goal": f"cooperative: median at N={n} <= {bound} x one download"
+                                " (single_flight N=1)", "ratio": ratio, "pass": ratio <= bound})
     for scenario in ("warm_tree", "single_flight_tree"):
         if (scenario, lo) in med and (scenario, hi) in med:
             out.append({"goal": f"{scenario} (old design, for comparison): N={hi} / N={lo}",
@@ -523,7 +544,8 @@ def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
               "warm_kill": "one warm peer, a receiver killed mid-transfer",
               "warm_tree": "one warm peer, binomial tree (old)",
               "single_flight": "single flight, streamed relay chain",
-              "single_flight_tree": "single flight, binomial tree (old)"}
+              "single_flight_tree": "single flight, binomial tree (old)",
+              "cooperative": "cooperative first download"}
     for scenario in SCENARIOS:
         pts = [s for s in summary if s["scenario"] == scenario]
         if not pts:
@@ -558,7 +580,7 @@ def main() -> int:
     p.add_argument("--max-storage-n", type=int, default=1 << 30,
                    help="storage-only scenario only up to this N (it is linear and slow)")
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS,
-                   default=[s for s in SCENARIOS if s != "warm_whole"])
+                   default=[s for s in SCENARIOS if s not in ("warm_whole", "cooperative")])
     p.add_argument("--repeat", type=int, default=2,
                    help="rounds per (scenario, N); medians are over all their workers")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per round")
@@ -575,6 +597,12 @@ def main() -> int:
     p.add_argument("--kill-at", type=float, default=0.4,
                    help="warm_kill: kill its victim this fraction of the warm N=1 median after the"
                         " release (warm runs first)")
+    p.add_argument("--own-links", action="store_true",
+                   help="each worker reaches storage through its own link capped at --storage-gbps"
+                        " (a worker's own connection to the bucket), not one shared link")
+    p.add_argument("--group-window", type=float, default=0.5,
+                   help="cooperative: download_group_window, seconds the elected worker waits"
+                        " for the others before naming the members")
     p.add_argument("--out", default="benchmarks/out", help="directory for the JSON and CSV")
     p.add_argument("--png", default="benchmarks/cold_start.png")
     args = p.parse_args()

@@ -10,6 +10,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,12 @@ class Fleet:
                     self.readers.remove(conn)
 
     def close(self) -> None:
-        self.stop.set()
+        # A worker SIGKILLed (or stopped) inside ``stop.is_set()`` holds the event's lock
+        # for good, and set() would block forever: set it from a thread, wait a bounded
+        # time, then kill whoever is left.
+        setter = threading.Thread(target=self.stop.set, daemon=True)
+        setter.start()
+        setter.join(5)
         for p in self.procs:
             p.join(10)
             if p.is_alive():

@@ -51,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from nccl_back.dev.demo import write_example_model
+    from nccl_back.dev.example import write_example_model
 
     with tempfile.TemporaryDirectory() as tmp, LocalRedis() as redis:
         ckpt = Path(tmp) / "ckpt"

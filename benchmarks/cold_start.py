@@ -73,7 +73,7 @@ from typing import Any
 
 from nccl_back.config import Settings
 from nccl_back.dev import throttle
-from nccl_back.dev.demo import write_example_model
+from nccl_back.dev.example import write_example_model
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.model.identity import ModelSpec

@@ -1,7 +1,7 @@
 """Benchmark: vLLM engines resharding between TP=1 and TP=2 vs a same-layout peer load.
 
 One run, one Llama-shaped checkpoint (``--model-mb``, bf16;
-``nccl_back.dev.demo.write_example_model``), real vLLM engines (the CPU build), one at a
+``nccl_back.dev.example.write_example_model``), real vLLM engines (the CPU build), one at a
 time, each a separate process (``tests/vllm/engine.py``):
 
 1. ``h1`` (TP=1): the first engine, vLLM's default loader (storage); it serves.
@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm_start import engine_env  # benchmarks/vllm_start.py: the same engines' environment
 
-from nccl_back.dev.demo import write_example_model
+from nccl_back.dev.example import write_example_model
 from nccl_back.dev.servers import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ Real vLLM OpenAI-compatible servers (the CPU build; its API process and engine c
 each with its own ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR``
 (inductor's precompiled headers live there), compiling (no ``--enforce-eager``), a fleet secret set, one
 after the other on one Llama-shaped checkpoint (``--model-mb``;
-``nccl_back.dev.demo.write_example_model``). For each: seconds from the process launch
+``nccl_back.dev.example.write_example_model``). For each: seconds from the process launch
 to ``GET /health`` answering 200, and to the first completion (``POST /v1/completions``,
 a token-id prompt, one greedy token). Servers:
 
@@ -44,7 +44,7 @@ from typing import Any
 
 from vllm_start import ROOT, engine_env, marks
 
-from nccl_back.dev.demo import write_example_model
+from nccl_back.dev.example import write_example_model
 from nccl_back.dev.servers import LocalRedis
 
 PROMPT = [1, 17, 42, 99, 7]

@@ -1,7 +1,7 @@
 """Benchmark: vLLM engine start with ``--load-format nccl_back`` from a live peer vs ``auto``.
 
 One run, one Llama-shaped checkpoint (``--model-mb``, default 1024 MiB, bf16, 24 layers,
-4 shards; ``nccl_back.dev.demo.write_example_model``), real vLLM engines (the CPU build),
+4 shards; ``nccl_back.dev.example.write_example_model``), real vLLM engines (the CPU build),
 one at a time, each a separate process (``tests/vllm/engine.py``):
 
 1. ``auto_cold``: ``--load-format auto`` with the checkpoint's pages evicted from the
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nccl_back.dev.demo import write_example_model
+from nccl_back.dev.example import write_example_model
 from nccl_back.dev.servers import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]

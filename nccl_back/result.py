@@ -27,6 +27,13 @@ class LoadResult:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase, e.g. ``download``, ``copy``, ``discovery``, ``handshake``,
     ``transfer``, ``verify``."""
+    storage_bytes: int = 0
+    """Bytes this rank read from storage: ``bytes`` for a download; a cooperative
+    download member's share (its source is ``"peer"``: the whole came from the stream);
+    0 from a peer otherwise."""
+    peer_bytes: int = 0
+    """Bytes this rank received from peers: ``bytes`` for a peer load; for the worker
+    that gathered a cooperative download, the parts its members sent it."""
 
     @property
     def gbps(self) -> float:

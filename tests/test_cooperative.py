@@ -67,6 +67,13 @@ def test_three_workers_split_the_first_download_and_all_hold_the_verified_checkp
     assert all("share" in r["timings"] for r in members), members
     # The elected worker read its own share plus the bytes no tensor holds: not the whole.
     assert elected["bytes"] < 0.6 * _checkpoint_bytes(ckpt), elected
+    # Storage read the checkpoint once in all (each member's header read aside), and
+    # each worker says what it read and what it received.
+    read = sum(r["storage_bytes"] for r in reports)
+    assert _checkpoint_bytes(ckpt) <= read < 1.05 * _checkpoint_bytes(ckpt), reports
+    assert all(0 < m["storage_bytes"] < 0.5 * _checkpoint_bytes(ckpt) for m in members), members
+    assert all(m["peer_bytes"] == m["bytes"] for m in members), members
+    assert 0.5 * _checkpoint_bytes(ckpt) < elected["peer_bytes"] < 0.8 * _checkpoint_bytes(ckpt), elected
 
 
 @pytest.mark.timeout(180)
@@ -122,3 +129,24 @@ def test_members_with_different_send_caps_all_end_verified(fleet: Fleet) -> None
     go.set()
     reports = [_ok(fleet.report(120)) for _ in range(3)]
     assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["kill_member_1_mid_share", "stop_member_1_mid_share"])
+def test_a_member_lost_mid_transfer_costs_its_share_not_the_download(
+        fleet: Fleet, ckpt: str, fault: str) -> None:
+    """Member 1 SIGKILLed, or SIGSTOPped (silent, as a partition looks), at the third
+    step of its part's send: the elected worker's pull fails (reset) or stalls past its
+    bound, it reads that share itself, and the other two end verified; storage read
+    about the checkpoint once (the lost share twice at most)."""
+    procs = _start_together(fleet, 3, fault=fault)
+    reports = [_ok(fleet.report(150)) for _ in range(2)]
+    assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
+    elected = next(r for r in reports if r["source"] == "storage")
+    # Its own third and member 1's, not the whole: member 2's part came from member 2.
+    assert 0.5 * _checkpoint_bytes(ckpt) < elected["bytes"] < 0.9 * _checkpoint_bytes(ckpt), elected
+    lost = [p for p in procs if p.pid not in {r["pid"] for r in reports}]
+    assert len(lost) == 1, [p.exitcode for p in procs]
+    if fault == "kill_member_1_mid_share":
+        lost[0].join(5)
+        assert lost[0].exitcode == -signal.SIGKILL

@@ -41,6 +41,14 @@ def test_demo_first_worker_loads_from_storage_the_others_from_peers() -> None:
     assert phases[1].split()[:6] == ["worker", "skeleton", "discovery", "handshake", "transfer",
                                      "verify"], proc.stdout
     assert [line.split()[0] for line in phases[2:5]] == ["worker-0", "worker-1", "worker-2"]
+    # The brand-new version's round: three fresh workers split its download; each row
+    # says what that worker read from storage (on its own link) and got from peers.
+    new = proc.stdout.split("nobody holds it")[1]
+    rows = [line.split() for line in new.splitlines() if line.startswith("new-")][:3]
+    assert sorted(r[1] for r in rows) == ["peer", "peer", "storage"], proc.stdout
+    assert all(r[6] == "yes" and float(r[3]) > 0 and int(r[4]) > 0 and float(r[5]) > 0
+               for r in rows), proc.stdout
+    assert "split download: storage served" in new, proc.stdout
 
 
 @pytest.mark.timeout(60)

@@ -73,7 +73,8 @@ def worker_main(
 
     ``fault``: ``kill_member_1_on_share`` SIGKILLs member 1 of a cooperative download
     once it read its share; ``corrupt_member_1_share`` makes it serve one wrong byte of
-    its part. ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
+    its part; ``kill_member_1_mid_share`` / ``stop_member_1_mid_share`` SIGKILL /
+    SIGSTOP it at the third step of its part's send. ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
     broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
     byte of the first step of every send on the wire, ``corrupt_send_last`` of the last
     step (tests/faults.py). ``adopt_as``: instead of
@@ -114,6 +115,7 @@ def worker_main(
                 "peer_id": result.peer_id, "fallback_reason": result.fallback_reason,
                 "verified": result.verified, "identical": matches_checkpoint(model, ckpt),
                 "seconds": result.seconds, "bytes": result.bytes,
+                "storage_bytes": result.storage_bytes, "peer_bytes": result.peer_bytes,
                 "worker_id": svc.worker_id, "timings": result.timings,
             })
             faulthandler.cancel_dump_traceback_later()
@@ -153,7 +155,30 @@ def _install_fault(fault: str) -> None:
     from nccl_back.load import asking, storage
     from nccl_back.transport import send as sender  # the send path holders (and relays) share
 
-    if fault in ("kill_member_1_on_share", "corrupt_member_1_share"):
+    if fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
+        from nccl_back.load import cooperative as coop
+
+        orig_read = coop.read_share
+        named: list[bool] = []
+
+        def read(*a: Any, **k: Any) -> Any:
+            if a[5] == 1:  # member 1 of a cooperative download
+                named.append(True)
+            return orig_read(*a, **k)
+
+        orig_part = sender.send_tensors
+
+        def send_part(transport: Any, *a: Any, **k: Any) -> Any:
+            # Member 1's first send is its part to the elected worker: stop at step 3.
+            if named and k.get("part") is not None:
+                named.clear()
+                sig = signal.SIGKILL if fault == "kill_member_1_mid_share" else signal.SIGSTOP
+                return orig_part(_KillAfter(transport, 3, sig), *a, **k)
+            return orig_part(transport, *a, **k)
+
+        coop.read_share = read  # type: ignore[assignment]
+        sender.send_tensors = send_part  # type: ignore[assignment]
+    elif fault in ("kill_member_1_on_share", "corrupt_member_1_share"):
         from nccl_back.load import cooperative
         from nccl_back.transport.parts import parts
 

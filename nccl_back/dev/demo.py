@@ -40,124 +40,29 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, NoReturn
-
-import torch
-from safetensors.torch import save_file
 
 from nccl_back.config import Settings
 from nccl_back.coord.registry import Registry
 from nccl_back.dev import throttle
+from nccl_back.dev.example import write_example_model
 from nccl_back.dev.gcs import LocalGCS
-from nccl_back.dev.report import format_comparison, format_phases, format_table
+from nccl_back.dev.report import format_comparison, format_new_version, format_phases, format_table
 from nccl_back.dev.servers import LocalRedis
-from nccl_back.errors import ConfigError, NcclBackError
-from nccl_back.model.checkpoint import INDEX_NAME, flat_skeleton
+from nccl_back.errors import NcclBackError
+from nccl_back.model.checkpoint import flat_skeleton
 from nccl_back.model.identity import ModelSpec
 
 PROG = "python -m nccl_back.dev.demo"
-
-#: Transformer layers of the example model: 9 tensors each, so ~220 tensors in all.
-EXAMPLE_LAYERS = 24
-HEAD_DIM = 64
 
 #: Each demo worker's link to storage, Gbit/s: the low end of the 2-10 Gbit/s per worker
 #: a cloud bucket gives, so the demo never flatters peers.
 STORAGE_GBIT = 2.0
 BUCKET = "nccl-back-demo"
 
-
-
-# -- the example checkpoint -------------------------------------------------------------
-
-
-def example_shapes(model_mb: float, layers: int = EXAMPLE_LAYERS) -> dict[str, tuple[int, ...]]:
-    """Llama-style tensor names and shapes totalling about ``model_mb`` MiB in bfloat16.
-
-    Grouped-query attention (4 query heads per KV head), an 8/3·d gated MLP and untied
-    input/output embeddings, as in real checkpoints: mixed sizes, from d-element norms
-    to the embeddings. The vocabulary (~32·d) absorbs the rounding of ``d``, so the
-    total lands within a few percent of ``model_mb``.
-    """
-    if not (model_mb > 0 and math.isfinite(model_mb)):
-        raise ConfigError(f"model size {model_mb!r} MB: must be a positive number")
-    # Parameters: ~layers·10.5·d² in the layers plus 2·32·d² in the embeddings.
-    params = model_mb * (1 << 20) / 2
-    # Rounding d down leaves the vocabulary room to make up the difference.
-    d = max(HEAD_DIM, int(math.sqrt(params / (layers * 10.5 + 64)) // HEAD_DIM) * HEAD_DIM)
-    kv = max(HEAD_DIM, d // 4)
-    ff = -(-(8 * d // 3) // HEAD_DIM) * HEAD_DIM
-    per_layer = 2 * d * d + 2 * kv * d + 3 * ff * d + 2 * d
-    vocab = max(256, round((params - layers * per_layer - d) / (2 * d)))
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, d)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (d, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, d),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (ff, d),
-            p + "mlp.up_proj.weight": (ff, d),
-            p + "mlp.down_proj.weight": (d, ff),
-        })
-    shapes["model.norm.weight"] = (d,)
-    shapes["lm_head.weight"] = (vocab, d)
-    return shapes
-
-
-def write_example_model(
-    directory: str | Path, model_mb: float, *, shards: int = 4, seed: int = 0
-) -> Path:
-    """Write an example checkpoint: ``config.json``, safetensors shards and their index.
-
-    Values are random (bfloat16, std 0.02; norms 1.0) from ``seed``, so two calls with
-    the same arguments write identical bytes.
-    """
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    shapes = example_shapes(model_mb)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02)
-        .to(torch.bfloat16)
-        for name, shape in shapes.items()
-    }
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    # Contiguous groups of about equal bytes, in name order, as HF's sharding does.
-    per_shard = total / shards
-    groups: list[list[str]] = [[] for _ in range(shards)]
-    weight_map: dict[str, str] = {}
-    done = 0
-    for name in sorted(tensors):
-        groups[min(shards - 1, int(done // per_shard))].append(name)
-        done += tensors[name].numel() * tensors[name].element_size()
-    groups = [g for g in groups if g]
-    for i, group in enumerate(groups):
-        filename = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n] for n in group}, str(out / filename), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(group, filename))
-    d = shapes["model.norm.weight"][0]
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": d,
-        "intermediate_size": shapes["model.layers.0.mlp.up_proj.weight"][0],
-        "num_hidden_layers": EXAMPLE_LAYERS,
-        "num_attention_heads": d // HEAD_DIM,
-        "num_key_value_heads": shapes["model.layers.0.self_attn.k_proj.weight"][0] // HEAD_DIM,
-        "vocab_size": shapes["model.embed_tokens.weight"][0],
-        "torch_dtype": "bfloat16",
-        "nccl_back_example_seed": seed,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / INDEX_NAME).write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
-    return out
+#: Seconds the worker elected for the brand-new version waits for the others before it
+#: names the download's members (they start together: well within it).
+GROUP_WINDOW = 0.2
 
 
 # -- one worker (a child process) -------------------------------------------------------
@@ -166,10 +71,12 @@ def write_example_model(
 def worker_main(
     name: str, settings_json: str, spec_json: str, conn: Connection, stop: Any,
     parent_pid: int, serve_seconds: float, log_level: str, storage_host: str | None = None,
+    together: Any = None,
 ) -> None:
     """Build a skeleton, load (peer first), report one JSON line, serve until ``stop``.
 
     ``storage_host``: this worker's own (throttled) way to the GCS emulator.
+    ``together``: a barrier the workers of a round pass before loading, to start as one.
     """
     # The parent handles Ctrl-C and stops us through ``stop``: no traceback per child.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -187,13 +94,16 @@ def worker_main(
             t = time.perf_counter()
             model = flat_skeleton(spec, "cpu")
             skeleton = time.perf_counter() - t
+            if together is not None:
+                together.wait(serve_seconds)
             result = svc.load(model, spec)
             conn.send_bytes(json.dumps({
                 "worker": name, "worker_id": svc.worker_id, "source": result.source,
                 "peer_id": result.peer_id, "seconds": result.seconds, "bytes": result.bytes,
                 "gbps": result.gbps, "verified": result.verified,
                 "fallback_reason": result.fallback_reason, "skeleton_seconds": skeleton,
-                "timings": result.timings,
+                "timings": result.timings, "storage_bytes": result.storage_bytes,
+                "peer_bytes": result.peer_bytes,
             }).encode())
             # Serve the others until told to stop (or orphaned: never outlive the demo).
             deadline = time.monotonic() + serve_seconds
@@ -270,6 +180,8 @@ class _Worker:
     name: str
     proc: Any
     conn: Connection
+    link: throttle.Proxy | None
+    """Its own link to the emulated bucket (None: real storage)."""
     result: dict[str, Any] = field(default_factory=dict)
 
 
@@ -307,13 +219,15 @@ class Demo:
         finally:
             registry.close()
         if a.model is not None:
-            uri = a.model
-        else:
-            uri = self._upload_example(a.storage_dir or os.path.join(self.tmp, "model"))
+            return settings, ModelSpec.from_dir(a.model, cache_dir=settings.cache_dir)
+        return settings, self.example(settings, a.storage_dir or os.path.join(self.tmp, "model"))
+
+    def example(self, settings: Settings, directory: str, seed: int = 0) -> ModelSpec:
+        """The example model written with ``seed``, uploaded, its bytes in the links' cache."""
+        uri = self._upload_example(directory, seed)
         spec = ModelSpec.from_dir(uri, cache_dir=settings.cache_dir)
-        if self.gcs is not None:
-            self._warm(spec, settings)
-        return settings, spec
+        self._warm(spec, settings)
+        return spec
 
     def _warm(self, spec: ModelSpec, settings: Settings) -> None:
         """Read every shard once into the proxies' shared cache, unthrottled: a bucket
@@ -326,18 +240,23 @@ class Demo:
         for _ in Storage(settings).download_many(spec.shards):
             pass
 
-    def _upload_example(self, directory: str) -> str:
-        """Write the example model and put it in a bucket of a fresh GCS emulator."""
+    def _upload_example(self, directory: str, seed: int) -> str:
+        """Write the example model and put it in a bucket of the GCS emulator (started
+        by the first call)."""
         print(f"writing a {self.args.model_mb:g} MiB example model to {directory} and uploading"
               " it to the GCS emulator ...", flush=True)
-        local = write_example_model(directory, self.args.model_mb)
-        self.gcs = LocalGCS().start()
-        bucket = self.gcs.client().create_bucket(BUCKET)  # sets STORAGE_EMULATOR_HOST here
+        local = write_example_model(directory, self.args.model_mb, seed=seed)
+        if self.gcs is None:
+            self.gcs = LocalGCS().start()
+            self.gcs.client().create_bucket(BUCKET)
+        # The client is made here: it sets STORAGE_EMULATOR_HOST to the emulator itself.
+        bucket = self.gcs.client().bucket(BUCKET)
+        prefix = f"example-{seed}"
         for f in sorted(local.iterdir()):
-            bucket.blob(f"example/{f.name}").upload_from_filename(str(f))
-        return f"gs://{BUCKET}/example"
+            bucket.blob(f"{prefix}/{f.name}").upload_from_filename(str(f))
+        return f"gs://{BUCKET}/{prefix}"
 
-    def storage_host(self) -> str | None:
+    def link(self) -> throttle.Proxy | None:
         """A new throttled way to the emulator (one per worker: its own link), or None."""
         if self.gcs is None:
             return None
@@ -345,20 +264,21 @@ class Demo:
         # so the emulator's one-request-at-a-time server is never the limit, the link is.
         proxy = throttle.serve(self.gcs.host, self.args.storage_gbit / 8, cache=self.cache)
         self.proxies.append(proxy)
-        return f"http://127.0.0.1:{proxy.server_address[1]}"
+        return proxy
 
-    def start(self, name: str, settings: Settings, spec: ModelSpec) -> _Worker:
+    def start(self, name: str, settings: Settings, spec: ModelSpec, together: Any = None) -> _Worker:
         recv, send = self.ctx.Pipe(duplex=False)
         fields = {k: getattr(settings, k) for k in settings.__dataclass_fields__}
+        link = self.link()
+        host = None if link is None else f"http://127.0.0.1:{link.server_address[1]}"
         proc = self.ctx.Process(
             target=worker_main, name=f"nccl-back-demo-{name}", daemon=True,
             args=(name, json.dumps(fields), json.dumps(spec.to_json()), send, self.stop,
-                  os.getpid(), self.args.timeout * 2 + 60, self.args.log_level,
-                  self.storage_host()),
+                  os.getpid(), self.args.timeout * 2 + 60, self.args.log_level, host, together),
         )
         proc.start()
         send.close()
-        worker = _Worker(name, proc, recv)
+        worker = _Worker(name, proc, recv, link)
         self.workers.append(worker)
         return worker
 
@@ -408,13 +328,7 @@ def run(args: argparse.Namespace) -> int:
         demo.wait(rest)
         results = [w.result for w in demo.workers]
         print(format_table(results))
-        if args.phases:
-            print("\nseconds per phase:")
-            print(format_phases(results))
-        failed = [r for r in results if "error" in r or not r["verified"]]
-        for r in failed:
-            if "traceback" in r:
-                print(r["traceback"], file=sys.stderr)
+        failed = _phases_and_failures(results, args.phases)
         peers = sum(r.get("source") == "peer" for r in results)
         print(f"version {spec.version}: {len(results) - len(failed)}/{len(results)} workers "
               f"ready and verified, {peers} from peers")
@@ -423,9 +337,42 @@ def run(args: argparse.Namespace) -> int:
             print(comparison)
         if demo.gcs is None and (args.model is None or not args.model.startswith("gs://")):
             print("(storage here is a local directory in the page cache, faster than any bucket)")
+        if args.model is None and not failed:
+            failed = _new_version(demo, settings, first.result, len(demo.workers))
         return 1 if failed else 0
     finally:
         demo.close()
+
+
+def _new_version(demo: Demo, settings: Settings, download: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """A brand-new version (the example written with another seed), nobody holding it:
+    ``n`` fresh workers started together split its download (a cooperative download).
+    Prints one row per worker with what it read from storage (counted on its own link)
+    and received from peers; returns the failed rows."""
+    spec = demo.example(settings, os.path.join(demo.tmp, "model-new"), seed=1)
+    print(f"\na brand-new version {spec.version}: {n} new workers start together, nobody"
+          " holds it", flush=True)
+    together = demo.ctx.Barrier(n, timeout=demo.args.timeout)
+    group = settings.replace(download_group_window=GROUP_WINDOW)
+    workers = [demo.start(f"new-{i}", group, spec, together) for i in range(n)]
+    demo.wait(workers)
+    results = [{**w.result, "link_bytes": w.link.bucket.taken if w.link is not None else 0,
+                "link_requests": w.link.requests if w.link is not None else 0} for w in workers]
+    rate = download["bytes"] / download["seconds"] if download["seconds"] > 0 else 0.0
+    print(format_new_version(results, spec.nbytes, download["seconds"], rate))
+    return _phases_and_failures(results, demo.args.phases)
+
+
+def _phases_and_failures(results: list[dict[str, Any]], phases: bool) -> list[dict[str, Any]]:
+    """Print a round's phases (``--phases``) and its failures' tracebacks; the failed rows."""
+    if phases:
+        print("\nseconds per phase:")
+        print(format_phases(results))
+    failed = [r for r in results if "error" in r or not r["verified"]]
+    for r in failed:
+        if "traceback" in r:
+            print(r["traceback"], file=sys.stderr)
+    return failed
 
 
 def main(argv: Sequence[str] | None = None) -> int:

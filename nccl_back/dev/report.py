@@ -3,6 +3,7 @@ against the same fleet from storage alone."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,12 +30,14 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         rows.append((r["worker"], r["source"], source_of(r) or "-", f"{r['seconds']:.2f}",
                      f"{r['gbps']:.2f}", "yes" if r["verified"] else "NO",
                      r["fallback_reason"] or "-"))
+    return "\n".join(_table(header, rows))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns; the last one (free text) unpadded."""
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header) - 1)]
-    lines = []
-    for row in (header, *rows):
-        cells = [str(c).ljust(w) for c, w in zip(row, widths, strict=False)]
-        lines.append("  ".join([*cells, str(row[-1])]).rstrip())
-    return "\n".join(lines)
+    return ["  ".join([*(str(c).ljust(w) for c, w in zip(row, widths, strict=False)), str(row[-1])]).rstrip()
+            for row in (header, *rows)]
 
 
 def format_phases(results: Sequence[dict[str, Any]]) -> str:
@@ -79,3 +82,42 @@ def format_comparison(results: Sequence[dict[str, Any]], gbit: float | None) -> 
         f" (computed from the download measured above: every worker has its own link);"
         f" {total * nbytes / 1e9:.2f} GB read from storage",
     ])
+
+
+def format_new_version(results: Sequence[dict[str, Any]], checkpoint_bytes: int, download: float,
+                       link_rate: float) -> str:
+    """The brand-new version's round: one row per worker with the bytes it read from
+    storage (``link_bytes`` in ``link_requests``: counted on its own link) and received
+    from peers, then what
+    storage served in all and how long the fleet took against one download (``download``
+    seconds, measured in the first round: the same size, the same link, which moved
+    ``link_rate`` bytes/s), and what the members' links moved together."""
+    header = ("worker", "source", "seconds", "storage MB", "requests", "peers MB", "verified")
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append((r["worker"], "FAILED", "", "", "", "", r["error"]))
+            continue
+        rows.append((r["worker"], r["source"], f"{r['seconds']:.2f}", f"{r['link_bytes'] / 1e6:.1f}",
+                     str(r["link_requests"]), f"{r['peer_bytes'] / 1e6:.1f}",
+                     "yes" if r["verified"] else "NO"))
+    lines = _table(header, rows)
+    ok = [r for r in results if "error" not in r]
+    if ok and checkpoint_bytes > 0 and download > 0:
+        read = sum(r["link_bytes"] for r in ok)
+        slowest = max(r["seconds"] for r in ok)
+        lines.append(
+            f"split download: storage served {read / 1e6:.1f} MB in all ({read / checkpoint_bytes:.2f}x"
+            f" the {checkpoint_bytes / 1e6:.1f} MB checkpoint); all {len(ok)} ready in {slowest:.2f} s,"
+            f" {slowest / download:.2f}x one download ({download:.2f} s above)")
+        members = [r for r in ok if "share" in r.get("timings", {})]
+        if members and link_rate > 0:
+            together = sum(r["storage_bytes"] for r in members) / max(r["timings"]["share"] for r in members)
+            lines.append(f"the members' links moved {together / 1e6:.0f} MB/s together while they read"
+                         f" (one link alone, above: {link_rate / 1e6:.0f} MB/s)")
+            if together < 1.5 * link_rate:
+                lines.append(f"(here the emulated links and the workers share this machine's"
+                             f" {os.cpu_count()} CPUs, so together the links moved about as much as"
+                             " one or less; a split pays off where each worker's link to the bucket"
+                             " is its own)")
+    return "\n".join(lines).rstrip()

@@ -54,9 +54,12 @@ class TokenBucket:
         self._clock, self._sleep = clock, sleep
         self._tat = 0.0  # when the bytes reserved so far will have been paid for
         self._lock = threading.Lock()
+        self.taken = 0
+        """Bytes taken so far (what went through the link)."""
 
     def take(self, n: int) -> None:
         with self._lock:
+            self.taken += n
             now = self._clock()
             self._tat = max(self._tat, now) + n / self.rate
             wait = self._tat - self.burst / self.rate - now
@@ -115,6 +118,8 @@ def make_handler(
             pass  # one line per request would drown the benchmark's output
 
         def _forward(self) -> None:
+            if isinstance(self.server, Proxy):
+                self.server.requests += 1
             if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
                 self.send_error(501, "chunked request bodies are not supported")
                 return
@@ -189,10 +194,18 @@ def _slice(
                                     ], data[first:end]
 
 
+class Proxy(ThreadingHTTPServer):
+    """A running proxy; ``bucket.taken`` says how many response bytes it sent,
+    ``requests`` how many requests it answered (GETs, listings, metadata)."""
+
+    bucket: TokenBucket
+    requests: int = 0
+
+
 def serve(
     upstream: str, gbps: float, port: int = 0, host: str = "127.0.0.1", *,
     cache: bool | GetCache = False,
-) -> ThreadingHTTPServer:
+) -> Proxy:
     """A started-in-a-thread proxy limited to ``gbps`` GB/s (10^9 bytes/s) in aggregate.
 
     ``cache``: serve repeated GETs from memory (see :class:`GetCache`; immutable data
@@ -201,7 +214,8 @@ def serve(
     # A burst of 0.1 s of bytes lets a sender that the OS scheduled late catch up, so
     # CPU contention does not eat into the configured rate; the long-run rate is exact.
     bucket = TokenBucket(gbps * 1e9, burst=max(PIECE, gbps * 1e9 * BURST_SECONDS))
-    server = ThreadingHTTPServer((host, port), make_handler(upstream, bucket, cache=cache))
+    server = Proxy((host, port), make_handler(upstream, bucket, cache=cache))
+    server.bucket = bucket
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="throttle").start()
     return server

@@ -343,7 +343,7 @@ def _storage_loader(adapter: EngineAdapter, model: nn.Module) -> StorageLoader:
         seconds = _clock.perf() - start
         nbytes = sum(t.nbytes for t in named_tensors(state)[0].values())
         return LoadResult("storage", spec.version, nbytes, seconds,
-                          timings={f"{adapter.name}_default_loader": seconds})
+                          timings={f"{adapter.name}_default_loader": seconds}, storage_bytes=nbytes)
 
     return load
 

@@ -184,6 +184,8 @@ class Attempt:
     ``n`` (known on every rank); None when it was not named."""
     share: relay.Share | None = None
     """This member's endpoint serving its part (ended when the load ends)."""
+    share_bytes: int = 0
+    """Bytes this member read from storage for its share."""
     roster: list[str] | None = None
     """The members this worker, elected, named (itself first); None without a roster."""
     elected: bool = False

@@ -13,11 +13,12 @@ announce itself within the stall bound, or whose transfer fails, costs its share
 the download: the elected worker reads that share itself. Then it proves every file
 against the CRC32C storage lists from the bytes it holds (:mod:`.held_proof`); a file
 that fails is blamed (:func:`~.share_read.blame`), the blamed members' spans of it read
-again from storage, and the proof run once more. Only then does its stream forward a
-step (as a storage load's stream forwards a tensor only once its file's CRC32C passed:
-a receiver's sampled verification need not catch one altered byte), and only then are
-the layer hashes computed, as after any download. Forwarding each file's steps as soon
-as that file proves is the pipelining still to do.
+again from storage, and the proof run once more. Only then is its stream announced
+(as a storage load's stream forwards a tensor only once its file's CRC32C passed: a
+receiver's sampled verification need not catch one altered byte; announced earlier,
+its receivers' stall bounds would run out during the gather), and only then are the
+layer hashes computed, as after any download. Forwarding each file's steps as soon as
+that file proves is the pipelining still to do.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def serve_share(worker: Worker, a: Attempt) -> None:
         return
     share.placed(parts(steps, n)[i])
     a.timings["share"] = _clock.perf() - began
+    a.share_bytes = got.bytes
     a.log.info("download_share_read", member=i, of=n, bytes=got.bytes, seconds=round(got.seconds, 3))
 
 
@@ -78,12 +80,14 @@ class Gathered:
     bytes: int
     read_for: tuple[int, ...]
     """Members whose share the elected worker read (silent, failed, or blamed)."""
+    received: int = 0
+    """Bytes of the parts the members sent (a blamed member's part too)."""
 
 
 def gather_parts(worker: Worker, a: Attempt, n: int) -> Gathered:
     """The elected worker's rank: part 0 read, parts 1..n-1 pulled from the members at
-    once, a failed member's share read here, then every file proven (the caller's stream
-    forwards nothing before). Raises :class:`ChecksumMismatchError` when a file does not
+    once, a failed member's share read here, then every file proven (the caller announces
+    its stream only after). Raises :class:`ChecksumMismatchError` when a file does not
     prove even from storage's own bytes (changed since it was listed)."""
     s, t, spec = worker.settings, a.target, a.spec
     storage = Storage(s)
@@ -104,6 +108,8 @@ def gather_parts(worker: Worker, a: Attempt, n: int) -> Gathered:
     errors = Pulls(abort=False).run([own, *(pull(i) for i in range(1, n))], "nccl_back-share")
     if errors[0] is not None:
         raise errors[0]
+    cut = parts(steps, n)
+    received = sum(steps[k].nbytes for i, e in enumerate(errors[1:], 1) if e is None for k in cut[i])
     read_for: list[int] = []
     for i, e in enumerate(errors[1:], 1):
         if e is None:
@@ -132,7 +138,7 @@ def gather_parts(worker: Worker, a: Attempt, n: int) -> Gathered:
         read_bytes += sum(r.bytes for r in reads)
         for uri in _failing(spec, reads):
             raise ChecksumMismatchError(f"{uri}: does not prove after its blamed shares were read again")
-    return Gathered(read_bytes, tuple(sorted(set(read_for))))
+    return Gathered(read_bytes, tuple(sorted(set(read_for))), received)
 
 
 def _pull(worker: Worker, a: Attempt, i: int, n: int, bucket: int,

@@ -30,6 +30,7 @@ def peer_loaded(worker: Worker, a: Attempt, *, nbytes: int | None = None) -> Loa
     result = LoadResult(
         source="peer", version=a.spec.version, bytes=moved, seconds=seconds,
         peer_id=a.peer_id, verified=a.basis is not Basis.NONE, timings=a.timings,
+        storage_bytes=a.share_bytes, peer_bytes=moved,
     )
     worker.metrics.record_load("peer", moved, seconds)
     a.log.info("loaded", source="peer", peer=a.peer_id, resharded=nbytes is not None,

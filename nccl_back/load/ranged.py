@@ -78,7 +78,7 @@ class RangedLoader:
         result: LoadResult = ran.value[0]
         timings = {**result.timings, "shared": shared, "verify": _clock.perf() - t}
         return LoadResult("storage", spec.version, result.bytes, _clock.perf() - start,
-                          timings=timings)
+                          timings=timings, storage_bytes=result.bytes)
 
     def _share(self, load: RangedLoad, sched: Schedule, rank: int, ran: _Outcome) -> _Outcome:
         """Every shared chunk from its reader to every rank, placed where this rank needs

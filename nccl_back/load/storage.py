@@ -3,7 +3,10 @@ peer, hashes what it loaded, and publishes it (the hashes as ground truth).
 
 An elected downloader streams its download to waiting workers' cohorts as the
 checkpoint's tensors land (:meth:`nccl_back.transport.relay.Cohorts.open_stream`),
-unless an engine's own loader fills the skeleton.
+unless an engine's own loader fills the skeleton. One that gathers a cooperative
+download announces its stream only once every file proved: nothing could be forwarded
+before, and a stream-fed link's stall bound would run out while the members read
+(the members and other waiters wait in the election meanwhile, the lease renewed).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class StorageLoad:
 
     bytes: int = 0
     hashes: dict[str, str] = field(default_factory=dict)
+    received: int = 0
+    """Bytes a cooperative download's members sent this rank."""
+    stream: relay.Stream | None = None
+    """The stream it feeds (ended by the caller, also when the load failed)."""
 
 
 def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
@@ -52,13 +59,10 @@ def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
             a.log.info("first_of_version", reason=code, detail=str(reason))
         else:
             a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
-    # An engine's own loader may rewrite tensors after loading them, and reports no
-    # per-tensor fills: only the checkpoint's loader streams.
-    stream = (worker.cohorts.open_stream(a.replica(), a.log)
-              if a.elected and loader is load_checkpoint else None)
     stored = StorageLoad()
     with caught(a, "load"):
-        stored = _load_and_hash(worker, a, loader, stream)
+        _load_and_hash(worker, a, loader, stored)
+    stream = stored.stream
     try:
         agree(a, "storage load")
     except BaseException as e:
@@ -70,6 +74,7 @@ def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
     result = LoadResult(
         source="storage", version=a.spec.version, bytes=stored.bytes, seconds=seconds,
         fallback_reason=detail, verified=True, timings=a.timings,
+        storage_bytes=stored.bytes, peer_bytes=stored.received,
     )
     worker.metrics.record_load("storage", stored.bytes, seconds)
     a.log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))
@@ -82,18 +87,27 @@ def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
     return result
 
 
-def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stream: relay.Stream | None) -> StorageLoad:
+def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stored: StorageLoad) -> None:
     s = worker.settings
     t = _clock.perf()
-    if stream is not None and a.roster is not None and len(a.roster) > 1:
+    # An engine's own loader may rewrite tensors after loading them, and reports no
+    # per-tensor fills: only the checkpoint's loader streams.
+    streams = a.elected and loader is load_checkpoint
+    if streams and a.roster is not None and len(a.roster) > 1:
         got = gather_parts(worker, a, len(a.roster))
-        stream.loaded()
         a.log.info("download_gathered", members=len(a.roster), read_for=list(got.read_for),
-                   bytes=got.bytes)
+                   bytes=got.bytes, received=got.received)
+        stored.received = got.received
+        stored.stream = worker.cohorts.open_stream(a.replica(), a.log)
+        if stored.stream is not None:
+            stored.stream.loaded()
         nbytes = got.bytes
-    elif stream is not None:
-        result = load_checkpoint(a.model, a.spec, s, on_filled=stream.filled)
-        stream.loaded()
+    elif streams:
+        stored.stream = worker.cohorts.open_stream(a.replica(), a.log)
+        on_filled = stored.stream.filled if stored.stream is not None else None
+        result = load_checkpoint(a.model, a.spec, s, on_filled=on_filled)
+        if stored.stream is not None:
+            stored.stream.loaded()
         nbytes = result.bytes
         a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
     else:
@@ -105,4 +119,4 @@ def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stream: re
     hashes = worker.verifier.layer_truth(a.model)
     a.timings["hash"] = _clock.perf() - t
     a.basis = Basis.STORAGE
-    return StorageLoad(nbytes, hashes)
+    stored.bytes, stored.hashes = nbytes, hashes

@@ -392,4 +392,4 @@ def load_from_storage(
         timings["download"] = waited
     log.info("storage_load_done", version=spec.version, bytes=total, seconds=round(seconds, 3),
              shards=len(shards))
-    return LoadResult("storage", spec.version, total, seconds, timings=timings)
+    return LoadResult("storage", spec.version, total, seconds, timings=timings, storage_bytes=total)

@@ -274,7 +274,8 @@ class RangedLoad:
         zero_padding(self.sharding.layout, self._tensors)
         seconds = _clock.perf() - self._start
         result = LoadResult("storage", self.spec.version, reader.bytes, seconds,
-                            timings={"read": reader.seconds, "copy": seconds - reader.seconds})
+                            timings={"read": reader.seconds, "copy": seconds - reader.seconds},
+                            storage_bytes=reader.bytes)
         return result, self._intervals + reader.intervals
 
     def run(self, model: Model, cuts: Mapping[str, Sequence[int]],

@@ -210,13 +210,16 @@ class Settings:
     """Upper bound in seconds on waiting for an elected downloader that is alive (still
     renewing its lease) past ``single_flight_wait``: a large model can take longer."""
 
-    download_group_window: float = 0.0
+    download_group_window: float = 0.2
     """Seconds the worker elected to download a version nobody holds waits for the
     others of its download group before it names the members of a cooperative download
     (the roster), each to read one part of the checkpoint from storage and serve it to
     the elected worker, which proves every file and streams the whole
     (:mod:`nccl_back.load.cooperative`). Single-rank workers loading the checkpoint's own
-    tensors with cohorts on take part. 0 (the default): nobody named, no wait."""
+    tensors with cohorts on take part. The default, 0.2, is well past the spread of
+    workers a rollout starts together and small beside any real download (a worker alone
+    pays it once per new version); 0 turns the cooperative download off (single flight:
+    the elected worker reads the whole and streams it)."""
 
     claim_ttl: float = 6.0
     """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it

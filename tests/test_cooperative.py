@@ -150,3 +150,21 @@ def test_a_member_lost_mid_transfer_costs_its_share_not_the_download(
     if fault == "kill_member_1_mid_share":
         lost[0].join(5)
         assert lost[0].exitcode == -signal.SIGKILL
+
+
+@pytest.mark.timeout(240)
+def test_the_elected_worker_killed_during_the_gather_a_member_takes_over(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """The elected worker SIGKILLed as it starts to gather: once its lease expires a
+    member takes it, names a new roster without the dead owner (named, it would cost
+    the stall bound), and both survivors end with the checkpoint's exact bytes, verified."""
+    fleet.settings["download_lease"] = 1.5
+    procs = _start_together(fleet, 3, fault=f"kill_first_elected_in_gather={tmp_path / 'killed'}")
+    reports = [_ok(fleet.report(150)) for _ in range(2)]
+    assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
+    lost = [p for p in procs if p.pid not in {r["pid"] for r in reports}]
+    assert len(lost) == 1, [p.exitcode for p in procs]
+    lost[0].join(5)
+    assert lost[0].exitcode == -signal.SIGKILL
+    # Taken over within the lease and the window, not after a dead member's stall bound.
+    assert all(r["load_seconds"] < COOPERATIVE["relay_stall_timeout"] + 8 for r in reports), reports

@@ -212,7 +212,7 @@ def test_a_roster_whose_owner_does_not_hold_the_lease_names_nobody(cooperative: 
     try:
         assert holder.try_acquire()
         waiter.join()
-        cooperative.name_download_roster("v1", 2, ["X", "B"])
+        cooperative.name_download_roster("v1", 2, ["X", "Y"])
         waiter.read_roster()
         assert waiter.member is None and waiter.roster() is None
         holder.name_members(0.0)
@@ -222,6 +222,27 @@ def test_a_roster_whose_owner_does_not_hold_the_lease_names_nobody(cooperative: 
         assert _lease(cooperative, "B").roster() is None
     finally:
         holder.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_new_owner_names_none_of_a_former_roster(cooperative: Registry) -> None:
+    """The lease taken over from an owner that named A and B: the new owner C names
+    neither (A lost the lease, B read its share and waits for a stream), only D, a
+    waiter that joined like them."""
+    former = _lease(cooperative, "A")
+    try:
+        for w in ("A", "B", "C", "D"):
+            _lease(cooperative, w).join()
+        assert former.try_acquire()
+        assert former.name_members(0.0) == ["A", "B", "C", "D"]
+        former.release()  # as its expiry would
+        owner = _lease(cooperative, "C")
+        assert owner.try_acquire()
+        cooperative.name_download_roster("v1", 2, ["A", "B"])  # the former roster, as C finds it
+        assert owner.name_members(0.0) == ["C", "D"]
+        owner.release()
+    finally:
+        former.release()
 
 
 @pytest.mark.timeout(30)

@@ -304,6 +304,7 @@ def test_single_flight_one_download(fleet: Fleet) -> None:
 def test_single_flight_downloader_dies(fleet: Fleet) -> None:
     """If the elected downloader dies, another worker takes over within the lease."""
     fleet.settings["download_lease"] = 1.5
+    fleet.settings["download_group_window"] = 0.0  # the single flight's own download
     doomed = fleet.start("doomed", fault="kill_mid_download")
     # Let the doomed worker win the election before the others start.
     wait_for_lease(fleet.settings["redis_url"], fleet.settings["namespace"])

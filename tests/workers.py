@@ -74,7 +74,9 @@ def worker_main(
     ``fault``: ``kill_member_1_on_share`` SIGKILLs member 1 of a cooperative download
     once it read its share; ``corrupt_member_1_share`` makes it serve one wrong byte of
     its part; ``kill_member_1_mid_share`` / ``stop_member_1_mid_share`` SIGKILL /
-    SIGSTOP it at the third step of its part's send. ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
+    SIGSTOP it at the third step of its part's send; ``kill_first_elected_in_gather=PATH``
+    SIGKILLs the first worker to gather a cooperative download (the one that creates
+    PATH). ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
     broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
     byte of the first step of every send on the wire, ``corrupt_send_last`` of the last
     step (tests/faults.py). ``adopt_as``: instead of
@@ -155,7 +157,23 @@ def _install_fault(fault: str) -> None:
     from nccl_back.load import asking, storage
     from nccl_back.transport import send as sender  # the send path holders (and relays) share
 
-    if fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
+    if fault.startswith("kill_first_elected_in_gather="):
+        from nccl_back.load import storage as storage_path
+
+        orig_gather = storage_path.gather_parts
+        mark = fault.partition("=")[2]
+
+        def gather(*a: Any, **k: Any) -> Any:
+            try:  # the first worker to gather dies as it starts; any later one gathers
+                os.close(os.open(mark, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return orig_gather(*a, **k)
+            time.sleep(0.3)  # the members are reading their shares
+            os.kill(os.getpid(), signal.SIGKILL)
+            return None
+
+        storage_path.gather_parts = gather  # type: ignore[assignment]
+    elif fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
         from nccl_back.load import cooperative as coop
 
         orig_read = coop.read_share

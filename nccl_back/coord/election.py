@@ -120,9 +120,15 @@ class DownloadLease:
     def name_members(self, window: float) -> list[str]:
         """Wait ``window`` seconds for waiters to join the download group, then name this
         worker (holding the lease) and the first of them, at most ``MAX_PARTS`` in all, in
-        the roster: the cooperative download's members, returned."""
+        the roster: the cooperative download's members, returned. A former owner's
+        roster names who will not serve again, though their group entries stay: that
+        owner lost the lease (it died or stopped renewing), and its members read their
+        shares already and now wait for a stream (they read no second roster). Named,
+        each would cost the stall bound."""
         _clock.wait(self._stop, window)
-        members = [self.owner, *[w for w in self.group() if w != self.owner][:MAX_PARTS - 1]]
+        former = self.registry.download_roster(self.version, self.world)
+        gone = {self.owner, *(former.members if former is not None else ())}
+        members = [self.owner, *[w for w in self.group() if w not in gone][:MAX_PARTS - 1]]
         self.registry.name_download_roster(self.version, self.world, members)
         return members
 
@@ -247,8 +253,8 @@ def elect(
             return Election("error", failed[0], error)
         member = _member(codes[0])
         if member is not None:
-            # Before "peer": the elected worker's stream is announced as it names the
-            # members, and it waits for their shares.
+            # Before "peer": the elected worker waits for the share of every member it
+            # named, whatever else appeared meanwhile.
             return Election("member", 0, member=member)
         if all(c & _SEES_PEER for c in codes):
             if lease is not None and lease.held:

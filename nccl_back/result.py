@@ -28,9 +28,9 @@ class LoadResult:
     """Seconds per phase, e.g. ``download``, ``copy``, ``discovery``, ``handshake``,
     ``transfer``, ``verify``."""
     storage_bytes: int = 0
-    """Bytes this rank read from storage: ``bytes`` for a download; a cooperative
-    download member's share (its source is ``"peer"``: the whole came from the stream);
-    0 from a peer otherwise."""
+    """Bytes this rank read from storage: ``bytes`` for a download (plus its share, for
+    a cooperative download's member that downloaded after all); a member's share (its
+    source is ``"peer"``: the whole came from the stream); 0 from a peer otherwise."""
     peer_bytes: int = 0
     """Bytes this rank received from peers: ``bytes`` for a peer load; for the worker
     that gathered a cooperative download, the parts its members sent it."""

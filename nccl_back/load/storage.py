@@ -74,7 +74,8 @@ def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
     result = LoadResult(
         source="storage", version=a.spec.version, bytes=stored.bytes, seconds=seconds,
         fallback_reason=detail, verified=True, timings=a.timings,
-        storage_bytes=stored.bytes, peer_bytes=stored.received,
+        # A member whose stream failed read its share too.
+        storage_bytes=stored.bytes + a.share_bytes, peer_bytes=stored.received,
     )
     worker.metrics.record_load("storage", stored.bytes, seconds)
     a.log.info("loaded", source="storage", seconds=round(seconds, 3), gbps=round(result.gbps, 3))

@@ -211,15 +211,12 @@ class Settings:
     renewing its lease) past ``single_flight_wait``: a large model can take longer."""
 
     download_group_window: float = 0.2
-    """Seconds the worker elected to download a version nobody holds waits for the
-    others of its download group before it names the members of a cooperative download
-    (the roster), each to read one part of the checkpoint from storage and serve it to
-    the elected worker, which proves every file and streams the whole
-    (:mod:`nccl_back.load.cooperative`). Single-rank workers loading the checkpoint's own
-    tensors with cohorts on take part. The default, 0.2, is well past the spread of
-    workers a rollout starts together and small beside any real download (a worker alone
-    pays it once per new version); 0 turns the cooperative download off (single flight:
-    the elected worker reads the whole and streams it)."""
+    """Seconds the worker elected to download a version nobody holds waits for its
+    download group before naming the members of a cooperative download, each to read one
+    part from storage and serve it to the elected worker, which proves every file and
+    streams the whole (:mod:`nccl_back.load.cooperative`; single-rank workers loading the
+    checkpoint's own tensors, cohorts on). 0.2: past the spread of a rollout's start,
+    small beside a download; 0: off (the elected worker reads the whole, streams it)."""
 
     claim_ttl: float = 6.0
     """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it

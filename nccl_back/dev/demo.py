@@ -60,6 +60,10 @@ PROG = "python -m nccl_back.dev.demo"
 STORAGE_GBIT = 2.0
 BUCKET = "nccl-back-demo"
 
+#: Seconds the worker elected for the brand-new version waits for the others before it
+#: names the download's members (they start together: well within it).
+GROUP_WINDOW = 0.2
+
 
 # -- one worker (a child process) -------------------------------------------------------
 
@@ -349,8 +353,8 @@ def _new_version(demo: Demo, settings: Settings, download: dict[str, Any], n: in
     print(f"\na brand-new version {spec.version}: {n} new workers start together, nobody"
           " holds it", flush=True)
     together = demo.ctx.Barrier(n, timeout=demo.args.timeout)
-    # The default download_group_window splits it among the workers waiting together.
-    workers = [demo.start(f"new-{i}", settings, spec, together) for i in range(n)]
+    group = settings.replace(download_group_window=GROUP_WINDOW)
+    workers = [demo.start(f"new-{i}", group, spec, together) for i in range(n)]
     demo.wait(workers)
     results = [{**w.result, "link_bytes": w.link.bucket.taken if w.link is not None else 0,
                 "link_requests": w.link.requests if w.link is not None else 0} for w in workers]

@@ -14,6 +14,9 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   the workers waiting together each read one share from storage, the elected worker
   gathers and proves the parts, then streams the whole (``load/cooperative.py``); with
   ``--own-links`` each worker reaches storage through its own capped link.
+* ``cooperative_kill``: ``cooperative`` with member 1 of the roster (read back from
+  Redis) SIGKILLed mid-share (``--kill-at`` of its share's expected read time, one
+  download / N, after the roster appeared): the elected worker reads that share itself.
 * ``warm_tree`` / ``single_flight_tree``: the same without cohorts
   (``cohort_max_size=1``): every receiver takes a whole copy from a holder and serves
   once it holds the weights, the binomial tree of ⌈log2(N+1)⌉ rounds.
@@ -79,7 +82,7 @@ from nccl_back.dev.servers import LocalRedis
 from nccl_back.model.identity import ModelSpec
 
 SCENARIOS = ("storage", "warm", "warm_whole", "warm_kill", "warm_tree", "single_flight",
-             "single_flight_tree", "cooperative")
+             "single_flight_tree", "cooperative", "cooperative_kill")
 BUCKET = "cold-start-bench"
 PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
 #: The warm peers' worker names start with this (``warm``, ``warm1``, ...; their peer
@@ -281,7 +284,8 @@ class Bench:
                      max_send_gbps=self.args.link_gbps,
                      cohort_max_size=1 if scenario.endswith("_tree") else Settings().cohort_max_size,
                      holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts,
-                     download_group_window=self.args.group_window if scenario == "cooperative" else 0.0)
+                     download_group_window=(self.args.group_window
+                                            if scenario.startswith("cooperative") else 0.0))
         return json.dumps({k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def spawn(self, name: str, settings: str, spec: ModelSpec, storage_host: str,
@@ -324,9 +328,12 @@ class Bench:
             for msg in _collect(conns, 1, deadline):
                 if "error" in msg:
                     raise RuntimeError(f"{msg['worker']} failed: {msg['error']}")
+            taken = self.taken()
             go_wall.value = time.time()
             go.set()
             victim = None
+            if scenario == "cooperative_kill" and n > 1:
+                victim, killed_running = self.kill_member(ns, n, spec, deadline)
             if scenario == "warm_kill" and n > 1:
                 time.sleep(self.kill_after)
                 # The receiver seated n//4 into the first chain, so that others sit below
@@ -340,15 +347,21 @@ class Bench:
                 killed_running = proc.is_alive()
                 proc.kill()
             rows = _collect([c for i, c in enumerate(conns) if i != victim], 1, deadline)
+            # Everything the round's workers read from the bucket, a killed one's too.
+            read = self.taken() - taken
         finally:
             stop.set()
             self._reap()
         for r in rows:
             if "error" in r:
                 raise RuntimeError(f"{r['worker']} failed: {r['error']}\n{r.get('traceback', '')}")
-            r.update(scenario=scenario, n=n, **{f"{k}_s": v for k, v in parts(r).items()})
+            r.update(scenario=scenario, n=n, storage_x=read / spec.nbytes,
+                     **{f"{k}_s": v for k, v in parts(r).items()})
         depths(rows, holder_names(self.args.holders))
-        if victim is not None:
+        if victim is not None and scenario == "cooperative_kill":
+            for r in rows:
+                r.update(victim=f"{scenario}-{n}-w{victim}", victim_killed_while_loading=killed_running)
+        elif victim is not None:
             name = f"{scenario}-{n}-w{victim}"
             seated = seats(self.redis.url, ns, [r["worker"] for r in rows] + [name])
             where = seated.get(name)
@@ -360,6 +373,34 @@ class Bench:
                 r["below_victim"] = (where is not None and seat is not None
                                      and seat[0] == where[0] and seat[1] > where[1])
         return rows
+
+    def taken(self) -> int:
+        """Response bytes the bucket's links have sent so far, all workers together."""
+        return sum(p.bucket.taken for p in [self.proxy, *self.links])
+
+    def kill_member(self, ns: str, n: int, spec: ModelSpec, deadline: float) -> tuple[int, bool]:
+        """``cooperative_kill``: once the elected worker's roster is in Redis, wait
+        ``kill_after`` / N (into member 1's share read), SIGKILL member 1; returns its
+        index and whether it was still loading."""
+        from nccl_back.coord.registry import Registry
+
+        registry = Registry(Settings(redis_url=self.redis.url, namespace=ns))
+        names = [f"cooperative_kill-{n}-w{i}" for i in range(n)]
+        try:
+            while (roster := registry.download_roster(spec.version, 1)) is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("cooperative_kill: no roster was named")
+                time.sleep(0.01)
+        finally:
+            registry.close()
+        if len(roster.members) < 2:
+            raise RuntimeError(f"cooperative_kill: the roster names one worker: {roster.members}")
+        time.sleep(self.kill_after / n)
+        victim = names.index(roster.members[1])
+        proc = self.procs[-n + victim]
+        running = proc.is_alive()
+        proc.kill()
+        return victim, running
 
     def _reap(self) -> None:
         for p in self.procs:
@@ -424,6 +465,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "roots": {str(k): sum(r.get("root") == k for r in rs)
                           for k in sorted({r.get("root") for r in rs}, key=str)},
                 "victim_killed_while_loading": any(r.get("victim_killed_while_loading") for r in rs),
+                # What the bucket sent per round, over the checkpoint's size (the worst round).
+                "storage_x": max(r["storage_x"] for r in rs),
                 "below_victim": sum(bool(r.get("below_victim")) for r in rs),
                 "below_victim_max_s": max((r["ready_s"] for r in rs if r.get("below_victim")),
                                           default=None),
@@ -481,6 +524,20 @@ def goals(summary: list[dict[str, Any]], holders: int = 1) -> list[dict[str, Any
             ratio = med["cooperative", n] / med["single_flight", 1]
             out.append({"goal": f"cooperative: median at N={n} <= {bound} x one download"
                                 " (single_flight N=1)", "ratio": ratio, "pass": ratio <= bound})
+    for k in (s for s in summary if s["scenario"] == "cooperative_kill" and s["n"] > 1):
+        if ("cooperative", k["n"]) in med:
+            ratio = k["max_s"] / med["cooperative", k["n"]]
+            alive = "" if k["victim_killed_while_loading"] else " (the victim had finished: not a test)"
+            out.append({"goal": f"cooperative_kill: N={k['n']}, member 1 SIGKILLed mid-share{alive}:"
+                                " slowest survivor <= 1.5 x the fault-free median, storage <= 1.25 x",
+                        "ratio": ratio, "storage_x": k["storage_x"],
+                        "pass": ratio <= 1.5 and k["storage_x"] <= 1.25 and k["victim_killed_while_loading"]})
+    for n in ns:
+        if ("cooperative", n) in med:
+            c = next(s for s in summary if s["scenario"] == "cooperative" and s["n"] == n)
+            # Each member reads every file's header too (a few KB per file at real sizes).
+            out.append({"goal": f"cooperative: storage read at N={n} <= 1.05 x the checkpoint",
+                        "ratio": c["storage_x"], "pass": c["storage_x"] <= 1.05})
     for scenario in ("warm_tree", "single_flight_tree"):
         if (scenario, lo) in med and (scenario, hi) in med:
             out.append({"goal": f"{scenario} (old design, for comparison): N={hi} / N={lo}",
@@ -545,7 +602,8 @@ def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
               "warm_tree": "one warm peer, binomial tree (old)",
               "single_flight": "single flight, streamed relay chain",
               "single_flight_tree": "single flight, binomial tree (old)",
-              "cooperative": "cooperative first download"}
+              "cooperative": "cooperative first download",
+              "cooperative_kill": "cooperative, member 1 killed mid-share"}
     for scenario in SCENARIOS:
         pts = [s for s in summary if s["scenario"] == scenario]
         if not pts:
@@ -596,11 +654,12 @@ def main() -> int:
                    help="warm scenarios: warm peers serving before the N workers start")
     p.add_argument("--kill-at", type=float, default=0.4,
                    help="warm_kill: kill its victim this fraction of the warm N=1 median after the"
-                        " release (warm runs first)")
+                        " release (warm runs first); cooperative_kill: this fraction of the"
+                        " single_flight N=1 median / N after the roster appeared")
     p.add_argument("--own-links", action="store_true",
                    help="each worker reaches storage through its own link capped at --storage-gbps"
                         " (a worker's own connection to the bucket), not one shared link")
-    p.add_argument("--group-window", type=float, default=0.5,
+    p.add_argument("--group-window", type=float, default=Settings().download_group_window,
                    help="cooperative: download_group_window, seconds the elected worker waits"
                         " for the others before naming the members")
     p.add_argument("--out", default="benchmarks/out", help="directory for the JSON and CSV")
@@ -629,9 +688,10 @@ def main() -> int:
                     if scenario == "storage" and n > args.max_storage_n:
                         continue
                     t = time.perf_counter()
-                    warm1 = [r["ready_s"] for r in rows if r["scenario"] == "warm" and r["n"] == 1]
-                    if warm1:
-                        bench.kill_after = args.kill_at * statistics.median(warm1)
+                    base = "single_flight" if scenario == "cooperative_kill" else "warm"
+                    once = [r["ready_s"] for r in rows if r["scenario"] == base and r["n"] == 1]
+                    if once:
+                        bench.kill_after = args.kill_at * statistics.median(once)
                     got = bench.round(scenario, n, spec)
                     for r in got:
                         r["repeat"] = rep
@@ -653,6 +713,8 @@ def main() -> int:
             extra = f", slowest {g['slowest_ratio']:.2f}, deepest receiver {g['max_depth']} hops"
         if g.get("others_ratio") is not None:
             extra = f"; every other survivor's slowest {g['others_ratio']:.2f}"
+        if "storage_x" in g:
+            extra = f", storage {g['storage_x']:.2f} x the checkpoint"
         measured = "-" if g["ratio"] is None else f"{g['ratio']:.2f}"
         print(f"{'PASS' if g['pass'] else 'MISS'}  {g['goal']}: measured {measured}{extra}")
     for s in summary:

@@ -210,13 +210,13 @@ class Settings:
     """Upper bound in seconds on waiting for an elected downloader that is alive (still
     renewing its lease) past ``single_flight_wait``: a large model can take longer."""
 
-    download_group_window: float = 0.0
+    download_group_window: float = 0.2
     """Seconds the worker elected to download a version nobody holds waits for its
     download group before naming the members of a cooperative download, each to read one
     part from storage and serve it to the elected worker, which proves every file and
     streams the whole (:mod:`nccl_back.load.cooperative`; single-rank workers loading the
-    checkpoint's own tensors, cohorts on). 0 (the default): off, the elected worker
-    reads the whole and streams it; 0.2 is past the spread of a rollout's start."""
+    checkpoint's own tensors, cohorts on). Alone, it reads the whole and streams it as it
+    reads; 0 turns the split off."""
 
     claim_ttl: float = 6.0
     """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it

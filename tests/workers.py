@@ -74,7 +74,9 @@ def worker_main(
     ``fault``: ``kill_member_1_on_share`` SIGKILLs member 1 of a cooperative download
     once it read its share; ``corrupt_member_1_share`` makes it serve one wrong byte of
     its part; ``kill_member_1_mid_share`` / ``stop_member_1_mid_share`` SIGKILL /
-    SIGSTOP it at the third step of its part's send; ``kill_first_elected_in_gather=PATH``
+    SIGSTOP it at the third step of its part's send; ``kill_member_1_before_announce`` /
+    ``stop_member_1_before_announce`` as it is named, before it announces its endpoint;
+    ``kill_first_elected_in_gather=PATH``
     SIGKILLs the first worker to gather a cooperative download (the one that creates
     PATH). ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
     broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
@@ -173,6 +175,17 @@ def _install_fault(fault: str) -> None:
             return None
 
         storage_path.gather_parts = gather  # type: ignore[assignment]
+    elif fault in ("kill_member_1_before_announce", "stop_member_1_before_announce"):
+        from nccl_back.transport.relay.receive import Cohorts
+
+        orig_open = Cohorts.open_share
+
+        def open_share(self: Any, replica: Any, log: Any, member: int) -> Any:
+            if member == 1:
+                os.kill(os.getpid(), signal.SIGKILL if fault.startswith("kill") else signal.SIGSTOP)
+            return orig_open(self, replica, log, member)
+
+        Cohorts.open_share = open_share  # type: ignore[method-assign]
     elif fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
         from nccl_back.load import cooperative as coop
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from nccl_back.load.share_read import Blame, ShareRead, blame, places, prove, re
 from nccl_back.load.shares import shares
 from nccl_back.model.checkpoint import model_headers
 from nccl_back.model.identity import ModelSpec
+from nccl_back.model.ranged import SpanReader
 from nccl_back.model.skeleton import build, named_tensors
 from nccl_back.model.storage import Storage
 from nccl_back.transport import plan
@@ -54,9 +57,10 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _members(spec: ModelSpec, n: int, stage: int, names: Any = None) -> tuple[list[Any], list[ShareRead], list[Any]]:
+def _members(spec: ModelSpec, n: int, stage: int, names: Any = None,
+             readers: int = Settings().storage_workers) -> tuple[list[Any], list[ShareRead], list[Any]]:
     """Every member's read into its own model (filled with 0xAB beforehand), side by side."""
-    storage = Storage(Settings())
+    storage = Storage(Settings(storage_workers=readers))
     models, reads = [], []
     steps: list[Any] = []
     for i in range(n):
@@ -95,6 +99,34 @@ def test_members_read_their_parts_into_their_tensors_and_together_prove_every_fi
     _check_parts(models, steps)
     assert sum(r.bytes for r in reads) == sum(s.size for s in spec.shards)
     prove(spec, reads)
+
+
+def test_several_readers_at_once_read_what_one_reader_reads(ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A share read as pieces by several readers at once: its requests overlap, and its
+    tensors' bytes, byte count and interval CRCs equal those of one reader's read."""
+    spec = _spec(ckpt)
+    models1, reads1, _ = _members(spec, 3, stage=999, readers=1)
+    inflight, most, lock = 0, 0, threading.Lock()
+    orig = SpanReader._read_into
+
+    def read_into(self: SpanReader, *a: Any) -> None:
+        nonlocal inflight, most
+        with lock:
+            inflight += 1
+            most = max(most, inflight)
+        time.sleep(0.002)  # long enough for the others' requests to start meanwhile
+        try:
+            orig(self, *a)
+        finally:
+            with lock:
+                inflight -= 1
+
+    monkeypatch.setattr(SpanReader, "_read_into", read_into)
+    models4, reads4, _ = _members(spec, 3, stage=999, readers=4)
+    assert most > 1
+    assert [(r.bytes, r.intervals) for r in reads4] == [(r.bytes, r.intervals) for r in reads1]
+    for m1, m4 in zip(models1, models4, strict=True):
+        assert {k: _bytes(t) for k, t in m4.items()} == {k: _bytes(t) for k, t in m1.items()}
 
 
 def test_members_read_ranged_requests_of_a_bucket(ckpt: str, gcs: LocalGCS) -> None:

@@ -1,9 +1,10 @@
 """One member's share of a cooperative download, read from storage into its tensors,
 and the proof that the members' shares together are the checkpoint.
 
-Member ``i`` of ``n`` reads its spans (:func:`~.shares.shares`) through one bounded
-staging buffer (:class:`~nccl_back.model.ranged.SpanReader`: ranged requests to a
-bucket, positional reads of a local file): the bytes of every tensor its part of the
+Member ``i`` of ``n`` reads its spans (:func:`~.shares.shares`) as pieces, through
+``storage_workers`` readers at once sharing one bounded staging budget
+(:class:`~nccl_back.model.ranged.SpanReader`: ranged requests to a bucket, positional
+reads of a local file), as a whole download's requests run: the bytes of every tensor its part of the
 plan carries are copied straight into the model's tensors, the rest (headers, padding,
 tensors the model does not load) only CRC-ed. It returns the CRC32C of every interval
 it read, cut at every member's span boundaries so that two members' intervals are
@@ -23,7 +24,9 @@ matches its identity (changed at rest since it was listed).
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,7 +38,7 @@ from nccl_back import _clock
 from nccl_back.errors import CheckpointFormatError
 from nccl_back.load.shares import shares
 from nccl_back.model.checkpoint import ShardHeader, locate
-from nccl_back.model.crc import Interval, check_file, file_crc
+from nccl_back.model.crc import Interval, check_file, crc32c_combine, file_crc
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import STAGE_BYTES, Span, SpanReader, cut_points
 from nccl_back.model.storage import Storage
@@ -97,20 +100,68 @@ def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader]
 def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
           where: Mapping[str, Span], spans: Sequence[Span], cuts: Mapping[str, Sequence[int]],
           tensors: Mapping[str, torch.Tensor], member: int, stage_bytes: int) -> ShareRead:
+    """``spans`` read as pieces by ``storage_workers`` readers at once, as a whole
+    download's ranged requests are (one request at a time would leave a member's share
+    at one connection's speed), sharing the ``stage_bytes`` staging budget."""
     start = _clock.perf()
     targets = _Targets(spans, tensors, where)
-    stage = max(1, min(stage_bytes, max((hi - lo for _, lo, hi in spans), default=1)))
-    reader = SpanReader(storage, spec.shards, cuts, stage)
+    k = max(1, storage.settings.storage_workers)
+    step = max(1, min(stage_bytes // k, max((hi - lo for _, lo, hi in spans), default=1)))
+    pieces = [(uri, off, min(off + step, hi)) for uri, lo, hi in spans for off in range(lo, hi, step)]
+    readers = [SpanReader(storage, spec.shards, _with(cuts, pieces), step)
+               for _ in range(max(1, min(k, len(pieces))))]
+    todo, lock, failed = iter(pieces), threading.Lock(), threading.Event()
+
+    def run(reader: SpanReader) -> None:
+        with torch.no_grad():  # thread-local: each reader's thread sets it
+            while not failed.is_set():
+                with lock:
+                    piece = next(todo, None)
+                if piece is None:
+                    return
+                try:
+                    for off, buf in reader.read(*piece, step):
+                        targets.place(piece[0], off, buf)
+                except BaseException:
+                    failed.set()  # the others stop at their next piece
+                    raise
+
     try:
+        with ThreadPoolExecutor(len(readers), thread_name_prefix="nccl_back-share-read") as pool:
+            for f in [pool.submit(run, r) for r in readers]:
+                f.result()
         with torch.no_grad():
-            for uri, lo, hi in spans:
-                for off, buf in reader.read(uri, lo, hi, stage):
-                    targets.place(uri, off, buf)
             targets.unstage()
     finally:
-        reader.close()
+        for r in readers:
+            r.close()
     heads = [Interval(h.uri, 0, len(h.raw), google_crc32c.value(h.raw)) for h in headers]
-    return ShareRead(member, reader.bytes, _clock.perf() - start, tuple(heads + reader.intervals))
+    read = _joined([iv for r in readers for iv in r.intervals], cut_points(spans), cuts)
+    return ShareRead(member, sum(r.bytes for r in readers), _clock.perf() - start,
+                     tuple(heads + read))
+
+
+def _with(cuts: Mapping[str, Sequence[int]], pieces: Sequence[Span]) -> dict[str, list[int]]:
+    """``cuts`` and every piece's bounds: each piece's intervals end within it, whichever
+    reader reads it."""
+    out = {uri: set(points) for uri, points in cuts.items()}
+    for uri, points in cut_points(pieces).items():
+        out.setdefault(uri, set()).update(points)
+    return {uri: sorted(points) for uri, points in out.items()}
+
+
+def _joined(intervals: Sequence[Interval], *bounds: Mapping[str, Sequence[int]]) -> list[Interval]:
+    """``intervals`` (cut at the pieces' bounds too) joined back at every point not in
+    ``bounds``: the intervals one reader would have CRC-ed, in file order."""
+    keep = {(uri, p) for b in bounds for uri, points in b.items() for p in points}
+    out: list[Interval] = []
+    for iv in sorted(intervals, key=lambda x: (x.uri, x.start)):
+        last = out[-1] if out else None
+        if last is not None and last.uri == iv.uri and last.end == iv.start and (iv.uri, iv.start) not in keep:
+            out[-1] = Interval(iv.uri, last.start, iv.end, crc32c_combine(last.crc, iv.crc, iv.end - iv.start))
+        else:
+            out.append(iv)
+    return out
 
 
 def prove(spec: ModelSpec, reads: Sequence[ShareRead]) -> None:

@@ -132,13 +132,14 @@ def test_members_with_different_send_caps_all_end_verified(fleet: Fleet) -> None
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", ["kill_member_1_mid_share", "stop_member_1_mid_share"])
-def test_a_member_lost_mid_transfer_costs_its_share_not_the_download(
-        fleet: Fleet, ckpt: str, fault: str) -> None:
+@pytest.mark.parametrize("fault", ["kill_member_1_mid_share", "stop_member_1_mid_share",
+                                   "kill_member_1_before_announce", "stop_member_1_before_announce"])
+def test_a_member_lost_costs_its_share_not_the_download(fleet: Fleet, ckpt: str, fault: str) -> None:
     """Member 1 SIGKILLed, or SIGSTOPped (silent, as a partition looks), at the third
-    step of its part's send: the elected worker's pull fails (reset) or stalls past its
-    bound, it reads that share itself, and the other two end verified; storage read
-    about the checkpoint once (the lost share twice at most)."""
+    step of its part's send or as it is named (before it announces where it serves):
+    the elected worker's pull fails (reset) or its wait runs past the stall bound, it
+    reads that share itself, and the other two end verified; storage read about the
+    checkpoint once (the lost share twice at most)."""
     procs = _start_together(fleet, 3, fault=fault)
     reports = [_ok(fleet.report(150)) for _ in range(2)]
     assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
@@ -147,25 +148,9 @@ def test_a_member_lost_mid_transfer_costs_its_share_not_the_download(
     assert 0.5 * _checkpoint_bytes(ckpt) < elected["bytes"] < 0.9 * _checkpoint_bytes(ckpt), elected
     lost = [p for p in procs if p.pid not in {r["pid"] for r in reports}]
     assert len(lost) == 1, [p.exitcode for p in procs]
-    if fault == "kill_member_1_mid_share":
+    if fault.startswith("kill"):
         lost[0].join(5)
         assert lost[0].exitcode == -signal.SIGKILL
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", ["kill_member_1_before_announce", "stop_member_1_before_announce"])
-def test_a_member_lost_before_it_announces_costs_its_share_not_the_download(
-        fleet: Fleet, ckpt: str, fault: str) -> None:
-    """Member 1 SIGKILLed, or SIGSTOPped, as it is named, before it announces where it
-    serves: the elected worker waits the stall bound for the announcement, reads that
-    share itself, and the other two end verified."""
-    procs = _start_together(fleet, 3, fault=fault)
-    reports = [_ok(fleet.report(150)) for _ in range(2)]
-    assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
-    elected = next(r for r in reports if r["source"] == "storage")
-    assert 0.5 * _checkpoint_bytes(ckpt) < elected["bytes"] < 0.9 * _checkpoint_bytes(ckpt), elected
-    lost = [p for p in procs if p.pid not in {r["pid"] for r in reports}]
-    assert len(lost) == 1, [p.exitcode for p in procs]
 
 
 @pytest.mark.timeout(240)

@@ -105,6 +105,25 @@ def test_a_member_serving_a_wrong_byte_is_blamed_and_its_share_read_again(fleet:
 
 
 @pytest.mark.timeout(180)
+def test_a_share_slower_to_read_than_the_stall_bound_still_serves_its_part(
+        fleet: Fleet, ckpt: str) -> None:
+    """Member 1 reads its share at 1 s a step, longer in all than the elected
+    worker's stall bound (3 s): each step goes out as it lands, so the pull keeps
+    moving, nobody reads member 1's share again, and all three end verified."""
+    go = CTX.Event()
+    for i in range(3):
+        fleet.start(f"w{i}", settings={**COOPERATIVE, "relay_stall_timeout": 2.0, "download_lease": 3.0},
+                    go=go, serve_for=30, model_kwargs=MODEL, fault="slow_member_1_share")
+    time.sleep(3.0)
+    go.set()
+    reports = [_ok(fleet.report(150)) for _ in range(3)]
+    assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports
+    slow = next(r for r in reports if r["source"] == "peer" and r["timings"]["share"] > 3.0)
+    elected = next(r for r in reports if r["source"] == "storage")
+    assert elected["bytes"] < 0.6 * _checkpoint_bytes(ckpt), (elected, slow)
+
+
+@pytest.mark.timeout(180)
 def test_a_late_arrival_is_no_member_and_receives_the_whole(fleet: Fleet, ckpt: str) -> None:
     """A worker arriving after the roster was named is not a member (it reads nothing
     from storage) and receives the whole from the fan-out, verified like the others."""

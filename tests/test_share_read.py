@@ -129,6 +129,29 @@ def test_several_readers_at_once_read_what_one_reader_reads(ckpt: str, monkeypat
         assert {k: _bytes(t) for k, t in m4.items()} == {k: _bytes(t) for k, t in m1.items()}
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_each_step_of_a_members_part_is_told_once_when_its_bytes_are_in_place(ckpt: str, n: int) -> None:
+    """``on_step``: every step of the member's part, each once, each only once all its
+    bytes are in the member's tensors (several readers at once, tiny pieces)."""
+    spec = _spec(ckpt)
+    storage = Storage(Settings(storage_workers=3))
+    want = {name: _bytes(t) for name, t in named_tensors(_source())[0].items()}
+    for i in range(n):
+        tensors = dict(named_tensors(build(lambda: rw.Flat(rw.checkpoint_shapes())))[0])
+        steps = plan(tensors, BUCKET)
+        told: list[int] = []
+
+        def on_step(k: int, steps: Any = steps, tensors: Any = tensors, told: list[int] = told) -> None:
+            for slot in steps[k].slots:
+                lo = slot.offset if steps[k].direct else 0
+                assert _bytes(tensors[slot.name])[lo:lo + slot.nbytes] == want[slot.name][lo:lo + slot.nbytes]
+            told.append(k)
+
+        read_share(storage, spec, model_headers(storage, spec), steps, n, i, tensors, stage_bytes=999,
+                   on_step=on_step)
+        assert sorted(told) == list(parts(steps, n)[i])
+
+
 def test_members_read_ranged_requests_of_a_bucket(ckpt: str, gcs: LocalGCS) -> None:
     """The same from the GCS emulator, through the real client: parts exact, each
     object's bytes read once in all, every object's CRC32C (its metadata) proven."""

@@ -72,10 +72,11 @@ def worker_main(
     """Load (peer first), report, then keep serving until ``stop`` is set or time runs out.
 
     ``fault``: ``kill_member_1_on_share`` SIGKILLs member 1 of a cooperative download
-    once it read its share; ``corrupt_member_1_share`` makes it serve one wrong byte of
-    its part; ``kill_member_1_mid_share`` / ``stop_member_1_mid_share`` SIGKILL /
+    as the first step of its part lands, before it serves; ``corrupt_member_1_share``
+    makes it serve one wrong byte of its part; ``kill_member_1_mid_share`` / ``stop_member_1_mid_share`` SIGKILL /
     SIGSTOP it at the third step of its part's send; ``kill_member_1_before_announce`` /
     ``stop_member_1_before_announce`` as it is named, before it announces its endpoint;
+    ``slow_member_1_share`` has member 1 take 1 s per step of its share;
     ``kill_first_elected_in_gather=PATH``
     SIGKILLs the first worker to gather a cooperative download (the one that creates
     PATH). ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
@@ -209,6 +210,23 @@ def _install_fault(fault: str) -> None:
 
         coop.read_share = read  # type: ignore[assignment]
         sender.send_tensors = send_part  # type: ignore[assignment]
+    elif fault == "slow_member_1_share":
+        from nccl_back.load import cooperative as slow_coop
+
+        orig_slow = slow_coop.read_share
+
+        def slow(*a: Any, **k: Any) -> Any:
+            if a[5] == 1 and k.get("on_step") is not None:
+                release = k["on_step"]
+
+                def on_step(j: int) -> None:
+                    time.sleep(1.0)  # a slow link: the share takes longer than the stall bound
+                    release(j)
+
+                k["on_step"] = on_step
+            return orig_slow(*a, **k)
+
+        slow_coop.read_share = slow  # type: ignore[assignment]
     elif fault in ("kill_member_1_on_share", "corrupt_member_1_share"):
         from nccl_back.load import cooperative
         from nccl_back.transport.parts import parts
@@ -216,16 +234,21 @@ def _install_fault(fault: str) -> None:
         orig_share = cooperative.read_share
 
         def share(*a: Any, **k: Any) -> Any:
-            got = orig_share(*a, **k)
-            if a[5] == 1:  # member 1 of a cooperative download (the elected worker is 0)
-                if fault == "kill_member_1_on_share":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                steps, tensors = a[3], a[6]
-                first = steps[parts(steps, a[4])[1][0]]  # the first step of its own part
-                slot = first.slots[0]
-                at = slot.offset if first.direct else 0
-                tensors[slot.name].view(-1).view(torch.uint8)[at] ^= 0xFF  # serves one wrong byte
-            return got
+            if a[5] == 1 and k.get("on_step") is not None:  # member 1 (the elected worker is 0)
+                steps, tensors, release = a[3], a[6], k["on_step"]
+                first_k = parts(steps, a[4])[1][0]  # the first step of its own part
+
+                def on_step(j: int) -> None:
+                    if j == first_k:  # landed, not yet gone out
+                        if fault == "kill_member_1_on_share":
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        slot = steps[j].slots[0]
+                        at = slot.offset if steps[j].direct else 0
+                        tensors[slot.name].view(-1).view(torch.uint8)[at] ^= 0xFF  # one wrong byte
+                    release(j)
+
+                k["on_step"] = on_step
+            return orig_share(*a, **k)
 
         cooperative.read_share = share  # type: ignore[assignment]
     elif fault == "kill_mid_send":

@@ -4,8 +4,8 @@ gathers them, proves every file and streams the whole through the fan-out.
 Member ``i`` of ``n`` (named in the elected worker's roster, :mod:`nccl_back.coord.election`)
 announces a relay endpoint for this rank's part ``i`` of the plan (only the elected
 worker reads where), reads its share from storage into its own tensors
-(:func:`~.share_read.read_share`) and lets the part go out; then it waits, like any
-waiter, for the elected worker's stream.
+(:func:`~.share_read.read_share`), each step of the part going out as its bytes land;
+then it waits, like any waiter, for the elected worker's stream.
 
 The elected worker reads part 0 and, at the same time, pulls part ``i`` from each member
 (the transfer every path uses, :func:`~.asking.transfer`). A member that does not
@@ -62,12 +62,14 @@ def serve_share(worker: Worker, a: Attempt) -> None:
     try:
         storage = Storage(s)
         steps = plan(t.tensors, t.bucket(s, t.kind))
-        got = read_share(storage, a.spec, model_headers(storage, a.spec), steps, n, i, t.tensors)
+        # Each step goes out as its bytes land: the elected worker's pull sees steps
+        # while the share is read, not only after (a long share would trip its stall bound).
+        got = read_share(storage, a.spec, model_headers(storage, a.spec), steps, n, i, t.tensors,
+                         on_step=lambda k: share.placed([k]))
     except Exception as e:  # noqa: BLE001 - a share is a speed-up: the elected worker reads it instead
         share.end(False, f"share unread: {e!r}"[:300])
         a.log.warning("download_share_failed", member=i, of=n, error=repr(e)[:300])
         return
-    share.placed(parts(steps, n)[i])
     a.timings["share"] = _clock.perf() - began
     a.share_bytes = got.bytes
     a.log.info("download_share_read", member=i, of=n, bytes=got.bytes, seconds=round(got.seconds, 3))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,6 +42,7 @@ from nccl_back.model.crc import Interval, check_file, crc32c_combine, file_crc
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import STAGE_BYTES, Span, SpanReader, cut_points
 from nccl_back.model.storage import Storage
+from nccl_back.transport.parts import parts
 
 if TYPE_CHECKING:
     from nccl_back.transport.broadcast import Step
@@ -77,14 +78,23 @@ def places(headers: Sequence[ShardHeader]) -> dict[str, Span]:
 
 def read_share(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
                steps: Sequence[Step], n: int, i: int, tensors: Mapping[str, torch.Tensor],
-               stage_bytes: int = STAGE_BYTES) -> ShareRead:
+               stage_bytes: int = STAGE_BYTES,
+               on_step: Callable[[int], None] | None = None) -> ShareRead:
     """Member ``i`` of ``n``: its share of ``spec``'s files into ``tensors`` (the
-    model's, named as ``headers`` name them; those of other parts are left untouched)."""
+    model's, named as ``headers`` name them; those of other parts are left untouched).
+    ``on_step(k)``: step ``k`` of part ``i`` has all its bytes in place (called from the
+    readers' threads as they land, so the part goes out while the share is read: a
+    share longer to read than the receiver's stall bound would otherwise look stalled)."""
     where = places(headers)
     every = shares(steps, where, {s.uri: s.size for s in spec.shards}, n)
     heads = [(h.uri, 0, len(h.raw)) for h in headers]
     cuts = cut_points([*heads, *(span for member in every for span in member)])
-    return _read(storage, spec, headers, where, every[i], cuts, tensors, i, stage_bytes)
+    landed = None if on_step is None else _Landed(steps, parts(list(steps), n)[i], where, tensors, on_step)
+    got = _read(storage, spec, headers, where, every[i], cuts, tensors, i, stage_bytes,
+                None if landed is None else landed.placed)
+    if landed is not None:
+        landed.rest()
+    return got
 
 
 def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
@@ -99,7 +109,8 @@ def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader]
 
 def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
           where: Mapping[str, Span], spans: Sequence[Span], cuts: Mapping[str, Sequence[int]],
-          tensors: Mapping[str, torch.Tensor], member: int, stage_bytes: int) -> ShareRead:
+          tensors: Mapping[str, torch.Tensor], member: int, stage_bytes: int,
+          on_placed: Callable[[str, int, int], None] | None = None) -> ShareRead:
     """``spans`` read as pieces by ``storage_workers`` readers at once, as a whole
     download's ranged requests are (one request at a time would leave a member's share
     at one connection's speed), sharing the ``stage_bytes`` staging budget."""
@@ -122,6 +133,8 @@ def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
                 try:
                     for off, buf in reader.read(*piece, step):
                         targets.place(piece[0], off, buf)
+                        if on_placed is not None:
+                            on_placed(piece[0], off, off + len(buf))
                 except BaseException:
                     failed.set()  # the others stop at their next piece
                     raise
@@ -190,6 +203,51 @@ def blame(storage: Storage, spec: ModelSpec, uri: str, reads: Sequence[ShareRead
     served = {(iv.start, iv.end): iv.crc for iv in reader.intervals}
     return Blame(tuple(sorted({m for m, iv in mine if served.get((iv.start, iv.end)) != iv.crc})),
                  changed_at_rest=False)
+
+
+class _Landed:
+    """Which steps of a part have every byte in place, as a share read places them."""
+
+    def __init__(self, steps: Sequence[Step], part: Sequence[int], where: Mapping[str, Span],
+                 tensors: Mapping[str, torch.Tensor], on_step: Callable[[int], None]) -> None:
+        self.on_step, self.lock = on_step, threading.Lock()
+        self.left: dict[int, int] = {}
+        self.told: set[int] = set()
+        ranges: dict[str, list[tuple[int, int, int]]] = {}
+        self.late: set[int] = set()  # a tensor staged until the read's end (unstage)
+        for k in part:
+            self.left[k] = 0
+            for slot in steps[k].slots:
+                uri, start, _ = where[slot.name]
+                lo = slot.offset if steps[k].direct else 0
+                ranges.setdefault(uri, []).append((start + lo, start + lo + slot.nbytes, k))
+                self.left[k] += slot.nbytes
+                if not tensors[slot.name].is_contiguous():
+                    self.late.add(k)
+        self.ranges = {uri: sorted(rs) for uri, rs in ranges.items()}
+        self.starts = {uri: [r[0] for r in rs] for uri, rs in self.ranges.items()}
+
+    def placed(self, uri: str, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` of ``uri`` are in place (each byte once)."""
+        rs, ready = self.ranges.get(uri, []), []
+        with self.lock:
+            for start, end, k in rs[max(bisect.bisect_right(self.starts.get(uri, []), lo) - 1, 0):]:
+                if start >= hi:
+                    break
+                got = min(end, hi) - max(start, lo)
+                if got > 0:
+                    self.left[k] -= got
+                    if self.left[k] == 0 and k not in self.late:
+                        self.told.add(k)
+                        ready.append(k)
+        for k in ready:
+            self.on_step(k)
+
+    def rest(self) -> None:
+        """The read ended: every step not told yet (staged tensors, empty steps)."""
+        for k in sorted(self.left):
+            if k not in self.told:
+                self.on_step(k)
 
 
 class _Target:

@@ -219,8 +219,8 @@ class Settings:
     reads; 0 turns the split off."""
 
     claim_ttl: float = 6.0
-    """Seconds a receiver's send-slot claim lives unless renewed; the receiver renews it
-    while its attempt runs, so a crashed receiver frees the slot within this bound."""
+    """Seconds a receiver's send-slot claim, or a cooperative download member's endpoint
+    record, lives unless renewed while its owner runs: a dead owner is given up on within it."""
 
     peer_budget: float = 0.0
     """Seconds all peer attempts of one load may take together (claims, handshakes,

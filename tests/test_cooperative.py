@@ -108,19 +108,21 @@ def test_a_member_serving_a_wrong_byte_is_blamed_and_its_share_read_again(fleet:
 def test_a_share_slower_to_read_than_the_stall_bound_still_serves_its_part(
         fleet: Fleet, ckpt: str) -> None:
     """Member 1 reads its share at 1 s a step, longer in all than the elected
-    worker's stall bound (3 s): each step goes out as it lands, so the pull keeps
-    moving, nobody reads member 1's share again, and all three end verified."""
+    worker's stall bound (3 s) and its announcement's TTL (``claim_ttl`` 2 s, renewed
+    while it serves): each step goes out as it lands, so the pull keeps moving, nobody
+    reads member 1's share again, and all three end verified."""
     go = CTX.Event()
+    slow = {**COOPERATIVE, "relay_stall_timeout": 2.0, "download_lease": 3.0, "claim_ttl": 2.0}
     for i in range(3):
-        fleet.start(f"w{i}", settings={**COOPERATIVE, "relay_stall_timeout": 2.0, "download_lease": 3.0},
+        fleet.start(f"w{i}", settings=slow,
                     go=go, serve_for=30, model_kwargs=MODEL, fault="slow_member_1_share")
     time.sleep(3.0)
     go.set()
     reports = [_ok(fleet.report(150)) for _ in range(3)]
     assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports
-    slow = next(r for r in reports if r["source"] == "peer" and r["timings"]["share"] > 3.0)
+    member_1 = next(r for r in reports if r["source"] == "peer" and r["timings"]["share"] > 3.0)
     elected = next(r for r in reports if r["source"] == "storage")
-    assert elected["bytes"] < 0.6 * _checkpoint_bytes(ckpt), (elected, slow)
+    assert elected["bytes"] < 0.6 * _checkpoint_bytes(ckpt), (elected, member_1)
 
 
 @pytest.mark.timeout(180)
@@ -172,12 +174,32 @@ def test_a_member_lost_costs_its_share_not_the_download(fleet: Fleet, ckpt: str,
         assert lost[0].exitcode == -signal.SIGKILL
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["kill_member_1_on_request", "stop_member_1_on_request"])
+def test_a_member_lost_before_it_answers_is_given_up_on_within_its_announcements_ttl(
+        fleet: Fleet, ckpt: str, fault: str) -> None:
+    """Member 1 SIGKILLed or SIGSTOPped as the elected worker's request for its part
+    arrives (the handshake never answered): its announcement lapses, so the elected
+    worker reads that share after ``claim_ttl`` (3 s), not after its handshake timeout
+    (40 s here), and the other two end verified."""
+    fleet.settings.update(claim_ttl=3.0, receiver_handshake_timeout=40.0)
+    procs = _start_together(fleet, 3, fault=fault)
+    reports = [_ok(fleet.report(150)) for _ in range(2)]
+    assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
+    elected = next(r for r in reports if r["source"] == "storage")
+    assert 0.5 * _checkpoint_bytes(ckpt) < elected["bytes"] < 0.9 * _checkpoint_bytes(ckpt), elected
+    assert all(r["load_seconds"] < 25 for r in reports), reports
+    assert len([p for p in procs if p.pid not in {r["pid"] for r in reports}]) == 1
+
+
 @pytest.mark.timeout(240)
 def test_the_elected_worker_killed_during_the_gather_a_member_takes_over(
-        fleet: Fleet, tmp_path: Path) -> None:
+        fleet: Fleet, ckpt: str, tmp_path: Path) -> None:
     """The elected worker SIGKILLed as it starts to gather: once its lease expires a
-    member takes it, names a new roster without the dead owner (named, it would cost
-    the stall bound), and both survivors end with the checkpoint's exact bytes, verified."""
+    member takes it over with the same split (its own part held, the dead worker's share
+    read, the other member's part pulled from its endpoint), so storage reads the
+    checkpoint about once in all, not twice, and both survivors end with the
+    checkpoint's exact bytes, verified."""
     fleet.settings["download_lease"] = 1.5
     procs = _start_together(fleet, 3, fault=f"kill_first_elected_in_gather={tmp_path / 'killed'}")
     reports = [_ok(fleet.report(150)) for _ in range(2)]
@@ -188,3 +210,7 @@ def test_the_elected_worker_killed_during_the_gather_a_member_takes_over(
     assert lost[0].exitcode == -signal.SIGKILL
     # Taken over within the lease and the window, not after a dead member's stall bound.
     assert all(r["load_seconds"] < COOPERATIVE["relay_stall_timeout"] + 8 for r in reports), reports
+    # Each survivor's share, plus the dead worker's share read by the new owner.
+    assert sum(r["storage_bytes"] for r in reports) < 1.1 * _checkpoint_bytes(ckpt), reports
+    owner = next(r for r in reports if r["source"] == "storage")
+    assert 0.2 * _checkpoint_bytes(ckpt) < owner["peer_bytes"] < 0.5 * _checkpoint_bytes(ckpt), owner

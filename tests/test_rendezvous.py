@@ -35,6 +35,7 @@ from nccl_back.transport import (
     run_guarded,
     send_tensors,
 )
+from nccl_back.transport.gloo import GlooTransport
 from nccl_back.transport.store import _MAX_STORED, MAX_VALUE_BYTES, RedisStore
 
 SECRET = "fleet-secret-" + "r" * 24
@@ -256,3 +257,17 @@ def test_a_non_canonical_spelling_of_a_genuine_value_is_rejected(fleet: Settings
     genuine = s.encode(key, b"\x00")
     assert genuine.endswith(":AA==")
     assert s.decode(key, genuine[:-3] + "B==") is None
+
+
+def test_an_aborted_transport_stops_forming_its_communicator_at_once(fleet: Settings,
+                                                                     registry: Registry) -> None:
+    """A receiver whose sender never comes, aborted 0.3 s into its connect, raises at
+    its store's next poll, not at its 30 s connect deadline."""
+    tr = GlooTransport.receiver(fleet, registry, "127.0.0.1:1", uuid.uuid4().hex,
+                                device=torch.device("cpu"))
+    threading.Timer(0.3, tr.abort).start()
+    began = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match=r"rendezvous wait .*: aborted"):
+        tr.connect(time.monotonic() + 30)
+    assert time.monotonic() - began < 5
+    tr.close()

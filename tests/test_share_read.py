@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from nccl_back.config import Settings
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.dev.s3 import LocalS3
-from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError
+from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError, StorageError
 from nccl_back.load.share_read import Blame, ShareRead, blame, places, prove, read_share
 from nccl_back.load.shares import shares
 from nccl_back.model.checkpoint import model_headers
@@ -210,6 +210,34 @@ def test_a_file_changed_after_it_was_listed_fails_the_proof_and_blames_nobody(tm
                                                     r" loaded \(combined over all members' ranges\)"):
         prove(spec, reads)
     assert blame(Storage(Settings()), spec, victim, reads) == Blame((), changed_at_rest=True)
+
+
+def test_a_storage_error_in_one_of_several_readers_stops_the_others_and_is_raised(
+        ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One of four readers' requests fails for good: the share read raises that error,
+    and the other readers start no new request after it (at most the three in flight
+    finish), so a failed share costs no more storage than it had read."""
+    spec = _spec(ckpt)
+    calls, after, lock = 0, 0, threading.Lock()
+    failed = threading.Event()
+    orig = SpanReader._read_into
+
+    def read_into(self: SpanReader, *a: Any) -> None:
+        nonlocal calls, after
+        with lock:
+            calls += 1
+            after += failed.is_set()
+            fail = calls == 3
+        time.sleep(0.002)
+        if fail:
+            failed.set()
+            raise StorageError("bucket unreachable after 5 attempts (test)")
+        orig(self, *a)
+
+    monkeypatch.setattr(SpanReader, "_read_into", read_into)
+    with pytest.raises(StorageError, match=r"bucket unreachable after 5 attempts \(test\)"):
+        _members(spec, 1, stage=999, readers=4)
+    assert calls > 3 and after <= 3, (calls, after)
 
 
 def test_a_file_cut_short_after_its_header_was_read_stops_every_member_reading_it(tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ def worker_main(
     makes it serve one wrong byte of its part; ``kill_member_1_mid_share`` / ``stop_member_1_mid_share`` SIGKILL /
     SIGSTOP it at the third step of its part's send; ``kill_member_1_before_announce`` /
     ``stop_member_1_before_announce`` as it is named, before it announces its endpoint;
+    ``kill_member_1_on_request`` / ``stop_member_1_on_request`` as the elected worker's
+    request for its part reaches its endpoint, before the handshake is answered;
     ``slow_member_1_share`` has member 1 take 1 s per step of its share;
     ``kill_first_elected_in_gather=PATH``
     SIGKILLs the first worker to gather a cooperative download (the one that creates
@@ -187,6 +189,26 @@ def _install_fault(fault: str) -> None:
             return orig_open(self, replica, log, member)
 
         Cohorts.open_share = open_share  # type: ignore[method-assign]
+    elif fault in ("kill_member_1_on_request", "stop_member_1_on_request"):
+        from nccl_back.transport.relay import receive as relay_receive
+        from nccl_back.transport.relay.server import RelayServer
+
+        orig_start, orig_admit = relay_receive.share, RelayServer._admit
+        member_1: list[Any] = []
+
+        def start_share(p: Any, member: int) -> Any:
+            got = orig_start(p, member)
+            if member == 1:
+                member_1.append(got.server)
+            return got
+
+        def admit(self: Any, request: Any) -> None:
+            if self in member_1:  # the elected worker asks for the part: never answered
+                os.kill(os.getpid(), signal.SIGKILL if fault.startswith("kill") else signal.SIGSTOP)
+            orig_admit(self, request)
+
+        relay_receive.share = start_share  # type: ignore[assignment]
+        RelayServer._admit = admit  # type: ignore[method-assign]
     elif fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
         from nccl_back.load import cooperative as coop
 

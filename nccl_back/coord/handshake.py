@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -119,15 +120,18 @@ def run_receiver(
     timeout: float,
     *,
     after_ready: Callable[[], None] | None = None,
+    gone: threading.Event | None = None,
 ) -> None:
     """The receiver's half (states R0-R3); returns once the sender proved it is alive.
 
     ``after_ready`` runs right after X is stored (R0), e.g. to push the transfer
     request, so the sender's short timeout starts only once X is there to find.
+    ``gone``: set when the caller learns otherwise that the sender is gone (its
+    liveness record expired); the wait then ends at its next poll.
     Raises :class:`HandshakeTimeoutError` (also when the sender abandoned the transfer
     just before our last write), :class:`ManifestMismatchError`, the error a refusal
-    maps to (:data:`REFUSALS`) or :class:`RegistryError`; on any of them the handshake
-    keys are removed.
+    maps to (:data:`REFUSALS`), :class:`NoPeerError` once ``gone`` is set, or
+    :class:`RegistryError`; on any of them the handshake keys are removed.
     """
     r_key, s_key = keys(registry, transfer_id)
     deadline = _clock.monotonic() + timeout
@@ -138,14 +142,14 @@ def run_receiver(
             after_ready()
         ack, _ = _wait(registry, r_key,
                        lambda v: v.by == "sender" and (v.value == x + 1 or v.refused is not None),
-                       deadline, "R1 WAIT_ACK", transfer_id)
+                       deadline, "R1 WAIT_ACK", transfer_id, gone)
         if ack.refused is not None:
             cls = REFUSALS.get(ack.refused, PeerError)
             raise cls(f"transfer {transfer_id}: the sender refused it ({ack.refused}):"
                       f" {ack.message[:500]}")
         _check_digest(manifest_digest, ack, "sender", transfer_id)
         got, got_raw = _wait(registry, s_key, lambda v: v.by == "sender",
-                             deadline, "R2 WAIT_Y", transfer_id)
+                             deadline, "R2 WAIT_Y", transfer_id, gone)
         if got.abandoned:
             raise HandshakeTimeoutError(
                 f"handshake for transfer {transfer_id}: the sender gave up (its deadline"
@@ -236,15 +240,19 @@ def _wait(
     deadline: float,
     state: str,
     transfer_id: str,
+    gone: threading.Event | None = None,
 ) -> tuple[HandshakeValue, str]:
-    """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes:
-    the value, and the raw one stored (for a compare-and-set)."""
+    """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes
+    (or ``gone`` is set): the value, and the raw one stored (for a compare-and-set)."""
     while True:
         # Unsigned, forged, expired or malformed values are skipped (logged, counted):
         # only the genuine other side can move the handshake on.
         found = registry.get_signed(key, schema.HANDSHAKE)
         if found is not None and ready(found[0]):
             return found[0], found[1]
+        if gone is not None and gone.is_set():
+            raise NoPeerError(f"handshake for transfer {transfer_id}: the peer was found gone"
+                              f" in state {state}")
         left = deadline - _clock.monotonic()
         if left <= 0:
             raise HandshakeTimeoutError(

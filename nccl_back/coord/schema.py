@@ -217,7 +217,7 @@ DOWNLOAD_ROSTER = KeyKind("dlr", "dlr", ("version", "world"), RecordKind.DOWNLOA
                           "the members of a cooperative download, named by the worker elected",
                           parse=_plain(records.roster))
 DOWNLOAD_MEMBER = KeyKind("dlm", "dlm", (*_VRW, "member"), RecordKind.DOWNLOAD_MEMBER, S, G,
-                          lambda s: s.single_flight_max_wait, SMALL,
+                          lambda s: s.claim_ttl, SMALL,
                           "the relay endpoint a cooperative download's member serves its part from",
                           parse=_plain(records.member))
 COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), None, H, Signing.NONE,

@@ -42,17 +42,21 @@ def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, 
              digest: str, tensors: Mapping[str, torch.Tensor], bucket: int, start: int = 0,
              part: Part | None = None, on_step: Callable[[int], None] | None, handshake_timeout: float, deadline: float,
              stall: float, transfer_timeout: float | None = None,
-             started: Callable[[Transport], None] | None = None) -> None:
+             started: Callable[[Transport], None] | None = None,
+             gone: threading.Event | None = None) -> None:
     """One transfer from ``source``, on every path: the request pushed once the
     handshake's first value is there, the handshake proving ``digest`` (the manifest's,
     or a reshard plan's), then ``tensors`` received under the watchdog from step
     ``start``. ``transfer_timeout``: a holder's transfer gets its own bound once the
     handshake is done (within ``deadline``); a relay upstream shares the chain's.
-    ``started``: told the transport before data moves (a reshard aborts the others)."""
+    ``started``: told the transport before data moves (a reshard aborts the others).
+    ``gone``: set once the source is known dead (the handshake then ends at once; the
+    caller aborts the transport ``started`` gave it)."""
     s = worker.settings
     began = _clock.perf()
     run_receiver(worker.registry, request.transfer_id, digest, handshake_timeout,
-                 after_ready=lambda: worker.registry.push_request(source, request.to_dict()))
+                 after_ready=lambda: worker.registry.push_request(source, request.to_dict()),
+                 gone=gone)
     a.timings[f"handshake{_suffix(request)}"] = _clock.perf() - began
     if transfer_timeout is not None:
         deadline = min(_clock.monotonic() + transfer_timeout, deadline)

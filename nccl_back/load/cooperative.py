@@ -9,8 +9,10 @@ then it waits, like any waiter, for the elected worker's stream.
 
 The elected worker reads part 0 and, at the same time, pulls part ``i`` from each member
 (the transfer every path uses, :func:`~.asking.transfer`). A member that does not
-announce itself within the stall bound, or whose transfer fails, costs its share, not
-the download: the elected worker reads that share itself. Then it proves every file
+announce itself within the stall bound, whose announcement lapses (it is renewed while
+the member's endpoint lives: a member killed or stopped is found within ``claim_ttl``,
+not after a handshake or connect timeout), or whose transfer fails, costs its share,
+not the download: the elected worker reads that share itself. Then it proves every file
 against the CRC32C storage lists from the bytes it holds (:mod:`.held_proof`); a file
 that fails is blamed (:func:`~.share_read.blame`), the blamed members' spans of it read
 again from storage, and the proof run once more. Only then is its stream announced
@@ -23,11 +25,19 @@ that file proves is the pipelining still to do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from nccl_back import _clock
-from nccl_back.errors import ChecksumMismatchError, NcclBackError, NoPeerError, fallback_reason
+from nccl_back.errors import (
+    ChecksumMismatchError,
+    NcclBackError,
+    NoPeerError,
+    RegistryError,
+    fallback_reason,
+)
 from nccl_back.load.asking import new_request, transfer
 from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.held_proof import held_reads
@@ -44,6 +54,8 @@ from nccl_back.transport.parts import parts
 
 #: Seconds between two looks for a member's announcement.
 ANNOUNCE_POLL = 0.05
+#: Seconds between two looks at a member's announcement while its part is pulled.
+WATCH_POLL = 0.25
 
 
 def serve_share(worker: Worker, a: Attempt) -> None:
@@ -86,11 +98,17 @@ class Gathered:
     """Bytes of the parts the members sent (a blamed member's part too)."""
 
 
-def gather_parts(worker: Worker, a: Attempt, n: int) -> Gathered:
+def gather_parts(worker: Worker, a: Attempt, n: int, held: int | None = None) -> Gathered:
     """The elected worker's rank: part 0 read, parts 1..n-1 pulled from the members at
     once, a failed member's share read here, then every file proven (the caller announces
     its stream only after). Raises :class:`ChecksumMismatchError` when a file does not
-    prove even from storage's own bytes (changed since it was listed)."""
+    prove even from storage's own bytes (changed since it was listed).
+
+    ``held``: this worker took the download over as member ``held`` of the split after
+    the worker elected first died: its own part is in its tensors already, so it reads
+    part 0 (the dead worker's share) and pulls the other members' parts from the
+    endpoints they still serve, the split unchanged (storage reads the checkpoint about
+    once, not a second time)."""
     s, t, spec = worker.settings, a.target, a.spec
     storage = Storage(s)
     headers = model_headers(storage, spec)
@@ -107,13 +125,15 @@ def gather_parts(worker: Worker, a: Attempt, n: int) -> Gathered:
     def pull(i: int) -> Pull:
         return lambda started: _pull(worker, a, i, n, t.bucket(s, t.kind), started)
 
-    errors = Pulls(abort=False).run([own, *(pull(i) for i in range(1, n))], "nccl_back-share")
+    others = [i for i in range(1, n) if i != held]
+    errors = Pulls(abort=False).run([own, *(pull(i) for i in others)], "nccl_back-share")
     if errors[0] is not None:
         raise errors[0]
     cut = parts(steps, n)
-    received = sum(steps[k].nbytes for i, e in enumerate(errors[1:], 1) if e is None for k in cut[i])
+    received = sum(steps[k].nbytes for i, e in zip(others, errors[1:], strict=True) if e is None
+                   for k in cut[i])
     read_for: list[int] = []
-    for i, e in enumerate(errors[1:], 1):
+    for i, e in zip(others, errors[1:], strict=True):
         if e is None:
             continue
         a.log.warning("download_member_failed", member=i, of=n,
@@ -160,13 +180,62 @@ def _pull(worker: Worker, a: Attempt, i: int, n: int, bucket: int,
     if not r.speaks(member):
         raise NoPeerError(f"member {i} of {n} speaks {member.transport}/{member.device}, not {t.kind}")
     request = new_request(worker, a, None, part=i, parts=n)
-    transfer(worker, a, member.member_id, request, member.transport, member.address,
-             digest=t.manifest.digest, tensors=t.tensors, bucket=bucket, part=(i, n),
-             on_step=None,
-             handshake_timeout=s.receiver_handshake_timeout,
-             deadline=_clock.monotonic() + s.transfer_timeout + s.single_flight_max_wait,
-             stall=max(s.relay_stall_timeout, s.download_lease),
-             started=started)
+    with _watched(worker, a, i, member.member_id, started) as (gone, on_start):
+        try:
+            transfer(worker, a, member.member_id, request, member.transport, member.address,
+                     digest=t.manifest.digest, tensors=t.tensors, bucket=bucket, part=(i, n),
+                     on_step=None,
+                     handshake_timeout=s.receiver_handshake_timeout,
+                     deadline=_clock.monotonic() + s.transfer_timeout + s.single_flight_max_wait,
+                     stall=max(s.relay_stall_timeout, s.download_lease),
+                     started=on_start, gone=gone)
+        except NcclBackError as e:
+            if not gone.is_set():
+                raise
+            raise NoPeerError(f"member {i} of {n}: its announcement lapsed (not renewed within"
+                              f" claim_ttl {s.claim_ttl:g} s: killed or stopped)") from e
+
+
+@contextlib.contextmanager
+def _watched(worker: Worker, a: Attempt, i: int, member_id: str,
+             started: Callable[[Transport], None],
+             ) -> Iterator[tuple[threading.Event, Callable[[Transport], None]]]:
+    """Member ``i``'s announcement watched while the block pulls its part: ``gone`` is
+    set, and the pull's transport aborted, once it lapsed or names another endpoint.
+    A gloo wait already running is not interrupted (its stall bound ends it); the
+    handshake and the communicator's forming are, at their next poll."""
+    r = a.replica()
+    gone, stop, lock = threading.Event(), threading.Event(), threading.Lock()
+    live: list[Transport] = []
+
+    def on_start(transport: Transport) -> None:
+        started(transport)
+        with lock:
+            live.append(transport)
+            if gone.is_set():
+                transport.abort()
+
+    def watch() -> None:
+        while not _clock.wait(stop, WATCH_POLL):
+            try:
+                now = worker.registry.download_member(r.version, r.rank, r.world, i)
+            except RegistryError:
+                continue  # Redis trouble says nothing of the member
+            if now is None or now.member_id != member_id:
+                a.log.warning("download_member_lapsed", member=i, endpoint=member_id)
+                with lock:
+                    gone.set()
+                    for transport in live:
+                        transport.abort()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True, name=f"nccl-back-watch-{i}")
+    watcher.start()
+    try:
+        yield gone, on_start
+    finally:
+        stop.set()
+        watcher.join()
 
 
 def _failing(spec: ModelSpec, reads: Sequence[ShareRead]) -> list[str]:

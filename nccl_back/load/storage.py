@@ -88,16 +88,29 @@ def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
     return result
 
 
+def _split(a: Attempt) -> tuple[int, int | None] | None:
+    """``(members, part held)`` of the cooperative download this elected worker gathers:
+    the roster it named, or, taking over as a former member whose share it read (the
+    first elected worker died), that split again with its own part held; None: a
+    whole download."""
+    if a.roster is not None and len(a.roster) > 1:
+        return len(a.roster), None
+    if a.member is not None and a.share_bytes > 0:
+        return a.member[1], a.member[0]
+    return None
+
+
 def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stored: StorageLoad) -> None:
     s = worker.settings
     t = _clock.perf()
     # An engine's own loader may rewrite tensors after loading them, and reports no
     # per-tensor fills: only the checkpoint's loader streams.
     streams = a.elected and loader is load_checkpoint
-    if streams and a.roster is not None and len(a.roster) > 1:
-        got = gather_parts(worker, a, len(a.roster))
-        a.log.info("download_gathered", members=len(a.roster), read_for=list(got.read_for),
-                   bytes=got.bytes, received=got.received)
+    split = _split(a) if streams else None
+    if split is not None:
+        got = gather_parts(worker, a, *split)
+        a.log.info("download_gathered", members=split[0], held=split[1],
+                   read_for=list(got.read_for), bytes=got.bytes, received=got.received)
         stored.received = got.received
         stored.stream = worker.cohorts.open_stream(a.replica(), a.log)
         if stored.stream is not None:

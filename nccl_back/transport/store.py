@@ -159,14 +159,16 @@ class RedisStore(dist.Store):
     """One transfer's bootstrap keys in Redis, HMAC-signed and size-bounded (see module doc).
 
     Supports what torch's process groups use to bootstrap: ``set``, ``get``, ``wait``,
-    ``check`` and ``delete_key``. Every wait ends by ``deadline`` (``_clock.monotonic``)
-    with :class:`TransferTimeoutError`. ``registry`` is what the keys are named and Redis
+    ``check`` and ``delete_key``. Every wait ends by ``deadline`` (``_clock.monotonic``),
+    or at once after ``aborted`` is set, with :class:`TransferTimeoutError`. ``registry`` is what the keys are named and Redis
     reached through: its namespace, client and error mapping (:class:`RegistryError`).
     """
 
-    def __init__(self, registry: Registry, scope: str, key: bytes | None, deadline: float) -> None:
+    def __init__(self, registry: Registry, scope: str, key: bytes | None, deadline: float,
+                 aborted: threading.Event | None = None) -> None:
         super().__init__()
         self._registry = registry
+        self._aborted = aborted
         self._scope = scope
         self._key = key
         self.deadline = deadline
@@ -213,6 +215,10 @@ class RedisStore(dist.Store):
     # -- Redis -------------------------------------------------------------------------------
 
     def _left(self, what: str) -> float:
+        if self._aborted is not None and self._aborted.is_set():
+            # The transport was aborted: a communicator still forming must not wait for
+            # a peer found gone (its own constructor cannot be interrupted otherwise).
+            raise TransferTimeoutError(f"rendezvous {what}: aborted")
         left = self.deadline - _clock.monotonic()
         if left <= 0:
             raise TransferTimeoutError(f"rendezvous {what}: deadline passed")
@@ -343,7 +349,7 @@ class StoreTransport(Transport):
         ending by the connect deadline."""
         self._store = RedisStore(self._registry, f"{self.kind}/{self.transfer_id}",
                                  self.settings.key("rendezvous"),
-                                 _clock.monotonic() + self._left("connect"))
+                                 _clock.monotonic() + self._left("connect"), self._aborted)
         return dist.PrefixStore(self.kind, self._store)
 
     def _drop_bootstrap(self) -> None:

@@ -4,12 +4,15 @@ a cooperative download member's endpoint for its part."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.records import Member
 from nccl_back.coord.registry import Registry
@@ -193,10 +196,20 @@ def stream(p: Endpoints) -> Stream:
 class Share:
     """A cooperative download member's relay endpoint for one rank: it serves part ``i``
     of the plan to the elected worker, each step once the member's share read put it in
-    place (announced only where the elected worker looks: no peer entry)."""
+    place (announced only where the elected worker looks: no peer entry).
 
-    def __init__(self, server: RelayServer) -> None:
+    The announcement lives ``claim_ttl`` and is renewed every third of it for as long as
+    the endpoint lives, so it says the member is alive: the elected worker's pull gives
+    up on a member whose announcement lapsed (killed, stopped) within that bound, not
+    after a handshake or connect timeout."""
+
+    def __init__(self, server: RelayServer, announce: Callable[[], None], ttl: float) -> None:
         self.server = server
+        self._announce = announce
+        self._ttl = ttl
+        self._renewing = threading.Thread(target=self._renew, daemon=True,
+                                          name=f"nccl-back-share-{server.member.member_id[-6:]}")
+        self._renewing.start()
 
     @property
     def member(self) -> Member:
@@ -211,19 +224,34 @@ class Share:
         """The member's load ended; failed (or its share unread): requests are refused."""
         self.server.end(ok, reason)
 
+    def _renew(self) -> None:
+        while True:
+            _clock.sleep(self._ttl / 3)
+            if not self.server.alive:
+                return  # the endpoint stopped: the announcement lapses with it
+            try:
+                self._announce()
+            except RegistryError as e:  # a lapse costs the elected worker's pull, nothing else
+                log.warning("share_renew_failed", member=self.member.member_id, error=str(e))
+
 
 def share(p: Endpoints, member: int) -> Share:
     """Start member ``member``'s endpoint for this rank's part and announce it to the
-    elected worker (listening before the record is out). Raises :class:`RegistryError`."""
+    elected worker (listening before the record is out), renewed while the endpoint
+    lives. Raises :class:`RegistryError`."""
     # The elected worker asks at once; the send then waits for the share's read, as a
     # stream's waits for storage: the same bound.
     wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
     server = p.server("share", max_sends=1, send_timeout=wait).start()
     r = p.replica
-    try:
+
+    def announce() -> None:
         p.registry.announce_download_member(r.version, r.rank, r.world, member, server.member)
+
+    try:
+        announce()
     except RegistryError:
         server.end(False, "could not announce the share")
         raise
     p.log.info("download_share_announced", member=member, endpoint=server.member.member_id)
-    return Share(server)
+    return Share(server, announce, p.settings.claim_ttl)

@@ -9,7 +9,8 @@ then it waits, like any waiter, for the elected worker's stream.
 
 The elected worker reads part 0 and, at the same time, pulls part ``i`` from each member
 (the transfer every path uses, :func:`~.asking.transfer`). A member that does not
-announce itself within the stall bound, whose announcement lapses (it is renewed while
+announce itself within ``claim_ttl`` (at most ``relay_stall_timeout``), whose
+announcement lapses (it is renewed while
 the member's endpoint lives: a member killed or stopped is found within ``claim_ttl``,
 not after a handshake or connect timeout), or whose transfer fails, costs its share,
 not the download: the elected worker reads that share itself. Then it proves every file
@@ -168,14 +169,17 @@ def _pull(worker: Worker, a: Attempt, i: int, n: int, bucket: int,
     """Part ``i`` from member ``i``'s endpoint into this rank's tensors."""
     s, t = worker.settings, a.target
     r = a.replica()
-    deadline = _clock.monotonic() + s.relay_stall_timeout
+    # A named member announces at its next poll of the roster: one that has not within
+    # the bound its announcement would then live is taken for dead.
+    bound = min(s.claim_ttl, s.relay_stall_timeout)
+    deadline = _clock.monotonic() + bound
     member = None
     while member is None:
         member = worker.registry.download_member(r.version, r.rank, r.world, i)
         if member is None:
             if _clock.monotonic() >= deadline:
-                raise NoPeerError(f"member {i} of {n} announced no endpoint within"
-                                  f" relay_stall_timeout {s.relay_stall_timeout:g} s")
+                raise NoPeerError(f"member {i} of {n} announced no endpoint within {bound:g} s"
+                                  " (claim_ttl, at most relay_stall_timeout)")
             _clock.sleep(ANNOUNCE_POLL)
     if not r.speaks(member):
         raise NoPeerError(f"member {i} of {n} speaks {member.transport}/{member.device}, not {t.kind}")

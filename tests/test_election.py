@@ -18,6 +18,7 @@ import torch.distributed as dist
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.election import DownloadLease, Election, elect
+from nccl_back.coord.records import Member
 from nccl_back.coord.registry import Registry
 from nccl_back.dev.servers import free_port
 from nccl_back.transport_kinds import MAX_PARTS
@@ -241,6 +242,37 @@ def test_a_new_owner_names_none_of_a_former_roster(cooperative: Registry) -> Non
         cooperative.name_download_roster("v1", 2, ["A", "B"])  # the former roster, as C finds it
         assert owner.name_members(0.0) == ["C", "D"]
         owner.release()
+    finally:
+        former.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_new_owner_takes_over_a_former_split_whose_members_still_serve(cooperative: Registry) -> None:
+    """A former owner A named B and C, and B still announces its part: the new owner D,
+    no member, takes that split over at once in A's place (D, B, C), writes no roster
+    of its own (a waiter reads none and stays a receiver); once no member announces,
+    a new owner names afresh."""
+    former = _lease(cooperative, "A")
+    try:
+        for w in ("A", "B", "C"):
+            _lease(cooperative, w).join()
+        assert former.try_acquire()
+        assert former.name_members(0.0) == ["A", "B", "C"]
+        _lease(cooperative, "E").join()  # a waiter arriving after the roster
+        cooperative.announce_download_member("v1", 0, 2, 1, Member("b-r0-share-1", "127.0.0.1:1", "gloo", "cpu"))
+        former.release()  # as its expiry would
+        owner = _lease(cooperative, "D")
+        assert owner.try_acquire()
+        assert owner.name_members(60.0) == ["D", "B", "C"]  # at once: no window waited
+        waiter = _lease(cooperative, "E")
+        waiter.read_roster()
+        assert waiter.member is None and waiter.roster() is None
+        owner.release()
+        cooperative.delete(cooperative.keys.download_member("v1", 0, 2, 1))  # B's lapsed
+        again = _lease(cooperative, "F")
+        assert again.try_acquire()
+        assert again.name_members(0.0) == ["F", "E"]
+        again.release()
     finally:
         former.release()
 

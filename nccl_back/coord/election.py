@@ -124,13 +124,30 @@ class DownloadLease:
         roster names who will not serve again, though their group entries stay: that
         owner lost the lease (it died or stopped renewing), and its members read their
         shares already and now wait for a stream (they read no second roster). Named,
-        each would cost the stall bound."""
+        each would cost the stall bound.
+
+        Unless a former owner's members still serve their parts (an announcement of one
+        of them lives: renewed while its endpoint lives): then this worker takes that
+        split over at once, in the dead owner's place, and names nobody (its roster is
+        not rewritten, so a waiter reads none of this holder's and stays a receiver).
+        Storage then reads the dead owner's share again, not the whole."""
+        former = self.registry.download_roster(self.version, self.world)
+        if former is not None and former.owner != self.owner and self._serving(former):
+            log.info("download_roster_adopted", key=self.key, former=former.owner,
+                     members=len(former.members))
+            return [self.owner, *former.members[1:]]
         _clock.wait(self._stop, window)
         former = self.registry.download_roster(self.version, self.world)
         gone = {self.owner, *(former.members if former is not None else ())}
         members = [self.owner, *[w for w in self.group() if w not in gone][:MAX_PARTS - 1]]
         self.registry.name_download_roster(self.version, self.world, members)
         return members
+
+    def _serving(self, roster: Roster) -> bool:
+        """Whether a member of ``roster`` still announces its part (single-rank members:
+        rank 0 of a world of one)."""
+        return any(self.registry.download_member(self.version, 0, self.world, i) is not None
+                   for i in range(1, len(roster.members)))
 
     def roster(self) -> Roster | None:
         """The roster of the worker holding the lease now, or None: none named yet, or

@@ -21,6 +21,11 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   (``cohort_max_size=1``): every receiver takes a whole copy from a holder and serves
   once it holds the weights, the binomial tree of ⌈log2(N+1)⌉ rounds.
 
+* ``warm_trees`` / ``warm_trees_kill`` / ``single_flight_trees``: ``warm`` / ``warm_kill``
+  / ``single_flight`` with the cohort seated in the fan-out's two trees
+  (``relay_fan_out="trees"``, one cohort of up to 1,024): the head takes the whole, each
+  other member half from each of its two parents.
+
 * ``warm_kill``: ``warm`` with one receiver SIGKILLed mid-transfer (``--kill-at`` of the
   warm N=1 median after the release), the one seated a quarter of the way down the first
   chain (seats read back from Redis): the receivers seated below it (``below_victim``)
@@ -80,9 +85,11 @@ from nccl_back.dev.example import write_example_model
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.model.identity import ModelSpec
+from nccl_back.transport.relay import topology
 
-SCENARIOS = ("storage", "warm", "warm_whole", "warm_kill", "warm_tree", "single_flight",
-             "single_flight_tree", "cooperative", "cooperative_kill")
+SCENARIOS = ("storage", "warm", "warm_whole", "warm_kill", "warm_tree", "warm_trees",
+             "warm_trees_kill", "single_flight", "single_flight_tree", "single_flight_trees",
+             "cooperative", "cooperative_kill")
 BUCKET = "cold-start-bench"
 PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
 #: The warm peers' worker names start with this (``warm``, ``warm1``, ...; their peer
@@ -166,16 +173,21 @@ def depths(rows: list[dict[str, Any]], holders: Sequence[str] = (HOLDER,)) -> No
     by_name = {r["worker"]: r for r in rows}
     names = sorted(by_name, key=len, reverse=True)  # the longest name that prefixes an id
 
-    def upstream(r: dict[str, Any]) -> dict[str, Any] | None:
-        pid = r.get("peer_id") or ""
+    def upstream(pid: str) -> dict[str, Any] | None:
         return next((by_name[w] for w in names if pid.startswith(w + "-")), None)
 
     def path(r: dict[str, Any], seen: frozenset[str]) -> tuple[int, str] | None:
         if r["source"] == "storage":
             return 0, "storage"
-        up = upstream(r)
+        # Several sources (the fan-out's trees, holders' parts): the deepest path that
+        # reaches a root (in the trees a source's own sources may lead back through this
+        # one: the other tree; that path is skipped).
+        found = [p for pid in (r.get("peer_id") or "").split(",") if (p := via(pid, r, seen))]
+        return max(found) if found else None
+
+    def via(pid: str, r: dict[str, Any], seen: frozenset[str]) -> tuple[int, str] | None:
+        up = upstream(pid)
         if up is None:
-            pid = r.get("peer_id") or ""
             return next(((1, h) for h in holders if pid.startswith(h + "-r")), None)
         if up["worker"] in seen:
             return None
@@ -185,6 +197,20 @@ def depths(rows: list[dict[str, Any]], holders: Sequence[str] = (HOLDER,)) -> No
     for r in rows:
         p = path(r, frozenset())
         r["depth"], r["root"] = (None, None) if p is None else p
+
+
+def tree_depths(rows: list[dict[str, Any]], seated: dict[str, tuple[str, int]]) -> None:
+    """In the fan-out's trees a receiver's sources lead back through it in the other
+    tree, so :func:`depths` cannot follow them: each row's ``depth`` is its seat's hops
+    from the cohort's source in the deeper of its two trees, in the cohort as it formed."""
+    sizes: dict[str, int] = {}
+    for chain, _ in seated.values():
+        sizes[chain] = sizes.get(chain, 0) + 1
+    for r in rows:
+        if r["worker"] in seated:
+            chain, p = seated[r["worker"]]
+            size = max(sizes[chain], p + 1)
+            r["depth"] = max(len(topology.seat_upstreams(p, size, t)) for t in range(topology.TREES))
 
 
 def seats(redis_url: str, namespace: str, workers: Sequence[str]) -> dict[str, tuple[str, int]]:
@@ -282,7 +308,9 @@ class Bench:
                      advertise_host="127.0.0.1",
                      cache_dir=os.path.join(self.tmp, "cache"),
                      max_send_gbps=self.args.link_gbps,
-                     cohort_max_size=1 if scenario.endswith("_tree") else Settings().cohort_max_size,
+                     cohort_max_size=(1 if scenario.endswith("_tree") else 1024 if "_trees" in scenario
+                                      else Settings().cohort_max_size),
+                     relay_fan_out="trees" if "_trees" in scenario else "chain",
                      holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts,
                      download_group_window=(self.args.group_window
                                             if scenario.startswith("cooperative") else 0.0))
@@ -334,15 +362,17 @@ class Bench:
             victim = None
             if scenario == "cooperative_kill" and n > 1:
                 victim, killed_running = self.kill_member(ns, n, spec, deadline)
-            if scenario == "warm_kill" and n > 1:
+            if scenario in ("warm_kill", "warm_trees_kill") and n > 1:
                 time.sleep(self.kill_after)
                 # The receiver seated n//4 into the first chain, so that others sit below
-                # it (by index if the seats cannot be read).
+                # it (by index if the seats cannot be read); in the trees seat 1, the
+                # first tree's root below the head, with half the cohort below it.
                 names = [f"{scenario}-{n}-w{i}" for i in range(n)]
                 seated = seats(self.redis.url, ns, names)
                 first = min((c for c, _ in seated.values()), default=None)
                 at = {p: w for w, (c, p) in seated.items() if c == first}
-                victim = names.index(at.get(min(n - 1, n // 4), names[min(n - 1, n // 4)]))
+                seat = 1 if "_trees" in scenario else min(n - 1, n // 4)
+                victim = names.index(at.get(seat, names[seat]))
                 proc = self.procs[-n + victim]
                 killed_running = proc.is_alive()
                 proc.kill()
@@ -358,6 +388,8 @@ class Bench:
             r.update(scenario=scenario, n=n, storage_x=read / spec.nbytes,
                      **{f"{k}_s": v for k, v in parts(r).items()})
         depths(rows, holder_names(self.args.holders))
+        if "_trees" in scenario:
+            tree_depths(rows, seats(self.redis.url, ns, [r["worker"] for r in rows]))
         if victim is not None and scenario == "cooperative_kill":
             for r in rows:
                 r.update(victim=f"{scenario}-{n}-w{victim}", victim_killed_while_loading=killed_running)
@@ -369,9 +401,12 @@ class Bench:
                 r["victim"] = name
                 r["victim_killed_while_loading"] = killed_running
                 seat = seated.get(r["worker"])
-                # Seated after the victim in its chain: what its death can delay.
-                r["below_victim"] = (where is not None and seat is not None
-                                     and seat[0] == where[0] and seat[1] > where[1])
+                # Seated after the victim in its chain (below it in a tree): what its
+                # death can delay.
+                r["below_victim"] = (where is not None and seat is not None and seat[0] == where[0]
+                                     and (seat[1] > where[1] if "_trees" not in scenario else
+                                          any(where[1] in topology.seat_upstreams(seat[1], n, t)
+                                              for t in range(topology.TREES))))
         return rows
 
     def taken(self) -> int:
@@ -495,12 +530,15 @@ def goals(summary: list[dict[str, Any]], holders: int = 1, model_bytes: int = 1,
             net = {s["n"]: s["median_after_skeleton_s"] for s in summary if s["scenario"] == scenario}
             out.append({"goal": f"{scenario}, skeleton build excluded: N={n} <= {bound} x N=1",
                         "ratio": net[n] / net[1], "pass": net[n] / net[1] <= bound})
-    warm_ns = [n for n in ns if ("warm", n) in med]
-    if len(warm_ns) >= 2 and warm_ns[0] == 1 and warm_ns[-1] >= 32:
-        big = next(s for s in summary if s["scenario"] == "warm" and s["n"] == warm_ns[-1])
-        base = med["warm", 1]
+    for fan in ("warm", "warm_trees"):
+        warm_ns = [n for n in ns if (fan, n) in med]
+        # Against the relay-free N=1 (``warm``) where it ran: one receiver alone has no fan-out.
+        base = med.get(("warm", 1), med.get((fan, 1)))
+        if len(warm_ns) < 2 or warm_ns[-1] < 32 or base is None:
+            continue
+        big = next(s for s in summary if s["scenario"] == fan and s["n"] == warm_ns[-1])
         who = "one holder" if holders == 1 else f"{holders} holders"
-        out.append({"goal": f"warm, {who}: N={big['n']} median <= 1.2 x N=1, slowest <= 1.35 x,"
+        out.append({"goal": f"{fan}, {who}: N={big['n']} median <= 1.2 x warm N=1, slowest <= 1.35 x,"
                             " storage reads 0",
                     "ratio": big["median_s"] / base, "slowest_ratio": big["max_s"] / base,
                     "max_depth": big["max_depth"],
@@ -512,13 +550,15 @@ def goals(summary: list[dict[str, Any]], holders: int = 1, model_bytes: int = 1,
             out.append({"goal": f"warm, {holders} holders, N={n}: receivers filled by idle holders"
                                 " at once / each from one holder (information)",
                         "ratio": ratio, "pass": True})
-    kill = [s for s in summary if s["scenario"] == "warm_kill" and s["n"] > 1]
-    if kill and ("warm", 1) in med:
+    for scenario in ("warm_kill", "warm_trees_kill"):
+        kill = [s for s in summary if s["scenario"] == scenario and s["n"] > 1]
+        if not kill or ("warm", 1) not in med:
+            continue
         k = kill[-1]
         bound = (med["warm", 1] + Settings().relay_stall_timeout) * 1.2
         alive = "" if k["victim_killed_while_loading"] else " (the victim had finished: not a test)"
         below = k["below_victim_max_s"]
-        out.append({"goal": f"warm_kill: N={k['n']}, one receiver SIGKILLed mid-transfer{alive}: slowest"
+        out.append({"goal": f"{k['scenario']}: N={k['n']}, one receiver SIGKILLed mid-transfer{alive}: slowest"
                             f" of the {k['below_victim']} seated below it / warm N=1 <="
                             f" {bound / med['warm', 1]:.2f} ((N=1 + stall bound) x 1.2)",
                     "ratio": None if below is None else below / med["warm", 1],
@@ -609,6 +649,9 @@ def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
               "warm_whole": "warm peers, each receiver's model from one",
               "warm_kill": "one warm peer, a receiver killed mid-transfer",
               "warm_tree": "one warm peer, binomial tree (old)",
+              "warm_trees": "one warm peer, the fan-out's two trees",
+              "warm_trees_kill": "the two trees, a receiver killed mid-transfer",
+              "single_flight_trees": "single flight, the fan-out's two trees",
               "single_flight": "single flight, streamed relay chain",
               "single_flight_tree": "single flight, binomial tree (old)",
               "cooperative": "cooperative first download",

@@ -203,8 +203,11 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
                 f["pause"] = round(rng.uniform(0.5, 2.0), 2)
         plan.append(f)
     plan.sort(key=lambda f: f["t"])
+    values_seed = rng.randrange(1 << 30)
+    # Drawn last, so the draws above (and the schedules they made before) are unchanged.
+    fan_out = rng.choice(("chain", "trees"))
     return {"rollout": rollout, "seed": seed, "units": units, "faults": plan,
-            "values_seed": rng.randrange(1 << 30)}
+            "values_seed": values_seed, "fan_out": fan_out}
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -268,6 +271,7 @@ class Soak:
         self._stop: Any = None
         self._replays: list[threading.Event] = []
         self._flapper: threading.Thread | None = None
+        self.fan_out = "chain"
         self.settings_kwargs = {**SETTINGS, "redis_url": self.redis.url, "namespace": self.namespace,
                                 "cache_dir": str(work / "cache")}
         self.big, self.big_digest = self._big(work / "big")
@@ -295,6 +299,7 @@ class Soak:
 
     def rollout(self, sched: dict[str, Any]) -> Outcome:
         r = sched["rollout"]
+        self.fan_out = sched.get("fan_out", "chain")  # the relay's, fleet-wide
         out = Outcome(r)
         self.say(f"rollout {r} schedule {json.dumps(sched)}")
         rdir = self.work / f"r{r}"
@@ -444,8 +449,8 @@ class Soak:
                    "ckpt": str(ckpt), "flat": str(rdir / "flat"), "big": str(self.big),
                    # Sidecars move the large model at the link's speed (the soak's cap is for
                    # the tiny ones, so faults land inside their transfers).
-                   "settings": ({**self.settings_kwargs, "max_send_gbps": 0.0}
-                                if u.get("kind") == "sidecar" else self.settings_kwargs),
+                   "settings": {**self.settings_kwargs, "relay_fan_out": self.fan_out,
+                                **({"max_send_gbps": 0.0} if u.get("kind") == "sidecar" else {})},
                    "log": str(rdir / f"u{u['unit']}-{rank}.log"),
                    "hang_after": self.bound + HANG_MARGIN, "group_timeout": GROUP_TIMEOUT}
             reader, writer = _CTX.Pipe(duplex=False)

@@ -37,6 +37,7 @@ STEPS_PER_MODEL = 64
 
 TransportName = Literal["auto", TransportKind]
 VerifyMode = Literal["sampled", "full", "none"]
+FanOut = Literal["chain", "trees"]
 
 
 def _default_cache_dir() -> str:
@@ -173,6 +174,12 @@ class Settings:
     """Most receivers in one relay chain; the next ones start another chain. 1: no
     relay (every receiver takes a whole copy from a holder: a binomial fan-out)."""
 
+    relay_fan_out: FanOut = "chain"
+    """How a cohort's members pass the model on: ``"chain"``, each from the member seated
+    before it; ``"trees"``, the head from the source and every other member half from
+    each of two parents in two binary trees (each sends one model's worth at most:
+    depth log2 of the cohort, not its size; give it a large ``cohort_max_size``)."""
+
     stall_timeout: float = 10.0
     """Seconds a transfer from a holder may go without a step completing before it is
     aborted (a silent peer: stopped, partitioned) and the receiver moves on, instead of
@@ -285,6 +292,8 @@ class Settings:
             raise ConfigError(f"transport={self.transport!r}: choose {', '.join(('auto', *TRANSPORT_KINDS[:-1]))} or {TRANSPORT_KINDS[-1]}")
         if self.verify not in ("sampled", "full", "none"):
             raise ConfigError(f"verify={self.verify!r}: choose sampled, full or none")
+        if self.relay_fan_out not in ("chain", "trees"):
+            raise ConfigError(f"relay_fan_out={self.relay_fan_out!r}: choose chain or trees")
         for name in (
             "sender_handshake_timeout",
             "receiver_handshake_timeout",
@@ -337,10 +346,8 @@ class Settings:
             raise ConfigError(f"download_group_window={w!r}: must be 0 (no cooperative download) or a"
                               f" number of seconds below single_flight_wait={self.single_flight_wait!r}")
         if self.single_flight_max_wait < self.single_flight_wait:
-            raise ConfigError(
-                f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at least"
-                f" single_flight_wait={self.single_flight_wait!r}"
-            )
+            raise ConfigError(f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at"
+                              f" least single_flight_wait={self.single_flight_wait!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -353,9 +360,8 @@ class Settings:
                 f"secret: must be a string of at least {MIN_SECRET_BYTES} bytes"
                 " (e.g. `openssl rand -hex 32`), or unset"
             )
-        if not isinstance(self.peer_budget, (int, float)) or isinstance(self.peer_budget, bool) or (
-            self.peer_budget < 0
-        ):
+        pb = self.peer_budget
+        if not isinstance(pb, (int, float)) or isinstance(pb, bool) or pb < 0:
             raise ConfigError(f"peer_budget={self.peer_budget!r}: must be 0 (automatic) or positive seconds")
 
     def key(self, purpose: str) -> bytes | None:
@@ -370,9 +376,8 @@ class Settings:
 
     def bucket_for(self, kind: str, model_bytes: int = 0) -> int:
         """:attr:`bucket_bytes`, or when it is 0 (automatic) the power of two nearest to
-        ``model_bytes`` / :data:`STEPS_PER_MODEL`, within ``kind``'s
-        :data:`AUTO_BUCKET_BYTES` range (measured on gloo, 1 GiB of
-        separate tensors: 1 MiB reaches 0.57 of a flat broadcast, 8 MiB 0.90)."""
+        ``model_bytes`` / :data:`STEPS_PER_MODEL`, within ``kind``'s :data:`AUTO_BUCKET_BYTES`
+        range (gloo, 1 GiB of separate tensors: 1 MiB reaches 0.57 of a flat broadcast, 8 MiB 0.90)."""
         if self.bucket_bytes:
             return self.bucket_bytes
         lo, hi = AUTO_BUCKET_BYTES.get(kind, (1 << 20, 1 << 20))
@@ -385,15 +390,11 @@ class Settings:
         """:attr:`peer_budget`, or its automatic value when it is 0."""
         if self.peer_budget > 0:
             return float(self.peer_budget)
-        return (
-            self.busy_wait
-            + self.transfer_timeout
-            + self.max_peer_attempts * self.receiver_handshake_timeout
-        )
+        return self.busy_wait + self.transfer_timeout + self.max_peer_attempts * self.receiver_handshake_timeout
 
     @property
     def heartbeat_interval(self) -> float:
-        """Seconds between heartbeats: a third of the TTL, so one lost beat is harmless."""
+        """Seconds between heartbeats: a third of the TTL (one lost beat is harmless)."""
         return self.peer_ttl / 3
 
     @property
@@ -436,9 +437,8 @@ class Settings:
             key = ENV_PREFIX + f.name.upper()
             raw = env.get(key)
             # Compare with None, not truthiness: "0" and "" are values a user may set.
-            if raw is None:
-                continue
-            values[f.name] = _parse(key, raw, f.type)
+            if raw is not None:
+                values[f.name] = _parse(key, raw, f.type)
         values.update(overrides)
         try:
             return cls(**values)

@@ -306,3 +306,36 @@ def test_a_grown_tree_changes_few_parents_as_the_cohort_grows(n: int, h: int) ->
 def test_a_grown_tree_is_as_shallow_as_a_built_one(n: int) -> None:
     """At the sizes the benchmarks use, growing costs no depth over building."""
     assert max_depth(tp.grown(n, 128)) == max_depth(tp.build(n, 128))
+
+
+@FAST
+@given(size=st.integers(1, 300), data=st.data())
+def test_seats_reading_the_cohort_at_different_sizes_still_form_trees(size: int, data: st.DataObject) -> None:
+    """Each seat's upstreams end at the cohort's source, and when every seat reads the
+    cohort at its own size (any size since it arrived), each tree's nearest upstreams
+    still reach the source from every seat without a cycle, within the depth bound of
+    the largest size plus one."""
+    for tree in range(tp.TREES):
+        parent = {}
+        for p in range(size):
+            ups = tp.seat_upstreams(p, data.draw(st.integers(p + 1, size)), tree)
+            assert ups and ups[-1] == tp.SOURCE and p not in ups
+            parent[p] = ups[0]
+        for p in parent:
+            seen, node = set(), p
+            while node != tp.SOURCE:
+                assert node not in seen, "a cycle"
+                seen.add(node)
+                node = parent[node]
+            assert len(seen) <= tp.depth_bound(size) + 1
+
+
+def test_each_seat_and_the_source_send_at_most_one_model_once_the_cohort_formed() -> None:
+    """Once a cohort of up to 1,024 formed, each seat (and the source) is the nearest
+    upstream of at most two (seat, tree) pairs: half a model each, one model's worth;
+    seat p is interior in tree p % 2 (its parent there an earlier seat or the source)."""
+    for size in (1, 2, 3, 17, 64, 1024):
+        nearest = {(p, t): tp.seat_upstreams(p, size, t)[0] for p in range(size) for t in range(tp.TREES)}
+        sends = Counter(nearest.values())
+        assert max(sends.values()) <= 2, (size, sends.most_common(3))
+        assert all(nearest[p, p % tp.TREES] < p for p in range(size))

@@ -51,6 +51,15 @@ class CohortRecords(SignedStore):
         raws = self._call("LRANGE", lambda: self.client.lrange(chain, first, last))
         return [self.parse(chain, raw, schema.CHAIN, signed_for=cohort) for raw in raws]
 
+    def chain_size(self, chain: str) -> int:
+        """How many members ``chain`` seated so far (a cohort's trees are built over them)."""
+        if self.keys.cohort_of_chain(chain) is None:
+            raise RegistryError(f"{chain!r} is not a cohort chain key")
+        got = self._call("LLEN", lambda: self.client.llen(chain))
+        if not isinstance(got, int) or isinstance(got, bool) or got < 0:
+            raise RegistryError(f"LLEN {chain}: unexpected reply {got!r}"[:200])
+        return got
+
     def mark_gone(self, member_id: str, ttl: float) -> None:
         """Say that ``member_id``'s relay endpoint has stopped (for as long as its chain
         lives), so a member seated behind it skips it instead of waiting out a handshake

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nccl_back import _clock
@@ -42,7 +42,7 @@ from nccl_back.errors import (
 from nccl_back.load.asking import new_request, transfer
 from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.held_proof import held_reads
-from nccl_back.load.pulls import Pull, Pulls
+from nccl_back.load.pulls import Pull, Pulls, watched
 from nccl_back.load.share_read import WHO, ShareRead, blame, places, read_share, read_spans
 from nccl_back.load.shares import shares
 from nccl_back.model.checkpoint import model_headers
@@ -200,46 +200,24 @@ def _pull(worker: Worker, a: Attempt, i: int, n: int, bucket: int,
                               f" claim_ttl {s.claim_ttl:g} s: killed or stopped)") from e
 
 
-@contextlib.contextmanager
 def _watched(worker: Worker, a: Attempt, i: int, member_id: str,
              started: Callable[[Transport], None],
-             ) -> Iterator[tuple[threading.Event, Callable[[Transport], None]]]:
-    """Member ``i``'s announcement watched while the block pulls its part: ``gone`` is
-    set, and the pull's transport aborted, once it lapsed or names another endpoint.
-    A gloo wait already running is not interrupted (its stall bound ends it); the
-    handshake and the communicator's forming are, at their next poll."""
+             ) -> contextlib.AbstractContextManager[tuple[threading.Event, Callable[[Transport], None]]]:
+    """Member ``i``'s announcement watched while the block pulls its part (:func:`watched`):
+    lost once it lapsed or names another endpoint."""
     r = a.replica()
-    gone, stop, lock = threading.Event(), threading.Event(), threading.Lock()
-    live: list[Transport] = []
 
-    def on_start(transport: Transport) -> None:
-        started(transport)
-        with lock:
-            live.append(transport)
-            if gone.is_set():
-                transport.abort()
+    def lost() -> bool:
+        try:
+            now = worker.registry.download_member(r.version, r.rank, r.world, i)
+        except RegistryError:
+            return False  # Redis trouble says nothing of the member
+        if now is None or now.member_id != member_id:
+            a.log.warning("download_member_lapsed", member=i, endpoint=member_id)
+            return True
+        return False
 
-    def watch() -> None:
-        while not _clock.wait(stop, WATCH_POLL):
-            try:
-                now = worker.registry.download_member(r.version, r.rank, r.world, i)
-            except RegistryError:
-                continue  # Redis trouble says nothing of the member
-            if now is None or now.member_id != member_id:
-                a.log.warning("download_member_lapsed", member=i, endpoint=member_id)
-                with lock:
-                    gone.set()
-                    for transport in live:
-                        transport.abort()
-                return
-
-    watcher = threading.Thread(target=watch, daemon=True, name=f"nccl-back-watch-{i}")
-    watcher.start()
-    try:
-        yield gone, on_start
-    finally:
-        stop.set()
-        watcher.join()
+    return watched(lost, WATCH_POLL, f"nccl-back-watch-{i}", started)
 
 
 def _failing(spec: ModelSpec, reads: Sequence[ShareRead]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Transfers into one rank's tensors from several sources at once.
+"""Transfers into one rank's tensors from several sources at once, and a pull watched
+for a source that is lost (:func:`watched`).
 
 A reshard pulls each holder's pieces at once; a load in parts pulls part ``i`` from
 holder ``i``. Both wait for every pull (each writes into this rank's tensors, so none
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from nccl_back import _clock
 from nccl_back.transport import Transport
 
 #: A pull: given the callback its transfer calls with its transport before data moves.
@@ -78,3 +80,41 @@ class Pulls:
             for tr in self._live:
                 with contextlib.suppress(Exception):  # already torn down
                     tr.abort()
+
+
+@contextlib.contextmanager
+def watched(lost: Callable[[], bool], poll: float, name: str,
+            started: Callable[[Transport], None] | None = None,
+            ) -> Iterator[tuple[threading.Event, Callable[[Transport], None]]]:
+    """``lost`` asked every ``poll`` seconds while the block pulls from a source: once
+    it says so, the event is set (hand it to the transfer's ``gone``: its handshake ends
+    at the next poll) and the transport the pull's callback was told is aborted (a
+    communicator still forming stops at once; a gloo wait under way is not interrupted,
+    the stall bound ends it). ``started``: also told the transport."""
+    gone, stop, lock = threading.Event(), threading.Event(), threading.Lock()
+    live: list[Transport] = []
+
+    def on_start(transport: Transport) -> None:
+        if started is not None:
+            started(transport)
+        with lock:
+            live.append(transport)
+            if gone.is_set():
+                transport.abort()
+
+    def watch() -> None:
+        while not _clock.wait(stop, poll):
+            if lost():
+                with lock:
+                    gone.set()
+                    for transport in live:
+                        transport.abort()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True, name=name)
+    watcher.start()
+    try:
+        yield gone, on_start
+    finally:
+        stop.set()
+        watcher.join()

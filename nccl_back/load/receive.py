@@ -27,7 +27,7 @@ from nccl_back.errors import (
     WeightVerificationError,
     fallback_reason,
 )
-from nccl_back.load import holder_parts, verify
+from nccl_back.load import holder_parts, tree_parts, verify
 from nccl_back.load.asking import BUSY_POLL, claimed, new_request, transfer
 from nccl_back.load.attempt import Attempt, NobodyHolds, PeerBusy, StreamLost, Worker
 from nccl_back.load.discover import discover, holders
@@ -98,7 +98,7 @@ class Receive:
         we lack. False: nobody upstream (the head of a cohort no stream feeds), or none
         served us by the chain's deadline: holders then go on from where we stopped."""
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
-        if chain.position == 0 and fed_by is None:
+        if chain.position == 0 and fed_by is None and s.relay_fan_out == "chain":
             return False
         deadline = _clock.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
         if fed_by is not None:  # we may wait for the whole download, as in the election
@@ -108,6 +108,8 @@ class Receive:
         # download; a downloader that stops renewing its lease is given up on as long.
         stall = (max(s.relay_stall_timeout, s.download_lease) if fed_by is not None
                  else s.relay_stall_timeout)
+        if s.relay_fan_out == "trees":
+            return tree_parts.from_trees(self, chain, fed_by, deadline, stall)
         while _clock.monotonic() < deadline:
             try:
                 upstreams = worker.cohorts.upstreams(chain, fed_by)

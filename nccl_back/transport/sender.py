@@ -66,7 +66,8 @@ QUEUE_PER_SLOT = 4
 
 
 #: Sends of one claim token the sender runs side by side: the ranks of one receiving group
-#: resharding from it (each takes its shards, together one model's worth of bytes).
+#: resharding from it (each takes its shards, together one model's worth of bytes), or
+#: the parts a cohort's tree roots take under the slot they hold together.
 SHARED_SENDS = 8
 
 
@@ -307,8 +308,8 @@ class PeerServer:
     def _serve_one(self, served: _Served, request: TransferRequest) -> None:
         log = self._log.bind(rank=served.info.rank, version=served.info.version[:12],
                              peer=request.receiver, transfer_id=request.transfer_id)
-        # Only reshard requests (each a rank's share of the model) share a token's turn;
-        # any other request, claimed or not, takes a turn of its own.
+        # Only reshard and part requests (each a share of the model) share a token's
+        # turn; any other request, claimed or not, takes a turn of its own.
         token = _shared_token(request)
         turn = token or request.transfer_id
         # Derived before the turn: a costly plan (a hostile layout record) must not hold
@@ -428,5 +429,8 @@ class PeerServer:
 
 
 def _shared_token(request: TransferRequest) -> str | None:
-    """The claim token a reshard request shares with its group's other ranks, if any."""
-    return request.claim if request.layout is not None and request.claim else None
+    """The claim token a reshard request shares with its group's other ranks, or a part
+    request with the other parts of its claim (the roots of a cohort's trees hold one
+    slot together, a part each), if any."""
+    shares = request.layout is not None or request.parts is not None
+    return request.claim if shares and request.claim else None

@@ -23,9 +23,12 @@ from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous, Step, payload_bytes, plan
 from nccl_back.transport.pacing import Pacer
+from nccl_back.transport.relay import topology
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
+    MAX_RELAY_SENDS,
     STREAM_SENDS,
+    TREE_SENDS,
     Fills,
     Progress,
     Seat,
@@ -59,7 +62,38 @@ class Chain:
         if self.position == 0:
             return []
         found = self.registry.chain_members(self.seat.chain, 0, self.position - 1)
-        out = [m for m in reversed(found) if m is not None  # None: untrusted, said why
+        return self._live(list(reversed(found)))
+
+    def tree_parent(self, tree: int, max_size: int) -> int:
+        """The seat this one receives tree ``tree``'s part from in the cohort as it now
+        stands (:data:`topology.SOURCE`: the cohort's source; a leaf's parent changes as
+        the cohort grows, :func:`topology.seat_upstreams`)."""
+        return self._tree(tree, max_size)[0]
+
+    def tree_upstreams(self, tree: int, max_size: int) -> list[tuple[int, Member]]:
+        """``(seat, member)`` this one receives tree ``tree``'s part from, best first: its
+        ancestors (the cohort's source not among them), then the earlier seats interior
+        in that tree, nearest first; without those that failed us or stopped. Only
+        interior seats: a leaf's part may come from a later seat, so one asked for it
+        could wait on this one; interior seats' parts come from earlier seats only. The
+        source comes last, when none is left: one that every seat fell back to would
+        send far more than its one model's worth."""
+        seats = [p for p in self._tree(tree, max_size) if p != topology.SOURCE]
+        seats += [q for q in range(self.position - 1, -1, -1) if q % topology.TREES == tree
+                  and q not in seats]
+        if not seats:
+            return []
+        found = self.registry.chain_members(self.seat.chain, 0, max(seats))
+        by_id = {m.member_id: p for p in seats if p < len(found) and (m := found[p]) is not None}
+        return [(by_id[m.member_id], m) for m in self._live([found[p] for p in seats if p < len(found)])]
+
+    def _tree(self, tree: int, max_size: int) -> list[int]:
+        # Seats past max_size are not the join script's (an outsider's pushes): not built over.
+        size = max(min(self.registry.chain_size(self.seat.chain), max_size), self.position + 1)
+        return topology.seat_upstreams(self.position, size, tree)
+
+    def _live(self, found: list[Member | None]) -> list[Member]:
+        out = [m for m in found if m is not None  # None: untrusted, said why
                and m.member_id not in self.failed and m.member_id != self.member.member_id]
         try:
             gone = self.registry.gone_members([m.member_id for m in out])
@@ -126,7 +160,9 @@ def join(p: Endpoints) -> Chain:
     cohorts).
     """
     s = p.settings
-    server = p.server("relay").start()  # listening before anyone can read our record
+    # In trees: two children, one moving in before a leaf moved out, one re-attaching.
+    sends = TREE_SENDS if s.relay_fan_out == "trees" else MAX_RELAY_SENDS
+    server = p.server("relay", max_sends=sends).start()  # listening before anyone can read our record
     member = server.member
     try:
         chain_key, position = p.registry.join_cohort(

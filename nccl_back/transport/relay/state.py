@@ -27,6 +27,10 @@ RELAY_HANDSHAKE = 3.0
 #: Relay sends one member runs at once (its successor, plus one re-attaching from
 #: further down while the first is still unwinding).
 MAX_RELAY_SENDS = 2
+#: Relay sends a member seated in the cohort's trees runs at once: its two children in
+#: the tree where it is interior, a leaf that has not yet moved out when a new child
+#: moved in, and one re-attaching (the send cap shares the link between them).
+TREE_SENDS = 4
 #: Relay sends a streamed download serves at once: the heads of the cohorts that formed
 #: while it downloads (waiters arriving more than ``cohort_window`` apart), plus
 #: re-attaching members. Its worker's ``max_send_gbps`` is shared by all of them.

@@ -1,7 +1,9 @@
 """Fan-out topology: who sends which step to whom, for H holders and N receivers.
 
-Pure and dependency-free: no torch, no Redis. Not yet used by the live relay (which
-still runs capped chains, :mod:`.chain`); :mod:`benchmarks.simulate` weighs it.
+Pure and dependency-free: no torch, no Redis. The live relay seats a cohort in
+:func:`grown`'s trees when ``relay_fan_out`` is ``"trees"`` (:func:`seat_upstreams`;
+its default is still capped chains, :mod:`.chain`); :mod:`benchmarks.simulate` weighs
+both.
 
 Construction (two interior-disjoint pipelined binary trees, as NCCL's double tree).
 Receivers ``0 .. N-1`` are dealt round-robin to the holders (receiver ``i`` to holder
@@ -228,6 +230,24 @@ def grown(receivers: int, steps: int, holders: int = 1) -> Topology:
         a |= _grown(group, 0, holder(h))
         b |= _grown(group, 1, holder(h))
     return Topology(steps, holders, (a, b))
+
+
+#: What :func:`seat_upstreams` names the cohort's source by (a holder, or a stream).
+SOURCE = -1
+
+
+def seat_upstreams(position: int, size: int, tree: int) -> list[int]:
+    """Where the cohort member at ``position`` of a cohort of ``size`` receives tree
+    ``tree``'s part from, nearest first: its ancestors in :func:`grown` over the seats
+    (arrival order), ending at :data:`SOURCE` (the holder or stream that feeds the
+    cohort: it sends one part to each tree's root, one model's worth). An interior
+    seat's parent is an earlier interior seat and never changes, and only interior seats
+    have children, so members that read the cohort at different sizes still form no
+    cycle; a leaf's parent may change as the cohort grows (at most ``floor(log2 n) + 1``
+    times, :func:`grown`). Seat ``p`` is interior in tree ``p % TREES``."""
+    if not 0 <= position < size:
+        raise ValueError(f"position {position} is not in a cohort of {size}")
+    return [SOURCE if is_holder(n) else n for n in grown(size, TREES)._up(position, tree)]
 
 
 def single_tree(receivers: int, steps: int, holders: int = 1) -> Topology:

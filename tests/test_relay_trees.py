@@ -1,0 +1,149 @@
+"""A cohort seated in the fan-out's two trees (``relay_fan_out`` "trees"): real worker
+processes behind one capped holder, each member receiving half the model from each of
+two upstreams, and a member SIGKILLed mid-transfer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from groups import CTX
+from test_service import MODEL, Fleet, _ok
+
+from nccl_back.config import Settings
+from nccl_back.coord import records
+from nccl_back.coord.registry import Registry
+from nccl_back.transport.relay import Chain, Member, Progress, Seat, topology
+
+from models import TinyTransformer, fill_random, write_checkpoint
+
+TREES = {"relay_fan_out": "trees", "cohort_window": 10.0, "relay_stall_timeout": 3.0,
+         "transfer_timeout": 20.0, "cohort_max_size": 64}
+
+
+@pytest.fixture
+def slow_ckpt(tmp_path: Path) -> str:
+    return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=13), tmp_path / "ckpt"))
+
+
+def test_a_seat_falls_back_to_earlier_seats_interior_in_the_tree_before_the_source(
+    redis_url: str, namespace: str
+) -> None:
+    """A seat's upstreams for one tree are its ancestors in the cohort as it now stands,
+    then every earlier seat interior in that tree, nearest first, never a leaf of it (one
+    whose part may come from this seat); those that failed it are skipped; once none is
+    left the cohort's source is the caller's (no member listed)."""
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
+    ids = [f"w{i}-r0-relay-{i}" for i in range(12)]
+    chain = ""
+    for i in ids:
+        chain, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, Member(i, "127.0.0.1:5000", "gloo", "cpu").to_dict(),
+                                   window=30, max_size=64, ttl=30)
+    seat = Chain(Seat(chain, 9), Member(ids[9], "127.0.0.1:5000", "gloo", "cpu"), Progress(),
+                 None, reg)  # type: ignore[arg-type]  # no endpoint: only its upstreams are read
+    for tree in range(topology.TREES):
+        ancestors = [p for p in topology.seat_upstreams(9, 12, tree) if p != topology.SOURCE]
+        got = [p for p, _ in seat.tree_upstreams(tree, 64)]
+        assert got[:len(ancestors)] == ancestors
+        rest = got[len(ancestors):]
+        assert rest == [q for q in range(8, -1, -1) if q % topology.TREES == tree and q not in ancestors]
+        assert seat.tree_parent(tree, 64) == topology.seat_upstreams(9, 12, tree)[0]
+    seat.failed.update(ids[q] for q in range(9))
+    assert seat.tree_upstreams(9 % topology.TREES, 64) == []  # interior: the source next
+    leaf = [p for p, _ in seat.tree_upstreams(1 - 9 % topology.TREES, 64)]
+    assert leaf == [p for p in topology.seat_upstreams(9, 12, 0) if p > 9]  # a later parent only
+
+
+def _seats(redis_url: str, namespace: str, n: int, t0: float) -> list[str]:
+    """The worker ids in the cohort's seat order, once ``n`` are seated."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    members: list[str] = []
+    while len(members) < n and time.monotonic() - t0 < 30:
+        chains = [k for k in client.scan_iter(f"{{{namespace}}}:cohort:*") if client.type(k) == "list"]
+        members = client.lrange(chains[0], 0, -1) if chains else []
+        time.sleep(0.05)
+    assert len(members) == n, members
+    return [records.member(json.loads(m)).member_id for m in members]
+
+
+def _release(fleet: Fleet, n: int, settings: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    go = CTX.Event()
+    procs = {f"m{i}": fleet.start(f"m{i}", settings=settings, go=go, serve_for=30) for i in range(n)}
+    time.sleep(3.0)  # every member built its skeleton and waits for go
+    go.set()
+    return procs, time.monotonic()
+
+
+@pytest.mark.timeout(150)
+def test_a_cohort_in_trees_receives_its_halves_from_two_upstreams(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """Five members released together behind one capped holder: every one verified and
+    bit-identical from peers, none reads storage, and each takes its two parts from at
+    least two sources, one its parent in the tree where it is interior (the holder for
+    the first seat)."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    try:
+        fleet.start("holder", settings={"max_send_gbps": 0.0004})
+        _ok(fleet.report())
+        _, t0 = _release(fleet, 5, TREES | {"max_send_gbps": 0.0008})
+        order = _seats(redis_url, namespace, 5, t0)
+        reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(5))}
+        for r in reports.values():
+            _ok(r)
+            assert r["source"] == "peer" and r["storage_bytes"] == 0, r
+        for p in range(5):
+            got = set(reports[_role(order[p])]["peer_id"].split(","))
+            # Its parent in the tree where it is interior never changes (the holder for
+            # seat 0); in the other (a leaf) it may have moved while the cohort grew.
+            parent = topology.seat_upstreams(p, 5, p % topology.TREES)[0]
+            assert (order[parent] in got if parent >= 0
+                    else any(g.startswith("holder-") for g in got)), (p, got)
+            assert len(got) >= 2 and order[p] not in got, (p, got)
+    finally:
+        fleet.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """Six members in trees; SIGKILL seat 1 (interior in the first tree, with children)
+    once data moves: every other member ends verified and bit-identical from peers,
+    none reads storage, none took a part from the dead member, each within its deadline."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    victim: Any = None
+    try:
+        fleet.start("holder", settings={"max_send_gbps": 0.0004})
+        _ok(fleet.report())
+        procs, t0 = _release(fleet, 6, TREES | {"max_send_gbps": 0.0008})
+        order = _seats(redis_url, namespace, 6, t0)
+        role = _role(order[1])
+        victim = procs[role]
+        time.sleep(0.8)  # the trees are flowing
+        os.kill(victim.pid, signal.SIGKILL)
+        reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(5))}
+        assert role not in reports
+        for r in reports.values():
+            _ok(r)
+            assert r["source"] == "peer" and r["storage_bytes"] == 0, r
+            assert r["load_seconds"] < 2 * TREES["transfer_timeout"], r
+        assert time.monotonic() - t0 < 60
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGKILL)
+        fleet.close()
+
+
+def _role(member_id: str) -> str:
+    """The role of the worker whose relay endpoint ``member_id`` is (member ids start
+    with the worker id, the fleet's role)."""
+    return member_id.split("-", 1)[0]

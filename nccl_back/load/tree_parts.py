@@ -10,7 +10,10 @@ the part's first step this rank lacks. A seat is a leaf in one tree, and a leaf'
 parent changes as the cohort grows (:func:`~nccl_back.transport.relay.topology.seat_upstreams`):
 while a leaf's part moves, the cohort's size is looked at every :data:`WATCH_POLL`
 seconds, and once the parent moved the transfer is aborted and resumes from the new
-one (not a failure). Verification and blame are the chain's.
+one (not a failure). A handshake that times out is tried once more before its
+upstream counts as failed: under load (a fleet released together) a live endpoint may
+be slow to answer, and every seat that gave up on its parent would load the ones
+further up. Verification and blame are the chain's.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ from nccl_back.load import verify
 from nccl_back.load.asking import claimed, new_request, transfer
 from nccl_back.load.pulls import Pulls, watched
 from nccl_back.transport import Transport, plan, relay
-from nccl_back.transport.broadcast import Step, resume_point
+from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.parts import parts as split
 from nccl_back.transport.relay import RELAY_HANDSHAKE
-from nccl_back.transport.relay.topology import SOURCE, TREES
+from nccl_back.transport.relay.topology import TREES
 from nccl_back.transport.store import unreachable_reason
 
 if TYPE_CHECKING:
@@ -48,6 +51,8 @@ if TYPE_CHECKING:
 
 #: Seconds between two looks at the cohort's size while a leaf's part moves.
 WATCH_POLL = 0.25
+#: Handshake timeouts an upstream may cost one seat before it counts as failed.
+HANDSHAKE_TRIES = 2
 
 
 def from_trees(rcv: Receive, chain: relay.Chain, fed_by: Member | None, deadline: float,
@@ -56,141 +61,143 @@ def from_trees(rcv: Receive, chain: relay.Chain, fed_by: Member | None, deadline
     True once it passed (``a.peer_id`` names every source). False: a part ran out of
     upstreams (``rx.relay_error`` says why; holders go on from the first step this rank
     lacks) or the deadline passed."""
-    worker, a, s, rx = rcv.worker, rcv.a, rcv.worker.settings, rcv.a.rx
-    t = a.target
-    steps = plan(t.tensors, t.bucket(s, t.kind))
-    cut = split(steps, TREES)
-    while _clock.monotonic() < deadline:
-        errors = Pulls(abort=False).run(
-            [functools.partial(_part, rcv, chain, fed_by, steps, cut[tree], tree, deadline, stall)
-             for tree in range(TREES)], "nccl_back-tree")
-        failed = [e for e in errors if e is not None]
-        for e in failed:
-            if not isinstance(e, (PeerError, RegistryError)):
-                raise e
-        if failed:
-            rx.relay_error = failed[0] if isinstance(failed[0], NcclBackError) else None
-            return False
-        try:
-            verify.check(worker, a, deadline)
-        except WeightVerificationError as e:
-            # Whoever sent the failing steps is never asked again and what it sent is
-            # gone: both parts resume at what they now lack.
-            chain.failed.update(rcv.blame(e, min(rx.sources.sources(), default="")))
-            rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
-            continue
-        a.peer_id = ",".join(sorted(rx.sources.sources()))
-        return True
-    return False
+    return _Trees(rcv, chain, fed_by, deadline, stall).run()
 
 
-def _part(rcv: Receive, chain: relay.Chain, fed_by: Member | None, steps: list[Step],
-          mine: list[int], tree: int, deadline: float, stall: float,
-          _started: object) -> None:
-    """Tree ``tree``'s part (the step indices ``mine``) from this seat's upstreams in
-    that tree, nearest first, then the cohort's source; raises :class:`PeerError` once
-    none is left."""
-    s, rx = rcv.worker.settings, rcv.a.rx
-    leaf = chain.position % TREES != tree  # grown(): seat p is interior in tree p % 2
-    while (first := rx.sources.lacking(mine)) is not None:
-        if _clock.monotonic() >= deadline:
-            raise NoPeerError(f"tree {tree}: the relay's deadline passed")
-        parent = chain.tree_parent(tree, s.cohort_max_size)
+class _Trees:
+    """One seat's receive in the two trees (see the module docstring)."""
 
-        def moved(parent: int = parent) -> bool:
+    def __init__(self, rcv: Receive, chain: relay.Chain, fed_by: Member | None, deadline: float,
+                 stall: float) -> None:
+        self.rcv, self.chain, self.fed_by, self.deadline, self.stall = rcv, chain, fed_by, deadline, stall
+        t, s = rcv.a.target, rcv.worker.settings
+        self.steps = plan(t.tensors, t.bucket(s, t.kind))
+        self.timeouts: dict[str, int] = {}
+        """Handshake timeouts per upstream (both parts' loops share it)."""
+
+    def run(self) -> bool:
+        rcv, chain, a, rx = self.rcv, self.chain, self.rcv.a, self.rcv.a.rx
+        cut = split(self.steps, TREES)
+        while _clock.monotonic() < self.deadline:
+            errors = Pulls(abort=False).run(
+                [functools.partial(self._part, cut[tree], tree) for tree in range(TREES)],
+                "nccl_back-tree")
+            failed = [e for e in errors if e is not None]
+            for e in failed:
+                if not isinstance(e, (PeerError, RegistryError)):
+                    raise e
+            if failed:
+                rx.relay_error = failed[0] if isinstance(failed[0], NcclBackError) else None
+                return False
             try:
-                return chain.tree_parent(tree, s.cohort_max_size) != parent
-            except RegistryError:
-                return False  # Redis trouble says nothing of the tree
+                verify.check(rcv.worker, a, self.deadline)
+            except WeightVerificationError as e:
+                # Whoever sent the failing steps is never asked again and what it sent is
+                # gone: both parts resume at what they now lack.
+                chain.failed.update(rcv.blame(e, min(rx.sources.sources(), default="")))
+                rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
+                continue
+            a.peer_id = ",".join(sorted(rx.sources.sources()))
+            return True
+        return False
 
-        ups = chain.tree_upstreams(tree, s.cohort_max_size)
-        with watched(moved if leaf else (lambda: False), WATCH_POLL,
-                     f"nccl-back-tree-{tree}") as (gone, on_start):
-            got = (_from_member(rcv, chain, fed_by, steps, first, tree, *ups[0], deadline, stall,
-                                on_start, gone) if ups
-                   else _from_source(rcv, chain, fed_by, steps, first, tree, deadline, stall,
-                                     on_start, gone))
-        if got == "moved":
-            rcv.a.log.info("tree_parent_moved", tree=tree, seat=chain.position, was=parent,
-                           held_steps=rx.sources.done)
+    def _part(self, mine: list[int], tree: int, _started: object) -> None:
+        """Tree ``tree``'s part (the step indices ``mine``) from this seat's upstreams in
+        that tree, nearest first, then the cohort's source; raises :class:`PeerError`
+        once none is left."""
+        chain, s, rx = self.chain, self.rcv.worker.settings, self.rcv.a.rx
+        leaf = chain.position % TREES != tree  # grown(): seat p is interior in tree p % 2
+        while (first := rx.sources.lacking(mine)) is not None:
+            if _clock.monotonic() >= self.deadline:
+                raise NoPeerError(f"tree {tree}: the relay's deadline passed")
+            parent = chain.tree_parent(tree, s.cohort_max_size)
 
+            def moved(parent: int = parent) -> bool:
+                try:
+                    return chain.tree_parent(tree, s.cohort_max_size) != parent
+                except RegistryError:
+                    return False  # Redis trouble says nothing of the tree
 
-def _from_member(rcv: Receive, chain: relay.Chain, fed_by: Member | None, steps: list[Step],
-                 first: int, tree: int, seat: int, member: Member, deadline: float, stall: float,
-                 on_start: Callable[[Transport], None], gone: threading.Event) -> str:
-    """One try of the part from ``member`` (the cohort's stream, or the member at
-    ``seat``): "done", "moved" (this seat's parent moved), or "failed" (never asked again)."""
-    a, s = rcv.a, rcv.worker.settings
-    why = (f"speaks {member.transport} on {member.device}" if not a.replica().speaks(member)
-           else unreachable_reason(s, member.address))
-    if why is not None:  # not worth a handshake: the next one now
-        _failed(rcv, chain, fed_by, member.member_id, tree,
-                IncompatiblePeerError(f"cohort member {member.member_id}: {why}"))
-        return "failed"
-    try:
-        _pull(rcv, steps, first, tree, member.member_id, member.transport, member.address, None,
-              deadline, stall, on_start, gone)
-    except PeerError as e:
-        if gone.is_set():
-            return "moved"
-        _failed(rcv, chain, fed_by, member.member_id, tree, e)
-        return "failed"
-    return "done"
-
-
-def _from_source(rcv: Receive, chain: relay.Chain, fed_by: Member | None, steps: list[Step],
-                 first: int, tree: int, deadline: float, stall: float,
-                 on_start: Callable[[Transport], None], gone: threading.Event) -> str:
-    """The part from the cohort's source: the stream that feeds it, else a holder, whose
-    one send slot the tree roots hold together (a share drawn from the cohort's chain:
-    the source sends one model's worth, a part to each root)."""
-    worker, a, s = rcv.worker, rcv.a, rcv.worker.settings
-    if fed_by is not None and fed_by.member_id not in chain.failed:
-        return _from_member(rcv, chain, fed_by, steps, first, tree, SOURCE, fed_by, deadline,
-                            stall, on_start, gone)
-    share = hashlib.md5(chain.seat.chain.encode(), usedforsecurity=False).hexdigest()
-    for peer in a.found.candidates:
-        if peer.peer_id in chain.failed or peer.peer_id in a.rx.blamed:
-            continue
-        try:
-            with claimed(worker, a, peer, share=share,
-                         until=min(deadline, _clock.monotonic() + s.busy_wait)) as token:
-                _pull(rcv, steps, first, tree, peer.peer_id, peer.transport, peer.address, token,
-                      deadline, s.stall_timeout, on_start, gone)
-        except PeerError as e:
+            ups = chain.tree_upstreams(tree, s.cohort_max_size)
+            with watched(moved if leaf else (lambda: False), WATCH_POLL,
+                         f"nccl-back-tree-{tree}") as (gone, on_start):
+                if ups:
+                    self._from_member(first, tree, ups[0][1], on_start, gone)
+                else:
+                    self._from_source(first, tree, on_start, gone)
             if gone.is_set():
-                return "moved"
-            _failed(rcv, chain, fed_by, peer.peer_id, tree, e)
-            return "failed"
-        return "done"
-    raise NoPeerError(f"tree {tree}: no upstream left (every member and holder failed this seat)")
+                self.rcv.a.log.info("tree_parent_moved", tree=tree, seat=chain.position, was=parent,
+                                    held_steps=rx.sources.done)
 
+    def _from_member(self, first: int, tree: int, member: Member,
+                     on_start: Callable[[Transport], None], gone: threading.Event) -> None:
+        """One try of the part from ``member`` (a seat's endpoint, or the cohort's stream)."""
+        a, s = self.rcv.a, self.rcv.worker.settings
+        why = (f"speaks {member.transport} on {member.device}" if not a.replica().speaks(member)
+               else unreachable_reason(s, member.address))
+        if why is not None:  # not worth a handshake: the next one now
+            self._failed(member.member_id, tree,
+                         IncompatiblePeerError(f"cohort member {member.member_id}: {why}"))
+            return
+        try:
+            self._pull(first, tree, member.member_id, member.transport, member.address, None,
+                       self.stall, on_start, gone)
+        except PeerError as e:
+            if not gone.is_set():
+                self._failed(member.member_id, tree, e)
 
-def _pull(rcv: Receive, steps: list[Step], first: int, tree: int, source: str, kind: str,
-          address: str, claim: str | None, deadline: float, stall: float,
-          on_start: Callable[[Transport], None], gone: threading.Event) -> None:
-    """Tree ``tree``'s part from ``source``, from the first step of it this rank lacks."""
-    worker, a, s, t = rcv.worker, rcv.a, rcv.worker.settings, rcv.a.target
-    start = resume_point(steps, t.tensors, first)
-    request = new_request(worker, a, claim, start=start, part=tree, parts=TREES)
-    transfer(worker, a, source, request, kind, address, digest=t.manifest.digest,
-             tensors=t.tensors, bucket=t.bucket(s, t.kind), start=start, part=(tree, TREES),
-             on_step=rcv.recorder(source),
-             handshake_timeout=min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
-                                   max(deadline - _clock.monotonic(), 0.001)),
-             deadline=deadline, stall=stall, started=on_start, gone=gone)
+    def _from_source(self, first: int, tree: int, on_start: Callable[[Transport], None],
+                     gone: threading.Event) -> None:
+        """The part from the cohort's source: the stream that feeds it, else a holder,
+        whose one send slot the tree roots hold together (a share drawn from the cohort's
+        chain: the source sends one model's worth, a part to each root)."""
+        worker, a, s, chain = self.rcv.worker, self.rcv.a, self.rcv.worker.settings, self.chain
+        if self.fed_by is not None and self.fed_by.member_id not in chain.failed:
+            self._from_member(first, tree, self.fed_by, on_start, gone)
+            return
+        share = hashlib.md5(chain.seat.chain.encode(), usedforsecurity=False).hexdigest()
+        for peer in a.found.candidates:
+            if peer.peer_id in chain.failed or peer.peer_id in a.rx.blamed:
+                continue
+            try:
+                with claimed(worker, a, peer, share=share,
+                             until=min(self.deadline, _clock.monotonic() + s.busy_wait)) as token:
+                    self._pull(first, tree, peer.peer_id, peer.transport, peer.address, token,
+                               s.stall_timeout, on_start, gone)
+            except PeerError as e:
+                if not gone.is_set():
+                    self._failed(peer.peer_id, tree, e)
+            return
+        raise NoPeerError(f"tree {tree}: no upstream left (every member and holder failed this seat)")
 
+    def _pull(self, first: int, tree: int, source: str, kind: str, address: str,
+              claim: str | None, stall: float, on_start: Callable[[Transport], None],
+              gone: threading.Event) -> None:
+        """Tree ``tree``'s part from ``source``, from the first step of it this rank lacks."""
+        rcv, s, t = self.rcv, self.rcv.worker.settings, self.rcv.a.target
+        start = resume_point(self.steps, t.tensors, first)
+        request = new_request(rcv.worker, rcv.a, claim, start=start, part=tree, parts=TREES)
+        transfer(rcv.worker, rcv.a, source, request, kind, address, digest=t.manifest.digest,
+                 tensors=t.tensors, bucket=t.bucket(s, t.kind), start=start, part=(tree, TREES),
+                 on_step=rcv.recorder(source),
+                 handshake_timeout=min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
+                                       max(self.deadline - _clock.monotonic(), 0.001)),
+                 deadline=self.deadline, stall=stall, started=on_start, gone=gone)
 
-def _failed(rcv: Receive, chain: relay.Chain, fed_by: Member | None, source: str, tree: int,
-            e: PeerError) -> None:
-    """``source`` failed this seat's part ``tree``: never asked again (a stream that
-    failed is the load's to go back to the election for)."""
-    chain.failed.add(source)
-    rcv.a.rx.relay_error = e
-    if fed_by is not None and source == fed_by.member_id:
-        rcv.a.rx.failed_streams.add(fed_by.member_id)
-    if isinstance(e, HandshakeTimeoutError):
-        rcv.worker.metrics.record_handshake_timeout()
-    rcv.a.log.warning("relay_upstream_failed", peer=source, part=tree,
-                      held_steps=rcv.a.rx.sources.done, reason=fallback_reason(e), error=str(e))
-
+    def _failed(self, source: str, tree: int, e: PeerError) -> None:
+        """``source`` failed this seat's part ``tree``: never asked again (a stream that
+        failed is the load's to go back to the election for), unless it only timed out
+        in the handshake fewer than :data:`HANDSHAKE_TRIES` times."""
+        rcv, a = self.rcv, self.rcv.a
+        if isinstance(e, HandshakeTimeoutError):
+            rcv.worker.metrics.record_handshake_timeout()
+            self.timeouts[source] = self.timeouts.get(source, 0) + 1
+            if self.timeouts[source] < HANDSHAKE_TRIES:
+                a.log.info("relay_handshake_retried", peer=source, part=tree, error=str(e))
+                return
+        self.chain.failed.add(source)
+        a.rx.relay_error = e
+        if self.fed_by is not None and source == self.fed_by.member_id:
+            a.rx.failed_streams.add(self.fed_by.member_id)
+        a.log.warning("relay_upstream_failed", peer=source, part=tree,
+                      held_steps=a.rx.sources.done, reason=fallback_reason(e), error=str(e))

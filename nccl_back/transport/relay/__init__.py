@@ -31,6 +31,12 @@ downstream, which may hold some of those bytes, finds them in its own verificati
 blames the sources that sent the failing steps (:class:`StepSources`), discards what they
 sent and receives it again from someone else.
 
+Trees (``relay_fan_out = "trees"``, opt-in). The same seats form two binary trees
+instead of one chain (:func:`.topology.seat_upstreams`): seat p forwards in tree p mod 2
+only, each tree carries one half of the steps, every seat takes both halves at once
+from its two parents, and the cohort's source sends one half to each root; depth grows
+with log2 of the cohort. The receiving half is :mod:`nccl_back.load.tree_parts`.
+
 Streamed downloads (single flight). The worker elected to download a version
 announces a relay endpoint of its own (:func:`stream`) before it reads storage, and
 tells it which tensors are in place as the storage loader fills them (each after its

@@ -147,3 +147,27 @@ def _role(member_id: str) -> str:
     """The role of the worker whose relay endpoint ``member_id`` is (member ids start
     with the worker id, the fleet's role)."""
     return member_id.split("-", 1)[0]
+
+
+@pytest.mark.timeout(150)
+def test_junk_pushed_onto_a_cohort_in_trees_is_built_over_and_skipped(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """An outsider pushes 60 junk records onto the cohort's chain while five members
+    receive in the trees (its size, and so the trees, grow under them; leaves move to
+    junk seats): junk is never asked, and every member ends verified and bit-identical
+    from peers without reading storage."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    try:
+        fleet.start("holder", settings={"max_send_gbps": 0.0004})
+        _ok(fleet.report())
+        _, t0 = _release(fleet, 5, TREES | {"max_send_gbps": 0.0008})
+        _seats(redis_url, namespace, 5, t0)
+        client = redis.Redis.from_url(redis_url)
+        chain = next(k for k in client.scan_iter(f"{{{namespace}}}:cohort:*") if client.type(k) == b"list")
+        client.rpush(chain, *([b"\xff junk", b'{"member_id": 5}', b"[]"] * 20))
+        for r in (fleet.report(timeout=60) for _ in range(5)):
+            _ok(r)
+            assert r["source"] == "peer" and r["storage_bytes"] == 0, r
+    finally:
+        fleet.close()

@@ -95,8 +95,9 @@ class Receive:
     def _from_upstreams(self, chain: relay.Chain, fed_by: Member | None) -> bool:
         """Receive from the nearest live member upstream of us (then the stream
         ``fed_by``), re-attaching further up when one fails, resuming at the first step
-        we lack. False: nobody upstream (the head of a cohort no stream feeds), or none
-        served us by the chain's deadline: holders then go on from where we stopped."""
+        we lack (in the trees, ``relay_fan_out``: :mod:`.tree_parts`). False: nobody
+        upstream (a chain's head no stream feeds), or none served us by the chain's
+        deadline: holders then go on from where we stopped."""
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
         if chain.position == 0 and fed_by is None and s.relay_fan_out == "chain":
             return False

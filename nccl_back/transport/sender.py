@@ -20,7 +20,7 @@ sender frees the receiver's send slot itself: a crashed receiver does not keep i
 Requests come from Redis, so nothing in them is trusted: the registry hands over only
 requests that verify and parse (:mod:`.records`), at most ``QUEUE_PER_SLOT`` requests
 per send slot wait (and ``SHARED_SENDS`` per claim token that the ranks of one
-resharding group share; more are dropped and counted), a reshard plan is derived
+resharding group, or the roots of a cohort's trees, share; more are dropped and counted), a reshard plan is derived
 before the request takes a send turn, within the plan's work bound, and the serve loop survives
 anything a request or Redis does. With a secret, the transfer's bootstrap keys in
 Redis carry a token derived from it (:func:`.auth.transfer_scope`) and are signed

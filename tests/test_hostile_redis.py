@@ -25,6 +25,7 @@ make a transfer fail.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -313,6 +314,27 @@ def test_every_corruption_with_a_live_holder_costs_no_storage_read(
     """Whatever sits at this key kind, receivers load the exact weights from the live
     holder within the bound; no receiver reads storage (raced handshake/chain keys
     may cost a transfer: then storage, still exact and bounded)."""
+    _with_a_live_holder(fleet, captured, kind, fleet.settings)
+
+
+TREES_READ = ("chain", "claim", "cohort", "gone", "hs")
+"""Kinds a receive in the fan-out's trees reads in its own way (the cohort's size, a
+tree's seats, tombstones, one claim the tree roots share)."""
+
+
+@pytest.mark.parametrize("kind", TREES_READ)
+def test_every_corruption_of_the_keys_trees_read_costs_no_storage_read(
+    fleet: Fleet, captured: dict[str, Any], kind: str
+) -> None:
+    """The same with the cohort seated in the fan-out's two trees (``relay_fan_out``
+    "trees"): exact weights from the live holder within the bound, no storage read."""
+    _with_a_live_holder(fleet, captured, kind,
+                        fleet.settings.replace(relay_fan_out="trees", cohort_max_size=64))
+
+
+def _with_a_live_holder(fleet: Fleet, captured: dict[str, Any], kind: str, settings: Settings) -> None:
+    """Each corruption of ``kind`` in turn while a holder lives: a fresh receiver loads."""
+    fleet = dataclasses.replace(fleet, settings=settings)
     fleet.clean()
     entry = schema.BY_NAME[kind]
     _, gtype, gvalue = captured[kind]

@@ -50,14 +50,16 @@ def test_a_seat_falls_back_to_earlier_seats_interior_in_the_tree_before_the_sour
                  None, reg)  # type: ignore[arg-type]  # no endpoint: only its upstreams are read
     for tree in range(topology.TREES):
         ancestors = [p for p in topology.seat_upstreams(9, 12, tree) if p != topology.SOURCE]
-        got = [p for p, _ in seat.tree_upstreams(tree, 64)]
+        path = seat.tree_path(tree, 64)
+        assert path == topology.seat_upstreams(9, 12, tree)
+        got = [p for p, _ in seat.tree_upstreams(tree, path)]
         assert got[:len(ancestors)] == ancestors
         rest = got[len(ancestors):]
         assert rest == [q for q in range(8, -1, -1) if q % topology.TREES == tree and q not in ancestors]
-        assert seat.tree_parent(tree, 64) == topology.seat_upstreams(9, 12, tree)[0]
     seat.failed.update(ids[q] for q in range(9))
-    assert seat.tree_upstreams(9 % topology.TREES, 64) == []  # interior: the source next
-    leaf = [p for p, _ in seat.tree_upstreams(1 - 9 % topology.TREES, 64)]
+    interior, leaf_tree = 9 % topology.TREES, 1 - 9 % topology.TREES
+    assert seat.tree_upstreams(interior, seat.tree_path(interior, 64)) == []  # the source next
+    leaf = [p for p, _ in seat.tree_upstreams(leaf_tree, seat.tree_path(leaf_tree, 64))]
     assert leaf == [p for p in topology.seat_upstreams(9, 12, 0) if p > 9]  # a later parent only
 
 
@@ -112,12 +114,13 @@ def test_a_cohort_in_trees_receives_its_halves_from_two_upstreams(
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
 def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, how: signal.Signals
 ) -> None:
-    """Six members in trees; SIGKILL seat 1 (interior in the first tree, with children)
-    once data moves: every other member ends verified and bit-identical from peers,
-    none reads storage, none took a part from the dead member, each within its deadline."""
+    """Six members in trees; SIGKILL (or SIGSTOP: silent, as a partition looks) seat 1,
+    the second tree's root, once data moves: every other member ends verified and
+    bit-identical from peers, none reads storage, each within its deadline."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     victim: Any = None
     try:
@@ -128,7 +131,7 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
         role = _role(order[1])
         victim = procs[role]
         time.sleep(0.8)  # the trees are flowing
-        os.kill(victim.pid, signal.SIGKILL)
+        os.kill(victim.pid, how)
         reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(5))}
         assert role not in reports
         for r in reports.values():

@@ -13,7 +13,9 @@ seconds, and once the parent moved the transfer is aborted and resumes from the 
 one (not a failure). A handshake that times out is tried once more before its
 upstream counts as failed: under load (a fleet released together) a live endpoint may
 be slow to answer, and every seat that gave up on its parent would load the ones
-further up. Verification and blame are the chain's.
+further up. Not once the part stalled: a member upstream stopped (or partitioned), the
+upstreams tried next are its suspects, and each retry would cost a stopped one another
+handshake bound. Verification and blame are the chain's.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from nccl_back.coord.records import Member
 from nccl_back.errors import (
     HandshakeTimeoutError,
     IncompatiblePeerError,
-    NcclBackError,
     NoPeerError,
     PeerError,
     RegistryError,
+    TransferStalledError,
     WeightVerificationError,
     fallback_reason,
 )
@@ -74,6 +76,8 @@ class _Trees:
         self.steps = plan(t.tensors, t.bucket(s, t.kind))
         self.timeouts: dict[str, int] = {}
         """Handshake timeouts per upstream (both parts' loops share it)."""
+        self.stalled: set[int] = set()
+        """Trees whose part stalled: no handshake retried there (see the module docstring)."""
 
     def run(self) -> bool:
         rcv, chain, a, rx = self.rcv, self.chain, self.rcv.a, self.rcv.a.rx
@@ -82,12 +86,12 @@ class _Trees:
             errors = Pulls(abort=False).run(
                 [functools.partial(self._part, cut[tree], tree) for tree in range(TREES)],
                 "nccl_back-tree")
-            failed = [e for e in errors if e is not None]
-            for e in failed:
-                if not isinstance(e, (PeerError, RegistryError)):
+            for e in errors:
+                if e is not None and not isinstance(e, (PeerError, RegistryError)):
                     raise e
+            failed = [e for e in errors if isinstance(e, (PeerError, RegistryError))]
             if failed:
-                rx.relay_error = failed[0] if isinstance(failed[0], NcclBackError) else None
+                rx.relay_error = failed[0]
                 return False
             try:
                 verify.check(rcv.worker, a, self.deadline)
@@ -110,15 +114,15 @@ class _Trees:
         while (first := rx.sources.lacking(mine)) is not None:
             if _clock.monotonic() >= self.deadline:
                 raise NoPeerError(f"tree {tree}: the relay's deadline passed")
-            parent = chain.tree_parent(tree, s.cohort_max_size)
+            path = chain.tree_path(tree, s.cohort_max_size)
 
-            def moved(parent: int = parent) -> bool:
+            def moved(parent: int = path[0]) -> bool:
                 try:
-                    return chain.tree_parent(tree, s.cohort_max_size) != parent
+                    return chain.tree_path(tree, s.cohort_max_size)[0] != parent
                 except RegistryError:
                     return False  # Redis trouble says nothing of the tree
 
-            ups = chain.tree_upstreams(tree, s.cohort_max_size)
+            ups = chain.tree_upstreams(tree, path)
             with watched(moved if leaf else (lambda: False), WATCH_POLL,
                          f"nccl-back-tree-{tree}") as (gone, on_start):
                 if ups:
@@ -126,7 +130,7 @@ class _Trees:
                 else:
                     self._from_source(first, tree, on_start, gone)
             if gone.is_set():
-                self.rcv.a.log.info("tree_parent_moved", tree=tree, seat=chain.position, was=parent,
+                self.rcv.a.log.info("tree_parent_moved", tree=tree, seat=chain.position, was=path[0],
                                     held_steps=rx.sources.done)
 
     def _from_member(self, first: int, tree: int, member: Member,
@@ -187,12 +191,15 @@ class _Trees:
     def _failed(self, source: str, tree: int, e: PeerError) -> None:
         """``source`` failed this seat's part ``tree``: never asked again (a stream that
         failed is the load's to go back to the election for), unless it only timed out
-        in the handshake fewer than :data:`HANDSHAKE_TRIES` times."""
+        in the handshake fewer than :data:`HANDSHAKE_TRIES` times while its part never
+        stalled."""
         rcv, a = self.rcv, self.rcv.a
+        if isinstance(e, TransferStalledError):
+            self.stalled.add(tree)
         if isinstance(e, HandshakeTimeoutError):
             rcv.worker.metrics.record_handshake_timeout()
             self.timeouts[source] = self.timeouts.get(source, 0) + 1
-            if self.timeouts[source] < HANDSHAKE_TRIES:
+            if self.timeouts[source] < HANDSHAKE_TRIES and tree not in self.stalled:
                 a.log.info("relay_handshake_retried", peer=source, part=tree, error=str(e))
                 return
         self.chain.failed.add(source)

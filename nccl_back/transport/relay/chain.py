@@ -64,21 +64,24 @@ class Chain:
         found = self.registry.chain_members(self.seat.chain, 0, self.position - 1)
         return self._live(list(reversed(found)))
 
-    def tree_parent(self, tree: int, max_size: int) -> int:
-        """The seat this one receives tree ``tree``'s part from in the cohort as it now
-        stands (:data:`topology.SOURCE`: the cohort's source; a leaf's parent changes as
-        the cohort grows, :func:`topology.seat_upstreams`)."""
-        return self._tree(tree, max_size)[0]
+    def tree_path(self, tree: int, max_size: int) -> list[int]:
+        """The seats this one receives tree ``tree``'s part through in the cohort as it
+        now stands, its parent first, ending at :data:`topology.SOURCE` (the cohort's
+        source; a leaf's parent changes as the cohort grows, :func:`topology.seat_upstreams`).
+        One read of the cohort's size."""
+        # Seats past max_size are not the join script's (an outsider's pushes): not built over.
+        size = max(min(self.registry.chain_size(self.seat.chain), max_size), self.position + 1)
+        return topology.seat_upstreams(self.position, size, tree)
 
-    def tree_upstreams(self, tree: int, max_size: int) -> list[tuple[int, Member]]:
+    def tree_upstreams(self, tree: int, path: list[int]) -> list[tuple[int, Member]]:
         """``(seat, member)`` this one receives tree ``tree``'s part from, best first: its
-        ancestors (the cohort's source not among them), then the earlier seats interior
-        in that tree, nearest first; without those that failed us or stopped. Only
-        interior seats: a leaf's part may come from a later seat, so one asked for it
-        could wait on this one; interior seats' parts come from earlier seats only. The
-        source comes last, when none is left: one that every seat fell back to would
-        send far more than its one model's worth."""
-        seats = [p for p in self._tree(tree, max_size) if p != topology.SOURCE]
+        ancestors on ``path`` (:meth:`tree_path`), then the earlier seats interior in that
+        tree, nearest first; without those that failed us or stopped. Only interior
+        seats: a leaf's part may come from a later seat, so one asked for it could wait
+        on this one; interior seats' parts come from earlier seats only. The source comes
+        last, when none is left: one that every seat fell back to would send far more
+        than its one model's worth."""
+        seats = [p for p in path if p != topology.SOURCE]
         seats += [q for q in range(self.position - 1, -1, -1) if q % topology.TREES == tree
                   and q not in seats]
         if not seats:
@@ -86,11 +89,6 @@ class Chain:
         found = self.registry.chain_members(self.seat.chain, 0, max(seats))
         by_id = {m.member_id: p for p in seats if p < len(found) and (m := found[p]) is not None}
         return [(by_id[m.member_id], m) for m in self._live([found[p] for p in seats if p < len(found)])]
-
-    def _tree(self, tree: int, max_size: int) -> list[int]:
-        # Seats past max_size are not the join script's (an outsider's pushes): not built over.
-        size = max(min(self.registry.chain_size(self.seat.chain), max_size), self.position + 1)
-        return topology.seat_upstreams(self.position, size, tree)
 
     def _live(self, found: list[Member | None]) -> list[Member]:
         out = [m for m in found if m is not None  # None: untrusted, said why

@@ -26,8 +26,8 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   (``relay_fan_out="trees"``, one cohort of up to 1,024): the head takes the whole, each
   other member half from each of its two parents.
 
-* ``warm_kill``: ``warm`` with one receiver SIGKILLed mid-transfer (``--kill-at`` of the
-  warm N=1 median after the release), the one seated a quarter of the way down the first
+* ``warm_kill``: ``warm`` with one receiver SIGKILLed (``--kill-signal stop``: SIGSTOPped)
+  mid-transfer (``--kill-at`` of the warm N=1 median after the release), the one seated a quarter of the way down the first
   chain (seats read back from Redis): the receivers seated below it (``below_victim``)
   say what its death cost (they re-attach further up), the others what it did not.
 
@@ -375,7 +375,8 @@ class Bench:
                 victim = names.index(at.get(seat, names[seat]))
                 proc = self.procs[-n + victim]
                 killed_running = proc.is_alive()
-                proc.kill()
+                # SIGSTOP: silent, as a partition or a hung host looks (reaped by SIGKILL).
+                os.kill(proc.pid, signal.SIGSTOP if self.args.kill_signal == "stop" else signal.SIGKILL)
             rows = _collect([c for i, c in enumerate(conns) if i != victim], 1, deadline)
             # Everything the round's workers read from the bucket, a killed one's too.
             read = self.taken() - taken
@@ -400,6 +401,7 @@ class Bench:
             for r in rows:
                 r["victim"] = name
                 r["victim_killed_while_loading"] = killed_running
+                r["victim_signal"] = "SIGSTOPped" if self.args.kill_signal == "stop" else "SIGKILLed"
                 seat = seated.get(r["worker"])
                 # Seated after the victim in its chain (below it in a tree): what its
                 # death can delay.
@@ -504,6 +506,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "roots": {str(k): sum(r.get("root") == k for r in rs)
                           for k in sorted({r.get("root") for r in rs}, key=str)},
                 "victim_killed_while_loading": any(r.get("victim_killed_while_loading") for r in rs),
+                "victim_signal": next((r["victim_signal"] for r in rs if "victim_signal" in r), None),
                 # What the bucket sent per round, over the checkpoint's size (the worst round).
                 "storage_x": max(r["storage_x"] for r in rs),
                 "below_victim": sum(bool(r.get("below_victim")) for r in rs),
@@ -558,7 +561,8 @@ def goals(summary: list[dict[str, Any]], holders: int = 1, model_bytes: int = 1,
         bound = (med["warm", 1] + Settings().relay_stall_timeout) * 1.2
         alive = "" if k["victim_killed_while_loading"] else " (the victim had finished: not a test)"
         below = k["below_victim_max_s"]
-        out.append({"goal": f"{k['scenario']}: N={k['n']}, one receiver SIGKILLed mid-transfer{alive}: slowest"
+        how = k["victim_signal"]
+        out.append({"goal": f"{k['scenario']}: N={k['n']}, one receiver {how} mid-transfer{alive}: slowest"
                             f" of the {k['below_victim']} seated below it / warm N=1 <="
                             f" {bound / med['warm', 1]:.2f} ((N=1 + stall bound) x 1.2)",
                     "ratio": None if below is None else below / med["warm", 1],
@@ -708,6 +712,9 @@ def main() -> int:
                    help="warm_kill: kill its victim this fraction of the warm N=1 median after the"
                         " release (warm runs first); cooperative_kill: this fraction of the"
                         " single_flight N=1 median / N after the roster appeared")
+    p.add_argument("--kill-signal", choices=("kill", "stop"), default="kill",
+                   help="warm_kill, warm_trees_kill: SIGKILL the victim (a crash: its links reset)"
+                        " or SIGSTOP it (silent, as a partition looks: found by a stall bound)")
     p.add_argument("--own-links", action="store_true",
                    help="each worker reaches storage through its own link capped at --storage-gbps"
                         " (a worker's own connection to the bucket), not one shared link")

@@ -20,7 +20,9 @@ from test_service import MODEL, Fleet, _ok
 from nccl_back.config import Settings
 from nccl_back.coord import records
 from nccl_back.coord.registry import Registry
-from nccl_back.transport.relay import Chain, Member, Progress, Seat, topology
+from nccl_back.errors import HandshakeTimeoutError, TransferStalledError
+from nccl_back.transport.relay import RELAY_HANDSHAKE, Chain, Member, Progress, Seat, topology
+from nccl_back.transport.relay.state import STALLED_HANDSHAKE
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -61,6 +63,22 @@ def test_a_seat_falls_back_to_earlier_seats_interior_in_the_tree_before_the_sour
     assert seat.tree_upstreams(interior, seat.tree_path(interior, 64)) == []  # the source next
     leaf = [p for p, _ in seat.tree_upstreams(leaf_tree, seat.tree_path(leaf_tree, 64))]
     assert leaf == [p for p in topology.seat_upstreams(9, 12, 0) if p > 9]  # a later parent only
+
+
+def test_a_member_that_stalled_is_asked_once_more_with_a_short_handshake() -> None:
+    """A first stall does not count an upstream member failed: it is asked once more with
+    a handshake bound of STALLED_HANDSHAKE and a stall bound longer by RELAY_HANDSHAKE
+    (time for its own re-attach); a second stall, or any other failure, counts."""
+    seat = Chain(Seat("c", 3), Member("me", "127.0.0.1:5000", "gloo", "cpu"), Progress(),
+                 None, None)  # type: ignore[arg-type]  # neither endpoint nor Redis is used
+    stalled = TransferStalledError("copy stalled (no progress for 3 s)")
+    assert seat.handshake_bound("up", 3.0) == 3.0 and seat.stall_bound("up", 3.0) == 3.0
+    assert not seat.counts_failed("up", stalled)
+    assert seat.failed == set()
+    assert seat.handshake_bound("up", 3.0) == STALLED_HANDSHAKE
+    assert seat.stall_bound("up", 3.0) == 3.0 + RELAY_HANDSHAKE
+    assert seat.counts_failed("up", stalled) and seat.failed == {"up"}
+    assert seat.counts_failed("other", HandshakeTimeoutError("no answer")) and "other" in seat.failed
 
 
 def _seats(redis_url: str, namespace: str, n: int, t0: float) -> list[str]:

@@ -126,9 +126,10 @@ class Receive:
                 if why is not None:  # not worth a handshake: the next one now
                     raise IncompatiblePeerError(f"cohort member {member.member_id}: {why}")
                 self.pull(member.member_id, member.transport, member.address,
-                          handshake_timeout=min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
-                                                max(deadline - _clock.monotonic(), 0.001)),
-                          deadline=deadline, stall=stall)
+                          handshake_timeout=chain.handshake_bound(
+                              member.member_id, min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
+                                                    max(deadline - _clock.monotonic(), 0.001))),
+                          deadline=deadline, stall=chain.stall_bound(member.member_id, stall))
                 a.peer_id = member.member_id
                 return True
             except WeightVerificationError as e:
@@ -137,10 +138,15 @@ class Receive:
                 chain.failed.update(self.blame(e, member.member_id))
                 rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
             except PeerError as e:
-                chain.failed.add(member.member_id)
                 rx.relay_error = e
                 if isinstance(e, HandshakeTimeoutError):
                     worker.metrics.record_handshake_timeout()
+                if fed_by is not None and member.member_id == fed_by.member_id:
+                    chain.failed.add(member.member_id)  # the stream's stall bound is the lease's
+                elif not chain.counts_failed(member.member_id, e):
+                    a.log.info("relay_upstream_stalled", peer=member.member_id,
+                               held_steps=chain.progress.done, error=str(e))
+                    continue
                 a.log.warning("relay_upstream_failed", peer=member.member_id,
                               held_steps=chain.progress.done, reason=fallback_reason(e), error=str(e))
             except RegistryError as e:

@@ -6,7 +6,8 @@ A step of the receive loop (:class:`~.receive.Receive`), kept apart as
 :mod:`.holder_parts` is. Each part runs its own loop over that tree's upstreams (the
 seat's ancestors, nearest first, ending at the cohort's head, then the stream that
 feeds the cohort): a failed upstream is never asked again, and the next one resumes at
-the part's first step this rank lacks. A seat is a leaf in one tree, and a leaf's
+the part's first step this rank lacks; a member that stalled is asked once more first
+(:meth:`~nccl_back.transport.relay.Chain.counts_failed`). A seat is a leaf in one tree, and a leaf's
 parent changes as the cohort grows (:func:`~nccl_back.transport.relay.topology.seat_upstreams`):
 while a leaf's part moves, the cohort's size is looked at every :data:`WATCH_POLL`
 seconds, and once the parent moved the transfer is aborted and resumes from the new
@@ -143,12 +144,19 @@ class _Trees:
             self._failed(member.member_id, tree,
                          IncompatiblePeerError(f"cohort member {member.member_id}: {why}"))
             return
+        stream = self.fed_by is not None and member.member_id == self.fed_by.member_id
         try:
             self._pull(first, tree, member.member_id, member.transport, member.address, None,
-                       self.stall, on_start, gone)
+                       self.chain.stall_bound(member.member_id, self.stall), on_start, gone)
         except PeerError as e:
-            if not gone.is_set():
-                self._failed(member.member_id, tree, e)
+            if gone.is_set():
+                return
+            if not stream and not self.chain.counts_failed(member.member_id, e):
+                self.stalled.add(tree)
+                self.rcv.a.log.info("relay_upstream_stalled", peer=member.member_id, part=tree,
+                                    held_steps=self.rcv.a.rx.sources.done, error=str(e))
+                return
+            self._failed(member.member_id, tree, e)
 
     def _from_source(self, first: int, tree: int, on_start: Callable[[Transport], None],
                      gone: threading.Event) -> None:
@@ -184,8 +192,9 @@ class _Trees:
         transfer(rcv.worker, rcv.a, source, request, kind, address, digest=t.manifest.digest,
                  tensors=t.tensors, bucket=t.bucket(s, t.kind), start=start, part=(tree, TREES),
                  on_step=rcv.recorder(source),
-                 handshake_timeout=min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
-                                       max(self.deadline - _clock.monotonic(), 0.001)),
+                 handshake_timeout=self.chain.handshake_bound(
+                     source, min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
+                                 max(self.deadline - _clock.monotonic(), 0.001))),
                  deadline=self.deadline, stall=stall, started=on_start, gone=gone)
 
     def _failed(self, source: str, tree: int, e: PeerError) -> None:

@@ -16,9 +16,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.records import Member
 from nccl_back.coord.registry import Registry
-from nccl_back.errors import (
-    RegistryError,
-)
+from nccl_back.errors import PeerError, RegistryError, TransferStalledError
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous, Step, payload_bytes, plan
@@ -27,6 +25,8 @@ from nccl_back.transport.relay import topology
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
     MAX_RELAY_SENDS,
+    RELAY_HANDSHAKE,
+    STALLED_HANDSHAKE,
     STREAM_SENDS,
     TREE_SENDS,
     Fills,
@@ -48,10 +48,37 @@ class Chain:
     registry: Registry
     failed: set[str] = field(default_factory=set)
     """Member ids that failed this receiver as upstreams (never tried again)."""
+    stalled: set[str] = field(default_factory=set)
+    """Member ids that stalled this receiver once (asked once more: :meth:`counts_failed`)."""
 
     @property
     def position(self) -> int:
         return self.seat.position
+
+    def counts_failed(self, member_id: str, e: PeerError) -> bool:
+        """Whether upstream member ``member_id`` failed this receiver for good with ``e``
+        (then in :attr:`failed`). A first stall does not count: a member stalls when one
+        further up stopped (every seat below a stopped one stalls at once), and it
+        re-attaches within a handshake bound. Asked once more (:meth:`handshake_bound`,
+        :meth:`stall_bound`), it resumes where this one stopped, and the seats below it
+        stay off the suspects further up (a stopped one costs each asker a handshake
+        bound); one that stopped itself fails that short handshake. A second stall, or
+        any other failure, counts."""
+        if isinstance(e, TransferStalledError) and member_id not in self.stalled:
+            self.stalled.add(member_id)
+            return False
+        self.failed.add(member_id)
+        return True
+
+    def handshake_bound(self, member_id: str, bound: float) -> float:
+        """The handshake bound with ``member_id``: short once it stalled this receiver (a
+        live one answers within its poll interval; the ask says whether it is)."""
+        return min(bound, STALLED_HANDSHAKE) if member_id in self.stalled else bound
+
+    def stall_bound(self, member_id: str, stall: float) -> float:
+        """The stall bound of a transfer from ``member_id``: once it stalled this receiver,
+        ``stall`` plus the handshake bound its own re-attach may cost it."""
+        return stall + RELAY_HANDSHAKE if member_id in self.stalled else stall
 
     def upstreams(self) -> list[Member]:
         """Members before this one, nearest first, without those that failed us.

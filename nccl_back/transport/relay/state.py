@@ -24,6 +24,11 @@ LINGER = 2.0
 #: Seconds a member waits in the handshake with a relay upstream: a live one answers
 #: within its poll interval, so a dead one costs little.
 RELAY_HANDSHAKE = 3.0
+#: Seconds a member that stalled this receiver has to answer when asked once more: a
+#: live one answers within its poll interval (it stalled because one further up
+#: stopped); one that stopped itself costs every seat below it this, not
+#: :data:`RELAY_HANDSHAKE`.
+STALLED_HANDSHAKE = 1.0
 #: Relay sends one member runs at once (its successor, plus one re-attaching from
 #: further down while the first is still unwinding).
 MAX_RELAY_SENDS = 2

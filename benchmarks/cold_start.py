@@ -309,7 +309,8 @@ class Bench:
                      cache_dir=os.path.join(self.tmp, "cache"),
                      max_send_gbps=self.args.link_gbps,
                      cohort_max_size=(1 if scenario.endswith("_tree") else 1024 if "_trees" in scenario
-                                      else Settings().cohort_max_size),
+                                      else self.args.cohort_max_size),
+                     bucket_bytes=self.args.bucket_bytes,
                      relay_fan_out="trees" if "_trees" in scenario else "chain",
                      holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts,
                      download_group_window=(self.args.group_window
@@ -715,6 +716,10 @@ def main() -> int:
     p.add_argument("--kill-signal", choices=("kill", "stop"), default="kill",
                    help="warm_kill, warm_trees_kill: SIGKILL the victim (a crash: its links reset)"
                         " or SIGSTOP it (silent, as a partition looks: found by a stall bound)")
+    p.add_argument("--cohort-max-size", type=int, default=Settings().cohort_max_size,
+                   help="chain scenarios: receivers in one relay chain (the trees take 1,024)")
+    p.add_argument("--bucket-bytes", type=int, default=Settings().bucket_bytes,
+                   help="the step (0: automatic, from the model's size): a relay hop costs one step")
     p.add_argument("--own-links", action="store_true",
                    help="each worker reaches storage through its own link capped at --storage-gbps"
                         " (a worker's own connection to the bucket), not one shared link")

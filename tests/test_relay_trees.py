@@ -164,6 +164,36 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
         fleet.close()
 
 
+@pytest.mark.timeout(150)
+def test_a_late_arrival_joins_the_trees_in_flight(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """Four members released together, a fifth released once they are a third of the way
+    through (within the cohort window): it takes the next seat, under members still
+    receiving, and every one ends verified and bit-identical from peers, none reading
+    storage; the late one takes both halves from members, not the holder."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    try:
+        fleet.start("holder", settings={"max_send_gbps": 0.0004})
+        _ok(fleet.report())
+        late_go = CTX.Event()
+        fleet.start("late", settings=TREES | {"max_send_gbps": 0.0008}, go=late_go, serve_for=30)
+        _, t0 = _release(fleet, 4, TREES | {"max_send_gbps": 0.0008})
+        _seats(redis_url, namespace, 4, t0)
+        time.sleep(0.7)  # about a third of the model has moved
+        late_go.set()
+        order = _seats(redis_url, namespace, 5, t0)
+        assert _role(order[4]) == "late"
+        reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(5))}
+        for r in reports.values():
+            _ok(r)
+            assert r["source"] == "peer" and r["storage_bytes"] == 0, r
+        got = reports["late"]["peer_id"].split(",")
+        assert not any(g.startswith("holder-") for g in got) and len(got) >= 2, got
+    finally:
+        fleet.close()
+
+
 def _role(member_id: str) -> str:
     """The role of the worker whose relay endpoint ``member_id`` is (member ids start
     with the worker id, the fleet's role)."""

@@ -170,9 +170,9 @@ class Settings:
     rolling start keeps joining the chain in flight) instead of queueing for whole
     copies; after a window with no arrival the next one starts a new cohort."""
 
-    cohort_max_size: int = 16
-    """Most receivers in one relay chain; the next ones start another chain. 1: no
-    relay (every receiver takes a whole copy from a holder: a binomial fan-out)."""
+    cohort_max_size: int = 32
+    """Most receivers in one relay chain (one costs 1 + (n-1)/steps transfers); the next
+    ones start another. 1: no relay (whole copies from holders: a binomial fan-out)."""
 
     relay_fan_out: FanOut = "chain"
     """How a cohort's members pass the model on: ``"chain"``, each from the member seated

@@ -27,9 +27,10 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   other member half from each of its two parents.
 
 * ``warm_kill``: ``warm`` with one receiver SIGKILLed (``--kill-signal stop``: SIGSTOPped)
-  mid-transfer (``--kill-at`` of the warm N=1 median after the release), the one seated a quarter of the way down the first
-  chain (seats read back from Redis): the receivers seated below it (``below_victim``)
-  say what its death cost (they re-attach further up), the others what it did not.
+  mid-transfer (``--kill-at`` of the warm N=1 median after the release), the one seated
+  a quarter of the way down the first chain (seats read back from Redis): the receivers
+  seated below it (``below_victim``) say what its death cost (they re-attach further
+  up), the others what it did not.
 
 Each receiver's upstream depth (hops from the holder or the downloader, from the source
 its load reports) is in the rows and the table.
@@ -87,6 +88,8 @@ from nccl_back.dev.servers import LocalRedis
 from nccl_back.model.identity import ModelSpec
 from nccl_back.transport.relay import topology
 
+#: ``--kill-signal``: the signal a kill scenario's victim gets, and how the goal names it.
+KILL_SIGNALS = {"kill": (signal.SIGKILL, "SIGKILLed"), "stop": (signal.SIGSTOP, "SIGSTOPped")}
 SCENARIOS = ("storage", "warm", "warm_whole", "warm_kill", "warm_tree", "warm_trees",
              "warm_trees_kill", "single_flight", "single_flight_tree", "single_flight_trees",
              "cooperative", "cooperative_kill")
@@ -377,7 +380,7 @@ class Bench:
                 proc = self.procs[-n + victim]
                 killed_running = proc.is_alive()
                 # SIGSTOP: silent, as a partition or a hung host looks (reaped by SIGKILL).
-                os.kill(proc.pid, signal.SIGSTOP if self.args.kill_signal == "stop" else signal.SIGKILL)
+                os.kill(proc.pid, KILL_SIGNALS[self.args.kill_signal][0])
             rows = _collect([c for i, c in enumerate(conns) if i != victim], 1, deadline)
             # Everything the round's workers read from the bucket, a killed one's too.
             read = self.taken() - taken
@@ -402,7 +405,7 @@ class Bench:
             for r in rows:
                 r["victim"] = name
                 r["victim_killed_while_loading"] = killed_running
-                r["victim_signal"] = "SIGSTOPped" if self.args.kill_signal == "stop" else "SIGKILLed"
+                r["victim_signal"] = KILL_SIGNALS[self.args.kill_signal][1]
                 seat = seated.get(r["worker"])
                 # Seated after the victim in its chain (below it in a tree): what its
                 # death can delay.
@@ -713,7 +716,7 @@ def main() -> int:
                    help="warm_kill: kill its victim this fraction of the warm N=1 median after the"
                         " release (warm runs first); cooperative_kill: this fraction of the"
                         " single_flight N=1 median / N after the roster appeared")
-    p.add_argument("--kill-signal", choices=("kill", "stop"), default="kill",
+    p.add_argument("--kill-signal", choices=tuple(KILL_SIGNALS), default="kill",
                    help="warm_kill, warm_trees_kill: SIGKILL the victim (a crash: its links reset)"
                         " or SIGSTOP it (silent, as a partition looks: found by a stall bound)")
     p.add_argument("--cohort-max-size", type=int, default=Settings().cohort_max_size,

@@ -3,8 +3,8 @@
 Predicts the median time to verified weights for N = 1 ... 1024 workers starting
 together, for three designs:
 
-* ``chain``: receivers form cohorts of at most ``cohort_max_size`` (relay chains, issue
-  11). A cohort starts when a holder is free; member i holds step k at
+* ``chain``: receivers form cohorts of at most ``cohort_max_size`` (relay chains; the
+  setting's default unless ``--cohort-max``). A cohort starts when a holder is free; member i holds step k at
   ``T(i, k) = max(T(i-1, k), T(i, k-1)) + step`` (each member forwards step k while
   k+1 arrives; every worker sends at most ``link`` bytes/s); members become holders
   once verified, so later cohorts start from more holders.
@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nccl_back.config import Settings
 from nccl_back.transport.relay import topology as tp
 
 SIM_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -76,7 +77,8 @@ class Costs:
     """Steps in the model (model bytes / bucket)."""
     download: float
     """One worker's storage download when it has the storage limit to itself."""
-    cohort_max: int = 16
+    cohort_max: int = Settings.cohort_max_size
+    """Most receivers in one relay chain (``cohort_max_size``)."""
     shards: int = 1
     """Checkpoint shards: a streamed download forwards a shard once it is in (CRC32C)."""
 
@@ -161,10 +163,13 @@ def single_flight(n: int, c: Costs, relay: bool = True) -> list[float]:
 
 
 def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int, float]]:
+    """Median seconds per design and N (the live trees: :func:`tree_design`, grown)."""
     out: dict[str, dict[int, float]] = {k: {} for k in
                                         ("warm", "warm_tree", "storage", "single_flight",
-                                         "single_flight_tree")}
+                                         "single_flight_tree", "warm_trees", "single_flight_trees")}
     for n in sizes:
+        out["warm_trees"][n] = statistics.median(tree_design(n, c, make=tp.grown))
+        out["single_flight_trees"][n] = statistics.median(tree_design(n, c, fresh=True, make=tp.grown))
         out["warm"][n] = statistics.median(chain(n, c))
         out["warm_tree"][n] = statistics.median(tree(n, c))
         out["storage"][n] = statistics.median(storage(n, c))
@@ -177,11 +182,12 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
 
 #: Fleet sizes of the fan-out tables.
 FANOUT_SIZES = (1, 64, 256, 1024, 4096)
-#: ``relay_stall_timeout`` (``Settings``): the most a member waits for its next step.
-STALL = 10.0
+#: ``relay_stall_timeout``: the most a member waits for its next step.
+STALL = Settings.relay_stall_timeout
 #: Run 7's N=1 costs as benchmarks/RESULTS.md ("Simulation") gives them: used when no
 #: measured JSON is at hand (``benchmarks/out/`` is not in a fresh clone).
-RUN7 = Costs(fixed=0.21, setup=0.039, step=3.38 / 65, steps=65, download=14.7, shards=8)
+RUN7 = Costs(fixed=0.21, setup=0.039, step=3.38 / 65, steps=65, download=14.7, cohort_max=16,
+             shards=8)
 
 
 @dataclass(frozen=True)
@@ -418,24 +424,24 @@ def calibrate(measured: dict[str, Any], bucket: int, cohort_max: int) -> Costs:
 
 LABELS = {"storage": "storage only", "warm": "warm peer, relay chain",
           "warm_tree": "warm peer, binomial tree (old)", "single_flight": "single flight, streamed relay chain",
-          "single_flight_tree": "single flight, binomial tree (old)"}
+          "single_flight_tree": "single flight, binomial tree (old)",
+          "warm_trees": "warm peer, two trees", "single_flight_trees": "single flight, two trees"}
+#: What the plot shows (the binomial trees of whole copies, relay off, only in the tables).
+PLOTTED = ("storage", "single_flight", "single_flight_trees", "warm", "warm_trees")
 
 
-DESIGNED = {"warm_dtree": "warm peer, double tree (designed, not yet live)",
-            "single_flight_dtree": "single flight, double tree (designed, not yet live)"}
-
-
-def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str, title: str,
-         designed: dict[str, dict[int, float]]) -> None:
+def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.4), dpi=120)
-    for scenario, series in pred.items():
+    for scenario in PLOTTED:
+        series = pred[scenario]
         ns = sorted(series)
-        (line,) = ax.plot(ns, [series[n] for n in ns], label=f"{LABELS[scenario]} (simulated)")
+        (line,) = ax.plot(ns, [series[n] for n in ns], "--" if scenario.endswith("_trees") else "-",
+                          label=f"{LABELS[scenario]} (simulated)")
         pts = [s for s in measured["summary"] if s["scenario"] == scenario]
         if pts:
             # Error bars: the fastest and the slowest worker of the measured rounds.
@@ -444,9 +450,6 @@ def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str,
                               [s["max_s"] - s["median_s"] for s in pts]],
                         fmt="o", capsize=3, color=line.get_color(),
                         label=f"{LABELS[scenario]} (measured)")
-    for scenario, series in designed.items():
-        ns = sorted(series)
-        ax.plot(ns, [series[n] for n in ns], "--", label=f"{DESIGNED[scenario]} (simulated)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(list(SIM_SIZES), [str(n) for n in SIM_SIZES])
@@ -464,7 +467,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--measured", default="benchmarks/out/cold_start.json")
     p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="the run's bucket (gloo: 1 MiB)")
-    p.add_argument("--cohort-max", type=int, default=16)
+    p.add_argument("--cohort-max", type=int, default=Settings.cohort_max_size,
+                   help="most receivers in one relay chain (default: cohort_max_size's)")
     p.add_argument("--png", default="benchmarks/fleet_scale.png")
     p.add_argument("--out", default="benchmarks/out/simulate.json")
     p.add_argument("--detect", type=float, default=STALL,
@@ -512,17 +516,14 @@ def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: st
             net = m - max(0.0, skel[scenario, n] - skel.get((scenario, 1), skel[scenario, n]))
             print(f"{scenario:<20}{n:>6}{v:>11.2f}{m:>10.2f}{(v - m) / m:>+8.0%}{net:>8.2f}"
                   f"{(v - net) / net:>+8.0%}")
-    for scenario in ("warm", "warm_tree", "storage", "single_flight"):
+    for scenario in ("warm", "warm_trees", "warm_tree", "storage", "single_flight"):
         s = pred[scenario]
         print(f"{scenario}: N=1024 / N=1 = {s[1024] / s[1]:.2f}")
     meta = measured["meta"]
-    designed = {"warm_dtree": {n: statistics.median(tree_design(n, c, 1, False)) for n in SIM_SIZES},
-                "single_flight_dtree": {n: statistics.median(tree_design(n, c, 1, True))
-                                        for n in SIM_SIZES}}
     plot(pred, measured, png,
          f"{meta['model_bytes'] / 2**20:.0f} MiB, link {meta.get('link_gbps', 0):g} GB/s per worker, "
-         f"storage {meta['storage_gbps']:g} GB/s shared\npoints: cold_start.py on 2 CPUs, "
-         "lines: simulate.py; bars: fastest-slowest worker", designed)
+         f"storage {meta['storage_gbps']:g} GB/s shared, chains of up to {c.cohort_max}\n"
+         "points: cold_start.py on 2 CPUs, lines: simulate.py; bars: fastest-slowest worker")
     print(f"wrote {png}")
 
 if __name__ == "__main__":

@@ -376,6 +376,35 @@ def slow_ckpt(tmp_path: Path) -> str:
     return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=11), tmp_path / "ckpt"))
 
 
+CHAIN_SETTINGS = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0}
+
+
+def _four_in_a_chain(fleet: Fleet, redis_url: str, namespace: str,
+                     ) -> tuple[dict[str, Any], list[str], list[str], float]:
+    """A capped holder, then m0..m3 released together into one chain: their processes,
+    member ids in seat order, roles in seat order, and the release time."""
+    # The holder sends at 0.4 MB/s: the 0.83 MB model takes ~2 s down the chain.
+    fleet.start("holder", settings={"max_send_gbps": 0.0004})
+    _ok(fleet.report())
+    go = CTX.Event()
+    procs = {f"m{i}": fleet.start(f"m{i}", settings=CHAIN_SETTINGS, go=go, serve_for=30)
+             for i in range(4)}
+    time.sleep(3.0)  # every member built its skeleton and waits for go
+    t0 = time.monotonic()
+    go.set()
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    members: list[str] = []
+    while len(members) < 4 and time.monotonic() - t0 < 20:
+        chains = [k for k in client.scan_iter(f"{{{namespace}}}:cohort:*")
+                  if client.type(k) == "list"]
+        members = client.lrange(chains[0], 0, -1) if chains else []
+        time.sleep(0.05)
+    assert len(members) == 4, members
+    order = [records.member(json.loads(m)).member_id for m in members]
+    roles = [mid.split("-", 1)[0] for mid in order]  # member ids start with the worker id
+    return procs, order, roles, t0
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
 def test_middle_member_killed_mid_transfer_the_rest_still_verify(
@@ -386,27 +415,8 @@ def test_middle_member_killed_mid_transfer_the_rest_still_verify(
     each within its deadline."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     victim: Any = None
-    chain_settings = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0}
     try:
-        # The holder sends at 0.4 MB/s: the 0.83 MB model takes ~2 s down the chain.
-        fleet.start("holder", settings={"max_send_gbps": 0.0004})
-        _ok(fleet.report())
-        go = CTX.Event()
-        procs = {f"m{i}": fleet.start(f"m{i}", settings=chain_settings, go=go, serve_for=30)
-                 for i in range(4)}
-        time.sleep(3.0)  # every member built its skeleton and waits for go
-        t0 = time.monotonic()
-        go.set()
-        client = redis.Redis.from_url(redis_url, decode_responses=True)
-        members: list[str] = []
-        while len(members) < 4 and time.monotonic() - t0 < 20:
-            chains = [k for k in client.scan_iter(f"{{{namespace}}}:cohort:*")
-                      if client.type(k) == "list"]
-            members = client.lrange(chains[0], 0, -1) if chains else []
-            time.sleep(0.05)
-        assert len(members) == 4, members
-        order = [records.member(json.loads(m)).member_id for m in members]
-        roles = [mid.split("-", 1)[0] for mid in order]  # member ids start with the worker id
+        procs, order, roles, t0 = _four_in_a_chain(fleet, redis_url, namespace)
         victim = procs[roles[1]]
         time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed
         os.kill(victim.pid, how)
@@ -433,6 +443,38 @@ def test_middle_member_killed_mid_transfer_the_rest_still_verify(
         if victim is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim.pid, signal.SIGKILL)  # a stopped process is not reaped by close()
+        fleet.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_member_resumed_while_its_children_ask_it_again_all_verify(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+) -> None:
+    """Holder -> m0 -> m1 -> m2 -> m3; SIGSTOP m1 mid-transfer and SIGCONT it once the
+    seats below it stalled (while they ask it once more): all four, m1 too, end with
+    verified, bit-identical weights from peers, none reading storage, each within its
+    deadline."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    victim: Any = None
+    try:
+        procs, order, roles, t0 = _four_in_a_chain(fleet, redis_url, namespace)
+        victim = procs[roles[1]]
+        time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed
+        os.kill(victim.pid, signal.SIGSTOP)
+        # Past the stall bound: m2 gave up on this transfer and asks m1 once more.
+        time.sleep(CHAIN_SETTINGS["relay_stall_timeout"] + 0.3)
+        os.kill(victim.pid, signal.SIGCONT)
+        reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(4))}
+        assert set(reports) == set(roles)
+        for role, r in reports.items():
+            _ok(r)
+            assert r["source"] == "peer" and r["storage_bytes"] == 0, (role, r)
+            assert r["load_seconds"] < 2 * CHAIN_SETTINGS["transfer_timeout"], r
+        assert time.monotonic() - t0 < 60
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGKILL)
         fleet.close()
 
 

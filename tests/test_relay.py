@@ -274,6 +274,61 @@ def test_busy_relay_endpoint_refuses_at_once(redis_url: str, namespace: str) -> 
         rdv.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_receiver_asking_again_supersedes_its_stalled_send_and_keeps_no_slot(
+    redis_url: str, namespace: str
+) -> None:
+    """A receiver that gave up on a stalled send (the member's own upstream stopped) and
+    asks the member again is served, not refused as busy by its own dead send; the slot
+    still bounds real sends (another receiver is refused); bytes exact."""
+    settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
+                        advertise_host="127.0.0.1")
+    reg = Registry(settings)
+    want = model_tensors()
+    bucket = settings.bucket_for("gloo", payload_bytes(want))
+    steps = plan(want, bucket)
+    rdv = open_rendezvous(settings, "gloo", device=torch.device("cpu"), registry=reg)
+    progress = Progress()  # nothing held yet: every send waits for the member's next step
+    server = RelayServer(settings, reg, rdv, Member("again-r0-relay-1", rdv.address, "gloo", "cpu"),
+                         want, "ab" * 16, Pacer(0.0), progress, get_logger("test"), max_sends=1).start()
+
+    def ask(receiver: str) -> str:
+        tid = f"t-{receiver}-{uuid.uuid4().hex[:8]}"
+        request = records.TransferRequest(tid, receiver, "v1", "ab" * 16, "gloo", "cpu", start=0)
+        run_receiver(reg, tid, "ab" * 16, 5.0,
+                     after_ready=lambda: reg.push_request(server.member.member_id, request.to_dict()))
+        return tid
+
+    def pull(tid: str, into: dict[str, torch.Tensor], stall: float) -> None:
+        tr = receiver_transport(settings, "gloo", rdv.address, transfer_scope(settings.key("store"), tid),
+                                device=torch.device("cpu"), registry=reg)
+        run_guarded(tr, lambda t: recv_tensors(t, into, bucket), time.monotonic() + 30, stall=stall)
+
+    try:
+        with pytest.raises(TransferError, match="stalled"):
+            pull(ask("r"), skeleton_like(want), stall=1.0)
+        got = skeleton_like(want)
+        second = ask("r")  # not refused: the stalled send no longer holds the slot
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                pull(second, got, stall=10.0)
+            except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                errors.append(e)
+
+        receiving = threading.Thread(target=receive)
+        receiving.start()
+        with pytest.raises(NoPeerError, match=r"refused it \(busy\)"):
+            ask("q")
+        progress.complete(len(steps))
+        receiving.join(30)
+        assert errors == [] and mismatches(got, want) == []
+    finally:
+        server.close(2.0)
+        rdv.close()
+
+
 def test_pacer_holds_the_long_run_rate_across_threads() -> None:
     """Two senders sharing one 1 GB/s Pacer get 1 GB/s together; 0 means unlimited."""
     now = [0.0]

@@ -134,19 +134,30 @@ class Sends:
     """``ready(step, deadline)`` returns once the step's bytes are in place (a relay
     forwards what it is still receiving); None: everything already is."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _transports: set[Transport] = field(default_factory=set, repr=False)
+    _transports: dict[str, Transport] = field(default_factory=dict, repr=False)
+    """Sends past their handshake, by transfer id."""
 
     def abort(self) -> int:
         """Abort every send in flight (the receivers fall back; the tensors are only
         read, so nothing here is damaged). Returns how many were aborted."""
         with self._lock:
-            transports = list(self._transports)
+            transports = list(self._transports.values())
         n = 0
         for tr in transports:
             with contextlib.suppress(Exception):
                 tr.abort()
                 n += 1
         return n
+
+    def abort_one(self, transfer_id: str) -> bool:
+        """Abort one send in flight; False when it is not past its handshake (or over)."""
+        with self._lock:
+            tr = self._transports.get(transfer_id)
+        if tr is None:
+            return False
+        with contextlib.suppress(Exception):
+            tr.abort()
+        return True
 
     def serve(self, request: TransferRequest, log: Any, *, digest: str | None = None,
               tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> TransferStats | None:
@@ -164,7 +175,7 @@ class Sends:
             run_sender(self.registry, request.transfer_id, digest, s.sender_handshake_timeout)
             transport = self.rendezvous.sender(transfer_scope(s.key("store"), request.transfer_id))
             with self._lock:
-                self._transports.add(transport)
+                self._transports[request.transfer_id] = transport
             now = _clock.monotonic()
             deadline = now + self.timeout
             wait = self.ready
@@ -192,5 +203,5 @@ class Sends:
         finally:
             if transport is not None:
                 with self._lock:
-                    self._transports.discard(transport)
+                    self._transports.pop(request.transfer_id, None)
         return None

@@ -3,6 +3,13 @@
 It answers relay requests through the send path it shares with the ordinary sender
 (:mod:`nccl_back.transport.send`): a step is sent once :class:`Progress` says it is in
 the member's tensors.
+
+A receiver pulls one part from one upstream at a time and asks again only once its pull
+ended, so a request from a receiver this endpoint still sends that part to supersedes
+the send: the receiver gave up on it (it stalled when a member further up stopped),
+while this side, waiting for its own next step, cannot know. The old send is aborted
+and stops holding a send slot; without that, the re-asking children of a member that
+re-attached would be refused as busy by their own slots and go further up.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ class RelayServer:
         self._stop = threading.Event()
         self._ended = threading.Event()
         self._lock = threading.Lock()
-        self._sends: list[threading.Thread] = []
+        self._sends: dict[tuple[str, int | None], tuple[threading.Thread, str]] = {}
+        """Sends in flight by (receiver, part): the thread and its transfer id."""
+        self._superseded: list[threading.Thread] = []
         self._idle_since: float | None = None
         self.served = 0
         # Read at each send: a stopped endpoint drops its tensors (see _loop).
@@ -95,7 +104,7 @@ class RelayServer:
     def _busy(self) -> int:
         """Relay sends still running (finished ones are forgotten)."""
         with self._lock:
-            self._sends = [t for t in self._sends if t.is_alive()]
+            self._sends = {k: v for k, v in self._sends.items() if v[0].is_alive()}
             return len(self._sends)
 
     def _lingered(self) -> bool:
@@ -115,7 +124,7 @@ class RelayServer:
             self.registry.mark_gone(key, self.settings.transfer_timeout + self.settings.busy_wait)
         with contextlib.suppress(RegistryError):
             self.registry.drop_requests(key)
-        for t in list(self._sends):
+        for t in [t for t, _ in self._sends.values()] + self._superseded:
             t.join(self.settings.transfer_timeout)
         # A stopped endpoint must not keep the model alive: a sidecar whose hand-off
         # re-pointed the model into its arena would otherwise hold it twice.
@@ -130,6 +139,7 @@ class RelayServer:
             decline(self.registry, request, "draining", f"relay endpoint {key} gave up: {gave_up}",
                     self._log, RELAY, reason="gave_up")
             return
+        self._supersede(request)
         busy = self._busy()
         if busy >= self.max_sends:
             # Said at once, so the requester tries its next upstream now rather
@@ -141,8 +151,21 @@ class RelayServer:
         t = threading.Thread(target=self._send_one, args=(request,), daemon=True,
                              name=f"nccl-back-relay-send-{key[-6:]}")
         with self._lock:
-            self._sends.append(t)
+            self._sends[request.receiver, request.part] = (t, request.transfer_id)
         t.start()
+
+    def _supersede(self, request: TransferRequest) -> None:
+        """The send to ``request``'s receiver and part still in flight, if any, is
+        aborted and no longer counted (see the module docstring); its thread ends once
+        its next step is ready or its bounds pass."""
+        with self._lock:
+            old = self._sends.pop((request.receiver, request.part), None)
+            if old is None or not old[0].is_alive():
+                return
+            self._superseded = [t for t in self._superseded if t.is_alive()] + [old[0]]
+        self._path.abort_one(old[1])
+        self._log.info("relay_send_superseded", peer=request.receiver, part=request.part,
+                       was=old[1], transfer_id=request.transfer_id)
 
     def _send_one(self, request: TransferRequest) -> None:
         log = self._log.bind(transfer_id=request.transfer_id, peer=request.receiver)

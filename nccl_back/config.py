@@ -226,8 +226,8 @@ class Settings:
     reads; 0 turns the split off."""
 
     claim_ttl: float = 6.0
-    """Seconds a receiver's send-slot claim, or a cooperative download member's endpoint
-    record, lives unless renewed while its owner runs: a dead owner is given up on within it."""
+    """Seconds a send-slot claim, a download member's record or a relay member's liveness
+    mark lives unless renewed by its running owner: a dead or stopped one is given up on."""
 
     peer_budget: float = 0.0
     """Seconds all peer attempts of one load may take together (claims, handshakes,

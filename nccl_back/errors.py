@@ -215,6 +215,8 @@ class RecordKind(StrEnum):
     """The holder layouts a reshard plan is computed over (``ns:group:...``)."""
     GONE = "gone"
     """A relay endpoint's tombstone (``ns:gone:...``)."""
+    ALIVE = "alive"
+    """A relay endpoint's liveness mark, renewed while it serves (``ns:alive:...``)."""
     RENDEZVOUS = "rendezvous"
     """A process group's bootstrap value (``ns:rdv:...``)."""
     ARTIFACT_SET = "artifact_set"

@@ -66,7 +66,7 @@ SECRET = "hostile-redis-secret-" + "x" * 16
 UNREAD = frozenset({"check"})
 #: Every kind a load reads, from the schema.
 KINDS = tuple(k.name for k in schema.KINDS if k.name not in UNREAD)
-RACED = frozenset({"hs", "chain", "rdv", "gone"})
+RACED = frozenset({"hs", "chain", "rdv", "gone", "alive"})
 """Kinds whose names are random per transfer: corrupted as they appear."""
 RESHARD = frozenset({"layout", "group"})
 """Kinds only a reshard reads (``ct`` is kept by every holder and read by both)."""

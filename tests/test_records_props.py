@@ -121,7 +121,7 @@ ARTIFACT_INDEXES = st.builds(lambda lk, f: {"lookup": lk, "factors": f}, HEX,
                              st.dictionaries(NAME, NAME, max_size=4))
 ARTIFACT_SETS = st.builds(lambda lk, v: {"lookup": lk, "version": v, "manifest": {
     "units": ["u"], "files": [["u/a", 1]], "digest": "d" * 64}}, HEX, HEX)
-GONE = NAME.map(lambda m: {"member_id": m})
+NAMED = NAME.map(lambda m: {"member_id": m})
 
 #: Valid records (as dicts) of every key kind the schema gives a parser, to mutate.
 VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
@@ -138,7 +138,8 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "dlm": MEMBERS.map(lambda m: m.to_dict()),
     "chain": MEMBERS.map(lambda m: m.to_dict()),
     "stream": MEMBERS.map(lambda m: m.to_dict()),
-    "gone": GONE,
+    "gone": NAMED,
+    "alive": NAMED,
     "hs": HANDSHAKES,
     "art": ARTIFACT_SETS,
     "artidx": ARTIFACT_INDEXES,

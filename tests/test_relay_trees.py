@@ -65,12 +65,17 @@ def test_a_seat_falls_back_to_earlier_seats_interior_in_the_tree_before_the_sour
     assert leaf == [p for p in topology.seat_upstreams(9, 12, 0) if p > 9]  # a later parent only
 
 
-def test_a_member_that_stalled_is_asked_once_more_with_a_short_handshake() -> None:
-    """A first stall does not count an upstream member failed: it is asked once more with
-    a handshake bound of STALLED_HANDSHAKE and a stall bound longer by RELAY_HANDSHAKE
-    (time for its own re-attach); a second stall, or any other failure, counts."""
+def test_a_member_that_stalled_is_asked_once_more_with_a_short_handshake(
+    redis_url: str, namespace: str
+) -> None:
+    """A first stall of a member whose liveness mark lives does not count it failed: it
+    is asked once more with a handshake bound of STALLED_HANDSHAKE and a stall bound
+    longer by RELAY_HANDSHAKE (time for its own re-attach); a second stall, or any other
+    failure, counts."""
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
+    reg.mark_alive("up", 30)
     seat = Chain(Seat("c", 3), Member("me", "127.0.0.1:5000", "gloo", "cpu"), Progress(),
-                 None, None)  # type: ignore[arg-type]  # neither endpoint nor Redis is used
+                 None, reg)  # type: ignore[arg-type]  # no endpoint: only liveness is read
     stalled = TransferStalledError("copy stalled (no progress for 3 s)")
     assert seat.handshake_bound("up", 3.0) == 3.0 and seat.stall_bound("up", 3.0) == 3.0
     assert not seat.counts_failed("up", stalled)
@@ -79,6 +84,32 @@ def test_a_member_that_stalled_is_asked_once_more_with_a_short_handshake() -> No
     assert seat.stall_bound("up", 3.0) == 3.0 + RELAY_HANDSHAKE
     assert seat.counts_failed("up", stalled) and seat.failed == {"up"}
     assert seat.counts_failed("other", HandshakeTimeoutError("no answer")) and "other" in seat.failed
+
+
+def test_a_stalled_member_whose_liveness_mark_lapsed_counts_failed_at_once(
+    redis_url: str, namespace: str
+) -> None:
+    """A member that stalled a seat and whose liveness mark lapsed (it stopped itself, not
+    behind a stopped one) is not asked once more; a mark that does not verify, or Redis
+    unreachable, proves nothing: it is asked once more, as before marks."""
+    s = Settings(redis_url=redis_url, namespace=namespace)
+    reg = Registry(s)
+    stalled = TransferStalledError("copy stalled (no progress for 3 s)")
+
+    def seat(registry: Registry) -> Chain:
+        return Chain(Seat("c", 3), Member("me", "127.0.0.1:5000", "gloo", "cpu"), Progress(),
+                     None, registry)  # type: ignore[arg-type]  # no endpoint: only liveness is read
+
+    reg.mark_alive("stopped", 0.2)
+    time.sleep(0.4)
+    lapsed = seat(reg)
+    assert lapsed.counts_failed("stopped", stalled) and lapsed.failed == {"stopped"}
+    reg.client.set(reg.keys.alive("forged"), b"\x00not a record")
+    assert not seat(reg).counts_failed("forged", stalled)
+    down = Registry(s.replace(redis_url="redis://127.0.0.1:1/0", redis_timeout=0.5))
+    assert not seat(down).counts_failed("stopped", stalled)
+    reg.close()
+    down.close()
 
 
 def _seats(redis_url: str, namespace: str, n: int, t0: float) -> list[str]:

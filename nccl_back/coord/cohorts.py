@@ -16,7 +16,7 @@ from typing import Any
 from nccl_back.coord import schema
 from nccl_back.coord.records import Member
 from nccl_back.coord.store import SignedStore, ms
-from nccl_back.errors import RegistryError
+from nccl_back.errors import RegistryError, UntrustedRecordError
 
 
 class CohortRecords(SignedStore):
@@ -75,6 +75,19 @@ class CohortRecords(SignedStore):
         raws = self._call("MGET", lambda: self.client.mget(keys))
         return {m for key, raw in zip(keys, raws, strict=True)
                 if raw is not None and (m := self.parse(key, raw, schema.GONE)) is not None}
+
+    def mark_alive(self, member_id: str, ttl: float) -> None:
+        """Say that ``member_id``'s relay endpoint serves, for ``ttl`` seconds (renewed
+        while it does: a stopped or partitioned member's mark lapses)."""
+        self.set_signed(self.keys.alive(member_id), {"member_id": member_id}, schema.ALIVE, ttl)
+
+    def lapsed(self, member_id: str) -> bool:
+        """Whether ``member_id``'s liveness mark is gone. A mark that does not verify is
+        no proof of either (skipped with a reason): not lapsed, the member is asked."""
+        try:
+            return self.read(self.keys.alive(member_id), schema.ALIVE) is None
+        except UntrustedRecordError:
+            return False
 
     # -- downloads streamed to waiting workers ------------------------------------------
 

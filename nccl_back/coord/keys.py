@@ -127,6 +127,10 @@ class Keys:
         """A relay endpoint that has stopped: members behind it skip it at once."""
         return self.key(K.GONE.prefix, member_id)
 
+    def alive(self, member_id: str) -> str:
+        """A relay endpoint's liveness mark: a stopped one's lapses within its TTL."""
+        return self.key(K.ALIVE.prefix, member_id)
+
     def stream(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
         """The relay endpoint of the worker downloading one rank's skeleton flavour."""
         return self.key(K.STREAM.prefix, version, rank, world_size, manifest_digest)

@@ -166,11 +166,14 @@ def _peer(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) ->
     return info
 
 
-def _gone(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) -> str:
-    member_id = records.ident(body, "member_id", "tombstone")
-    if parts and member_id != parts.get("member_id"):
-        raise UntrustedRecordError("tombstone: another member's")
-    return member_id
+def _named(what: str) -> Parser:
+    """A parser of ``{"member_id": ...}`` naming its own key's member."""
+    def parse(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) -> str:
+        member_id = records.ident(body, "member_id", what)
+        if parts and member_id != parts.get("member_id"):
+            raise UntrustedRecordError(f"{what}: another member's")
+        return member_id
+    return parse
 
 
 def _artifact_set(body: dict[str, Any], parts: Mapping[str, str],
@@ -230,7 +233,10 @@ STREAM = KeyKind("stream", "stream", (*_VRW, "manifest"), RecordKind.DOWNLOAD_ST
                 parse=_plain(records.member))
 GONE = KeyKind("gone", "gone", ("member_id",), RecordKind.GONE, S, G, _chain_ttl, SMALL,
                "a relay endpoint that has stopped",
-              parse=_gone)
+              parse=_named("tombstone"))
+ALIVE = KeyKind("alive", "alive", ("member_id",), RecordKind.ALIVE, S, G, lambda s: s.claim_ttl, SMALL,
+                "a relay endpoint that serves: renewed every third of its TTL (a stopped one's lapses)",
+                parse=_named("liveness mark"))
 HANDSHAKE = KeyKind("hs", "hs", ("transfer_id", "name"), RecordKind.HANDSHAKE, S, G,
                     lambda s: HANDSHAKE_KEY_TTL, SMALL, "handshake values and refusals",
                    parse=_plain(records.handshake))
@@ -249,7 +255,8 @@ ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_IND
 #: Every kind of key, in the order of the key schema.
 KINDS: tuple[KeyKind, ...] = (
     PEER, INDEX, GROUND_TRUTH, LAYOUT_RECORD, GROUP, POSITION_TRUTH, CLAIM, REQUEST, LEASE,
-    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, DOWNLOAD_MEMBER, COHORT, CHAIN, STREAM, GONE, HANDSHAKE, RENDEZVOUS, CHECK,
+    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, DOWNLOAD_MEMBER, COHORT, CHAIN, STREAM, GONE, ALIVE,
+    HANDSHAKE, RENDEZVOUS, CHECK,
     ARTIFACT_SET, ARTIFACT_INDEX,
 )
 BY_NAME: dict[str, KeyKind] = {k.name: k for k in KINDS}

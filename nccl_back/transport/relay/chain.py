@@ -63,12 +63,25 @@ class Chain:
         :meth:`stall_bound`), it resumes where this one stopped, and the seats below it
         stay off the suspects further up (a stopped one costs each asker a handshake
         bound); one that stopped itself fails that short handshake. A second stall, or
-        any other failure, counts."""
-        if isinstance(e, TransferStalledError) and member_id not in self.stalled:
+        any other failure, counts, and so does a first stall once the member's liveness
+        mark lapsed (it stopped itself: a stall bound is longer than the mark's TTL)."""
+        if isinstance(e, TransferStalledError) and member_id not in self.stalled and not self._lapsed(member_id):
             self.stalled.add(member_id)
             return False
         self.failed.add(member_id)
         return True
+
+    def _lapsed(self, member_id: str) -> bool:
+        """Whether ``member_id``'s liveness mark lapsed (:func:`join` renews it every
+        third of ``claim_ttl``): it stopped, or lost Redis, so the short handshake of
+        asking it once more would be spent for nothing. Redis trouble says nothing."""
+        try:
+            gone = self.registry.lapsed(member_id)
+        except RegistryError:
+            return False
+        if gone:
+            log.info("relay_upstream_lapsed", member=self.member.member_id, peer=member_id)
+        return gone
 
     def handshake_bound(self, member_id: str, bound: float) -> float:
         """The handshake bound with ``member_id``: short once it stalled this receiver (a
@@ -198,6 +211,17 @@ def join(p: Endpoints) -> Chain:
         server.end(False, "could not join a cohort")
         raise
     seat = Seat(chain_key, position)
+
+    def alive() -> None:
+        p.registry.mark_alive(member.member_id, s.claim_ttl)
+
+    # Renewed while the endpoint lives: a member stalled behind a stopped one is asked
+    # once more by the seats below it, one that stopped itself is not (Chain.counts_failed).
+    try:
+        alive()
+    except RegistryError as e:  # a missing mark costs the seats below their retry of it
+        p.log.warning("alive_mark_failed", member=member.member_id, error=str(e))
+    renew(server, alive, s.claim_ttl, "alive")
     p.log.info("cohort_joined", chain=p.registry.keys.chain_place(chain_key), position=position,
                member=member.member_id)
     return Chain(seat, member, server.progress, server, p.registry)
@@ -266,11 +290,7 @@ class Share:
 
     def __init__(self, server: RelayServer, announce: Callable[[], None], ttl: float) -> None:
         self.server = server
-        self._announce = announce
-        self._ttl = ttl
-        self._renewing = threading.Thread(target=self._renew, daemon=True,
-                                          name=f"nccl-back-share-{server.member.member_id[-6:]}")
-        self._renewing.start()
+        renew(server, announce, ttl, "share")
 
     @property
     def member(self) -> Member:
@@ -285,15 +305,26 @@ class Share:
         """The member's load ended; failed (or its share unread): requests are refused."""
         self.server.end(ok, reason)
 
-    def _renew(self) -> None:
+
+
+def renew(server: RelayServer, announce: Callable[[], None], ttl: float, what: str) -> None:
+    """``announce`` every third of ``ttl`` for as long as ``server`` lives, on a daemon
+    thread (the caller announced once already): the record says the endpoint is alive and
+    lapses within ``ttl`` once its process stops. A failed renewal is logged: a lapse
+    costs speed (the member is taken for stopped), never bytes."""
+    member = server.member.member_id
+
+    def run() -> None:
         while True:
-            _clock.sleep(self._ttl / 3)
-            if not self.server.alive:
-                return  # the endpoint stopped: the announcement lapses with it
+            _clock.sleep(ttl / 3)
+            if not server.alive:
+                return  # the endpoint stopped: the record lapses with it
             try:
-                self._announce()
-            except RegistryError as e:  # a lapse costs the elected worker's pull, nothing else
-                log.warning("share_renew_failed", member=self.member.member_id, error=str(e))
+                announce()
+            except RegistryError as e:
+                log.warning(f"{what}_renew_failed", member=member, error=str(e))
+
+    threading.Thread(target=run, daemon=True, name=f"nccl-back-{what}-{member[-6:]}").start()
 
 
 def share(p: Endpoints, member: int) -> Share:

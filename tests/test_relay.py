@@ -434,15 +434,17 @@ def slow_ckpt(tmp_path: Path) -> str:
 CHAIN_SETTINGS = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0}
 
 
-def _four_in_a_chain(fleet: Fleet, redis_url: str, namespace: str,
+def _four_in_a_chain(fleet: Fleet, redis_url: str, namespace: str, settings: dict[str, Any] | None = None,
                      ) -> tuple[dict[str, Any], list[str], list[str], float]:
-    """A capped holder, then m0..m3 released together into one chain: their processes,
-    member ids in seat order, roles in seat order, and the release time."""
+    """A capped holder, then m0..m3 released together into one chain (``settings`` over
+    CHAIN_SETTINGS): their processes, member ids in seat order, roles in seat order, and
+    the release time."""
     # The holder sends at 0.4 MB/s: the 0.83 MB model takes ~2 s down the chain.
     fleet.start("holder", settings={"max_send_gbps": 0.0004})
     _ok(fleet.report())
     go = CTX.Event()
-    procs = {f"m{i}": fleet.start(f"m{i}", settings=CHAIN_SETTINGS, go=go, serve_for=30)
+    procs = {f"m{i}": fleet.start(f"m{i}", settings={**CHAIN_SETTINGS, **(settings or {})}, go=go,
+                                  serve_for=30)
              for i in range(4)}
     time.sleep(3.0)  # every member built its skeleton and waits for go
     t0 = time.monotonic()
@@ -461,17 +463,21 @@ def _four_in_a_chain(fleet: Fleet, redis_url: str, namespace: str,
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+@pytest.mark.parametrize(("how", "ttl"), [(signal.SIGKILL, None), (signal.SIGSTOP, None), (signal.SIGSTOP, 1.5)],
+                         ids=["killed", "stalled", "stalled_mark_lapsed"])
 def test_middle_member_killed_mid_transfer_the_rest_still_verify(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, how: signal.Signals
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, how: signal.Signals,
+    ttl: float | None,
 ) -> None:
     """Holder -> m0 -> m1 -> m2 -> m3; SIGKILL (or SIGSTOP) m1 mid-transfer: m0, m2, m3 end
     with verified, bit-identical weights from peers (after a kill m2 re-attaches to m0),
-    each within its deadline."""
+    each within its deadline. With a liveness mark shorter than the stall bound, the
+    stopped m1's mark has lapsed by then (m2 takes it for stopped, no retry)."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     victim: Any = None
     try:
-        procs, order, roles, t0 = _four_in_a_chain(fleet, redis_url, namespace)
+        procs, order, roles, t0 = _four_in_a_chain(fleet, redis_url, namespace,
+                                                   None if ttl is None else {"claim_ttl": ttl})
         victim = procs[roles[1]]
         time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed
         os.kill(victim.pid, how)
@@ -494,6 +500,8 @@ def test_middle_member_killed_mid_transfer_the_rest_still_verify(
             # upstream m2 paused meanwhile) and attach further up; nobody uses m1.
             assert reports[roles[2]]["peer_id"] == order[0]
             assert reports[roles[3]]["peer_id"] != order[1]
+            if ttl is not None:  # (the default's 6 s may or may not have run out by now)
+                assert not redis.Redis.from_url(redis_url).exists(f"{{{namespace}}}:alive:{order[1]}")
     finally:
         if victim is not None:
             with contextlib.suppress(ProcessLookupError):

@@ -163,26 +163,35 @@ def test_a_cohort_in_trees_receives_its_halves_from_two_upstreams(
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+@pytest.mark.parametrize(("how", "extra", "resume"), [
+    (signal.SIGKILL, {}, False), (signal.SIGSTOP, {}, False),
+    (signal.SIGSTOP, {"claim_ttl": 1.5}, False), (signal.SIGSTOP, {}, True),
+], ids=["killed", "stalled", "stalled_mark_lapsed", "stalled_then_resumed"])
 def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, how: signal.Signals
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, how: signal.Signals,
+    extra: dict[str, Any], resume: bool,
 ) -> None:
     """Six members in trees; SIGKILL (or SIGSTOP: silent, as a partition looks) seat 1,
     the second tree's root, once data moves: every other member ends verified and
-    bit-identical from peers, none reads storage, each within its deadline."""
+    bit-identical from peers, none reads storage, each within its deadline. Its liveness
+    mark lapsed before the stall bound, or it resumed (SIGCONT) while the seats below
+    ask it once more: the same, and a resumed one ends verified too."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     victim: Any = None
     try:
         fleet.start("holder", settings={"max_send_gbps": 0.0004})
         _ok(fleet.report())
-        procs, t0 = _release(fleet, 6, TREES | {"max_send_gbps": 0.0008})
+        procs, t0 = _release(fleet, 6, TREES | {"max_send_gbps": 0.0008} | extra)
         order = _seats(redis_url, namespace, 6, t0)
         role = _role(order[1])
         victim = procs[role]
         time.sleep(0.8)  # the trees are flowing
         os.kill(victim.pid, how)
-        reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(5))}
-        assert role not in reports
+        if resume:
+            time.sleep(TREES["relay_stall_timeout"] + 0.3)  # its children stalled and ask again
+            os.kill(victim.pid, signal.SIGCONT)
+        reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(6 if resume else 5))}
+        assert (role in reports) is resume
         for r in reports.values():
             _ok(r)
             assert r["source"] == "peer" and r["storage_bytes"] == 0, r

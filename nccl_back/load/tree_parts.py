@@ -6,8 +6,8 @@ A step of the receive loop (:class:`~.receive.Receive`), kept apart as
 :mod:`.holder_parts` is. Each part runs its own loop over that tree's upstreams (the
 seat's ancestors, nearest first, ending at the cohort's head, then the stream that
 feeds the cohort): a failed upstream is never asked again, and the next one resumes at
-the part's first step this rank lacks; a member that stalled is asked once more first
-(:meth:`~nccl_back.transport.relay.Chain.counts_failed`). A seat is a leaf in one tree,
+the part's first step this rank lacks; a member that stalled is asked once more first,
+unless its liveness mark lapsed (:meth:`~nccl_back.transport.relay.Chain.counts_failed`). A seat is a leaf in one tree,
 and a leaf's parent changes as the cohort grows
 (:func:`~nccl_back.transport.relay.topology.seat_upstreams`):
 while a leaf's part moves, the cohort's size is looked at every :data:`WATCH_POLL`

@@ -306,7 +306,6 @@ class Share:
         self.server.end(ok, reason)
 
 
-
 def renew(server: RelayServer, announce: Callable[[], None], ttl: float, what: str) -> None:
     """``announce`` every third of ``ttl`` for as long as ``server`` lives, on a daemon
     thread (the caller announced once already): the record says the endpoint is alive and

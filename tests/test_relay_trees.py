@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import redis
 from groups import CTX
+from hostile import corrupt, corruptions
 from test_service import MODEL, Fleet, _ok
 
 from nccl_back.config import Settings
-from nccl_back.coord import records
+from nccl_back.coord import records, schema
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, TransferStalledError
 from nccl_back.transport.relay import RELAY_HANDSHAKE, Chain, Member, Progress, Seat, topology
@@ -90,8 +91,9 @@ def test_a_stalled_member_whose_liveness_mark_lapsed_counts_failed_at_once(
     redis_url: str, namespace: str
 ) -> None:
     """A member that stalled a seat and whose liveness mark lapsed (it stopped itself, not
-    behind a stopped one) is not asked once more; a mark that does not verify, or Redis
-    unreachable, proves nothing: it is asked once more, as before marks."""
+    behind a stopped one) is not asked once more; a mark that does not verify (every
+    value and Redis type the hostile suite writes), or Redis unreachable, proves nothing:
+    it is asked once more, as before marks."""
     s = Settings(redis_url=redis_url, namespace=namespace)
     reg = Registry(s)
     stalled = TransferStalledError("copy stalled (no progress for 3 s)")
@@ -104,8 +106,12 @@ def test_a_stalled_member_whose_liveness_mark_lapsed_counts_failed_at_once(
     time.sleep(0.4)
     lapsed = seat(reg)
     assert lapsed.counts_failed("stopped", stalled) and lapsed.failed == {"stopped"}
-    reg.client.set(reg.keys.alive("forged"), b"\x00not a record")
-    assert not seat(reg).counts_failed("forged", stalled)
+    reg.mark_alive("forged", 30)
+    key = reg.keys.alive("forged")
+    genuine = ("string", reg.client.get(key))
+    for how in corruptions(schema.ALIVE):  # every value and Redis type the hostile suite writes
+        corrupt(reg.client, key, schema.ALIVE, how, genuine)
+        assert not seat(reg).counts_failed("forged", stalled), how
     down = Registry(s.replace(redis_url="redis://127.0.0.1:1/0", redis_timeout=0.5))
     assert not seat(down).counts_failed("stopped", stalled)
     reg.close()

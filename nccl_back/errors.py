@@ -203,6 +203,8 @@ class RecordKind(StrEnum):
     """The members of a cooperative download, named by the worker elected (``ns:dlr:...``)."""
     DOWNLOAD_MEMBER = "download_member"
     """Where a cooperative download's member serves its part (``ns:dlm:...``)."""
+    DOWNLOAD_RESCUE = "download_rescue"
+    """Failed members' parts of a cooperative download, spread over the others (``ns:dlx:...``)."""
     COHORT_MEMBER = "cohort_member"
     """One member's relay endpoint in a cohort chain (``ns:cohort:...:{e}:{c}``)."""
     DOWNLOAD_STREAM = "download_stream"

@@ -253,6 +253,14 @@ def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
             "transfer_id": "f" * 32, "receiver": "ghost", "version": fleet.spec.version,
             "manifest_digest": fleet.digest, "transport": "gloo", "device": "cpu"}, schema.REQUEST)])
         reg.close()
+    if "dlx" not in out:
+        # No member of these rollouts fails, so none has its part spread: a genuine
+        # record, as the elected worker signs it, at the key the member polled.
+        reg = Registry(fleet.settings)
+        key = reg.keys.download_rescue(fleet.spec.version, 0, 1)
+        out["dlx"] = (key, "string", reg.signed(key, {"rescues": [{"part": 1, "by": ["ghost"]}]},
+                                                schema.DOWNLOAD_RESCUE).encode())
+        reg.close()
     fleet.clean()
     return out
 
@@ -287,6 +295,7 @@ def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
         "gt": reg.ground_truth_key(v, 0, 1, d, "nb1"), "claim": ks.claim(peer_id, 0),
         "req": ks.requests(peer_id), "dl": ks.lease(v, 1), "dlg": ks.download_group(v, 1),
         "dlr": ks.download_roster(v, 1), "dlm": ks.download_member(v, 0, 1, 1),
+        "dlx": ks.download_rescue(v, 0, 1),
         "cohort": ks.cohort(v, 0, 1, d),
         "stream": ks.stream(v, 0, 1, d),
         # Truth in checkpoint coordinates, keyed by the holder's (plain) layout digest.
@@ -382,6 +391,26 @@ def test_every_corruption_on_an_empty_fleet_costs_one_storage_read(
             with WeightService(fleet.settings) as second:
                 result = fleet.load(second)
         assert result.source == "peer", (how, result.fallback_reason)
+
+
+@pytest.mark.parametrize("how", corruptions(schema.DOWNLOAD_RESCUE))
+def test_every_corruption_of_the_spread_record_leaves_a_cooperative_download_exact(
+    fleet: Fleet, captured: dict[str, Any], how: str
+) -> None:
+    """Whatever sits where members look for failed parts spread to them (a record of
+    another download, garbage, another type), two workers started together split the
+    download, read storage once between them and end with the exact weights."""
+    key, gtype, gvalue = captured["dlx"]
+    fleet.clean()
+    corrupt(fleet.client, key, schema.DOWNLOAD_RESCUE, how, (gtype, gvalue))
+    together = fleet.settings.replace(download_group_window=3.0)
+    with WeightService(together) as first, WeightService(together) as second, \
+            ThreadPoolExecutor(2) as pool:
+        loads = [pool.submit(fleet.load, svc) for svc in (first, second)]
+        results = [f.result(timeout=120) for f in loads]
+    assert sorted(r.source for r in results) == ["peer", "storage"], [r.fallback_reason for r in results]
+    whole = sum(sh.size for sh in fleet.spec.shards)
+    assert sum(r.storage_bytes for r in results) < 1.1 * whole, [r.storage_bytes for r in results]
 
 
 @pytest.mark.parametrize("kind", sorted(RESHARD | {"ct"}))

@@ -82,6 +82,7 @@ def test_any_text_made_a_label_parses_as_one(text: str) -> None:
 @st.composite
 def requests(draw: st.DrawFn) -> records.TransferRequest:
     parts = draw(st.none() | st.integers(1, records.MAX_PARTS))
+    subs = None if parts is None else draw(st.none() | st.integers(1, records.MAX_PARTS))
     return records.TransferRequest(
         transfer_id=draw(NAME), receiver=draw(NAME), version=draw(NAME),
         manifest_digest=draw(HEX), transport=draw(st.sampled_from(records.TRANSPORTS)),
@@ -91,6 +92,7 @@ def requests(draw: st.DrawFn) -> records.TransferRequest:
         layout=draw(st.none() | DIGEST), group=draw(st.none() | DIGEST),
         holder=draw(st.none() | st.integers(0, records.MAX_WORLD)),
         part=None if parts is None else draw(st.integers(0, parts - 1)), parts=parts,
+        sub=None if subs is None else draw(st.integers(0, subs - 1)), subs=subs,
     )
 
 
@@ -123,6 +125,17 @@ ARTIFACT_SETS = st.builds(lambda lk, v: {"lookup": lk, "version": v, "manifest":
     "units": ["u"], "files": [["u/a", 1]], "digest": "d" * 64}}, HEX, HEX)
 NAMED = NAME.map(lambda m: {"member_id": m})
 
+
+@st.composite
+def rescues(draw: st.DrawFn) -> tuple[records.Rescue, ...]:
+    parts = draw(st.lists(st.integers(0, records.MAX_PARTS - 1), min_size=1, max_size=8, unique=True))
+    return tuple(records.Rescue(p, tuple(draw(st.lists(NAME, min_size=1, max_size=8, unique=True))))
+                 for p in parts)
+
+
+def _rescues_wire(rs: tuple[records.Rescue, ...]) -> dict[str, Any]:
+    return {"rescues": [{"part": r.part, "by": list(r.by)} for r in rs]}
+
 #: Valid records (as dicts) of every key kind the schema gives a parser, to mutate.
 VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "peer": peer_infos().map(asdict),
@@ -136,6 +149,7 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "dlg": WAITERS.map(asdict),
     "dlr": ROSTERS.map(asdict),
     "dlm": MEMBERS.map(lambda m: m.to_dict()),
+    "dlx": rescues().map(_rescues_wire),
     "chain": MEMBERS.map(lambda m: m.to_dict()),
     "stream": MEMBERS.map(lambda m: m.to_dict()),
     "gone": NAMED,
@@ -265,7 +279,7 @@ def test_a_request_names_a_real_part_of_its_steps_or_is_refused(
     req: records.TransferRequest, part: Any, parts: Any
 ) -> None:
     """part/parts parse only together, as integers with 0 <= part < parts <= MAX_PARTS."""
-    wire = {k: v for k, v in req.to_dict().items() if k not in ("part", "parts")}
+    wire = {k: v for k, v in req.to_dict().items() if k not in ("part", "parts", "sub", "subs")}
     wire |= {k: v for k, v in (("part", part), ("parts", parts)) if v is not None}
     ok = (part is None and parts is None) or (
         type(part) is int and type(parts) is int and 0 <= part < parts <= records.MAX_PARTS)
@@ -275,6 +289,50 @@ def test_a_request_names_a_real_part_of_its_steps_or_is_refused(
     else:
         with pytest.raises(UntrustedRecordError, match=r"transfer request: part"):
             records.request(wire)
+
+
+@PROPS
+@given(requests(), st.one_of(st.none(), st.integers(-3, 9), st.booleans(), st.text(max_size=3)),
+       st.one_of(st.none(), st.integers(-3, 9), st.booleans(), st.text(max_size=3)))
+def test_a_request_names_a_real_sub_part_of_its_part_or_is_refused(
+    req: records.TransferRequest, sub: Any, subs: Any
+) -> None:
+    """sub/subs parse only together, with a part, as integers with 0 <= sub < subs <= MAX_PARTS."""
+    wire = {k: v for k, v in req.to_dict().items() if k not in ("sub", "subs")}
+    wire |= {k: v for k, v in (("sub", sub), ("subs", subs)) if v is not None}
+    given_any = sub is not None or subs is not None
+    ok = not given_any or (req.parts is not None and type(sub) is int and type(subs) is int
+                           and 0 <= sub < subs <= records.MAX_PARTS)
+    if ok:
+        got = records.request(wire)
+        assert (got.sub, got.subs) == (sub, subs)
+    else:
+        with pytest.raises(UntrustedRecordError, match=r"transfer request: (a sub-part of no part|sub)"):
+            records.request(wire)
+
+
+@PROPS
+@given(rescues())
+def test_rescues_round_trip(rs: tuple[records.Rescue, ...]) -> None:
+    """The elected worker's spread parts parse back to what it wrote, readers in order."""
+    assert records.rescues(json.loads(json.dumps(_rescues_wire(rs)))) == rs
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    ([], r"rescues must be a list of 1 to 64"),
+    ([{"part": 1, "by": []}], "each rescue is a part and its readers"),
+    ([{"part": 1, "by": ["a", "a"]}], "spread twice, or to a reader twice"),
+    ([{"part": 1, "by": ["a"]}, {"part": 1, "by": ["b"]}], "part 1 spread twice"),
+    ([{"part": 64, "by": ["a"]}], r"part must be an integer in \[0, 63\]"),
+    ([{"part": 1, "by": [True]}], "by must be a name of"),
+    ([{"part": 1, "by": ["no spaces"]}], "by must be a name of"),
+    ([{"part": 1, "by": [f"w{i}" for i in range(64)]}], "each rescue is a part and its readers"),
+    ("x", "rescues must be a list"),
+])
+def test_a_rescue_naming_a_part_or_a_reader_twice_is_refused(value: Any, match: str) -> None:
+    """A spread record is refused unless it names each failed part once, each reader once."""
+    with pytest.raises(UntrustedRecordError, match=match):
+        records.rescues({"rescues": value})
 
 
 @PROPS

@@ -24,6 +24,7 @@ from nccl_back.config import Settings
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.dev.s3 import LocalS3
 from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError, StorageError
+from nccl_back.load import share_read
 from nccl_back.load.share_read import Blame, ShareRead, blame, places, prove, read_share
 from nccl_back.load.shares import shares
 from nccl_back.model.checkpoint import model_headers
@@ -150,6 +151,32 @@ def test_each_step_of_a_members_part_is_told_once_when_its_bytes_are_in_place(ck
         read_share(storage, spec, model_headers(storage, spec), steps, n, i, tensors, stage_bytes=999,
                    on_step=on_step)
         assert sorted(told) == list(parts(steps, n)[i])
+
+
+def test_a_shares_first_steps_are_told_before_most_of_it_is_read(
+        ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers at once share one link, so a share is read in pieces of at most a
+    ``WAVES * readers``-th of it: its first steps go out after about a quarter of its
+    bytes landed, not at the end (a part with no step within the stall bound is given
+    up on)."""
+    spec = _spec(ckpt)
+    monkeypatch.setattr(share_read, "MIN_PIECE", 1024)  # this checkpoint is small
+    read, lock, at_first = 0, threading.Lock(), []
+    orig = SpanReader._read_into
+
+    def read_into(self: SpanReader, uri: str, dest: Any, start: int) -> None:
+        nonlocal read
+        orig(self, uri, dest, start)
+        with lock:
+            read += len(dest)
+
+    monkeypatch.setattr(SpanReader, "_read_into", read_into)
+    tensors = dict(named_tensors(build(lambda: rw.Flat(rw.checkpoint_shapes())))[0])
+    storage = Storage(Settings(storage_workers=2))
+    got = read_share(storage, spec, model_headers(storage, spec), plan(tensors, BUCKET), 1, 0, tensors,
+                     on_step=lambda k: at_first.append(read) if not at_first else None)
+    assert got.bytes == sum(sh.size for sh in spec.shards)
+    assert 0 < at_first[0] <= 0.4 * got.bytes, (at_first[0], got.bytes)
 
 
 def test_members_read_ranged_requests_of_a_bucket(ckpt: str, gcs: LocalGCS) -> None:

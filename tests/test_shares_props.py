@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nccl_back.errors import CheckpointFormatError
+from nccl_back.errors import CheckpointFormatError, TransferError
 from nccl_back.load.shares import shares
 from nccl_back.transport import plan
-from nccl_back.transport.parts import parts
+from nccl_back.transport.parts import part_steps, parts
 from nccl_back.transport_kinds import MAX_PARTS
 
 
@@ -76,6 +76,32 @@ def test_each_worker_reads_the_bytes_of_its_part_of_the_plan(case: Any) -> None:
     for worker in got:
         assert worker == sorted(worker)
         assert all(not (a[0] == b[0] and a[2] == b[1]) for a, b in zip(worker, worker[1:], strict=False))
+
+
+@settings(max_examples=300, deadline=None)
+@given(checkpoints(), st.data())
+def test_a_failed_members_part_spread_over_k_readers_is_carried_exactly_once(case: Any, data: Any) -> None:
+    """Part j's sub-parts tile its steps in order (each step in exactly one), each within
+    one step of an even share of the part's bytes, and name no step of another part."""
+    tensors, where, sizes, bucket, n = case
+    steps = plan(tensors, bucket)
+    j = data.draw(st.integers(0, n - 1))
+    k = data.draw(st.integers(1, MAX_PARTS))
+    whole = part_steps(steps, (j, n))
+    subs = [part_steps(steps, (j, n, s, k)) for s in range(k)]
+    assert [x for sub in subs for x in sub] == whole
+    total = sum(steps[x].nbytes for x in whole)
+    biggest = max((steps[x].nbytes for x in whole), default=0)
+    for sub in subs:
+        assert abs(sum(steps[x].nbytes for x in sub) - total / k) <= biggest
+
+
+@pytest.mark.parametrize("part", [(1, 1), (0, 2, 2, 2), (0, 2, 0), (0, 2, -1, 3), (0, 65)])
+def test_a_part_or_sub_part_that_does_not_exist_is_refused(part: tuple[int, ...]) -> None:
+    """A part outside its split (or a sub-part outside its own) is refused by name."""
+    steps = plan({"t": torch.empty(64, dtype=torch.uint8, device="meta")}, 16)
+    with pytest.raises(TransferError, match=r"(no such part|parts=65: must be 1 to 64)"):
+        part_steps(steps, part)
 
 
 def test_a_tensor_of_the_plan_missing_from_the_checkpoint_is_refused() -> None:

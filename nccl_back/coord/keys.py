@@ -104,6 +104,11 @@ class Keys:
         (one rank's)."""
         return self.key(K.DOWNLOAD_MEMBER.prefix, version, rank, world_size, member)
 
+    def download_rescue(self, version: str, rank: int, world_size: int) -> str:
+        """The failed members' parts of ``version``'s cooperative download (one rank's),
+        spread by the worker elected over the others."""
+        return self.key(K.DOWNLOAD_RESCUE.prefix, version, rank, world_size)
+
     # -- relay: cohorts and streamed downloads ----------------------------------------------
 
     def cohort(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:

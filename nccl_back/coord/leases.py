@@ -17,13 +17,17 @@ workers that could split the download with it. The roster ``ns:dlr:{v}:{w}``,
 split it; waiters obey it only while its owner holds the lease (a dead owner's roster
 names nobody). Each member's rank ``r`` then announces where it serves its part, a
 member record at ``ns:dlm:{v}:{r}:{w}:{i}``, which only the elected worker reads (no peer
-entry: nobody else finds a partial holder).
+entry: nobody else finds a partial holder). When one fails, the elected worker spreads
+its part over the others that still serve: ``{"rescues": [{"part": j, "by": [i, ...]}]}``
+at ``ns:dlx:{v}:{r}:{w}``, which those members poll after their own share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from nccl_back.coord import schema
-from nccl_back.coord.records import Member, Roster
+from nccl_back.coord.records import Member, Rescue, Roster
 from nccl_back.coord.store import Raw, SignedStore, ms
 from nccl_back.errors import RecordKind, RegistryError
 
@@ -117,3 +121,19 @@ class LeaseRecords(SignedStore):
         got = self.get_signed(self.keys.download_member(version, rank, world_size, member),
                               schema.DOWNLOAD_MEMBER)
         return None if got is None else got[0]
+
+    def spread_download_parts(self, version: str, rank: int, world_size: int,
+                              rescues: Sequence[Rescue]) -> None:
+        """Say which members read which failed members' parts of ``version``'s cooperative
+        download (this rank's), over whatever was there (the elected worker's own record,
+        one rescue shorter, or garbage)."""
+        self.set_signed(self.keys.download_rescue(version, rank, world_size),
+                        {"rescues": [{"part": r.part, "by": list(r.by)} for r in rescues]},
+                        schema.DOWNLOAD_RESCUE)
+
+    def download_rescues(self, version: str, rank: int, world_size: int) -> tuple[Rescue, ...]:
+        """The failed members' parts spread so far, or none (also when the value there is
+        not to be trusted: skipped with a reason, counted)."""
+        got = self.get_signed(self.keys.download_rescue(version, rank, world_size),
+                              schema.DOWNLOAD_RESCUE)
+        return () if got is None else got[0]

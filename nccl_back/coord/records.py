@@ -219,6 +219,19 @@ class TransferRequest:
     part: int | None = None
     """Send only part ``part`` of the steps split into ``parts`` (both set, or neither)."""
     parts: int | None = None
+    sub: int | None = None
+    """Of that part, only sub-part ``sub`` of ``subs`` (a failed member's part spread
+    over the others; both set, or neither, and only with a part)."""
+    subs: int | None = None
+
+    @property
+    def steps_part(self) -> tuple[int, ...] | None:
+        """The part of the plan's steps to send (:data:`nccl_back.transport.Part`), or
+        None: from ``start`` to the end."""
+        if self.parts is None:
+            return None
+        head = (self.part or 0, self.parts)
+        return head if self.subs is None else (*head, self.sub or 0, self.subs)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set (absent optional ones stay absent)."""
@@ -246,11 +259,18 @@ def request(data: dict[str, Any], what: str = "transfer request") -> TransferReq
 
 
 def _part(data: dict[str, Any], what: str) -> dict[str, int]:
-    """A request's ``part`` and ``parts``: both absent, or part ``0 <= part < parts``."""
+    """A request's ``part`` and ``parts``: both absent, or part ``0 <= part < parts``;
+    then ``sub`` and ``subs`` alike, only with a part."""
     if "part" not in data and "parts" not in data:
+        if "sub" in data or "subs" in data:
+            raise UntrustedRecordError(f"{what}: a sub-part of no part")
         return {}
     parts = integer(data, "parts", what, 1, MAX_PARTS)
-    return {"part": integer(data, "part", what, 0, parts - 1), "parts": parts}
+    got = {"part": integer(data, "part", what, 0, parts - 1), "parts": parts}
+    if "sub" in data or "subs" in data:
+        subs = integer(data, "subs", what, 1, MAX_PARTS)
+        got |= {"sub": integer(data, "sub", what, 0, subs - 1), "subs": subs}
+    return got
 
 
 @dataclass(frozen=True)
@@ -336,6 +356,35 @@ def roster(data: dict[str, Any], what: str = "download roster") -> Roster:
     if len(set(members)) != len(members):
         raise UntrustedRecordError(f"{what}: members must be distinct")
     return Roster(members=members)
+
+
+@dataclass(frozen=True)
+class Rescue:
+    """A failed member's part of a cooperative download, spread by the worker elected
+    over readers ``by`` (its own worker id first, then the endpoint ids the members
+    serve from in this download: a record from another download names none of this
+    one's): ``by[s]`` reads sub-part ``s`` of ``len(by)`` of part ``part`` and serves
+    it (cooperative.py)."""
+
+    part: int
+    by: tuple[str, ...]
+
+
+def rescues(data: dict[str, Any], what: str = "download rescues") -> tuple[Rescue, ...]:
+    items = data.get("rescues")
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_PARTS:
+        raise UntrustedRecordError(f"{what}: rescues must be a list of 1 to {MAX_PARTS}, got {_show(items)}")
+    out: list[Rescue] = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("by"), list) \
+                or not 1 <= len(item["by"]) < MAX_PARTS:
+            raise UntrustedRecordError(f"{what}: each rescue is a part and its readers, got {_show(item)}")
+        part = integer(item, "part", what, 0, MAX_PARTS - 1)
+        by = tuple(ident({"by": b}, "by", what) for b in item["by"])
+        if len(set(by)) != len(by) or part in {r.part for r in out}:
+            raise UntrustedRecordError(f"{what}: part {part} spread twice, or to a reader twice")
+        out.append(Rescue(part, by))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

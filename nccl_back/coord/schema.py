@@ -223,6 +223,10 @@ DOWNLOAD_MEMBER = KeyKind("dlm", "dlm", (*_VRW, "member"), RecordKind.DOWNLOAD_M
                           lambda s: s.claim_ttl, SMALL,
                           "the relay endpoint a cooperative download's member serves its part from",
                           parse=_plain(records.member))
+DOWNLOAD_RESCUE = KeyKind("dlx", "dlx", _VRW, RecordKind.DOWNLOAD_RESCUE, S, G,
+                          lambda s: s.single_flight_max_wait, SMALL,
+                          "failed members' parts of a cooperative download, spread over the others",
+                          parse=_plain(records.rescues))
 COHORT = KeyKind("cohort", "cohort", (*_VRW, "manifest"), None, H, Signing.NONE,
                  lambda s: s.cohort_window, SMALL, "a cohort's arrival counter and epoch")
 CHAIN = KeyKind("chain", "cohort", (*_VRW, "manifest", "epoch", "chain"), RecordKind.COHORT_MEMBER,
@@ -255,7 +259,7 @@ ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_IND
 #: Every kind of key, in the order of the key schema.
 KINDS: tuple[KeyKind, ...] = (
     PEER, INDEX, GROUND_TRUTH, LAYOUT_RECORD, GROUP, POSITION_TRUTH, CLAIM, REQUEST, LEASE,
-    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, DOWNLOAD_MEMBER, COHORT, CHAIN, STREAM, GONE, ALIVE,
+    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, DOWNLOAD_MEMBER, DOWNLOAD_RESCUE, COHORT, CHAIN, STREAM, GONE, ALIVE,
     HANDSHAKE, RENDEZVOUS, CHECK,
     ARTIFACT_SET, ARTIFACT_INDEX,
 )

@@ -12,8 +12,12 @@ The elected worker reads part 0 and, at the same time, pulls part ``i`` from eac
 announce itself within ``claim_ttl`` (at most ``relay_stall_timeout``), whose
 announcement lapses (it is renewed while
 the member's endpoint lives: a member killed or stopped is found within ``claim_ttl``,
-not after a handshake or connect timeout), or whose transfer fails, costs its share,
-not the download: the elected worker reads that share itself. Then it proves every file
+not after a handshake or connect timeout), or whose transfer fails, costs its part's
+read, not the download: the elected worker spreads that part over itself and the
+members still serving (:class:`_Spread`; they poll the record once their own share is
+read, :class:`Rescues`), each reading one sub-part and serving it, so a lost member
+costs the survivors about ``1/(n-1)`` of a share each, not the elected worker a second
+share. A sub-part whose reader fails too is read here. Then it proves every file
 against the CRC32C storage lists from the bytes it holds (:mod:`.held_proof`); a file
 that fails is blamed (:func:`~.share_read.blame`), the blamed members' spans of it read
 again from storage, and the proof run once more. Only then is its stream announced
@@ -32,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nccl_back import _clock
+from nccl_back.coord.records import Rescue
 from nccl_back.errors import (
     ChecksumMismatchError,
     NcclBackError,
@@ -43,15 +48,23 @@ from nccl_back.load.asking import new_request, transfer
 from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.held_proof import held_reads
 from nccl_back.load.pulls import Pull, Pulls, watched
-from nccl_back.load.share_read import WHO, ShareRead, blame, places, read_share, read_spans
+from nccl_back.load.share_read import (
+    WHO,
+    ShareRead,
+    blame,
+    places,
+    read_share,
+    read_spans,
+    read_steps,
+)
 from nccl_back.load.shares import shares
-from nccl_back.model.checkpoint import model_headers
+from nccl_back.model.checkpoint import ShardHeader, model_headers
 from nccl_back.model.crc import check_file
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import cut_points
 from nccl_back.model.storage import Storage
-from nccl_back.transport import Transport, plan
-from nccl_back.transport.parts import parts
+from nccl_back.transport import Part, Step, Transport, part_steps, plan
+from nccl_back.transport.relay import Share
 
 #: Seconds between two looks for a member's announcement.
 ANNOUNCE_POLL = 0.05
@@ -59,33 +72,102 @@ ANNOUNCE_POLL = 0.05
 WATCH_POLL = 0.25
 
 
-def serve_share(worker: Worker, a: Attempt) -> None:
+def serve_share(worker: Worker, a: Attempt) -> Rescues | None:
     """Member ``a.member``: announce this rank's part, read the share into its tensors,
-    let the part go out. Any failure ends the endpoint (requests are refused, so the
-    elected worker reads the share itself) and is logged; nothing escapes."""
+    let the part go out, then read what the elected worker spreads to it of failed
+    members' parts (the watch returned: close it before anything else writes these
+    tensors). Any failure ends the endpoint (requests are refused, so the elected worker
+    reads the share itself) and is logged; nothing escapes."""
     if a.member is None:
-        return
+        return None
     i, n = a.member
     share = worker.cohorts.open_share(a.replica(), a.log, i)
     if share is None:
-        return
+        return None
     a.share = share
     s, t = worker.settings, a.target
     began = _clock.perf()
     try:
         storage = Storage(s)
         steps = plan(t.tensors, t.bucket(s, t.kind))
+        headers = model_headers(storage, a.spec)
         # Each step goes out as its bytes land: the elected worker's pull sees steps
         # while the share is read, not only after (a long share would trip its stall bound).
-        got = read_share(storage, a.spec, model_headers(storage, a.spec), steps, n, i, t.tensors,
+        got = read_share(storage, a.spec, headers, steps, n, i, t.tensors,
                          on_step=lambda k: share.placed([k]))
     except Exception as e:  # noqa: BLE001 - a share is a speed-up: the elected worker reads it instead
         share.end(False, f"share unread: {e!r}"[:300])
         a.log.warning("download_share_failed", member=i, of=n, error=repr(e)[:300])
-        return
+        return None
     a.timings["share"] = _clock.perf() - began
     a.share_bytes = got.bytes
     a.log.info("download_share_read", member=i, of=n, bytes=got.bytes, seconds=round(got.seconds, 3))
+    return Rescues(worker, a, share, _Source(storage, headers, steps), i, n)
+
+
+class Rescues:
+    """Member ``i``'s watch, once its share is read, for failed members' parts the
+    elected worker spread to it (:meth:`~nccl_back.coord.leases.LeaseRecords.download_rescues`,
+    polled every ``WATCH_POLL``): it reads its sub-part of each into its tensors and its
+    endpoint serves it, each step as it lands. Ends at :meth:`close` (the member's wait
+    for the stream is over: its read stops before its next piece and is waited for, as
+    the stream then writes these tensors) or with the endpoint."""
+
+    def __init__(self, worker: Worker, a: Attempt, share: Share, source: _Source, i: int,
+                 n: int) -> None:
+        self.worker, self.a, self.share, self.source, self.i, self.n = worker, a, share, source, i, n
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="nccl-back-rescues")
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        r, i, n = self.a.replica(), self.i, self.n
+        done: set[int] = set()
+        while not _clock.wait(self.stop, WATCH_POLL) and self.share.server.alive:
+            try:
+                spread = self.worker.registry.download_rescues(r.version, r.rank, r.world)
+            except RegistryError:
+                continue  # Redis trouble: the elected worker's pull reads the sub-part itself
+            me = self.share.member.member_id
+            for rescue in spread:
+                if rescue.part in done or me not in rescue.by or not 0 < rescue.part < n:
+                    continue
+                done.add(rescue.part)
+                if not self._serve(rescue, i, n, rescue.by.index(me)):
+                    return
+
+    def _serve(self, rescue: Rescue, i: int, n: int, s: int) -> bool:
+        sub = (rescue.part, n, s, len(rescue.by))
+        try:
+            got = self.source.read(self.a, sub, i, self.stop, lambda k: self.share.placed([k]))
+        except Exception as e:  # noqa: BLE001 - the elected worker's pull fails and it reads the sub-part
+            self.share.end(False, f"spread part unread: {e!r}"[:300])
+            self.a.log.warning("download_rescue_failed", part=rescue.part, sub=list(sub), error=repr(e)[:300])
+            return False
+        self.a.share_bytes += got.bytes
+        self.a.log.info("download_rescue_read", part=rescue.part, sub=list(sub), bytes=got.bytes,
+                        seconds=round(got.seconds, 3))
+        return True
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a member's bytes come from: storage, the checkpoint's headers, this rank's plan."""
+
+    storage: Storage
+    headers: Sequence[ShardHeader]
+    steps: list[Step]
+
+    def read(self, a: Attempt, part: Part, member: int, stop: threading.Event | None = None,
+             on_step: Callable[[int], None] | None = None) -> ShareRead:
+        """The tensor bytes of ``part``'s steps into ``a``'s tensors (:func:`read_steps`)."""
+        return read_steps(self.storage, a.spec, self.headers, self.steps,
+                          part_steps(self.steps, part), a.target.tensors, member=member,
+                          on_step=on_step, stop=stop)
 
 
 @dataclass(frozen=True)
@@ -123,25 +205,20 @@ def gather_parts(worker: Worker, a: Attempt, n: int, held: int | None = None) ->
         got = read_share(storage, spec, headers, steps, n, 0, t.tensors)
         read_bytes += got.bytes
 
-    def pull(i: int) -> Pull:
-        return lambda started: _pull(worker, a, i, n, t.bucket(s, t.kind), started)
-
     others = [i for i in range(1, n) if i != held]
+    spread = _Spread(worker, a, _Source(storage, headers, steps), n, 0 if held is None else held, others)
+
+    def pull(i: int) -> Pull:
+        return lambda started: spread.pull(i, started)
+
     errors = Pulls(abort=False).run([own, *(pull(i) for i in others)], "nccl_back-share")
     if errors[0] is not None:
         raise errors[0]
-    cut = parts(steps, n)
-    received = sum(steps[k].nbytes for i, e in zip(others, errors[1:], strict=True) if e is None
-                   for k in cut[i])
-    read_for: list[int] = []
-    for i, e in zip(others, errors[1:], strict=True):
-        if e is None:
-            continue
-        a.log.warning("download_member_failed", member=i, of=n,
-                      reason=fallback_reason(e) if isinstance(e, NcclBackError) else "other",
-                      error=str(e)[:300])
-        read_bytes += read_spans(storage, spec, headers, every[i], cuts, t.tensors, member=i).bytes
-        read_for.append(i)
+    for e in errors[1:]:
+        if e is not None:
+            raise e  # not a member's failure (those are spread): this worker's own
+    read_bytes += spread.read
+    read_for = list(spread.failed)
     reads = held_reads(storage, spec, headers, steps, n, t.tensors)
     read_bytes += sum(r.bytes for r in reads)
     blamed = _failing(spec, reads)
@@ -161,12 +238,14 @@ def gather_parts(worker: Worker, a: Attempt, n: int, held: int | None = None) ->
         read_bytes += sum(r.bytes for r in reads)
         for uri in _failing(spec, reads):
             raise ChecksumMismatchError(f"{uri}: does not prove after its blamed shares were read again")
-    return Gathered(read_bytes, tuple(sorted(set(read_for))), received)
+    return Gathered(read_bytes, tuple(sorted(set(read_for))), spread.received)
 
 
-def _pull(worker: Worker, a: Attempt, i: int, n: int, bucket: int,
+def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
           started: Callable[[Transport], None]) -> None:
-    """Part ``i`` from member ``i``'s endpoint into this rank's tensors."""
+    """``part`` (its own, or a sub-part of a failed member's spread to it) from member
+    ``i``'s endpoint into this rank's tensors."""
+    n = part[1]
     s, t = worker.settings, a.target
     r = a.replica()
     # A named member announces at its next poll of the roster: one that has not within
@@ -183,11 +262,12 @@ def _pull(worker: Worker, a: Attempt, i: int, n: int, bucket: int,
             _clock.sleep(ANNOUNCE_POLL)
     if not r.speaks(member):
         raise NoPeerError(f"member {i} of {n} speaks {member.transport}/{member.device}, not {t.kind}")
-    request = new_request(worker, a, None, part=i, parts=n)
+    sub = {} if len(part) == 2 else {"sub": part[2], "subs": part[3]}
+    request = new_request(worker, a, None, part=part[0], parts=n, **sub)
     with _watched(worker, a, i, member.member_id, started) as (gone, on_start):
         try:
             transfer(worker, a, member.member_id, request, member.transport, member.address,
-                     digest=t.manifest.digest, tensors=t.tensors, bucket=bucket, part=(i, n),
+                     digest=t.manifest.digest, tensors=t.tensors, bucket=bucket, part=part,
                      on_step=None,
                      handshake_timeout=s.receiver_handshake_timeout,
                      deadline=_clock.monotonic() + s.transfer_timeout + s.single_flight_max_wait,
@@ -198,6 +278,91 @@ def _pull(worker: Worker, a: Attempt, i: int, n: int, bucket: int,
                 raise
             raise NoPeerError(f"member {i} of {n}: its announcement lapsed (not renewed within"
                               f" claim_ttl {s.claim_ttl:g} s: killed or stopped)") from e
+
+
+class _Spread:
+    """The elected worker's pulls of the members' parts, and what a failed member's part
+    becomes: spread over this worker and the members that still serve (a record they
+    poll, :class:`Rescues`), each sub-part pulled from its reader at once, and read here
+    when that pull fails too (or when nobody else is left, or Redis is out of reach)."""
+
+    def __init__(self, worker: Worker, a: Attempt, source: _Source, n: int, me: int,
+                 others: list[int]) -> None:
+        self.worker, self.a, self.source, self.n, self.me, self.others = worker, a, source, n, me, others
+        self.bucket = a.target.bucket(worker.settings, a.target.kind)
+        self.lock = threading.Lock()
+        self.failed: list[int] = []
+        self.rescues: list[Rescue] = []
+        self.read = 0
+        """Bytes this worker read for failed members' parts."""
+        self.received = 0
+        """Bytes of the parts (and sub-parts) the members sent."""
+
+    def pull(self, i: int, started: Callable[[Transport], None]) -> None:
+        """Member ``i``'s part, or, once it failed, that part spread."""
+        try:
+            _pull(self.worker, self.a, i, (i, self.n), self.bucket, started)
+        except Exception as e:  # noqa: BLE001 - a member's failure costs its part's read, not the download
+            self.a.log.warning("download_member_failed", member=i, of=self.n,
+                               reason=fallback_reason(e) if isinstance(e, NcclBackError) else "other",
+                               error=str(e)[:300])
+            self._rescue(i)
+            return
+        self._count(received=self._bytes((i, self.n)))
+
+    def _rescue(self, j: int) -> None:
+        r = self.a.replica()
+        with self.lock:
+            self.failed.append(j)
+            try:
+                by = self._readers()
+                if len(by) > 1:
+                    self.rescues.append(Rescue(j, tuple(i for _, i in by)))
+                    self.worker.registry.spread_download_parts(r.version, r.rank, r.world, self.rescues)
+            except RegistryError as e:
+                self.rescues = [x for x in self.rescues if x.part != j]
+                self.a.log.warning("download_spread_failed", part=j, error=str(e))
+                by = [(self.me, self.worker.id)]
+        self.a.log.info("download_part_spread", part=j, by=[m for m, _ in by])
+        subs = [(j, self.n, s, len(by)) if len(by) > 1 else (j, self.n) for s in range(len(by))]
+        readers = [m for m, _ in by]
+
+        def pull(m: int, sub: Part) -> Pull:
+            if m == self.me:
+                return lambda _: self._count(read=self.source.read(self.a, sub, j).bytes)
+            return lambda started: _pull(self.worker, self.a, m, sub, self.bucket, started)
+
+        errors = Pulls(abort=False).run([pull(m, sub) for m, sub in zip(readers, subs, strict=True)],
+                                        f"nccl_back-spread-{j}")
+        for m, sub, err in zip(readers, subs, errors, strict=True):
+            if err is None:
+                if m != self.me:
+                    self._count(received=self._bytes(sub))
+                continue
+            if m == self.me:
+                raise err
+            self.a.log.warning("download_spread_part_failed", part=j, member=m, error=str(err)[:300])
+            self._count(read=self.source.read(self.a, sub, j).bytes)
+
+    def _readers(self) -> list[tuple[int, str]]:
+        """``(member, id)`` of this worker and each member not failed whose endpoint is
+        announced: the readers of a failed part, by the ids they serve it under."""
+        r = self.a.replica()
+        out = [(self.me, self.worker.id)]
+        for m in self.others:
+            if m not in self.failed:
+                got = self.worker.registry.download_member(r.version, r.rank, r.world, m)
+                if got is not None:
+                    out.append((m, got.member_id))
+        return out
+
+    def _bytes(self, part: Part) -> int:
+        return sum(self.source.steps[k].nbytes for k in part_steps(self.source.steps, part))
+
+    def _count(self, read: int = 0, received: int = 0) -> None:
+        with self.lock:
+            self.read += read
+            self.received += received
 
 
 def _watched(worker: Worker, a: Attempt, i: int, member_id: str,

@@ -296,9 +296,13 @@ class WeightService:
         flight = single_flight(self._worker, a)
         if flight.outcome == "member":
             # Named in the elected worker's roster: read and serve the share, then wait,
-            # as any waiter, for its stream.
-            serve_share(self._worker, a)
-            single_flight(self._worker, a)
+            # as any waiter, for its stream (reading what it spreads to us meanwhile).
+            rescues = serve_share(self._worker, a)
+            try:
+                single_flight(self._worker, a)
+            finally:
+                if rescues is not None:
+                    rescues.close()
         return agree(a, "single flight")
 
     def _receive(self, a: Attempt) -> Decision:

@@ -49,6 +49,14 @@ if TYPE_CHECKING:
 
 #: How :func:`prove`'s errors name the readers of a file.
 WHO = "members"
+#: Waves of pieces a share's readers take at least. ``k`` readers at once share one
+#: link, so a piece lands only after about ``k`` pieces' time: pieces of at most
+#: ``1/(WAVES * k)`` of the share let its first steps go out within a quarter of its
+#: read, not at its end (the elected worker's pull gives up on a part with no step
+#: within the stall bound, and a share may take longer than that to read).
+WAVES = 4
+#: The smallest piece, one ranged request (a share of a few MiB need not cost more).
+MIN_PIECE = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -107,17 +115,51 @@ def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader]
                  stage_bytes)
 
 
+def read_steps(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
+               steps: Sequence[Step], todo: Sequence[int], tensors: Mapping[str, torch.Tensor], *,
+               member: int, on_step: Callable[[int], None] | None = None,
+               stop: threading.Event | None = None, stage_bytes: int = STAGE_BYTES) -> ShareRead:
+    """The tensor bytes steps ``todo`` carry, into ``tensors``: a failed member's part,
+    or a sub-part of it spread to this member (the elected worker proves every file
+    from the bytes it then holds, and reads the bytes between tensors itself).
+    ``on_step`` as for :func:`read_share`; ``stop`` set: no further piece is read (the
+    steps not yet told are not)."""
+    where = places(headers)
+    spans: list[Span] = []
+    for k in todo:
+        for slot in steps[k].slots:
+            uri, start, end = where[slot.name]
+            lo = start + slot.offset if steps[k].direct else start
+            spans.append((uri, lo, lo + slot.nbytes if steps[k].direct else end))
+    merged: list[Span] = []
+    for uri, lo, hi in sorted(spans):
+        if merged and merged[-1][0] == uri and merged[-1][2] == lo:
+            merged[-1] = (uri, merged[-1][1], hi)
+        else:
+            merged.append((uri, lo, hi))
+    landed = None if on_step is None else _Landed(steps, todo, where, tensors, on_step)
+    got = _read(storage, spec, headers, where, merged, cut_points(merged), tensors, member,
+                stage_bytes, None if landed is None else landed.placed, stop)
+    if landed is not None and (stop is None or not stop.is_set()):
+        landed.rest()
+    return got
+
+
 def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
           where: Mapping[str, Span], spans: Sequence[Span], cuts: Mapping[str, Sequence[int]],
           tensors: Mapping[str, torch.Tensor], member: int, stage_bytes: int,
-          on_placed: Callable[[str, int, int], None] | None = None) -> ShareRead:
+          on_placed: Callable[[str, int, int], None] | None = None,
+          stop: threading.Event | None = None) -> ShareRead:
     """``spans`` read as pieces by ``storage_workers`` readers at once, as a whole
     download's ranged requests are (one request at a time would leave a member's share
-    at one connection's speed), sharing the ``stage_bytes`` staging budget."""
+    at one connection's speed), sharing the ``stage_bytes`` staging budget. ``stop``
+    set: each reader ends before its next piece."""
     start = _clock.perf()
     targets = _Targets(spans, tensors, where)
     k = max(1, storage.settings.storage_workers)
-    step = max(1, min(stage_bytes // k, max((hi - lo for _, lo, hi in spans), default=1)))
+    total = sum(hi - lo for _, lo, hi in spans)
+    step = max(1, min(stage_bytes // k, max(MIN_PIECE, total // (WAVES * k)),
+                      max((hi - lo for _, lo, hi in spans), default=1)))
     pieces = [(uri, off, min(off + step, hi)) for uri, lo, hi in spans for off in range(lo, hi, step)]
     readers = [SpanReader(storage, spec.shards, _with(cuts, pieces), step)
                for _ in range(max(1, min(k, len(pieces))))]
@@ -125,7 +167,7 @@ def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
 
     def run(reader: SpanReader) -> None:
         with torch.no_grad():  # thread-local: each reader's thread sets it
-            while not failed.is_set():
+            while not failed.is_set() and (stop is None or not stop.is_set()):
                 with lock:
                     piece = next(todo, None)
                 if piece is None:

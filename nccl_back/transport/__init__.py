@@ -29,7 +29,7 @@ from nccl_back.transport.broadcast import (
     recv_tensors,
     send_tensors,
 )
-from nccl_back.transport.parts import Part, parts
+from nccl_back.transport.parts import Part, part_steps, parts
 from nccl_back.transport.watchdog import run_guarded
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "all_transports",
     "auto_kind",
     "open_rendezvous",
+    "part_steps",
     "parts",
     "payload_bytes",
     "plan",

@@ -51,7 +51,7 @@ from nccl_back.errors import ManifestMismatchError, TransferError
 from nccl_back.log import get_logger
 from nccl_back.model.skeleton import ALIGN, Manifest, dtype_from_name, dtype_name
 from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
-from nccl_back.transport.parts import Part, parts
+from nccl_back.transport.parts import Part, part_steps
 from nccl_back.transport.prefault import Prefaulter, Range
 from nccl_back.transport.strided import gather, scatter
 
@@ -273,10 +273,7 @@ def _todo(steps: list[Step], start: int, part: Part | None) -> list[int]:
     """The step indices a transfer from ``start`` (of ``part``) moves, in order."""
     if part is None:
         return list(range(start, len(steps)))
-    i, n = part
-    if not 0 <= i < n:
-        raise TransferError(f"part {i} of {n}: no such part")
-    return [k for k in parts(steps, n)[i] if k >= start]
+    return [k for k in part_steps(steps, part) if k >= start]
 
 
 def _begin(

@@ -11,8 +11,10 @@ from nccl_back.transport_kinds import MAX_PARTS
 if TYPE_CHECKING:
     from nccl_back.transport.broadcast import Step
 
-Part = tuple[int, int]
-"""``(i, n)``: part ``i`` of the plan's steps split into ``n`` (:func:`parts`)."""
+Part = tuple[int, ...]
+"""``(i, n)``: part ``i`` of the plan's steps split into ``n`` (:func:`parts`); ``(i, n,
+s, k)``: sub-part ``s`` of that part split into ``k`` alike (a failed member's part of a
+cooperative download, spread over the others: :func:`part_steps`)."""
 
 
 def parts(steps: list[Step], n: int) -> list[list[int]]:
@@ -38,3 +40,15 @@ def parts(steps: list[Step], n: int) -> list[list[int]]:
         cuts.append(max(cuts[-1], b))
     cuts.append(len(steps))
     return [list(range(cuts[p], cuts[p + 1])) for p in range(n)]
+
+
+def part_steps(steps: list[Step], part: Part) -> list[int]:
+    """The step indices of ``part``, in order: a part of :func:`parts`, or a sub-part,
+    that part's own steps cut by :func:`parts` again (both sides cut alike).
+    :class:`TransferError` for a part that does not exist."""
+    if len(part) not in (2, 4) or not all(0 <= part[j] < part[j + 1] for j in range(0, len(part), 2)):
+        raise TransferError(f"part {list(part)}: no such part (i < n, and s < k for a sub-part)")
+    todo = parts(steps, part[1])[part[0]]
+    if len(part) == 4:
+        todo = [todo[x] for x in parts([steps[k] for k in todo], part[3])[part[2]]]
+    return todo

@@ -169,7 +169,7 @@ class Sends:
         digest = self.digest if digest is None else digest
         read = self.tensors if tensors is None else tensors
         start = request.start or 0
-        part = None if request.parts is None else (request.part or 0, request.parts)
+        part = request.steps_part
         transport: Transport | None = None
         try:
             run_sender(self.registry, request.transfer_id, digest, s.sender_handshake_timeout)

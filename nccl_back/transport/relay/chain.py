@@ -26,6 +26,7 @@ from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
     MAX_RELAY_SENDS,
     RELAY_HANDSHAKE,
+    SHARE_SENDS,
     STALLED_HANDSHAKE,
     STREAM_SENDS,
     TREE_SENDS,
@@ -333,7 +334,7 @@ def share(p: Endpoints, member: int) -> Share:
     # The elected worker asks at once; the send then waits for the share's read, as a
     # stream's waits for storage: the same bound.
     wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
-    server = p.server("share", max_sends=1, send_timeout=wait).start()
+    server = p.server("share", max_sends=SHARE_SENDS, send_timeout=wait).start()
     r = p.replica
 
     def announce() -> None:

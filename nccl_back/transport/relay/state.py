@@ -40,6 +40,10 @@ TREE_SENDS = 4
 #: while it downloads (waiters arriving more than ``cohort_window`` apart), plus
 #: re-attaching members. Its worker's ``max_send_gbps`` is shared by all of them.
 STREAM_SENDS = 4
+#: Sends a cooperative download member's endpoint runs at once: its own part, and the
+#: sub-parts of failed members' parts spread to it (one each, the elected worker's
+#: pulls of them at once; the last may start while its own part's send still ends).
+SHARE_SENDS = 4
 
 
 @dataclass(frozen=True)

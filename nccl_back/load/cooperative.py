@@ -123,6 +123,10 @@ class Rescues:
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
+        # Slices not read by now never will be: the elected worker's sends of them, which
+        # wait for their steps, end now (it reads those slices itself), not at their
+        # deadline, long after this worker closed (a soak found their sockets left open).
+        self.share.end(False, "the member no longer reads spread parts")
 
     def _run(self) -> None:
         r, i, n = self.a.replica(), self.i, self.n

@@ -97,8 +97,14 @@ def write(client: redis.Redis, key: str, t: str, value: Any, ttl: int | None) ->
 
 def read_key(client: redis.Redis, key: str) -> tuple[str, Any] | None:
     """``(type, value)`` of ``key`` now (bytes, as stored), or None if it is gone."""
-    t = client.type(key).decode()
-    value: Any = {"string": client.get, "list": lambda k: client.lrange(k, 0, -1),
-                  "set": client.smembers, "hash": client.hgetall,
-                  "zset": lambda k: client.zrange(k, 0, -1)}.get(t, lambda k: None)(key)
-    return None if value is None else (t, value)
+    while True:
+        t = client.type(key).decode()
+        try:
+            value: Any = {"string": client.get, "list": lambda k: client.lrange(k, 0, -1),
+                          "set": client.smembers, "hash": client.hgetall,
+                          "zset": lambda k: client.zrange(k, 0, -1)}.get(t, lambda k: None)(key)
+        except redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            continue  # rewritten as another type between the two calls: read it again
+        return None if value is None else (t, value)

@@ -176,6 +176,8 @@ def test_a_member_lost_costs_its_share_not_the_download(fleet: Fleet, ckpt: str,
     if fault.startswith("kill"):
         lost[0].join(5)
         assert lost[0].exitcode == -signal.SIGKILL
+    else:  # stopped, not merely slower to report
+        assert Path(f"/proc/{lost[0].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 @pytest.mark.timeout(180)

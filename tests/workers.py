@@ -210,27 +210,20 @@ def _install_fault(fault: str) -> None:
         relay_receive.share = start_share  # type: ignore[assignment]
         RelayServer._admit = admit  # type: ignore[method-assign]
     elif fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
-        from nccl_back.load import cooperative as coop
-
-        orig_read = coop.read_share
-        named: list[bool] = []
-
-        def read(*a: Any, **k: Any) -> Any:
-            if a[5] == 1:  # member 1 of a cooperative download
-                named.append(True)
-            return orig_read(*a, **k)
-
         orig_part = sender.send_tensors
+        fired: list[bool] = []
 
         def send_part(transport: Any, *a: Any, **k: Any) -> Any:
-            # Member 1's first send is its part to the elected worker: stop at step 3.
-            if named and k.get("part") is not None:
-                named.clear()
+            # Member 1's send of its whole part (i, n) to the elected worker: stop at step 3.
+            # Known by the part it sends, not by the order of its share read and the
+            # elected worker's request (which a loaded machine swaps).
+            part = k.get("part")
+            if not fired and part is not None and len(part) == 2 and part[0] == 1:
+                fired.append(True)
                 sig = signal.SIGKILL if fault == "kill_member_1_mid_share" else signal.SIGSTOP
                 return orig_part(_KillAfter(transport, 3, sig), *a, **k)
             return orig_part(transport, *a, **k)
 
-        coop.read_share = read  # type: ignore[assignment]
         sender.send_tensors = send_part  # type: ignore[assignment]
     elif fault == "slow_member_1_share":
         from nccl_back.load import cooperative as slow_coop

@@ -742,10 +742,11 @@ def main() -> int:
     load_before, started = list(os.getloadavg()), time.perf_counter()
     bench = Bench(args)
     rows: list[dict[str, Any]] = []
+    reach = "per worker (own links)" if args.own_links else "shared"
     try:
         spec = bench.prepare()
         print(f"model {spec.nbytes / 2**20:.0f} MiB in {len(spec.shards)} shards, storage limit "
-              f"{args.storage_gbps:g} GB/s shared, {os.cpu_count()} CPUs, load average "
+              f"{args.storage_gbps:g} GB/s {reach}, {os.cpu_count()} CPUs, load average "
               f"{load_before[0]:.1f}", flush=True)
         # Repeats go round all rounds again, so slow drifts of the machine's load are
         # spread over every scenario rather than landing on one.
@@ -796,7 +797,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     meta = {"model_bytes": spec.nbytes, "shards": len(spec.shards),
             "skeleton_first": args.skeleton_first,
-            "storage_gbps": args.storage_gbps, "link_gbps": args.link_gbps, "holders": args.holders, "stagger_s": args.stagger,
+            "storage_gbps": args.storage_gbps, "own_links": args.own_links, "link_gbps": args.link_gbps,
+            "holders": args.holders, "stagger_s": args.stagger,
             "sizes": sorted(args.sizes), "repeat": args.repeat,
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
             "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
@@ -811,7 +813,7 @@ def main() -> int:
         w.writerows(rows)
     link = f", link {args.link_gbps:g} GB/s per worker" if args.link_gbps else ""
     plot(summary, args.png, f"{spec.nbytes / 2**20:.0f} MiB checkpoint, storage {args.storage_gbps:g} GB/s "
-         f"shared{link}, gloo on loopback, {os.cpu_count()} CPUs")
+         f"{reach}{link}, gloo on loopback, {os.cpu_count()} CPUs")
     print(f"\nwrote {args.out}/cold_start.json, {args.out}/cold_start.csv, {args.png}")
     return 0
 

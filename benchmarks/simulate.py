@@ -15,7 +15,9 @@ together, for three designs:
 and ``single_flight``: one worker downloads and streams each shard to the waiting
 cohorts as it arrives (at most ``STREAM_SENDS`` cohort heads at once, sharing the
 downloader's link; later cohorts start from holders); ``single_flight_tree``: one
-download, then whole copies.
+download, then whole copies; ``cooperative``: each worker with its own storage link
+reads ``1/N`` of the checkpoint, the elected worker gathers the parts and streams the
+whole as single flight does (a second run's JSON, ``--own-links``, gives its points).
 
 Costs, all from one `cold_start.py` run (its JSON): the fixed per-load cost outside the
 transfer (skeleton, discovery, verification: warm N=1 minus its transfer), the
@@ -52,7 +54,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nccl_back.config import Settings
@@ -162,11 +164,24 @@ def single_flight(n: int, c: Costs, relay: bool = True) -> list[float]:
     return done
 
 
+def cooperative(n: int, c: Costs) -> list[float]:
+    """The cooperative first download: ``n`` workers, each with its own storage link (one
+    download's rate), read a share each; members send their part to the elected worker
+    as its steps land (at the capped link), which proves every file and only then
+    streams the whole as :func:`single_flight` does (one worker alone: a download)."""
+    if n == 1:
+        return single_flight(1, c)
+    share_steps = -(-c.steps // n)
+    gather = c.setup + max(c.download / n, share_steps * c.step) + c.step
+    return single_flight(n, replace(c, download=gather, shards=1))
+
+
 def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int, float]]:
     """Median seconds per design and N (the live trees: :func:`tree_design`, grown)."""
     out: dict[str, dict[int, float]] = {k: {} for k in
                                         ("warm", "warm_tree", "storage", "single_flight",
-                                         "single_flight_tree", "warm_trees", "single_flight_trees")}
+                                         "single_flight_tree", "warm_trees", "single_flight_trees",
+                                         "cooperative")}
     for n in sizes:
         out["warm_trees"][n] = statistics.median(tree_design(n, c, make=tp.grown))
         out["single_flight_trees"][n] = statistics.median(tree_design(n, c, fresh=True, make=tp.grown))
@@ -175,6 +190,7 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
         out["storage"][n] = statistics.median(storage(n, c))
         out["single_flight"][n] = statistics.median(single_flight(n, c))
         out["single_flight_tree"][n] = statistics.median(single_flight(n, c, relay=False))
+        out["cooperative"][n] = statistics.median(cooperative(n, c))
     return out
 
 
@@ -425,9 +441,10 @@ def calibrate(measured: dict[str, Any], bucket: int, cohort_max: int) -> Costs:
 LABELS = {"storage": "storage only", "warm": "warm peer, relay chain",
           "warm_tree": "warm peer, binomial tree (old)", "single_flight": "single flight, streamed relay chain",
           "single_flight_tree": "single flight, binomial tree (old)",
-          "warm_trees": "warm peer, two trees", "single_flight_trees": "single flight, two trees"}
+          "warm_trees": "warm peer, two trees", "single_flight_trees": "single flight, two trees",
+          "cooperative": "cooperative download, own links"}
 #: What the plot shows (the binomial trees of whole copies, relay off, only in the tables).
-PLOTTED = ("storage", "single_flight", "single_flight_trees", "warm", "warm_trees")
+PLOTTED = ("storage", "single_flight", "single_flight_trees", "cooperative", "warm", "warm_trees")
 
 
 def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str, title: str) -> None:
@@ -465,7 +482,9 @@ def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--measured", default="benchmarks/out/cold_start.json")
+    p.add_argument("--measured", nargs="+", default=["benchmarks/out/cold_start.json"],
+                   help="cold_start.py JSONs: costs from the first; the others add their "
+                        "scenarios' points (the cooperative download's run with --own-links)")
     p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="the run's bucket (gloo: 1 MiB)")
     p.add_argument("--cohort-max", type=int, default=Settings.cohort_max_size,
                    help="most receivers in one relay chain (default: cohort_max_size's)")
@@ -475,9 +494,8 @@ def main() -> None:
                    help="seconds until a dead member's children notice (default: the stall bound)")
     args = p.parse_args()
     pred: dict[str, dict[int, float]] = {}
-    if os.path.exists(args.measured):
-        with open(args.measured) as f:
-            measured = json.load(f)
+    if all(os.path.exists(m) for m in args.measured):
+        measured = _merged(args.measured)
         c = calibrate(measured, args.bucket_bytes, args.cohort_max)
         pred = predict(c)
         print(f"costs: {c}")
@@ -497,6 +515,19 @@ def main() -> None:
                               for sc, rows in fan.items()},
                    "killed": kills}, f, indent=1)
     print(f"wrote {args.out}")
+
+
+def _merged(paths: list[str]) -> dict[str, Any]:
+    """The first run, with the rows of scenarios it lacks from the others."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    first = runs[0]
+    have = {s["scenario"] for s in first["summary"]}
+    for run in runs[1:]:
+        first["summary"] += [s for s in run["summary"] if s["scenario"] not in have]
+    return first
 
 
 def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: str, c: Costs) -> None:
@@ -519,10 +550,14 @@ def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: st
     for scenario in ("warm", "warm_trees", "warm_tree", "storage", "single_flight"):
         s = pred[scenario]
         print(f"{scenario}: N=1024 / N=1 = {s[1024] / s[1]:.2f}")
+    coop = pred["cooperative"]
+    print("cooperative / one download: "
+          + ", ".join(f"N={n} {coop[n] / coop[1]:.2f}" for n in (4, 8, 16, 32, 64, 256, 1024)))
     meta = measured["meta"]
     plot(pred, measured, png,
          f"{meta['model_bytes'] / 2**20:.0f} MiB, link {meta.get('link_gbps', 0):g} GB/s per worker, "
-         f"storage {meta['storage_gbps']:g} GB/s shared, chains of up to {c.cohort_max}\n"
+         f"storage {meta['storage_gbps']:g} GB/s shared (cooperative: each worker its own), "
+         f"chains of up to {c.cohort_max}\n"
          "points: cold_start.py on 2 CPUs, lines: simulate.py; bars: fastest-slowest worker")
     print(f"wrote {png}")
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nccl_back.config import Settings
+from nccl_back.model.checkpoint import HEADER_PROBE_BYTES
 from nccl_back.transport.relay import topology as tp
 
 SIM_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -83,6 +84,9 @@ class Costs:
     """Most receivers in one relay chain (``cohort_max_size``)."""
     shards: int = 1
     """Checkpoint shards: a streamed download forwards a shard once it is in (CRC32C)."""
+    probe: float = 0.0
+    """One worker's reads of every file's header probe, at one download's rate: what each
+    member of a cooperative download reads besides its share."""
 
     @property
     def transfer(self) -> float:
@@ -164,16 +168,25 @@ def single_flight(n: int, c: Costs, relay: bool = True) -> list[float]:
     return done
 
 
-def cooperative(n: int, c: Costs) -> list[float]:
-    """The cooperative first download: ``n`` workers, each with its own storage link (one
-    download's rate), read a share each; members send their part to the elected worker
-    as its steps land (at the capped link), which proves every file and only then
-    streams the whole as :func:`single_flight` does (one worker alone: a download)."""
+def _gathered(n: int, c: Costs) -> Costs:
+    """``c`` with the download replaced by a cooperative download's gather: each of ``n``
+    workers reads ``1/n`` on its own storage link and sends it as its steps land, and
+    the elected worker takes the others' ``(n - 1)/n`` of the model in through its own
+    link (at the capped rate: the gather's bound once storage is ``n`` times slower)."""
+    share_steps = -(-c.steps // n)
+    inbound = (n - 1) * c.steps * c.step / n
+    gather = c.setup + max(c.probe + c.download / n, share_steps * c.step, inbound) + c.step
+    return replace(c, download=gather, shards=1)
+
+
+def cooperative(n: int, c: Costs, trees: bool = False) -> list[float]:
+    """The cooperative first download (:func:`_gathered`); the elected worker proves every
+    file and only then streams the whole as :func:`single_flight` does, or down the two
+    trees (``trees``). One worker alone: a download."""
     if n == 1:
         return single_flight(1, c)
-    share_steps = -(-c.steps // n)
-    gather = c.setup + max(c.download / n, share_steps * c.step) + c.step
-    return single_flight(n, replace(c, download=gather, shards=1))
+    g = _gathered(n, c)
+    return tree_design(n, g, fresh=True, make=tp.grown) if trees else single_flight(n, g)
 
 
 def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int, float]]:
@@ -181,7 +194,7 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
     out: dict[str, dict[int, float]] = {k: {} for k in
                                         ("warm", "warm_tree", "storage", "single_flight",
                                          "single_flight_tree", "warm_trees", "single_flight_trees",
-                                         "cooperative")}
+                                         "cooperative", "cooperative_trees")}
     for n in sizes:
         out["warm_trees"][n] = statistics.median(tree_design(n, c, make=tp.grown))
         out["single_flight_trees"][n] = statistics.median(tree_design(n, c, fresh=True, make=tp.grown))
@@ -191,6 +204,7 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
         out["single_flight"][n] = statistics.median(single_flight(n, c))
         out["single_flight_tree"][n] = statistics.median(single_flight(n, c, relay=False))
         out["cooperative"][n] = statistics.median(cooperative(n, c))
+        out["cooperative_trees"][n] = statistics.median(cooperative(n, c, trees=True))
     return out
 
 
@@ -433,18 +447,22 @@ def calibrate(measured: dict[str, Any], bucket: int, cohort_max: int) -> Costs:
     fixed = max(0.0, warm["median_s"] - transfer - setup)
     store = rows.get(("storage", 1)) or rows.get(("single_flight", 1))
     download = store["median_download_s"] if store else 10 * transfer
+    shards = int(measured["meta"].get("shards", 1))
+    model = int(measured["meta"]["model_bytes"])
     return Costs(fixed=fixed, setup=setup, step=transfer / steps, steps=steps,
-                 download=download, cohort_max=cohort_max,
-                 shards=int(measured["meta"].get("shards", 1)))
+                 download=download, cohort_max=cohort_max, shards=shards,
+                 probe=download * min(model, shards * HEADER_PROBE_BYTES) / model)
 
 
 LABELS = {"storage": "storage only", "warm": "warm peer, relay chain",
           "warm_tree": "warm peer, binomial tree (old)", "single_flight": "single flight, streamed relay chain",
           "single_flight_tree": "single flight, binomial tree (old)",
           "warm_trees": "warm peer, two trees", "single_flight_trees": "single flight, two trees",
-          "cooperative": "cooperative download, own links"}
+          "cooperative": "cooperative, own links: chain",
+          "cooperative_trees": "cooperative, own links: two trees"}
 #: What the plot shows (the binomial trees of whole copies, relay off, only in the tables).
-PLOTTED = ("storage", "single_flight", "single_flight_trees", "cooperative", "warm", "warm_trees")
+PLOTTED = ("storage", "single_flight", "single_flight_trees", "cooperative", "cooperative_trees", "warm",
+           "warm_trees")
 
 
 def plot(pred: dict[str, dict[int, float]], measured: dict[str, Any], path: str, title: str) -> None:
@@ -550,9 +568,10 @@ def compare(pred: dict[str, dict[int, float]], measured: dict[str, Any], png: st
     for scenario in ("warm", "warm_trees", "warm_tree", "storage", "single_flight"):
         s = pred[scenario]
         print(f"{scenario}: N=1024 / N=1 = {s[1024] / s[1]:.2f}")
-    coop = pred["cooperative"]
-    print("cooperative / one download: "
-          + ", ".join(f"N={n} {coop[n] / coop[1]:.2f}" for n in (4, 8, 16, 32, 64, 256, 1024)))
+    for scenario in ("cooperative", "cooperative_trees"):
+        coop = pred[scenario]
+        print(f"{scenario} / one download: "
+              + ", ".join(f"N={n} {coop[n] / coop[1]:.2f}" for n in (4, 8, 16, 32, 64, 256, 1024)))
     meta = measured["meta"]
     plot(pred, measured, png,
          f"{meta['model_bytes'] / 2**20:.0f} MiB, link {meta.get('link_gbps', 0):g} GB/s per worker, "

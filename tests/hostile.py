@@ -96,8 +96,9 @@ def write(client: redis.Redis, key: str, t: str, value: Any, ttl: int | None) ->
 
 
 def read_key(client: redis.Redis, key: str) -> tuple[str, Any] | None:
-    """``(type, value)`` of ``key`` now (bytes, as stored), or None if it is gone."""
-    while True:
+    """``(type, value)`` of ``key`` now (bytes, as stored), or None if it is gone (or
+    rewritten as another type at each of ten tries)."""
+    for _ in range(10):
         t = client.type(key).decode()
         try:
             value: Any = {"string": client.get, "list": lambda k: client.lrange(k, 0, -1),
@@ -108,3 +109,4 @@ def read_key(client: redis.Redis, key: str) -> tuple[str, Any] | None:
                 raise
             continue  # rewritten as another type between the two calls: read it again
         return None if value is None else (t, value)
+    return None

@@ -222,15 +222,17 @@ def test_every_probe_answers_within_a_second_under_a_connection_flood(
                 failures = probe_repeatedly(port)
             connections = result.get(timeout=60)
         held = ready.get(timeout=60)
-        if _harmless(failures):
+        # A flood counts only if it made more connections than the server may hold: it
+        # then had to shed some while it answered the probes. No more is asked: the flood
+        # runs at nice 19, so what it makes depends on what else runs (20,418 in 9 s beside
+        # the start of a CI run, 8,573 beside CI's two suites, where a bound of 10x the cap
+        # failed; once 1,017, under the cap of 1,024, where a slowloris's drips beside CI
+        # starved its connecting threads: that flood proved nothing and is tried again).
+        if connections > cap and _harmless(failures):
             break
     assert _harmless(failures), f"{len(failures)} of {PROBES} probes failed: {failures}"
     assert held <= cap
-    # More connections than the server may hold: it had to shed some while it answered
-    # every probe. No more is asked: the flood runs at nice 19, so what it makes depends
-    # on what else runs (20,418 in 9 s beside the start of a CI run, 8,573 beside CI's
-    # two suites, where a bound of 10x the cap failed).
-    assert connections > cap
+    assert connections > cap, f"the flood made {connections} connections, the cap is {cap}"
 
 
 def _harmless(failures: list[tuple[int, str]]) -> bool:

@@ -92,6 +92,16 @@ def _settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
     )
 
 
+#: Two workers started together form one cooperative download, on a loaded machine too.
+#: The window is wide enough that the second joins the group (with the fleet's 0.2 s it
+#: sometimes arrived after the roster: no member, no dlm key). The lease and the member's
+#: endpoint wait outlast a 2-core stall: with the fleet's 2 s, CI's two suites running
+#: beside once cost the elected worker its lease and the member its endpoint, and both
+#: downloaded alone (exact, but no cooperative download to test).
+TOGETHER = {"download_group_window": 3.0, "download_lease": 6.0, "claim_ttl": 6.0,
+            "relay_stall_timeout": 6.0}
+
+
 def kind_of(key: str) -> str:
     got = schema.kind_of(key)
     return got.name if got is not None else key.split(":")[1]
@@ -222,9 +232,7 @@ def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
     by its stream); a reshard from a plain holder; an artifact set published and fetched."""
     fleet.clean()
     watch = KeyWatch(fleet.client, fleet.settings.namespace)
-    # A window wide enough that the second worker joins the group on a loaded machine too
-    # (with the fleet's 0.2 s it sometimes arrived after the roster: no member, no dlm key).
-    together = fleet.settings.replace(download_group_window=3.0)
+    together = fleet.settings.replace(**TOGETHER)
     try:
         with WeightService(together) as first, WeightService(together) as second, \
                 ThreadPoolExecutor(2) as pool:
@@ -403,7 +411,7 @@ def test_every_corruption_of_the_spread_record_leaves_a_cooperative_download_exa
     key, gtype, gvalue = captured["dlx"]
     fleet.clean()
     corrupt(fleet.client, key, schema.DOWNLOAD_RESCUE, how, (gtype, gvalue))
-    together = fleet.settings.replace(download_group_window=3.0)
+    together = fleet.settings.replace(**TOGETHER)
     with WeightService(together) as first, WeightService(together) as second, \
             ThreadPoolExecutor(2) as pool:
         loads = [pool.submit(fleet.load, svc) for svc in (first, second)]

@@ -53,23 +53,33 @@ def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, 
     ``gone``: set once the source is known dead (the handshake then ends at once; the
     caller aborts the transport ``started`` gave it)."""
     s = worker.settings
-    began = _clock.perf()
-    run_receiver(worker.registry, request.transfer_id, digest, handshake_timeout,
-                 after_ready=lambda: worker.registry.push_request(source, request.to_dict()),
-                 gone=gone)
-    a.timings[f"handshake{_suffix(request)}"] = _clock.perf() - began
+    with _timed(a.timings, f"handshake{_suffix(request)}"):
+        run_receiver(worker.registry, request.transfer_id, digest, handshake_timeout,
+                     after_ready=lambda: worker.registry.push_request(source, request.to_dict()),
+                     gone=gone)
     if transfer_timeout is not None:
         deadline = min(_clock.monotonic() + transfer_timeout, deadline)
+    with _timed(a.timings, f"transfer{_suffix(request)}"):
+        transport = receiver_transport(s, kind, address,
+                                       transfer_scope(s.key("store"), request.transfer_id),
+                                       device=a.target.device, registry=worker.registry)
+        if started is not None:
+            started(transport)
+        run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, part=part,
+                                                        on_step=on_step),
+                    deadline, connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
+                    stall=stall)
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the block's seconds to ``timings[phase]``, whether or not it raised: a part
+    asked again (a leaf whose parent moved, a re-attach) spends every try's wait."""
     began = _clock.perf()
-    transport = receiver_transport(s, kind, address, transfer_scope(s.key("store"), request.transfer_id),
-                                   device=a.target.device, registry=worker.registry)
-    if started is not None:
-        started(transport)
-    run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, part=part,
-                                                    on_step=on_step),
-                deadline, connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
-                stall=stall)
-    a.timings[f"transfer{_suffix(request)}"] = _clock.perf() - began
+    try:
+        yield
+    finally:
+        timings[phase] = timings.get(phase, 0.0) + _clock.perf() - began
 
 
 def _suffix(request: TransferRequest) -> str:

@@ -146,7 +146,7 @@ def worker_main(
             if not go.wait(600):
                 raise TimeoutError("never released")
             time.sleep(delay)
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             if model is None:
                 model = flat_skeleton(spec, "cpu")
             skeleton = time.perf_counter() - t0
@@ -156,7 +156,9 @@ def worker_main(
                 "worker": name, "source": result.source, "peer_id": result.peer_id,
                 "ready_s": ready_wall - go_wall.value - delay, "local_s": time.perf_counter() - t0,
                 "skeleton_s": skeleton, "prebuilt_s": prebuilt, "load_s": result.seconds,
-                "bytes": result.bytes,
+                # Every thread's CPU seconds from the release to ready: N processes on a
+                # few cores are CPU-bound once N x cpu_s passes cores x ready_s.
+                "cpu_s": time.process_time() - cpu0, "bytes": result.bytes,
                 "verified": result.verified, "fallback_reason": result.fallback_reason,
                 "timings": result.timings,
             }).encode())
@@ -504,6 +506,11 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 # CPUs slow down for each other (a fleet of machines does not share it).
                 "median_after_skeleton_s": statistics.median(r["ready_s"] - r["skeleton_s"] for r in rs),
                 **{f"median_{p}_s": statistics.median(r[f"{p}_s"] for r in rs) for p in PARTS},
+                # The fleet's CPU seconds over the load against what the cores offer in the
+                # median's time: near 1, the CPUs, not the links, set the time.
+                "median_cpu_s": statistics.median(r.get("cpu_s", 0.0) for r in rs),
+                "cpu_x_cores": sum(r.get("cpu_s", 0.0) for r in rs)
+                / len({r["repeat"] for r in rs}) / ((os.cpu_count() or 1) * statistics.median(ready)),
                 "from_storage": sources["storage"], "from_peer": sources["peer"],
                 "max_depth": max((r["depth"] for r in rs if r.get("depth") is not None), default=None),
                 # Which holder (or the storage reader) each receiver's path starts at.

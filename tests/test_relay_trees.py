@@ -8,12 +8,15 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
+import structlog
 from groups import CTX
 from hostile import corrupt, corruptions
 from test_service import MODEL, Fleet, _ok
@@ -22,8 +25,11 @@ from nccl_back.config import Settings
 from nccl_back.coord import records, schema
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, TransferStalledError
+from nccl_back.load import tree_parts
+from nccl_back.load.attempt import Receiving
+from nccl_back.metrics import Metrics
 from nccl_back.transport.relay import RELAY_HANDSHAKE, Chain, Member, Progress, Seat, topology
-from nccl_back.transport.relay.state import STALLED_HANDSHAKE
+from nccl_back.transport.relay.state import STALLED_HANDSHAKE, StepSources
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -116,6 +122,46 @@ def test_a_stalled_member_whose_liveness_mark_lapsed_counts_failed_at_once(
     assert not seat(down).counts_failed("stopped", stalled)
     reg.close()
     down.close()
+
+
+def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seat's parent that times out once in the handshake (a fleet released together
+    on busy CPUs) is asked again before any seat further up, and counts failed only at
+    its second timeout: a grandparent asked instead sends to three children, over its
+    one model's worth. The seat's load state is a stand-in (no transfer runs)."""
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
+    ids = [f"w{i}-r0-relay-{i}" for i in range(8)]
+    chain = ""
+    for i in ids:
+        chain, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, Member(i, "127.0.0.1:5000", "gloo", "cpu").to_dict(),
+                                   window=30, max_size=64, ttl=30)
+    seat = Chain(Seat(chain, 7), Member(ids[7], "127.0.0.1:5000", "gloo", "cpu"), Progress(),
+                 None, reg)  # type: ignore[arg-type]  # no endpoint: only its upstreams are read
+    rx = Receiving(step_sources=StepSources([]))
+    a = SimpleNamespace(rx=rx, log=structlog.get_logger(), replica=lambda: SimpleNamespace(speaks=lambda m: True))
+    rcv = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))
+    trees = tree_parts._Trees.__new__(tree_parts._Trees)
+    trees.rcv, trees.chain, trees.fed_by, trees.timeouts, trees.stalled = rcv, seat, None, {}, set()
+    trees.deadline, trees.stall = time.monotonic() + 30, 3.0
+    asked: list[str] = []
+
+    def pull(first: int, tree: int, source: str, *rest: Any) -> None:
+        asked.append(source)
+        raise HandshakeTimeoutError(f"handshake with {source} timed out in state R1 WAIT_ACK")
+
+    monkeypatch.setattr(trees, "_pull", pull)
+    tree = 7 % topology.TREES  # interior there: its parent never moves
+    assert seat.tree_path(tree, 64)[1] != topology.SOURCE  # a grandparent seat to go to
+    for _ in range(tree_parts.HANDSHAKE_TRIES):
+        path = seat.tree_path(tree, 64)
+        parent = seat.tree_upstreams(tree, path)[0]
+        trees._from_member(0, tree, parent[1], lambda t: None, threading.Event())
+    assert asked == [ids[path[0]]] * tree_parts.HANDSHAKE_TRIES, asked
+    assert seat.failed == {ids[path[0]]} and isinstance(rx.relay_error, HandshakeTimeoutError)
+    assert seat.tree_upstreams(tree, seat.tree_path(tree, 64))[0][0] == path[1]  # now further up
+    reg.close()
 
 
 def _seats(redis_url: str, namespace: str, n: int, t0: float) -> list[str]:

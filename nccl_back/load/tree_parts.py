@@ -150,7 +150,9 @@ class _Trees:
             self._pull(first, tree, member.member_id, member.transport, member.address, None,
                        self.chain.stall_bound(member.member_id, self.stall), on_start, gone)
         except PeerError as e:
-            if gone.is_set():
+            # The retry first: counts_failed marks a handshake timeout failed for good,
+            # and the part would then go to a grandparent already sending to two.
+            if gone.is_set() or self._retried(member.member_id, tree, e):
                 return
             if not stream and not self.chain.counts_failed(member.member_id, e):
                 self.stalled.add(tree)
@@ -178,7 +180,7 @@ class _Trees:
                     self._pull(first, tree, peer.peer_id, peer.transport, peer.address, token,
                                s.stall_timeout, on_start, gone)
             except PeerError as e:
-                if not gone.is_set():
+                if not gone.is_set() and not self._retried(peer.peer_id, tree, e):
                     self._failed(peer.peer_id, tree, e)
             return
         raise NoPeerError(f"tree {tree}: no upstream left (every member and holder failed this seat)")
@@ -198,20 +200,24 @@ class _Trees:
                                  max(self.deadline - _clock.monotonic(), 0.001))),
                  deadline=self.deadline, stall=stall, started=on_start, gone=gone)
 
-    def _failed(self, source: str, tree: int, e: PeerError) -> None:
-        """``source`` failed this seat's part ``tree``: never asked again (a stream that
-        failed is the load's to go back to the election for), unless it only timed out
-        in the handshake fewer than :data:`HANDSHAKE_TRIES` times while its part never
-        stalled."""
-        rcv, a = self.rcv, self.rcv.a
+    def _retried(self, source: str, tree: int, e: PeerError) -> bool:
+        """Whether ``source`` is asked again after ``e``: it timed out in the handshake
+        fewer than :data:`HANDSHAKE_TRIES` times while part ``tree`` never stalled."""
         if isinstance(e, TransferStalledError):
             self.stalled.add(tree)
-        if isinstance(e, HandshakeTimeoutError):
-            rcv.worker.metrics.record_handshake_timeout()
-            self.timeouts[source] = self.timeouts.get(source, 0) + 1
-            if self.timeouts[source] < HANDSHAKE_TRIES and tree not in self.stalled:
-                a.log.info("relay_handshake_retried", peer=source, part=tree, error=str(e))
-                return
+        if not isinstance(e, HandshakeTimeoutError):
+            return False
+        self.rcv.worker.metrics.record_handshake_timeout()
+        self.timeouts[source] = self.timeouts.get(source, 0) + 1
+        if self.timeouts[source] >= HANDSHAKE_TRIES or tree in self.stalled:
+            return False
+        self.rcv.a.log.info("relay_handshake_retried", peer=source, part=tree, error=str(e))
+        return True
+
+    def _failed(self, source: str, tree: int, e: PeerError) -> None:
+        """``source`` failed this seat's part ``tree``: never asked again (a stream that
+        failed is the load's to go back to the election for)."""
+        a = self.rcv.a
         self.chain.failed.add(source)
         a.rx.relay_error = e
         if self.fed_by is not None and source == self.fed_by.member_id:

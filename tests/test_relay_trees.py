@@ -42,6 +42,18 @@ def slow_ckpt(tmp_path: Path) -> str:
     return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=13), tmp_path / "ckpt"))
 
 
+def _cohort(reg: Registry, n: int, position: int) -> tuple[list[str], Chain]:
+    """``n`` members joined to one cohort, and the seat at ``position`` (no endpoint: only
+    its upstreams are read)."""
+    ids = [f"w{i}-r0-relay-{i}" for i in range(n)]
+    chain = ""
+    for i in ids:
+        chain, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, Member(i, "127.0.0.1:5000", "gloo", "cpu").to_dict(),
+                                   window=30, max_size=64, ttl=30)
+    return ids, Chain(Seat(chain, position), Member(ids[position], "127.0.0.1:5000", "gloo", "cpu"),
+                      Progress(), None, reg)  # type: ignore[arg-type]
+
+
 def test_a_seat_falls_back_to_earlier_seats_interior_in_the_tree_before_the_source(
     redis_url: str, namespace: str
 ) -> None:
@@ -50,13 +62,7 @@ def test_a_seat_falls_back_to_earlier_seats_interior_in_the_tree_before_the_sour
     whose part may come from this seat); those that failed it are skipped; once none is
     left the cohort's source is the caller's (no member listed)."""
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
-    ids = [f"w{i}-r0-relay-{i}" for i in range(12)]
-    chain = ""
-    for i in ids:
-        chain, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, Member(i, "127.0.0.1:5000", "gloo", "cpu").to_dict(),
-                                   window=30, max_size=64, ttl=30)
-    seat = Chain(Seat(chain, 9), Member(ids[9], "127.0.0.1:5000", "gloo", "cpu"), Progress(),
-                 None, reg)  # type: ignore[arg-type]  # no endpoint: only its upstreams are read
+    ids, seat = _cohort(reg, 12, 9)
     for tree in range(topology.TREES):
         ancestors = [p for p in topology.seat_upstreams(9, 12, tree) if p != topology.SOURCE]
         path = seat.tree_path(tree, 64)
@@ -132,13 +138,7 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
     its second timeout: a grandparent asked instead sends to three children, over its
     one model's worth. The seat's load state is a stand-in (no transfer runs)."""
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
-    ids = [f"w{i}-r0-relay-{i}" for i in range(8)]
-    chain = ""
-    for i in ids:
-        chain, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, Member(i, "127.0.0.1:5000", "gloo", "cpu").to_dict(),
-                                   window=30, max_size=64, ttl=30)
-    seat = Chain(Seat(chain, 7), Member(ids[7], "127.0.0.1:5000", "gloo", "cpu"), Progress(),
-                 None, reg)  # type: ignore[arg-type]  # no endpoint: only its upstreams are read
+    ids, seat = _cohort(reg, 8, 7)
     rx = Receiving(step_sources=StepSources([]))
     a = SimpleNamespace(rx=rx, log=structlog.get_logger(), replica=lambda: SimpleNamespace(speaks=lambda m: True))
     rcv = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))

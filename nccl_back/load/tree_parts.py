@@ -155,7 +155,6 @@ class _Trees:
             if gone.is_set() or self._retried(member.member_id, tree, e):
                 return
             if not stream and not self.chain.counts_failed(member.member_id, e):
-                self.stalled.add(tree)
                 self.rcv.a.log.info("relay_upstream_stalled", peer=member.member_id, part=tree,
                                     held_steps=self.rcv.a.rx.sources.done, error=str(e))
                 return
@@ -202,7 +201,8 @@ class _Trees:
 
     def _retried(self, source: str, tree: int, e: PeerError) -> bool:
         """Whether ``source`` is asked again after ``e``: it timed out in the handshake
-        fewer than :data:`HANDSHAKE_TRIES` times while part ``tree`` never stalled."""
+        fewer than :data:`HANDSHAKE_TRIES` times while part ``tree`` never stalled. Every
+        failure of a part passes here first, so a stall of it is recorded here."""
         if isinstance(e, TransferStalledError):
             self.stalled.add(tree)
         if not isinstance(e, HandshakeTimeoutError):

@@ -80,6 +80,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from nccl_back.config import Settings
 from nccl_back.dev import throttle
 from nccl_back.dev.example import write_example_model
@@ -362,7 +364,7 @@ class Bench:
             for msg in _collect(conns, 1, deadline):
                 if "error" in msg:
                     raise RuntimeError(f"{msg['worker']} failed: {msg['error']}")
-            taken = self.taken()
+            taken, commands = self.taken(), self.redis_commands()
             go_wall.value = time.time()
             go.set()
             victim = None
@@ -386,13 +388,14 @@ class Bench:
             rows = _collect([c for i, c in enumerate(conns) if i != victim], 1, deadline)
             # Everything the round's workers read from the bucket, a killed one's too.
             read = self.taken() - taken
+            commands = self.redis_commands() - commands
         finally:
             stop.set()
             self._reap()
         for r in rows:
             if "error" in r:
                 raise RuntimeError(f"{r['worker']} failed: {r['error']}\n{r.get('traceback', '')}")
-            r.update(scenario=scenario, n=n, storage_x=read / spec.nbytes,
+            r.update(scenario=scenario, n=n, storage_x=read / spec.nbytes, redis_commands=commands,
                      **{f"{k}_s": v for k, v in parts(r).items()})
         depths(rows, holder_names(self.args.holders))
         if "_trees" in scenario:
@@ -420,6 +423,12 @@ class Bench:
     def taken(self) -> int:
         """Response bytes the bucket's links have sent so far, all workers together."""
         return sum(p.bucket.taken for p in [self.proxy, *self.links])
+
+    def redis_commands(self) -> int:
+        """Commands the coordinating Redis has run so far (every worker's, the benchmark's
+        own few reads too): one Redis serves the whole fleet, so its load is a cost of N."""
+        with contextlib.closing(redis.Redis.from_url(self.redis.url)) as r:
+            return int(r.info("stats")["total_commands_processed"])
 
     def kill_member(self, ns: str, n: int, spec: ModelSpec, deadline: float) -> tuple[int, bool]:
         """``cooperative_kill``: once the elected worker's roster is in Redis and member 1
@@ -520,6 +529,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "victim_signal": next((r["victim_signal"] for r in rs if "victim_signal" in r), None),
                 # What the bucket sent per round, over the checkpoint's size (the worst round).
                 "storage_x": max(r["storage_x"] for r in rs),
+                # The round's Redis commands per worker (the worst round).
+                "redis_commands_per_worker": max(r.get("redis_commands", 0) for r in rs) / n,
                 "below_victim": sum(bool(r.get("below_victim")) for r in rs),
                 "below_victim_max_s": max((r["ready_s"] for r in rs if r.get("below_victim")),
                                           default=None),
@@ -640,13 +651,14 @@ def machine() -> dict[str, Any]:
 
 
 def print_table(summary: list[dict[str, Any]]) -> None:
-    cols = ["scenario", "N", "median", "min", "max", *PARTS, "depth", "sources"]
+    cols = ["scenario", "N", "median", "min", "max", *PARTS, "depth", "redis/worker", "sources"]
     lines = []
     for s in summary:
         src = " + ".join(f"{s[f'from_{k}']} {k}" for k in ("storage", "peer") if s[f"from_{k}"])
         lines.append([s["scenario"], str(s["n"]), *(f"{s[k]:.2f}" for k in ("median_s", "min_s", "max_s")),
                       *(f"{s[f'median_{p}_s']:.2f}" for p in PARTS),
-                      "-" if s["max_depth"] is None else str(s["max_depth"]), src])
+                      "-" if s["max_depth"] is None else str(s["max_depth"]),
+                      f"{s['redis_commands_per_worker']:.0f}", src])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     print("ready time after release, seconds (medians over all workers of all rounds; parts too)")
     for row in [cols, *lines]:

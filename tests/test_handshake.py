@@ -93,6 +93,24 @@ def test_receiver_alone_times_out_and_cleans_up(registry: Registry) -> None:
     assert stored_json(registry, handshake.keys(registry, tid)[0]) is None
 
 
+def test_a_long_wait_reads_redis_at_most_every_poll_max(registry: Registry,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait backs off to one read per POLL_MAX: a fleet's waiting handshakes cost the
+    one Redis little (10 s at 5 ms a read would be 2,000 reads)."""
+    reads = 0
+    get_signed = registry.get_signed
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal reads
+        reads += 1
+        return get_signed(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(registry, "get_signed", counted)
+    with _clock.use(FakeClock()), pytest.raises(HandshakeTimeoutError, match="R1 WAIT_ACK"):
+        handshake.run_receiver(registry, uuid.uuid4().hex, "m", 10.0)
+    assert 10.0 / handshake.POLL_MAX <= reads <= 10.0 / handshake.POLL_MAX + 10
+
+
 def test_sender_alone_times_out(registry: Registry) -> None:
     """No receiver: the sender gives up at its own (short) timeout."""
     clock = FakeClock()

@@ -82,8 +82,13 @@ log = get_logger(__name__)
 
 __all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "refuse", "run_receiver", "run_sender"]
 
-#: Seconds between two reads of a key the other side is to write.
+#: Seconds before the second read of a key the other side is to write; each further
+#: wait doubles, up to :data:`POLL_MAX`.
 POLL = 0.005
+#: Longest wait between two reads: a fleet released together runs one handshake per
+#: part and member at once, and at 5 ms each one is 200 reads a second on the one
+#: Redis and the CPUs the waiting processes share.
+POLL_MAX = 0.05
 
 
 #: Refusal codes a sender may write, and what the receiver raises for each.
@@ -244,6 +249,7 @@ def _wait(
 ) -> tuple[HandshakeValue, str]:
     """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes
     (or ``gone`` is set): the value, and the raw one stored (for a compare-and-set)."""
+    pause = POLL
     while True:
         # Unsigned, forged, expired or malformed values are skipped (logged, counted):
         # only the genuine other side can move the handshake on.
@@ -259,7 +265,8 @@ def _wait(
                 f"handshake for transfer {transfer_id} timed out in state {state}"
                 " (the peer did not answer in time)"
             )
-        _clock.sleep(min(POLL, left))
+        _clock.sleep(min(pause, left))
+        pause = min(pause * 2, POLL_MAX)
 
 
 def _cleanup(registry: Registry, *keys_: str) -> None:

@@ -59,6 +59,16 @@ def wait(event: threading.Event, seconds: float) -> bool:
     return _current.wait(event, seconds)
 
 
+def pauses(first: float, longest: float) -> Iterator[float]:
+    """Seconds to sleep between polls of a key another process writes: ``first``, then
+    doubling up to ``longest`` (fast when the writer is quick, cheap for the store when
+    it is slow)."""
+    pause = first
+    while True:
+        yield pause
+        pause = min(pause * 2, longest)
+
+
 @contextlib.contextmanager
 def use(clock: Clock) -> Iterator[Clock]:
     """Make ``clock`` the library's clock until the block ends (tests only)."""

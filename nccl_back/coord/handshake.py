@@ -249,7 +249,7 @@ def _wait(
 ) -> tuple[HandshakeValue, str]:
     """Poll ``key`` until its verified value satisfies ``ready``, or the deadline passes
     (or ``gone`` is set): the value, and the raw one stored (for a compare-and-set)."""
-    pause = POLL
+    pauses = _clock.pauses(POLL, POLL_MAX)
     while True:
         # Unsigned, forged, expired or malformed values are skipped (logged, counted):
         # only the genuine other side can move the handshake on.
@@ -265,8 +265,7 @@ def _wait(
                 f"handshake for transfer {transfer_id} timed out in state {state}"
                 " (the peer did not answer in time)"
             )
-        _clock.sleep(min(pause, left))
-        pause = min(pause * 2, POLL_MAX)
+        _clock.sleep(min(next(pauses), left))
 
 
 def _cleanup(registry: Registry, *keys_: str) -> None:

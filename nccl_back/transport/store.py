@@ -247,13 +247,12 @@ class RedisStore(dist.Store):
         return value
 
     def _poll(self, names: list[str], what: str) -> list[bytes]:
-        delay = POLL_MIN
+        pauses = _clock.pauses(POLL_MIN, POLL_MAX)
         while True:
             values = [self._read(n) for n in names]
             if all(v is not None for v in values):
                 return [v for v in values if v is not None]
-            _clock.sleep(min(delay, self._left(what)))
-            delay = min(delay * 2, POLL_MAX)
+            _clock.sleep(min(next(pauses), self._left(what)))
 
     # -- dist.Store --------------------------------------------------------------------------
 

@@ -33,7 +33,9 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   up), the others what it did not.
 
 Each receiver's upstream depth (hops from the holder or the downloader, from the source
-its load reports) is in the rows and the table.
+its load reports) is in the rows and the table, and so is each worker's longest stall
+(``stall_s``, the table's ``stall``: the longest its Python threads could not run during
+the load, :class:`Stalls`).
 
 ``--link-gbps`` caps every worker's outgoing weight traffic (``max_send_gbps``), so each
 worker has its own emulated link and this small machine measures the topology rather
@@ -63,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -72,6 +75,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -110,17 +114,50 @@ def holder_names(k: int) -> list[str]:
 # -- a worker (child process) -----------------------------------------------------------
 
 
+class Stalls:
+    """The longest time this process's Python threads could not run while it loads: a
+    daemon thread sleeps :attr:`TICK` at a time and keeps the longest gap between two
+    wake-ups, and when that gap ended. Whatever a process does, a stall of its
+    interpreter (the CPUs taken, or a thread in a call that holds the GIL) shows here;
+    a thread that is merely waiting does not."""
+
+    TICK = 0.005
+
+    def __init__(self) -> None:
+        self.longest, self.ended_at = 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-meter", daemon=True)
+
+    def __enter__(self) -> Stalls:
+        self._began = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.TICK):
+            now = time.perf_counter()
+            if now - last > self.longest:
+                self.longest, self.ended_at = now - last, now - self._began
+            last = now
+
+
 def worker_main(
     name: str, settings_json: str, spec_json: str, storage_host: str, conn: Connection,
     go: Any, go_wall: Any, stop: Any, log_level: str, skeleton_first: bool = False,
-    delay: float = 0.0,
+    delay: float = 0.0, freeze_heap: bool = False,
 ) -> None:
     """Set up, report ready, wait for ``go``, then skeleton + load; report; serve until ``stop``.
 
     ``skeleton_first``: build the skeleton before reporting ready, as an engine builds its
     model from code before it calls ``load`` (then ``skeleton_s`` is 0 and the time is
     in ``prebuilt_s``). ``delay``: start this long after ``go`` (``ready_s`` counts from
-    this worker's own start)."""
+    this worker's own start). ``freeze_heap``: collect, then ``gc.freeze()`` what start-up
+    allocated, before reporting ready (see ``--freeze-heap``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent cleans up on Ctrl-C
     os.environ["STORAGE_EMULATOR_HOST"] = storage_host
     from nccl_back.log import configure
@@ -144,6 +181,9 @@ def worker_main(
                 t0 = time.perf_counter()
                 model = flat_skeleton(spec, "cpu")
                 prebuilt = time.perf_counter() - t0
+            if freeze_heap:
+                gc.collect()
+                gc.freeze()
             conn.send_bytes(b'{"ready": true}')
             if not go.wait(600):
                 raise TimeoutError("never released")
@@ -152,7 +192,8 @@ def worker_main(
             if model is None:
                 model = flat_skeleton(spec, "cpu")
             skeleton = time.perf_counter() - t0
-            result = svc.load(model, spec)
+            with Stalls() as stalls:
+                result = svc.load(model, spec)
             ready_wall = time.time()
             conn.send_bytes(json.dumps({
                 "worker": name, "source": result.source, "peer_id": result.peer_id,
@@ -161,6 +202,9 @@ def worker_main(
                 # Every thread's CPU seconds from the release to ready: N processes on a
                 # few cores are CPU-bound once N x cpu_s passes cores x ready_s.
                 "cpu_s": time.process_time() - cpu0, "bytes": result.bytes,
+                # The longest the process's threads could not run, and when it ended
+                # (seconds after the load began).
+                "stall_s": stalls.longest, "stall_end_s": stalls.ended_at,
                 "verified": result.verified, "fallback_reason": result.fallback_reason,
                 "timings": result.timings,
             }).encode())
@@ -330,7 +374,7 @@ class Bench:
         proc = self.ctx.Process(target=worker_main, daemon=True, name=name,
                                 args=(name, settings, json.dumps(spec.to_json()), storage_host,
                                       send, go, go_wall, stop, self.args.log_level,
-                                      self.args.skeleton_first, delay))
+                                      self.args.skeleton_first, delay, self.args.freeze_heap))
         proc.start()
         send.close()
         self.procs.append(proc)
@@ -518,6 +562,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 # The fleet's CPU seconds over the load against what the cores offer in the
                 # median's time: near 1, the CPUs, not the links, set the time.
                 "median_cpu_s": statistics.median(r.get("cpu_s", 0.0) for r in rs),
+                "median_stall_s": statistics.median(r.get("stall_s", 0.0) for r in rs),
                 "cpu_x_cores": sum(r.get("cpu_s", 0.0) for r in rs)
                 / len({r["repeat"] for r in rs}) / ((os.cpu_count() or 1) * statistics.median(ready)),
                 "from_storage": sources["storage"], "from_peer": sources["peer"],
@@ -651,14 +696,15 @@ def machine() -> dict[str, Any]:
 
 
 def print_table(summary: list[dict[str, Any]]) -> None:
-    cols = ["scenario", "N", "median", "min", "max", *PARTS, "depth", "redis/worker", "sources"]
+    cols = ["scenario", "N", "median", "min", "max", *PARTS, "depth", "redis/worker", "stall",
+            "sources"]
     lines = []
     for s in summary:
         src = " + ".join(f"{s[f'from_{k}']} {k}" for k in ("storage", "peer") if s[f"from_{k}"])
         lines.append([s["scenario"], str(s["n"]), *(f"{s[k]:.2f}" for k in ("median_s", "min_s", "max_s")),
                       *(f"{s[f'median_{p}_s']:.2f}" for p in PARTS),
                       "-" if s["max_depth"] is None else str(s["max_depth"]),
-                      f"{s['redis_commands_per_worker']:.0f}", src])
+                      f"{s['redis_commands_per_worker']:.0f}", f"{s['median_stall_s']:.2f}", src])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     print("ready time after release, seconds (medians over all workers of all rounds; parts too)")
     for row in [cols, *lines]:
@@ -726,6 +772,11 @@ def main() -> int:
                    help="workers build their skeleton before the release, as an engine builds"
                         " its model before load(): N processes on a few CPUs then do not slow"
                         " each other's builds inside the measured time")
+    p.add_argument("--freeze-heap", action="store_true",
+                   help="workers gc.freeze() their start-up heap before the release, as a"
+                        " server does once started: a full collection of it (~70 ms of CPU"
+                        " holding the GIL with torch imported) otherwise freezes a worker for"
+                        " seconds when 33 processes share 2 CPUs")
     p.add_argument("--stagger", type=float, default=0.0,
                    help="worker i starts i x this many seconds after the release (a rolling"
                         " start; each worker's time counts from its own start). 0: together")
@@ -815,7 +866,7 @@ def main() -> int:
 
     os.makedirs(args.out, exist_ok=True)
     meta = {"model_bytes": spec.nbytes, "shards": len(spec.shards),
-            "skeleton_first": args.skeleton_first,
+            "skeleton_first": args.skeleton_first, "freeze_heap": args.freeze_heap,
             "storage_gbps": args.storage_gbps, "own_links": args.own_links, "link_gbps": args.link_gbps,
             "holders": args.holders, "stagger_s": args.stagger,
             "sizes": sorted(args.sizes), "repeat": args.repeat,

@@ -48,7 +48,7 @@ from nccl_back.coord.auth import warn_unsigned
 from nccl_back.coord.consensus import Group, rank_and_size
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import ManifestMismatchError, NcclBackError
-from nccl_back.load import reshard
+from nccl_back.load import heap, reshard
 from nccl_back.load.attempt import Attempt, Target, Worker
 from nccl_back.load.cooperative import serve_share
 from nccl_back.load.discover import discover
@@ -160,7 +160,8 @@ class WeightService:
         a.cooperative = (world == 1 and sharding is None and self._storage_loader is load_checkpoint
                          and self._cohorts.enabled)
         try:
-            return self._run_phases(a)
+            with heap.kept_out():
+                return self._run_phases(a)
         finally:
             if a.share is not None:
                 a.share.end(True)

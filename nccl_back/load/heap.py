@@ -2,14 +2,14 @@
 
 A full collection of Python's cyclic garbage collector walks every object the process
 holds, with the GIL held. With torch imported that is about 200,000 objects and 70 ms
-(an engine holds far more); during a load every thread of the worker stops for it:
-handshake answers, the relay's forwarding, the liveness marks. On a busy host the
-pause stretches to seconds and peers give up on this worker (``benchmarks/RESULTS.md``,
-"The late starts were garbage-collection pauses"). So while a load runs, the objects
-that existed before it are frozen (:func:`gc.freeze` moves them to the permanent
-generation, in constant time) and collections walk only what the load allocates; the
-last load of the process to end unfreezes them. Nothing is collected less: garbage
-among the frozen objects is collected once they are unfrozen.
+(in a vLLM worker, 0.6 s: :mod:`nccl_back.engines.base`); during a load every thread
+of the worker stops for it: handshake answers, the relay's forwarding, the liveness
+marks. On a busy host the pause stretches to seconds and peers give up on this worker
+(``benchmarks/RESULTS.md``, "The late starts were garbage-collection pauses"). So while
+a load runs, the objects that existed before it are frozen (:func:`gc.freeze` moves
+them to the permanent generation, in constant time) and collections walk only what the
+load allocates; the last load of the process to end unfreezes them. Nothing is
+collected less: garbage among the frozen objects is collected once they are unfrozen.
 
 An application that froze its own heap (``gc.get_freeze_count()`` above zero when the
 first load starts), or switched the collector off, is left as it is: unfreezing at the

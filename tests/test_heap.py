@@ -40,9 +40,12 @@ def test_an_application_that_froze_its_heap_is_left_as_it_is() -> None:
     """A heap the application froze is neither frozen again nor unfrozen at the end."""
     gc.freeze()
     frozen = gc.get_freeze_count()
+    young = [object()]  # frozen again, it would leave gc.get_objects()
+    # A frozen object that dies leaves the count (other threads free some): bounds, not equality.
     with heap.kept_out():
-        assert gc.get_freeze_count() == frozen
-    assert gc.get_freeze_count() == frozen
+        assert 0 < gc.get_freeze_count() <= frozen
+        assert any(o is young for o in gc.get_objects())
+    assert 0 < gc.get_freeze_count() <= frozen
 
 
 def test_a_collector_switched_off_is_left_as_it_is() -> None:

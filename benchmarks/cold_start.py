@@ -7,7 +7,9 @@ workers (``--storage-gbps``, in GB/s = 10^9 B/s), standing in for a bucket's per
 egress. Peer transfers use gloo on loopback. Three scenarios:
 
 * ``storage``: storage only (each worker in its own Redis namespace never finds a peer);
-* ``warm``: one warm peer, loaded and serving before the N workers start;
+* ``warm``: one warm peer, loaded and serving before the N workers start; its receivers
+  form relay chains (``relay_fan_out="chain"``, as every scenario without ``_trees``
+  does: the figures before the trees became the default compare with these);
 * ``single_flight``: no peer; one worker is elected to download, the others receive
   from peers as they appear (a worker that received serves too: the fleet fans out).
 * ``cooperative``: ``single_flight`` with ``download_group_window`` (``--group-window``):
@@ -23,8 +25,8 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
 
 * ``warm_trees`` / ``warm_trees_kill`` / ``single_flight_trees``: ``warm`` / ``warm_kill``
   / ``single_flight`` with the cohort seated in the fan-out's two trees
-  (``relay_fan_out="trees"``, one cohort of up to 1,024): the head takes the whole, each
-  other member half from each of its two parents.
+  (``relay_fan_out="trees"``, the library's default; one cohort of up to 1,024): the
+  head takes the whole, each other member half from each of its two parents.
 
 * ``warm_kill``: ``warm`` with one receiver SIGKILLed (``--kill-signal stop``: SIGSTOPped)
   mid-transfer (``--kill-at`` of the warm N=1 median after the release), the one seated
@@ -359,8 +361,7 @@ class Bench:
                      advertise_host="127.0.0.1",
                      cache_dir=os.path.join(self.tmp, "cache"),
                      max_send_gbps=self.args.link_gbps,
-                     cohort_max_size=(1 if scenario.endswith("_tree") else 1024 if "_trees" in scenario
-                                      else self.args.cohort_max_size),
+                     cohort_max_size=1 if scenario.endswith("_tree") else self.args.cohort_max_size,
                      bucket_bytes=self.args.bucket_bytes,
                      relay_fan_out="trees" if "_trees" in scenario else "chain",
                      holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts,
@@ -790,7 +791,7 @@ def main() -> int:
                    help="warm_kill, warm_trees_kill: SIGKILL the victim (a crash: its links reset)"
                         " or SIGSTOP it (silent, as a partition looks: found by a stall bound)")
     p.add_argument("--cohort-max-size", type=int, default=Settings().cohort_max_size,
-                   help="chain scenarios: receivers in one relay chain (the trees take 1,024)")
+                   help="most receivers in one cohort (0: the fan-out's own, 32 in a chain, 1,024 in the trees)")
     p.add_argument("--bucket-bytes", type=int, default=Settings().bucket_bytes,
                    help="the step (0: automatic, from the model's size): a relay hop costs one step")
     p.add_argument("--own-links", action="store_true",

@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nccl_back.config import Settings
+from nccl_back.config import AUTO_COHORT, Settings
 from nccl_back.model.checkpoint import HEADER_PROBE_BYTES
 from nccl_back.transport.relay import topology as tp
 
@@ -80,7 +80,7 @@ class Costs:
     """Steps in the model (model bytes / bucket)."""
     download: float
     """One worker's storage download when it has the storage limit to itself."""
-    cohort_max: int = Settings.cohort_max_size
+    cohort_max: int = AUTO_COHORT["chain"]
     """Most receivers in one relay chain (``cohort_max_size``)."""
     shards: int = 1
     """Checkpoint shards: a streamed download forwards a shard once it is in (CRC32C)."""
@@ -504,8 +504,8 @@ def main() -> None:
                    help="cold_start.py JSONs: costs from the first; the others add their "
                         "scenarios' points (the cooperative download's run with --own-links)")
     p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="the run's bucket (gloo: 1 MiB)")
-    p.add_argument("--cohort-max", type=int, default=Settings.cohort_max_size,
-                   help="most receivers in one relay chain (default: cohort_max_size's)")
+    p.add_argument("--cohort-max", type=int, default=AUTO_COHORT["chain"],
+                   help="most receivers in one relay chain (default: a chain's automatic cohort_max_size)")
     p.add_argument("--png", default="benchmarks/fleet_scale.png")
     p.add_argument("--out", default="benchmarks/out/simulate.json")
     p.add_argument("--detect", type=float, default=STALL,

@@ -38,6 +38,9 @@ STEPS_PER_MODEL = 64
 TransportName = Literal["auto", TransportKind]
 VerifyMode = Literal["sampled", "full", "none"]
 FanOut = Literal["chain", "trees"]
+#: Automatic ``cohort_max_size`` per fan-out (the setting at 0, :attr:`Settings.cohort_limit`):
+#: a chain costs a step per member, the trees a step per level (log2 of the cohort).
+AUTO_COHORT = {"chain": 32, "trees": 1024}
 
 
 def _default_cache_dir() -> str:
@@ -137,7 +140,8 @@ class Settings:
     part of the steps (balanced by bytes) under its own ``max_send_gbps``: behind capped
     senders a receiver then fills that many times faster. Only holders with a free send
     slot are used, and not by a receiver that has members seated below it in a relay
-    chain. 1: one holder sends everything. At most 4."""
+    chain. In the trees (``relay_fan_out``) each tree's half comes from its own idle
+    holder, so two at most. 1: one holder sends everything. At most 4."""
 
     max_peer_attempts: int = 3
     """Peers a receiver tries before it falls back to storage."""
@@ -170,15 +174,17 @@ class Settings:
     rolling start keeps joining the chain in flight) instead of queueing for whole
     copies; after a window with no arrival the next one starts a new cohort."""
 
-    cohort_max_size: int = 32
-    """Most receivers in one relay chain (one costs 1 + (n-1)/steps transfers); the next
-    ones start another. 1: no relay (whole copies from holders: a binomial fan-out)."""
+    cohort_max_size: int = 0
+    """Most receivers in one cohort; the next ones start another. 0 (the default): chosen
+    by the fan-out, :attr:`cohort_limit`. 1: no relay (whole copies from holders: a
+    binomial fan-out)."""
 
-    relay_fan_out: FanOut = "chain"
-    """How a cohort's members pass the model on: ``"chain"``, each from the member seated
-    before it; ``"trees"``, the head from the source and every other member half from
-    each of two parents in two binary trees (each sends one model's worth at most:
-    depth log2 of the cohort, not its size; give it a large ``cohort_max_size``)."""
+    relay_fan_out: FanOut = "trees"
+    """How a cohort's members pass the model on: ``"trees"`` (the default), the head from
+    the source and every other member half from each of two parents in two binary trees
+    (each sends one model's worth at most; depth log2 of the cohort, not its size);
+    ``"chain"``, each from the member seated before it (a step per member: one fewer
+    level for cohorts of a few, slower beyond a few dozen)."""
 
     stall_timeout: float = 10.0
     """Seconds a transfer from a holder may go without a step completing before it is
@@ -295,32 +301,16 @@ class Settings:
         if self.relay_fan_out not in ("chain", "trees"):
             raise ConfigError(f"relay_fan_out={self.relay_fan_out!r}: choose chain or trees")
         for name in (
-            "sender_handshake_timeout",
-            "receiver_handshake_timeout",
-            "transfer_timeout",
-            "redis_timeout",
-            "peer_ttl",
-            "single_flight_wait",
-            "busy_wait",
-            "download_lease",
-            "single_flight_max_wait",
-            "claim_ttl",
-            "cohort_window",
-            "relay_stall_timeout",
-            "stall_timeout",
-            "artifact_wait",
+            "sender_handshake_timeout", "receiver_handshake_timeout", "transfer_timeout", "redis_timeout",
+            "peer_ttl", "single_flight_wait", "busy_wait", "download_lease", "single_flight_max_wait",
+            "claim_ttl", "cohort_window", "relay_stall_timeout", "stall_timeout", "artifact_wait",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive number of seconds")
         for name in (
-            "max_concurrent_sends",
-            "max_peer_attempts",
-            "cohort_max_size",
-            "storage_workers",
-            "chunk_bytes",
-            "storage_attempts",
-            "max_artifact_bytes",
+            "max_concurrent_sends", "max_peer_attempts", "storage_workers",
+            "chunk_bytes", "storage_attempts", "max_artifact_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -330,10 +320,10 @@ class Settings:
         ):
             raise ConfigError(f"holder_parts={self.holder_parts!r}: must be an integer from 1"
                               f" (one holder sends everything) to {MAX_HOLDER_PARTS}")
-        for name in ("bucket_bytes", "max_send_gbps"):
+        for name in ("bucket_bytes", "max_send_gbps", "cohort_max_size"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
-                name == "bucket_bytes" and not isinstance(value, int)
+                name != "max_send_gbps" and not isinstance(value, int)
             ):
                 raise ConfigError(f"{name}={value!r}: must be 0 (automatic/unlimited) or positive")
         if self.s3_endpoint_url and (
@@ -384,6 +374,11 @@ class Settings:
         want = model_bytes // STEPS_PER_MODEL
         nearest = 1 << round(math.log2(want)) if want > 0 else lo  # in log scale
         return min(max(nearest, lo), hi)
+
+    @property
+    def cohort_limit(self) -> int:
+        """:attr:`cohort_max_size`, or when it is 0 the fan-out's :data:`AUTO_COHORT`."""
+        return self.cohort_max_size or AUTO_COHORT[self.relay_fan_out]
 
     @property
     def peer_budget_seconds(self) -> float:

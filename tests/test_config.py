@@ -32,7 +32,7 @@ def test_defaults_are_valid() -> None:
         ({"bucket_bytes": True}, r"bucket_bytes=True"),
         ({"bucket_bytes": -1}, r"bucket_bytes=-1: must be 0 \(automatic/unlimited\) or positive"),
         ({"max_send_gbps": -0.5}, r"max_send_gbps=-0.5: must be 0"),
-        ({"cohort_max_size": 0}, r"cohort_max_size=0: must be a positive integer"),
+        ({"cohort_max_size": -1}, r"cohort_max_size=-1: must be 0 \(automatic/unlimited\) or positive"),
         ({"cohort_window": 0}, r"cohort_window=0: must be a positive number"),
         ({"relay_stall_timeout": -1}, r"relay_stall_timeout=-1: must be a positive number"),
         ({"download_group_window": -1}, r"download_group_window=-1: must be 0 \(no cooperative"),

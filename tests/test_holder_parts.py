@@ -32,9 +32,11 @@ def ckpt(tmp_path: Path) -> str:
 
 def _fleet(ckpt: str, redis_url: str, namespace: str, cache_dir: str, **overrides: Any,
            ) -> tuple[Fleet, Settings, Registry, ModelSpec]:
-    """A fleet verifying everything (and its settings, registry and spec)."""
+    """A fleet verifying everything (and its settings, registry and spec), its relay in
+    chains: a chain's head is where a load in parts runs (the trees spread over holders
+    per tree, tested below)."""
     fleet = Fleet(ckpt, redis_url, namespace, cache_dir)
-    fleet.settings.update(verify="full", peer_ttl=30.0, **overrides)
+    fleet.settings.update({"verify": "full", "peer_ttl": 30.0, "relay_fan_out": "chain", **overrides})
     settings = workers.settings_for(**fleet.settings)
     return fleet, settings, Registry(settings), ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
 
@@ -96,6 +98,24 @@ def test_a_receiver_fills_from_two_idle_holders_one_part_each(
         assert set(result.peer_id.split(",")) == {a, b}
         assert {"transfer.p0", "transfer.p1"} <= set(result.timings), result.timings
         assert _parts_of(events) == [result.peer_id.split(",")]
+    finally:
+        _close(fleet)
+
+
+@pytest.mark.timeout(180)
+def test_in_the_trees_a_lone_receiver_takes_each_trees_half_from_its_own_idle_holder(
+    ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In the trees (the default fan-out), a lone receiver with two idle holders takes
+    one tree's half of the steps from each at once, verified byte-exact."""
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir, relay_fan_out="trees")
+    try:
+        a, b = _holders(fleet, reg, spec.version, {"a": None, "b": None})
+        result, events, _, exact = _load(settings, spec, ckpt, caplog)
+        assert result.source == "peer", result.fallback_reason
+        assert result.verified and exact
+        assert set(result.peer_id.split(",")) == {a, b}
+        assert _parts_of(events) == []  # not the chain head's load in parts
     finally:
         _close(fleet)
 

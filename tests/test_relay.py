@@ -431,7 +431,8 @@ def slow_ckpt(tmp_path: Path) -> str:
     return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=11), tmp_path / "ckpt"))
 
 
-CHAIN_SETTINGS = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0}
+CHAIN_SETTINGS = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0,
+                  "relay_fan_out": "chain"}  # the trees' own: tests/test_relay_trees.py
 
 
 def _four_in_a_chain(fleet: Fleet, redis_url: str, namespace: str, settings: dict[str, Any] | None = None,
@@ -567,14 +568,16 @@ def test_late_arrival_joins_the_tail_of_a_finished_member(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("fan_out", ["chain", "trees"])
 def test_waiters_receive_the_download_as_it_streams(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, fan_out: str
 ) -> None:
-    """The elected downloader streams its download: the waiting workers' cohort head
-    receives from the stream (not from a published peer), and all verify against the
-    ground truth the downloader publishes at its end."""
+    """The elected downloader streams its download: the waiting workers' cohort head (in
+    the trees, each tree's root) receives from the stream (not from a published peer),
+    and all verify against the ground truth the downloader publishes at its end."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     fleet.settings["download_group_window"] = 0.0  # the single flight's own stream
+    fleet.settings["relay_fan_out"] = fan_out
     try:
         fleet.start("downloader", fault="slow_download", serve_for=20)
         wait_for_lease(redis_url, namespace)
@@ -585,9 +588,14 @@ def test_waiters_receive_the_download_as_it_streams(
         downloader = reports["downloader"]["worker_id"]
         waiters = [reports[f"w{i}"] for i in range(3)]
         assert all(w["source"] == "peer" for w in waiters), waiters
-        fed = [w for w in waiters if w["peer_id"].startswith(downloader + "-r0-stream-")]
-        assert len(fed) == 1, waiters  # the cohort's head; the others relay behind it
-        assert all("-relay-" in w["peer_id"] for w in waiters if w not in fed), waiters
+        def streamed(w: dict[str, Any]) -> bool:
+            return any(p.startswith(downloader + "-r0-stream-") for p in w["peer_id"].split(","))
+
+        fed = [w for w in waiters if streamed(w)]
+        # The chain's head (the others relay behind it), or the trees' roots: the seat
+        # below both takes its halves from them.
+        assert len(fed) == 1 if fan_out == "chain" else 1 <= len(fed) <= 2, waiters
+        assert all("-relay-" in p for w in waiters if w not in fed for p in w["peer_id"].split(",")), waiters
         # The head got its bytes before the truth existed, then waited for it.
         assert "await_truth" in fed[0]["timings"], fed[0]
     finally:

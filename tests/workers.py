@@ -210,21 +210,30 @@ def _install_fault(fault: str) -> None:
         relay_receive.share = start_share  # type: ignore[assignment]
         RelayServer._admit = admit  # type: ignore[method-assign]
     elif fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
-        orig_part = sender.send_tensors
+        from nccl_back.transport.relay.receive import Cohorts as ShareCohorts
+
+        orig_part, orig_share = sender.send_tensors, ShareCohorts.open_share
         fired: list[bool] = []
+        named_1: list[bool] = []
+
+        def named(self: Any, replica: Any, log: Any, member: int) -> Any:
+            named_1.append(member == 1)
+            return orig_share(self, replica, log, member)
 
         def send_part(transport: Any, *a: Any, **k: Any) -> Any:
             # Member 1's send of its whole part (i, n) to the elected worker: stop at step 3.
-            # Known by the part it sends, not by the order of its share read and the
-            # elected worker's request (which a loaded machine swaps).
+            # Known by the part it sends (in the process named member 1: a holder sends a
+            # tree's part (1, 2) too), not by the order of its share read and the elected
+            # worker's request (which a loaded machine swaps).
             part = k.get("part")
-            if not fired and part is not None and len(part) == 2 and part[0] == 1:
+            if not fired and any(named_1) and part is not None and len(part) == 2 and part[0] == 1:
                 fired.append(True)
                 sig = signal.SIGKILL if fault == "kill_member_1_mid_share" else signal.SIGSTOP
                 return orig_part(_KillAfter(transport, 3, sig), *a, **k)
             return orig_part(transport, *a, **k)
 
         sender.send_tensors = send_part  # type: ignore[assignment]
+        ShareCohorts.open_share = named  # type: ignore[method-assign]
     elif fault == "slow_member_1_share":
         from nccl_back.load import cooperative as slow_coop
 

@@ -42,6 +42,7 @@ from nccl_back.errors import (
 )
 from nccl_back.load import verify
 from nccl_back.load.asking import claimed, new_request, transfer
+from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.pulls import Pulls, watched
 from nccl_back.transport import Transport, plan, relay
 from nccl_back.transport.broadcast import resume_point
@@ -116,11 +117,11 @@ class _Trees:
         while (first := rx.sources.lacking(mine)) is not None:
             if _clock.monotonic() >= self.deadline:
                 raise NoPeerError(f"tree {tree}: the relay's deadline passed")
-            path = chain.tree_path(tree, s.cohort_max_size)
+            path = chain.tree_path(tree, s.cohort_limit)
 
             def moved(parent: int = path[0]) -> bool:
                 try:
-                    return chain.tree_path(tree, s.cohort_max_size)[0] != parent
+                    return chain.tree_path(tree, s.cohort_limit)[0] != parent
                 except RegistryError:
                     return False  # Redis trouble says nothing of the tree
 
@@ -164,25 +165,32 @@ class _Trees:
                      gone: threading.Event) -> None:
         """The part from the cohort's source: the stream that feeds it, else a holder,
         whose one send slot the tree roots hold together (a share drawn from the cohort's
-        chain: the source sends one model's worth, a part to each root)."""
+        chain: the source sends one model's worth, a part to each root). With several
+        holders (up to ``holder_parts``), tree ``t`` first asks the ``t``-th if it has a
+        slot free now: the two roots, or a lone seat taking both parts, then fill from
+        two holders at once, each sending half."""
         worker, a, s, chain = self.rcv.worker, self.rcv.a, self.rcv.worker.settings, self.chain
         if self.fed_by is not None and self.fed_by.member_id not in chain.failed:
             self._from_member(first, tree, self.fed_by, on_start, gone)
             return
         share = hashlib.md5(chain.seat.chain.encode(), usedforsecurity=False).hexdigest()
-        for peer in a.found.candidates:
-            if peer.peer_id in chain.failed or peer.peer_id in a.rx.blamed:
-                continue
+        out = chain.failed | a.rx.blamed
+        usable = [p for p in a.found.candidates if p.peer_id not in out]
+        if not usable:
+            raise NoPeerError(f"tree {tree}: no upstream left (every member and holder failed this seat)")
+        own = usable[tree % min(len(usable), s.holder_parts)]
+        tries = [(own, None)] if own is not usable[0] else []  # one try: busy, the shared one
+        for peer, until in [*tries, (usable[0], min(self.deadline, _clock.monotonic() + s.busy_wait))]:
             try:
-                with claimed(worker, a, peer, share=share,
-                             until=min(self.deadline, _clock.monotonic() + s.busy_wait)) as token:
+                with claimed(worker, a, peer, share=share, until=until) as token:
                     self._pull(first, tree, peer.peer_id, peer.transport, peer.address, token,
                                s.stall_timeout, on_start, gone)
+            except PeerBusy:
+                continue
             except PeerError as e:
                 if not gone.is_set() and not self._retried(peer.peer_id, tree, e):
                     self._failed(peer.peer_id, tree, e)
             return
-        raise NoPeerError(f"tree {tree}: no upstream left (every member and holder failed this seat)")
 
     def _pull(self, first: int, tree: int, source: str, kind: str, address: str,
               claim: str | None, stall: float, on_start: Callable[[Transport], None],

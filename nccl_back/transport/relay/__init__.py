@@ -1,9 +1,10 @@
-"""Cohorts: receivers that arrive together form one pipelined relay chain.
+"""Cohorts: receivers that arrive together form one pipelined relay (two trees by
+default, or one chain: ``relay_fan_out``).
 
 With whole 2-rank copies, N receivers of one holder need a binomial tree of
 ⌈log2(N+1)⌉ rounds. Instead, receivers of the same version, rank and manifest that
 arrive at most ``cohort_window`` seconds after the previous arrival join one *cohort*
-(at most ``cohort_max_size`` members per chain, then the next chain starts), ordered by
+(at most ``Settings.cohort_limit`` members, then the next cohort starts), ordered by
 arrival::
 
     holder -> m0 -> m1 -> m2 -> ...      (each arrow: one 2-rank link, gloo or NCCL)
@@ -31,8 +32,8 @@ downstream, which may hold some of those bytes, finds them in its own verificati
 blames the sources that sent the failing steps (:class:`StepSources`), discards what they
 sent and receives it again from someone else.
 
-Trees (``relay_fan_out = "trees"``, opt-in). The same seats form two binary trees
-instead of one chain (:func:`.topology.seat_upstreams`): seat p forwards in tree p mod 2
+Trees (``relay_fan_out = "trees"``, the default; the chain above is ``"chain"``). The
+same seats form two binary trees instead of one chain (:func:`.topology.seat_upstreams`): seat p forwards in tree p mod 2
 only, each tree carries one half of the steps, every seat takes both halves at once
 from its two parents, and the cohort's source sends one half to each root; depth grows
 with log2 of the cohort. The receiving half is :mod:`nccl_back.load.tree_parts`.

@@ -205,7 +205,7 @@ def join(p: Endpoints) -> Chain:
     member = server.member
     try:
         chain_key, position = p.registry.join_cohort(
-            *p.replica.key, member.to_dict(), window=s.cohort_window, max_size=s.cohort_max_size,
+            *p.replica.key, member.to_dict(), window=s.cohort_window, max_size=s.cohort_limit,
             ttl=s.transfer_timeout + s.busy_wait,
         )
     except RegistryError:

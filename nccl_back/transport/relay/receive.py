@@ -79,7 +79,7 @@ class Cohorts:
 
     @property
     def enabled(self) -> bool:
-        return self.settings.cohort_max_size > 1
+        return self.settings.cohort_limit > 1
 
     def close(self, timeout: float) -> None:
         with self._lock:

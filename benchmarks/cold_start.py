@@ -41,7 +41,10 @@ the load, :class:`Stalls`).
 
 ``--link-gbps`` caps every worker's outgoing weight traffic (``max_send_gbps``), so each
 worker has its own emulated link and this small machine measures the topology rather
-than its CPUs. ``--max-storage-n`` bounds the storage-only sizes (linear, slow).
+than its CPUs. With ``--netns`` (root) every worker and warm peer runs in its own network
+namespace on one bridge instead, its outgoing link shaped by ``tc`` at ``--link-gbps``
+(``nccl_back/dev/netns.py``): the kernel paces the bytes, as a NIC would, and the send
+cap is off. ``--max-storage-n`` bounds the storage-only sizes (linear, slow).
 
 Workers are spawned first and released together by one Event once imports and set-up
 are done, so Python start-up is not counted as cold start (``--stagger S``: worker i
@@ -89,7 +92,7 @@ from typing import Any
 import redis
 
 from nccl_back.config import Settings
-from nccl_back.dev import throttle
+from nccl_back.dev import netns, throttle
 from nccl_back.dev.example import write_example_model
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.dev.servers import LocalRedis
@@ -151,7 +154,7 @@ class Stalls:
 def worker_main(
     name: str, settings_json: str, spec_json: str, storage_host: str, conn: Connection,
     go: Any, go_wall: Any, stop: Any, log_level: str, skeleton_first: bool = False,
-    delay: float = 0.0, freeze_heap: bool = False,
+    delay: float = 0.0, freeze_heap: bool = False, namespace: str = "",
 ) -> None:
     """Set up, report ready, wait for ``go``, then skeleton + load; report; serve until ``stop``.
 
@@ -159,7 +162,10 @@ def worker_main(
     model from code before it calls ``load`` (then ``skeleton_s`` is 0 and the time is
     in ``prebuilt_s``). ``delay``: start this long after ``go`` (``ready_s`` counts from
     this worker's own start). ``freeze_heap``: collect, then ``gc.freeze()`` what start-up
-    allocated, before reporting ready (see ``--freeze-heap``)."""
+    allocated, before reporting ready (see ``--freeze-heap``). ``namespace``: the network
+    namespace this worker runs in (``--netns``), entered before any socket is opened."""
+    if namespace:
+        netns.enter(namespace)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent cleans up on Ctrl-C
     os.environ["STORAGE_EMULATOR_HOST"] = storage_host
     from nccl_back.log import configure
@@ -321,8 +327,14 @@ class Bench:
         self.args = args
         self.ctx = mp.get_context("spawn")
         self.tmp = tempfile.mkdtemp(prefix="nccl-back-cold-start-")
-        self.redis = LocalRedis().start()
+        self.shaped = netns.Links(args.link_gbps).start() if args.netns else None
+        """With ``--netns``: the bridge and a namespace per worker, links shaped by tc."""
+        self.host = netns.HOST if args.netns else "127.0.0.1"
+        """Where the workers reach Redis and the storage proxies."""
+        self.redis = LocalRedis(extra=["--bind", "127.0.0.1", netns.HOST] if args.netns else []).start()
         self.gcs = LocalGCS().start()
+        self.source: Any = None
+        """The warm peers' storage: the emulator, through an uncapped proxy on the bridge."""
         self.proxy: Any = None
         self.links: list[Any] = []
         """With ``--own-links``: one capped proxy per worker (its own link to the bucket)."""
@@ -340,27 +352,30 @@ class Bench:
         shutil.rmtree(local)
         spec = ModelSpec.from_dir(f"gs://{BUCKET}/model")
         # Uploads are done: the objects are immutable from here on, so the proxy may cache.
-        self.proxy = throttle.serve(self.gcs.host, self.args.storage_gbps, cache=True)
+        self.proxy = throttle.serve(self.gcs.host, self.args.storage_gbps, host=self.host, cache=True)
+        self.source = throttle.serve(self.gcs.host, 1000.0, host=self.host, cache=True)
         if self.args.own_links:
             cache = throttle.GetCache()
-            self.links = [throttle.serve(self.gcs.host, self.args.storage_gbps, cache=cache)
+            self.links = [throttle.serve(self.gcs.host, self.args.storage_gbps, host=self.host,
+                                         cache=cache)
                           for _ in range(max(self.args.sizes))]
         return spec
 
     def storage_host(self, i: int) -> str:
         """Where worker ``i`` reaches the bucket: its own link, or the shared one."""
         proxy = self.links[i] if self.links else self.proxy
-        return f"http://127.0.0.1:{proxy.server_address[1]}"
+        return f"http://{self.host}:{proxy.server_address[1]}"
 
     @property
     def proxy_host(self) -> str:
-        return f"http://127.0.0.1:{self.proxy.server_address[1]}"
+        return f"http://{self.host}:{self.proxy.server_address[1]}"
 
     def settings(self, namespace: str, scenario: str = "warm") -> str:
-        s = Settings(redis_url=self.redis.url, namespace=namespace, transport="gloo",
-                     advertise_host="127.0.0.1",
+        s = Settings(redis_url=self.redis.url.replace("127.0.0.1", self.host), namespace=namespace,
+                     transport="gloo", advertise_host=self.host,
                      cache_dir=os.path.join(self.tmp, "cache"),
-                     max_send_gbps=self.args.link_gbps,
+                     # Shaped links (--netns) cap each worker's egress in the kernel instead.
+                     max_send_gbps=0.0 if self.args.netns else self.args.link_gbps,
                      cohort_max_size=1 if scenario.endswith("_tree") else self.args.cohort_max_size,
                      bucket_bytes=self.args.bucket_bytes,
                      relay_fan_out="trees" if "_trees" in scenario else "chain",
@@ -372,10 +387,15 @@ class Bench:
     def spawn(self, name: str, settings: str, spec: ModelSpec, storage_host: str,
               go: Any, go_wall: Any, stop: Any, delay: float = 0.0) -> Connection:
         recv, send = self.ctx.Pipe(duplex=False)
+        namespace = ""
+        if self.shaped is not None:  # its own namespace and address
+            namespace, address = self.shaped.add()
+            settings = json.dumps({**json.loads(settings), "advertise_host": address})
         proc = self.ctx.Process(target=worker_main, daemon=True, name=name,
                                 args=(name, settings, json.dumps(spec.to_json()), storage_host,
                                       send, go, go_wall, stop, self.args.log_level,
-                                      self.args.skeleton_first, delay, self.args.freeze_heap))
+                                      self.args.skeleton_first, delay, self.args.freeze_heap,
+                                      namespace))
         proc.start()
         send.close()
         self.procs.append(proc)
@@ -395,7 +415,8 @@ class Bench:
                     warm_go, warm_wall = self.ctx.Event(), self.ctx.Value("d", time.time())
                     warm_go.set()
                     conn = self.spawn(name, self.settings(ns, scenario),
-                                      spec, self.gcs.host, warm_go, warm_wall, stop)
+                                      spec, f"http://{self.host}:{self.source.server_address[1]}",
+                                      warm_go, warm_wall, stop)
                     for msg in _collect([conn], 2, deadline):
                         if "error" in msg:
                             raise RuntimeError(f"warm peer {name} failed: {msg['error']}\n"
@@ -517,10 +538,13 @@ class Bench:
             if p.is_alive():
                 p.kill()
         self._reap()
-        if self.proxy is not None:
-            self.proxy.shutdown()
+        for proxy in (self.proxy, self.source, *self.links):
+            if proxy is not None:
+                proxy.shutdown()
         self.gcs.stop()
         self.redis.stop()
+        if self.shaped is not None:
+            self.shaped.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -800,6 +824,9 @@ def main() -> int:
     p.add_argument("--group-window", type=float, default=Settings().download_group_window,
                    help="cooperative: download_group_window, seconds the elected worker waits"
                         " for the others before naming the members")
+    p.add_argument("--netns", action="store_true",
+                   help="each worker in its own network namespace, its outgoing link shaped by tc"
+                        " at --link-gbps (instead of the send cap); needs root, ip and tc")
     p.add_argument("--out", default="benchmarks/out", help="directory for the JSON and CSV")
     p.add_argument("--png", default="benchmarks/cold_start.png")
     args = p.parse_args()
@@ -807,6 +834,10 @@ def main() -> int:
             or args.holders < 1 or args.stagger < 0):
         p.error("--model-mb, --storage-gbps, --sizes, --repeat and --holders must be positive,"
                 " --stagger not negative")
+    if args.netns and (why := netns.unavailable()) is not None:
+        p.error(f"--netns: {why}; run as root, or leave --netns out (the send cap stands in)")
+    if args.netns and args.link_gbps <= 0:
+        p.error(f"--link-gbps={args.link_gbps}: --netns shapes each link at this rate; give it > 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # Other work on the machine skews every figure: record the load around the run.
@@ -869,6 +900,7 @@ def main() -> int:
     meta = {"model_bytes": spec.nbytes, "shards": len(spec.shards),
             "skeleton_first": args.skeleton_first, "freeze_heap": args.freeze_heap,
             "storage_gbps": args.storage_gbps, "own_links": args.own_links, "link_gbps": args.link_gbps,
+            "netns": args.netns,
             "holders": args.holders, "stagger_s": args.stagger,
             "sizes": sorted(args.sizes), "repeat": args.repeat,
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
@@ -882,7 +914,8 @@ def main() -> int:
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    link = f", link {args.link_gbps:g} GB/s per worker" if args.link_gbps else ""
+    link = (f", link {args.link_gbps:g} GB/s per worker{' (tc, own namespaces)' if args.netns else ''}"
+            if args.link_gbps else "")
     plot(summary, args.png, f"{spec.nbytes / 2**20:.0f} MiB checkpoint, storage {args.storage_gbps:g} GB/s "
          f"{reach}{link}, gloo on loopback, {os.cpu_count()} CPUs")
     print(f"\nwrote {args.out}/cold_start.json, {args.out}/cold_start.csv, {args.png}")

@@ -140,7 +140,8 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
     ids, seat = _cohort(reg, 8, 7)
     rx = Receiving(step_sources=StepSources([]))
-    a = SimpleNamespace(rx=rx, log=structlog.get_logger(), replica=lambda: SimpleNamespace(speaks=lambda m: True))
+    a = SimpleNamespace(rx=rx, log=structlog.get_logger(), found=SimpleNamespace(candidates=[]),
+                        replica=lambda: SimpleNamespace(speaks=lambda m: True))
     rcv = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))
     trees = tree_parts._Trees.__new__(tree_parts._Trees)
     trees.rcv, trees.chain, trees.fed_by, trees.timeouts, trees.stalled = rcv, seat, None, {}, set()

@@ -57,7 +57,7 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
         for peer in a.found.candidates:
             if len(picked) == s.holder_parts or rcv.budget_spent(None):
                 break
-            if peer.peer_id in rx.blamed:
+            if peer.peer_id in rx.blamed or peer.peer_id in rx.failed:
                 continue
             try:
                 picked.append((peer, held.enter_context(claimed(worker, a, peer))))

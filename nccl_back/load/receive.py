@@ -80,7 +80,7 @@ class Receive:
                         f"the download streamed to this rank failed ({rx.relay_error}) and no"
                         " peer holds the version yet; back to the election")
             if a.reason is None:
-                failed = holder_parts.from_holders_in_parts(self)
+                failed = holder_parts.from_holders_in_parts(self) | rx.failed
                 try:
                     if a.peer_id is None and a.reason is None:
                         self._from_holders(failed)
@@ -180,8 +180,10 @@ class Receive:
         only: a holder that did not is asked again (it then sends what was discarded).
         """
         worker, a, s = self.worker, self.a, self.worker.settings
-        last: NcclBackError = NoPeerError("no peer tried" if not failed else
-                                          f"holders {sorted(failed)} failed their parts")
+        # Holders that failed already (their parts, or a tree's part): their error says why.
+        last: NcclBackError = (a.rx.relay_error if failed and a.rx.relay_error is not None
+                               else NoPeerError("no peer tried" if not failed else
+                                                f"holders {sorted(failed)} failed their parts"))
         deadline = min(_clock.monotonic() + s.busy_wait, a.rx.deadline)
         candidates = a.found.candidates
         while True:

@@ -94,7 +94,9 @@ class _Trees:
                     raise e
             failed = [e for e in errors if isinstance(e, (PeerError, RegistryError))]
             if failed:
-                rx.relay_error = failed[0]
+                # Out of upstreams: the last upstream's failure (kept by _failed) says why.
+                if not (isinstance(failed[0], NoPeerError) and rx.relay_error is not None):
+                    rx.relay_error = failed[0]
                 return False
             try:
                 verify.check(rcv.worker, a, self.deadline)
@@ -227,6 +229,8 @@ class _Trees:
         failed is the load's to go back to the election for)."""
         a = self.rcv.a
         self.chain.failed.add(source)
+        if any(p.peer_id == source for p in a.found.candidates):
+            a.rx.failed.add(source)  # a holder: the holders' loop does not ask it again
         a.rx.relay_error = e
         if self.fed_by is not None and source == self.fed_by.member_id:
             a.rx.failed_streams.add(self.fed_by.member_id)

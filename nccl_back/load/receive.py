@@ -180,10 +180,10 @@ class Receive:
         only: a holder that did not is asked again (it then sends what was discarded).
         """
         worker, a, s = self.worker, self.a, self.worker.settings
-        # Holders that failed already (their parts, or a tree's part): their error says why.
-        last: NcclBackError = (a.rx.relay_error if failed and a.rx.relay_error is not None
-                               else NoPeerError("no peer tried" if not failed else
-                                                f"holders {sorted(failed)} failed their parts"))
+        # What failed already (a relay upstream, a tree's part, a verification) says why
+        # when no holder is left to try.
+        last: NcclBackError = a.rx.relay_error or NoPeerError(
+            "no peer tried" if not failed else f"holders {sorted(failed)} failed their parts")
         deadline = min(_clock.monotonic() + s.busy_wait, a.rx.deadline)
         candidates = a.found.candidates
         while True:

@@ -84,38 +84,25 @@ def _failed(events: list[dict[str, Any]]) -> set[str]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("fan_out", ["chain", "trees"])
 def test_a_receiver_fills_from_two_idle_holders_one_part_each(
     ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
+    fan_out: str,
 ) -> None:
     """With two idle holders, the load pulls part 0 from one and part 1 from the other
-    at once, each step once, and verifies every byte: both holders named as its peer."""
-    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir)
+    at once, each step once, and verifies every byte: both holders named as its peer (a
+    chain's head as a load in parts; a lone seat in the trees, each tree's part from its
+    own holder)."""
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir, relay_fan_out=fan_out)
     try:
         a, b = _holders(fleet, reg, spec.version, {"a": None, "b": None})
         result, events, _, exact = _load(settings, spec, ckpt, caplog)
         assert result.source == "peer", result.fallback_reason
         assert result.verified and exact
         assert set(result.peer_id.split(",")) == {a, b}
-        assert {"transfer.p0", "transfer.p1"} <= set(result.timings), result.timings
-        assert _parts_of(events) == [result.peer_id.split(",")]
-    finally:
-        _close(fleet)
-
-
-@pytest.mark.timeout(180)
-def test_in_the_trees_a_lone_receiver_takes_each_trees_half_from_its_own_idle_holder(
-    ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
-) -> None:
-    """In the trees (the default fan-out), a lone receiver with two idle holders takes
-    one tree's half of the steps from each at once, verified byte-exact."""
-    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir, relay_fan_out="trees")
-    try:
-        a, b = _holders(fleet, reg, spec.version, {"a": None, "b": None})
-        result, events, _, exact = _load(settings, spec, ckpt, caplog)
-        assert result.source == "peer", result.fallback_reason
-        assert result.verified and exact
-        assert set(result.peer_id.split(",")) == {a, b}
-        assert _parts_of(events) == []  # not the chain head's load in parts
+        if fan_out == "chain":
+            assert {"transfer.p0", "transfer.p1"} <= set(result.timings), result.timings
+        assert _parts_of(events) == ([result.peer_id.split(",")] if fan_out == "chain" else [])
     finally:
         _close(fleet)
 

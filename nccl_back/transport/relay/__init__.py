@@ -33,9 +33,10 @@ blames the sources that sent the failing steps (:class:`StepSources`), discards 
 sent and receives it again from someone else.
 
 Trees (``relay_fan_out = "trees"``, the default; the chain above is ``"chain"``). The
-same seats form two binary trees instead of one chain (:func:`.topology.seat_upstreams`): seat p forwards in tree p mod 2
-only, each tree carries one half of the steps, every seat takes both halves at once
-from its two parents, and the cohort's source sends one half to each root; depth grows
+same seats form two binary trees instead of one chain (:func:`.topology.seat_upstreams`):
+seat p forwards in tree p mod 2 only, each tree carries one half of the steps, every
+seat takes both halves at once from its two parents, and the cohort's source sends one
+half to each root (each from its own idle holder where there are several); depth grows
 with log2 of the cohort. The receiving half is :mod:`nccl_back.load.tree_parts`.
 
 Streamed downloads (single flight). The worker elected to download a version

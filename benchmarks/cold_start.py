@@ -75,6 +75,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -215,6 +216,9 @@ def worker_main(
                 "stall_s": stalls.longest, "stall_end_s": stalls.ended_at,
                 "verified": result.verified, "fallback_reason": result.fallback_reason,
                 "timings": result.timings,
+                # Peak resident memory so far (ru_maxrss is KiB on Linux): an extra copy of
+                # the model in a relay member would show here.
+                "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }).encode())
             while not stop.wait(0.2):
                 pass
@@ -588,6 +592,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 # median's time: near 1, the CPUs, not the links, set the time.
                 "median_cpu_s": statistics.median(r.get("cpu_s", 0.0) for r in rs),
                 "median_stall_s": statistics.median(r.get("stall_s", 0.0) for r in rs),
+                "median_rss_peak_mb": statistics.median(r.get("rss_peak_mb", 0.0) for r in rs),
+                "max_rss_peak_mb": max(r.get("rss_peak_mb", 0.0) for r in rs),
                 "cpu_x_cores": sum(r.get("cpu_s", 0.0) for r in rs)
                 / len({r["repeat"] for r in rs}) / ((os.cpu_count() or 1) * statistics.median(ready)),
                 "from_storage": sources["storage"], "from_peer": sources["peer"],
@@ -722,14 +728,15 @@ def machine() -> dict[str, Any]:
 
 def print_table(summary: list[dict[str, Any]]) -> None:
     cols = ["scenario", "N", "median", "min", "max", *PARTS, "depth", "redis/worker", "stall",
-            "sources"]
+            "rss MB", "sources"]
     lines = []
     for s in summary:
         src = " + ".join(f"{s[f'from_{k}']} {k}" for k in ("storage", "peer") if s[f"from_{k}"])
         lines.append([s["scenario"], str(s["n"]), *(f"{s[k]:.2f}" for k in ("median_s", "min_s", "max_s")),
                       *(f"{s[f'median_{p}_s']:.2f}" for p in PARTS),
                       "-" if s["max_depth"] is None else str(s["max_depth"]),
-                      f"{s['redis_commands_per_worker']:.0f}", f"{s['median_stall_s']:.2f}", src])
+                      f"{s['redis_commands_per_worker']:.0f}", f"{s['median_stall_s']:.2f}",
+                      f"{s['median_rss_peak_mb']:.0f}", src])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     print("ready time after release, seconds (medians over all workers of all rounds; parts too)")
     for row in [cols, *lines]:

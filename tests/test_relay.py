@@ -543,13 +543,15 @@ def test_a_stopped_member_resumed_while_its_children_ask_it_again_all_verify(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("fan_out", ["chain", "trees"])
 def test_late_arrival_joins_the_tail_of_a_finished_member(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, fan_out: str
 ) -> None:
-    """Within the cohort window, a receiver that arrives after the chain's last member has
-    finished sits behind it and is served by it (its relay endpoint lingers), verified."""
+    """Within the cohort window, a receiver that arrives after the cohort's last member has
+    finished sits behind it and is served by it (its relay endpoint lingers), verified (in
+    the trees: its half of tree 0; the new seat is tree 1's root, fed by the holder)."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
-    chain_settings = {"cohort_window": 30.0}
+    chain_settings = {"cohort_window": 30.0, "relay_fan_out": fan_out}
     try:
         fleet.start("holder")
         _ok(fleet.report())
@@ -559,7 +561,8 @@ def test_late_arrival_joins_the_tail_of_a_finished_member(
         fleet.start("late", settings=chain_settings, serve_for=0)
         late = _ok(fleet.report())
         assert late["source"] == "peer"
-        assert late["peer_id"].startswith(first["worker_id"] + "-r0-relay-"), late["peer_id"]
+        relayed = [p for p in late["peer_id"].split(",") if p.startswith(first["worker_id"] + "-r0-relay-")]
+        assert relayed and (fan_out == "trees" or relayed == [late["peer_id"]]), late["peer_id"]
     finally:
         fleet.close()
 

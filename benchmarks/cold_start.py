@@ -75,7 +75,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import shutil
 import signal
 import statistics
@@ -216,9 +215,9 @@ def worker_main(
                 "stall_s": stalls.longest, "stall_end_s": stalls.ended_at,
                 "verified": result.verified, "fallback_reason": result.fallback_reason,
                 "timings": result.timings,
-                # Peak resident memory so far (ru_maxrss is KiB on Linux): an extra copy of
-                # the model in a relay member would show here.
-                "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                # Peak resident memory so far: an extra copy of the model in a relay member
+                # would show here.
+                "rss_peak_mb": peak_rss_mb(),
             }).encode())
             while not stop.wait(0.2):
                 pass
@@ -322,6 +321,17 @@ def _longest(timings: dict[str, float], what: str) -> float:
 
 
 # -- the rounds (parent) ----------------------------------------------------------------
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (``VmHWM``). Not ``ru_maxrss``: exec
+    keeps the parent's high-water mark in it, and the parent here caches the bucket's
+    bytes (the proxies), so a later round's worker would seem to hold more."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 class Bench:

@@ -58,7 +58,9 @@ def test_sender_stopped_mid_transfer_costs_the_stall_bound_not_the_deadline(flee
     r = _ok(fleet.report(timeout=DEADLINE + 30))
     assert r["source"] == "storage"
     assert r["fallback_reason"].startswith("transfer_timeout:"), r["fallback_reason"]
-    assert "stalled" in r["fallback_reason"], r["fallback_reason"]
+    # In the trees a lone seat pulls both halves at once: the stopped holder stalls one and
+    # the other's link never forms; either is named, both well before the deadline.
+    assert "stalled" in r["fallback_reason"] or "did not form" in r["fallback_reason"], r
     assert r["load_seconds"] < WELL_BEFORE, r
     # The stop really happened mid-transfer (the process is stopped, not dead).
     with open(f"/proc/{sender.pid}/stat") as f:

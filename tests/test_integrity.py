@@ -408,6 +408,24 @@ def test_cpu_and_cuda_hashes_agree_for_every_dtype(mode: str, key: bytes | None)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["unkeyed", "keyed"])
+def test_cuda_hashes_go_through_the_fused_kernels(key: bytes | None) -> None:
+    """On a GPU the hashes take the fused Triton kernels (no silent torch fallback), and
+    equal the CPU's for a model of tensors across several chunks."""
+    from nccl_back.model import fused_hash
+
+    gen = torch.Generator().manual_seed(2)
+    model = nn.Module()
+    model.register_buffer("big", torch.randint(-(2**62), 2**62, ((1 << 20) + 4097,), generator=gen))
+    model.register_buffer("half", torch.randn(3 << 19, generator=gen).to(torch.bfloat16))
+    on_cpu = {m: layer_hashes(model, m, key=key) for m in ("sampled", "full")}
+    model.cuda()
+    assert fused_hash.usable(torch.device("cuda")), fused_hash._failed
+    assert {m: layer_hashes(model, m, key=key) for m in ("sampled", "full")} == on_cpu
+    assert fused_hash._failed == []
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(_nan_payloads()))
 def test_cpu_and_cuda_agree_on_nan_payloads(dtype: torch.dtype) -> None:
     """NaNs with any payload hash alike on CPU and CUDA in both modes."""

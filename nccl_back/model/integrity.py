@@ -127,14 +127,18 @@ def sample_indices(
     A pure function of its arguments, identical on every machine; all indices when
     ``numel <= samples``. With a ``key`` they cannot be predicted without it.
     """
+    return torch.from_numpy(sample_picks(name, numel, samples, key))
+
+
+def sample_picks(name: str, numel: int, samples: int, key: bytes | None) -> np.ndarray:
+    """:func:`sample_indices` as a numpy int64 array."""
     if numel <= samples:
-        return torch.arange(numel, dtype=torch.int64)
-    text = f"{name}\0{numel}".encode()
+        return np.arange(numel, dtype=np.int64)
     stream = _shake(key).copy()
-    stream.update(text)
+    stream.update(f"{name}\0{numel}".encode())
     # The modulo bias is below numel / 2**64: irrelevant for choosing samples.
     picks = np.frombuffer(stream.digest(8 * samples), dtype="<u8") % np.uint64(numel)
-    return torch.from_numpy(picks.astype(np.int64))
+    return picks.astype(np.int64)
 
 
 def layer_hashes(
@@ -267,7 +271,11 @@ def _normalise(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _sampled_payloads(
     tensors: Mapping[str, torch.Tensor], samples: int, key: bytes | None
 ) -> dict[str, bytes]:
-    payloads, rest = _sampled_in_place(tensors, samples, key)
+    from nccl_back.model import fused_hash  # it builds on this module's helpers
+
+    fused, left = fused_hash.sampled(tensors, samples, key)
+    payloads, rest = _sampled_in_place({n: tensors[n] for n in left}, samples, key)
+    payloads.update(fused)
     by_device: dict[torch.device, list[str]] = defaultdict(list)
     for name in rest:
         by_device[tensors[name].device].append(name)
@@ -346,9 +354,14 @@ def _by_device(tensors: Mapping[str, torch.Tensor]) -> dict[torch.device, list[s
 
 
 def _host_sums(names: list[str], tensors: Mapping[str, torch.Tensor], size: int,
-               weights: torch.Tensor, scratch: torch.Tensor) -> list[list[int]]:
-    """Each named tensor's :func:`_chunk_sums` over ``size``-byte words, in one
-    device-to-host copy for all of them."""
+               weights: torch.Tensor, scratch: torch.Tensor) -> dict[str, list[int]]:
+    """Each named tensor's :func:`_chunk_sums` over ``size``-byte words (one device),
+    fused where :mod:`fused_hash` can, the rest in one device-to-host copy."""
+    from nccl_back.model import fused_hash  # it builds on this module's helpers
+
+    fused: dict[str, list[int]] = {}
+    if names and fused_hash.usable(tensors[names[0]].device):
+        fused, names = fused_hash.chunk_sums(names, tensors, size, weights)
     partials: list[torch.Tensor] = []
     counts: list[int] = []
     for n in names:
@@ -356,11 +369,11 @@ def _host_sums(names: list[str], tensors: Mapping[str, torch.Tensor], size: int,
         partials.extend(sums)
         counts.append(len(sums))
     flat = torch.stack(partials).cpu().tolist() if partials else []
-    out, start = [], 0
-    for count in counts:
-        out.append(flat[start: start + count])
+    start = 0
+    for n, count in zip(names, counts, strict=True):
+        fused[n] = flat[start: start + count]
         start += count
-    return out
+    return fused
 
 
 def _full_payloads(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
@@ -370,8 +383,7 @@ def _full_payloads(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
         weights = torch.arange(min(longest, _CHUNK_WORDS), dtype=torch.int64, device=device)
         weights = weights.mul_(_WEIGHT_MUL).bitwise_or_(1)  # wraps mod 2**64; odd
         scratch = torch.empty_like(weights)
-        for n, sums in zip(names, _host_sums(names, tensors, 8, weights, scratch),
-                           strict=True):
+        for n, sums in _host_sums(names, tensors, 8, weights, scratch).items():
             acc = 0
             for s in sums:
                 acc = (acc * _CHUNK_MUL + (s & _MASK64)) & _MASK64
@@ -459,8 +471,7 @@ def _keyed_full_payloads(tensors: Mapping[str, torch.Tensor], key: bytes) -> dic
         offset = int(stream[0].item()) & _MASK64 if stream.numel() else 0
         weights = stream[1 : n_weights + 1]
         scratch = torch.empty(n_weights, dtype=torch.int64, device=device)
-        for n, sums in zip(names, _host_sums(names, tensors, 4, weights, scratch),
-                           strict=True):
+        for n, sums in _host_sums(names, tensors, 4, weights, scratch).items():
             payloads[n] = b"".join((((s + offset) & _MASK64) >> 32).to_bytes(4, "little")
                                    for s in sums)
     return payloads

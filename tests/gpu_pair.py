@@ -203,6 +203,8 @@ def child(rank: int, scenario: str, address_q: Any, out_q: Any, env: dict[str, s
             "stuck_threads": sum(t.name.startswith("nccl-back-transfer")
                                  for t in threading.enumerate()),
             "default_stream_max_s": round(max(probe), 3) if probe else None,
+            # What NCCL's own threads asked of the Redis rendezvous (method@thread: count).
+            "store_calls": {f"{m}@{t}": n for (m, t), n in transport.store_calls.items()},
         }
         if stats is not None:
             result["gbps"] = round(stats.gbps, 3)

@@ -10,6 +10,7 @@ a bound; and a transfer it floods still completes. Real redis-server, real gloo.
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 import hmac
 import threading
@@ -153,6 +154,45 @@ def test_a_process_group_cannot_make_this_side_write_unbounded_values(fleet: Set
         s.num_keys()
     with pytest.raises(TransferError, match="does not support add"):
         s.add("k", 1)
+
+
+def _in_a_native_thread(name: bytes, call: Callable[[], object]) -> None:
+    """Run ``call`` in a thread made by ``pthread_create``, as NCCL's watchdog and
+    heartbeat monitor are (Python sees it as a dummy thread), named ``name``."""
+    libc = ctypes.CDLL(None)
+    errors: list[BaseException] = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+    def body(_: object) -> None:
+        libc.prctl(15, name)  # PR_SET_NAME: the name NCCL gives its threads
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+
+    tid = ctypes.c_ulong()
+    assert libc.pthread_create(ctypes.byref(tid), None, body, None) == 0
+    assert libc.pthread_join(tid, None) == 0
+    if errors:
+        raise errors[0]
+
+
+def test_calls_from_threads_python_did_not_start_are_recorded_by_name(
+    fleet: Settings, registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store call from a native thread (NCCL's heartbeat monitor, say) is recorded by
+    method and OS thread name, and a refused one says which thread asked; calls from
+    Python's own threads are not recorded."""
+    s = store(registry, fleet)
+    s.set("k", b"v")
+    threading.Thread(target=s.check, args=(["k"],), name="a-python-thread").start()
+    _in_a_native_thread(b"pt_nccl_heartbt", lambda: s.check(["k"]))
+    _in_a_native_thread(b"pt_nccl_heartbt", lambda: s.check(["k"]))
+    with pytest.raises(TransferError, match="does not support add"):
+        _in_a_native_thread(b"pt_nccl_watchdg", lambda: s.add("k", 1))
+    assert dict(s.foreign_calls) == {("check", "pt_nccl_heartbt"): 2, ("add", "pt_nccl_watchdg"): 1}
+    refused = [r for r in caplog.records if "rendezvous_call_refused" in r.getMessage()]
+    assert refused and "pt_nccl_watchdg" in refused[0].getMessage()
 
 
 def test_keys_live_no_longer_than_the_connect_phase(fleet: Settings, registry: Registry) -> None:

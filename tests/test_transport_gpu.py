@@ -37,6 +37,11 @@ def _assert_clean_transfer(report: dict) -> None:
     assert s.get("outcome") == r.get("outcome") == "done", report
     assert s["hashes"] == r["hashes"], "sender and receiver hashes differ"
     assert s["cpu_gpu_equal"] and r["cpu_gpu_equal"], "CPU and GPU hashes of the same bytes differ"
+    # NCCL's own threads may call the rendezvous; none may ask what it refuses.
+    print("store calls from NCCL's threads:", s.get("store_calls"), r.get("store_calls"))
+    refused = [c for side in (s, r) for c in side.get("store_calls", {})
+               if c.startswith(("add@", "num_keys@"))]
+    assert refused == [], report
 
 
 @pytest.mark.timeout(180)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import functools
 import hashlib
 import hmac
@@ -46,7 +47,8 @@ import ipaddress
 import socket
 import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -77,6 +79,8 @@ MAX_NAME_CHARS = 256
 #: Seconds a bootstrap key outlives the connect deadline, at most (a bound, the sides
 #: delete their keys when the transfer ends).
 KEY_TTL_SLACK = 5.0
+#: Kinds of call from other threads kept per store (a bound on what they can make us hold).
+MAX_FOREIGN = 32
 #: Polling interval bounds, seconds: fast first (the peer writes within milliseconds),
 #: then backing off so a slow peer costs Redis little.
 POLL_MIN, POLL_MAX = 0.002, 0.05
@@ -176,6 +180,10 @@ class RedisStore(dist.Store):
         self._lock = threading.Lock()
         self.rejected = 0
         """Values found at this transfer's keys that failed the check (forged, too long)."""
+        self.foreign_calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Calls from threads Python did not start, as (method, OS thread name): NCCL's
+        own (its watchdog, its heartbeat monitor) may call a group's store. Each first
+        one is logged; at most :data:`MAX_FOREIGN` kinds are kept."""
 
     # -- encoding ----------------------------------------------------------------------------
 
@@ -254,9 +262,24 @@ class RedisStore(dist.Store):
                 return [v for v in values if v is not None]
             _clock.sleep(min(next(pauses), self._left(what)))
 
+    def _note(self, method: str) -> None:
+        """Record a call from a thread Python did not start (see :attr:`foreign_calls`)."""
+        if not isinstance(threading.current_thread(), threading._DummyThread):
+            return
+        kind = (method, _thread_name())
+        with self._lock:
+            first = kind not in self.foreign_calls
+            if first and len(self.foreign_calls) >= MAX_FOREIGN:
+                return
+            self.foreign_calls[kind] += 1
+        if first:
+            log.info("rendezvous_called_from_another_thread", method=method, thread=kind[1],
+                     scope=self._scope)
+
     # -- dist.Store --------------------------------------------------------------------------
 
     def set(self, key: str, value: Any) -> None:
+        self._note("set")
         data = bytes(value) if not isinstance(value, str) else value.encode()
         if len(data) > MAX_VALUE_BYTES:
             raise TransferError(f"rendezvous value of {len(data)} bytes: over {MAX_VALUE_BYTES}")
@@ -269,27 +292,37 @@ class RedisStore(dist.Store):
             self._written.add(redis_key)
 
     def get(self, key: str) -> bytes:
+        self._note("get")
         return self._poll([key], f"get {key!r}")[0]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._note("wait")
         if timeout is not None:
             self.deadline = min(self.deadline, _clock.monotonic() + timeout.total_seconds())
         self._poll(list(keys), f"wait {list(keys)!r}")
 
     def check(self, keys: list[str]) -> bool:
+        self._note("check")
         return all(self._read(k) is not None for k in keys)
 
     def delete_key(self, key: str) -> bool:
+        self._note("delete_key")
         redis_key = self._redis_key(key)
         client = self._registry.client
         return bool(self._registry._call("DEL", lambda: client.delete(redis_key)))
 
     def add(self, key: str, value: int) -> int:
         # A counter cannot carry a signature; no bootstrap we run uses one.
-        raise TransferError("the Redis rendezvous does not support add()")
+        self._refuse("add", "the Redis rendezvous does not support add()")
 
     def num_keys(self) -> int:
-        raise TransferError("the Redis rendezvous cannot count keys")
+        self._refuse("num_keys", "the Redis rendezvous cannot count keys")
+
+    def _refuse(self, method: str, why: str) -> NoReturn:
+        self._note(method)
+        log.warning("rendezvous_call_refused", method=method, thread=_thread_name(),
+                    scope=self._scope)
+        raise TransferError(why)
 
     def close(self) -> None:
         """Delete the keys this side wrote (best effort; their TTL bounds them anyway)."""
@@ -302,6 +335,15 @@ class RedisStore(dist.Store):
             self._registry._call("DEL", lambda: client.delete(*written))
         except RegistryError as e:
             log.debug("rendezvous_cleanup_failed", scope=self._scope, error=str(e))
+
+
+def _thread_name() -> str:
+    """The calling thread's OS name: the one its creator gave it, Python's or not
+    (NCCL names its own "pt_nccl_watchdg", "pt_nccl_heartbt")."""
+    try:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()[:64]
+    except OSError:
+        return threading.current_thread().name[:64]
 
 
 S = TypeVar("S", bound="StoreTransport")
@@ -318,6 +360,9 @@ class StoreTransport(Transport):
         self.settings = settings
         self._registry = registry  # the bootstrap keys' Redis
         self._store: RedisStore | None = None
+        self.store_calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        """The bootstrap store's calls from threads Python did not start (NCCL's own), as
+        :attr:`RedisStore.foreign_calls`, once the keys are dropped."""
         self._aborted = threading.Event()
         """An abort was asked for (from any thread); every later wait fails at once."""
 
@@ -356,6 +401,7 @@ class StoreTransport(Transport):
         be reading them; their TTL bounds them anyway)."""
         if self._store is not None:
             self._store.close()
+            self.store_calls.update(self._store.foreign_calls)
         self._store = None
 
     def _error(self, what: str, e: BaseException) -> TransferError:

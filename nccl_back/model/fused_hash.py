@@ -136,15 +136,16 @@ def sampled(tensors: Mapping[str, torch.Tensor], samples: int,
     rest: list[str] = []
     payloads: dict[str, bytes] = {}
     fused: dict[torch.device, bool] = {}
+    mine: list[str] = []
     for name, t in tensors.items():
         on = fused.get(t.device)
         if on is None:
             on = fused[t.device] = usable(t.device)
-        if not (on and t.is_contiguous()):
-            rest.append(name)
-            continue
-        words, dtype, per = integrity._as_words(t)
-        index = integrity._word_index(integrity.sample_picks(name, t.numel(), samples, key), per)
+        (mine if on and t.is_contiguous() else rest).append(name)
+    picks = integrity.sample_picks_of([(n, tensors[n].numel()) for n in mine], samples, key)
+    for name, pick in zip(mine, picks, strict=True):
+        words, dtype, per = integrity._as_words(tensors[name])
+        index = integrity._word_index(pick, per)
         if index.size == 0:
             payloads[name] = b""
             continue

@@ -127,18 +127,28 @@ def sample_indices(
     A pure function of its arguments, identical on every machine; all indices when
     ``numel <= samples``. With a ``key`` they cannot be predicted without it.
     """
-    return torch.from_numpy(sample_picks(name, numel, samples, key))
+    return torch.from_numpy(sample_picks_of([(name, numel)], samples, key)[0])
 
 
-def sample_picks(name: str, numel: int, samples: int, key: bytes | None) -> np.ndarray:
-    """:func:`sample_indices` as a numpy int64 array."""
-    if numel <= samples:
-        return np.arange(numel, dtype=np.int64)
-    stream = _shake(key).copy()
-    stream.update(f"{name}\0{numel}".encode())
+def sample_picks_of(tensors: list[tuple[str, int]], samples: int,
+                    key: bytes | None) -> list[np.ndarray]:
+    """:func:`sample_indices` of each ``(name, numel)`` as numpy int64 arrays, the
+    arithmetic done once for all (per-tensor numpy calls cost more than the hashing)."""
+    base = _shake(key)
+    digests: list[bytes] = []
+    sizes: list[int] = []
+    for name, numel in tensors:
+        if numel > samples:
+            stream = base.copy()
+            stream.update(f"{name}\0{numel}".encode())
+            digests.append(stream.digest(8 * samples))
+            sizes.append(numel)
     # The modulo bias is below numel / 2**64: irrelevant for choosing samples.
-    picks = np.frombuffer(stream.digest(8 * samples), dtype="<u8") % np.uint64(numel)
-    return picks.astype(np.int64)
+    picks = iter(np.split((np.frombuffer(b"".join(digests), dtype="<u8")
+                           % np.repeat(np.array(sizes, dtype=np.uint64), samples)).astype(np.int64),
+                          np.arange(1, len(sizes)) * samples))
+    return [next(picks) if numel > samples else np.arange(numel, dtype=np.int64)
+            for _, numel in tensors]
 
 
 def layer_hashes(
@@ -280,11 +290,9 @@ def _sampled_payloads(
     for name in rest:
         by_device[tensors[name].device].append(name)
     for device, names in by_device.items():
-        index = []
-        for n in names:
-            per = _as_words(tensors[n])[2]
-            picks = sample_indices(n, tensors[n].numel(), samples, key).numpy()
-            index.append(torch.from_numpy(_word_index(picks, per)))
+        picks = sample_picks_of([(n, tensors[n].numel()) for n in names], samples, key)
+        index = [torch.from_numpy(_word_index(p, _as_words(tensors[n])[2]))
+                 for n, p in zip(names, picks, strict=True)]
         # One host-to-device copy of all indices and one copy of all samples back, so a
         # GPU model costs two synchronisations rather than two per tensor.
         all_index = torch.cat(index).to(device)
@@ -316,20 +324,23 @@ def _sampled_in_place(
     a fraction of the per-call cost. Returns the payloads and the names left for the
     per-tensor path (non-contiguous, complex, empty or misaligned tensors).
     """
-    groups: dict[tuple[torch.device, torch.dtype, int], list[tuple[str, torch.Tensor, int]]] = (
+    groups: dict[tuple[torch.device, torch.dtype, int], list[tuple[str, torch.Tensor, np.ndarray]]] = (
         defaultdict(list)
     )
     rest: list[str] = []
+    taken: list[tuple[str, torch.Tensor, int]] = []
     for name, t in tensors.items():
-        storage = t.untyped_storage()
-        offset = t.data_ptr() - storage.data_ptr()
+        offset = t.data_ptr() - t.untyped_storage().data_ptr()
         if t.numel() and t.is_contiguous() and not t.is_complex() and offset % t.element_size() == 0:
-            groups[(t.device, t.dtype, storage.data_ptr())].append((name, t, offset // t.element_size()))
+            taken.append((name, t, offset // t.element_size()))
         else:
             rest.append(name)
+    picks = sample_picks_of([(n, t.numel()) for n, t, _ in taken], samples, key)
+    for (name, t, off), pick in zip(taken, picks, strict=True):
+        groups[(t.device, t.dtype, t.untyped_storage().data_ptr())].append((name, t, pick + off))
     payloads: dict[str, bytes] = {}
     for (device, dtype, _), members in groups.items():
-        index = [sample_indices(n, t.numel(), samples, key).numpy() + off for n, t, off in members]
+        index = [idx for _, _, idx in members]
         first = members[0][1]
         storage = first.untyped_storage()
         word = _WORD_DTYPE[first.element_size()]

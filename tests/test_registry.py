@@ -269,6 +269,28 @@ def test_requests_are_queued_and_popped_with_a_bounded_wait(redis_url: str, name
     assert reg.client.llen(reg.key("req", "p")) == 256
 
 
+def test_a_wake_up_ends_the_wait_on_a_queue_at_once_and_is_no_request(
+        redis_url: str, namespace: str) -> None:
+    """A closing endpoint's wake-up ends its own 30-second wait on the queue at once;
+    it is not a request, not a rejected record, and lives a second at most."""
+    import threading
+
+    metrics = Metrics()
+    reg = make_registry(redis_url, namespace)
+    reg.on_untrusted = metrics.record_untrusted  # the real callback, as the service wires it
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(reg.pop_request("p", timeout=30)))
+    start = time.monotonic()
+    waiter.start()
+    time.sleep(0.2)
+    reg.wake_requests("p")
+    waiter.join(10)
+    assert got == [None] and time.monotonic() - start < 10
+    reg.wake_requests("p")  # nobody waits: it expires
+    assert 0 < reg.client.pttl(reg.key("req", "p")) <= 1000
+    assert metrics.records_rejected.labels(kind="request")._value.get() == 0
+
+
 def test_list_all_groups_peers_by_version(redis_url: str, namespace: str) -> None:
     """Status lists every live peer with its claims and whether it is busy."""
     reg = make_registry(redis_url, namespace)

@@ -5,7 +5,9 @@ newest :data:`MAX_QUEUED_REQUESTS` so a flood written before a genuine request c
 bury it; its TTL is the holder's ``peer_ttl``, extended at each heartbeat. The sender
 pops newest first: that receiver is still waiting, older ones may have given up. A
 queue holding another Redis type (garbage) is replaced by the next push and dropped by
-its owner's next pop or heartbeat.
+its owner's next pop or heartbeat. An empty value is no request but a wake-up: a
+closing endpoint pushes one so its own wait on the queue ends now, not at its next
+poll (anyone may push one; it only makes the owner look again).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from nccl_back.errors import RecordKind, RegistryError
 
 #: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
 MAX_QUEUED_REQUESTS = 256
+#: The wake-up value (see the module docstring); it lives a second at most.
+WAKE = b""
+WAKE_TTL = 1.0
 
 
 class RequestRecords(SignedStore):
@@ -34,9 +39,16 @@ class RequestRecords(SignedStore):
         self._call("push_request", lambda: self.lua.push(
             keys=[key], args=[raw, MAX_QUEUED_REQUESTS, ms(self.settings.peer_ttl)]))
 
+    def wake_requests(self, peer_id: str) -> None:
+        """End the wait of ``peer_id``'s own :meth:`pop_request` now (it is closing)."""
+        key = self.keys.requests(peer_id)
+        self._call("wake_requests", lambda: self.lua.push(
+            keys=[key], args=[WAKE, MAX_QUEUED_REQUESTS, ms(WAKE_TTL)]))
+
     def pop_request(self, peer_id: str, timeout: float) -> TransferRequest | None:
         """The next valid request for ``peer_id``, waiting at most ``timeout`` seconds;
-        else None. Invalid ones (unsigned, malformed, expired) are skipped and counted."""
+        else None (at once for a wake-up). Invalid ones (unsigned, malformed, expired)
+        are skipped and counted."""
         key = self.keys.requests(peer_id)
         deadline = _clock.monotonic() + timeout
         # Each BLPOP must end well within the socket timeout, or redis-py would report a
@@ -60,6 +72,8 @@ class RequestRecords(SignedStore):
                 self._repair(key, "list")
                 continue
             if got is not None:
+                if got[1] == WAKE:
+                    return None
                 request = self.parse(key, got[1], schema.REQUEST)
                 if request is not None:
                     return request

@@ -156,7 +156,11 @@ class PeerServer:
         self.withdraw()
         for served in list(self._served.values()):
             if served.thread is not None:
+                with contextlib.suppress(RegistryError):  # else it sees the stop within a poll
+                    self.registry.wake_requests(served.info.peer_id)
                 served.thread.join(self.settings.redis_timeout + 2)
+                with contextlib.suppress(RegistryError):  # a wake-up nobody popped
+                    self.registry.drop_requests(served.info.peer_id)
             # In-flight sends end within their own watchdog deadline.
             served.pool.shutdown(wait=True)
         if self._heartbeat is not None:

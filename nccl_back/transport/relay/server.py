@@ -99,7 +99,12 @@ class RelayServer:
         """Stop now; abort relay sends still running; wait at most ``timeout`` s."""
         self._stop.set()
         self._path.abort()
+        key = self.member.member_id
+        with contextlib.suppress(RegistryError):  # else it sees the stop within a poll
+            self.registry.wake_requests(key)
         self._thread.join(timeout)
+        with contextlib.suppress(RegistryError):  # a wake-up nobody popped
+            self.registry.drop_requests(key)
 
     def _busy(self) -> int:
         """Relay sends still running (finished ones are forgotten)."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (one CUDA GPU, ~4 min): every gpu-marked test, by file, and a verdict
+# The device check (one CUDA GPU, ~6 min): every gpu-marked test, by file, and a verdict
 # that FAILS if any of them is skipped or none ran; then the GPU figures
 # (benchmarks/gpu_transfer.py). Prints one line "gpu_check: PASS|FAIL ..." at the end.
 #
@@ -19,8 +19,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'
-GPU_TESTS=(tests/test_transport_gpu.py tests/test_integrity.py tests/test_handoff.py)
-timeout 330 "$PY" -m pytest -p no:cacheprovider -m gpu -rA -q -o addopts= \
+GPU_TESTS=(tests/test_transport_gpu.py tests/test_integrity.py tests/test_handoff.py
+  tests/test_relay_gpu.py tests/test_reshard_gpu.py)
+timeout 480 "$PY" -m pytest -p no:cacheprovider -m gpu -rA -q -o addopts= \
   --junitxml="$OUT/gpu.xml" "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/pytest.log"
 verdict=$("$PY" - "$OUT/gpu.xml" <<'PY'
 import sys

@@ -102,7 +102,10 @@ def _fail_shared_reads() -> None:
 
 
 def rank_main(env: dict[str, str], ckpt: str, settings: dict[str, Any], scheme: str,
-              conn: Any, stop: Any, fault: str | None = None, spec: ModelSpec | None = None) -> None:
+              conn: Any, stop: Any, fault: str | None = None, spec: ModelSpec | None = None,
+              device: str = "cpu") -> None:
+    """One rank of a library group; ``device`` "cuda": its model on the GPU (its
+    transfers over NCCL; the group's own agreement stays on gloo)."""
     os.environ.update(env)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     report: dict[str, Any] = {"group": env["MASTER_PORT"], "rank": rank}
@@ -121,11 +124,13 @@ def rank_main(env: dict[str, str], ckpt: str, settings: dict[str, Any], scheme: 
         # ``spec``: listed by the test (then the files may change before the load).
         spec = spec or ModelSpec.from_dir(ckpt, cache_dir=s.cache_dir)
         shapes = checkpoint_shapes() if scheme in ("plain", "whole") else tp_shapes(world, scheme)
-        model = build(lambda: Flat(shapes))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        model = build(lambda: Flat(shapes), device)
         sh = None if scheme == "plain" else nccl_back.sharding(model, spec, describe(rank, world, scheme), s)
         with WeightService(s, worker_id=f"g{env['MASTER_PORT']}-{rank}") as svc:
             result = svc.load(model, spec, group, sharding=sh)
-            got = named_tensors(model)[0]
+            got = {n: t.cpu() for n, t in named_tensors(model)[0].items()}
             want = expected(ckpt, rank, world, scheme)
             report.update(source=result.source, bytes=result.bytes, peer_id=result.peer_id,
                           fallback_reason=result.fallback_reason, seconds=result.seconds,

@@ -436,28 +436,28 @@ CHAIN_SETTINGS = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_t
 
 
 def _four_in_a_chain(fleet: Fleet, redis_url: str, namespace: str, settings: dict[str, Any] | None = None,
-                     ) -> tuple[dict[str, Any], list[str], list[str], float]:
-    """A capped holder, then m0..m3 released together into one chain (``settings`` over
-    CHAIN_SETTINGS): their processes, member ids in seat order, roles in seat order, and
-    the release time."""
+                     n: int = 4) -> tuple[dict[str, Any], list[str], list[str], float]:
+    """A capped holder, then m0..m3 (``n`` members) released together into one chain
+    (``settings`` over CHAIN_SETTINGS): their processes, member ids in seat order, roles
+    in seat order, and the release time."""
     # The holder sends at 0.4 MB/s: the 0.83 MB model takes ~2 s down the chain.
     fleet.start("holder", settings={"max_send_gbps": 0.0004})
     _ok(fleet.report())
     go = CTX.Event()
     procs = {f"m{i}": fleet.start(f"m{i}", settings={**CHAIN_SETTINGS, **(settings or {})}, go=go,
                                   serve_for=30)
-             for i in range(4)}
+             for i in range(n)}
     time.sleep(3.0)  # every member built its skeleton and waits for go
     t0 = time.monotonic()
     go.set()
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     members: list[str] = []
-    while len(members) < 4 and time.monotonic() - t0 < 20:
+    while len(members) < n and time.monotonic() - t0 < 20:
         chains = [k for k in client.scan_iter(f"{{{namespace}}}:cohort:*")
                   if client.type(k) == "list"]
         members = client.lrange(chains[0], 0, -1) if chains else []
         time.sleep(0.05)
-    assert len(members) == 4, members
+    assert len(members) == n, members
     order = [records.member(json.loads(m)).member_id for m in members]
     roles = [mid.split("-", 1)[0] for mid in order]  # member ids start with the worker id
     return procs, order, roles, t0

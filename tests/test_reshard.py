@@ -20,6 +20,7 @@ import pytest
 import redis
 import reshard_workers as rw
 import torch
+from gpu_pair import nccl_env
 
 from nccl_back.coord.keys import Keys
 from nccl_back.dev.servers import free_port
@@ -41,7 +42,7 @@ class Fleet:
         self.readers: list[Any] = []
 
     def start(self, world: int, scheme: str, fault: str | None = None,
-              settings: dict[str, Any] | None = None, spec: Any = None) -> Any:
+              settings: dict[str, Any] | None = None, spec: Any = None, device: str = "cpu") -> Any:
         port, stops = str(free_port()), []
         for rank in range(world):
             # One event per process: a process killed inside ``wait`` may leave its
@@ -50,12 +51,14 @@ class Fleet:
             stops.append(stop)
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": port}
+            if device == "cuda":  # processes sharing the one GPU: an NCCL host id each
+                env.update(nccl_env(len(self.procs)))
             reader, writer = CTX.Pipe(duplex=False)
             self.readers.append(reader)
             p = CTX.Process(target=rw.rank_main, daemon=True,
                             args=(env, self.ckpt, {**self.settings, **(settings or {})}, scheme,
                                   writer, stop),
-                            kwargs={"fault": fault, "spec": spec})
+                            kwargs={"fault": fault, "spec": spec, "device": device})
             p.start()
             self.procs.append(p)
             self.stops.append(stop)

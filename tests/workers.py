@@ -51,9 +51,9 @@ def matches_checkpoint(model: Any, ckpt: str) -> bool:
     return len(tensors) == len(expected)
 
 
-def make_model(model_kwargs: dict[str, Any] | None) -> Any:
+def make_model(model_kwargs: dict[str, Any] | None, device: str = "cpu") -> Any:
     kwargs = dict(model_kwargs or {})
-    return build(lambda: TinyTransformer(**kwargs))
+    return build(lambda: TinyTransformer(**kwargs), device)
 
 
 def worker_main(
@@ -68,6 +68,8 @@ def worker_main(
     fault: str | None = None,
     adopt_as: dict[str, Any] | None = None,
     go: Any = None,
+    device: str = "cpu",
+    env: dict[str, str] | None = None,
 ) -> None:
     """Load (peer first), report, then keep serving until ``stop`` is set or time runs out.
 
@@ -88,7 +90,10 @@ def worker_main(
     loading, publish a model built with these kwargs under the checkpoint's version
     (to stage a peer whose manifest differs). ``go``: an Event to wait for before
     loading (everything else is ready, so the load starts the moment it is set).
+    ``device``: where the model lives ("cuda": its transfers go over NCCL); ``env``:
+    set first (NCCL reads its own at its first communicator).
     """
+    os.environ.update(env or {})
     import faulthandler
     import logging
     import sys
@@ -102,7 +107,9 @@ def worker_main(
         settings = settings_for(**settings_kwargs)
         if fault:
             _install_fault(fault)
-        model = make_model(model_kwargs)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        model = make_model(model_kwargs, device)
         spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
         with WeightService(settings, worker_id=f"{role}-{os.getpid()}") as svc:
             if adopt_as is not None:

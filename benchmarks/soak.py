@@ -519,6 +519,7 @@ class Soak:
             try:
                 return self._replay_claim()
             except redis.ConnectionError:
+                self._replays.append(threading.Event())  # nothing replays; its "cont" pops it
                 return "replay_claim_skipped_redis_down"
         if kind == "redis_flush":
             try:

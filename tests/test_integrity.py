@@ -420,7 +420,8 @@ def test_cuda_hashes_go_through_the_fused_kernels(key: bytes | None) -> None:
     model.register_buffer("half", torch.randn(3 << 19, generator=gen).to(torch.bfloat16))
     on_cpu = {m: layer_hashes(model, m, key=key) for m in ("sampled", "full")}
     model.cuda()
-    assert fused_hash.usable(torch.device("cuda")), fused_hash._failed
+    assert fused_hash.prepare(torch.device("cuda", 0)).wait(120)  # compiled in the background
+    assert fused_hash.usable(torch.device("cuda", 0)), fused_hash._failed
     assert {m: layer_hashes(model, m, key=key) for m in ("sampled", "full")} == on_cpu
     assert fused_hash._failed == []
 

@@ -213,6 +213,7 @@ class WeightService:
         t = _clock.perf()
         with caught(a, "prepare"):
             a.prepared = Target.of(a.model, self.settings)
+            worker.verifier.prepare(a.model)
             a.discovered(discover(worker, a))
         decision = agree(a, "discovery")
         sh = a.sharding or self._plain_sharding(a)

@@ -35,10 +35,10 @@ import torch
 from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.truth import encode_truth, truth_for_mode
 from nccl_back.errors import ConfigError, WeightVerificationError
-from nccl_back.model import integrity, marginals, position_truth
+from nccl_back.model import fused_hash, integrity, marginals, position_truth
 from nccl_back.model.layout import Layout
 from nccl_back.model.scheme import SCHEME
-from nccl_back.model.skeleton import Model
+from nccl_back.model.skeleton import Model, named_tensors
 
 __all__ = ["MODES", "SCHEME", "Basis", "PositionCheck", "Publishable", "Verifier"]
 
@@ -94,6 +94,13 @@ class Verifier:
             raise ConfigError(f"verify={mode!r}: choose one of {', '.join(MODES)}")
         self.mode = mode
         self.key = key
+
+    def prepare(self, model: Model) -> None:
+        """Ready what checking ``model`` will use, without waiting: on a GPU, the fused
+        hash kernels compile in the background while its weights arrive."""
+        device = next((t.device for t in named_tensors(model)[0].values()), None)
+        if device is not None and device.type == "cuda":
+            fused_hash.prepare(device)
 
     # -- truth a storage load computes -------------------------------------------------
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from types import ModuleType
@@ -61,14 +63,61 @@ def _interpreted(kernels: ModuleType) -> bool:
 
 
 def usable(device: torch.device) -> bool:
-    """Whether the fused kernels hash tensors on ``device``."""
+    """Whether the fused kernels hash tensors on ``device`` now. On a GPU, not before
+    they are compiled: the first call starts that in the background (see
+    :func:`prepare`) and answers False until it is done."""
     if _failed or device.type not in ("cuda", "cpu"):
         return False
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     kernels = _kernels()
     # Compiled kernels take device addresses; interpreted ones, host addresses.
-    return kernels is not None and _interpreted(kernels) == (device.type == "cpu")
+    if kernels is None or _interpreted(kernels) != (device.type == "cpu"):
+        return False
+    return device.type == "cpu" or prepare(device).is_set()
+
+
+#: Per GPU, set once every kernel variant is compiled (Triton compiles at first launch,
+#: seconds on a cold cache: a load never waits for it, the torch path hashes meanwhile).
+_compiled: dict[torch.device, threading.Event] = {}
+_compiled_lock = threading.Lock()
+
+
+def prepare(device: torch.device) -> threading.Event:
+    """Compile the kernels for ``device`` (a GPU) in the background, once: call it when
+    a load starts, so that they are ready by the time its weights are checked. The
+    event is set when they are (or when compiling failed: then :func:`usable` is False)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+    with _compiled_lock:
+        done = _compiled.get(device)
+        if done is None:
+            done = _compiled[device] = threading.Event()
+            threading.Thread(target=_compile, args=(device, done), daemon=True,
+                             name="nccl-back-hash-kernels").start()
+    return done
+
+
+def _compile(device: torch.device, done: threading.Event) -> None:
+    """Launch every variant once on a few words, on a stream of its own."""
+    start = time.monotonic()
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+            probe = {"w8": torch.zeros(8, dtype=torch.int64, device=device),
+                     "w4": torch.zeros(8, dtype=torch.int32, device=device)}
+            weights = torch.ones(1 << 10, dtype=torch.int64, device=device)
+            for word in (8, 4):
+                chunk_sums(["w8" if word == 8 else "w4"], probe, word, weights, compiling=True)
+            for width, dtype in ((1, torch.int8), (2, torch.int16), (4, torch.int32), (8, torch.int64)):
+                t = torch.zeros(4, dtype=dtype, device=device)
+                _gather(device, dtype, integrity._WORD_DTYPE[width],
+                        np.array([t.data_ptr()], dtype=np.int64))
+            torch.cuda.current_stream(device).synchronize()
+        _log.info("fused hash kernels compiled", device=str(device),
+                  seconds=round(time.monotonic() - start, 2))
+    except Exception as e:
+        _give_up(e)
+    finally:
+        done.set()
 
 
 def _give_up(e: Exception) -> None:
@@ -83,10 +132,12 @@ def _readable(t: torch.Tensor, word: int) -> bool:
 
 
 def chunk_sums(names: list[str], tensors: Mapping[str, torch.Tensor], word: int,
-               weights: torch.Tensor) -> tuple[dict[str, list[int]], list[str]]:
+               weights: torch.Tensor, *, compiling: bool = False
+               ) -> tuple[dict[str, list[int]], list[str]]:
     """``integrity._chunk_sums`` of every named tensor (one device) it can read as
     ``word``-byte words (8: plain; 4: keyed, ``weights`` the key's), as unsigned
-    ints, in one launch; and the names left for the torch path."""
+    ints, in one launch; and the names left for the torch path. ``compiling``: a
+    failure raises (:func:`_compile` records it)."""
     picked = [n for n in names if _readable(tensors[n], word)]
     taken = set(picked)
     rest = [n for n in names if n not in taken]
@@ -112,6 +163,8 @@ def chunk_sums(names: list[str], tensors: Mapping[str, torch.Tensor], word: int,
                 MUL=integrity._WEIGHT_MUL, BLOCK=_BLOCK)
             sums = partial.cpu().numpy().view(np.uint64)
         except Exception as e:
+            if compiling:
+                raise
             _give_up(e)
             return {}, names
         # Pieces are in chunk order; a chunk's pieces are added (wrapping) into its sum.

@@ -25,6 +25,7 @@ everything (logged once): slower, never a different hash.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -158,9 +159,10 @@ def chunk_sums(names: list[str], tensors: Mapping[str, torch.Tensor], word: int,
         try:
             args = torch.from_numpy(table).to(device)
             partial = torch.empty(table.shape[1], dtype=torch.int64, device=device)
-            _kernels().weighted_sums[(table.shape[1],)](  # type: ignore[union-attr]
-                args[0], args[1], args[2], weights, partial, WORD=word, KEYED=word == 4,
-                MUL=integrity._WEIGHT_MUL, BLOCK=_BLOCK)
+            with _on(device):
+                _kernels().weighted_sums[(table.shape[1],)](  # type: ignore[union-attr]
+                    args[0], args[1], args[2], weights, partial, WORD=word, KEYED=word == 4,
+                    MUL=integrity._WEIGHT_MUL, BLOCK=_BLOCK)
             sums = partial.cpu().numpy().view(np.uint64)
         except Exception as e:
             if compiling:
@@ -233,6 +235,13 @@ def _gather(device: torch.device, dtype: torch.dtype, word: torch.dtype,
     ``addresses``, as bytes."""
     where = torch.from_numpy(addresses).to(device)
     words = torch.empty(where.numel(), dtype=word, device=device)
-    _kernels().gather[(-(-where.numel() // _GATHER_BLOCK),)](  # type: ignore[union-attr]
-        where, words, where.numel(), WIDTH=words.element_size(), BLOCK=_GATHER_BLOCK)
+    with _on(device):
+        _kernels().gather[(-(-where.numel() // _GATHER_BLOCK),)](  # type: ignore[union-attr]
+            where, words, where.numel(), WIDTH=words.element_size(), BLOCK=_GATHER_BLOCK)
     return integrity._normalise(words, dtype).cpu().numpy().tobytes()
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Launches on ``device``'s GPU: Triton launches on the current one, and the
+    addresses are ``device``'s (a process may drive several GPUs)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+import torch
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nccl_back import bounded_json
@@ -139,6 +140,40 @@ def test_an_fp4_header_is_torch_shaped_or_refused_with_its_reason(shape: list[in
         return
     assert str(info.dtype) == "torch.float4_e2m1fn_x2"
     assert info.shape == (*shape[:-1], shape[-1] // 2) and info.nbytes == nbytes
+
+
+#: Dimensions small and at torch's edges: int32's, int64's (2**63 - 1 holds, 2**63 not), u64's.
+_DIMS = (st.integers(0, 3) | st.sampled_from([2**31, 2**62, 2**63 - 1, 2**63, 2**64 - 1])
+         | st.integers(0, 2**64 - 1))
+
+
+@PROPS
+@given(shape=st.lists(_DIMS, max_size=4), empty_at=st.none() | st.integers(0, 4),
+       dtype=st.sampled_from(["U8", "F32", "F4"]))
+@example(shape=[0, 2**63], empty_at=None, dtype="F32")
+def test_a_header_shape_is_one_torch_holds_or_a_format_error(
+    shape: list[int], empty_at: int | None, dtype: str
+) -> None:
+    """Any shape, dimensions up to 2**64 - 1 (a 0 among them makes the tensor empty, so
+    its size checks pass): a record whose tensor torch builds as a skeleton does (a view
+    of its bytes), or a CheckpointFormatError naming the file (a dimension or an element
+    count over int64: refused where the header is parsed)."""
+    if empty_at is not None:
+        shape.insert(min(empty_at, len(shape)), 0)
+    bits = math.prod(shape) * fmt.DTYPE_BITS[dtype]
+    nbytes = bits // 8 if bits % 8 == 0 and bits < 1 << 15 else 0
+    header = json.dumps({"w": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    blob = struct.pack("<Q", len(header)) + header + bytes(nbytes)
+    try:
+        info = parse_header(blob, "shape.safetensors", len(blob)).tensors["w"]
+    except CheckpointFormatError as e:
+        assert str(e).startswith("shape.safetensors: ")
+        return
+    assert all(d < 2**63 for d in shape) and math.prod(shape) < 2**63
+    if info.refused:  # an odd F4 last dimension: refused when used, as tested above
+        return
+    t = torch.empty(info.nbytes, dtype=torch.uint8).view(info.dtype).view(info.shape)
+    assert tuple(t.shape) == info.shape
 
 
 _FILE_NAMES = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(

@@ -24,6 +24,7 @@ from nccl_back.model.storage import (
     Location,
     ObjectInfo,
     register_backend,
+    too_large,
     with_retries,
 )
 
@@ -136,13 +137,22 @@ class GcsObjects(Backend):
             raise StorageError(f"{missing[0]}: the object has no CRC32C in its metadata")
         return [str(i.crc32c) for i in infos]
 
-    def read_bytes(self, loc: Location) -> bytes:
-        return self._call(
-            f"reading {loc.uri}",
-            lambda: self.client.bucket(loc.bucket).blob(loc.path).download_as_bytes(
-                timeout=self.timeout, retry=None
-            ),
-        )
+    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
+        what = f"reading {loc.uri}"
+        bucket = self.client.bucket(loc.bucket)
+        meta = self._call(what, lambda: bucket.get_blob(loc.path, timeout=self.timeout, retry=None))
+        if meta is None:
+            raise ShardNotFoundError(f"{what}: not found")
+        size = int(meta.size or 0)
+        if size > max_bytes:
+            raise too_large(loc.uri, size, max_bytes)
+        if not size:
+            return b""  # a range of an empty object is unsatisfiable
+        # A fresh Blob (as fetch_into's): the client's endpoint, not the metadata's
+        # mediaLink; the generation measured, and no byte past the bound if it is ignored.
+        return self._call(what, lambda: bucket.blob(loc.path).download_as_bytes(
+            start=0, end=max_bytes, if_generation_match=meta.generation,
+            checksum=None, timeout=self.timeout, retry=None))
 
     def read_range(self, loc: Location, start: int, end: int) -> bytes:
         buf = np.empty(end - start, dtype=np.uint8)

@@ -33,7 +33,7 @@ from nccl_back import bounded_json
 from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, ConfigError, ShardNotFoundError
 from nccl_back.model.crc_cache import Opener
-from nccl_back.model.index import INDEX_NAME, parse_index
+from nccl_back.model.index import INDEX_NAME, MAX_INDEX_BYTES, parse_index
 from nccl_back.model.storage import LocalFiles, Location, ObjectInfo, Shard, Storage, parse_uri
 
 __all__ = ["ModelSpec", "Shard"]
@@ -283,10 +283,9 @@ _COMPONENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def _read_json(storage: Storage, info: ObjectInfo) -> dict[str, Any]:
     """A config file (``config.json``, ``model_index.json``), bounded like any outside input."""
     uri = info.uri
-    if info.size > MAX_CONFIG_BYTES:
-        raise CheckpointFormatError(f"{uri}: {info.size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")
+    raw = storage.read_bytes(uri, max_bytes=MAX_CONFIG_BYTES)
     try:
-        data = bounded_json.loads(storage.read_bytes(uri), max_bytes=MAX_CONFIG_BYTES, allow_constants=True)
+        data = bounded_json.loads(raw, max_bytes=MAX_CONFIG_BYTES, allow_constants=True)
     except ValueError as e:
         raise CheckpointFormatError(f"{uri}: malformed JSON: {e}") from e
     if not isinstance(data, dict):
@@ -314,7 +313,8 @@ def _weight_files(
         raise CheckpointFormatError(f"{folder.uri}: several safetensors indexes {indexes}; keep one")
     if indexes:
         index_uri = files[indexes[0]].uri
-        names = sorted(set(parse_index(storage.read_bytes(index_uri), index_uri).values()))
+        raw = storage.read_bytes(index_uri, max_bytes=MAX_INDEX_BYTES)
+        names = sorted(set(parse_index(raw, index_uri).values()))
         missing = [n for n in names if n not in files]
         if missing:
             raise ShardNotFoundError(

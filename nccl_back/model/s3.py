@@ -48,6 +48,7 @@ from nccl_back.model.storage import (
     Location,
     ObjectInfo,
     register_backend,
+    too_large,
     with_retries,
 )
 
@@ -128,6 +129,17 @@ def _read_body(body: Any, what: str, sink: Callable[[bytes], None], most: int) -
     finally:
         body.close()
     return got
+
+
+def _object_size(resp: dict[str, Any]) -> int | None:
+    """The whole object's size from a ranged GET's headers (``bytes 0-9/TOTAL``; the
+    length of a whole body where the server ignored the range); None if neither says."""
+    got = resp.get("ContentRange")
+    if isinstance(got, str):
+        total = got.rpartition("/")[2]
+        return int(total) if total.isdigit() else None
+    length = resp.get("ContentLength")
+    return length if isinstance(length, int) else None
 
 
 @register_backend
@@ -351,15 +363,31 @@ class S3Objects(Backend):
                                f" {got_range!r}; use an endpoint that supports ranged GETs")
         return _read_body(resp["Body"], what, sink, n)
 
-    def read_bytes(self, loc: Location) -> bytes:
-        def whole() -> bytes:
-            resp = self.client.get_object(Bucket=loc.bucket, Key=loc.path)
-            try:
-                return bytes(resp["Body"].read())
-            finally:
-                resp["Body"].close()
+    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
+        from botocore import exceptions as bexc
 
-        return self._call(f"reading {loc.uri}", loc, whole)
+        what = f"reading {loc.uri}"
+
+        def bounded() -> bytes:
+            # One GET: its headers give the object's size before its body is read.
+            try:
+                resp = self.client.get_object(Bucket=loc.bucket, Key=loc.path,
+                                              Range=f"bytes=0-{max_bytes}")
+            except bexc.ClientError as e:
+                if _error_code(e)[0] == "InvalidRange":
+                    return b""  # no byte 0: the object is empty
+                raise
+            size = _object_size(resp)
+            if size is None or size > max_bytes:
+                resp["Body"].close()  # unread: the connection is dropped, not drained
+                if size is None:
+                    raise StorageError(f"{what}: the server gave no size for the object")
+                raise too_large(loc.uri, size, max_bytes)
+            parts: list[bytes] = []
+            _read_body(resp["Body"], what, parts.append, max_bytes)
+            return b"".join(parts)
+
+        return self._call(what, loc, bounded)
 
     def read_range(self, loc: Location, start: int, end: int) -> bytes:
         from botocore import exceptions as bexc

@@ -20,6 +20,10 @@ and ``tests/test_safetensors_conformance.py`` holds us to them, file by file:
   the previous ended (no overlap, no gap), ``shape x bits`` (checked for overflow at
   every step, a whole number of bytes) is its size, and the last ends at the file's end.
 
+One rule is ours, not the reference's: torch's sizes are int64, so a dimension, a
+contiguous stride or an element count over 2**63 - 1 is refused here (the reference
+opens ``[0, 2**63]``; no tensor can have that shape).
+
 This module needs no torch, so ``nccl-back fingerprint`` validates headers quickly;
 :mod:`nccl_back.model.checkpoint` maps the dtypes to torch's.
 """
@@ -55,6 +59,8 @@ DTYPE_BITS: dict[str, int] = {
 }
 
 _U64_MAX = (1 << 64) - 1
+#: Torch's sizes are int64: a dimension or element count past this cannot be a tensor.
+_I64_MAX = (1 << 63) - 1
 _FIELDS = ("dtype", "shape", "data_offsets")
 
 
@@ -206,9 +212,22 @@ def _tensor(name: str, entry: Any, uri: str) -> TensorRecord:
             raise ValueError("data_offsets must be [begin, end]")
         dims = tuple(_usize(d, "shape and data_offsets") for d in shape)
         begin, end = (_usize(d, "shape and data_offsets") for d in offsets)
+        _check_torch_sizes(dims)
     except ValueError as e:
         raise CheckpointFormatError(f"{uri}: malformed entry for tensor {name!r}: {e}") from e
     return TensorRecord(name, dtype, dims, begin, end)
+
+
+def _check_torch_sizes(dims: tuple[int, ...]) -> None:
+    """Torch's sizes and contiguous strides are int64: ``[0, 2**63]`` or ``[0, 2, 2**62]``
+    (its first stride is 2**63) has no tensor, though a 0 makes it empty."""
+    stride = 1
+    for d in reversed(dims):
+        if d > _I64_MAX or stride > _I64_MAX:  # stride: this dimension's, the ones after it
+            shown = list(dims) if len(dims) <= 8 else [*dims[:8], "..."]
+            raise ValueError(f"shape {shown} has a dimension or stride over 2**63 - 1,"
+                             " more than torch can hold")
+        stride *= max(d, 1)
 
 
 def _nbytes(t: TensorRecord, uri: str) -> int:
@@ -219,6 +238,9 @@ def _nbytes(t: TensorRecord, uri: str) -> int:
         numel *= d
         if numel > _U64_MAX:
             raise CheckpointFormatError(f"{uri}: tensor {t.name!r}: shape {list(t.shape)} overflows 64 bits")
+    if numel > _I64_MAX:  # no file holds so many (its size is an int64): said all the same
+        raise CheckpointFormatError(f"{uri}: tensor {t.name!r}: shape {list(t.shape)} has"
+                                    " over 2**63 - 1 elements, more than torch can hold")
     bits = numel * DTYPE_BITS[t.dtype]
     if bits > _U64_MAX:
         raise CheckpointFormatError(f"{uri}: tensor {t.name!r}: size of shape {list(t.shape)} overflows")

@@ -1,17 +1,15 @@
 """Reading checkpoints from storage, one backend per URI scheme.
 
 A :class:`Backend` is everything one scheme needs: its URI rules, listing with sizes,
-each object's CRC32C (from its metadata, or computed once and cached), whole and
-ranged reads, and the ranged fetch that :class:`Storage` builds parallel, verified
-downloads from. Backends register by scheme (:func:`register_backend`, like the
-transport registry); :data:`SCHEMES` names the module registering each, imported on
-first use, so a worker reading local files never loads a cloud client. Local files
-(:class:`LocalFiles`) are read with positional reads; ``gs://`` is
+each object's CRC32C (from its metadata, or computed once and cached), whole reads of
+small files bounded by their size before a byte is read, ranged reads, and the ranged
+fetch :class:`Storage` builds parallel, verified downloads from. Backends register by
+scheme (:func:`register_backend`); :data:`SCHEMES` names the module registering each,
+imported on first use, so a worker reading local files never loads a cloud client.
+Local files (:class:`LocalFiles`) are read with positional reads; ``gs://`` is
 :mod:`nccl_back.model.gcs`, ``s3://`` :mod:`nccl_back.model.s3`. A remote shard is
-downloaded as parallel ranged chunks into one pre-allocated buffer, and its CRC32C is
-checked against the checksum it was identified by: a mismatch re-downloads the shard,
-then raises :class:`ChecksumMismatchError`. Adding a scheme is a module with a backend
-and a line in :data:`SCHEMES`.
+downloaded as parallel ranged chunks into one buffer, its CRC32C checked against the
+one it was identified by: a mismatch re-downloads it, then :class:`ChecksumMismatchError`.
 """
 
 from __future__ import annotations
@@ -31,7 +29,13 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_rand
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.errors import ChecksumMismatchError, ConfigError, ShardNotFoundError, StorageError
+from nccl_back.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    ConfigError,
+    ShardNotFoundError,
+    StorageError,
+)
 from nccl_back.log import get_logger
 from nccl_back.model.crc import crc32c_hex
 from nccl_back.model.crc_cache import Opener, local_crc32cs, open_unbuffered
@@ -44,8 +48,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 60.0
 #: Smallest ranged request a shard is cut into (smaller shards are one request).
 MIN_CHUNK_BYTES = 1 << 20
-#: Every scheme a URI may have (a plain path is ``file``), and the module that
-#: registers its backend.
+#: Every scheme a URI may have (a plain path is ``file``) and the module registering its backend.
 SCHEMES: dict[str, str] = {
     "file": __name__,
     "gs": "nccl_back.model.gcs",
@@ -86,10 +89,8 @@ def forms() -> str:
 
 
 def parse_uri(uri: str) -> Location:
-    """Parse a local path or ``scheme://...`` by its backend's rules.
-
-    Raises :class:`ConfigError` naming the bad value and the accepted forms.
-    """
+    """Parse a local path or ``scheme://...`` by its backend's rules; :class:`ConfigError`
+    naming the bad value and the accepted forms."""
     if not isinstance(uri, str) or not uri:
         raise ConfigError(f"storage URI {uri!r}: give {forms()}")
     name, sep, rest = uri.partition("://")
@@ -187,8 +188,10 @@ class Backend(abc.ABC):
         it has a whole-object one, else computed once and cached in ``cache_dir``."""
 
     @abc.abstractmethod
-    def read_bytes(self, loc: Location) -> bytes:
-        """The whole content of a small file or object."""
+    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
+        """A small file's (config, index) whole content: over ``max_bytes`` by the size
+        the store reports, refused (:func:`too_large`) before a byte of it is read; if it
+        grows meanwhile, no more than ``max_bytes + 1`` bytes read."""
 
     @abc.abstractmethod
     def read_range(self, loc: Location, start: int, end: int) -> bytes:
@@ -201,6 +204,11 @@ class Backend(abc.ABC):
     def describe(self) -> str:
         """Where this backend reads and as whom, for ``nccl-back check`` ("" if nothing to say)."""
         return ""
+
+
+def too_large(uri: str, size: int, max_bytes: int) -> CheckpointFormatError:
+    """The one refusal of a small file over its bound (:meth:`Backend.read_bytes`)."""
+    return CheckpointFormatError(f"{uri}: {size} bytes, over the {max_bytes}-byte limit")
 
 
 _REGISTRY: dict[str, type[Backend]] = {}
@@ -301,10 +309,12 @@ class LocalFiles(Backend):
     def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
         return local_crc32cs([i.uri for i in infos], cache_dir, self.opener)
 
-    def read_bytes(self, loc: Location) -> bytes:
+    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
         try:
             with open(loc.path, "rb") as f:
-                return f.read()
+                if (size := os.fstat(f.fileno()).st_size) > max_bytes:
+                    raise too_large(loc.path, size, max_bytes)
+                return f.read(max_bytes + 1)  # Storage.read_bytes refuses one that grew
         except FileNotFoundError as e:
             raise ShardNotFoundError(f"{loc.path!r} does not exist") from e
         except OSError as e:
@@ -383,10 +393,13 @@ class Storage:
                 out[i] = crc
         return out
 
-    def read_bytes(self, uri: str) -> bytes:
-        """The whole content of a small file or object (config, index)."""
+    def read_bytes(self, uri: str, *, max_bytes: int) -> bytes:
+        """A small file's whole content, bounded by :meth:`Backend.read_bytes`."""
         loc = parse_uri(uri)
-        return self.backend(loc).read_bytes(loc)
+        data = self.backend(loc).read_bytes(loc, max_bytes=max_bytes)
+        if len(data) > max_bytes:  # grew after its size was taken
+            raise too_large(loc.uri, len(data), max_bytes)
+        return data
 
     def read_range(self, uri: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file or object (fewer only if the file is shorter)."""

@@ -45,13 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("fingerprint", help="print a checkpoint's version and shard CRC32Cs")
-    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix")
+    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
     p.set_defaults(func=cmd_fingerprint)
 
     p = sub.add_parser("load", help="load a checkpoint from storage into a flat skeleton")
-    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix")
+    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix")
     p.add_argument("--device", default="cpu", help="torch device for the tensors (default cpu)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
@@ -107,7 +107,7 @@ def _add_serve(sub: Any) -> None:
                        " to peers and local consumers, answer health probes; SIGTERM drains and"
                        " exits 0. Settings come from NCCL_BACK_* variables; flags win.")
     p.add_argument("--model", required=True, metavar="PATH_OR_URI",
-                   help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix")
+                   help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--factory", metavar="MODULE:FUNCTION",
                      help="callable returning the nn.Module skeleton (default: a flat skeleton"
@@ -149,7 +149,7 @@ def _add_check(sub: Any) -> None:
                        " with the settings `serve` would use (NCCL_BACK_* variables; flags win);"
                        f" one line per check, exit 1 if any fails. Checks: {', '.join(NAMES)}.")
     p.add_argument("--model", metavar="PATH_OR_URI",
-                   help="checkpoint directory, gs://bucket/prefix or s3://bucket/prefix to read (storage check)")
+                   help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix to read (storage check)")
     p.add_argument("--health-host", default="127.0.0.1",
                    help="interface of the health server, as for serve (default 127.0.0.1)")
     p.add_argument("--health-port", type=int, default=9400,

@@ -1,5 +1,5 @@
-"""Shared fixtures: a real redis-server, a real GCS emulator and a real S3-compatible
-server on loopback.
+"""Shared fixtures: a real redis-server, a real GCS emulator, a real S3-compatible
+server and Azurite (Microsoft's Azure Storage emulator) on loopback.
 
 Nothing here mocks Redis or storage; the only thing that cannot exist on these
 machines is a GPU, and tests that need one carry the ``gpu`` marker.
@@ -7,6 +7,7 @@ machines is a GPU, and tests that need one carry the ``gpu`` marker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -15,9 +16,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from nccl_back.dev.azurite import AzuriteUnavailable, LocalAzurite, install
 from nccl_back.dev.gcs import LocalGCS
 from nccl_back.dev.s3 import LocalS3
 from nccl_back.dev.servers import LocalRedis
+from nccl_back.errors import NcclBackError
+
+#: Why Azurite could not be installed, if it could not (set once, at collection).
+_AZURITE_INSTALL: list[NcclBackError] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -64,19 +70,56 @@ def gcs() -> Iterator[LocalGCS]:
     emulator.stop()
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in this process's environment, the old values back after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def s3() -> Iterator[LocalS3]:
     """One real S3-compatible server (moto) for the session; boto3 reaches it through
     the standard AWS_ENDPOINT_URL_S3 and throw-away credentials in the environment."""
     server = LocalS3().start()
-    old = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    yield server
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with _environment(server.env):
+        yield server
+    server.stop()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Azurite comes from the npm registry on first use: installed once here, before any
+    # test starts, so its download counts against no test's timeout.
+    if any("azurite" in getattr(i, "fixturenames", ()) for i in session.items):
+        try:
+            install()
+        except NcclBackError as e:
+            _AZURITE_INSTALL.append(e)
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[LocalAzurite]:
+    """One real Azurite (Blob service, in memory) for the session; the az:// backend reaches
+    it through AZURE_STORAGE_CONNECTION_STRING in the environment. Skipped only where
+    Node.js or npm is missing; an install that fails is an error."""
+    if _AZURITE_INSTALL:
+        if isinstance(_AZURITE_INSTALL[0], AzuriteUnavailable):
+            pytest.skip(str(_AZURITE_INSTALL[0]))
+        raise _AZURITE_INSTALL[0]
+    try:
+        server = LocalAzurite().start()
+    except AzuriteUnavailable as e:
+        pytest.skip(str(e))
+    with _environment(server.env):
+        yield server
     server.stop()
 
 

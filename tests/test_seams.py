@@ -49,13 +49,13 @@ def test_storage_schemes_map_to_backends(tmp_path: Path) -> None:
     store = Storage()
     local = parse_uri(str(tmp_path))
     assert isinstance(store.backend(local), LocalFiles) and store.backend(local) is store.backend(local)
-    assert set(SCHEMES) == {"file", "gs", "s3"}
+    assert set(SCHEMES) == {"file", "gs", "s3", "az"}
     assert all(backend_class(s).scheme == s for s in SCHEMES)
-    assert [parse_uri(u).is_local for u in ("/x", "file:///x", "gs://bucket/x", "s3://bucket/x")] \
-        == [True, True, False, False]
-    with pytest.raises(ConfigError, match="use a local path, file:///path, gs://bucket/prefix"
-                       " or s3://bucket/prefix"):
-        parse_uri("az://bucket/x")
+    assert [parse_uri(u).is_local for u in ("/x", "file:///x", "gs://bucket/x", "s3://bucket/x",
+                                            "az://container/x")] == [True, True, False, False, False]
+    with pytest.raises(ConfigError, match="use a local path, file:///path, gs://bucket/prefix,"
+                       " s3://bucket/prefix or az://container/prefix"):
+        parse_uri("abfs://container/x")
 
 
 def test_engine_adapters_register_by_name() -> None:

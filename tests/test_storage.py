@@ -110,7 +110,9 @@ class FaultProxy:
                 pass
 
             def _forward(self) -> None:
-                fail, corrupt = proxy._decide(self.command, self.path, self.headers.get("Range"))
+                # Azure sends its range as x-ms-range.
+                fail, corrupt = proxy._decide(self.command, self.path,
+                                              self.headers.get("Range") or self.headers.get("x-ms-range"))
                 if proxy.before is not None:
                     proxy.before(self.command, self.path, self.headers)
                 length = int(self.headers.get("Content-Length") or 0)
@@ -216,7 +218,7 @@ def test_parse_uri_forms() -> None:
     [
         ("gs://", "bad bucket name ''"),
         ("gs://Bad_Bucket!/x", "bad bucket name 'Bad_Bucket!'"),
-        ("az://bucket/x", "unsupported scheme"),
+        ("abfs://bucket/x", "unsupported scheme"),
         ("file://relative", "needs an absolute path"),
     ],
 )

@@ -7,7 +7,8 @@ fetch :class:`Storage` builds parallel, verified downloads from. Backends regist
 scheme (:func:`register_backend`); :data:`SCHEMES` names the module registering each,
 imported on first use, so a worker reading local files never loads a cloud client.
 Local files (:class:`LocalFiles`) are read with positional reads; ``gs://`` is
-:mod:`nccl_back.model.gcs`, ``s3://`` :mod:`nccl_back.model.s3`. A remote shard is
+:mod:`nccl_back.model.gcs`, ``s3://`` :mod:`nccl_back.model.s3`, ``az://``
+:mod:`nccl_back.model.az`. A remote shard is
 downloaded as parallel ranged chunks into one buffer, its CRC32C checked against the
 one it was identified by: a mismatch re-downloads it, then :class:`ChecksumMismatchError`.
 """
@@ -53,6 +54,7 @@ SCHEMES: dict[str, str] = {
     "file": __name__,
     "gs": "nccl_back.model.gcs",
     "s3": "nccl_back.model.s3",
+    "az": "nccl_back.model.az",
 }
 
 

@@ -1,0 +1,481 @@
+"""The ``az://container/prefix`` storage backend: Azure Blob Storage through the official
+``azure-storage-blob`` client (``azure-identity`` for the credential chain).
+
+Configured the way Azure users already configure the SDK and the Azure CLI:
+
+- ``AZURE_STORAGE_CONNECTION_STRING`` wins when set (account, key or SAS, endpoint:
+  ``BlobEndpoint=`` for an emulator, ``EndpointSuffix=`` for a sovereign cloud).
+- Else the account, ``AZURE_STORAGE_ACCOUNT`` (or ``AZURE_STORAGE_ACCOUNT_NAME``, as
+  adlfs and Run:ai's streamer name it), at ``AZURE_STORAGE_SERVICE_ENDPOINT`` (the Azure
+  CLI's; default ``https://<account>.blob.core.windows.net``), with
+  ``AZURE_STORAGE_KEY`` (or ``AZURE_STORAGE_ACCOUNT_KEY``), else ``AZURE_STORAGE_SAS_TOKEN``,
+  else ``DefaultAzureCredential`` (workload identity on AKS, managed identity, the
+  environment's service principal, the Azure CLI's login).
+
+Requests: connect and read timeouts, the SDK's own retries off, ours
+(:func:`~nccl_back.model.storage.with_retries`) on 429, 5xx, ``ServerBusy`` and
+connection errors. Ranged reads are one GET each, streamed into the destination: the
+SDK's ``download_blob`` reads each response whole into memory and retries body reads
+itself with real sleeps, so reads go through the generated ``Get Blob`` operation it
+wraps.
+
+CRC32C: Azure stores a Content-MD5 at most and no CRC32C, so each blob is read once,
+as parallel ranged GETs pinned to its listed ETag (``If-Match``: a blob replaced
+mid-read is an error, never a checksum of mixed bytes), and the value is cached by
+(endpoint with the account, container, blob, ETag, size) in ``cache_dir``: a restart
+sends no request per blob. Downloads are checked against it by
+:class:`~nccl_back.model.storage.Storage`.
+
+The Azure libraries are imported on the first request only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import ssl
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+import google_crc32c
+import numpy as np
+
+from nccl_back import _clock
+from nccl_back.config import Settings
+from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
+from nccl_back.log import get_logger
+from nccl_back.model.crc_cache import CrcCache, crc32c_combine
+from nccl_back.model.storage import (
+    DEFAULT_TIMEOUT,
+    MIN_CHUNK_BYTES,
+    Backend,
+    Location,
+    ObjectInfo,
+    register_backend,
+    too_large,
+    with_retries,
+)
+
+log = get_logger("nccl_back.model.storage")
+
+T = TypeVar("T")
+
+# Container names: 3-63 lowercase letters, digits and single hyphens, starting and
+# ending with a letter or digit.
+_CONTAINER_RE = re.compile(r"^[a-z0-9](?:[a-z0-9]|-(?!-)){1,61}[a-z0-9]$")
+_CONTAINER_RULES = "3-63 lowercase letters, digits and single '-'"
+_ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
+_ENDPOINT_RE = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
+#: Pages of 5000 blobs a listing may take (a prefix holds one model's files).
+MAX_LIST_PAGES = 1000
+_PAGE = 5000
+#: Bytes the transport reads from a response at a time.
+_READ_BYTES = 1 << 20
+
+_TRANSIENT_CODES = frozenset({"ServerBusy", "OperationTimedOut", "InternalError"})
+_DENIED_CODES = frozenset({
+    "AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch",
+    "AuthorizationResourceTypeMismatch", "InsufficientAccountPermissions",
+    "AuthorizationSourceIPMismatch", "AuthorizationProtocolMismatch",
+})
+_CREDENTIALS_FIX = (
+    "set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY,"
+    " AZURE_STORAGE_SAS_TOKEN or an Azure identity (workload or managed identity,"
+    " AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, `az login`)"
+)
+_ENDPOINT_FIX = ("set AZURE_STORAGE_SERVICE_ENDPOINT (or BlobEndpoint= in the connection"
+                 " string) for an emulator or a sovereign cloud")
+
+
+def _error_code(e: Any) -> tuple[str, int]:
+    """An HTTP error's ``x-ms-error-code`` and status (``("", 0)`` when there is none)."""
+    response = getattr(e, "response", None)
+    code = getattr(e, "error_code", None) or (
+        response.headers.get("x-ms-error-code") if response is not None else None)
+    status = getattr(e, "status_code", None) or 0
+    return str(getattr(code, "value", code) or ""), int(status) if isinstance(status, int) else 0
+
+
+def _tls(e: BaseException) -> bool:
+    import requests
+
+    inner = getattr(e, "inner_exception", None) or e.__cause__
+    return isinstance(inner, (ssl.SSLError, requests.exceptions.SSLError))
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a failed request is worth retrying: 429, 5xx, throttling, connection errors."""
+    from azure.core import exceptions as aexc
+
+    if isinstance(e, aexc.ClientAuthenticationError):
+        return False  # a credential refused, or none found: asking again changes nothing
+    if isinstance(e, aexc.DecodeError):
+        return True  # a body cut short (IncompleteReadError)
+    if isinstance(e, aexc.HttpResponseError) and getattr(e, "response", None) is not None:
+        code, status = _error_code(e)
+        return status == 429 or status >= 500 or code in _TRANSIENT_CODES
+    if isinstance(e, (aexc.ServiceRequestError, aexc.ServiceResponseError)):
+        return not _tls(e)  # a certificate that failed will fail again
+    return isinstance(e, (ConnectionError, TimeoutError))
+
+
+def quoted(etag: str) -> str:
+    """An ETag as HTTP headers carry it (listings give it without the quotes)."""
+    return f'"{etag.strip(chr(34))}"'
+
+
+def sas_expiry(token: str) -> datetime | None:
+    """When a SAS token's ``se=`` says it expires; None if it says nothing parseable."""
+    try:
+        se = parse_qs(token.lstrip("?")).get("se", [""])[0]
+        return datetime.fromisoformat(se.replace("Z", "+00:00")) if se else None
+    except ValueError:
+        return None
+
+
+def _range_total(content_range: Any) -> int | None:
+    """The blob's size from ``Content-Range: bytes a-b/TOTAL``; None if it says none."""
+    if not isinstance(content_range, str):
+        return None
+    total = content_range.rpartition("/")[2]
+    return int(total) if total.isdigit() else None
+
+
+@register_backend
+class AzureBlobs(Backend):
+    """Reads ``az://`` blobs; thread-safe (one ``BlobServiceClient``, made on first use).
+
+    ``env`` is where the account and credentials are read (``os.environ`` when None).
+    """
+
+    scheme = "az"
+    form = "az://container/prefix"
+
+    def __init__(self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT,
+                 env: Mapping[str, str] | None = None) -> None:
+        super().__init__(settings, timeout=timeout, client=client)
+        self.env = os.environ if env is None else env
+        self.how = "the client given" if client is not None else ""
+        self._credential: Any = None
+        self._sas = ""
+
+    @classmethod
+    def parse(cls, uri: str, rest: str) -> Location:
+        container, _, name = rest.partition("/")
+        if not _CONTAINER_RE.match(container):
+            raise ConfigError(f"storage URI {uri!r}: bad container name {container!r}"
+                              f" ({_CONTAINER_RULES}); use az://container/prefix")
+        return Location("az", container, name.strip("/"))
+
+    def _make_client(self) -> Any:
+        import requests
+        from azure.core.pipeline.transport import RequestsTransport
+        from azure.storage.blob import BlobServiceClient
+
+        session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(
+            pool_maxsize=max(10, 2 * self.settings.storage_workers))
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        options: dict[str, Any] = {
+            "retry_total": 0,  # ours are the only retries
+            "transport": RequestsTransport(
+                session=session, session_owner=True, connection_timeout=self.timeout,
+                read_timeout=self.timeout, connection_data_block_size=_READ_BYTES),
+        }
+        env = self.env
+        conn = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
+        if conn:
+            try:
+                client = BlobServiceClient.from_connection_string(conn, **options)
+            except ValueError as e:  # the string holds a key: never echo it
+                raise StorageError(f"AZURE_STORAGE_CONNECTION_STRING is malformed ({e});"
+                                   " give DefaultEndpointsProtocol=...;AccountName=...;"
+                                   "AccountKey=... (or SharedAccessSignature=...)") from e
+            fields = dict(p.partition("=")[::2] for p in conn.split(";") if "=" in p)
+            self._sas = fields.get("SharedAccessSignature", "")
+            kind = "SAS" if self._sas else "account key" if "AccountKey" in fields else "anonymous"
+            self.how = f"AZURE_STORAGE_CONNECTION_STRING ({kind})"
+            return client
+        account = env.get("AZURE_STORAGE_ACCOUNT") or env.get("AZURE_STORAGE_ACCOUNT_NAME", "")
+        if not account:
+            raise StorageError(f"no Azure storage account: {_CREDENTIALS_FIX}")
+        if not _ACCOUNT_RE.match(account):
+            raise ConfigError(f"AZURE_STORAGE_ACCOUNT={account!r}: give 3-24 lowercase letters"
+                              " and digits")
+        endpoint = env.get("AZURE_STORAGE_SERVICE_ENDPOINT") or f"https://{account}.blob.core.windows.net"
+        if not _ENDPOINT_RE.match(endpoint):
+            raise ConfigError(f"AZURE_STORAGE_SERVICE_ENDPOINT={endpoint!r}: give"
+                              " http(s)://host[:port][/path]")
+        key = env.get("AZURE_STORAGE_KEY") or env.get("AZURE_STORAGE_ACCOUNT_KEY", "")
+        self._sas = env.get("AZURE_STORAGE_SAS_TOKEN", "").lstrip("?")
+        credential: Any
+        if key:
+            credential, self.how = {"account_name": account, "account_key": key}, "account key"
+        elif self._sas:
+            from azure.core.credentials import AzureSasCredential
+
+            credential, self.how = AzureSasCredential(self._sas), "SAS token"
+        else:
+            from azure.identity import DefaultAzureCredential
+
+            credential = self._credential = DefaultAzureCredential()
+            self.how = "DefaultAzureCredential"
+        return BlobServiceClient(endpoint, credential=credential, **options)
+
+    @property
+    def _server_timeout(self) -> int:
+        """The seconds the service may spend on one operation (whole seconds, at least 1)."""
+        return max(1, -int(-self.timeout // 1))
+
+    @property
+    def endpoint(self) -> str:
+        """The account's blob endpoint (its URL names the account)."""
+        return str(self.client.url)
+
+    def describe(self) -> str:
+        try:
+            account, endpoint, how = self.client.account_name, self.endpoint, self.how
+            won = getattr(self._credential, "_successful_credential", None)
+            if won is not None:  # the credential of the chain that gave the token
+                how = f"{how}: {type(won).__name__}"
+            return f"account {account}, endpoint {endpoint}, credentials from {how}"
+        except Exception:  # a description must never fail the check it decorates
+            return ""
+
+    def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
+        """Run one request with retries; map failures to one line naming the URI and the fix."""
+        from azure.core import exceptions as aexc
+
+        try:
+            self.client  # noqa: B018  (made here, so a missing account names the URI)
+        except StorageError as e:
+            raise type(e)(f"{what}: {e}") from e
+
+        def known(e: BaseException) -> StorageError | None:
+            if isinstance(e, aexc.ClientAuthenticationError) and getattr(e, "response", None) is None:
+                return StorageError(f"{what}: no usable Azure credential"
+                                    f" ({str(e).splitlines()[0][:300]}); {_CREDENTIALS_FIX}")
+            if isinstance(e, aexc.HttpResponseError) and getattr(e, "response", None) is not None:
+                return self._http_error(what, loc, e)
+            if isinstance(e, aexc.ServiceRequestError) and _tls(e):
+                return StorageError(f"{what}: TLS failed ({e}); set REQUESTS_CA_BUNDLE to the CA"
+                                    " bundle that signed the endpoint's certificate")
+            return None
+
+        return with_retries(self.settings, what, fn, is_transient, known=known,
+                            hint=f" (endpoint {self.endpoint}; {_ENDPOINT_FIX})")
+
+    def _http_error(self, what: str, loc: Location, e: Any) -> StorageError:
+        code, status = _error_code(e)
+        if code == "ContainerNotFound":
+            return ShardNotFoundError(
+                f"{what}: container {loc.bucket!r} does not exist in account"
+                f" {self.client.account_name} ({self.endpoint}); check the name, or the account"
+                " (AZURE_STORAGE_ACCOUNT, the connection string)")
+        if status == 404:
+            return ShardNotFoundError(f"{what}: not found")
+        if status in (401, 403) or code in _DENIED_CODES:
+            expiry = sas_expiry(self._sas) if self._sas else None
+            if expiry is not None and expiry.timestamp() <= _clock.wall():
+                return StorageError(
+                    f"{what}: access denied ({code or status}): the SAS token expired at"
+                    f" {expiry.isoformat()}; give a fresh one (AZURE_STORAGE_SAS_TOKEN, or"
+                    " SharedAccessSignature= in AZURE_STORAGE_CONNECTION_STRING)")
+            return StorageError(
+                f"{what}: access denied ({code or status}); give these credentials read access to"
+                f" container {loc.bucket!r} (the role Storage Blob Data Reader, or a SAS with"
+                " read and list permissions)")
+        if status == 412 or code == "ConditionNotMet":
+            return StorageError(f"{what}: the blob was replaced while it was read; run again")
+        if status == 416 or code == "InvalidRange":
+            return StorageError(f"{what}: the blob is shorter than that (InvalidRange); it changed"
+                                " after it was listed: run again")
+        if is_transient(e):
+            return StorageError(f"{what}: failed after {self.settings.storage_attempts} attempts:"
+                                f" {code or status}")
+        return StorageError(f"{what}: {code or status}: {str(e).splitlines()[0][:300]}")
+
+    # -- listing and checksums ---------------------------------------------------------
+
+    def list_dir(self, loc: Location) -> list[ObjectInfo]:
+        prefix = f"{loc.path}/" if loc.path else ""
+
+        def listing() -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
+            container = self.client.get_container_client(loc.bucket)
+            pages = container.walk_blobs(name_starts_with=prefix or None, delimiter="/",
+                                         results_per_page=_PAGE, timeout=self._server_timeout)
+            for n, page in enumerate(pages.by_page()):
+                if n >= MAX_LIST_PAGES:
+                    raise StorageError(f"listing {loc.uri}: over {MAX_LIST_PAGES} pages of blobs;"
+                                       " give the prefix of one model")
+                for item in page:
+                    info = self._object_info(loc, prefix, item)
+                    if info is not None:
+                        found.append(info)
+            return found
+
+        return self._call(f"listing {loc.uri}", loc, listing)
+
+    def _object_info(self, loc: Location, prefix: str, item: Any) -> ObjectInfo | None:
+        """A listed blob, or None for an entry that is not one directly inside (a
+        sub-prefix; anything malformed is logged)."""
+        from azure.storage.blob import BlobPrefix
+
+        if isinstance(item, BlobPrefix):
+            return None
+        name, size, etag = (getattr(item, a, None) for a in ("name", "size", "etag"))
+        if not (isinstance(name, str) and name.startswith(prefix) and name != prefix
+                and "/" not in name[len(prefix):] and type(size) is int and size >= 0
+                and isinstance(etag, str) and etag.strip('"') != ""):
+            log.warning("az_listing_entry_skipped", uri=loc.uri, name=repr(name)[:200])
+            return None
+        return ObjectInfo(f"az://{loc.bucket}/{name}", name[len(prefix):], size, None,
+                          tag=quoted(etag))
+
+    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
+        cache = CrcCache(cache_dir)
+        keys = [["az", self.endpoint, i.tag, i.size] for i in infos]
+        out = [cache.get_key(i.uri, k) if i.tag else None for i, k in zip(infos, keys, strict=True)]
+        todo = [j for j, crc in enumerate(out) if crc is None]
+        for j, crc in zip(todo, self._compute_crc32cs([infos[j] for j in todo]), strict=True):
+            out[j] = crc
+            if infos[j].tag:
+                cache.put_key(infos[j].uri, keys[j], crc)
+        cache.save()
+        return [str(c) for c in out]
+
+    def _compute_crc32cs(self, infos: Sequence[ObjectInfo]) -> list[str]:
+        """Read each blob once for its CRC32C: ranged GETs pinned to its listed ETag, the
+        pieces of every blob in one pool (small blobs do not wait on each other)."""
+        # Pieces small enough that the blobs together keep every worker busy.
+        per_worker = -(-sum(i.size for i in infos) // self.settings.storage_workers)
+        step = min(self.settings.chunk_bytes, max(per_worker, MIN_CHUNK_BYTES))
+        pieces = [(j, off) for j, i in enumerate(infos) for off in range(0, i.size, step)]
+
+        def piece(p: tuple[int, int]) -> int:
+            info, off = infos[p[0]], p[1]
+            n = min(step, info.size - off)
+            what = f"reading {info.uri} [{off}, {off + n}) for its CRC32C"
+            loc = self._loc(info)
+
+            def fetch() -> int:
+                crc = 0
+
+                def extend(data: bytes) -> None:
+                    nonlocal crc
+                    crc = google_crc32c.extend(crc, data)
+
+                got, _ = self._get(loc, off, n, what, extend, etag=info.tag or None)
+                if got != n:
+                    raise StorageError(f"{what}: received {got} bytes, expected {n}")
+                return crc
+
+            return self._call(what, loc, fetch)
+
+        workers = max(1, min(self.settings.storage_workers, len(pieces)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-az-crc") as pool:
+            crcs = list(pool.map(piece, pieces))
+        totals = [0] * len(infos)
+        for (j, off), crc in zip(pieces, crcs, strict=True):
+            totals[j] = crc32c_combine(totals[j], crc, min(step, infos[j].size - off))
+        for info, total in zip(infos, totals, strict=True):
+            log.info("az_crc32c_computed", uri=info.uri, size=info.size, crc32c=f"{total:08x}")
+        return [f"{t:08x}" for t in totals]
+
+    def _loc(self, info: ObjectInfo) -> Location:
+        container, _, name = info.uri[len("az://"):].partition("/")
+        return Location("az", container, name)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def _get(self, loc: Location, start: int, n: int, what: str,
+             sink: Callable[[bytes], None], *, etag: str | None = None,
+             most: int | None = None) -> tuple[int, int | None]:
+        """One GET of bytes ``[start, start + n)`` streamed into ``sink`` in bounded pieces,
+        ``If-Match: etag`` when given; (bytes received, the blob's size). ``most`` bounds
+        the blob's size by the response's headers, before a byte of its body is read."""
+        blob = self.client.get_blob_client(loc.bucket, loc.path)
+        # The generated Get Blob under download_blob: the response streamed, not held whole.
+        response, stream = blob._client.blob.download(
+            range=f"bytes={start}-{start + n - 1}", timeout=self._server_timeout, decompress=False,
+            headers={"If-Match": etag} if etag else {},
+            cls=lambda pipeline, body, headers: (pipeline.http_response, body),
+        )
+        try:
+            got_range = response.headers.get("Content-Range")
+            if start and not (isinstance(got_range, str) and got_range.startswith(f"bytes {start}-")):
+                # A server that ignores the range sends the blob from its first byte.
+                raise StorageError(f"{what}: the server answered Range bytes={start}-... with"
+                                   f" {got_range!r}; use an endpoint that supports ranged GETs")
+            total = _range_total(got_range)
+            if total is None and response.status_code == 200:
+                length = response.headers.get("Content-Length", "")
+                total = int(length) if length.isdigit() else None
+            if most is not None and (total is None or total > most):
+                if total is None:
+                    raise StorageError(f"{what}: the server gave no size for the blob")
+                raise too_large(loc.uri, total, most)
+            got = 0
+            for chunk in stream:
+                got += len(chunk)
+                if got > n:
+                    raise StorageError(f"{what}: the server sent more than the {n} bytes requested")
+                sink(chunk)
+            return got, total
+        finally:
+            response.close()  # unread bytes are dropped with the connection, not drained
+
+    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
+        what = f"reading {loc.uri}"
+
+        def bounded() -> bytes:
+            parts: list[bytes] = []
+            try:
+                self._get(loc, 0, max_bytes + 1, what, parts.append, most=max_bytes)
+            except Exception as e:
+                if _error_code(e)[0] == "InvalidRange":
+                    return b""  # no byte 0: the blob is empty
+                raise
+            return b"".join(parts)
+
+        return self._call(what, loc, bounded)
+
+    def read_range(self, loc: Location, start: int, end: int) -> bytes:
+        buf = np.empty(end - start, dtype=np.uint8)
+        try:
+            n = self._fetch(loc, buf.data, start, f"reading {loc.uri} [{start}, {end})")
+        except StorageError as e:
+            if _error_code(e.__cause__)[0] == "InvalidRange":
+                return b""  # starts past the end: the blob is shorter
+            raise
+        return buf[:n].tobytes()
+
+    def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
+        """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; a blob that
+        ends before them is an error naming its size."""
+        what = f"downloading {loc.uri} [{start}, {start + len(view)})"
+        return self._fetch(loc, view, start, what, exact=True)
+
+    def _fetch(self, loc: Location, view: memoryview, start: int, what: str,
+               *, exact: bool = False) -> int:
+        def fetch() -> int:
+            pos = 0
+
+            def copy(data: bytes) -> None:
+                nonlocal pos
+                view[pos : pos + len(data)] = data
+                pos += len(data)
+
+            got, total = self._get(loc, start, len(view), what, copy)
+            if exact and got != len(view):
+                raise StorageError(f"{what}: the blob is {total} bytes, not the"
+                                   f" {start + len(view)} or more listed; it changed after it"
+                                   " was listed: run again")
+            return got
+
+        return self._call(what, loc, fetch)

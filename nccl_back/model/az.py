@@ -31,6 +31,7 @@ The Azure libraries are imported on the first request only.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import ssl
@@ -211,7 +212,8 @@ class AzureBlobs(Backend):
             raise ConfigError(f"AZURE_STORAGE_SERVICE_ENDPOINT={endpoint!r}: give"
                               " http(s)://host[:port][/path]")
         key = env.get("AZURE_STORAGE_KEY") or env.get("AZURE_STORAGE_ACCOUNT_KEY", "")
-        self._sas = env.get("AZURE_STORAGE_SAS_TOKEN", "").lstrip("?")
+        # The SAS only where it is the credential used (its expiry explains a refusal).
+        self._sas = "" if key else env.get("AZURE_STORAGE_SAS_TOKEN", "").lstrip("?")
         credential: Any
         if key:
             credential, self.how = {"account_name": account, "account_key": key}, "account key"
@@ -229,7 +231,7 @@ class AzureBlobs(Backend):
     @property
     def _server_timeout(self) -> int:
         """The seconds the service may spend on one operation (whole seconds, at least 1)."""
-        return max(1, -int(-self.timeout // 1))
+        return max(1, math.ceil(self.timeout))
 
     @property
     def endpoint(self) -> str:

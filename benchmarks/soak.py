@@ -26,6 +26,10 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
   that kind's entry calls for (``tests/hostile.py``: a stale or TTL-less genuine copy, a
   broken signature, garbage, raw bytes that are not UTF-8, an oversized value, hostile
   numbers or fields, each other Redis type), or a fake peer of this version;
+- ``garble_relay``: one rank of a unit, drawn at the end of the schedule (so the draws
+  before it are unchanged) for a quarter of the rollouts, flips every byte it forwards as
+  a relay member or a download's stream, while its own copy stays exact
+  (tests/faults.py); its receivers must catch it and blame only the senders of failing bytes;
 - ``replay_claim``: a genuine send-slot claim copied out of Redis and written back every
   0.5 s for a drawn 1-4 s (no secret needed): it must stop being obeyed at the expiry
   signed into it;
@@ -125,8 +129,11 @@ STORAGE_ALLOWANCE = 10.0
 HANG_MARGIN = 30.0
 GROUP_TIMEOUT = 30.0
 FAULT_KINDS = ("kill", "stop", "redis_flush", "redis_restart", "redis_outage", "hostile", "shard_same",
-               "shard_changed", "shard_flap", "replay_claim")
-FAULT_WEIGHTS = (4, 3, 1, 1, 1, 3, 1, 1, 1, 1)
+               "shard_changed", "shard_flap", "replay_claim", "garble_relay")
+#: ``garble_relay`` (weight 0 here) is drawn apart, last: see :func:`schedule`.
+FAULT_WEIGHTS = (4, 3, 1, 1, 1, 3, 1, 1, 1, 1, 0)
+#: The share of rollouts in which one rank garbles what it forwards.
+GARBLE_CHANCE = 0.25
 NOT_INJECTED = {
     "slow_http_client": "units run no sidecar (tests/test_health.py floods a real one)",
     "partition": "needs root and a network namespace per worker",
@@ -171,8 +178,8 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
     units.sort(key=lambda u: u["start"])
     for i, u in enumerate(units):
         u["unit"] = i
-    weights = [w for k, w in zip(FAULT_KINDS, FAULT_WEIGHTS, strict=True) if k in faults]
-    kinds = [k for k in FAULT_KINDS if k in faults]
+    weights = [w for k, w in zip(FAULT_KINDS, FAULT_WEIGHTS, strict=True) if k in faults and w]
+    kinds = [k for k, w in zip(FAULT_KINDS, FAULT_WEIGHTS, strict=True) if k in faults and w]
     plan = []
     for _ in range(rng.randint(0, max_faults) if kinds else 0):
         # Half the faults land just after some unit starts (inside its election, download
@@ -206,6 +213,12 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
     values_seed = rng.randrange(1 << 30)
     # Drawn last, so the draws above (and the schedules they made before) are unchanged.
     fan_out = rng.choice(("chain", "trees"))
+    if "garble_relay" in faults and rng.random() < GARBLE_CHANCE:  # drawn after, for the same reason
+        victim = rng.choice([u for u in units if u["kind"] == "pipeline"])
+        victim["garble"] = rng.randrange(int(victim["world"]))
+        plan.append({"t": victim["start"], "kind": "garble_relay", "unit": victim["unit"],
+                     "rank": victim["garble"]})
+        plan.sort(key=lambda f: f["t"])
     return {"rollout": rollout, "seed": seed, "units": units, "faults": plan,
             "values_seed": values_seed, "fan_out": fan_out}
 
@@ -446,6 +459,7 @@ class Soak:
         for rank in range(u["world"]):
             job = {"rollout": r, "unit": u["unit"], "rank": rank, "world": u["world"], "port": port,
                    "kind": u.get("kind", "pipeline"), "scheme": u.get("scheme"),
+                   "garble": u.get("garble") == rank,
                    "ckpt": str(ckpt), "flat": str(rdir / "flat"), "big": str(self.big),
                    # Sidecars move the large model at the link's speed (the soak's cap is for
                    # the tiny ones, so faults land inside their transfers).
@@ -498,6 +512,8 @@ class Soak:
     def _fault(self, f: dict[str, Any], procs: list[Proc], ckpt: Path, expected: dict[str, dict[str, str]],
                hostile: set[str], version: str) -> str:
         kind = f["kind"]
+        if kind == "garble_relay":
+            return kind  # the rank garbles from its start (the job says so)
         if kind in ("kill", "stop"):
             victim = next((p for p in procs if (p.unit, p.rank) == (f["unit"], f["rank"])), None)
             if victim is None or victim.killed or not victim.process.is_alive():

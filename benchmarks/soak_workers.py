@@ -6,7 +6,8 @@ its pipeline stage (single-rank units hold the whole pipeline), real gloo groups
 Each reports through a pipe: ``loaded`` (source, seconds, a SHA-256 of its tensors'
 bytes) or ``error`` (typed or not, with the traceback), then after ``stop`` ``closed``
 (threads and file descriptors still open beyond what it had before the service).
-Nothing here injects faults: the soak does that from outside, with signals.
+Nothing here injects faults (the soak does that from outside, with signals) but one a
+rank must carry itself: ``garble`` in its job, every byte it forwards flipped.
 """
 
 from __future__ import annotations
@@ -216,6 +217,10 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         # From here on a silent rank is the library's: the soak judges hangs from this on.
         out.send({"unit": job["unit"], "rank": rank, "event": "phase", "phase": "service"})
         settings = Settings(**job["settings"])
+        if job.get("garble"):
+            from faults import garble_relay_sends
+
+            garble_relay_sends()
         # torch's first TCPStore opens a process-wide pipe it keeps for ever (measured:
         # a second store adds none); make it now so that it is part of the baseline.
         from datetime import timedelta as _td

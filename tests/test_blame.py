@@ -76,13 +76,15 @@ def _histories(draw: Any) -> tuple[list[Any], list[str | None], set[str]]:
 
 @settings(max_examples=300, deadline=None)
 @given(_histories())
-def test_blame_names_exactly_the_senders_of_failing_steps_and_discards_all_they_sent(
+def test_blame_names_only_the_senders_of_failing_bytes_and_discards_all_they_sent(
     case: tuple[list[Any], list[str | None], set[str]],
 ) -> None:
-    """For any fill history and failing layers: the blamed sources are those whose steps
-    carry a failing layer (all held sources when none does); after discard no blamed
-    source's step is held, everything before its first step still is, and the resume
-    point is that first step."""
+    """For any fill history and failing layers: a source is guilty iff it alone sent the
+    held bytes of some failing layer; the senders of a failing layer with no guilty
+    sender are suspects, not blamed (all held sources guilty when no step carries a
+    failing layer); a check that implicates a suspect again makes it guilty. After
+    discard no implicated source's step is held, everything before its first step still
+    is, and the resume point is that first step."""
     steps, owners, bad = case
     held = StepSources(steps)
     for k, src in enumerate(owners):
@@ -90,15 +92,22 @@ def test_blame_names_exactly_the_senders_of_failing_steps_and_discards_all_they_
             held.record(k, src)
     expect_done = next((k for k, src in enumerate(owners) if src is None), len(owners))
     assert held.done == expect_done
-    carrying = {src for step, src in zip(steps, owners, strict=True) if src is not None
-                and any(integrity.layer_of(slot.name) in bad for slot in step.slots)}
+    senders: dict[str, set[str]] = {}
+    for step, src in zip(steps, owners, strict=True):
+        for slot in step.slots if src is not None else ():
+            if integrity.layer_of(slot.name) in bad:
+                senders.setdefault(integrity.layer_of(slot.name), set()).add(src)
     everyone = {src for src in owners if src is not None}
-    blamed = held.blame(bad, integrity.layer_of)
-    assert blamed == (carrying or everyone)
-    kept = held.discard(blamed)
-    first = next((k for k, src in enumerate(owners) if src in blamed), len(owners))
+    alone = {next(iter(s)) for s in senders.values() if len(s) == 1}
+    blame = held.blame(bad, integrity.layer_of)
+    assert blame.guilty == (alone if senders else everyone)
+    assert blame.suspects == {src for s in senders.values() if not s & alone for src in s}
+    again = held.blame(bad, integrity.layer_of)  # the same failure once more
+    assert again.guilty == blame.guilty | blame.suspects and not again.suspects
+    kept = held.discard(blame.sources)
+    first = next((k for k, src in enumerate(owners) if src in blame.sources), len(owners))
     assert kept == held.done == min(first, expect_done)
-    assert not held.sources() & blamed
+    assert not held.sources() & blame.sources
     assert held.sources() == {src for src in owners[:first] if src is not None}
 
 

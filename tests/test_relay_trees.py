@@ -171,15 +171,18 @@ def _seats(redis_url: str, namespace: str, n: int, t0: float) -> list[str]:
     members: list[str] = []
     while len(members) < n and time.monotonic() - t0 < 30:
         chains = [k for k in client.scan_iter(f"{{{namespace}}}:cohort:*") if client.type(k) == "list"]
-        members = client.lrange(chains[0], 0, -1) if chains else []
+        # The longest: a holder that loaded from another may have seated a cohort too.
+        members = max((client.lrange(k, 0, -1) for k in chains), key=len, default=[])
         time.sleep(0.05)
     assert len(members) == n, members
     return [records.member(json.loads(m)).member_id for m in members]
 
 
-def _release(fleet: Fleet, n: int, settings: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def _release(fleet: Fleet, n: int, settings: dict[str, Any],
+             fault: str | None = None) -> tuple[dict[str, Any], Any]:
     go = CTX.Event()
-    procs = {f"m{i}": fleet.start(f"m{i}", settings=settings, go=go, serve_for=30) for i in range(n)}
+    procs = {f"m{i}": fleet.start(f"m{i}", settings=settings, go=go, serve_for=30, fault=fault)
+             for i in range(n)}
     time.sleep(3.0)  # every member built its skeleton and waits for go
     go.set()
     return procs, time.monotonic()
@@ -313,5 +316,46 @@ def test_junk_pushed_onto_a_cohort_in_trees_is_built_over_and_skipped(
         for r in (fleet.report(timeout=60) for _ in range(5)):
             _ok(r)
             assert r["source"] == "peer" and r["storage_bytes"] == 0, r
+    finally:
+        fleet.close()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("seat", "verify", "holders"), [
+    (1, "sampled", 1), (1, "full", 2), (2, "full", 1), (2, "sampled", 2),
+], ids=["root-sampled-1holder", "root-full-2holders", "other-tree-full-1holder",
+        "other-tree-sampled-2holders"])
+def test_a_member_garbling_what_it_forwards_is_the_only_one_blamed(
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, seat: int, verify: str,
+    holders: int,
+) -> None:
+    """Six members in trees behind honest holders, secret set; the member at ``seat``
+    (1: the second tree's root; 2: interior in the first tree) flips every byte it
+    forwards while its own copy stays exact. Every member ends verified and
+    bit-identical from peers, none reads storage, and no receiver blames a holder or an
+    honest member: only the garbling one, or a member that forwarded its bytes before
+    its own check caught them (its receivers cannot tell it from the garbler). A failing
+    layer whose bytes both parts carried is put on the part that alone sent another."""
+    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
+    fleet.settings.update(verify=verify, secret="a-fleet-secret-for-the-trees-0123")
+    try:
+        for h in range(holders):
+            fleet.start(f"holder{h}", settings={"max_send_gbps": 0.0004})
+            _ok(fleet.report())
+        _, t0 = _release(fleet, 6, TREES | {"max_send_gbps": 0.0008},
+                         fault=f"corrupt_relay_seat={seat}")
+        order = _seats(redis_url, namespace, 6, t0)
+        reports = {r["role"]: r for r in (fleet.report(timeout=90) for _ in range(6))}
+        garbler = order[seat]
+        # Seat p forwards in tree p % 2 only: those there that caught its bytes themselves.
+        forwarded = {m for p, m in enumerate(order) if p % topology.TREES == seat % topology.TREES
+                     and garbler in reports[_role(m)].get("blamed", [])}
+        summary = {_role(m): (reports[_role(m)].get("source"), reports[_role(m)].get("blamed"))
+                   for m in order}
+        for r in reports.values():
+            _ok(r)
+            assert r["source"] == "peer" and r["storage_bytes"] == 0, (garbler, summary)
+            assert set(r["blamed"]) <= {garbler} | forwarded, (garbler, summary)
+        assert any(garbler in r["blamed"] for r in reports.values()), summary  # it was caught
     finally:
         fleet.close()

@@ -6,6 +6,7 @@ real Redis, loads, and reports what happened through a queue. Nothing is mocked.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -86,7 +87,8 @@ def worker_main(
     PATH). ``kill_mid_send`` / ``kill_mid_recv`` SIGKILL this process after a few
     broadcasts of a transfer (a real crash mid-transfer); ``corrupt_send`` flips one
     byte of the first step of every send on the wire, ``corrupt_send_last`` of the last
-    step (tests/faults.py). ``adopt_as``: instead of
+    step (tests/faults.py); ``corrupt_relay_seat=N``: the member seated at cohort
+    position N flips every byte of every step its relay endpoint forwards. ``adopt_as``: instead of
     loading, publish a model built with these kwargs under the checkpoint's version
     (to stage a peer whose manifest differs). ``go``: an Event to wait for before
     loading (everything else is ready, so the load starts the moment it is set).
@@ -95,7 +97,6 @@ def worker_main(
     """
     os.environ.update(env or {})
     import faulthandler
-    import logging
     import sys
 
     if os.environ.get("NB_TEST_LOG"):  # a worker's log lines on stderr, for debugging a test
@@ -123,6 +124,8 @@ def worker_main(
                 go.wait(120)
                 faulthandler.dump_traceback_later(40, exit=True)
             t0 = time.monotonic()
+            blamed = _Blamed()
+            logging.getLogger("nccl_back").addHandler(blamed)
             result = svc.load(model, spec)
             out.send({
                 "role": role, "load_seconds": time.monotonic() - t0, "pid": os.getpid(), "source": result.source,
@@ -131,6 +134,7 @@ def worker_main(
                 "seconds": result.seconds, "bytes": result.bytes,
                 "storage_bytes": result.storage_bytes, "peer_bytes": result.peer_bytes,
                 "worker_id": svc.worker_id, "timings": result.timings,
+                "blamed": sorted(blamed.peers),
             })
             faulthandler.cancel_dump_traceback_later()
             deadline = time.monotonic() + serve_for
@@ -139,6 +143,20 @@ def worker_main(
     except BaseException as e:  # report, don't hang the parent
         out.send({"role": role, "pid": os.getpid(), "error": f"{type(e).__name__}: {e}",
                  "traceback": traceback.format_exc()})
+
+
+class _Blamed(logging.Handler):
+    """The sources a load blamed for bytes that failed its verification (its events)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        e = getattr(record, "nccl_back", {})
+        if (e.get("event") in ("peer_attempt_failed", "relay_upstream_failed")
+                and e.get("reason") == "verification_failed"):
+            self.peers.add(str(e.get("peer")))
 
 
 class _KillAfter:
@@ -334,6 +352,10 @@ def _install_fault(fault: str) -> None:
             return orig_last(CorruptingTransport(transport, byte=3, step=last), tensors, bucket, **k)
 
         sender.send_tensors = corrupt_last  # type: ignore[assignment]
+    elif fault.startswith("corrupt_relay_seat="):
+        from faults import garble_relay_sends  # type: ignore[import-not-found]
+
+        garble_relay_sends(int(fault.partition("=")[2]))
     elif fault == "slow_send":
         orig_slow = sender.send_tensors
 

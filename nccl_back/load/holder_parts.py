@@ -46,8 +46,9 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
     other cohorts' heads). A failed part leaves what landed, and its remainder comes
     from a holder whose part landed; with none left, the one-holder loop resumes at
     the first step this rank lacks, without the holders returned (those that failed).
-    Failed verification blames the one holder that sent the failing layers; when
-    they came from several (a layer at a cut, or damage in more than one part), none.
+    Failed verification blames the holders that sent failing bytes (a layer whose
+    bytes all came from one); when a failing layer's bytes came from several and
+    none is to blame for another layer (a layer at a cut), none.
     """
     worker, a, s, rx = rcv.worker, rcv.a, rcv.worker.settings, rcv.a.rx
     if s.holder_parts < 2 or rx.sources.sources() or _seated_below(rcv):
@@ -100,15 +101,16 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
     try:
         verify.check(worker, a, rx.deadline)
     except WeightVerificationError as e:
-        blamed = e.blamed if isinstance(e, relay.DamagedBytes) else frozenset()
-        if len(blamed) == 1:
-            rcv.blame(e, next(iter(blamed)))
+        blamed, suspects = ((e.blamed, e.suspects) if isinstance(e, relay.DamagedBytes)
+                            else (frozenset(), frozenset()))
+        if blamed:
+            rcv.blame(e, min(blamed))
             return failed
-        # The failing layers came from several holders (a layer at a cut, or damage
-        # in more than one part): none is blamed, what they sent is gone, and the
-        # one-holder loop tells them apart.
+        # The failing layers' bytes came from several holders and none alone (a layer
+        # at a cut): none is blamed, what they sent is gone, and the one-holder loop
+        # tells them apart.
         worker.metrics.record_verification_failure()
-        a.log.warning("holder_parts_unplaced", peers=sorted(blamed), error=str(e))
+        a.log.warning("holder_parts_unplaced", peers=sorted(suspects), error=str(e))
         return failed
     a.peer_id = ",".join(p.peer_id for p, _ in done)
     return set()

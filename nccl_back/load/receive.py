@@ -261,8 +261,11 @@ class Receive:
         verify.check(worker, a, deadline)
 
     def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
-        """Record a verification failure against the sources that sent the failing steps
-        (``tried`` when they cannot be told); returns them."""
+        """Record a verification failure against the sources that sent failing bytes
+        (``tried`` when they cannot be told); returns them. Suspects (one of them sent
+        wrong bytes, the check cannot say which: :class:`~nccl_back.transport.relay.Blame`)
+        are logged, not blamed: what they sent is gone, and a source implicated again
+        is blamed then."""
         a = self.a
         blamed = set(error.blamed) if isinstance(error, relay.DamagedBytes) else {tried}
         a.rx.blamed |= blamed
@@ -270,6 +273,9 @@ class Receive:
         for src in sorted(blamed):
             a.log.warning("peer_attempt_failed", peer=src, reason="verification_failed",
                           via=tried, error=str(error))
+        if isinstance(error, relay.DamagedBytes) and error.suspects:
+            a.log.warning("verification_unplaced", suspects=sorted(error.suspects), via=tried,
+                          held_steps=a.rx.sources.done, error=str(error))
         if tried not in blamed:
             a.log.info("peer_attempt_retried", peer=tried, blamed=sorted(blamed),
                        held_steps=a.rx.sources.done)

@@ -17,7 +17,9 @@ upstream counts as failed: under load (a fleet released together) a live endpoin
 be slow to answer, and every seat that gave up on its parent would load the ones
 further up. Not once the part stalled: a member upstream stopped (or partitioned), the
 upstreams tried next are its suspects, and each retry would cost a stopped one another
-handshake bound. Verification and blame are the chain's.
+handshake bound. Verification and blame are the chain's; a member a failed check
+only suspects (a failing layer whose bytes both parts carried, and no source to blame
+for another: :class:`~nccl_back.transport.relay.Blame`) is not asked again by this seat.
 """
 
 from __future__ import annotations
@@ -101,14 +103,29 @@ class _Trees:
             try:
                 verify.check(rcv.worker, a, self.deadline)
             except WeightVerificationError as e:
-                # Whoever sent the failing steps is never asked again and what it sent is
+                # Whoever sent failing bytes is never asked again and what it sent is
                 # gone: both parts resume at what they now lack.
                 chain.failed.update(rcv.blame(e, min(rx.sources.sources(), default="")))
+                chain.failed.update(self._suspects(e))
                 rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
                 continue
             a.peer_id = ",".join(sorted(rx.sources.sources()))
             return True
         return False
+
+    def _suspects(self, e: WeightVerificationError) -> set[str]:
+        """The members among a failed check's suspects (:class:`~nccl_back.transport.relay.Blame`):
+        this seat asks them no more, unblamed, so the retry pairs the other suspects
+        with new sources, which tells them apart. A member forwards bytes before it has
+        checked them; a holder serves only checked ones and is asked again (so is the
+        stream: a cohort's one source)."""
+        if not isinstance(e, relay.DamagedBytes):
+            return set()
+        a = self.rcv.a
+        sources = {p.peer_id for p in a.found.candidates}
+        if self.fed_by is not None:
+            sources.add(self.fed_by.member_id)
+        return set(e.suspects - sources)
 
     def _part(self, mine: list[int], tree: int, _started: object) -> None:
         """Tree ``tree``'s part (the step indices ``mine``) from this seat's upstreams in

@@ -4,8 +4,10 @@ that sent them.
 
 The truth is discovery's (the hashes a storage load published) or, for a rank fed by
 a streamed download, the hashes that downloader publishes once its load is complete.
-A mismatch blames only the sources of the steps carrying the failing layers
-(:class:`~nccl_back.transport.relay.StepSources`), and discards what they sent. A rank whose
+A mismatch blames only the sources of the failing bytes: a failing layer's bytes that
+came from two sources (a layer cut by a part boundary) are put on the one that alone sent
+another failing layer, else both are suspects, blamed only if implicated again
+(:class:`~nccl_back.transport.relay.StepSources`); what they sent is discarded. A rank whose
 check passed records its :class:`~.verifier.Basis`: what it may publish follows from it.
 """
 
@@ -42,8 +44,8 @@ def check(worker: Worker, a: Attempt, deadline: float) -> None:
 
 def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:
     """Compare the tensors' layer hashes with ``truth``; on a mismatch, never forward
-    what this rank holds again, discard what the guilty sources sent, raise
-    :class:`DamagedBytes`."""
+    what this rank holds again, discard what the guilty and suspected sources sent,
+    raise :class:`DamagedBytes`."""
     try:
         worker.verifier.check_layers(a.model, truth)
     except WeightVerificationError as e:
@@ -52,9 +54,9 @@ def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:
             # end now and this endpoint refuses every later request.
             a.rx.chain.progress.fail(f"verification failed: {e}")
         sources = a.rx.sources
-        blamed = sources.blame(set(e.bad), integrity.layer_of)
-        sources.discard(blamed)
-        raise DamagedBytes(e, blamed) from e
+        blame = sources.blame(set(e.bad), integrity.layer_of)
+        sources.discard(blame.sources)
+        raise DamagedBytes(e, blame.guilty, blame.suspects) from e
 
 
 def await_truth(worker: Worker, a: Attempt, deadline: float) -> dict[str, str]:

@@ -29,8 +29,8 @@ downstream links at once, so they re-attach too. Every member verifies what it g
 against the ground truth, as any receiver does. A member whose verification fails
 forwards nothing more (its endpoint refuses every request while it lingers); its
 downstream, which may hold some of those bytes, finds them in its own verification,
-blames the sources that sent the failing steps (:class:`StepSources`), discards what they
-sent and receives it again from someone else.
+blames the sources that sent the failing bytes (:class:`StepSources`: not every source of
+a failing layer), discards what they sent and receives it again from someone else.
 
 Trees (``relay_fan_out = "trees"``, the default; the chain above is ``"chain"``). The
 same seats form two binary trees instead of one chain (:func:`.topology.seat_upstreams`):
@@ -76,6 +76,7 @@ from nccl_back.transport.relay.state import (
     MAX_RELAY_SENDS,
     RELAY_HANDSHAKE,
     STREAM_SENDS,
+    Blame,
     Fills,
     Progress,
     Seat,
@@ -83,6 +84,7 @@ from nccl_back.transport.relay.state import (
 )
 
 __all__ = [
+    "Blame",
     "Chain",
     "Cohorts",
     "DamagedBytes",

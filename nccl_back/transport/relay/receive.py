@@ -42,14 +42,17 @@ from nccl_back.transport.relay.server import RelayServer
 
 class DamagedBytes(WeightVerificationError):
     """Verification failed after a transfer; ``blamed`` names the sources (holders, relay
-    members, a stream) that sent the steps carrying the failing layers (:class:`.StepSources`).
-    What they sent was discarded, so the next source sends it again. Internal: what a
-    load reports (or raises with ``strict``) is :attr:`error`, the integrity check's own."""
+    members, a stream) that sent failing bytes, ``suspects`` those of which one did but
+    the check cannot say which (:class:`.Blame`). What both sent was discarded, so the
+    next source sends it again. Internal: what a load reports (or raises with
+    ``strict``) is :attr:`error`, the integrity check's own."""
 
-    def __init__(self, error: WeightVerificationError, blamed: set[str]) -> None:
+    def __init__(self, error: WeightVerificationError, blamed: Collection[str],
+                 suspects: Collection[str] = ()) -> None:
         super().__init__(str(error))
         self.error = error
         self.blamed = frozenset(blamed)
+        self.suspects = frozenset(suspects) - self.blamed
 
 
 E = TypeVar("E", Chain, Stream, Share)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from nccl_back import _clock
@@ -126,20 +126,44 @@ class Progress:
                 self._cond.wait(min(left, 0.5))
 
 
+@dataclass(frozen=True)
+class Blame:
+    """Whom a failed check implicates (:meth:`StepSources.blame`)."""
+
+    guilty: frozenset[str]
+    """Sources that sent failing bytes: each alone sent every held byte of some failing
+    layer (or was suspected in an earlier check and is again now)."""
+    suspects: frozenset[str] = frozenset()
+    """Sources of the failing layers whose bytes came from several sources, none of
+    them guilty: one of them sent wrong bytes and this check cannot say which (the
+    truth is per layer). Not blamed: what they sent is discarded and sent again, and a
+    check that implicates one of them again makes it guilty."""
+
+    @property
+    def sources(self) -> frozenset[str]:
+        """Every source whose bytes the check implicates (what is discarded)."""
+        return self.guilty | self.suspects
+
+
 class StepSources:
     """Which source put each step of this rank's plan into its tensors (thread-safe).
 
     A receiver may fill its tensors from several sources (a relay upstream that died,
-    then another member, then a holder), resuming each time at the first step it
-    lacks. When verification fails, the layers that failed name the steps that carry
-    them, and those steps name the sources that sent them: only those are blamed, and
-    everything they sent is discarded, so the next source sends it again instead of
-    the same bad bytes failing once more under another source's name.
+    then another member, then a holder; in the trees, one source per part), resuming
+    each time at the first step it lacks. When verification fails, the failing layers
+    name the steps that carry them, and those steps the sources that sent them
+    (:meth:`blame`): a layer that came from one source alone convicts it, and a layer
+    whose bytes came from several (one cut by a part boundary, or whose small tensors
+    ride in a bucket of the other part) is explained by a convicted one among them, so
+    an honest source whose part shares a layer with a corrupting one is not blamed.
+    Everything the implicated sources sent is discarded, so the next source sends it
+    again instead of the same bad bytes failing once more under another source's name.
     """
 
     def __init__(self, steps: list[Step]) -> None:
         self._names = [frozenset(slot.name for slot in step.slots) for step in steps]
         self._sources: list[str | None] = [None] * len(steps)
+        self._suspected: set[str] = set()
         self._lock = threading.Lock()
 
     @property
@@ -165,15 +189,28 @@ class StepSources:
         with self._lock:
             return {src for src in self._sources if src is not None}
 
-    def blame(self, bad_layers: set[str], layer_of: Callable[[str], str]) -> set[str]:
-        """The sources of the held steps that carry a tensor of ``bad_layers``; every
-        source held when no step carries one (the failure cannot be placed)."""
+    def blame(self, bad_layers: set[str], layer_of: Callable[[str], str]) -> Blame:
+        """Whom the failure of ``bad_layers`` implicates, from the held steps that carry
+        them (see :class:`Blame`); every held source guilty when no step carries one
+        (the failure cannot be placed)."""
         with self._lock:
-            blamed = {src for names, src in zip(self._names, self._sources, strict=True)
-                      if src is not None and any(layer_of(n) in bad_layers for n in names)}
-            return blamed or {src for src in self._sources if src is not None}
+            senders: dict[str, set[str]] = {}
+            for names, src in zip(self._names, self._sources, strict=True):
+                if src is not None:
+                    for layer in {layer_of(n) for n in names} & bad_layers:
+                        senders.setdefault(layer, set()).add(src)
+            if not senders:
+                return Blame(frozenset(src for src in self._sources if src is not None))
+            guilty = {next(iter(s)) for s in senders.values() if len(s) == 1}
+            unexplained = [s for s in senders.values() if not s & guilty]
+            # Implicated once more (paired with another source, or with the same one
+            # again): a retry would tell no more, so it counts.
+            guilty |= set[str]().union(*unexplained) & self._suspected
+            suspects = set[str]().union(*(s for s in unexplained if not s & guilty))
+            self._suspected |= suspects
+            return Blame(frozenset(guilty), frozenset(suspects))
 
-    def discard(self, sources: set[str]) -> int:
+    def discard(self, sources: Collection[str]) -> int:
         """Forget everything from the first step any of ``sources`` sent (a transfer
         resumes as a prefix); returns the steps still held."""
         with self._lock:

@@ -161,10 +161,12 @@ def check_redis(settings: Settings) -> tuple[Check, Any]:
 
 def check_namespace(settings: Settings, registry: Any) -> Check:
     """Write, read back and delete a probe key in the namespace; count what it holds."""
+    from nccl_back.coord import schema
+
     key = registry.keys.check(uuid.uuid4().hex)
     try:
         registry.client.set(key, "1", px=10_000)
-        back = registry.client.get(key)
+        back = registry.raw_value(key, schema.CHECK)  # bounded, as every read
         registry.client.delete(key)
         listing = registry.list_all()
     except Exception as e:  # redis-py errors, ACL refusals (NOPERM) among them

@@ -5,14 +5,22 @@ each kind's schema entry (its Redis type), never from a hand list of kinds."""
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import redis
 
 from nccl_back.coord import schema
 
+T = TypeVar("T")
+
 #: Seconds a corruption is kept (no TTL rescue within a test or a rollout).
 HOUR = 3600
+#: Bytes of an oversized value, list item, set member or hash field, at least (over
+#: every kind's bound by far: what one costs a reader that reads it whole shows in its RSS).
+HUGE = 32 << 20
 
 
 def corruptions(kind: schema.KeyKind) -> list[str]:
@@ -53,8 +61,10 @@ def corrupt(client: redis.Redis, key: str, kind: schema.KeyKind, how: str,
         bad = b"\x00{not json" + b"[" * 64
     elif how == "raw_bytes":  # not UTF-8: a client decoding replies would raise on it
         bad = b"\xff\xfe\xfa{\"sig\": \xc3\x28}" + bytes(range(128, 256))
-    elif how == "oversized":
-        bad = json.dumps({**record, "pad": "x" * (kind.max_bytes + 1)}).encode()
+    elif how == "oversized":  # made on the server: the writer holds none of it
+        head = json.dumps({**record, "pad": ""}).encode()[:-2]
+        fill(client, key, gtype, max(kind.max_bytes + 1, HUGE), 2, head, b'"}')
+        return
     elif how == "huge_numbers":
         bad = json.dumps({k: (10**30 if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
                           for k, v in record.items()} or {"n": 10**30}).replace(
@@ -77,6 +87,48 @@ def corrupt(client: redis.Redis, key: str, kind: schema.KeyKind, how: str,
                   }.get(how, {"n": "2", "epoch": "{}"})
         client.hset(key, mapping=fields)  # type: ignore[arg-type]
         client.expire(key, HOUR)
+
+
+# One script writes n values of ``size`` bytes (ARGV[3] .. x... .. ARGV[4]) at KEYS[1], as
+# the Redis type ARGV[1] stores them: the string, list items, set members, hash fields.
+_FILL_LUA = """
+local t, size, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[5])
+local pad = string.rep('x', size - #ARGV[3] - #ARGV[4] - 8)
+if ARGV[7] == '' then redis.call('DEL', KEYS[1]) end
+for i = 1, n do
+  local v = ARGV[3] .. pad .. string.format('%08d', i) .. ARGV[4]
+  if t == 'string' then redis.call('SET', KEYS[1], v)
+  elseif t == 'list' then redis.call('RPUSH', KEYS[1], v)
+  elseif t == 'set' then redis.call('SADD', KEYS[1], v)
+  else redis.call('HSET', KEYS[1], ({'n', 'epoch'})[i] or ('f' .. i), v) end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+return 1
+"""
+
+
+def fill(client: redis.Redis, key: str, t: str, size: int, n: int, head: bytes = b"",
+         tail: bytes = b"", *, append: bool = False) -> None:
+    """Replace ``key`` by ``n`` values of ``size`` bytes each (``head``, padding,
+    ``tail``) of Redis type ``t`` (``append``: add them to what is there), kept for an
+    hour, made on the server (nothing of them crosses the wire or lives in this process)."""
+    client.eval(_FILL_LUA, 1, key, t, size, head, tail, n, HOUR, "1" if append else "")
+
+
+def _status_kib(field: str) -> int:
+    found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    assert found is not None, field
+    return int(found.group(1))
+
+
+def peak_rss_rise(fn: Callable[[], T]) -> tuple[T, int]:
+    """``fn()``, and how far this process's peak RSS rose above its RSS before, in bytes:
+    the kernel's high-water mark, reset first (``clear_refs``), so what the process held
+    at its worst while ``fn`` ran, threads included."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    got = fn()
+    return got, (_status_kib("VmHWM") - before) << 10
 
 
 def write(client: redis.Redis, key: str, t: str, value: Any, ttl: int | None) -> None:

@@ -28,13 +28,17 @@ def _sources(stdout: str) -> list[str]:
 @pytest.mark.timeout(150)
 def test_demo_first_worker_loads_from_storage_the_others_from_peers() -> None:
     """With a small model and 2 workers, one row says storage and both others say peer;
-    storage is the throttled GCS emulator, and the fleet's cost from storage alone follows."""
+    storage is the GCS emulator behind links that keep a fleet's ratio (said, with why),
+    and the fleet's cost from storage alone follows."""
     proc = _run("--model-mb", "4", "--workers", "2", "--timeout", "60", "--phases",
                 timeout=140)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _sources(proc.stdout) == ["storage", "peer", "peer"], proc.stdout
     assert "3/3 workers ready and verified, 2 from peers" in proc.stdout
-    assert "storage: the GCS emulator through google-cloud-storage, 2 Gbit/s per worker" in proc.stdout
+    assert "storage: the GCS emulator through google-cloud-storage, 0.02 Gbit/s per worker" in proc.stdout
+    assert ("why 0.02 Gbit/s: in a fleet a worker's link to its bucket (about 2 Gbit/s) is some"
+            " 50x slower than its links to peers (100 Gbit/s; 20-200x across fleets)") in proc.stdout
+    assert "the demo keeps a fleet's ratio, not its speeds" in proc.stdout
     assert "with peers:    1 download(s) from storage" in proc.stdout, proc.stdout
     assert "storage alone: 3 downloads" in proc.stdout, proc.stdout
     phases = proc.stdout.split("seconds per phase:")[1].splitlines()
@@ -57,6 +61,14 @@ def test_demo_bad_storage_rate_is_one_line_error() -> None:
     proc = _run("--storage-gbit", "0", timeout=50)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "--storage-gbit" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_demo_ratio_and_storage_rate_are_one_or_the_other() -> None:
+    """--ratio and --storage-gbit both set the bucket link: giving both exits 2, one line."""
+    proc = _run("--ratio", "20", "--storage-gbit", "1", timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "not allowed with argument" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(60)

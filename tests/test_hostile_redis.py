@@ -33,13 +33,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
 import reshard_workers as rw
 import torch
-from hostile import HOUR, corrupt, corruptions, read_key
+from hostile import HOUR, corrupt, corruptions, peak_rss_rise, read_key
 from safetensors.torch import load_file
 
 import nccl_back
@@ -60,6 +60,7 @@ from nccl_back.result import LoadResult
 from models import TinyTransformer, fill_random, write_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
+T = TypeVar("T")
 
 SECRET = "hostile-redis-secret-" + "x" * 16
 #: Kinds no load reads (``nccl-back check``'s probe key): nothing to corrupt.
@@ -90,6 +91,19 @@ def _settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
         download_lease=2.0, busy_wait=6.0, claim_ttl=2.0, cohort_window=0.3,
         relay_stall_timeout=3.0, max_peer_attempts=2, download_group_window=0.2,
     )
+
+
+#: Peak RSS a load may add while values of 32 MiB or more (``hostile.HUGE``) sit at a
+#: key: their bytes are refused by their length, never read (issue 60's bound).
+OVERSIZED_RSS = 64 << 20
+
+
+def rss_checked(how: str, fn: Callable[[], T]) -> T:
+    """``fn()``; under an oversized corruption, this process's peak RSS (every worker
+    and holder it runs, their reads included) must rise under :data:`OVERSIZED_RSS`."""
+    got, rise = peak_rss_rise(fn)
+    assert how != "oversized" or rise < OVERSIZED_RSS, f"peak RSS +{rise >> 20} MiB under {how} values"
+    return got
 
 
 #: Two workers started together form one cooperative download, on a loaded machine too.
@@ -135,6 +149,13 @@ class Fleet:
         assert _bytes_of(named_tensors(model)[0]) == self.expected, \
             f"wrong bytes after a {result.source} load"
         return result
+
+    def fresh_load(self, how: str) -> LoadResult:
+        """:meth:`load` by a new worker, under corruption ``how`` (see :func:`rss_checked`)."""
+        def load() -> LoadResult:
+            with WeightService(self.settings) as svc:
+                return self.load(svc)
+        return rss_checked(how, load)
 
     def flat_holder(self, svc: WeightService) -> LoadResult:
         """A plain holder of the flat checkpoint (what a reshard receives from)."""
@@ -205,13 +226,14 @@ class KeyWatch:
             if msg is None or msg["data"] in (b"del", b"expired", b"expire", b"pexpire"):
                 continue
             key = msg["channel"].decode().split(":", 1)[1]
-            if self.race is not None and kind_of(key) == self.race[0] and key not in self.raced:
-                self.raced.append(key)
-                # The library may rewrite the key between our delete and our write (a
-                # WRONGTYPE reply): the race is lost, and this thread must keep watching.
-                with contextlib.suppress(redis.ResponseError):
-                    self.race[1](key)
-                continue
+            if self.race is not None and kind_of(key) == self.race[0]:
+                if key not in self.raced:
+                    self.raced.append(key)
+                    # The library may rewrite the key between our delete and our write (a
+                    # WRONGTYPE reply): the race is lost, and this thread must keep watching.
+                    with contextlib.suppress(redis.ResponseError):
+                        self.race[1](key)
+                continue  # never read back: it may hold an oversized value (not the reader's)
             if self.keys.get(key, ("", None))[1] is None:
                 # A key already gone (a request popped at once) keeps its name.
                 kind = schema.kind_of(key)
@@ -370,8 +392,7 @@ def _with_a_live_holder(fleet: Fleet, captured: dict[str, Any], kind: str, setti
                 else:
                     corrupt(fleet.client, holder_keys(fleet, reg, peer_id)[kind], entry, how,
                             (gtype, gvalue))
-                with WeightService(fleet.settings) as receiver:
-                    result = fleet.load(receiver)
+                result = fleet.fresh_load(how)
                 if kind not in RACED:
                     assert result.source == "peer", (how, result.fallback_reason)
                 if watch is not None:
@@ -394,10 +415,14 @@ def test_every_corruption_on_an_empty_fleet_costs_one_storage_read(
     for how in corruptions(schema.BY_NAME[kind]):
         fleet.clean()
         corrupt(fleet.client, key, schema.BY_NAME[kind], how, (gtype, gvalue))
-        with WeightService(fleet.settings) as first:
-            assert fleet.load(first).source == "storage"
-            with WeightService(fleet.settings) as second:
-                result = fleet.load(second)
+
+        def rollout() -> LoadResult:
+            with WeightService(fleet.settings) as first:
+                assert fleet.load(first).source == "storage"
+                with WeightService(fleet.settings) as second:
+                    return fleet.load(second)
+
+        result = rss_checked(how, rollout)
         assert result.source == "peer", (how, result.fallback_reason)
 
 

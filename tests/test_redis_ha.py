@@ -164,6 +164,14 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     assert slots == {reg.client.keyslot(reg.key("x"))}
     reg.withdraw("p1", "v1")
     assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["p2"]
+    # The other bounded reads: a batch of tombstones, a chain's items, a group's list.
+    reg.mark_gone("m1", ttl=5)
+    assert reg.gone_members(["m1", "m2"]) == {"m1"}
+    member = {"member_id": "m1", "address": "127.0.0.1:1", "transport": "gloo", "device": "cpu"}
+    chain, _ = reg.join_cohort("v1", 0, 1, "d" * 32, member, window=5, max_size=4, ttl=5)
+    assert [m.member_id for m in reg.chain_members(chain, 0, 0) if m is not None] == ["m1"]
+    reg.join_download_group("v1", 1, "w1")
+    assert reg.download_group("v1", 1) == ["w1"]
     reg.close()
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from nccl_back.coord import schema
 from nccl_back.coord.records import Member
-from nccl_back.coord.store import SignedStore, ms
+from nccl_back.coord.store import WRONG_TYPE, SignedStore, ms
 from nccl_back.errors import RegistryError, UntrustedRecordError
 
 
@@ -48,7 +48,9 @@ class CohortRecords(SignedStore):
         cohort = self.keys.cohort_of_chain(chain)
         if cohort is None:
             raise RegistryError(f"{chain!r} is not a cohort chain key")
-        raws = self._call("LRANGE", lambda: self.client.lrange(chain, first, last))
+        raws = self.items(chain, schema.CHAIN, first, last)
+        if raws is WRONG_TYPE:  # garbage: no seat of this chain can be trusted
+            raise RegistryError(f"{chain}: WRONGTYPE, not a chain of member records")
         return [self.parse(chain, raw, schema.CHAIN, signed_for=cohort) for raw in raws]
 
     def chain_size(self, chain: str) -> int:
@@ -72,7 +74,9 @@ class CohortRecords(SignedStore):
         if not member_ids:
             return set()
         keys = [self.keys.gone(m) for m in member_ids]
-        raws = self._call("MGET", lambda: self.client.mget(keys))
+        # Bounded: anyone may write at a tombstone's key (member ids are readable), and
+        # every upstream lookup of every seat reads these.
+        raws = self.values(keys, schema.GONE)
         return {m for key, raw in zip(keys, raws, strict=True)
                 if raw is not None and (m := self.parse(key, raw, schema.GONE)) is not None}
 

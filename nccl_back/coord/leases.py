@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 from nccl_back.coord import schema
 from nccl_back.coord.records import Member, Rescue, Roster
-from nccl_back.coord.store import Raw, SignedStore, ms
-from nccl_back.errors import RecordKind, RegistryError
+from nccl_back.coord.store import WRONG_TYPE, Raw, SignedStore, ms
+from nccl_back.errors import RecordKind
 
 #: Entries kept in a download group's list (the newest): a flood cannot grow it.
 MAX_GROUP_ENTRIES = 256
@@ -80,11 +80,8 @@ class LeaseRecords(SignedStore):
         """The workers waiting for ``version``, each once, in arrival order (entries that
         do not verify are skipped with a reason, counted)."""
         key = self.keys.download_group(version, world_size)
-        try:
-            raws = self._call("LRANGE", lambda: self.client.lrange(key, 0, MAX_GROUP_ENTRIES - 1))
-        except RegistryError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
+        raws = self.items(key, schema.DOWNLOAD_GROUP, 0, MAX_GROUP_ENTRIES - 1)
+        if raws is WRONG_TYPE:
             # Garbage of another type there: nobody joined through it; the next join
             # replaces it.
             self.reject(RecordKind.DOWNLOAD_GROUP, key, "wrong Redis type")

@@ -23,7 +23,7 @@ from nccl_back.coord.records import PeerInfo
 from nccl_back.coord.requests import RequestRecords
 from nccl_back.coord.store import WRONG_TYPE, SignedStore, log, ms
 from nccl_back.coord.truth import TruthRecords
-from nccl_back.errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
+from nccl_back.errors import ConfigError, RecordKind, UntrustedRecordError
 
 _KEY_UNSAFE = " :*?[]"
 
@@ -138,19 +138,14 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         dropped it would leave the next one an empty index while the entries still
         exist); the holders' next heartbeats replace it. A hint must never hide the
         truth it points to."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.scard(index)
-        pipe.srandmember(index, MAX_INDEX)  # every member when there are at most that many
-        try:
-            n, members = self._call("SMEMBERS", pipe.execute)
-        except RegistryError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
+        got = self.members(index, schema.INDEX, MAX_INDEX)
+        if got is WRONG_TYPE:
             why = "wrong Redis type"
         else:
-            if int(n) <= MAX_INDEX:
-                return sorted(m.decode() for m in members if isinstance(m, bytes) and len(m) <= 200
-                              and records.IDENT.fullmatch(m.decode("ascii", "replace")))
+            n, members = got
+            if n <= MAX_INDEX:
+                return sorted({m.decode() for m in members if len(m) <= 200
+                               and records.IDENT.fullmatch(m.decode("ascii", "replace"))})
             why = f"{n} members, more than {MAX_INDEX}"
         self.reject(RecordKind.INDEX, index, f"{why}; peer keys scanned instead")
         prefix = self.keys.peer_prefix(version, rank, world_size)

@@ -6,23 +6,26 @@ bury it; its TTL is the holder's ``peer_ttl``, extended at each heartbeat. The s
 pops newest first: that receiver is still waiting, older ones may have given up. A
 queue holding another Redis type (garbage) is replaced by the next push and dropped by
 its owner's next pop or heartbeat. An empty value is no request but a wake-up: a
-closing endpoint pushes one so its own wait on the queue ends now, not at its next
-poll (anyone may push one; it only makes the owner look again).
+closing endpoint pushes one so its own wait on the queue ends at its next look (within
+:data:`POLL_MAX`), not at the end of the wait (anyone may push one; it only makes the
+owner look again).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from nccl_back import _clock
 from nccl_back.coord import schema
 from nccl_back.coord.records import TransferRequest
-from nccl_back.coord.store import SignedStore, ms
-from nccl_back.errors import RecordKind, RegistryError
+from nccl_back.coord.store import WRONG_TYPE, SignedStore, ms
+from nccl_back.errors import RecordKind
 
 #: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
 MAX_QUEUED_REQUESTS = 256
+#: Seconds between looks at an empty queue: the first, doubling up to the longest (a
+#: request waits that long at most before it is seen).
+POLL_MIN, POLL_MAX = 0.002, 0.05
 #: The wake-up value (see the module docstring); it lives a second at most.
 WAKE = b""
 WAKE_TTL = 1.0
@@ -47,36 +50,32 @@ class RequestRecords(SignedStore):
 
     def pop_request(self, peer_id: str, timeout: float) -> TransferRequest | None:
         """The next valid request for ``peer_id``, waiting at most ``timeout`` seconds;
-        else None (at once for a wake-up). Invalid ones (unsigned, malformed, expired)
-        are skipped and counted."""
+        else None (at once for a wake-up). Invalid ones (unsigned, malformed, expired,
+        oversized) are skipped and counted.
+
+        Polled, every :data:`POLL_MAX` seconds at most, not blocked on: every blocking pop
+        Redis has (BRPOP, BLMOVE...) sends the item whole, and anyone may push 64 MiB
+        there; the bounded pop leaves an oversized item's bytes on the server."""
         key = self.keys.requests(peer_id)
         deadline = _clock.monotonic() + timeout
-        # Each BLPOP must end well within the socket timeout, or redis-py would report a
-        # healthy idle wait as a dead connection.
-        step = max(self.settings.redis_timeout / 2, 0.01)
+        pauses = _clock.pauses(POLL_MIN, POLL_MAX)
         while True:
-            left = deadline - _clock.monotonic()
-            if left <= 0.001:
-                # BLPOP 0 blocks forever: a last non-blocking look instead.
-                raw = self._call("RPOP", lambda: self.client.rpop(key))
-                return None if raw is None else self.parse(key, raw, schema.REQUEST)
             # Newest first: its receiver is still waiting; older ones may have given up,
             # and a flood pushed earlier must not delay it.
-            try:
-                got = self._call("BRPOP", partial(self.client.brpop, [key], timeout=min(left, step)))
-            except RegistryError as e:
-                if "WRONGTYPE" not in str(e):
-                    raise
+            raw = self.pop(key, schema.REQUEST)
+            if raw is WRONG_TYPE:
                 # Our own queue holds garbage of another type: drop it, receivers re-ask.
                 self.reject(RecordKind.REQUEST, key, "wrong Redis type; dropped")
                 self._repair(key, "list")
-                continue
-            if got is not None:
-                if got[1] == WAKE:
-                    return None
-                request = self.parse(key, got[1], schema.REQUEST)
-                if request is not None:
-                    return request
+            elif isinstance(raw, bytes) and raw == WAKE:
+                return None
+            elif raw is not None and (request := self.parse(key, raw, schema.REQUEST)) is not None:
+                return request
+            left = deadline - _clock.monotonic()
+            if left <= 0:
+                return None
+            if raw is None or raw is WRONG_TYPE:  # look again later (after a rejected item: at once)
+                _clock.sleep(min(next(pauses), left))
 
     def drop_requests(self, peer_id: str) -> None:
         """Forget every request queued for ``peer_id`` (its endpoint is closing: the

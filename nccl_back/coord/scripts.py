@@ -55,18 +55,101 @@ if redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 1 end
 return 0
 """
 
-# One value and its PTTL in one step, bounded: a value longer than ARGV[1] bytes is
-# refused by its length alone, so an oversized value never crosses the wire (reading
+# Values and PTTLs of string keys in one step, bounded: a value longer than ARGV[1] bytes
+# is refused by its length alone, so an oversized value never crosses the wire (reading
 # 64 MiB of garbage at every poll would slow every reader, and its repair, for seconds).
-# {0}: absent; {-1}: another type; {2, pttl, length}: over the bound; {1, pttl, value}.
+# A triple per key: {0, -2, 0} absent; {-1, -2, 0} another type; {2, pttl, length} over
+# the bound; {1, pttl, value}.
 _BOUNDED_GET_LUA = """
+local bound = tonumber(ARGV[1])
+local out = {}
+local function put(state, ttl, value)
+  out[#out + 1] = state; out[#out + 1] = ttl; out[#out + 1] = value
+end
+for _, key in ipairs(KEYS) do
+  local t = redis.call('TYPE', key)['ok']
+  if t == 'none' then put(0, -2, 0)
+  elseif t ~= 'string' then put(-1, -2, 0)
+  else
+    local ttl, n = redis.call('PTTL', key), redis.call('STRLEN', key)
+    if n > bound then put(2, ttl, n) else put(1, ttl, redis.call('GET', key)) end
+  end
+end
+return out
+"""
+
+# The items at positions ARGV[1]..ARGV[2] of a list (LRANGE's indexes), each as its value
+# or, when longer than ARGV[3] bytes, as its length (an integer): an oversized item never
+# crosses the wire. One LINDEX per position, so the server holds one item at a time
+# beside the list, never the range (LRANGE here would copy every item at once).
+# {0}: absent; {-1}: another type; {1, item...}.
+_BOUNDED_RANGE_LUA = """
 local t = redis.call('TYPE', KEYS[1])['ok']
 if t == 'none' then return {0} end
-if t ~= 'string' then return {-1} end
-local ttl = redis.call('PTTL', KEYS[1])
-local n = redis.call('STRLEN', KEYS[1])
-if n > tonumber(ARGV[1]) then return {2, ttl, n} end
-return {1, ttl, redis.call('GET', KEYS[1])}
+if t ~= 'list' then return {-1} end
+local n = redis.call('LLEN', KEYS[1])
+local first, last = tonumber(ARGV[1]), tonumber(ARGV[2])
+if first < 0 then first = math.max(n + first, 0) end
+if last < 0 then last = n + last end
+if last >= n then last = n - 1 end
+local bound = tonumber(ARGV[3])
+local out = {1}
+for i = first, last do
+  local v = redis.call('LINDEX', KEYS[1], i)
+  if not v then break end
+  if string.len(v) > bound then out[#out + 1] = string.len(v) else out[#out + 1] = v end
+end
+return out
+"""
+
+# The last item of a list, popped, as its value or, when longer than ARGV[1] bytes, as
+# its length (dropped: an oversized item never crosses the wire).
+# {0}: absent or empty; {-1}: another type; {2, length}; {1, value}.
+_BOUNDED_POP_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return {0} end
+if t ~= 'list' then return {-1} end
+local v = redis.call('RPOP', KEYS[1])
+if not v then return {0} end
+local n = string.len(v)
+if n > tonumber(ARGV[1]) then return {2, n} end
+return {1, v}
+"""
+
+# The members of a set of at most ARGV[1] members, without those longer than ARGV[2]
+# bytes (their count returned instead): a few members at a time (SSCAN), so the server
+# never copies the whole set, and an oversized member never crosses the wire.
+# {0}: absent; {-1}: another type; {2, size}: more members than ARGV[1];
+# {1, size, skipped, member...} (a member may repeat: SSCAN's own guarantee).
+_BOUNDED_MEMBERS_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return {0} end
+if t ~= 'set' then return {-1} end
+local n = redis.call('SCARD', KEYS[1])
+if n > tonumber(ARGV[1]) then return {2, n} end
+local bound = tonumber(ARGV[2])
+local out = {1, n, 0}
+local cursor = '0'
+repeat
+  local got = redis.call('SSCAN', KEYS[1], cursor, 'COUNT', 8)
+  cursor = got[1]
+  for _, m in ipairs(got[2]) do
+    if string.len(m) > bound then out[3] = out[3] + 1 else out[#out + 1] = m end
+  end
+until cursor == '0'
+return out
+"""
+
+# One SCAN step (KEYS[1]: a key of the namespace, so a cluster runs it on the node that
+# holds the namespace): the names matching ARGV[2], without those longer than ARGV[4]
+# bytes (no key of ours is: anyone may make one of 512 MB). {cursor, name...}.
+_BOUNDED_SCAN_LUA = """
+local got = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
+local out = {got[1]}
+for _, k in ipairs(got[2]) do
+  if string.len(k) <= tonumber(ARGV[4]) then out[#out + 1] = k end
+end
+return out
 """
 
 # A peer entry and its index in one step; an index of another type or oversized
@@ -183,6 +266,10 @@ class Scripts:
         self.set_nx = client.register_script(_SET_NX_LUA)
         self.take = client.register_script(_TAKE_LUA)
         self.bounded_get = client.register_script(_BOUNDED_GET_LUA)
+        self.bounded_range = client.register_script(_BOUNDED_RANGE_LUA)
+        self.bounded_pop = client.register_script(_BOUNDED_POP_LUA)
+        self.bounded_members = client.register_script(_BOUNDED_MEMBERS_LUA)
+        self.bounded_scan = client.register_script(_BOUNDED_SCAN_LUA)
         self.publish = client.register_script(_PUBLISH_LUA)
         self.repair = client.register_script(_REPAIR_LUA)
         self.push = client.register_script(_PUSH_LUA)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, TypeVar
 
 import redis
@@ -55,6 +56,11 @@ class Oversized:
 
     def __repr__(self) -> str:
         return f"<{self.size} bytes, over the bound of {self.bound}>"
+
+#: Keys read per round trip of a batch (:meth:`SignedStore.values`).
+BATCH = 256
+#: Bytes of the longest key name a scan returns (ours are far shorter).
+MAX_KEY_NAME = 1024
 
 #: A record kept longer than this many times the TTL its writers give it was not
 #: written by a worker (a replayed or forged record): it is not obeyed.
@@ -188,46 +194,91 @@ class SignedStore:
 
     # -- reading --------------------------------------------------------------------------
 
+    # Every value, list item and set member this package reads from Redis is read here,
+    # by a script that refuses one over its kind's bound by its length on the server:
+    # its bytes never cross the wire (tests/test_bounded_reads.py holds every other
+    # module to it).
+
     def _get_with_ttl(self, key: str, kind: KeyKind) -> tuple[Any, int]:
         """``(raw bytes or None, PTTL in ms)`` in one round trip; :data:`WRONG_TYPE` as the
         value when the key holds a list, set or hash (another writer's, never ours), an
         :class:`Oversized` one (its bytes left on the server) when it is longer than
         ``kind``'s bound."""
-        got = self._call("GET", lambda: self.lua.bounded_get(keys=[key], args=[kind.max_bytes]))
-        try:
-            state, ttl_ms = int(got[0]), (int(got[1]) if len(got) > 1 else -2)
-        except (TypeError, ValueError, IndexError) as e:
-            raise RegistryError(f"bounded GET of {key}: unexpected reply {got!r}"[:200]) from e
-        if state == 0:
-            return None, -2
-        if state == -1:
-            return WRONG_TYPE, -2
-        if state == 2:
-            return Oversized(int(got[2]), kind.max_bytes), ttl_ms
-        return got[2], ttl_ms
+        values, ttls = self._values([key], kind)
+        return values[0], ttls[0]
+
+    def _values(self, keys: list[str], kind: KeyKind) -> tuple[list[Any], list[int]]:
+        """Values and PTTLs of ``keys`` as :meth:`_get_with_ttl` gives them, :data:`BATCH`
+        keys per round trip (one script each: a longer one would hold the server)."""
+        values: list[Any] = []
+        ttls: list[int] = []
+        for i in range(0, len(keys), BATCH):
+            part = keys[i:i + BATCH]
+            got = self._call("GET", partial(self.lua.bounded_get, keys=part, args=[kind.max_bytes]))
+            try:
+                if len(got) != 3 * len(part):
+                    raise ValueError(len(got))
+                for state, ttl, value in zip(got[::3], got[1::3], got[2::3], strict=True):
+                    state = int(state)
+                    values.append(None if state == 0 else WRONG_TYPE if state == -1
+                                  else Oversized(int(value), kind.max_bytes) if state == 2 else value)
+                    ttls.append(int(ttl))
+            except (TypeError, ValueError) as e:
+                raise RegistryError(f"bounded GET of {part[0]}: unexpected reply {got!r}"[:200]) from e
+        return values, ttls
 
     def _get_with_ttls(self, keys: list[str], kind: KeyKind) -> tuple[list[Any], list[int]]:
-        """Values and PTTLs in one round trip, as :meth:`_get_with_ttl` gives them (None for
-        absent keys, :data:`WRONG_TYPE` for keys of another Redis type, rejected,
-        :class:`Oversized` for values over ``kind``'s bound): at most the bound + 1 bytes
-        of each value cross the wire."""
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:  # GETRANGE, not MGET: bounded, and a cluster pipeline refuses MGET
-            pipe.pttl(key)  # first: a key absent here and written before the read is unseen
-            pipe.getrange(key, 0, kind.max_bytes)
-        try:
-            out = self._call("GET", pipe.execute)
-        except RegistryError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
-            # Some key holds a list or a set: read them one by one, wrong types as absent.
-            got = [self._get_with_ttl(key, kind) for key in keys]
-            for key, (raw, _) in zip(keys, got, strict=True):
-                if raw is WRONG_TYPE:
-                    self.reject(kind.kind, key, "wrong Redis type")
-            return [raw for raw, _ in got], [ttl for _, ttl in got]
-        ttls = [int(t) for t in out[::2]]
-        return [_bounded(raw, ttl, kind) for raw, ttl in zip(out[1::2], ttls, strict=True)], ttls
+        """Values and PTTLs in as few round trips as :meth:`_values` takes, as it gives
+        them, keys of another Redis type rejected (logged, counted)."""
+        values, ttls = self._values(keys, kind)
+        for key, raw in zip(keys, values, strict=True):
+            if raw is WRONG_TYPE:
+                self.reject(kind.kind, key, "wrong Redis type")
+        return values, ttls
+
+    def raw_value(self, key: str, kind: KeyKind) -> Any:
+        """The bytes at ``key``, or None (absent), :data:`WRONG_TYPE` or an
+        :class:`Oversized` (see :meth:`_get_with_ttl`): for values whose format another
+        module owns (the rendezvous, ``check``'s probe)."""
+        return self._get_with_ttl(key, kind)[0]
+
+    def values(self, keys: list[str], kind: KeyKind) -> list[Any]:
+        """The raw values at ``keys`` (a batch, MGET's job): None where absent or of another
+        Redis type (rejected), an :class:`Oversized` where over ``kind``'s bound (which
+        :meth:`parse` rejects), else the bytes."""
+        return [None if raw is WRONG_TYPE else raw for raw in self._get_with_ttls(keys, kind)[0]]
+
+    def items(self, key: str, kind: KeyKind, first: int, last: int) -> Any:
+        """The items at positions ``first..last`` of the list at ``key`` (LRANGE's
+        indexes; the range bounds their count): each its bytes, or an :class:`Oversized`
+        left on the server; [] if absent, :data:`WRONG_TYPE` if another Redis type."""
+        got = self._call("LRANGE", lambda: self.lua.bounded_range(
+            keys=[key], args=[first, last, kind.max_bytes]))
+        state = _state(got, key)
+        if state <= 0:
+            return WRONG_TYPE if state else []
+        return [Oversized(item, kind.max_bytes) if isinstance(item, int) else item for item in got[1:]]
+
+    def pop(self, key: str, kind: KeyKind) -> Any:
+        """The last item of the list at ``key``, popped (RPOP's job, without blocking): its
+        bytes, an :class:`Oversized` (dropped on the server), None if there is none,
+        :data:`WRONG_TYPE` if the key holds another Redis type."""
+        got = self._call("RPOP", lambda: self.lua.bounded_pop(keys=[key], args=[kind.max_bytes]))
+        state = _state(got, key)
+        if state <= 0:
+            return WRONG_TYPE if state else None
+        return Oversized(int(got[1]), kind.max_bytes) if state == 2 else got[1]
+
+    def members(self, key: str, kind: KeyKind, most: int) -> Any:
+        """``(size, members)`` of the set at ``key``: its members within ``kind``'s bound
+        (a member may repeat), none when it has more than ``most`` (they are not read);
+        ``(0, [])`` if absent, :data:`WRONG_TYPE` if another Redis type."""
+        got = self._call("SMEMBERS", lambda: self.lua.bounded_members(
+            keys=[key], args=[most, kind.max_bytes]))
+        state = _state(got, key)
+        if state <= 0:
+            return WRONG_TYPE if state else (0, [])
+        return int(got[1]), ([] if state == 2 else [m for m in got[3:] if isinstance(m, bytes)])
 
     def get_signed(self, key: str, kind: KeyKind, *, ttl: float | None = None) -> tuple[Any, Raw] | None:
         """The typed record at ``key`` (``kind``'s parser's) and its raw value (for a
@@ -313,16 +364,23 @@ class SignedStore:
         return self._scan(self.keys.key(pattern), limit)
 
     def _scan(self, glob: str, limit: int | None = None) -> Iterator[str]:
-        """Keys matching ``glob``, a whole key pattern (:class:`Keys` builds them), at most
-        ``limit`` of them; a name that is not ASCII is no key of ours (skipped)."""
+        """Keys matching ``glob``, a whole key pattern of the namespace (:class:`Keys`
+        builds them), at most ``limit`` of them; a name that is not ASCII, or longer than
+        :data:`MAX_KEY_NAME` (left on the server), is no key of ours (skipped)."""
         def keys() -> list[str]:
             out: list[str] = []
-            for k in self.client.scan_iter(glob, count=500):
-                if isinstance(k, bytes) and k.isascii():
-                    out.append(k.decode())
-                    if limit is not None and len(out) >= limit:
-                        break
-            return out
+            cursor: Any = 0
+            while True:
+                got = self.lua.bounded_scan(keys=[self.keys.key("scan")],
+                                            args=[cursor, glob, 500, MAX_KEY_NAME])
+                cursor = got[0]
+                for k in got[1:]:
+                    if isinstance(k, bytes) and k.isascii():
+                        out.append(k.decode())
+                        if limit is not None and len(out) >= limit:
+                            return out
+                if int(cursor) == 0:
+                    return out
         yield from self._call("SCAN", keys)
 
     def ping(self) -> None:
@@ -333,15 +391,13 @@ class SignedStore:
         self.client.close()
 
 
-def _bounded(raw: bytes, ttl_ms: int, kind: KeyKind) -> Any:
-    """A GETRANGE reply read after its PTTL as :meth:`SignedStore._get_with_ttl` gives
-    values: None if the key was absent (or deleted between the two, or empty: no record
-    of ours is), :class:`Oversized` past ``kind``'s bound, else the bytes."""
-    if ttl_ms == -2 or not raw:
-        return None
-    if len(raw) > kind.max_bytes:
-        return Oversized(len(raw), kind.max_bytes)
-    return raw
+def _state(got: Any, key: str) -> int:
+    """The state a bounded read's script put first in its reply (0: absent, -1: another
+    Redis type, 1: read, 2: over a bound)."""
+    try:
+        return int(got[0])
+    except (TypeError, ValueError, IndexError) as e:
+        raise RegistryError(f"bounded read of {key}: unexpected reply {got!r}"[:200]) from e
 
 
 def _kind(kind: RecordKind | str) -> RecordKind | str:

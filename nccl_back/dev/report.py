@@ -28,7 +28,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
             rows.append((r["worker"], "FAILED", "", "", "", "", r["error"]))
             continue
         rows.append((r["worker"], r["source"], source_of(r) or "-", f"{r['seconds']:.2f}",
-                     f"{r['gbps']:.2f}", "yes" if r["verified"] else "NO",
+                     f"{r['gbps']:.3f}", "yes" if r["verified"] else "NO",
                      r["fallback_reason"] or "-"))
     return "\n".join(_table(header, rows))
 

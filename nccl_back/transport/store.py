@@ -14,8 +14,9 @@ in the Redis the workers already share, as ``{ns}:rdv:{scope}:{name}``:
   Redis key and bytes, so a party without the fleet secret cannot write a value
   either side accepts, nor move a genuine one to another transfer or key; a value
   that fails is treated as absent (the genuine write replaces it), never obeyed;
-* a read takes at most :data:`MAX_VALUE_BYTES` (``GETRANGE``), whatever was stored,
-  so nobody can make a worker hold more than that per key, and a transfer reads only
+* a read is the registry's bounded read: a value over the ``rdv`` kind's bound (32
+  KiB) is refused by its length on the server, so nobody can make a worker hold more
+  than that per key, and a transfer reads only
   the handful of keys its process group asks for; the worker serves nothing to
   store clients, since it runs no store server;
 * keys live for the connect phase only (a TTL, and each side deletes what it wrote
@@ -55,6 +56,7 @@ import torch.distributed as dist
 
 from nccl_back import _clock
 from nccl_back.config import Settings
+from nccl_back.coord import schema
 from nccl_back.errors import (
     ConfigError,
     RegistryError,
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 #: Longest bootstrap value accepted or written (gloo's addresses and NCCL's 128-byte
-#: unique id are far smaller); a read never takes more than this from Redis.
+#: unique id are far smaller).
 MAX_VALUE_BYTES = 16 << 10
 #: Longest key name a process group may use (torch's are short: ``{prefix}/0/{rank}``).
 MAX_NAME_CHARS = 256
@@ -234,17 +236,13 @@ class RedisStore(dist.Store):
 
     def _read(self, name: str) -> bytes | None:
         redis_key = self._redis_key(name)
-        client = self._registry.client
-        # At most _MAX_STORED + 1 bytes, whatever is stored: a longer value is rejected
-        # without ever being held in full.
-        try:
-            raw = self._registry._call("GETRANGE", lambda: client.getrange(redis_key, 0, _MAX_STORED))
-        except RegistryError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
-            raw = b"\xff"  # another Redis type: no genuine value
+        # The registry's bounded read: a value over the kind's bound is refused by its
+        # length on the server, never held in full.
+        raw = self._registry.raw_value(redis_key, schema.RENDEZVOUS)
         if not raw:
             return None
+        if not isinstance(raw, bytes):
+            raw = b"\xff"  # another Redis type, or oversized: no genuine value
         # Bytes no genuine writer produces (ours are ASCII) are rejected, never decoded.
         stored = raw.decode("ascii") if isinstance(raw, bytes) and raw.isascii() else "\ufffd"
         value = self.decode(redis_key, stored)

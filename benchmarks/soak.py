@@ -25,7 +25,9 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
   drawn from the record schema (``nccl_back/coord/schema.py``), one of the corruptions
   that kind's entry calls for (``tests/hostile.py``: a stale or TTL-less genuine copy, a
   broken signature, garbage, raw bytes that are not UTF-8, an oversized value, hostile
-  numbers or fields, each other Redis type), or a fake peer of this version;
+  numbers or fields, each other Redis type), a fake peer of this version, or at every key
+  of the namespace at once garbage, another Redis type or a mutated copy of its value
+  (``tests/hostile.py``, ``overwrite_all``);
 - ``garble_relay``: one rank of a unit, drawn at the end of the schedule (so the draws
   before it are unchanged) for a quarter of the rollouts, flips every byte it forwards as
   a relay member or a download's stream, while its own copy stays exact
@@ -93,7 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import redis  # noqa: E402
 import soak_workers  # noqa: E402
 import torch  # noqa: E402
-from hostile import corrupt, corruptions, read_key  # noqa: E402
+from hostile import AT_ONCE, corrupt, corruptions, overwrite_all, read_key  # noqa: E402
 
 from nccl_back.config import Settings  # noqa: E402
 from nccl_back.coord import schema  # noqa: E402
@@ -199,7 +201,7 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
         elif kind == "redis_outage":
             f["pause"] = round(rng.uniform(0.5, 4.0), 2)
         elif kind == "hostile":
-            f["form"] = rng.choice(("schema", "schema", "schema", "fake_peer"))
+            f["form"] = rng.choice(("schema", "schema", "every_key", "fake_peer"))
             f["pick"], f["pick2"], f["pick3"] = rng.random(), rng.random(), rng.random()
         elif kind == "replay_claim":
             f["pause"] = round(rng.uniform(1.0, 4.0), 2)
@@ -582,10 +584,16 @@ class Soak:
     def _hostile(self, f: dict[str, Any], hostile: set[str], version: str) -> str:
         """Write what an attacker without the secret could write, at a key of a kind drawn
         from the record schema, with a corruption drawn from that kind's (tests/hostile.py),
-        or a fake peer of this version; track every key touched."""
+        or a fake peer of this version, or every key at once; track every key touched."""
         ns = "{" + self.namespace + "}"
         with self.raw_client() as c:
             keys = sorted(k.decode() for k in c.scan_iter(f"{ns}:*", count=500) if k.decode() not in hostile)
+            if f["form"] == "every_key":
+                how = AT_ONCE[int(f["pick2"] * len(AT_ONCE))]
+                found = {k: got for k in keys if (got := read_key(c, k)) is not None}
+                overwrite_all(c, found, how, random.Random(f["pick3"]))
+                hostile.update(found)
+                return f"hostile_every_key_{how}"
             kinds = [k for k in schema.KINDS if k.name != "check"]
             kind = kinds[int(f["pick"] * len(kinds))]
             of_kind = [k for k in keys if schema.kind_of(k) is kind]

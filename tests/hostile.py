@@ -5,6 +5,7 @@ each kind's schema entry (its Redis type), never from a hand list of kinds."""
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -162,3 +163,55 @@ def read_key(client: redis.Redis, key: str) -> tuple[str, Any] | None:
             continue  # rewritten as another type between the two calls: read it again
         return None if value is None else (t, value)
     return None
+
+
+# -- every key of a rollout at once ------------------------------------------------------
+
+#: What :func:`overwrite_all` writes at every key at once: a string of garbage, another
+#: Redis type, or the key's real value with bytes flipped.
+AT_ONCE = ("garbage", "type", "mutated")
+#: The strings of garbage, the keys of each kind taking them in turn (the first the empty
+#: string, a value that reads as none; every eleventh 64 random bytes).
+GARBAGE = (b"", b"{", b"1e400", b"null", b"[]", b"\x00", b'{"sig": 1}', b"-1", b"\xff\xfe",
+           b'"' + b"[" * 512)
+
+
+def overwrite_all(client: redis.Redis, keys: dict[str, tuple[str, Any]], how: str,
+                  rng: random.Random) -> None:
+    """Overwrite every key of ``keys`` (``{key: (type, value)}``, as :func:`read_key`
+    gives them) at once with the family ``how`` of :data:`AT_ONCE`, the choice within it
+    turning from key to key of each kind, each kept for an hour (no TTL rescue)."""
+    pipe = client.pipeline(transaction=True)  # at once: no reader sees half of it
+    seen: dict[str, int] = {}
+    for key, (t, value) in sorted(keys.items()):
+        kind = schema.kind_of(key)
+        i = seen[kind.name if kind else ""] = seen.get(kind.name if kind else "", -1) + 1
+        pipe.delete(key)
+        if how == "garbage":
+            pipe.set(key, GARBAGE[i % 11] if i % 11 < len(GARBAGE) else rng.randbytes(64), ex=HOUR)
+            continue
+        if how == "type":
+            others = [o for o in schema.REDIS_TYPES if o != t]
+            {"string": lambda k: pipe.set(k, "{"), "list": lambda k: pipe.rpush(k, "x", "{"),
+             "set": lambda k: pipe.sadd(k, "x", "1e400"), "hash": lambda k: pipe.hset(k, "n", "1"),
+             "zset": lambda k: pipe.zadd(k, {"x": 1})}[others[i % len(others)]](key)
+        elif t == "string" or not value:  # mutated: one bit of each part flipped
+            pipe.set(key, _flip(value if isinstance(value, bytes) else b"", rng))
+        elif t == "list":
+            pipe.rpush(key, *[_flip(v, rng) for v in value])
+        elif t == "set":
+            pipe.sadd(key, *[_flip(v, rng) for v in sorted(value)])
+        elif t == "hash":
+            pipe.hset(key, mapping={k: _flip(v, rng) for k, v in value.items()})
+        else:  # zset
+            pipe.zadd(key, {_flip(v, rng): 1 for v in value})
+        pipe.expire(key, HOUR)
+    pipe.execute()
+
+
+def _flip(value: bytes, rng: random.Random) -> bytes:
+    """``value`` with one bit flipped at a random place (one byte where it is empty)."""
+    if not value:
+        return b"\x01"
+    i = rng.randrange(len(value))
+    return value[:i] + bytes([value[i] ^ (1 << rng.randrange(8))]) + value[i + 1:]

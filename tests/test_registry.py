@@ -12,6 +12,7 @@ from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
+from nccl_back.coord.store import Raw
 from nccl_back.dev.servers import LocalRedis, free_port
 from nccl_back.errors import ConfigError, RegistryError
 from nccl_back.metrics import Metrics
@@ -419,3 +420,37 @@ def test_a_started_server_used_as_a_context_stops_when_the_block_ends() -> None:
         redis.Redis.from_url(r.url).ping()
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), 1):
         pass
+
+
+@pytest.mark.parametrize("other", ["list", "set", "hash", "zset"])
+def test_writes_that_only_tidy_never_raise_on_another_redis_type(
+        redis_url: str, namespace: str, other: str) -> None:
+    """Releasing a claim, dropping a lease and pruning a withdrawn peer from its index
+    raise nothing whatever type an attacker left there: the failures are counted
+    (tidy_failed), and the withdrawal still removes the entry."""
+    reg = make_registry(redis_url, namespace)
+    reg.publish_peer(peer())
+    write = {"list": reg.client.rpush, "set": reg.client.sadd,
+             "hash": lambda k, v: reg.client.hset(k, "f", v), "zset": lambda k, v: reg.client.zadd(k, {v: 1})}
+    index = reg.keys.peer_index("v1", 0, 1)
+    for key in (reg.keys.claim("p1", 0), reg.lease_key("v1", 1), index):
+        reg.client.delete(key)
+        write[other](key, "x")
+    reg.release("p1", "0:token")
+    assert reg.drop_lease("v1", 1, Raw("held")) is False
+    reg.withdraw("p1", "v1")
+    assert reg.client.exists(reg.keys.peer("v1", 0, 1, "p1")) == 0
+    assert reg.tidy_failed == (3 if other != "set" else 2)  # a set index is pruned
+
+
+def test_writes_that_only_tidy_never_raise_in_an_outage(namespace: str) -> None:
+    """With Redis unreachable, a tidy-up write (delete, expiry refresh, claim release,
+    queue repair) is counted, not raised; a write a load needs still raises."""
+    reg = make_registry(f"redis://127.0.0.1:{free_port()}/0", namespace, redis_timeout=0.5)
+    reg.delete(reg.key("k"))
+    reg.extend(reg.key("k"), 5)
+    reg.release("p1", "0:token")
+    reg._repair(reg.keys.requests("p1"), "list", 5)
+    assert reg.tidy_failed == 4
+    with pytest.raises(RegistryError, match="redis publish failed"):
+        reg.publish_peer(peer())

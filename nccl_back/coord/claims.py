@@ -61,9 +61,10 @@ class ClaimRecords(SignedStore):
         return claim is not None and claim.token == token
 
     def release(self, peer_id: str, token: str) -> None:
-        """Free the slot ``token`` holds, if it still holds it (compare-and-delete)."""
+        """Free the slot ``token`` holds, if it still holds it (compare-and-delete). It
+        only tidies (the claim expires by itself): whatever is at its key, never an error."""
         key = self.keys.claim(peer_id, _claim_slot(token))
-        self._call("release", lambda: self.lua.release(keys=[key], args=[token]))
+        self.tidy("release", lambda: self.lua.release(keys=[key], args=[token]))
 
     def renew_claim(self, peer_id: str, token: str, ttl: float) -> bool:
         """Re-sign the slot ``token`` holds for another ``ttl`` seconds (the expiry in the

@@ -118,4 +118,4 @@ class CohortRecords(SignedStore):
         key = self.stream_key(version, rank, world_size, manifest_digest)
         got = self.get_signed(key, schema.STREAM)
         if got is not None and got[0].member_id == member_id:
-            self._call("DEL", lambda: self.lua.cad(keys=[key], args=[got[1]]))
+            self.compare_and_delete(key, got[1])

@@ -57,7 +57,6 @@ the raw signed values.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import threading
 from collections.abc import Callable
@@ -269,6 +268,6 @@ def _wait(
 
 
 def _cleanup(registry: Registry, *keys_: str) -> None:
-    # Best effort: the keys expire anyway, and the original error matters more.
-    with contextlib.suppress(RegistryError):
-        registry.delete(*keys_)
+    # Best effort (a delete only tidies, never raises): the keys expire anyway, and the
+    # original error matters more.
+    registry.delete(*keys_)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from nccl_back.coord import records, schema
 from nccl_back.coord.content import PositionTruth, encode_macs, encode_marginals
 from nccl_back.coord.keys import ANY
-from nccl_back.coord.store import SignedStore, ms
+from nccl_back.coord.store import SignedStore
 from nccl_back.errors import UntrustedRecordError
 
 if TYPE_CHECKING:
@@ -92,8 +92,7 @@ class LayoutRecords(SignedStore):
             except UntrustedRecordError:  # forged or garbage: this holder's verified one wins
                 self.delete(key)
                 self.put_position_truth(version, rank, world, truth)
-            self._call("heartbeat", lambda: self.client.pexpire(
-                key, ms(schema.POSITION_TRUTH.ttl(self.settings))))
+            self.extend(key, schema.POSITION_TRUTH.ttl(self.settings), what="heartbeat")
         if store_layout:
             self.put_layout(layout)
 

@@ -86,14 +86,13 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
     def withdraw(self, peer_id: str, version: str) -> None:
         """Remove every availability entry of ``peer_id`` for ``version`` (all ranks)."""
         keys = list(self._scan(self.keys.peer(version, ANY, ANY, peer_id)))
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            _, rank, world, _ = self.keys.peer_parts(key)
-            pipe.srem(self.keys.peer_index(version, rank, world), peer_id)
-        if keys:
-            pipe.delete(*keys)
-        pipe.delete(self.keys.requests(peer_id))
-        self._call("withdraw", pipe.execute)
+        self._call("withdraw", lambda: self.client.delete(*keys, self.keys.requests(peer_id)))
+        if keys:  # the index is a hint: pruning it only tidies, whatever is there
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                _, rank, world, _ = self.keys.peer_parts(key)
+                pipe.srem(self.keys.peer_index(version, rank, world), peer_id)
+            self.tidy("SREM", pipe.execute)
         log.debug("peer_withdrawn", peer_id=peer_id, version=version)
 
     def find_peers(self, version: str, rank: int, world_size: int) -> list[PeerInfo]:
@@ -111,8 +110,8 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         # Only absent keys are dead: one of another type is a live holder's entry that
         # someone overwrote, which its next heartbeat restores (kept in the index).
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
-        if dead:
-            self._call("SREM", lambda: self.client.srem(index, *dead))
+        if dead:  # a hint's pruning: whatever is at the index, never a registry error
+            self.tidy("SREM", lambda: self.client.srem(index, *dead))
         if len(dead) == len(ids):
             # An index of dead peers only: stale (a restored copy) or forged. It must not
             # hide a live holder until its next heartbeat: the peer keys are the truth.
@@ -143,10 +142,12 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
             why = "wrong Redis type"
         else:
             n, members = got
-            if n <= MAX_INDEX:
-                return sorted({m.decode() for m in members if len(m) <= 200
-                               and records.IDENT.fullmatch(m.decode("ascii", "replace"))})
-            why = f"{n} members, more than {MAX_INDEX}"
+            ids = sorted({m.decode() for m in members if len(m) <= 200
+                          and records.IDENT.fullmatch(m.decode("ascii", "replace"))})
+            if n <= MAX_INDEX and (ids or not n):
+                return ids
+            # Members but no peer id among them (bytes flipped, garbage): as garbage.
+            why = f"{n} members, more than {MAX_INDEX}" if n > MAX_INDEX else f"{n} members, none a peer id"
         self.reject(RecordKind.INDEX, index, f"{why}; peer keys scanned instead")
         prefix = self.keys.peer_prefix(version, rank, world_size)
         return sorted(k[len(prefix):] for k in self._scan(self.keys.peer(version, rank, world_size, ANY),

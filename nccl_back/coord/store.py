@@ -102,6 +102,8 @@ class SignedStore:
         """Called with the record kind each time a record is rejected (metrics)."""
         self.rejected = 0
         """Records rejected so far (a caller compares it before and after a read)."""
+        self.tidy_failed = 0
+        """Writes that only tidy and failed so far (see :meth:`tidy`)."""
 
     def key(self, *parts: object) -> str:
         """``{namespace}:part1:part2...`` (:meth:`Keys.key`; the families name their keys
@@ -115,6 +117,20 @@ class SignedStore:
             raise RegistryError(
                 f"redis {what} failed ({redact(self.settings.redis_url)}): {redisclient.explain(e)}"
             ) from e
+
+    def tidy(self, what: str, fn: Callable[[], T]) -> T | None:
+        """Run a write that only tidies (pruning an index, refreshing an expiry, dropping
+        what expires anyway): a failure (an outage, or another Redis type an attacker left
+        there) is logged (``tidy_failed``) and counted (:attr:`tidy_failed`), and None
+        returned, never raised. Only the writes a load needs are errors: a registry error
+        sends each worker to storage on its own, past the single flight, so garbage at one
+        key would otherwise turn a fleet's one download into one per worker."""
+        try:
+            return self._call(what, fn)
+        except RegistryError as e:
+            self.tidy_failed += 1
+            log.warning("tidy_failed", what=what, error=str(e))
+            return None
 
     # -- writing --------------------------------------------------------------------------
 
@@ -178,19 +194,25 @@ class SignedStore:
         return bool(self._call("CAS", lambda: self.lua.cas(keys=[key], args=[old, new, ms(ttl)])))
 
     def compare_and_delete(self, key: str, expected: str | bytes) -> bool:
-        """Delete ``key`` only if it holds exactly ``expected`` (a raw value)."""
-        return bool(self._call("CAD", lambda: self.lua.cad(keys=[key], args=[expected])))
+        """Delete ``key`` only if it holds exactly ``expected`` (a raw value); False also
+        when that failed (it only tidies: see :meth:`tidy`)."""
+        return bool(self.tidy("CAD", lambda: self.lua.cad(keys=[key], args=[expected])))
 
     def _repair(self, key: str, kind: str, extend: float | None = None, *, what: str = "repair") -> None:
         """Drop ``key`` if it holds another Redis type than ``kind`` ('none': drop it
-        whatever it holds); extend it by ``extend`` seconds if given. (A script call of
-        its own: a cluster pipeline refuses EVALSHA.)"""
+        whatever it holds); extend it by ``extend`` seconds if given. It only tidies (see
+        :meth:`tidy`). (A script call of its own: a cluster pipeline refuses EVALSHA.)"""
         ttl = "" if extend is None else ms(extend)
-        self._call(what, lambda: self.lua.repair(keys=[key], args=[kind, ttl]))
+        self.tidy(what, lambda: self.lua.repair(keys=[key], args=[kind, ttl]))
+
+    def extend(self, key: str, seconds: float, *, what: str = "PEXPIRE") -> None:
+        """Refresh ``key``'s expiry to ``seconds`` from now (it only tidies: see :meth:`tidy`)."""
+        self.tidy(what, lambda: self.client.pexpire(key, ms(seconds)))
 
     def delete(self, *keys: str) -> None:
+        """Delete ``keys``: what expires anyway (it only tidies: see :meth:`tidy`)."""
         if keys:
-            self._call("DEL", lambda: self.client.delete(*keys))
+            self.tidy("DEL", lambda: self.client.delete(*keys))
 
     # -- reading --------------------------------------------------------------------------
 

@@ -131,11 +131,10 @@ class TruthRecords(SignedStore):
                 log.info("ground_truth_republished", key=key, was="untrusted")
             return
         self._good_truth[key] = hashlib.sha1(raw).hexdigest()
-        self._call("PEXPIRE", lambda: self.client.pexpire(key, ms(ttl)))
+        self.extend(key, ttl)
 
     def _extend_ground_truth(self, info: PeerInfo, scheme: str) -> None:
         """A heartbeat without the truth in hand: extend whatever record is there."""
         key = self.ground_truth_key(info.version, info.rank, info.world_size,
                                     info.manifest_digest, scheme)
-        self._call("heartbeat", lambda: self.client.pexpire(
-            key, ms(schema.GROUND_TRUTH.ttl(self.settings))))
+        self.extend(key, schema.GROUND_TRUTH.ttl(self.settings), what="heartbeat")

@@ -109,6 +109,12 @@ class TransferStalledError(TransferTimeoutError):
     communicator was aborted before this was raised."""
 
 
+class TransferAbandonedError(TransferError):
+    """The sender gave the transfer up after the handshake (it closed, past its drain's
+    bound) and left a notice saying so; the communicator was aborted before this was
+    raised, long before the stall bound."""
+
+
 class IncompatiblePeerError(PeerError):
     """The peers holding this version cannot serve this receiver: they speak another
     transport or hold their weights on another device kind. Raised at discovery (before

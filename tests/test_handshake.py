@@ -157,6 +157,28 @@ def test_stale_ack_under_the_same_id_does_not_satisfy(registry: Registry) -> Non
 
 
 @pytest.mark.timeout(30)
+def test_a_sender_gives_a_transfer_up_with_a_notice_only_it_can_leave(
+    redis_url: str, namespace: str
+) -> None:
+    """abandon() leaves the notice abandoned() reads, over a completed handshake's keys;
+    no key, the completed handshake's own values, or (with a secret) a marker nobody
+    signed are no notice."""
+    registry = Registry(Settings(redis_url=redis_url, namespace=namespace, secret="s" * 32))
+    tid = uuid.uuid4().hex
+    assert not handshake.abandoned(registry, tid)
+    thread, errors = in_thread(lambda: handshake.run_sender(registry, tid, "m", 5.0))
+    handshake.run_receiver(registry, tid, "m", 5.0)
+    thread.join(10)
+    assert errors == [] and not handshake.abandoned(registry, tid)
+    forged = uuid.uuid4().hex
+    _, s_key = handshake.keys(registry, forged)
+    registry.client.set(s_key, '{"by": "sender", "abandoned": true}', ex=5)
+    assert not handshake.abandoned(registry, forged)
+    handshake.abandon(registry, tid)
+    assert handshake.abandoned(registry, tid)
+
+
+@pytest.mark.timeout(30)
 def test_digest_mismatch_fails_both_sides(registry: Registry) -> None:
     """Different manifests: ManifestMismatchError on both sides, before any communicator."""
     tid = uuid.uuid4().hex

@@ -25,10 +25,12 @@ import pytest
 import torch
 
 from nccl_back.config import Settings
+from nccl_back.coord import handshake
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import (
     ManifestMismatchError,
     NcclBackError,
+    TransferAbandonedError,
     TransferError,
     TransferStalledError,
     TransferTimeoutError,
@@ -421,6 +423,37 @@ def test_sender_stopped_silently_mid_transfer_aborts_at_the_stall_bound(
     assert time.monotonic() - t0 < 50  # the deadline was 100 s away
     if watchdog_only:
         assert transport.call_timeout == 3.0 and transport.inner.call_timeout == float("inf")  # type: ignore[attr-defined]
+    proc.kill()  # a stopped process is still killable; the fixture reaps it
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_that_gives_the_transfer_up_is_seen_at_once_by_its_notice(
+    spawn_sender: Callable[..., tuple[subprocess.Popen[str], str]]
+) -> None:
+    """A sender stopped mid-transfer (its sockets stay open) that left the notice that it
+    gave the transfer up (handshake.abandon, as a closing worker does): the receiver's
+    guarded transfer reads it once quiet and ends with TransferAbandonedError within
+    moments, far before its 30 s stall bound."""
+    tid = uuid.uuid4().hex
+    proc, address = spawn_sender(tid, timeout=100.0, gbps=0.0002)  # ~3 s for the whole model
+    reg = registry()
+    stopped = threading.Event()
+
+    def stop_sender(step: int) -> None:
+        if not stopped.is_set():
+            os.kill(proc.pid, signal.SIGSTOP)
+            handshake.abandon(reg, tid)
+            stopped.set()
+
+    s = settings()
+    transport = receiver_transport(s, "gloo", address, tid, device=CPU, registry=registry(s))
+    t0 = time.monotonic()
+    with pytest.raises(TransferAbandonedError, match="gave it up"):
+        run_guarded(transport, lambda t: recv_tensors(t, skeleton_like(model_tensors()), BUCKET,
+                                                      on_step=stop_sender),
+                    t0 + 100.0, stall=30.0, abandoned=lambda: handshake.abandoned(reg, tid))
+    assert stopped.is_set()
+    assert time.monotonic() - t0 < 5.0
     proc.kill()  # a stopped process is still killable; the fixture reaps it
 
 

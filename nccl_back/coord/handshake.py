@@ -40,7 +40,11 @@ a transfer its sender gave up.
 
 A sender that will not serve a request (another transport, draining, another version,
 a relay endpoint with every send slot taken) says so before creating anything, by :func:`refuse`: ``R := {sender, refused: code}``.
-The receiver raises at once instead of waiting out its timeout.
+The receiver raises at once instead of waiting out its timeout. A sender that gives a
+transfer up after the handshake (it closes, past its drain's bound) says so by
+:func:`abandon`, ``S := {sender, abandoned}`` again: the receiver's guarded transfer reads
+it (:func:`abandoned`) once no step came for a moment, and moves on at once instead of
+after its stall bound.
 
 Each side checks "I wrote my nonce and the other side made it +1". Every wait shares
 one deadline per side: ``settings.sender_handshake_timeout`` (1 s: don't wait on a
@@ -79,7 +83,8 @@ from nccl_back.log import get_logger
 
 log = get_logger(__name__)
 
-__all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "refuse", "run_receiver", "run_sender"]
+__all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "abandon", "abandoned", "refuse", "run_receiver",
+           "run_sender"]
 
 #: Seconds before the second read of a key the other side is to write; each further
 #: wait doubles, up to :data:`POLL_MAX`.
@@ -115,6 +120,21 @@ def refuse(registry: Registry, transfer_id: str, code: str, message: str) -> Non
     r_key, _ = keys(registry, transfer_id)
     registry.set_signed(r_key, {"by": "sender", "refused": code, "message": message[:500]},
                         schema.HANDSHAKE)
+
+
+def abandon(registry: Registry, transfer_id: str) -> None:
+    """The sender gives ``transfer_id`` up after its handshake: ``S :=`` the abandonment
+    marker, which its receiver reads (:func:`abandoned`) and moves on at once."""
+    _, s_key = keys(registry, transfer_id)
+    registry.set_signed(s_key, _ABANDONED, schema.HANDSHAKE)
+
+
+def abandoned(registry: Registry, transfer_id: str) -> bool:
+    """Whether the sender gave ``transfer_id`` up (:func:`abandon`); a value that does not
+    verify or parse is no notice."""
+    _, s_key = keys(registry, transfer_id)
+    found = registry.get_signed(s_key, schema.HANDSHAKE)
+    return found is not None and found[0].abandoned
 
 
 def run_receiver(

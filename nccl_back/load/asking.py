@@ -16,7 +16,7 @@ import torch
 
 from nccl_back import _clock
 from nccl_back.coord.auth import transfer_scope
-from nccl_back.coord.handshake import run_receiver
+from nccl_back.coord.handshake import abandoned, run_receiver
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import NoPeerError, RegistryError
@@ -51,7 +51,8 @@ def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, 
     handshake is done (within ``deadline``); a relay upstream shares the chain's.
     ``started``: told the transport before data moves (a reshard aborts the others).
     ``gone``: set once the source is known dead (the handshake then ends at once; the
-    caller aborts the transport ``started`` gave it)."""
+    caller aborts the transport ``started`` gave it). A source that gives the transfer up
+    (it closes) says so, and the transfer ends at once (:func:`_abandoned`)."""
     s = worker.settings
     with _timed(a.timings, f"handshake{_suffix(request)}"):
         run_receiver(worker.registry, request.transfer_id, digest, handshake_timeout,
@@ -68,7 +69,16 @@ def transfer(worker: Worker, a: Attempt, source: str, request: TransferRequest, 
         run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, part=part,
                                                         on_step=on_step),
                     deadline, connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
-                    stall=stall)
+                    stall=stall, abandoned=lambda: _abandoned(worker, request.transfer_id))
+
+
+def _abandoned(worker: Worker, transfer_id: str) -> bool:
+    """Whether the source gave ``transfer_id`` up (its notice); Redis trouble says nothing
+    (the stall bound still ends a silent transfer)."""
+    try:
+        return abandoned(worker.registry, transfer_id)
+    except RegistryError:
+        return False
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ raised re-raises its own error, the others a :class:`ConsensusError` naming it.
 
 While the service is open, its :class:`~nccl_back.transport.sender.PeerServer` answers transfer
 requests in the background and a heartbeat keeps its registry entries alive;
-``close()`` withdraws them.
+``close()`` withdraws them and drains the sends in flight, within a bound.
 Every fallback is logged with its reason and returned in ``LoadResult.fallback_reason``.
 """
 
@@ -67,6 +67,7 @@ from nccl_back.model.sharding import Sharding, sharding
 from nccl_back.model.skeleton import Model, manifest
 from nccl_back.result import LoadResult
 from nccl_back.transport import relay
+from nccl_back.transport.send import drain
 from nccl_back.transport.sender import PeerServer
 
 __all__ = ["StorageLoader", "WeightService"]
@@ -184,11 +185,32 @@ class WeightService:
     def close(self) -> None:
         """Stop serving, withdraw every published entry, release sockets and threads.
 
+        It drains first (:func:`~nccl_back.transport.send.drain`): it withdraws (no new
+        request is taken, each is refused at once; relay endpoints say they stopped), lets
+        the sends in flight (to holders' receivers, relay forwards, a download's stream to
+        its followers) finish within :func:`~nccl_back.transport.send.drain_bound` of the
+        bytes they have left (those bytes at ``DRAIN_FLOOR_GBPS``, 0.025 GB/s, or at
+        ``max_send_gbps`` where lower, plus half a second; at most ``DRAIN_MAX``, 5 s),
+        then aborts whatever remains, each receiver told at once (it moves on without
+        waiting out its stall bound). The followers of a download this worker was elected
+        to, which wait for it alone, are served if they ask within ``DRAIN_ARRIVAL`` (1 s)
+        while their time to ask lasts (the stream's linger). With nothing in flight or
+        owed it waits for nothing.
+
         Once it returns, no registry entry of this worker reappears.
         """
         if self._closed:
             return
         self._closed = True
+        # A worker withdrawn already (drained) takes no new transfer, owed or not.
+        owed = frozenset() if self._server.withdrawn else self._server.owed()
+        self._server.withdraw(serving=owed)
+        sends = self._server.sends + self._cohorts.withdraw(owed)
+
+        def awaited() -> bool:  # an owed receiver that has not asked yet
+            return bool(owed - self._server.askers - self._cohorts.askers())
+
+        drain(sends, self.settings, self._log, awaited if owed else None)
         self._cohorts.close(self.settings.redis_timeout + 1)
         self._server.close()
         with contextlib.suppress(Exception):
@@ -200,11 +222,13 @@ class WeightService:
         return self._server.abort_sends()
 
     def withdraw(self) -> None:
-        """Stop accepting new transfers (drain): remove this worker from the registry.
+        """Stop accepting new transfers (drain): remove this worker from the registry, and
+        its relay endpoints from their cohorts.
 
         In-flight sends finish; queued ones are refused; :meth:`close` still has to be called.
         """
         self._server.withdraw()
+        self._cohorts.withdraw()
 
     # -- one load, phase by phase ----------------------------------------------------------
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.consensus import gather
-from nccl_back.errors import fallback_reason
+from nccl_back.errors import NcclBackError, fallback_reason
 from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
 from nccl_back.load.cooperative import gather_parts
 from nccl_back.load.publish import publish_stored
@@ -82,10 +82,25 @@ def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
     publish_stored(worker, a, stored.hashes)
     if stream is not None:  # the truth is out: receivers of the stream can verify
         stream.end(True)
+    if a.elected:
+        _owe_followers(worker, a)
     # Every rank has published (or logged why not) before rank 0 lets go of the
     # download lease: waiters then find every rank's peer at once.
     gather(OK, a.group)
     return result
+
+
+def _owe_followers(worker: Worker, a: Attempt) -> None:
+    """The workers that waited for this elected worker's download (its download group)
+    wait for it alone, and may ask for a while yet (as long as its stream lingers): owed
+    a send, so a close meanwhile still serves them (:meth:`PeerServer.owe`)."""
+    try:
+        group = worker.registry.download_group(a.spec.version, a.world)
+    except NcclBackError as e:  # they find another way: a download of their own
+        a.log.info("download_group_unread", error=str(e))
+        return
+    worker.server.owe([w for w in group if w != worker.id],
+                      worker.settings.cohort_window + relay.LINGER)
 
 
 def _split(a: Attempt) -> tuple[int, int | None] | None:

@@ -160,6 +160,13 @@ def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def moved_bytes(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, start: int = 0,
+                part: Part | None = None) -> int:
+    """The bytes a transfer of ``tensors`` from step ``start`` (of ``part`` only) moves."""
+    steps = plan(tensors, bucket_bytes)
+    return sum(steps[k].nbytes for k in _todo(steps, min(max(start, 0), len(steps)), part))
+
+
 def plan_digest(steps: list[Step], start: int = 0, part: Part | None = None) -> bytes:
     """MD5 of the plan from step ``start`` (of ``part`` only): equal on both sides iff
     they will issue identical calls."""

@@ -13,13 +13,23 @@ the same way; this module is that way, written once. What differs is a parameter
 - :meth:`Sends.serve`: the sender's half of the liveness handshake, then the guarded
   send in the transfer's scope, tracked so a close or a drain can abort it, counted
   and logged; it never raises.
+- :func:`drain`: what a closing worker does with the sends of its withdrawn endpoints.
+  They finish within :func:`drain_bound` (the bytes they have left at
+  :data:`DRAIN_FLOOR_GBPS`, or at the worker's send cap where lower, plus
+  :data:`DRAIN_GRACE`; never more than :data:`DRAIN_MAX` seconds), and the receivers
+  it owes (the followers of the download it was elected to, which wait for it alone)
+  get up to :data:`DRAIN_ARRIVAL` to ask; then whatever remains is aborted, each
+  receiver told through its transfer's handshake key
+  (:func:`~nccl_back.coord.handshake.abandon`): its guarded receive reads the notice
+  once quiet and moves on at once, instead of after its stall bound. Requests still
+  queued at a close are refused, not dropped (:func:`refuse_queued`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,14 +38,15 @@ import torch
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.auth import transfer_scope
-from nccl_back.coord.handshake import refuse, run_sender
+from nccl_back.coord.handshake import abandon, refuse, run_sender
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
 from nccl_back.metrics import Metrics
 from nccl_back.transport.base import Rendezvous, Transport
-from nccl_back.transport.broadcast import TransferStats, payload_bytes, send_tensors
+from nccl_back.transport.broadcast import TransferStats, moved_bytes, payload_bytes, send_tensors
 from nccl_back.transport.pacing import Pacer
+from nccl_back.transport.parts import Part
 from nccl_back.transport.watchdog import run_guarded
 
 
@@ -84,7 +95,11 @@ def answer(
     while not stop.is_set() and not (done is not None and done()):
         try:
             request = registry.pop_request(key, timeout=poll)
-            if request is None or stop.is_set():  # popped while stopping: nobody serves it
+            if request is None:
+                continue
+            if stop.is_set():  # popped while stopping: nobody serves it, said at once
+                decline(registry, request, "draining", "the endpoint is closing", log, role,
+                        reason="closing")
                 continue
             handle(request)
         except RegistryError as e:
@@ -106,6 +121,110 @@ def decline(registry: Registry, request: TransferRequest, code: str, message: st
     log.warning(role.refused, **fields)
     with contextlib.suppress(RegistryError):
         refuse(registry, request.transfer_id, code, message)
+
+
+#: Receivers an endpoint remembers as having asked (a close's drain waits for the owed
+#: ones that have not); beyond it, a flood of made-up receivers is not remembered.
+ASKERS = 1024
+#: Requests a closing endpoint refuses from its queue; more (a flood) are dropped.
+REFUSED_AT_CLOSE = 16
+
+
+def refuse_queued(registry: Registry, key: str, role: Role, log: Any) -> None:
+    """Refuse the requests still queued for the closing endpoint ``key`` (pushed before
+    its withdrawal showed), so their receivers move on at once rather than after their
+    handshake timeout; then drop the queue. Best effort: Redis trouble ends it."""
+    empty = 0
+    with contextlib.suppress(RegistryError):
+        for _ in range(REFUSED_AT_CLOSE):
+            request = registry.pop_request(key, timeout=0)
+            if request is None:
+                empty += 1  # empty, or a wake-up left there: one more look
+                if empty == 2:
+                    break
+                continue
+            decline(registry, request, "draining", "the endpoint closed", log, role, reason="closed")
+    with contextlib.suppress(RegistryError):
+        registry.drop_requests(key)
+
+
+#: The slowest link a drain counts on, in GB/s (10^9 B/s), where the worker's send cap
+#: is not lower: 200 Mbit/s, a slow and shared link, so that the bound errs long; the
+#: cap ends it.
+DRAIN_FLOOR_GBPS = 0.025
+#: Seconds a drain adds to the bytes' time: the last step's acknowledgement, and a
+#: busy machine's scheduling.
+DRAIN_GRACE = 0.5
+#: The most seconds a drain waits for an owed receiver (a follower of the download this
+#: worker was elected to) to ask: one that saw this worker's weights asks within a poll
+#: or two; one that never asks (fed by another member) costs no more.
+DRAIN_ARRIVAL = 1.0
+#: Seconds between two looks of a drain at its sends.
+DRAIN_POLL = 0.02
+#: The most seconds a drain waits for sends in flight, whatever their bytes: a closing
+#: process's shutdown grace (an engine gives its worker a few seconds) is not spent on
+#: one send, and a receiver told to move on loses less than a stall bound.
+DRAIN_MAX = 5.0
+
+
+def drain_bound(nbytes: int, settings: Settings) -> float:
+    """Seconds a drain waits for sends with ``nbytes`` left: those bytes at the slower of
+    :data:`DRAIN_FLOOR_GBPS` and ``max_send_gbps`` (when set), plus :data:`DRAIN_GRACE`,
+    capped at :data:`DRAIN_MAX`."""
+    gbps = DRAIN_FLOOR_GBPS if settings.max_send_gbps <= 0 else min(settings.max_send_gbps,
+                                                                     DRAIN_FLOOR_GBPS)
+    return min(DRAIN_MAX, DRAIN_GRACE + nbytes / (gbps * 1e9))
+
+
+def drain(sends: Iterable[Sends], settings: Settings, log: Any,
+          awaited: Callable[[], bool] | None = None) -> int:
+    """Let the sends of withdrawn endpoints finish, then abort whatever remains (each
+    receiver told at once, :meth:`Sends.abort`) and refuse later requests. Returns how
+    many sends were aborted.
+
+    Sends in flight get :func:`drain_bound` of the bytes they have left, counted from
+    when each began; while ``awaited()`` says an owed receiver has not asked yet (the
+    followers of this worker's download), it gets up to :data:`DRAIN_ARRIVAL` to ask.
+    Never more than :data:`DRAIN_MAX` in all; at once when nothing is in flight or owed.
+    """
+    sends = list(sends)
+    start = _clock.monotonic()
+    deadline, flying, said = start, 0, False
+    while True:
+        now = _clock.monotonic()
+        n = sum(s.in_flight for s in sends)
+        waiting = awaited is not None and now < start + DRAIN_ARRIVAL and awaited()
+        if n > flying:  # a send began (an owed receiver asked): its bytes' bound from now
+            left = sum(s.bytes_left() for s in sends)
+            deadline = max(deadline, now + drain_bound(left, settings))
+            if not said:
+                log.info("draining", sends=n, bytes_left=left, owed=waiting,
+                         bound=round(deadline - start, 3))
+                said = True
+        flying = n
+        if not (n or waiting) or now >= start + DRAIN_MAX or (not waiting and now >= deadline):
+            break
+        _clock.sleep(DRAIN_POLL)
+    aborted = sum(s.abort() for s in sends)
+    if aborted:
+        log.warning("drain_bound_passed", aborted=aborted, seconds=round(now - start, 3))
+    return aborted
+
+
+@dataclass
+class _Flight:
+    """One send from its request on: what it reads, what it has sent, its transport."""
+
+    read: Callable[[], Mapping[str, torch.Tensor]]
+    start: int
+    part: Part | None
+    bucket: int | None = None
+    """Set once its payload is planned; None: not past its handshake yet."""
+    sent: int = 0
+    """Bytes it issued so far."""
+    transport: Transport | None = None
+    abandoned: bool = False
+    """Aborted by :meth:`Sends.abort` (perhaps before its transport existed)."""
 
 
 @dataclass
@@ -134,30 +253,66 @@ class Sends:
     """``ready(step, deadline)`` returns once the step's bytes are in place (a relay
     forwards what it is still receiving); None: everything already is."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _transports: dict[str, Transport] = field(default_factory=dict, repr=False)
-    """Sends past their handshake, by transfer id."""
+    """Guards the fields below."""
+    _flights: dict[str, _Flight] = field(default_factory=dict, repr=False)
+    """Sends from their request on, by transfer id."""
+    _closed: bool = False
+    """Aborted: later requests are refused."""
+
+    @property
+    def in_flight(self) -> int:
+        """Sends running (in their handshake or past it)."""
+        with self._lock:
+            return len(self._flights)
+
+    def bytes_left(self) -> int:
+        """Bytes the sends in flight have still to issue (one not yet past its handshake:
+        all it would send)."""
+        with self._lock:
+            flights = list(self._flights.values())
+        left = 0
+        for f in flights:
+            with contextlib.suppress(Exception):  # a payload that no longer plans: nothing to wait for
+                payload = f.read()
+                bucket = f.bucket or self.settings.bucket_for(self.kind, payload_bytes(payload))
+                left += max(0, moved_bytes(payload, bucket, f.start, f.part) - f.sent)
+        return left
 
     def abort(self) -> int:
-        """Abort every send in flight (the receivers fall back; the tensors are only
-        read, so nothing here is damaged). Returns how many were aborted."""
+        """Abort every send in flight and refuse later requests (a close, or a drain past
+        its bound). Each receiver is told at once through its transfer's handshake key
+        (:func:`~nccl_back.coord.handshake.abandon`), so it moves on without waiting
+        out its stall bound; the tensors are only read, so nothing here is damaged.
+        Returns how many were aborted."""
         with self._lock:
-            transports = list(self._transports.values())
-        n = 0
-        for tr in transports:
-            with contextlib.suppress(Exception):
-                tr.abort()
-                n += 1
-        return n
+            self._closed = True
+            flights = dict(self._flights)
+            for f in flights.values():
+                f.abandoned = True
+        for transfer_id, f in flights.items():
+            self._abandon(transfer_id)
+            if f.transport is not None:
+                with contextlib.suppress(Exception):
+                    f.transport.abort()
+        return len(flights)
 
     def abort_one(self, transfer_id: str) -> bool:
-        """Abort one send in flight; False when it is not past its handshake (or over)."""
+        """Abort one send in flight (its receiver gave up on it: no notice); False when it
+        is not past its handshake (or over)."""
         with self._lock:
-            tr = self._transports.get(transfer_id)
+            f = self._flights.get(transfer_id)
+            tr = f.transport if f is not None else None
         if tr is None:
             return False
         with contextlib.suppress(Exception):
             tr.abort()
         return True
+
+    def _abandon(self, transfer_id: str) -> None:
+        """Tell the receiver of ``transfer_id`` that this side gave it up (best effort:
+        without Redis it finds out by its stall bound, as before)."""
+        with contextlib.suppress(RegistryError):
+            abandon(self.registry, transfer_id)
 
     def serve(self, request: TransferRequest, log: Any, *, digest: str | None = None,
               tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> TransferStats | None:
@@ -170,22 +325,41 @@ class Sends:
         read = self.tensors if tensors is None else tensors
         start = request.start or 0
         part = request.steps_part
-        transport: Transport | None = None
+        flight = _Flight(read, start, part)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._flights[request.transfer_id] = flight
+        if closed:  # asked after a close or a drain ended: said at once
+            decline(self.registry, request, "draining", "the endpoint is closing", log, self.role,
+                    reason="closing")
+            return None
         try:
             run_sender(self.registry, request.transfer_id, digest, s.sender_handshake_timeout)
             transport = self.rendezvous.sender(transfer_scope(s.key("store"), request.transfer_id))
             with self._lock:
-                self._transports[request.transfer_id] = transport
+                flight.transport = transport
+                abandoned = flight.abandoned
+            if abandoned:  # aborted during the handshake, which may have overwritten the notice
+                self._abandon(request.transfer_id)
+                with contextlib.suppress(Exception):
+                    transport.close()
+                log.warning(self.role.failed, reason="closing", error="aborted before the transfer began")
+                return None
             now = _clock.monotonic()
             deadline = now + self.timeout
             wait = self.ready
             ready = None if wait is None else (lambda k: wait(k, deadline))
 
+            def pace(nbytes: int) -> None:
+                self.pacer.take(nbytes)
+                flight.sent += nbytes
+
             def send(tr: Transport) -> TransferStats:
                 payload = read()
-                bucket = s.bucket_for(self.kind, payload_bytes(payload))
+                flight.bucket = bucket = s.bucket_for(self.kind, payload_bytes(payload))
                 return send_tensors(tr, payload, bucket, start=start, part=part, ready=ready,
-                                    pace=self.pacer.take)
+                                    pace=pace)
 
             with self.metrics.sending(self.role.name):
                 stats = run_guarded(transport, send, deadline,
@@ -201,7 +375,6 @@ class Sends:
         except Exception as e:  # a serving thread must never die silently
             log.error(self.role.crashed, error=repr(e))
         finally:
-            if transport is not None:
-                with self._lock:
-                    self._transports.pop(request.transfer_id, None)
+            with self._lock:
+                self._flights.pop(request.transfer_id, None)
         return None

@@ -39,6 +39,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +60,7 @@ from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import Manifest, Model, model_device, named_tensors
 from nccl_back.transport import Rendezvous, open_rendezvous, resolve_kind
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.send import HOLDER, Sends, answer, decline
+from nccl_back.transport.send import ASKERS, HOLDER, Sends, answer, decline, refuse_queued
 
 #: Requests that may wait per send slot; a flood beyond it is dropped, not queued.
 QUEUE_PER_SLOT = 4
@@ -128,10 +129,19 @@ class PeerServer:
         self._served: dict[str, _Served] = {}
         self._rendezvous: dict[str, Rendezvous] = {}
         self._stop = threading.Event()
+        """Withdrawn: nothing is published any more, requests are refused (or owed)."""
+        self._done = threading.Event()
+        """Closed: requests are no longer even read."""
         self._lock = threading.Lock()
         # Serialises every write of availability entries (publish, heartbeat, withdraw).
         self._entries_lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
+        self._owed: dict[str, float] = {}
+        """Receivers owed a send, by when they would have asked (:meth:`owe`)."""
+        self.askers: set[str] = set()
+        """Receivers that asked this worker's holder entries (at most :data:`ASKERS`)."""
+        self._serving: frozenset[str] = frozenset()
+        """Receivers still served once withdrawn (a close's owed ones)."""
         self._log = get_logger("nccl_back.transport.sender", worker=worker_id)
 
     @property
@@ -151,17 +161,28 @@ class PeerServer:
         """The tensors a send of ``peer_id`` reads now (the model's current storage)."""
         return named_tensors(self._served[peer_id].model)[0]
 
+    @property
+    def sends(self) -> list[Sends]:
+        """The sends of every model served, for a closing worker's drain."""
+        return [served.sends for served in list(self._served.values())]
+
     def close(self) -> None:
-        """Stop serving, withdraw every published entry, release sockets and threads."""
+        """Stop serving, withdraw every published entry, release sockets and threads.
+
+        Sends still in flight are aborted, their receivers told at once (a closing
+        service drains them first, :func:`~nccl_back.transport.send.drain`)."""
         self.withdraw()
+        self._done.set()
         for served in list(self._served.values()):
+            served.sends.abort()
             if served.thread is not None:
                 with contextlib.suppress(RegistryError):  # else it sees the stop within a poll
                     self.registry.wake_requests(served.info.peer_id)
                 served.thread.join(self.settings.redis_timeout + 2)
-                with contextlib.suppress(RegistryError):  # a wake-up nobody popped
-                    self.registry.drop_requests(served.info.peer_id)
-            # In-flight sends end within their own watchdog deadline.
+                # Asked meanwhile, and a wake-up nobody popped.
+                refuse_queued(self.registry, served.info.peer_id, HOLDER, self._log)
+            # Aborted sends end within their transport's abort (a gloo wait: its own
+            # per-call timeout at most).
             served.pool.shutdown(wait=True)
         if self._heartbeat is not None:
             self._heartbeat.join(self.settings.heartbeat_interval + self.settings.redis_timeout + 1)
@@ -169,6 +190,27 @@ class PeerServer:
             with contextlib.suppress(Exception):
                 rv.close()
         self._rendezvous.clear()
+
+    def owe(self, receivers: Iterable[str], seconds: float) -> None:
+        """``receivers`` wait for this worker alone and may ask within ``seconds`` (the
+        followers of the download it was elected to): a close meanwhile serves them
+        (:meth:`owed`)."""
+        until = _clock.monotonic() + seconds
+        with self._lock:
+            for r in receivers:
+                self._owed[r] = max(until, self._owed.get(r, 0.0))
+
+    @property
+    def withdrawn(self) -> bool:
+        """Whether :meth:`withdraw` ran (nothing of this worker is published any more)."""
+        return self._stop.is_set()
+
+    def owed(self) -> frozenset[str]:
+        """The receivers still owed a send (:meth:`owe`) whose time to ask has not passed."""
+        now = _clock.monotonic()
+        with self._lock:
+            self._owed = {r: until for r, until in self._owed.items() if until > now}
+            return frozenset(self._owed)
 
     def abort_sends(self) -> int:
         """Abort every in-flight send's communicator (a drain past its bound).
@@ -181,12 +223,16 @@ class PeerServer:
             self._log.warning("sends_aborted", count=n)
         return n
 
-    def withdraw(self) -> None:
+    def withdraw(self, *, serving: Collection[str] = ()) -> None:
         """Stop accepting new transfers (drain): remove this worker from the registry.
 
-        In-flight sends finish; :meth:`close` still has to be called.
+        In-flight sends finish; queued ones are refused, but for those of ``serving`` (a
+        close's owed receivers, :meth:`owed`); :meth:`close` still has to be called.
         """
+        self._serving = frozenset(serving)
         with self._entries_lock:
+            if self._stop.is_set():
+                return  # withdrawn already: nothing of ours is published
             self._stop.set()
             for served in list(self._served.values()):
                 with contextlib.suppress(RegistryError):
@@ -290,6 +336,8 @@ class PeerServer:
         log = self._log.bind(peer=served.info.peer_id)
 
         def enqueue(request: TransferRequest) -> None:
+            if len(self.askers) < ASKERS:
+                self.askers.add(request.receiver)
             token = _shared_token(request)
             with served.lock:
                 if token is None:
@@ -307,7 +355,9 @@ class PeerServer:
                 return
             served.pool.submit(self._serve_one, served, request)
 
-        answer(self.registry, served.info.peer_id, HOLDER, log, self._stop, 0.5, enqueue)
+        # Read until closed: a withdrawn worker still refuses each request at once (or
+        # serves an owed one), rather than leaving it to time out.
+        answer(self.registry, served.info.peer_id, HOLDER, log, self._done, 0.5, enqueue)
 
     def _serve_one(self, served: _Served, request: TransferRequest) -> None:
         log = self._log.bind(rank=served.info.rank, version=served.info.version[:12],
@@ -417,7 +467,7 @@ class PeerServer:
     def _refusal(self, served: _Served, request: TransferRequest) -> tuple[str, str] | None:
         """Why this request must not be served, as ``(code, message)``; None to serve it."""
         info = served.info
-        if self._stop.is_set():
+        if self._stop.is_set() and request.receiver not in self._serving:
             # Queued before the drain began: a drain reported done must stay done.
             return "draining", "the peer is draining"
         if request.version != info.version:

@@ -17,6 +17,12 @@ dead node, a partition: no reset, so no error) then costs the stall bound, not t
 deadline. The bound is enforced here, in the caller's thread, so it holds for every
 transport; gloo also gets it as its per-call timeout, so its thread unwinds with it.
 
+A sender that gives the transfer up (it closes) leaves a notice the caller can read
+(``abandoned``): asked once no step came for :data:`NOTICE_AFTER` seconds, and that often
+while none comes, it ends the transfer at once (:class:`TransferAbandonedError`), so a
+receiver whose sender aborted never waits out its stall bound; its worker thread gets
+:data:`NOTICE_AFTER` to unwind, not the transport's whole grace (see :func:`_abort`).
+
 The worker thread must not outlive the attempt: transports bound every wait by the
 same deadline (gloo: a per-call timeout equal to the time left; NCCL: polling), so
 after ``abort`` the thread unwinds within the transport's ``join_grace``; the
@@ -34,6 +40,7 @@ from typing import TypeVar
 from nccl_back import _clock
 from nccl_back.errors import (
     NcclBackError,
+    TransferAbandonedError,
     TransferError,
     TransferStalledError,
     TransferTimeoutError,
@@ -45,6 +52,10 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
+#: Seconds without a step before the sender's notice is asked for (``abandoned``), and
+#: between two asks while none comes: a transfer that flows never asks.
+NOTICE_AFTER = 0.5
+
 
 def run_guarded(
     transport: Transport,
@@ -53,15 +64,18 @@ def run_guarded(
     *,
     connect_deadline: float | None = None,
     stall: float | None = None,
+    abandoned: Callable[[], bool] | None = None,
 ) -> T:
     """``transport.connect(...)`` then ``work(transport)``, done by ``deadline``.
 
     ``deadline`` is on ``_clock.monotonic``; the connect phase must also end by
     ``connect_deadline`` when given. After the connect, when ``stall`` is given, no
-    more than ``stall`` seconds may pass without a completed step. Returns what
-    ``work`` returns.
-    Raises :class:`TransferStalledError` past the stall bound and
-    :class:`TransferTimeoutError` past the deadline (both after aborting the transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
+    more than ``stall`` seconds may pass without a completed step. ``abandoned()``
+    says whether the other side gave the transfer up (a notice, asked once quiet for
+    :data:`NOTICE_AFTER`). Returns what ``work`` returns.
+    Raises :class:`TransferStalledError` past the stall bound,
+    :class:`TransferTimeoutError` past the deadline and :class:`TransferAbandonedError`
+    on the notice (all after aborting the transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
     wrapping any other exception. The transport is closed in every case.
     """
     # One-element lists: the worker thread's result or error, typed for the caller.
@@ -100,8 +114,30 @@ def run_guarded(
         target=target, name=f"nccl-back-transfer-{transport.transfer_id}", daemon=True
     )
     thread.start()
+    began = _clock.monotonic()
+    asked = began
+
+    def gave_up() -> bool:
+        """Whether the notice says the other side gave up (asked once quiet, that often)."""
+        nonlocal asked
+        now = _clock.monotonic()
+        since = max(transport.progress_at if connected.is_set() else began, asked)
+        if abandoned is None or now - since < NOTICE_AFTER:
+            return False
+        asked = now
+        return abandoned()
+
+    def nap(until: float) -> float:
+        """How long to wait for the thread: until ``until``, or the next ask of the notice."""
+        left = until - _clock.monotonic()
+        return max(min(left, NOTICE_AFTER) if abandoned is not None else left, 0.0)
+
     if first < deadline:
-        thread.join(max(first - _clock.monotonic(), 0.0))
+        while thread.is_alive() and not connected.is_set() and _clock.monotonic() < first:
+            thread.join(nap(first))
+            if thread.is_alive() and not connected.is_set() and gave_up():
+                _abort(transport, thread, "abandoned", NOTICE_AFTER)
+                raise TransferAbandonedError(_abandoned_words(transport))
         if thread.is_alive() and not connected.is_set():
             _abort(transport, thread, "connect")
             raise TransferTimeoutError(f"{_not_formed(transport, True)}; aborted")
@@ -111,9 +147,12 @@ def run_guarded(
             # Before the connect is seen, wake up every stall bound to start watching.
             quiet = (transport.progress_at + stall - _clock.monotonic()) if connected.is_set() else stall
             wait = min(wait, quiet)
-        thread.join(max(wait, 0.0))
+        thread.join(nap(_clock.monotonic() + wait))
         if not thread.is_alive():
             break
+        if gave_up():
+            _abort(transport, thread, "abandoned", NOTICE_AFTER)
+            raise TransferAbandonedError(_abandoned_words(transport))
         if _clock.monotonic() >= deadline:
             _abort(transport, thread, "transfer")
             raise TransferTimeoutError(
@@ -146,16 +185,27 @@ def run_guarded(
     return values[0]
 
 
-def _abort(transport: Transport, thread: threading.Thread, phase: str) -> None:
+def _abort(transport: Transport, thread: threading.Thread, phase: str,
+           grace: float | None = None) -> None:
     log.warning("transfer_deadline_passed", transfer_id=transport.transfer_id,
                 kind=transport.kind, phase=phase)
     transport.abort()
-    grace = transport.join_grace
+    grace = transport.join_grace if grace is None else min(grace, transport.join_grace)
     thread.join(grace)
-    if thread.is_alive():
+    if thread.is_alive() and phase == "abandoned":
+        # A gloo wait outlives its abort until the sender's sockets close (as its do once
+        # it unwinds) or its own per-call timeout: the sender gave up, so nothing but a
+        # step it had already sent can still land; the caller moves on now.
+        log.info("transfer_thread_left", transfer_id=transport.transfer_id, grace=grace)
+    elif thread.is_alive():
         # Only a wait that ignores both the deadline and the abort request can get
         # here; the daemon thread is left behind, the caller still falls back.
         log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=grace)
+
+
+def _abandoned_words(transport: Transport) -> str:
+    return (f"{transport.kind} transfer {transport.transfer_id}: the sender gave it up (it"
+            " closed, or its drain ran out); the communicator was aborted")
 
 
 def _not_formed(transport: Transport, connect: bool) -> str:

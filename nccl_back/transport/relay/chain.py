@@ -24,6 +24,7 @@ from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.relay import topology
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
+    LINGER,
     MAX_RELAY_SENDS,
     RELAY_HANDSHAKE,
     SHARE_SENDS,
@@ -238,6 +239,7 @@ class Stream:
         self._steps = len(steps)
         self._registry = registry
         self._key = key
+        server.unannounce = self._drop  # announced no longer than it serves
 
     @property
     def member(self) -> Member:
@@ -252,9 +254,22 @@ class Stream:
             self.server.progress.complete(self._steps)
 
     def end(self, ok: bool, reason: str = "") -> None:
-        """The download ended (``ok``: loaded and published): no new receiver finds the
-        stream; a failed one fails its receivers' links at once."""
+        """The download ended. Failed: no new receiver finds the stream, and its receivers'
+        links fail at once. ``ok`` (loaded and published): the announcement lives on while
+        the endpoint lingers (dropped when it stops, its TTL cut to the linger), for the
+        followers that have not asked yet; holders found first are asked first."""
         self.server.end(ok, reason)
+        with contextlib.suppress(RegistryError):
+            if not ok or not self.server.alive:
+                self._drop()
+                return
+            s = self.server.settings
+            mine = self._registry.get_stream(*self._key)
+            if mine is not None and mine.member_id == self.member.member_id:
+                self._registry.put_stream(*self._key, self.member.to_dict(),
+                                          ttl=s.cohort_window + LINGER + s.redis_timeout)
+
+    def _drop(self) -> None:
         with contextlib.suppress(RegistryError):
             self._registry.drop_stream(*self._key, self.member.member_id)
 

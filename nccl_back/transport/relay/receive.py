@@ -38,6 +38,7 @@ from nccl_back.transport.relay.chain import (
     stream,
 )
 from nccl_back.transport.relay.server import RelayServer
+from nccl_back.transport.send import Sends
 
 
 class DamagedBytes(WeightVerificationError):
@@ -78,11 +79,30 @@ class Cohorts:
         self._sender = sender
         self._metrics = metrics
         self._servers: list[RelayServer] = []
+        self._withdrawn: frozenset[str] | None = None
+        """Withdrawn (:meth:`withdraw`): the receivers still served; None: serving."""
         self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
         return self.settings.cohort_limit > 1
+
+    def withdraw(self, serving: Collection[str] = ()) -> list[Sends]:
+        """Withdraw every relay endpoint of this worker, and those it starts from now on,
+        but for ``serving`` (:meth:`RelayServer.withdraw`); their sends, for the closing
+        worker's drain."""
+        with self._lock:
+            self._withdrawn = frozenset(serving)
+            servers = list(self._servers)
+        for r in servers:
+            r.withdraw(serving)
+        return [r.sends for r in servers]
+
+    def askers(self) -> set[str]:
+        """The receivers that asked this worker's relay endpoints."""
+        with self._lock:
+            servers = list(self._servers)
+        return set().union(*(r.askers for r in servers))
 
     def close(self, timeout: float) -> None:
         with self._lock:
@@ -149,6 +169,10 @@ class Cohorts:
                          replica, self._sender.pacer, log, self._metrics)
 
     def _track(self, server: RelayServer) -> None:
-        """Keep ``server`` for :meth:`close` (dropping the endpoints that stopped)."""
+        """Keep ``server`` for :meth:`close` (dropping the endpoints that stopped); one
+        started by a withdrawn worker is withdrawn at once."""
         with self._lock:
             self._servers = [r for r in self._servers if r.alive] + [server]
+            withdrawn = self._withdrawn
+        if withdrawn is not None:
+            server.withdraw(withdrawn)

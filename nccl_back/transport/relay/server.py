@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous
 from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.relay.state import LINGER, MAX_RELAY_SENDS, Progress
-from nccl_back.transport.send import RELAY, Sends, answer, decline
+from nccl_back.transport.send import ASKERS, RELAY, Sends, answer, decline, refuse_queued
 
 
 class RelayServer:
@@ -61,12 +62,20 @@ class RelayServer:
         self.progress = progress
         self._log = log_
         self._stop = threading.Event()
+        self._withdrawn = threading.Event()
         self._ended = threading.Event()
         self._lock = threading.Lock()
         self._sends: dict[tuple[str, int | None], tuple[threading.Thread, str]] = {}
         """Sends in flight by (receiver, part): the thread and its transfer id."""
         self._superseded: list[threading.Thread] = []
         self._idle_since: float | None = None
+        self._serving: frozenset[str] = frozenset()
+        """Receivers still served once withdrawn (a close's owed ones)."""
+        self.askers: set[str] = set()
+        """Receivers that asked this endpoint (at most :data:`ASKERS`)."""
+        self.unannounce: Callable[[], None] | None = None
+        """Drops the record that announces it, if any (a stream's): at a withdrawal that
+        owes nobody, and once it stopped answering."""
         self.served = 0
         # Read at each send: a stopped endpoint drops its tensors (see _loop).
         self._path = Sends(RELAY, settings, registry, self.metrics, pacer, rendezvous,
@@ -79,6 +88,11 @@ class RelayServer:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def sends(self) -> Sends:
+        """Its sends, for a closing worker's drain."""
+        return self._path
 
     def start(self) -> RelayServer:
         self._thread.start()
@@ -95,16 +109,32 @@ class RelayServer:
             self.progress.fail(reason or "the member fell back")
         self._ended.set()
 
+    def withdraw(self, serving: Collection[str] = ()) -> None:
+        """Take no new request but from ``serving`` (a close's owed receivers; the others
+        refused at once) and say the endpoint stopped (the seats below skip it; a stream
+        owing nobody is no longer announced); relay sends in flight go on, for a closing
+        worker's drain (:func:`~nccl_back.transport.send.drain`)."""
+        self._serving = frozenset(serving)
+        self._withdrawn.set()
+        if not serving and self.unannounce is not None:
+            self.unannounce()
+        with contextlib.suppress(RegistryError):
+            self.registry.mark_gone(self.member.member_id,
+                                    self.settings.transfer_timeout + self.settings.busy_wait)
+
     def close(self, timeout: float) -> None:
-        """Stop now; abort relay sends still running; wait at most ``timeout`` s."""
+        """Stop now; abort relay sends still running (their receivers told at once);
+        wait at most ``timeout`` s."""
         self._stop.set()
         self._path.abort()
+        # A send waiting for a step this member does not hold yet ends now, and with it
+        # its connection: its receiver sees the close at once.
+        self.progress.fail("the relay endpoint closed")
         key = self.member.member_id
         with contextlib.suppress(RegistryError):  # else it sees the stop within a poll
             self.registry.wake_requests(key)
         self._thread.join(timeout)
-        with contextlib.suppress(RegistryError):  # a wake-up nobody popped
-            self.registry.drop_requests(key)
+        refuse_queued(self.registry, key, RELAY, self._log)  # and a wake-up nobody popped
 
     def _busy(self) -> int:
         """Relay sends still running (finished ones are forgotten)."""
@@ -127,8 +157,9 @@ class RelayServer:
         with contextlib.suppress(RegistryError):
             # For as long as the chain that seats us lives (the join's TTL).
             self.registry.mark_gone(key, self.settings.transfer_timeout + self.settings.busy_wait)
-        with contextlib.suppress(RegistryError):
-            self.registry.drop_requests(key)
+        if self.unannounce is not None:
+            self.unannounce()
+        refuse_queued(self.registry, key, RELAY, self._log)
         for t in [t for t, _ in self._sends.values()] + self._superseded:
             t.join(self.settings.transfer_timeout)
         # A stopped endpoint must not keep the model alive: a sidecar whose hand-off
@@ -137,6 +168,12 @@ class RelayServer:
 
     def _admit(self, request: TransferRequest) -> None:
         key = self.member.member_id
+        if len(self.askers) < ASKERS:
+            self.askers.add(request.receiver)
+        if self._withdrawn.is_set() and request.receiver not in self._serving:
+            decline(self.registry, request, "draining", f"relay endpoint {key} is closing",
+                    self._log, RELAY, reason="closing")
+            return
         gave_up = self.progress.failed
         if gave_up is not None:
             # What this member holds failed (or never completed): serve none of it,

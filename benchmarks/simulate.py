@@ -25,7 +25,7 @@ per-link set-up (handshake + communicator), the per-step cost (transfer N=1 / st
 the storage download of one worker at N=1. Its N ≤ 16 predictions are printed next to
 the measured medians, and the plot shows both (points measured, lines simulated).
 Without that JSON (``benchmarks/out/`` is not in a fresh clone) it uses run 7's costs
-as RESULTS.md writes them (:data:`RUN7`), says so, and prints no comparison or plot.
+as results-log.md writes them (:data:`RUN7`), says so, and prints no comparison or plot.
 
 Fan-out designs, built from ``nccl_back/transport/relay/topology.py`` and
 run by a discrete-event model of capped links (:func:`fanout`), for N = 1 ... 4096,
@@ -214,7 +214,7 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
 FANOUT_SIZES = (1, 64, 256, 1024, 4096)
 #: ``relay_stall_timeout``: the most a member waits for its next step.
 STALL = Settings.relay_stall_timeout
-#: Run 7's N=1 costs as benchmarks/RESULTS.md ("Simulation") gives them: used when no
+#: Run 7's N=1 costs as benchmarks/results-log.md ("Simulation") gives them: used when no
 #: measured JSON is at hand (``benchmarks/out/`` is not in a fresh clone).
 RUN7 = Costs(fixed=0.21, setup=0.039, step=3.38 / 65, steps=65, download=14.7, cohort_max=16,
              shards=8)
@@ -520,7 +520,7 @@ def main() -> None:
         compare(pred, measured, args.png, c)
     else:
         c = RUN7
-        print(f"{args.measured} not found: using run 7's costs written in benchmarks/RESULTS.md "
+        print(f"{args.measured} not found: using run 7's costs written in benchmarks/results-log.md "
               f"('Simulation'), no measured comparison and no plot.\ncosts: {c}")
     fan = fanout_predict(c)
     kills = kill_predict(c, args.detect)

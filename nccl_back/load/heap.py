@@ -5,7 +5,7 @@ holds, with the GIL held. With torch imported that is about 200,000 objects and 
 (in a vLLM worker, 0.6 s: :mod:`nccl_back.engines.base`); during a load every thread
 of the worker stops for it: handshake answers, the relay's forwarding, the liveness
 marks. On a busy host the pause stretches to seconds and peers give up on this worker
-(``benchmarks/RESULTS.md``, "The late starts were garbage-collection pauses"). So while
+(``benchmarks/results-log.md``, "The late starts were garbage-collection pauses"). So while
 a load runs, the objects that existed before it are frozen (:func:`gc.freeze` moves
 them to the permanent generation, in constant time) and collections walk only what the
 load allocates; the last load of the process to end unfreezes them. Nothing is

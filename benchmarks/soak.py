@@ -28,13 +28,13 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
   numbers or fields, each other Redis type), a fake peer of this version, or at every key
   of the namespace at once garbage, another Redis type or a mutated copy of its value
   (``tests/hostile.py``, ``overwrite_all``);
+- ``replay_claim``: a genuine send-slot claim copied out of Redis and written back every
+  0.5 s for a drawn 1-4 s (no secret needed): it must stop being obeyed at the expiry
+  signed into it;
 - ``garble_relay``: one rank of a unit, drawn at the end of the schedule (so the draws
   before it are unchanged) for a quarter of the rollouts, flips every byte it forwards as
   a relay member or a download's stream, while its own copy stays exact
   (tests/faults.py); its receivers must catch it and blame only the senders of failing bytes;
-- ``replay_claim``: a genuine send-slot claim copied out of Redis and written back every
-  0.5 s for a drawn 1-4 s (no secret needed): it must stop being obeyed at the expiry
-  signed into it;
 - ``shard_same`` / ``shard_changed``: one shard rewritten in place with the same bytes
   (must be harmless), with one tensor byte changed (another version: a typed error or
   exactly the bytes of the version the worker computed), or ``shard_flap``: flipped

@@ -23,6 +23,7 @@ from hostile import HOUR, HUGE, fill, peak_rss_rise
 from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.coord.registry import Registry
+from nccl_back.coord.requests import POLL_MAX
 from nccl_back.coord.store import WRONG_TYPE, Oversized
 
 PKG = Path(__file__).resolve().parents[1] / "nccl_back"
@@ -236,13 +237,19 @@ def test_download_group_and_index_items_of_64_mib_cost_nothing(reg: Registry) ->
 
 @pytest.mark.timeout(20)
 def test_a_pop_polls_an_empty_queue_without_spinning(reg: Registry) -> None:
-    """Waiting on an empty queue for 1 s costs a few dozen Redis calls, not a spin, and
-    a request pushed meanwhile is returned within a poll."""
+    """Waiting on an empty queue for 1 s costs a few dozen Redis calls, not a spin, and an
+    idle queue's next wait about 1/POLL_MAX (its pause carries over)."""
     calls = int(reg.client.info("stats")["total_commands_processed"])
     start = time.monotonic()
     assert reg.pop_request("p2", timeout=1.0) is None
     assert time.monotonic() - start >= 1.0
     assert int(reg.client.info("stats")["total_commands_processed"]) - calls < 200
+    # An idle endpoint keeps its slowest pause from one wait to the next: 20 looks a second.
+    def looks() -> int:  # script calls (the commands a script runs count apart)
+        return int(reg.client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    calls = looks()
+    assert reg.pop_request("p2", timeout=1.0) is None
+    assert looks() - calls <= 1 / POLL_MAX + 3
 
 
 def test_a_key_name_of_32_mib_costs_a_scan_nothing(reg: Registry) -> None:

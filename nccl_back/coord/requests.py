@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from nccl_back import _clock
+from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.store import WRONG_TYPE, SignedStore, ms
@@ -24,7 +27,9 @@ from nccl_back.errors import RecordKind
 #: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
 MAX_QUEUED_REQUESTS = 256
 #: Seconds between looks at an empty queue: the first, doubling up to the longest (a
-#: request waits that long at most before it is seen).
+#: request waits that long at most before it is seen). The pause carries over from one
+#: wait to the next of the same queue until a request comes, so an idle endpoint looks
+#: 1/POLL_MAX times a second (20), not the dozens a restarted doubling would cost.
 POLL_MIN, POLL_MAX = 0.002, 0.05
 #: The wake-up value (see the module docstring); it lives a second at most.
 WAKE = b""
@@ -33,6 +38,11 @@ WAKE_TTL = 1.0
 
 class RequestRecords(SignedStore):
     """The transfer-request record family."""
+
+    def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
+        super().__init__(settings, client)
+        self._idle: dict[str, float] = {}
+        """The next pause before a look at each queue found empty (see :data:`POLL_MAX`)."""
 
     def push_request(self, peer_id: str, request: dict[str, Any]) -> None:
         """Ask ``peer_id`` to serve one transfer (``request`` is JSON-serialisable)."""
@@ -58,7 +68,6 @@ class RequestRecords(SignedStore):
         there; the bounded pop leaves an oversized item's bytes on the server."""
         key = self.keys.requests(peer_id)
         deadline = _clock.monotonic() + timeout
-        pauses = _clock.pauses(POLL_MIN, POLL_MAX)
         while True:
             # Newest first: its receiver is still waiting; older ones may have given up,
             # and a flood pushed earlier must not delay it.
@@ -70,12 +79,15 @@ class RequestRecords(SignedStore):
             elif isinstance(raw, bytes) and raw == WAKE:
                 return None
             elif raw is not None and (request := self.parse(key, raw, schema.REQUEST)) is not None:
+                self._idle.pop(key, None)  # busy: the next look comes soon again
                 return request
             left = deadline - _clock.monotonic()
             if left <= 0:
                 return None
             if raw is None or raw is WRONG_TYPE:  # look again later (after a rejected item: at once)
-                _clock.sleep(min(next(pauses), left))
+                pause = self._idle.get(key, POLL_MIN)
+                self._idle[key] = min(pause * 2, POLL_MAX)
+                _clock.sleep(min(pause, left))
 
     def drop_requests(self, peer_id: str) -> None:
         """Forget every request queued for ``peer_id`` (its endpoint is closing: the

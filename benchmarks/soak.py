@@ -35,6 +35,10 @@ replayed, so which *role* a victim had at that moment is recorded, not scheduled
   before it are unchanged) for a quarter of the rollouts, flips every byte it forwards as
   a relay member or a download's stream, while its own copy stays exact
   (tests/faults.py); its receivers must catch it and blame only the senders of failing bytes;
+- ``early_close``: one unit, drawn after that for a quarter of the rollouts, closes its
+  service right after its own load (a short job, a shutdown just after start-up): what
+  it was sending (a holder's sends, relay forwards, an elected download's stream to its
+  followers) drains within its bound or is given up with a notice, never waited out;
 - ``shard_same`` / ``shard_changed``: one shard rewritten in place with the same bytes
   (must be harmless), with one tensor byte changed (another version: a typed error or
   exactly the bytes of the version the worker computed), or ``shard_flap``: flipped
@@ -131,11 +135,14 @@ STORAGE_ALLOWANCE = 10.0
 HANG_MARGIN = 30.0
 GROUP_TIMEOUT = 30.0
 FAULT_KINDS = ("kill", "stop", "redis_flush", "redis_restart", "redis_outage", "hostile", "shard_same",
-               "shard_changed", "shard_flap", "replay_claim", "garble_relay")
-#: ``garble_relay`` (weight 0 here) is drawn apart, last: see :func:`schedule`.
-FAULT_WEIGHTS = (4, 3, 1, 1, 1, 3, 1, 1, 1, 1, 0)
+               "shard_changed", "shard_flap", "replay_claim", "garble_relay", "early_close")
+#: ``garble_relay`` and ``early_close`` (weight 0 here) are drawn apart, last: see
+#: :func:`schedule`.
+FAULT_WEIGHTS = (4, 3, 1, 1, 1, 3, 1, 1, 1, 1, 0, 0)
 #: The share of rollouts in which one rank garbles what it forwards.
 GARBLE_CHANCE = 0.25
+#: The share of rollouts in which one unit closes its service right after its own load.
+EARLY_CLOSE_CHANCE = 0.25
 NOT_INJECTED = {
     "slow_http_client": "units run no sidecar (tests/test_health.py floods a real one)",
     "partition": "needs root and a network namespace per worker",
@@ -220,6 +227,12 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
         victim["garble"] = rng.randrange(int(victim["world"]))
         plan.append({"t": victim["start"], "kind": "garble_relay", "unit": victim["unit"],
                      "rank": victim["garble"]})
+        plan.sort(key=lambda f: f["t"])
+    if "early_close" in faults and rng.random() < EARLY_CLOSE_CHANCE:  # drawn after, likewise
+        # One of the first two to start: likely the elected downloader or a holder others use.
+        victim = rng.choice([u for u in units if u["kind"] == "pipeline"][:2])
+        victim["close_early"] = True
+        plan.append({"t": victim["start"], "kind": "early_close", "unit": victim["unit"], "rank": 0})
         plan.sort(key=lambda f: f["t"])
     return {"rollout": rollout, "seed": seed, "units": units, "faults": plan,
             "values_seed": values_seed, "fan_out": fan_out}
@@ -461,7 +474,7 @@ class Soak:
         for rank in range(u["world"]):
             job = {"rollout": r, "unit": u["unit"], "rank": rank, "world": u["world"], "port": port,
                    "kind": u.get("kind", "pipeline"), "scheme": u.get("scheme"),
-                   "garble": u.get("garble") == rank,
+                   "garble": u.get("garble") == rank, "close_early": bool(u.get("close_early")),
                    "ckpt": str(ckpt), "flat": str(rdir / "flat"), "big": str(self.big),
                    # Sidecars move the large model at the link's speed (the soak's cap is for
                    # the tiny ones, so faults land inside their transfers).
@@ -514,8 +527,8 @@ class Soak:
     def _fault(self, f: dict[str, Any], procs: list[Proc], ckpt: Path, expected: dict[str, dict[str, str]],
                hostile: set[str], version: str) -> str:
         kind = f["kind"]
-        if kind == "garble_relay":
-            return kind  # the rank garbles from its start (the job says so)
+        if kind in ("garble_relay", "early_close"):
+            return kind  # the rank garbles / the unit closes after its load (its job says so)
         if kind in ("kill", "stop"):
             victim = next((p for p in procs if (p.unit, p.rank) == (f["unit"], f["rank"])), None)
             if victim is None or victim.killed or not victim.process.is_alive():

@@ -252,7 +252,7 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
                           seconds=time.monotonic() - t0, traceback=traceback.format_exc())
         faulthandler.cancel_dump_traceback_later()
         out.send(report)
-        while not stop.is_set():
+        while not stop.is_set() and not job.get("close_early"):  # (early: the soak's fault)
             time.sleep(0.05)
         faulthandler.dump_traceback_later(job["hang_after"], exit=False, file=log)
         if svc is not None:

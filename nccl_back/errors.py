@@ -225,6 +225,8 @@ class RecordKind(StrEnum):
     """A relay endpoint's tombstone (``ns:gone:...``)."""
     ALIVE = "alive"
     """A relay endpoint's liveness mark, renewed while it serves (``ns:alive:...``)."""
+    VERDICT = "verdict"
+    """A relay member's own check of what it received, passed or failed (``ns:verdict:...``)."""
     RENDEZVOUS = "rendezvous"
     """A process group's bootstrap value (``ns:rdv:...``)."""
     ARTIFACT_SET = "artifact_set"

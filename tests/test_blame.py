@@ -111,6 +111,36 @@ def test_blame_names_only_the_senders_of_failing_bytes_and_discards_all_they_sen
     assert held.sources() == {src for src in owners[:first] if src is not None}
 
 
+def test_a_blamed_member_whose_own_check_failed_is_only_a_suspect(redis_url: str, namespace: str) -> None:
+    """A member blamed alone for a failing layer whose signed verdict says its own check
+    failed (it forwarded the wrong bytes it was sent) is a suspect, and guilty if
+    implicated again; one whose verdict passed, none, a forged one (unsigned, or another
+    member's copied to its key) or one over the bound stays guilty."""
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace, secret="s" * 32))
+    try:
+        reg.put_verdict("forwarder", False, ttl=30)
+        reg.put_verdict("garbler", True, ttl=30)
+        reg.client.set(reg.keys.verdict("unsigned"), json.dumps({"member_id": "unsigned", "ok": False}))
+        reg.client.set(reg.keys.verdict("copied"), reg.client.get(reg.keys.verdict("forwarder")))
+        reg.client.set(reg.keys.verdict("huge"), b"x" * (64 << 10))
+        members = ["forwarder", "garbler", "absent", "unsigned", "copied", "huge"]
+        said = reg.verdicts(members)
+        assert said == {"forwarder": False, "garbler": True}
+        failed = {m for m, ok in said.items() if not ok}
+        # One layer per member, all sent by it alone and all failing: each is guilty.
+        steps = plan({f"blocks.{i}.w": torch.empty(64, dtype=torch.uint8) for i in range(len(members))}, 64)
+        held = StepSources(steps)
+        for k, step in enumerate(steps):
+            held.record(k, members[int(step.slots[0].name.split(".")[1])])
+        bad = {f"blocks.{i}" for i in range(len(members))}
+        blame = held.forwarded(held.blame(bad, integrity.layer_of), failed)
+        assert blame.guilty == set(members) - {"forwarder"} and blame.suspects == {"forwarder"}
+        again = held.forwarded(held.blame(bad, integrity.layer_of), failed)
+        assert again.guilty == set(members) and not again.suspects
+    finally:
+        reg.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 20), max_size=10), st.one_of(st.none(), st.integers(0, 10)))
 def test_progress_forwards_nothing_once_failed(advances: list[int], fail_at: int | None) -> None:

@@ -67,7 +67,7 @@ SECRET = "hostile-redis-secret-" + "x" * 16
 UNREAD = frozenset({"check"})
 #: Every kind a load reads, from the schema.
 KINDS = tuple(k.name for k in schema.KINDS if k.name not in UNREAD)
-RACED = frozenset({"hs", "chain", "rdv", "gone", "alive"})
+RACED = frozenset({"hs", "chain", "rdv", "gone", "verdict", "alive"})
 """Kinds whose names are random per transfer: corrupted as they appear."""
 RESHARD = frozenset({"layout", "group"})
 """Kinds only a reshard reads (``ct`` is kept by every holder and read by both)."""

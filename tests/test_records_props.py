@@ -154,6 +154,7 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "stream": MEMBERS.map(lambda m: m.to_dict()),
     "gone": NAMED,
     "alive": NAMED,
+    "verdict": st.builds(lambda m, ok: {"member_id": m, "ok": ok}, NAME, st.booleans()),
     "hs": HANDSHAKES,
     "art": ARTIFACT_SETS,
     "artidx": ARTIFACT_INDEXES,

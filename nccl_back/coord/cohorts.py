@@ -80,6 +80,24 @@ class CohortRecords(SignedStore):
         return {m for key, raw in zip(keys, raws, strict=True)
                 if raw is not None and (m := self.parse(key, raw, schema.GONE)) is not None}
 
+    def put_verdict(self, member_id: str, ok: bool, ttl: float) -> None:
+        """Say whether ``member_id``'s own check of what it received passed (for as long
+        as its chain lives): a member forwards bytes before it checks them, so one whose
+        check failed forwarded what it was sent wrong, and its receivers look further up."""
+        self.set_signed(self.keys.verdict(member_id), {"member_id": member_id, "ok": ok},
+                        schema.VERDICT, ttl)
+
+    def verdicts(self, member_ids: list[str]) -> dict[str, bool]:
+        """The verdicts of those of ``member_ids`` that wrote one (one that does not
+        verify is skipped with a reason: as if none were written)."""
+        if not member_ids:
+            return {}
+        keys = [self.keys.verdict(m) for m in member_ids]
+        # Bounded: anyone may write there (member ids are readable).
+        raws = self.values(keys, schema.VERDICT)
+        return {m: ok for m, key, raw in zip(member_ids, keys, raws, strict=True)
+                if raw is not None and (ok := self.parse(key, raw, schema.VERDICT)) is not None}
+
     def mark_alive(self, member_id: str, ttl: float) -> None:
         """Say that ``member_id``'s relay endpoint serves, for ``ttl`` seconds (renewed
         while it does: a stopped or partitioned member's mark lapses)."""

@@ -132,6 +132,11 @@ class Keys:
         """A relay endpoint that has stopped: members behind it skip it at once."""
         return self.key(K.GONE.prefix, member_id)
 
+    def verdict(self, member_id: str) -> str:
+        """A relay member's own check, passed or failed: whether it forwarded bytes it
+        received wrong (its receivers then blame whoever sent them, not it)."""
+        return self.key(K.VERDICT.prefix, member_id)
+
     def alive(self, member_id: str) -> str:
         """A relay endpoint's liveness mark: a stopped one's lapses within its TTL."""
         return self.key(K.ALIVE.prefix, member_id)

@@ -425,6 +425,15 @@ def member(data: dict[str, Any], what: str = "relay member") -> Member:
     )
 
 
+def verdict(data: dict[str, Any], what: str = "relay verdict") -> bool:
+    """Whether a relay member's own check passed (``{"member_id", "ok"}``)."""
+    ident(data, "member_id", what)
+    ok = data.get("ok")
+    if not isinstance(ok, bool):
+        raise UntrustedRecordError(f"{what}: ok must be true or false, got {_show(ok)}")
+    return ok
+
+
 def text(raw: bytes | str | None, what: str, max_bytes: int) -> str:
     """Bytes a Redis reply holds as text (UTF-8, at most ``max_bytes``), or
     :class:`UntrustedRecordError`: the one place a raw reply becomes a ``str``."""

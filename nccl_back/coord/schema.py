@@ -176,6 +176,12 @@ def _named(what: str) -> Parser:
     return parse
 
 
+def _verdict(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) -> bool:
+    """Whether the member its key names passed its own check."""
+    _named("relay verdict")(body, parts, settings)
+    return records.verdict(body)
+
+
 def _artifact_set(body: dict[str, Any], parts: Mapping[str, str],
                   settings: Settings) -> content.ArtifactSetRecord:
     return content.artifact_set(body, parts, settings.max_artifact_bytes)
@@ -238,6 +244,9 @@ STREAM = KeyKind("stream", "stream", (*_VRW, "manifest"), RecordKind.DOWNLOAD_ST
 GONE = KeyKind("gone", "gone", ("member_id",), RecordKind.GONE, S, G, _chain_ttl, SMALL,
                "a relay endpoint that has stopped",
               parse=_named("tombstone"))
+VERDICT = KeyKind("verdict", "verdict", ("member_id",), RecordKind.VERDICT, S, G, _chain_ttl, SMALL,
+                  "a relay member's own check, passed or failed (whether it forwarded wrong bytes)",
+                  parse=_verdict)
 ALIVE = KeyKind("alive", "alive", ("member_id",), RecordKind.ALIVE, S, G, lambda s: s.claim_ttl, SMALL,
                 "a relay endpoint that serves: renewed every third of its TTL (a stopped one's lapses)",
                 parse=_named("liveness mark"))
@@ -259,8 +268,8 @@ ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_IND
 #: Every kind of key, in the order of the key schema.
 KINDS: tuple[KeyKind, ...] = (
     PEER, INDEX, GROUND_TRUTH, LAYOUT_RECORD, GROUP, POSITION_TRUTH, CLAIM, REQUEST, LEASE,
-    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, DOWNLOAD_MEMBER, DOWNLOAD_RESCUE, COHORT, CHAIN, STREAM, GONE, ALIVE,
-    HANDSHAKE, RENDEZVOUS, CHECK,
+    DOWNLOAD_GROUP, DOWNLOAD_ROSTER, DOWNLOAD_MEMBER, DOWNLOAD_RESCUE, COHORT, CHAIN, STREAM, GONE,
+    VERDICT, ALIVE, HANDSHAKE, RENDEZVOUS, CHECK,
     ARTIFACT_SET, ARTIFACT_INDEX,
 )
 BY_NAME: dict[str, KeyKind] = {k.name: k for k in KINDS}

@@ -7,22 +7,36 @@ a streamed download, the hashes that downloader publishes once its load is compl
 A mismatch blames only the sources of the failing bytes: a failing layer's bytes that
 came from two sources (a layer cut by a part boundary) are put on the one that alone sent
 another failing layer, else both are suspects, blamed only if implicated again
-(:class:`~nccl_back.transport.relay.StepSources`); what they sent is discarded. A rank whose
-check passed records its :class:`~.verifier.Basis`: what it may publish follows from it.
+(:class:`~nccl_back.transport.relay.StepSources`); what they sent is discarded. A relay
+member forwards bytes before it checks them, so each member's own check is recorded (a
+signed verdict), and a member whose own check failed is only a suspect for the wrong bytes
+it forwarded: its receivers cannot tell it from the member that sent it them otherwise. A
+rank whose check passed records its :class:`~.verifier.Basis`: what it may publish follows
+from it.
 """
 
 from __future__ import annotations
 
 from nccl_back import _clock
 from nccl_back.coord.election import DownloadLease
-from nccl_back.errors import TransferTimeoutError, UntrustedRecordError, WeightVerificationError
+from nccl_back.errors import (
+    RegistryError,
+    TransferTimeoutError,
+    UntrustedRecordError,
+    WeightVerificationError,
+)
 from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.verifier import Basis
 from nccl_back.model import integrity
 from nccl_back.transport.relay import DamagedBytes
 
-#: Seconds between two reads of a stream's ground truth while its downloader loads.
+#: Seconds between two reads of a stream's ground truth while its downloader loads (or
+#: of the verdicts of the members a failed check blames).
 _POLL = 0.05
+#: Seconds a failed check waits for the verdicts of the members it blames: they checked
+#: what they received about when this rank did (upstream, they got it first). One whose
+#: verdict has not come by then stays guilty.
+VERDICT_WAIT = 2.0
 
 
 def check(worker: Worker, a: Attempt, deadline: float) -> None:
@@ -46,17 +60,61 @@ def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:
     """Compare the tensors' layer hashes with ``truth``; on a mismatch, never forward
     what this rank holds again, discard what the guilty and suspected sources sent,
     raise :class:`DamagedBytes`."""
+    chain = a.rx.chain
+    # Only a member's first check speaks for all it forwarded: a failed one ends its
+    # forwarding for good, so a later pass must not overwrite it.
+    first = chain is not None and chain.progress.failed is None
     try:
         worker.verifier.check_layers(a.model, truth)
     except WeightVerificationError as e:
-        if a.rx.chain is not None:
+        if chain is not None:
+            if first:
+                _verdict(worker, a, chain.member.member_id, ok=False)
             # Downstream members may hold some of these bytes already: their links
             # end now and this endpoint refuses every later request.
-            a.rx.chain.progress.fail(f"verification failed: {e}")
+            chain.progress.fail(f"verification failed: {e}")
         sources = a.rx.sources
         blame = sources.blame(set(e.bad), integrity.layer_of)
+        blame = sources.forwarded(blame, _forwarders(worker, a, blame.guilty))
         sources.discard(blame.sources)
         raise DamagedBytes(e, blame.guilty, blame.suspects) from e
+    if first and chain is not None:
+        _verdict(worker, a, chain.member.member_id, ok=True)
+
+
+def _verdict(worker: Worker, a: Attempt, member_id: str, *, ok: bool) -> None:
+    """Record this member's own check for its receivers (:func:`_forwarders`), for as
+    long as its chain lives; without Redis they blame it as before."""
+    s = worker.settings
+    try:
+        worker.registry.put_verdict(member_id, ok, s.transfer_timeout + s.busy_wait)
+    except RegistryError as e:
+        a.log.warning("relay_verdict_unwritten", ok=ok, error=str(e))
+
+
+def _forwarders(worker: Worker, a: Attempt, guilty: frozenset[str]) -> set[str]:
+    """Those of the relay members in ``guilty`` whose own check failed (their verdicts,
+    awaited up to :data:`VERDICT_WAIT`): they forwarded wrong bytes they were sent. A
+    holder serves only checked bytes, the stream its download: neither is asked."""
+    members = set(guilty) - {p.peer_id for p in a.found.candidates}
+    if a.found.stream is not None:
+        members.discard(a.found.stream.member_id)
+    if a.rx.chain is None or not members:
+        return set()
+    end = _clock.monotonic() + VERDICT_WAIT
+    while True:
+        try:
+            said = worker.registry.verdicts(sorted(members))
+        except RegistryError as e:
+            a.log.warning("relay_verdicts_unread", members=sorted(members), error=str(e))
+            return set()
+        if len(said) == len(members) or _clock.monotonic() >= end:
+            forwarders = {m for m, ok in said.items() if not ok}
+            if forwarders:
+                a.log.warning("verification_forwarded", members=sorted(forwarders),
+                              unheard=sorted(members - said.keys()))
+            return forwarders
+        _clock.sleep(_POLL)
 
 
 def await_truth(worker: Worker, a: Attempt, deadline: float) -> dict[str, str]:

@@ -210,6 +210,16 @@ class StepSources:
             self._suspected |= suspects
             return Blame(frozenset(guilty), frozenset(suspects))
 
+    def forwarded(self, blame: Blame, forwarders: Collection[str]) -> Blame:
+        """``blame`` with its guilty ``forwarders`` made suspects: members whose own check
+        of what they received failed, so the wrong bytes they sent may be what they were
+        sent (a member forwards before it checks). One suspected before stays guilty: a
+        forged verdict shields a corrupting member for one retry at most."""
+        with self._lock:
+            moved = (blame.guilty & set(forwarders)) - self._suspected
+            self._suspected |= moved
+            return Blame(blame.guilty - moved, blame.suspects | moved)
+
     def discard(self, sources: Collection[str]) -> int:
         """Forget everything from the first step any of ``sources`` sent (a transfer
         resumes as a prefix); returns the steps still held."""

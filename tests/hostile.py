@@ -90,30 +90,32 @@ def corrupt(client: redis.Redis, key: str, kind: schema.KeyKind, how: str,
         client.expire(key, HOUR)
 
 
-# One script writes n values of ``size`` bytes (ARGV[3] .. x... .. ARGV[4]) at KEYS[1], as
-# the Redis type ARGV[1] stores them: the string, list items, set members, hash fields.
-_FILL_LUA = """
-local t, size, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[5])
-local pad = string.rep('x', size - #ARGV[3] - #ARGV[4] - 8)
-if ARGV[7] == '' then redis.call('DEL', KEYS[1]) end
-for i = 1, n do
-  local v = ARGV[3] .. pad .. string.format('%08d', i) .. ARGV[4]
-  if t == 'string' then redis.call('SET', KEYS[1], v)
-  elseif t == 'list' then redis.call('RPUSH', KEYS[1], v)
-  elseif t == 'set' then redis.call('SADD', KEYS[1], v)
-  else redis.call('HSET', KEYS[1], ({'n', 'epoch'})[i] or ('f' .. i), v) end
-end
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-return 1
-"""
-
-
 def fill(client: redis.Redis, key: str, t: str, size: int, n: int, head: bytes = b"",
          tail: bytes = b"", *, append: bool = False) -> None:
-    """Replace ``key`` by ``n`` values of ``size`` bytes each (``head``, padding,
-    ``tail``) of Redis type ``t`` (``append``: add them to what is there), kept for an
-    hour, made on the server (nothing of them crosses the wire or lives in this process)."""
-    client.eval(_FILL_LUA, 1, key, t, size, head, tail, n, HOUR, "1" if append else "")
+    """Replace ``key`` by ``n`` values of ``size`` bytes each (``head``, padding, a
+    number, ``tail``) of Redis type ``t`` (``append``: add them to what is there), kept
+    for an hour.
+
+    Sent one value per command, not built by a server script: Redis reads a large
+    argument between serving other clients, while a Lua script building 32 MiB strings
+    held the whole server for seconds on a loaded machine (every holder's heartbeat
+    timed out). Each value lives here only while it is sent; :func:`peak_rss_rise`
+    resets the high-water mark, so it never counts as a reader's."""
+    if not append:
+        client.delete(key)
+    pad = size - len(head) - len(tail) - 8
+    for i in range(1, n + 1):
+        value = b"".join((head, b"x" * pad, b"%08d" % i, tail))
+        if t == "string":
+            client.set(key, value)
+        elif t == "list":
+            client.rpush(key, value)
+        elif t == "set":
+            client.sadd(key, value)
+        else:
+            client.hset(key, ("n", "epoch")[i - 1] if i <= 2 else f"f{i}", value)
+        del value
+    client.expire(key, HOUR)
 
 
 def _status_kib(field: str) -> int:

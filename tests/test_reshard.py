@@ -91,6 +91,19 @@ class Fleet:
                 raise TimeoutError("no transfer started")
             time.sleep(0.05)
 
+    def wait_gone(self, i: int, world: int, timeout: float = 30) -> None:
+        """Return once process ``i`` has exited and no entry of a ``world``-rank group is
+        listed (a stopped holder's close drains, then withdraws; else its entry expires
+        in peer_ttl): waited for, not slept on, since a loaded machine stretches both."""
+        self.procs[i].join(timeout)
+        client = redis.Redis.from_url(self.settings["redis_url"])
+        pattern = Keys(self.settings["namespace"]).peer("*", "*", world, "*")
+        deadline = time.monotonic() + timeout
+        while client.keys(pattern):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a {world}-rank holder's entry outlived its process")
+            time.sleep(0.1)
+
     def kill(self, i: int) -> None:
         """SIGKILL process ``i`` (its stop event is never touched again)."""
         self.procs[i].kill()
@@ -148,7 +161,7 @@ def test_tp1_to_tp2_and_back_bit_exact_and_resharded_workers_serve(fleet: Fleet)
     # With the TP=1 holder gone, a TP=2 "cols" group and a TP=1 (whole) receiver reshard
     # from TP=2 megatron holders: the TP=1 one needs both of their ranks.
     holder_stop.set()
-    time.sleep(4)  # its entry expires (peer_ttl 3 s)
+    fleet.wait_gone(0, world=1)
     fleet.start(2, "cols")
     cols = fleet.reports(2)
     for r in cols:
@@ -321,9 +334,9 @@ def test_disagreeing_position_truth_skips_those_holders(fleet: Fleet) -> None:
     tp2 = fleet.reports(2)
     assert all(r["source"] == "peer" for r in tp2), tp2
     holder_stop.set()
-    time.sleep(4)  # the TP=1 holder's entry expires (peer_ttl 3 s)
     s = fleet.settings
     reg = Registry(Settings(redis_url=s["redis_url"], namespace=s["namespace"], secret=s["secret"]))
+    fleet.wait_gone(0, world=1)
     (key,) = [k for k in reg.scan("ct:*") if k.split(":")[4] == "2" and k.split(":")[3] == "1"]
     got = reg.read(key, schema.POSITION_TRUTH)
     assert got is not None

@@ -36,19 +36,17 @@ import os
 import re
 import ssl
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
-import google_crc32c
 import numpy as np
 
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
-from nccl_back.model.crc_cache import CrcCache, crc32c_combine
+from nccl_back.model.crc_cache import CrcCache, ranged_crc32cs
 from nccl_back.model.storage import (
     DEFAULT_TIMEOUT,
     MIN_CHUNK_BYTES,
@@ -352,42 +350,14 @@ class AzureBlobs(Backend):
         return [str(c) for c in out]
 
     def _compute_crc32cs(self, infos: Sequence[ObjectInfo]) -> list[str]:
-        """Read each blob once for its CRC32C: ranged GETs pinned to its listed ETag, the
-        pieces of every blob in one pool (small blobs do not wait on each other)."""
-        # Pieces small enough that the blobs together keep every worker busy.
-        per_worker = -(-sum(i.size for i in infos) // self.settings.storage_workers)
-        step = min(self.settings.chunk_bytes, max(per_worker, MIN_CHUNK_BYTES))
-        pieces = [(j, off) for j, i in enumerate(infos) for off in range(0, i.size, step)]
-
-        def piece(p: tuple[int, int]) -> int:
-            info, off = infos[p[0]], p[1]
-            n = min(step, info.size - off)
-            what = f"reading {info.uri} [{off}, {off + n}) for its CRC32C"
-            loc = self._loc(info)
-
-            def fetch() -> int:
-                crc = 0
-
-                def extend(data: bytes) -> None:
-                    nonlocal crc
-                    crc = google_crc32c.extend(crc, data)
-
-                got, _ = self._get(loc, off, n, what, extend, etag=info.tag or None)
-                if got != n:
-                    raise StorageError(f"{what}: received {got} bytes, expected {n}")
-                return crc
-
-            return self._call(what, loc, fetch)
-
-        workers = max(1, min(self.settings.storage_workers, len(pieces)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-az-crc") as pool:
-            crcs = list(pool.map(piece, pieces))
-        totals = [0] * len(infos)
-        for (j, off), crc in zip(pieces, crcs, strict=True):
-            totals[j] = crc32c_combine(totals[j], crc, min(step, infos[j].size - off))
-        for info, total in zip(infos, totals, strict=True):
-            log.info("az_crc32c_computed", uri=info.uri, size=info.size, crc32c=f"{total:08x}")
-        return [f"{t:08x}" for t in totals]
+        """Read each blob once for its CRC32C, in ranged GETs pinned to its listed ETag."""
+        return ranged_crc32cs(
+            [(i.uri, i.size) for i in infos],
+            lambda j, off, n, what, sink: self._get(self._loc(infos[j]), off, n, what, sink,
+                                                    etag=infos[j].tag or None)[0],
+            lambda j, what, fn: self._call(what, self._loc(infos[j]), fn),
+            workers=self.settings.storage_workers, chunk_bytes=self.settings.chunk_bytes,
+            min_chunk=MIN_CHUNK_BYTES, backend="az")
 
     def _loc(self, info: ObjectInfo) -> Location:
         container, _, name = info.uri[len("az://"):].partition("/")

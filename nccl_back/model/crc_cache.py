@@ -11,7 +11,8 @@ consult the cache: it checksums the bytes it reads into the tensors.
 The same cache holds remote objects' CRC32C by URI, under whatever identity key their
 backend gives (an S3 object's endpoint, ETag and size: :mod:`nccl_back.model.s3`).
 :func:`crc32c_combine` joins the CRC32C of consecutive pieces, so an object read as
-parallel ranges is checksummed without holding it whole.
+parallel ranges is checksummed without holding it whole (:func:`ranged_crc32cs`, for
+object stores that keep no CRC32C of their own).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import numpy as np
 
 from nccl_back import bounded_json
 from nccl_back.config import Settings
-from nccl_back.errors import ShardNotFoundError
+from nccl_back.errors import ShardNotFoundError, StorageError
 from nccl_back.files import write_atomic
 from nccl_back.log import get_logger
 
 __all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "crc32c_combine", "file_crc32c",
-           "local_crc32cs"]
+           "local_crc32cs", "ranged_crc32cs"]
 
 log = get_logger(__name__)
 
@@ -204,3 +205,53 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
+
+
+#: ``read(j, offset, n, what, sink)``: feed bytes ``[offset, offset + n)`` of object ``j``
+#: to ``sink``, returning how many came (the backend pins the object's listed version).
+RangeRead = Callable[[int, int, int, str, Callable[[bytes], None]], int]
+#: ``call(j, what, fn)``: ``fn()`` under the backend's retry policy for object ``j``.
+RetryCall = Callable[[int, str, Callable[[], int]], int]
+
+
+def ranged_crc32cs(objects: list[tuple[str, int]], read: RangeRead, call: RetryCall, *,
+                   workers: int, chunk_bytes: int, min_chunk: int, backend: str) -> list[str]:
+    """The CRC32C of each ``(uri, size)`` object, each read once in ranged pieces.
+
+    The pieces of every object share one pool of ``workers`` (small objects do not wait
+    on each other), each small enough that together they keep every worker busy; a
+    piece is retried whole by ``call``, and a short one is an error (so retried). The
+    pieces' CRC32C are joined by :func:`crc32c_combine`: no object is held whole."""
+    per_worker = -(-sum(size for _, size in objects) // max(1, workers))
+    step = min(chunk_bytes, max(per_worker, min_chunk))
+    pieces = [(j, off) for j, (_, size) in enumerate(objects) for off in range(0, size, step)]
+
+    def piece(p: tuple[int, int]) -> int:
+        j, off = p
+        uri, size = objects[j]
+        n = min(step, size - off)
+        what = f"reading {uri} [{off}, {off + n}) for its CRC32C"
+
+        def fetch() -> int:
+            crc = 0
+
+            def extend(data: bytes) -> None:
+                nonlocal crc
+                crc = google_crc32c.extend(crc, data)
+
+            got = read(j, off, n, what, extend)
+            if got != n:
+                raise StorageError(f"{what}: received {got} bytes, expected {n}")
+            return crc
+
+        return call(j, what, fetch)
+
+    with ThreadPoolExecutor(max(1, min(workers, len(pieces))),
+                            thread_name_prefix=f"nccl-back-{backend}-crc") as pool:
+        crcs = list(pool.map(piece, pieces))
+    totals = [0] * len(objects)
+    for (j, off), crc in zip(pieces, crcs, strict=True):
+        totals[j] = crc32c_combine(totals[j], crc, min(step, objects[j][1] - off))
+    for (uri, size), total in zip(objects, totals, strict=True):
+        log.info("crc32c_computed", backend=backend, uri=uri, size=size, crc32c=f"{total:08x}")
+    return [f"{t:08x}" for t in totals]

@@ -34,13 +34,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import google_crc32c
 import numpy as np
 
 from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
-from nccl_back.model.crc_cache import CrcCache, crc32c_combine
+from nccl_back.model.crc_cache import CrcCache, ranged_crc32cs
 from nccl_back.model.storage import (
     DEFAULT_TIMEOUT,
     MIN_CHUNK_BYTES,
@@ -279,10 +278,11 @@ class S3Objects(Backend):
         workers = max(1, min(self.settings.storage_workers, len(todo)))
         with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-s3-head") as pool:
             heads = list(pool.map(lambda j: self._head_crc32c(infos[j]), todo))
+        # Objects with no whole-object checksum are read, all in one pool of ranges.
+        bare = [j for j, crc in zip(todo, heads, strict=True) if crc is None]
+        computed = dict(zip(bare, self._compute_crc32cs([infos[j] for j in bare]), strict=True))
         for j, crc in zip(todo, heads, strict=True):
-            if crc is None:
-                # One pass at a time: each already reads with every storage worker.
-                crc = self._compute_crc32c(infos[j])
+            crc = crc or computed[j]
             out[j] = crc
             key = keys[j]
             if key is not None:
@@ -311,41 +311,16 @@ class S3Objects(Backend):
                      checksum=str(head.get("ChecksumCRC32C"))[:40])
         return crc
 
-    def _compute_crc32c(self, info: ObjectInfo) -> str:
-        """Read the object once (parallel ranged GETs pinned to its listed ETag) for its CRC32C."""
-        loc = self._loc(info)
-        size = info.size
-        step = min(self.settings.chunk_bytes,
-                   max(-(-size // self.settings.storage_workers), MIN_CHUNK_BYTES))
-        pinned = {"IfMatch": info.tag} if info.tag else {}
-
-        def piece(off: int) -> int:
-            n = min(step, size - off)
-            what = f"reading {info.uri} [{off}, {off + n}) for its CRC32C"
-
-            def fetch() -> int:
-                crc = 0
-
-                def extend(data: bytes) -> None:
-                    nonlocal crc
-                    crc = google_crc32c.extend(crc, data)
-
-                got = self._ranged(loc, off, n, what, extend, **pinned)
-                if got != n:
-                    raise StorageError(f"{what}: received {got} bytes, expected {n}")
-                return crc
-
-            return self._call(what, loc, fetch)
-
-        offsets = range(0, size, step)
-        workers = max(1, min(self.settings.storage_workers, len(offsets)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-s3-crc") as pool:
-            crcs = list(pool.map(piece, offsets))
-        total = 0
-        for off, crc in zip(offsets, crcs, strict=True):
-            total = crc32c_combine(total, crc, min(step, size - off))
-        log.info("s3_crc32c_computed", uri=info.uri, size=size, crc32c=f"{total:08x}")
-        return f"{total:08x}"
+    def _compute_crc32cs(self, infos: Sequence[ObjectInfo]) -> list[str]:
+        """Read each object once for its CRC32C, in ranged GETs pinned to its listed ETag."""
+        return ranged_crc32cs(
+            [(i.uri, i.size) for i in infos],
+            lambda j, off, n, what, sink: self._ranged(
+                self._loc(infos[j]), off, n, what, sink,
+                **({"IfMatch": infos[j].tag} if infos[j].tag else {})),
+            lambda j, what, fn: self._call(what, self._loc(infos[j]), fn),
+            workers=self.settings.storage_workers, chunk_bytes=self.settings.chunk_bytes,
+            min_chunk=MIN_CHUNK_BYTES, backend="s3")
 
     # -- reads -------------------------------------------------------------------------
 

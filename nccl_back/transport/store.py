@@ -59,7 +59,6 @@ from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.errors import (
     ConfigError,
-    RegistryError,
     TransferError,
     TransferStalledError,
     TransferTimeoutError,
@@ -329,10 +328,7 @@ class RedisStore(dist.Store):
         if not written:
             return
         client = self._registry.client
-        try:
-            self._registry._call("DEL", lambda: client.delete(*written))
-        except RegistryError as e:
-            log.debug("rendezvous_cleanup_failed", scope=self._scope, error=str(e))
+        self._registry.tidy("rendezvous DEL", lambda: client.delete(*written))
 
 
 def _thread_name() -> str:

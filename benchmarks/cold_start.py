@@ -94,7 +94,7 @@ import redis
 from nccl_back.config import Settings
 from nccl_back.dev import netns, throttle
 from nccl_back.dev.example import write_example_model
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.model.identity import ModelSpec
 from nccl_back.transport.relay import topology

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from storage_load import write_synthetic  # noqa: E402
 
 from nccl_back.config import Settings  # noqa: E402
-from nccl_back.dev.gcs import LocalGCS  # noqa: E402
-from nccl_back.dev.s3 import LocalS3  # noqa: E402
+from nccl_back.dev.gcs_emulator import LocalGCS  # noqa: E402
+from nccl_back.dev.s3_emulator import LocalS3  # noqa: E402
 from nccl_back.model.identity import ModelSpec  # noqa: E402
 from nccl_back.model.storage import Storage  # noqa: E402
 

@@ -61,7 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from nccl_back.config import Settings
-    from nccl_back.load.ranged import RangedLoader
+    from nccl_back.load.ranged_group import RangedLoader
     from nccl_back.model.identity import ModelSpec
     from nccl_back.model.sharding import load_sharded, sharding
     from nccl_back.model.skeleton import build, named_tensors
@@ -166,7 +166,7 @@ def _bucket(up: contextlib.ExitStack, ckpt: str, gbps: float) -> tuple[str, list
     """Upload ``ckpt`` to a GCS emulator; its ``gs://`` URI and each rank's endpoint (its
     own throttled proxy when ``gbps``)."""
     from nccl_back.dev import throttle
-    from nccl_back.dev.gcs import LocalGCS
+    from nccl_back.dev.gcs_emulator import LocalGCS
 
     gcs = up.enter_context(LocalGCS().start())
     bucket = gcs.client().create_bucket("ckpt")  # sets STORAGE_EMULATOR_HOST here

@@ -154,7 +154,7 @@ def main() -> None:
     import reshard_workers as rw
 
     from nccl_back.dev import throttle
-    from nccl_back.dev.gcs import LocalGCS
+    from nccl_back.dev.gcs_emulator import LocalGCS
     from nccl_back.model.skeleton import build
 
     from models import fill_random, write_checkpoint

@@ -36,8 +36,8 @@ from storage_load import write_synthetic  # noqa: E402
 
 from nccl_back.config import Settings  # noqa: E402
 from nccl_back.dev.azurite import ACCOUNT, LocalAzurite  # noqa: E402
-from nccl_back.dev.gcs import LocalGCS  # noqa: E402
-from nccl_back.dev.s3 import LocalS3  # noqa: E402
+from nccl_back.dev.gcs_emulator import LocalGCS  # noqa: E402
+from nccl_back.dev.s3_emulator import LocalS3  # noqa: E402
 from nccl_back.model.az import AzureBlobs  # noqa: E402
 from nccl_back.model.checkpoint import flat_skeleton  # noqa: E402
 from nccl_back.model.identity import ModelSpec  # noqa: E402

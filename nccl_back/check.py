@@ -287,7 +287,7 @@ def check_transports(settings: Settings) -> Check:
     except ImportError as e:
         return fail("transports", f"torch is not importable ({e})",
                     "install torch (a CUDA build on GPU nodes)")
-    from nccl_back.transport.base import all_transports
+    from nccl_back.transport.channel import all_transports
 
     found = []
     for classes in all_transports().values():

@@ -3,7 +3,7 @@ transfer's steps may be split into.
 
 The common layer (no imports from the package), so coordination records can check a
 peer's advertised transport and the transports can register under the same names
-without importing each other. :mod:`nccl_back.transport.base` keeps the registry of the
+without importing each other. :mod:`nccl_back.transport.channel` keeps the registry of the
 classes behind each name and checks it covers exactly these.
 """
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 from nccl_back.config import Settings
-from nccl_back.load import artifacts
+from nccl_back.load import artifact_transfer as artifacts
 
 
 def main() -> int:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from nccl_back.dev.azurite import AzuriteUnavailable, LocalAzurite, install
-from nccl_back.dev.gcs import LocalGCS
-from nccl_back.dev.s3 import LocalS3
+from nccl_back.dev.gcs_emulator import LocalGCS
+from nccl_back.dev.s3_emulator import LocalS3
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.errors import NcclBackError
 

@@ -26,7 +26,7 @@ from nccl_back.model.identity import ModelSpec
 from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import build, manifest
 from nccl_back.transport import open_rendezvous
-from nccl_back.transport.store import is_loopback, redis_is_local, unreachable_reason
+from nccl_back.transport.rendezvous_store import is_loopback, redis_is_local, unreachable_reason
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from nccl_back.config import Settings
 from nccl_back.errors import ArtifactError
-from nccl_back.load import artifacts as flow
-from nccl_back.model import artifacts
-from nccl_back.model.artifacts import (
+from nccl_back.load import artifact_transfer as flow
+from nccl_back.model import artifact_sets as artifacts
+from nccl_back.model.artifact_sets import (
     MAX_FILES,
     MAX_PART_BYTES,
     MAX_PATH_CHARS,

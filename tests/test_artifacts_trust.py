@@ -25,8 +25,8 @@ from test_artifacts import files_under, make_cache
 
 from nccl_back.config import Settings
 from nccl_back.errors import ArtifactError, UntrustedPathError
-from nccl_back.load import artifacts as flow
-from nccl_back.model.artifacts import collect, install
+from nccl_back.load import artifact_transfer as flow
+from nccl_back.model.artifact_sets import collect, install
 
 KEY = b"k" * 32
 MAX = 1 << 20

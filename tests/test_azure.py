@@ -31,8 +31,8 @@ from nccl_back import _clock
 from nccl_back.check import Target, check_storage
 from nccl_back.config import Settings
 from nccl_back.dev.azurite import ACCOUNT, LocalAzurite
-from nccl_back.dev.gcs import LocalGCS
-from nccl_back.dev.s3 import LocalS3
+from nccl_back.dev.gcs_emulator import LocalGCS
+from nccl_back.dev.s3_emulator import LocalS3
 from nccl_back.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,

@@ -24,7 +24,7 @@ from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.coord.registry import Registry
 from nccl_back.coord.requests import POLL_MAX
-from nccl_back.coord.store import WRONG_TYPE, Oversized
+from nccl_back.coord.signed_store import WRONG_TYPE, Oversized
 
 PKG = Path(__file__).resolve().parents[1] / "nccl_back"
 MiB = 1 << 20
@@ -33,7 +33,7 @@ MiB = 1 << 20
 
 #: Where Redis may be read directly: the store and its scripts, the client factory, and
 #: the development servers (a local Redis and its Sentinels, never a fleet's).
-OWNERS = ("coord/store.py", "coord/scripts.py", "coord/redisclient.py", "dev/")
+OWNERS = ("coord/signed_store.py", "coord/scripts.py", "coord/redisclient.py", "dev/")
 #: redis-py methods that send a key's value, items, members or fields back (or run a
 #: script, or any command by name): only the store's bounded reads may call them.
 READS = frozenset([

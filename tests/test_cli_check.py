@@ -18,7 +18,7 @@ from test_redis_ha import _info, pki  # noqa: F401  (pki: a CA, a server certifi
 
 from nccl_back.config import Settings
 from nccl_back.coord.registry import Registry
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.dev.redis_ha import LocalSentinel, TLSTerminator
 from nccl_back.dev.servers import LocalRedis, LocalRedisCluster, free_port
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 
 from models import TinyTransformer, fill_random, write_checkpoint
 

@@ -24,7 +24,7 @@ from test_artifacts_transfer import Holders, base_settings
 
 from nccl_back import compile_cache
 from nccl_back.config import Settings
-from nccl_back.load import artifacts as flow
+from nccl_back.load import artifact_transfer as flow
 from nccl_back.load import compile_cache as cc
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""An engine's layout and identity (engines/base.py): a described engine leaves its
+"""An engine's layout and identity (engines/common.py): a described engine leaves its
 parallel fields out of the version; one that cannot be described keeps them and says
 ``layout_mismatch``. An adapter here is a plain class over a torch module (no engine)."""
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nccl_back.config import Settings
-from nccl_back.engines import base
+from nccl_back.engines import common
 from nccl_back.errors import FALLBACK_REASONS, LayoutMismatchError, fallback_reason
 from nccl_back.model.layout import LayoutError, TensorLayout, column
 
@@ -80,10 +80,10 @@ def test_described_engines_of_any_rank_share_one_version(ckpt: Path, tmp_path: P
     out = []
     for rank in (0, 1):
         a = Adapter(ckpt, rank)
-        spec = base.checkpoint_spec(a, s)
-        sh = base.engine_sharding(a, s, Rank(), base.loaded_state(Rank()), spec)
+        spec = common.checkpoint_spec(a, s)
+        sh = common.engine_sharding(a, s, Rank(), common.loaded_state(Rank()), spec)
         assert sh is not None
-        out.append((base.adapter_spec(a, spec, described=True), sh))
+        out.append((common.adapter_spec(a, spec, described=True), sh))
     (v0, sh0), (v1, sh1) = out
     assert v0.version == v1.version
     assert "tp_rank" not in v0.config["engine"] and v0.config["engine"]["layout"] == "described"
@@ -98,13 +98,13 @@ def test_undescribed_engine_keeps_its_identity_and_says_layout_mismatch(
     """A layout the adapter cannot describe: no sharding, the tp fields stay in the version, the reason is logged."""
     s = _settings(tmp_path)
     a = Adapter(ckpt, 1, refuse="model.layers.0.mlp.experts: FusedMoE is not a layer this adapter describes")
-    spec = base.checkpoint_spec(a, s)
+    spec = common.checkpoint_spec(a, s)
     with caplog.at_level(logging.INFO, logger="toy.engine"):
-        assert base.engine_sharding(a, s, Rank(), base.loaded_state(Rank()), spec) is None
+        assert common.engine_sharding(a, s, Rank(), common.loaded_state(Rank()), spec) is None
     assert "does not reshard (layout_mismatch: model.layers.0.mlp.experts: FusedMoE" in caplog.text
-    plain = base.adapter_spec(a, spec, described=False)
+    plain = common.adapter_spec(a, spec, described=False)
     assert plain.config["engine"]["tp_rank"] == 1
-    assert plain.version != base.adapter_spec(a, spec, described=True).version
+    assert plain.version != common.adapter_spec(a, spec, described=True).version
 
 
 def test_a_description_that_does_not_fit_is_a_layout_mismatch(ckpt: Path, tmp_path: Path,
@@ -114,7 +114,7 @@ def test_a_description_that_does_not_fit_is_a_layout_mismatch(ckpt: Path, tmp_pa
     a = Adapter(ckpt, 1)
     a.describe = lambda model, names: {"up": column("up", 0, 1, 8)}  # type: ignore[method-assign]
     with caplog.at_level(logging.INFO, logger="toy.engine"):
-        assert base.engine_sharding(a, s, Rank(), base.loaded_state(Rank()), base.checkpoint_spec(a, s)) is None
+        assert common.engine_sharding(a, s, Rank(), common.loaded_state(Rank()), common.checkpoint_spec(a, s)) is None
     assert "layout_mismatch" in caplog.text
 
 

@@ -93,7 +93,7 @@ def test_a_load_runs_inside_the_window(redis_url: str, namespace: str, cache_dir
     seen: list[int] = []
 
     def storage(*args: Any, **kwargs: Any) -> Any:
-        from nccl_back.load.storage import load_checkpoint
+        from nccl_back.load.storage_phase import load_checkpoint
 
         seen.append(gc.get_freeze_count())
         return load_checkpoint(*args, **kwargs)

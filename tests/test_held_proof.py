@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nccl_back.config import Settings
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.errors import ChecksumMismatchError
 from nccl_back.load.held_proof import held_reads
 from nccl_back.load.share_read import Blame, blame, places, prove

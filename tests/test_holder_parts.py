@@ -16,7 +16,7 @@ from test_service import MODEL, Fleet, _ok
 
 from nccl_back.config import Settings
 from nccl_back.coord.registry import Registry
-from nccl_back.coord.store import TTL_SLACK
+from nccl_back.coord.signed_store import TTL_SLACK
 from nccl_back.errors import ConfigError
 from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec

@@ -26,7 +26,7 @@ from torch import nn
 from nccl_back import log
 from nccl_back.cli import main
 from nccl_back.config import Settings
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.dev.servers import free_port
 from nccl_back.errors import (
     CheckpointFormatError,

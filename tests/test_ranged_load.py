@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nccl_back.config import Settings
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.errors import ChecksumMismatchError
 from nccl_back.model.crc import check_file
 from nccl_back.model.identity import ModelSpec

@@ -12,7 +12,7 @@ from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
-from nccl_back.coord.store import Raw
+from nccl_back.coord.signed_store import Raw
 from nccl_back.dev.servers import LocalRedis, free_port
 from nccl_back.errors import ConfigError, RegistryError
 from nccl_back.metrics import Metrics

@@ -37,7 +37,7 @@ from nccl_back.transport import (
     send_tensors,
 )
 from nccl_back.transport.gloo import GlooTransport
-from nccl_back.transport.store import _MAX_STORED, MAX_VALUE_BYTES, RedisStore
+from nccl_back.transport.rendezvous_store import _MAX_STORED, MAX_VALUE_BYTES, RedisStore
 
 SECRET = "fleet-secret-" + "r" * 24
 CPU = torch.device("cpu")

@@ -30,8 +30,8 @@ from test_storage import FaultProxy
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.dev.gcs import LocalGCS
-from nccl_back.dev.s3 import LocalS3
+from nccl_back.dev.gcs_emulator import LocalGCS
+from nccl_back.dev.s3_emulator import LocalS3
 from nccl_back.errors import ChecksumMismatchError, ConfigError, ShardNotFoundError, StorageError
 from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nccl_back.config import Settings
-from nccl_back.engines.base import engine_adapter, engine_layout, register_engine
+from nccl_back.engines.common import engine_adapter, engine_layout, register_engine
 from nccl_back.errors import ConfigError
 from nccl_back.model.storage import SCHEMES, LocalFiles, Storage, backend_class, parse_uri
 from nccl_back.transport import all_transports, auto_kind, resolve_kind, transport_classes

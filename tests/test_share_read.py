@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nccl_back.config import Settings
-from nccl_back.dev.gcs import LocalGCS
-from nccl_back.dev.s3 import LocalS3
+from nccl_back.dev.gcs_emulator import LocalGCS
+from nccl_back.dev.s3_emulator import LocalS3
 from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError, StorageError
 from nccl_back.load import share_read
 from nccl_back.load.share_read import Blame, ShareRead, blame, places, prove, read_share

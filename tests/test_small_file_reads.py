@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from nccl_back.config import Settings
-from nccl_back.dev.gcs import LocalGCS
-from nccl_back.dev.s3 import LocalS3
+from nccl_back.dev.gcs_emulator import LocalGCS
+from nccl_back.dev.s3_emulator import LocalS3
 from nccl_back.errors import CheckpointFormatError
 from nccl_back.model.gcs import GcsObjects
 from nccl_back.model.identity import MAX_CONFIG_BYTES, ModelSpec

@@ -27,7 +27,7 @@ from google.cloud import storage as gcs_storage
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.errors import (
     ChecksumMismatchError,
     ConfigError,

@@ -184,11 +184,12 @@ class _KillAfter:
 
 
 def _install_fault(fault: str) -> None:
-    from nccl_back.load import asking, storage
+    from nccl_back.load import asking
+    from nccl_back.load import storage_phase as storage
     from nccl_back.transport import send as sender  # the send path holders (and relays) share
 
     if fault.startswith("kill_first_elected_in_gather="):
-        from nccl_back.load import storage as storage_path
+        from nccl_back.load import storage_phase as storage_path
 
         orig_gather = storage_path.gather_parts
         mark = fault.partition("=")[2]

@@ -19,7 +19,7 @@ import uuid
 from nccl_back.coord import schema
 from nccl_back.coord.keys import ANY
 from nccl_back.coord.records import Claim, PeerInfo
-from nccl_back.coord.store import SignedStore
+from nccl_back.coord.signed_store import SignedStore
 from nccl_back.errors import RegistryError
 
 

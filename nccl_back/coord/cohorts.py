@@ -15,7 +15,7 @@ from typing import Any
 
 from nccl_back.coord import schema
 from nccl_back.coord.records import Member
-from nccl_back.coord.store import WRONG_TYPE, SignedStore, ms
+from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, ms
 from nccl_back.errors import RegistryError, UntrustedRecordError
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from nccl_back.coord import records
 from nccl_back.errors import ArtifactError, UntrustedRecordError
 from nccl_back.model import layout as layouts
-from nccl_back.model.artifacts import ArtifactManifest, parse_manifest
+from nccl_back.model.artifact_sets import ArtifactManifest, parse_manifest
 
 if TYPE_CHECKING:
     from nccl_back.model.layout import Layout

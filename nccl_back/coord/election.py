@@ -48,7 +48,7 @@ from nccl_back.config import Settings
 from nccl_back.coord.consensus import Group, gather
 from nccl_back.coord.records import Roster
 from nccl_back.coord.registry import Registry
-from nccl_back.coord.store import Raw
+from nccl_back.coord.signed_store import Raw
 from nccl_back.errors import NcclBackError
 from nccl_back.log import get_logger
 from nccl_back.transport_kinds import MAX_PARTS

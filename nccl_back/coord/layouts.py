@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from nccl_back.coord import records, schema
 from nccl_back.coord.content import PositionTruth, encode_macs, encode_marginals
 from nccl_back.coord.keys import ANY
-from nccl_back.coord.store import SignedStore
+from nccl_back.coord.signed_store import SignedStore
 from nccl_back.errors import UntrustedRecordError
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from nccl_back.coord import schema
 from nccl_back.coord.records import Member, Rescue, Roster
-from nccl_back.coord.store import WRONG_TYPE, Raw, SignedStore, ms
+from nccl_back.coord.signed_store import WRONG_TYPE, Raw, SignedStore, ms
 from nccl_back.errors import RecordKind
 
 #: Entries kept in a download group's list (the newest): a flood cannot grow it.

@@ -21,7 +21,7 @@ from nccl_back.coord.claims import ClaimRecords
 from nccl_back.coord.keys import ANY
 from nccl_back.coord.records import PeerInfo
 from nccl_back.coord.requests import RequestRecords
-from nccl_back.coord.store import WRONG_TYPE, SignedStore, log, ms
+from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, log, ms
 from nccl_back.coord.truth import TruthRecords
 from nccl_back.errors import ConfigError, RecordKind, UntrustedRecordError
 

@@ -130,7 +130,7 @@ class PeerInfo:
     """``gloo`` or ``nccl``: what the receiver must speak."""
     address: str
     """``host:0``: the host the sender's transports bind on (the bootstrap goes through
-    Redis, :mod:`nccl_back.transport.store`)."""
+    Redis, :mod:`nccl_back.transport.rendezvous_store`)."""
     started_at: float = field(default_factory=_clock.wall)
     """Wall-clock time the peer finished loading (for ``status``)."""
     source: str = "storage"

@@ -24,7 +24,7 @@ nothing behind for long. Each kind of record read back is one
 
 from __future__ import annotations
 
-from nccl_back.coord.artifacts import ArtifactRecords
+from nccl_back.coord.artifact_records import ArtifactRecords
 from nccl_back.coord.cohorts import CohortRecords
 from nccl_back.coord.layouts import LayoutRecords
 from nccl_back.coord.leases import LeaseRecords

@@ -21,7 +21,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.coord.records import TransferRequest
-from nccl_back.coord.store import WRONG_TYPE, SignedStore, ms
+from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, ms
 from nccl_back.errors import RecordKind
 
 #: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.

@@ -25,7 +25,7 @@ Signing rules, by what a record does:
 - ``CONTENT``: it states content (ground truth, position truth, layouts): signed
   without an expiry and kept alive by ``PEXPIRE``; a replayed copy says what the
   original said, so replaying it grants nothing.
-- ``HMAC``: the rendezvous' own MAC over raw bytes (:mod:`nccl_back.transport.store`).
+- ``HMAC``: the rendezvous' own MAC over raw bytes (:mod:`nccl_back.transport.rendezvous_store`).
 - ``NONE``: hints checked against signed records (the peer index names entries that
   are verified one by one; the cohort counter only orders arrivals) and ``check``'s
   round trip.

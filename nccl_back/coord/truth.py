@@ -22,7 +22,7 @@ from nccl_back.coord.content import GroundTruth
 from nccl_back.coord.keys import ANY
 from nccl_back.coord.records import PeerInfo
 from nccl_back.coord.schema import GROUND_TRUTH_TTL_FACTOR
-from nccl_back.coord.store import WRONG_TYPE, SignedStore, log, ms
+from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, log, ms
 from nccl_back.errors import UntrustedRecordError
 
 __all__ = ["GROUND_TRUTH_TTL_FACTOR", "TruthRecords", "encode_truth", "truth_for_mode"]

@@ -50,7 +50,7 @@ from nccl_back.config import Settings
 from nccl_back.coord.registry import Registry
 from nccl_back.dev import throttle
 from nccl_back.dev.example import write_example_model
-from nccl_back.dev.gcs import LocalGCS
+from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.dev.report import format_comparison, format_new_version, format_phases, format_table
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.errors import NcclBackError

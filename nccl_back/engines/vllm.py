@@ -25,7 +25,7 @@ alive (on CUDA, unquantized, processing leaves them in place: no extra memory); 
 processing rewrote one in place, the sender detects it and stops serving.
 
 What every engine needs (the load's flow, the identity, the served state, the outcome
-in the engine's log) is :mod:`nccl_back.engines.base`'s; this module is what is vLLM's.
+in the engine's log) is :mod:`nccl_back.engines.common`'s; this module is what is vLLM's.
 
 **Identity.** The version is the checkpoint's content identity plus everything that
 changes these tensors (:func:`engine_layout`): vLLM version, architecture, dtype,
@@ -71,8 +71,14 @@ from vllm.model_executor.model_loader import (
     register_model_loader,
 )
 
-from nccl_back.engines import base, vllm_cache, vllm_layout
-from nccl_back.engines.base import LOAD_FORMAT, EngineLoad, engine_spec, loaded_state, settings_from
+from nccl_back.engines import common, vllm_cache, vllm_layout
+from nccl_back.engines.common import (
+    LOAD_FORMAT,
+    EngineLoad,
+    engine_spec,
+    loaded_state,
+    settings_from,
+)
 from nccl_back.load.service import WeightService
 from nccl_back.model.layout import TensorLayout
 from nccl_back.result import LoadResult
@@ -97,7 +103,7 @@ def register() -> None:
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not NcclBackModelLoader:
         register_model_loader(LOAD_FORMAT)(NcclBackModelLoader)
-    base.route_library_logs(log)
+    common.route_library_logs(log)
     # Before vLLM's configuration inspects the model (a subprocess when they are absent).
     vllm_cache.early_modelinfos(log)
 
@@ -117,19 +123,19 @@ def _layout_fields(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[s
         "expert_parallel": bool(vllm_config.parallel_config.enable_expert_parallel),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "revision": model_config.revision,
-        "hf_overrides": base.jsonable(model_config.hf_overrides),
+        "hf_overrides": common.jsonable(model_config.hf_overrides),
     }
 
 
 def engine_layout(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:
     """Everything besides the checkpoint that changes the tensors this rank loads."""
-    return base.engine_layout(ENGINE, vllm.__version__, _layout_fields(vllm_config, model_config))
+    return common.engine_layout(ENGINE, vllm.__version__, _layout_fields(vllm_config, model_config))
 
 
-@base.register_engine(ENGINE)
+@common.register_engine(ENGINE)
 @dataclasses.dataclass
 class VllmAdapter:
-    """One vLLM load (:class:`~nccl_back.engines.base.EngineAdapter`)."""
+    """One vLLM load (:class:`~nccl_back.engines.common.EngineAdapter`)."""
 
     vllm_config: VllmConfig
     model_config: ModelConfig
@@ -203,8 +209,8 @@ class NcclBackModelLoader(BaseModelLoader):
             from vllm.config import get_current_vllm_config
 
             vllm_config = get_current_vllm_config()
-        adapter = base.engine_adapter(VllmAdapter.name)(vllm_config, model_config, self._default)
-        self._loaded = base.load_weights(adapter, self.settings, model)
+        adapter = common.engine_adapter(VllmAdapter.name)(vllm_config, model_config, self._default)
+        self._loaded = common.load_weights(adapter, self.settings, model)
         if self._loaded is not None:
             _withdraw_when_shutdown_starts()
             # Still before vLLM's profile run and warm-up compile: the caches arrive in time.
@@ -233,7 +239,7 @@ def _withdraw_when_shutdown_starts() -> None:
         return
 
     def shutdown(self: Any) -> None:
-        if base.withdraw_all():
+        if common.withdraw_all():
             log.info("nccl_back: withdrawn from the registry: vLLM is shutting this worker down")
         original(self)
 

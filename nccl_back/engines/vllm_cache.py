@@ -2,7 +2,7 @@
 
 **What travels.** After an engine is ready (compiled and warmed up: the end of its
 worker's ``compile_or_warm_up_model``), rank 0 publishes, as one artifact set
-(:mod:`nccl_back.load.artifacts`), the compile cache vLLM used,
+(:mod:`nccl_back.load.artifact_transfer`), the compile cache vLLM used,
 ``VLLM_CACHE_ROOT/torch_compile_cache/<vLLM's hash>/`` and, with vLLM's AOT compile
 (the default with torch >= 2.10, and the CPU build's path),
 ``torch_compile_cache/torch_aot_compile/<hash>/`` (graphs, and the inductor and Triton
@@ -55,8 +55,8 @@ import vllm
 from vllm.config import VllmConfig
 
 from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
-from nccl_back.load import artifacts
-from nccl_back.load.artifacts import CacheKey
+from nccl_back.load import artifact_transfer
+from nccl_back.load.artifact_transfer import CacheKey
 from nccl_back.load.compile_cache import (
     cache_units,
     fetch_headers,
@@ -107,7 +107,7 @@ def cache_key(vllm_config: VllmConfig, scope: str) -> CacheKey:
     factors = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "nccl_back": artifacts.nccl_back_version(),
+        "nccl_back": artifact_transfer.nccl_back_version(),
         "config_hash": vllm_config.compute_hash(),
         "env_hash": hash_factors(envs.compile_factors()),
         "compiler_hash": make_compiler(vllm_config.compilation_config).compute_hash(vllm_config),
@@ -157,7 +157,7 @@ def _modelinfos(root: str) -> list[str]:
 def modelinfos_key() -> CacheKey:
     """The key of vLLM's model infos: vLLM checks each file against its model code's
     hash, so any engine of this vLLM version may provide them."""
-    factors = {"set": MODELINFOS, "vllm": vllm.__version__, "nccl_back": artifacts.nccl_back_version()}
+    factors = {"set": MODELINFOS, "vllm": vllm.__version__, "nccl_back": artifact_transfer.nccl_back_version()}
     return CacheKey(factors, hashlib.sha256(f"{MODELINFOS}-{vllm.__version__}".encode())
                     .hexdigest()[:32])
 
@@ -191,9 +191,9 @@ def early_modelinfos(log: logging.Logger) -> None:
         return
     global early_outcome
     try:
-        got = artifacts.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
+        got = artifact_transfer.fetch(settings, modelinfos_key(), root, engine="vllm-modelinfos", serve=False)
     except Exception as e:  # never breaks vLLM's start
-        got = artifacts.FetchResult(False, repr(e)[:500])
+        got = artifact_transfer.FetchResult(False, repr(e)[:500])
     early_outcome = f"from peer {got.peer}: {got.installed}" if got.ok else f"missed: {got.reason}"
     if got.ok:
         log.info("nccl_back: model infos from peer %s in %.3f s: %s", got.peer, got.seconds,
@@ -248,7 +248,7 @@ def _share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging
         return
     why = why_not_shared(vllm_config)
     if why is None and settings.secret is None:
-        artifacts.warn_no_secret()
+        artifact_transfer.warn_no_secret()
         why = "no fleet secret (NCCL_BACK_SECRET): compile caches are skipped"
     if why is not None:
         log.info("nccl_back: compile caches not shared: %s", why)
@@ -262,7 +262,7 @@ def _share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging
         return
     if inductor:
         root, key = inductor_cache_dir(), CacheKey({**key.factors, "set": "inductor"}, key.scope)
-    got = artifacts.fetch(settings, key, root, engine=engine)
+    got = artifact_transfer.fetch(settings, key, root, engine=engine)
     if got.ok:
         log.info("nccl_back: compile caches from peer %s: %.1f MB in %.3f s, installed %s%s",
                  got.peer, got.bytes / 1e6, got.seconds, got.installed,
@@ -273,7 +273,7 @@ def _share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging
     received = set(got.installed)
     # Inductor's precompiled headers for its C++ kernels (CPU), global to the machine:
     # in the background, while vLLM goes on to its profile run (inductor waits for them).
-    def fetched(got: artifacts.FetchResult) -> None:
+    def fetched(got: artifact_transfer.FetchResult) -> None:
         if got.ok:
             log.info("nccl_back: precompiled headers from peer %s: %.1f MB in %.3f s",
                      got.peer, got.bytes / 1e6, got.seconds)
@@ -296,13 +296,13 @@ def _share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging
 
         def publish_now() -> None:
             if own:
-                what = artifacts.publish(settings, key, root, found, engine=engine)
+                what = artifact_transfer.publish(settings, key, root, found, engine=engine)
                 log.info("nccl_back: compile caches %s", what)
-                infos = artifacts.publish(settings, modelinfos_key(), vllm_root,
+                infos = artifact_transfer.publish(settings, modelinfos_key(), vllm_root,
                                           _modelinfos(vllm_root), engine=engine)
                 log.info("nccl_back: model infos %s", infos)
             if used:
-                what = artifacts.publish(settings, headers_key(key), headers_dir(), used,
+                what = artifact_transfer.publish(settings, headers_key(key), headers_dir(), used,
                                          engine=engine)
                 log.info("nccl_back: precompiled headers %s", what)
 

@@ -17,7 +17,7 @@ rebuild); on a clean exit after a miss, this process publishes its own cache dir
 (and the headers it used, if none came) and serves them until it exits. The key is ``name`` (what you compile, and how), torch's version and torch's own
 inductor key (``torch._inductor.codecache.torch_key``: its code and system); torch's
 FX-graph cache keys still decide each hit after the install, so a stale set is only a
-miss. Everything else is :mod:`nccl_back.load.artifacts`'s: the fleet secret required,
+miss. Everything else is :mod:`nccl_back.load.artifact_transfer`'s: the fleet secret required,
 the keyed digest checked before any write, nothing written over a local cache (a
 top-level entry of the cache directory that exists locally is kept as it is: give
 each program its own ``TORCHINDUCTOR_CACHE_DIR`` to share all of it).
@@ -49,10 +49,10 @@ import torch
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.load import artifacts
-from nccl_back.load.artifacts import CacheKey, FetchResult
+from nccl_back.load import artifact_transfer
+from nccl_back.load.artifact_transfer import CacheKey, FetchResult
 from nccl_back.log import get_logger
-from nccl_back.model.artifacts import TMP_PREFIX
+from nccl_back.model.artifact_sets import TMP_PREFIX
 
 log = get_logger(__name__)
 
@@ -205,7 +205,7 @@ def fetch_headers(settings: Settings, key: CacheKey, *, engine: str = "library",
 
     def run() -> None:
         try:
-            got = artifacts.fetch(s, hkey, headers_dir(), engine=engine)
+            got = artifact_transfer.fetch(s, hkey, headers_dir(), engine=engine)
         except Exception as e:  # fetch reports its own failures; this is a last guard
             got = FetchResult(False, repr(e)[:500])
         with _lock:
@@ -230,7 +230,7 @@ def inductor_key(name: str) -> CacheKey:
     """The lookup key of ``name``'s inductor cache, from torch's own keys."""
     from torch._inductor.codecache import torch_key
 
-    factors = {"name": name, "torch": torch.__version__, "nccl_back": artifacts.nccl_back_version(),
+    factors = {"name": name, "torch": torch.__version__, "nccl_back": artifact_transfer.nccl_back_version(),
                "inductor_key": torch_key().hex()[:32]}
     return CacheKey(factors, hashlib.sha256(name.encode()).hexdigest()[:32])
 
@@ -252,7 +252,7 @@ def _enter(name: str, settings: Settings | None, cache_dir: str | None) -> _Bloc
         root = cache_dir or inductor_cache_dir()
         key = inductor_key(name)
         headers = fetch_headers(s, key)
-        return _Block(artifacts.fetch(s, key, root), s, root, key, headers)
+        return _Block(artifact_transfer.fetch(s, key, root), s, root, key, headers)
     except Exception as e:  # a compile never fails for its cache
         log.warning("compile_cache_skipped", name=name, error=repr(e)[:500])
         return _Block(FetchResult(False, f"compile caches skipped: {type(e).__name__}: {e}"[:500]))
@@ -264,13 +264,13 @@ def _leave(b: _Block) -> None:
         return
     try:
         if not got.ok:
-            got.reason = f"{got.reason}; {artifacts.publish(s, key, b.root, cache_units(b.root))}"
+            got.reason = f"{got.reason}; {artifact_transfer.publish(s, key, b.root, cache_units(b.root))}"
         have = b.headers.result()
         used = header_units()
         if have.ok or have.kept:
             headers = f"from a peer ({have.installed or have.kept})"
         elif used:
-            headers = artifacts.publish(s, headers_key(key), headers_dir(), used)
+            headers = artifact_transfer.publish(s, headers_key(key), headers_dir(), used)
         else:
             headers = f"none used ({have.reason})"
         log.info("compile_cache_done", key=key.lookup[:12], caches=got.reason or "from a peer",

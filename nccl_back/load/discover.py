@@ -25,7 +25,7 @@ from nccl_back.load.attempt import (
     NoTruth,
     Worker,
 )
-from nccl_back.transport.store import unreachable_reason
+from nccl_back.transport.rendezvous_store import unreachable_reason
 
 
 def discover(worker: Worker, a: Attempt) -> Discovery:

@@ -2,7 +2,7 @@
 
 A full collection of Python's cyclic garbage collector walks every object the process
 holds, with the GIL held. With torch imported that is about 200,000 objects and 70 ms
-(in a vLLM worker, 0.6 s: :mod:`nccl_back.engines.base`); during a load every thread
+(in a vLLM worker, 0.6 s: :mod:`nccl_back.engines.common`); during a load every thread
 of the worker stops for it: handshake answers, the relay's forwarding, the liveness
 marks. On a busy host the pause stretches to seconds and peers give up on this worker
 (``benchmarks/results-log.md``, "The late starts were garbage-collection pauses"). So while

@@ -37,7 +37,7 @@ from nccl_back.transport import (
 )
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.relay import RELAY_HANDSHAKE
-from nccl_back.transport.store import unreachable_reason
+from nccl_back.transport.rendezvous_store import unreachable_reason
 
 
 class Receive:

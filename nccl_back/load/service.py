@@ -53,10 +53,10 @@ from nccl_back.load.attempt import Attempt, Target, Worker
 from nccl_back.load.cooperative import serve_share
 from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
-from nccl_back.load.ranged import RangedLoader
+from nccl_back.load.ranged_group import RangedLoader
 from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import single_flight
-from nccl_back.load.storage import fall_back, load_checkpoint
+from nccl_back.load.storage_phase import fall_back, load_checkpoint
 from nccl_back.load.verifier import Basis, Verifier
 from nccl_back.load.vote import Decision, agree, caught
 from nccl_back.log import get_logger
@@ -312,7 +312,7 @@ class WeightService:
 
     def _loader(self, a: Attempt) -> StorageLoader:
         """A sharded skeleton reads only its own pieces, its ranks proving each file's
-        CRC32C together (the default loader; :mod:`nccl_back.load.ranged`)."""
+        CRC32C together (the default loader; :mod:`nccl_back.load.ranged_group`)."""
         sh = a.sharding
         if sh is None or self._storage_loader is not load_checkpoint:
             return self._storage_loader

@@ -51,7 +51,7 @@ from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.parts import parts as split
 from nccl_back.transport.relay import RELAY_HANDSHAKE
 from nccl_back.transport.relay.topology import TREES
-from nccl_back.transport.store import unreachable_reason
+from nccl_back.transport.rendezvous_store import unreachable_reason
 
 if TYPE_CHECKING:
     from nccl_back.load.receive import Receive

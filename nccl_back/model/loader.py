@@ -67,7 +67,7 @@ Progress = Callable[[int, int, float], None]
 class StorageLoader(Protocol):
     """Fills a skeleton from storage when no peer serves it (the weight service's
     storage path): :func:`load_from_storage` by default; an engine adapter passes its
-    engine's own loader (:mod:`nccl_back.engines.base`)."""
+    engine's own loader (:mod:`nccl_back.engines.common`)."""
 
     def __call__(self, model: Model, spec: ModelSpec, settings: Settings, /) -> LoadResult:
         ...

@@ -71,7 +71,7 @@ def load_sharded(model: Model, spec: ModelSpec, settings: Settings, sharding: Sh
     whole-checkpoint buffer (CRC32C-checked, as any load), then this rank's pieces cut
     from it by the plan a receiver of a whole-checkpoint holder would use. Reads the
     whole checkpoint on every rank: the reference the ranged load
-    (:mod:`nccl_back.load.ranged`, what a worker runs) is compared against."""
+    (:mod:`nccl_back.load.ranged_group`, what a worker runs) is compared against."""
     whole = flat_skeleton(spec, "cpu", settings=settings)
     result = load_from_storage(whole, spec, settings=settings)
     tensors = named_tensors(model)[0]

@@ -2,10 +2,18 @@
 it, and the bucketed data plane that walks a state dict over it.
 
 A kind is a module ``nccl_back.transport.{kind}`` registering its classes
-(:func:`~nccl_back.transport.base.register_transport`) under a name of
+(:func:`~nccl_back.transport.channel.register_transport`) under a name of
 :data:`nccl_back.transport_kinds.TRANSPORT_KINDS`; the factories below look kinds up there."""
 
-from nccl_back.transport.base import (
+from nccl_back.transport.broadcast import (
+    Step,
+    TransferStats,
+    payload_bytes,
+    plan,
+    recv_tensors,
+    send_tensors,
+)
+from nccl_back.transport.channel import (
     RECEIVER_RANK,
     SENDER_RANK,
     Pending,
@@ -20,14 +28,6 @@ from nccl_back.transport.base import (
     register_transport,
     resolve_kind,
     transport_classes,
-)
-from nccl_back.transport.broadcast import (
-    Step,
-    TransferStats,
-    payload_bytes,
-    plan,
-    recv_tensors,
-    send_tensors,
 )
 from nccl_back.transport.parts import Part, part_steps, parts
 from nccl_back.transport.watchdog import run_guarded

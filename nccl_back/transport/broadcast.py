@@ -50,7 +50,7 @@ import torch
 from nccl_back.errors import ManifestMismatchError, TransferError
 from nccl_back.log import get_logger
 from nccl_back.model.skeleton import ALIGN, Manifest, dtype_from_name, dtype_name
-from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Pending, Transport
+from nccl_back.transport.channel import RECEIVER_RANK, SENDER_RANK, Pending, Transport
 from nccl_back.transport.parts import Part, part_steps
 from nccl_back.transport.prefault import Prefaulter, Range
 from nccl_back.transport.strided import gather, scatter

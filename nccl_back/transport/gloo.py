@@ -15,7 +15,7 @@ its own timeout (or the stall bound, :attr:`Transport.call_timeout`, when shorte
 the watchdog's worker thread always unwinds by the deadline.
 
 What gloo shares with NCCL (the receiver factory, the bootstrap keys, the deadline,
-error classification) is :class:`~nccl_back.transport.store.StoreTransport`.
+error classification) is :class:`~nccl_back.transport.rendezvous_store.StoreTransport`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from nccl_back.config import Settings
 from nccl_back.errors import TransferError, TransferTimeoutError
 from nccl_back.log import get_logger
-from nccl_back.transport.base import SENDER_RANK, WORLD_SIZE, Pending, Probe, register_transport
-from nccl_back.transport.store import StoreRendezvous, StoreTransport
+from nccl_back.transport.channel import SENDER_RANK, WORLD_SIZE, Pending, Probe, register_transport
+from nccl_back.transport.rendezvous_store import StoreRendezvous, StoreTransport
 
 if TYPE_CHECKING:
     from nccl_back.coord.registry import Registry

@@ -40,7 +40,7 @@ Why this binding (the requirements come from NCCL's fault-tolerance guide):
   slow receiver never queues work on the worker's default stream.
 
 What NCCL shares with gloo (the receiver factory, the bootstrap keys, the deadline,
-error classification) is :class:`~nccl_back.transport.store.StoreTransport`.
+error classification) is :class:`~nccl_back.transport.rendezvous_store.StoreTransport`.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import TransferError
 from nccl_back.log import get_logger
-from nccl_back.transport.base import SENDER_RANK, WORLD_SIZE, Pending, Probe, register_transport
-from nccl_back.transport.store import StoreRendezvous, StoreTransport
+from nccl_back.transport.channel import SENDER_RANK, WORLD_SIZE, Pending, Probe, register_transport
+from nccl_back.transport.rendezvous_store import StoreRendezvous, StoreTransport
 
 if TYPE_CHECKING:
     from nccl_back.coord.registry import Registry

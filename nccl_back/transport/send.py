@@ -43,8 +43,8 @@ from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
 from nccl_back.metrics import Metrics
-from nccl_back.transport.base import Rendezvous, Transport
 from nccl_back.transport.broadcast import TransferStats, moved_bytes, payload_bytes, send_tensors
+from nccl_back.transport.channel import Rendezvous, Transport
 from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.parts import Part
 from nccl_back.transport.watchdog import run_guarded

@@ -46,7 +46,7 @@ from nccl_back.errors import (
     TransferTimeoutError,
 )
 from nccl_back.log import get_logger
-from nccl_back.transport.base import Transport
+from nccl_back.transport.channel import Transport
 
 log = get_logger(__name__)
 

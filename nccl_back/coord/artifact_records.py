@@ -1,7 +1,7 @@
 """Artifact sets' record family (compile caches that travel between peers).
 
 - ``ns:art:{k}``: the manifest of the set published under lookup key ``k`` (a hex
-  digest of what the engine knows before it compiles, :mod:`nccl_back.load.artifacts`)
+  digest of what the engine knows before it compiles, :mod:`nccl_back.load.artifact_transfer`)
   and the version its holders serve it as; signed, written by every publisher (the
   newest wins: its holder is live).
 - ``ns:artidx:{s}``: for one model (``s``: its weights' version), the lookup key and
@@ -18,7 +18,7 @@ from __future__ import annotations
 from nccl_back.coord import schema
 from nccl_back.coord.content import ArtifactIndex, ArtifactSetRecord, hex_token
 from nccl_back.coord.schema import ARTIFACT_TTL_FACTOR
-from nccl_back.coord.store import SignedStore
+from nccl_back.coord.signed_store import SignedStore
 
 __all__ = ["ARTIFACT_TTL_FACTOR", "ArtifactIndex", "ArtifactRecords", "ArtifactSetRecord"]
 

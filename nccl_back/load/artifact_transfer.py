@@ -1,6 +1,6 @@
 """Publishing and fetching artifact sets (compile caches) through the weight path.
 
-A set (:mod:`nccl_back.model.artifacts`) travels exactly as weights do: its bytes are
+A set (:mod:`nccl_back.model.artifact_sets`) travels exactly as weights do: its bytes are
 one ``uint8`` tensor of a one-rank "model" whose version is content-addressed
 (:func:`artifact_spec`: the lookup key and the set's keyed digest), so holders are
 published and found, claimed, handshaken and sent by the same code
@@ -9,9 +9,9 @@ with the same send slots, budgets and fallback to the next holder. What differs:
 
 * the lookup: the engine derives a :class:`CacheKey` from what it knows before it
   compiles (named factors, e.g. vLLM's config and compiler hashes), and the set's
-  manifest is read from ``ns:art:{lookup}`` (:mod:`nccl_back.coord.artifacts`);
+  manifest is read from ``ns:art:{lookup}`` (:mod:`nccl_back.coord.artifact_records`);
 * verification: not ground truth but the set's keyed digest over every byte, checked
-  by :func:`~nccl_back.model.artifacts.install` before anything is written;
+  by :func:`~nccl_back.model.artifact_sets.install` before anything is written;
 * no storage path: a set nobody holds is a miss, said with its reason (no secret, no
   set for this key and which factor differs from the newest one for this model, no live
   holder, too large, a refused transfer or digest), and the engine compiles itself;
@@ -37,11 +37,11 @@ from torch import nn
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord.artifacts import ArtifactSetRecord
+from nccl_back.coord.artifact_records import ArtifactSetRecord
 from nccl_back.errors import ArtifactError, NcclBackError, UntrustedPathError
 from nccl_back.load.service import WeightService
 from nccl_back.log import get_logger
-from nccl_back.model import artifacts
+from nccl_back.model import artifact_sets
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.skeleton import Model
 
@@ -177,7 +177,7 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
                            f" {record.version[:12]}, its content is {spec.version[:12]}")
         if not service.registry.find_peers(spec.version, 0, 1):
             return FetchResult(False, f"no live peer holds the set for key {key.lookup[:12]}")
-        artifacts.check_destination(root)  # install would refuse it; and what is "here" is not ours
+        artifact_sets.check_destination(root)  # install would refuse it; and what is "here" is not ours
         local = [u for u in man.units if os.path.lexists(os.path.join(root, u))]
         if local and len(local) == len(man.units):  # nothing to receive (a local cache wins)
             return FetchResult(False, f"every unit of the set for key {key.lookup[:12]} is"
@@ -185,7 +185,7 @@ def fetch(settings: Settings, key: CacheKey, root: str, *, engine: str = "librar
         model = _holder(man.nbytes)
         result = service.load(model, spec)
         data: torch.Tensor = model.data  # type: ignore[assignment,union-attr]
-        done = artifacts.install(root, man, memoryview(data.numpy()), secret)  # type: ignore[arg-type]
+        done = artifact_sets.install(root, man, memoryview(data.numpy()), secret)  # type: ignore[arg-type]
         if serve:  # other new engines of the fleet receive it from here too
             _keep(service)
             served = True
@@ -216,7 +216,7 @@ def publish(settings: Settings, key: CacheKey, root: str, units: Sequence[str], 
     assert secret is not None
     refused: list[str] = []
     try:
-        man, data = artifacts.collect(root, units, secret, settings.max_artifact_bytes,
+        man, data = artifact_sets.collect(root, units, secret, settings.max_artifact_bytes,
                                       refused=refused)
     except UntrustedPathError as e:
         log.warning("artifact_set_refused", root=root, key=key.lookup[:12], reason=str(e))

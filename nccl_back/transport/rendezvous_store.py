@@ -65,7 +65,7 @@ from nccl_back.errors import (
 )
 from nccl_back.log import get_logger
 from nccl_back.redis_url import parse_redis_url
-from nccl_back.transport.base import RECEIVER_RANK, SENDER_RANK, Rendezvous, Transport
+from nccl_back.transport.channel import RECEIVER_RANK, SENDER_RANK, Rendezvous, Transport
 
 if TYPE_CHECKING:
     from nccl_back.coord.registry import Registry

@@ -90,32 +90,72 @@ def corrupt(client: redis.Redis, key: str, kind: schema.KeyKind, how: str,
         client.expire(key, HOUR)
 
 
+#: Moves each staged value (KEYS[2..]) into KEYS[1] as the Redis type ARGV[1] stores
+#: them, then drops the staging keys. Set members and hash fields pass through Lua (one
+#: copy each); strings are renamed and list items moved by SORT ... STORE, in C.
+_PLACE_LUA = """
+local t = ARGV[1]
+for i = 2, #KEYS do
+  if t == 'set' then redis.call('SADD', KEYS[1], redis.call('GET', KEYS[i]))
+  elseif t == 'hash' then
+    redis.call('HSET', KEYS[1], ({'n', 'epoch'})[i - 1] or ('f' .. (i - 1)), redis.call('GET', KEYS[i]))
+  end
+  redis.call('DEL', KEYS[i])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+#: Moves every item of list KEYS[1] to the end of list KEYS[2], replying nothing.
+_MOVE_LUA = """
+while redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT') do end
+return 1
+"""
+
+#: Bytes sent per APPEND while a value is staged: what the writer holds at once.
+FILL_CHUNK = 1 << 20
+
+
 def fill(client: redis.Redis, key: str, t: str, size: int, n: int, head: bytes = b"",
          tail: bytes = b"", *, append: bool = False) -> None:
     """Replace ``key`` by ``n`` values of ``size`` bytes each (``head``, padding, a
     number, ``tail``) of Redis type ``t`` (``append``: add them to what is there), kept
     for an hour.
 
-    Sent one value per command, not built by a server script: Redis reads a large
-    argument between serving other clients, while a Lua script building 32 MiB strings
-    held the whole server for seconds on a loaded machine (every holder's heartbeat
-    timed out). Each value lives here only while it is sent; :func:`peak_rss_rise`
-    resets the high-water mark, so it never counts as a reader's."""
+    Each value is staged at a key of its own in appends of :data:`FILL_CHUNK`, then moved
+    into place on the server: the writer never holds or receives a value (it may share a process,
+    and so a peak RSS, with the reader under test), and Redis is never held for long (a
+    script building 32 MiB strings held it for seconds on a loaded machine, and every
+    holder's heartbeat timed out)."""
+    staged = [f"{key}:staged:{i}" for i in range(1, n + 1)]
+    pad = size - len(head) - len(tail) - 8
+    chunk = b"x" * min(FILL_CHUNK, max(pad, 0))
+    for i, tmp in enumerate(staged, 1):
+        client.delete(tmp)
+        client.append(tmp, head)
+        for off in range(0, pad, FILL_CHUNK):
+            client.append(tmp, chunk[:min(FILL_CHUNK, pad - off)])
+        client.append(tmp, b"%08d" % i + tail)
     if not append:
         client.delete(key)
-    pad = size - len(head) - len(tail) - 8
-    for i in range(1, n + 1):
-        value = b"".join((head, b"x" * pad, b"%08d" % i, tail))
-        if t == "string":
-            client.set(key, value)
-        elif t == "list":
-            client.rpush(key, value)
-        elif t == "set":
-            client.sadd(key, value)
-        else:
-            client.hset(key, ("n", "epoch")[i - 1] if i <= 2 else f"f{i}", value)
-        del value
-    client.expire(key, HOUR)
+    if t == "string":
+        client.rename(staged[-1], key)
+        if n > 1:
+            client.delete(*staged[:-1])
+        client.expire(key, HOUR)
+    elif t == "list":
+        names = f"{key}:staged"
+        client.delete(names)
+        client.rpush(names, *staged)
+        # SORT ... STORE copies the staged values into a list in C, replying a count
+        # (LMOVE from here would send each moved item back whole).
+        client.sort(names, by="nosort", get="*", store=key if not append else names)
+        if append:
+            client.eval(_MOVE_LUA, 2, names, key)
+        client.delete(names, *staged)
+        client.expire(key, HOUR)
+    else:
+        client.eval(_PLACE_LUA, 1 + n, key, *staged, t, HOUR)
 
 
 def _status_kib(field: str) -> int:

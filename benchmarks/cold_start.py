@@ -8,8 +8,9 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
 
 * ``storage``: storage only (each worker in its own Redis namespace never finds a peer);
 * ``warm``: one warm peer, loaded and serving before the N workers start; its receivers
-  form relay chains (``relay_fan_out="chain"``, as every scenario without ``_trees``
-  does: the figures before the trees became the default compare with these);
+  sit in a cohort's two trees (the relay's fan-out: one cohort of up to 1,024), each
+  member taking half from each of its two parents (before 7 Dec 2026 ``warm`` was a
+  relay chain and ``warm_trees`` this: the log's figures say which);
 * ``single_flight``: no peer; one worker is elected to download, the others receive
   from peers as they appear (a worker that received serves too: the fleet fans out).
 * ``cooperative``: ``single_flight`` with ``download_group_window`` (``--group-window``):
@@ -23,14 +24,9 @@ egress. Peer transfers use gloo on loopback. Three scenarios:
   (``cohort_max_size=1``): every receiver takes a whole copy from a holder and serves
   once it holds the weights, the binomial tree of ⌈log2(N+1)⌉ rounds.
 
-* ``warm_trees`` / ``warm_trees_kill`` / ``single_flight_trees``: ``warm`` / ``warm_kill``
-  / ``single_flight`` with the cohort seated in the fan-out's two trees
-  (``relay_fan_out="trees"``, the library's default; one cohort of up to 1,024): the
-  head takes the whole, each other member half from each of its two parents.
-
 * ``warm_kill``: ``warm`` with one receiver SIGKILLed (``--kill-signal stop``: SIGSTOPped)
-  mid-transfer (``--kill-at`` of the warm N=1 median after the release), the one seated
-  a quarter of the way down the first chain (seats read back from Redis): the receivers
+  mid-transfer (``--kill-at`` of the warm N=1 median after the release), seat 1, tree 1's
+  root with half the cohort below it (seats read back from Redis): the receivers
   seated below it (``below_victim``) say what its death cost (they re-attach further
   up), the others what it did not.
 
@@ -101,8 +97,8 @@ from nccl_back.transport.relay import topology
 
 #: ``--kill-signal``: the signal a kill scenario's victim gets, and how the goal names it.
 KILL_SIGNALS = {"kill": (signal.SIGKILL, "SIGKILLed"), "stop": (signal.SIGSTOP, "SIGSTOPped")}
-SCENARIOS = ("storage", "warm", "warm_whole", "warm_kill", "warm_tree", "warm_trees",
-             "warm_trees_kill", "single_flight", "single_flight_tree", "single_flight_trees",
+SCENARIOS = ("storage", "warm", "warm_whole", "warm_kill", "warm_tree",
+             "single_flight", "single_flight_tree",
              "cooperative", "cooperative_kill")
 BUCKET = "cold-start-bench"
 PARTS = ("skeleton", "discovery", "handshake", "transfer", "download", "verify", "other")
@@ -392,7 +388,6 @@ class Bench:
                      max_send_gbps=0.0 if self.args.netns else self.args.link_gbps,
                      cohort_max_size=1 if scenario.endswith("_tree") else self.args.cohort_max_size,
                      bucket_bytes=self.args.bucket_bytes,
-                     relay_fan_out="trees" if "_trees" in scenario else "chain",
                      holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts,
                      download_group_window=(self.args.group_window
                                             if scenario.startswith("cooperative") else 0.0))
@@ -450,17 +445,15 @@ class Bench:
             victim = None
             if scenario == "cooperative_kill" and n > 1:
                 victim, killed_running = self.kill_member(ns, n, spec, deadline)
-            if scenario in ("warm_kill", "warm_trees_kill") and n > 1:
+            if scenario == "warm_kill" and n > 1:
                 time.sleep(self.kill_after)
-                # The receiver seated n//4 into the first chain, so that others sit below
-                # it (by index if the seats cannot be read); in the trees seat 1, the
-                # first tree's root below the head, with half the cohort below it.
+                # Seat 1, tree 1's root, with half the cohort below it (by index if the
+                # seats cannot be read).
                 names = [f"{scenario}-{n}-w{i}" for i in range(n)]
                 seated = seats(self.redis.url, ns, names)
                 first = min((c for c, _ in seated.values()), default=None)
                 at = {p: w for w, (c, p) in seated.items() if c == first}
-                seat = 1 if "_trees" in scenario else min(n - 1, n // 4)
-                victim = names.index(at.get(seat, names[seat]))
+                victim = names.index(at.get(1, names[1]))
                 proc = self.procs[-n + victim]
                 killed_running = proc.is_alive()
                 # SIGSTOP: silent, as a partition or a hung host looks (reaped by SIGKILL).
@@ -478,8 +471,7 @@ class Bench:
             r.update(scenario=scenario, n=n, storage_x=read / spec.nbytes, redis_commands=commands,
                      **{f"{k}_s": v for k, v in parts(r).items()})
         depths(rows, holder_names(self.args.holders))
-        if "_trees" in scenario:
-            tree_depths(rows, seats(self.redis.url, ns, [r["worker"] for r in rows]))
+        tree_depths(rows, seats(self.redis.url, ns, [r["worker"] for r in rows]))
         if victim is not None and scenario == "cooperative_kill":
             for r in rows:
                 r.update(victim=f"{scenario}-{n}-w{victim}", victim_killed_while_loading=killed_running)
@@ -492,12 +484,10 @@ class Bench:
                 r["victim_killed_while_loading"] = killed_running
                 r["victim_signal"] = KILL_SIGNALS[self.args.kill_signal][1]
                 seat = seated.get(r["worker"])
-                # Seated after the victim in its chain (below it in a tree): what its
-                # death can delay.
+                # Below the victim in a tree: what its death can delay.
                 r["below_victim"] = (where is not None and seat is not None and seat[0] == where[0]
-                                     and (seat[1] > where[1] if "_trees" not in scenario else
-                                          any(where[1] in topology.seat_upstreams(seat[1], n, t)
-                                              for t in range(topology.TREES))))
+                                     and any(where[1] in topology.seat_upstreams(seat[1], n, t)
+                                             for t in range(topology.TREES)))
         return rows
 
     def taken(self) -> int:
@@ -641,10 +631,9 @@ def goals(summary: list[dict[str, Any]], holders: int = 1, model_bytes: int = 1,
             net = {s["n"]: s["median_after_skeleton_s"] for s in summary if s["scenario"] == scenario}
             out.append({"goal": f"{scenario}, skeleton build excluded: N={n} <= {bound} x N=1",
                         "ratio": net[n] / net[1], "pass": net[n] / net[1] <= bound})
-    for fan in ("warm", "warm_trees"):
+    for fan in ("warm",):
         warm_ns = [n for n in ns if (fan, n) in med]
-        # Against the relay-free N=1 (``warm``) where it ran: one receiver alone has no fan-out.
-        base = med.get(("warm", 1), med.get((fan, 1)))
+        base = med.get((fan, 1))
         if len(warm_ns) < 2 or warm_ns[-1] < 32 or base is None:
             continue
         big = next(s for s in summary if s["scenario"] == fan and s["n"] == warm_ns[-1])
@@ -661,7 +650,7 @@ def goals(summary: list[dict[str, Any]], holders: int = 1, model_bytes: int = 1,
             out.append({"goal": f"warm, {holders} holders, N={n}: receivers filled by idle holders"
                                 " at once / each from one holder (information)",
                         "ratio": ratio, "pass": True})
-    for scenario in ("warm_kill", "warm_trees_kill"):
+    for scenario in ("warm_kill",):
         kill = [s for s in summary if s["scenario"] == scenario and s["n"] > 1]
         if not kill or ("warm", 1) not in med:
             continue
@@ -760,14 +749,11 @@ def plot(summary: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    labels = {"storage": "storage only", "warm": "one warm peer, relay chain",
+    labels = {"storage": "storage only", "warm": "one warm peer, the fan-out's two trees",
               "warm_whole": "warm peers, each receiver's model from one",
               "warm_kill": "one warm peer, a receiver killed mid-transfer",
               "warm_tree": "one warm peer, binomial tree (old)",
-              "warm_trees": "one warm peer, the fan-out's two trees",
-              "warm_trees_kill": "the two trees, a receiver killed mid-transfer",
-              "single_flight_trees": "single flight, the fan-out's two trees",
-              "single_flight": "single flight, streamed relay chain",
+              "single_flight": "single flight, streamed into the trees",
               "single_flight_tree": "single flight, binomial tree (old)",
               "cooperative": "cooperative first download",
               "cooperative_kill": "cooperative, member 1 killed mid-share"}
@@ -829,10 +815,10 @@ def main() -> int:
                         " release (warm runs first); cooperative_kill: this fraction of the"
                         " single_flight N=1 median / N after the roster appeared")
     p.add_argument("--kill-signal", choices=tuple(KILL_SIGNALS), default="kill",
-                   help="warm_kill, warm_trees_kill: SIGKILL the victim (a crash: its links reset)"
+                   help="warm_kill: SIGKILL the victim (a crash: its links reset)"
                         " or SIGSTOP it (silent, as a partition looks: found by a stall bound)")
     p.add_argument("--cohort-max-size", type=int, default=Settings().cohort_max_size,
-                   help="most receivers in one cohort (0: the fan-out's own, 32 in a chain, 1,024 in the trees)")
+                   help="most receivers in one cohort (0: the library's 1,024)")
     p.add_argument("--bucket-bytes", type=int, default=Settings().bucket_bytes,
                    help="the step (0: automatic, from the model's size): a relay hop costs one step")
     p.add_argument("--own-links", action="store_true",

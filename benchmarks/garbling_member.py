@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python benchmarks/garbling_member.py [--runs 3] [--cases 0,1,2,3]``
 
-Six worker processes released together in the trees (``relay_fan_out`` "trees") behind
+Six worker processes released together in the fan-out's trees behind
 one or two honest holders, secret set; the member seated at position 1 (the second
 tree's root) or 2 (interior in the first tree) flips every byte its relay endpoint
 forwards while its own copy stays exact (tests/faults.py, the fault

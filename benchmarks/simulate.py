@@ -3,8 +3,8 @@
 Predicts the median time to verified weights for N = 1 ... 1024 workers starting
 together, for three designs:
 
-* ``chain``: receivers form cohorts of at most ``cohort_max_size`` (relay chains; the
-  setting's default unless ``--cohort-max``). A cohort starts when a holder is free; member i holds step k at
+* ``chain``: receivers form cohorts of at most :data:`CHAIN_COHORT` (relay chains, the
+  library's fan-out before the trees; unless ``--cohort-max``). A cohort starts when a holder is free; member i holds step k at
   ``T(i, k) = max(T(i-1, k), T(i, k-1)) + step`` (each member forwards step k while
   k+1 arrives; every worker sends at most ``link`` bytes/s); members become holders
   once verified, so later cohorts start from more holders.
@@ -57,9 +57,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nccl_back.config import AUTO_COHORT, Settings
+from nccl_back.config import Settings
 from nccl_back.model.checkpoint import HEADER_PROBE_BYTES
 from nccl_back.transport.relay import topology as tp
+
+#: Most receivers in one chain, as the retired chain fan-out capped them.
+CHAIN_COHORT = 32
 
 SIM_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: Cohort heads a streamed download serves at once (``nccl_back.transport.relay.STREAM_SENDS``).
@@ -80,7 +83,7 @@ class Costs:
     """Steps in the model (model bytes / bucket)."""
     download: float
     """One worker's storage download when it has the storage limit to itself."""
-    cohort_max: int = AUTO_COHORT["chain"]
+    cohort_max: int = CHAIN_COHORT
     """Most receivers in one relay chain (``cohort_max_size``)."""
     shards: int = 1
     """Checkpoint shards: a streamed download forwards a shard once it is in (CRC32C)."""
@@ -504,8 +507,8 @@ def main() -> None:
                    help="cold_start.py JSONs: costs from the first; the others add their "
                         "scenarios' points (the cooperative download's run with --own-links)")
     p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="the run's bucket (gloo: 1 MiB)")
-    p.add_argument("--cohort-max", type=int, default=AUTO_COHORT["chain"],
-                   help="most receivers in one relay chain (default: a chain's automatic cohort_max_size)")
+    p.add_argument("--cohort-max", type=int, default=CHAIN_COHORT,
+                   help="most receivers in one relay chain (default: the retired chain's 32)")
     p.add_argument("--png", default="benchmarks/fleet_scale.png")
     p.add_argument("--out", default="benchmarks/out/simulate.json")
     p.add_argument("--detect", type=float, default=STALL,

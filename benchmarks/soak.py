@@ -220,8 +220,9 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
         plan.append(f)
     plan.sort(key=lambda f: f["t"])
     values_seed = rng.randrange(1 << 30)
-    # Drawn last, so the draws above (and the schedules they made before) are unchanged.
-    fan_out = rng.choice(("chain", "trees"))
+    # The retired fan-out's draw (chain or trees), still taken: a seed makes the same
+    # schedule as before.
+    rng.randrange(2)
     if "garble_relay" in faults and rng.random() < GARBLE_CHANCE:  # drawn after, for the same reason
         victim = rng.choice([u for u in units if u["kind"] == "pipeline"])
         victim["garble"] = rng.randrange(int(victim["world"]))
@@ -235,7 +236,7 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
         plan.append({"t": victim["start"], "kind": "early_close", "unit": victim["unit"], "rank": 0})
         plan.sort(key=lambda f: f["t"])
     return {"rollout": rollout, "seed": seed, "units": units, "faults": plan,
-            "values_seed": values_seed, "fan_out": fan_out}
+            "values_seed": values_seed}
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -299,7 +300,6 @@ class Soak:
         self._stop: Any = None
         self._replays: list[threading.Event] = []
         self._flapper: threading.Thread | None = None
-        self.fan_out = "chain"
         self.settings_kwargs = {**SETTINGS, "redis_url": self.redis.url, "namespace": self.namespace,
                                 "cache_dir": str(work / "cache")}
         self.big, self.big_digest = self._big(work / "big")
@@ -327,7 +327,6 @@ class Soak:
 
     def rollout(self, sched: dict[str, Any]) -> Outcome:
         r = sched["rollout"]
-        self.fan_out = sched.get("fan_out", "chain")  # the relay's, fleet-wide
         out = Outcome(r)
         self.say(f"rollout {r} schedule {json.dumps(sched)}")
         rdir = self.work / f"r{r}"
@@ -478,7 +477,7 @@ class Soak:
                    "ckpt": str(ckpt), "flat": str(rdir / "flat"), "big": str(self.big),
                    # Sidecars move the large model at the link's speed (the soak's cap is for
                    # the tiny ones, so faults land inside their transfers).
-                   "settings": {**self.settings_kwargs, "relay_fan_out": self.fan_out,
+                   "settings": {**self.settings_kwargs,
                                 **({"max_send_gbps": 0.0} if u.get("kind") == "sidecar" else {})},
                    "log": str(rdir / f"u{u['unit']}-{rank}.log"),
                    "hang_after": self.bound + HANG_MARGIN, "group_timeout": GROUP_TIMEOUT}

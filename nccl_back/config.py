@@ -30,17 +30,13 @@ MAX_SECRET_FILE_BYTES = 4096
 #: 1/:data:`STEPS_PER_MODEL` of the model, a power of two within the transport's range.
 AUTO_BUCKET_BYTES = {"gloo": (1 << 20, 8 << 20), "nccl": (8 << 20, 8 << 20)}
 #: Steps a model is cut into at least, within the range above: a relay hop costs one step,
-#: so a chain of N members costs one transfer x (1 + (N - 1) / STEPS_PER_MODEL). Not more:
+#: so a path of D hops costs one transfer x (1 + (D - 1) / STEPS_PER_MODEL). Not more:
 #: each gloo call has a fixed cost (a raw broadcast of 128 MiB in 1 MiB calls reaches
 #: 0.70-0.83 of one flat call here, in 2 MiB calls 0.91-1.0; benchmarks/RESULTS.md).
 STEPS_PER_MODEL = 64
 
 TransportName = Literal["auto", TransportKind]
 VerifyMode = Literal["sampled", "full", "none"]
-FanOut = Literal["chain", "trees"]
-#: Automatic ``cohort_max_size`` per fan-out (the setting at 0, :attr:`Settings.cohort_limit`):
-#: a chain costs a step per member, the trees a step per level (log2 of the cohort).
-AUTO_COHORT = {"chain": 32, "trees": 1024}
 
 
 def _default_cache_dir() -> str:
@@ -140,8 +136,8 @@ class Settings:
     part of the steps (balanced by bytes) under its own ``max_send_gbps``: behind capped
     senders a receiver then fills that many times faster. Only holders with a free send
     slot are used, and not by a receiver that has members seated below it in a relay
-    chain. In the trees (``relay_fan_out``) each tree's half comes from its own idle
-    holder, so two at most. 1: one holder sends everything. At most 4."""
+    cohort. A cohort's seat takes each tree's half from its own idle holder, so two at
+    most. 1: one holder sends everything. At most 4."""
 
     max_peer_attempts: int = 3
     """Peers a receiver tries before it falls back to storage."""
@@ -170,21 +166,14 @@ class Settings:
 
     cohort_window: float = 2.0
     """Receivers of the same version and rank that start a transfer at most this many
-    seconds after the cohort's previous arrival join it (a pipelined relay chain; a
-    rolling start keeps joining the chain in flight) instead of queueing for whole
+    seconds after the cohort's previous arrival join it (the relay's two pipelined
+    trees; a rolling start keeps joining them in flight) instead of queueing for whole
     copies; after a window with no arrival the next one starts a new cohort."""
 
     cohort_max_size: int = 0
-    """Most receivers in one cohort; the next ones start another. 0 (the default): chosen
-    by the fan-out, :attr:`cohort_limit`. 1: no relay (whole copies from holders: a
-    binomial fan-out)."""
-
-    relay_fan_out: FanOut = "trees"
-    """How a cohort's members pass the model on: ``"trees"`` (the default), the head from
-    the source and every other member half from each of two parents in two binary trees
-    (each sends one model's worth at most; depth log2 of the cohort, not its size);
-    ``"chain"``, each from the member seated before it (a step per member: one fewer
-    level for cohorts of a few, slower beyond a few dozen)."""
+    """Most receivers in one cohort; the next ones start another. 0 (the default):
+    1,024 (:attr:`cohort_limit`; the trees cost a step per level, log2 of the cohort).
+    1: no relay (whole copies from holders: a binomial fan-out)."""
 
     stall_timeout: float = 10.0
     """Seconds a transfer from a holder may go without a step completing before it is
@@ -298,8 +287,6 @@ class Settings:
             raise ConfigError(f"transport={self.transport!r}: choose {', '.join(('auto', *TRANSPORT_KINDS[:-1]))} or {TRANSPORT_KINDS[-1]}")
         if self.verify not in ("sampled", "full", "none"):
             raise ConfigError(f"verify={self.verify!r}: choose sampled, full or none")
-        if self.relay_fan_out not in ("chain", "trees"):
-            raise ConfigError(f"relay_fan_out={self.relay_fan_out!r}: choose chain or trees")
         for name in (
             "sender_handshake_timeout", "receiver_handshake_timeout", "transfer_timeout", "redis_timeout",
             "peer_ttl", "single_flight_wait", "busy_wait", "download_lease", "single_flight_max_wait",
@@ -377,8 +364,8 @@ class Settings:
 
     @property
     def cohort_limit(self) -> int:
-        """:attr:`cohort_max_size`, or when it is 0 the fan-out's :data:`AUTO_COHORT`."""
-        return self.cohort_max_size or AUTO_COHORT[self.relay_fan_out]
+        """:attr:`cohort_max_size`, or when it is 0 1,024 seats."""
+        return self.cohort_max_size or 1024
 
     @property
     def peer_budget_seconds(self) -> float:

@@ -170,13 +170,10 @@ def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
     assert Settings().max_send_gbps == 0.0
 
 
-def test_the_cohort_size_is_the_fan_outs_own_unless_set() -> None:
-    """cohort_max_size 0 (the default) takes 1,024 seats in the trees (the default fan-out)
-    and 32 in a chain; a size set wins in either."""
-    assert Settings().relay_fan_out == "trees"
+def test_the_cohort_size_is_the_trees_own_unless_set() -> None:
+    """cohort_max_size 0 (the default) takes 1,024 seats in the trees; a size set wins."""
     assert Settings().cohort_limit == 1024
-    assert Settings(relay_fan_out="chain").cohort_limit == 32
-    assert Settings(relay_fan_out="chain", cohort_max_size=8).cohort_limit == 8
+    assert Settings(cohort_max_size=8).cohort_limit == 8
     assert Settings(cohort_max_size=1).cohort_limit == 1
 
 

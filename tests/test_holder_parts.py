@@ -32,11 +32,11 @@ def ckpt(tmp_path: Path) -> str:
 
 def _fleet(ckpt: str, redis_url: str, namespace: str, cache_dir: str, **overrides: Any,
            ) -> tuple[Fleet, Settings, Registry, ModelSpec]:
-    """A fleet verifying everything (and its settings, registry and spec), its relay in
-    chains: a chain's head is where a load in parts runs (the trees spread over holders
-    per tree, tested below)."""
+    """A fleet verifying everything (and its settings, registry and spec), without
+    cohorts: a lone receiver's load in parts runs (a seat in the trees spreads over
+    holders per tree, tested below)."""
     fleet = Fleet(ckpt, redis_url, namespace, cache_dir)
-    fleet.settings.update({"verify": "full", "peer_ttl": 30.0, "relay_fan_out": "chain", **overrides})
+    fleet.settings.update({"verify": "full", "peer_ttl": 30.0, "cohort_max_size": 1, **overrides})
     settings = workers.settings_for(**fleet.settings)
     return fleet, settings, Registry(settings), ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
 
@@ -84,25 +84,26 @@ def _failed(events: list[dict[str, Any]]) -> set[str]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fan_out", ["chain", "trees"])
+@pytest.mark.parametrize("cohort_max_size", [1, 0], ids=["no_cohort", "trees"])
 def test_a_receiver_fills_from_two_idle_holders_one_part_each(
     ckpt: str, redis_url: str, namespace: str, cache_dir: str, caplog: pytest.LogCaptureFixture,
-    fan_out: str,
+    cohort_max_size: int,
 ) -> None:
     """With two idle holders, the load pulls part 0 from one and part 1 from the other
     at once, each step once, and verifies every byte: both holders named as its peer (a
-    chain's head as a load in parts; a lone seat in the trees, each tree's part from its
-    own holder)."""
-    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir, relay_fan_out=fan_out)
+    receiver without cohorts as a load in parts; a lone seat in the trees, each tree's
+    part from its own holder)."""
+    fleet, settings, reg, spec = _fleet(ckpt, redis_url, namespace, cache_dir,
+                                        cohort_max_size=cohort_max_size)
     try:
         a, b = _holders(fleet, reg, spec.version, {"a": None, "b": None})
         result, events, _, exact = _load(settings, spec, ckpt, caplog)
         assert result.source == "peer", result.fallback_reason
         assert result.verified and exact
         assert set(result.peer_id.split(",")) == {a, b}
-        if fan_out == "chain":
+        if cohort_max_size == 1:
             assert {"transfer.p0", "transfer.p1"} <= set(result.timings), result.timings
-        assert _parts_of(events) == ([result.peer_id.split(",")] if fan_out == "chain" else [])
+        assert _parts_of(events) == ([result.peer_id.split(",")] if cohort_max_size == 1 else [])
     finally:
         _close(fleet)
 

@@ -366,10 +366,9 @@ tree's seats, tombstones, one claim the tree roots share)."""
 def test_every_corruption_of_the_keys_trees_read_costs_no_storage_read(
     fleet: Fleet, captured: dict[str, Any], kind: str
 ) -> None:
-    """The same with the cohort seated in the fan-out's two trees (``relay_fan_out``
-    "trees"): exact weights from the live holder within the bound, no storage read."""
-    _with_a_live_holder(fleet, captured, kind,
-                        fleet.settings.replace(relay_fan_out="trees", cohort_max_size=64))
+    """The same with the cohort seated in the fan-out's two trees: exact weights from the
+    live holder within the bound, no storage read."""
+    _with_a_live_holder(fleet, captured, kind, fleet.settings.replace(cohort_max_size=64))
 
 
 def _with_a_live_holder(fleet: Fleet, captured: dict[str, Any], kind: str, settings: Settings) -> None:

@@ -3,9 +3,6 @@ a 4-member chain whose middle member is SIGKILLed mid-transfer (real processes).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import signal
 import threading
 import time
@@ -14,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import torch
-from groups import CTX
 from test_service import MODEL, Fleet, _ok, wait_for_lease
 from test_transport import (  # _redis: its autouse fixture gives the helpers a Redis
     BUCKET,
@@ -48,9 +43,9 @@ from nccl_back.transport import (
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.relay import (
-    Chain,
     Fills,
     Member,
+    Place,
     Progress,
     RelayServer,
     Seat,
@@ -359,8 +354,8 @@ def test_pacer_holds_the_long_run_rate_across_threads() -> None:
 # -- cohort seats ---------------------------------------------------------------------------
 
 
-def test_cohort_seats_fill_chains_in_order_then_a_new_chain(redis_url: str, namespace: str) -> None:
-    """Arrivals get positions 0,1,2 in one chain, the 4th starts the next chain; records
+def test_cohort_seats_fill_in_order_then_a_new_cohort(redis_url: str, namespace: str) -> None:
+    """Arrivals get positions 0,1,2 in one cohort, the 4th starts the next one; records
     round-trip through the typed parser; a new window starts a new epoch."""
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
     member = Member("w-r0-relay-1", "127.0.0.1:5000", "gloo", "cpu").to_dict()
@@ -378,8 +373,8 @@ def test_cohort_seats_fill_chains_in_order_then_a_new_chain(redis_url: str, name
 
 
 
-def test_a_rolling_start_keeps_joining_the_chain_in_flight(redis_url: str, namespace: str) -> None:
-    """Arrivals each less than a window after the previous one sit in one chain however
+def test_a_rolling_start_keeps_joining_the_cohort_in_flight(redis_url: str, namespace: str) -> None:
+    """Arrivals each less than a window after the previous one sit in one cohort however
     long the whole start takes; a whole window without an arrival starts a new cohort."""
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
     member = Member("w-r0-relay-1", "127.0.0.1:5000", "gloo", "cpu").to_dict()
@@ -399,8 +394,9 @@ def test_a_member_seated_behind_a_stopped_endpoint_skips_it(
     redis_url: str, namespace: str, secret: str | None
 ) -> None:
     """An endpoint that stopped (its worker closed its service) says so, and a member
-    seated behind it no longer counts it as an upstream: it goes on to the next one or
-    to a holder at once, instead of waiting out a handshake nobody will answer."""
+    seated below it in a tree no longer counts it as an upstream: it goes on to the
+    next one or to the source at once, instead of waiting out a handshake nobody will
+    answer. Seat 2's parent is seat 0 in tree 0 and seat 1 in tree 1."""
     settings = Settings(redis_url=redis_url, namespace=namespace, transport="gloo",
                         advertise_host="127.0.0.1", secret=secret)
     reg = Registry(settings)
@@ -413,17 +409,21 @@ def test_a_member_seated_behind_a_stopped_endpoint_skips_it(
     _, position = reg.join_cohort("v1", 0, 1, "ab" * 16, me.to_dict(), window=30, max_size=4, ttl=30)
     server = RelayServer(settings, reg, rdv, first, model_tensors(), "ab" * 16, Pacer(0.0),
                          Progress(), get_logger("test")).start()
-    seat = Chain(Seat(chain, position), me, Progress(), server, reg)
+    seat = Seat(Place(chain, position), me, Progress(), server, reg)
+
+    def upstreams(tree: int) -> list[str]:
+        return [m.member_id for _, m in seat.tree_upstreams(tree, seat.tree_path(tree, 4))]
+
     try:
-        assert [m.member_id for m in seat.upstreams()] == [live.member_id, first.member_id]
+        assert (upstreams(0), upstreams(1)) == ([first.member_id], [live.member_id])
         server.close(5.0)
-        assert [m.member_id for m in seat.upstreams()] == [live.member_id]
+        assert (upstreams(0), upstreams(1)) == ([], [live.member_id])
         assert reg.gone_members([first.member_id, live.member_id]) == {first.member_id}
     finally:
         server.close(2.0)
         rdv.close()
 
-# -- a real chain, its middle member killed -------------------------------------------------
+# -- real members behind a capped holder -------------------------------------------------
 
 
 @pytest.fixture
@@ -431,138 +431,26 @@ def slow_ckpt(tmp_path: Path) -> str:
     return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=11), tmp_path / "ckpt"))
 
 
-CHAIN_SETTINGS = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0,
-                  "relay_fan_out": "chain"}  # the trees' own: tests/test_relay_trees.py
-
-
-def _four_in_a_chain(fleet: Fleet, redis_url: str, namespace: str, settings: dict[str, Any] | None = None,
-                     n: int = 4) -> tuple[dict[str, Any], list[str], list[str], float]:
-    """A capped holder, then m0..m3 (``n`` members) released together into one chain
-    (``settings`` over CHAIN_SETTINGS): their processes, member ids in seat order, roles
-    in seat order, and the release time."""
-    # The holder sends at 0.4 MB/s: the 0.83 MB model takes ~2 s down the chain.
-    fleet.start("holder", settings={"max_send_gbps": 0.0004})
-    _ok(fleet.report())
-    go = CTX.Event()
-    procs = {f"m{i}": fleet.start(f"m{i}", settings={**CHAIN_SETTINGS, **(settings or {})}, go=go,
-                                  serve_for=30)
-             for i in range(n)}
-    time.sleep(3.0)  # every member built its skeleton and waits for go
-    t0 = time.monotonic()
-    go.set()
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    members: list[str] = []
-    while len(members) < n and time.monotonic() - t0 < 20:
-        chains = [k for k in client.scan_iter(f"{{{namespace}}}:cohort:*")
-                  if client.type(k) == "list"]
-        members = client.lrange(chains[0], 0, -1) if chains else []
-        time.sleep(0.05)
-    assert len(members) == n, members
-    order = [records.member(json.loads(m)).member_id for m in members]
-    roles = [mid.split("-", 1)[0] for mid in order]  # member ids start with the worker id
-    return procs, order, roles, t0
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize(("how", "ttl"), [(signal.SIGKILL, None), (signal.SIGSTOP, None), (signal.SIGSTOP, 1.5)],
-                         ids=["killed", "stalled", "stalled_mark_lapsed"])
-def test_middle_member_killed_mid_transfer_the_rest_still_verify(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, how: signal.Signals,
-    ttl: float | None,
-) -> None:
-    """Holder -> m0 -> m1 -> m2 -> m3; SIGKILL (or SIGSTOP) m1 mid-transfer: m0, m2, m3 end
-    with verified, bit-identical weights from peers (after a kill m2 re-attaches to m0),
-    each within its deadline. With a liveness mark shorter than the stall bound, the
-    stopped m1's mark has lapsed by then (m2 takes it for stopped, no retry)."""
-    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
-    victim: Any = None
-    try:
-        procs, order, roles, t0 = _four_in_a_chain(fleet, redis_url, namespace,
-                                                   None if ttl is None else {"claim_ttl": ttl})
-        victim = procs[roles[1]]
-        time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed
-        os.kill(victim.pid, how)
-        reports: dict[str, dict[str, Any]] = {}
-        while len(reports) < 3:
-            r = fleet.report(timeout=60)
-            reports[r["role"]] = r
-        assert set(reports) == set(roles) - {roles[1]}
-        for role, r in reports.items():
-            _ok(r)
-            assert r["source"] == "peer", (role, r)
-            # Nobody waited past its own deadline (one relay deadline plus one holder one).
-            assert r["load_seconds"] < 2 * 20.0, r
-        assert time.monotonic() - t0 < 45
-        if how == signal.SIGKILL:
-            assert reports[roles[2]]["peer_id"] == order[0]  # re-attached past the dead member
-            assert reports[roles[3]]["peer_id"] == order[2]
-        else:
-            # Stalled: m2 gives up on m1 after relay_stall_timeout; m3 may too (its
-            # upstream m2 paused meanwhile) and attach further up; nobody uses m1.
-            assert reports[roles[2]]["peer_id"] == order[0]
-            assert reports[roles[3]]["peer_id"] != order[1]
-            if ttl is not None:  # (the default's 6 s may or may not have run out by now)
-                assert not redis.Redis.from_url(redis_url).exists(f"{{{namespace}}}:alive:{order[1]}")
-    finally:
-        if victim is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim.pid, signal.SIGKILL)  # a stopped process is not reaped by close()
-        fleet.close()
-
-
-@pytest.mark.timeout(150)
-def test_a_stopped_member_resumed_while_its_children_ask_it_again_all_verify(
+@pytest.mark.timeout(120)
+def test_late_arrival_joins_the_tail_of_a_finished_member(
     slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
 ) -> None:
-    """Holder -> m0 -> m1 -> m2 -> m3; SIGSTOP m1 mid-transfer and SIGCONT it once the
-    seats below it stalled (while they ask it once more): all four, m1 too, end with
-    verified, bit-identical weights from peers, none reading storage, each within its
-    deadline."""
-    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
-    victim: Any = None
-    try:
-        procs, order, roles, t0 = _four_in_a_chain(fleet, redis_url, namespace)
-        victim = procs[roles[1]]
-        time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed
-        os.kill(victim.pid, signal.SIGSTOP)
-        # Past the stall bound: m2 gave up on this transfer and asks m1 once more.
-        time.sleep(CHAIN_SETTINGS["relay_stall_timeout"] + 0.3)
-        os.kill(victim.pid, signal.SIGCONT)
-        reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(4))}
-        assert set(reports) == set(roles)
-        for role, r in reports.items():
-            _ok(r)
-            assert r["source"] == "peer" and r["storage_bytes"] == 0, (role, r)
-            assert r["load_seconds"] < 2 * CHAIN_SETTINGS["transfer_timeout"], r
-        assert time.monotonic() - t0 < 60
-    finally:
-        if victim is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim.pid, signal.SIGKILL)
-        fleet.close()
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("fan_out", ["chain", "trees"])
-def test_late_arrival_joins_the_tail_of_a_finished_member(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, fan_out: str
-) -> None:
     """Within the cohort window, a receiver that arrives after the cohort's last member has
-    finished sits behind it and is served by it (its relay endpoint lingers), verified (in
-    the trees: its half of tree 0; the new seat is tree 1's root, fed by the holder)."""
+    finished sits behind it and is served by it (its relay endpoint lingers), verified:
+    its half of tree 0; the new seat is tree 1's root, fed by the holder."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
-    chain_settings = {"cohort_window": 30.0, "relay_fan_out": fan_out}
+    window = {"cohort_window": 30.0}
     try:
         fleet.start("holder")
         _ok(fleet.report())
-        fleet.start("first", settings=chain_settings, serve_for=30)
+        fleet.start("first", settings=window, serve_for=30)
         first = _ok(fleet.report())
         assert first["source"] == "peer" and "-relay-" not in first["peer_id"]
-        fleet.start("late", settings=chain_settings, serve_for=0)
+        fleet.start("late", settings=window, serve_for=0)
         late = _ok(fleet.report())
         assert late["source"] == "peer"
         relayed = [p for p in late["peer_id"].split(",") if p.startswith(first["worker_id"] + "-r0-relay-")]
-        assert relayed and (fan_out == "trees" or relayed == [late["peer_id"]]), late["peer_id"]
+        assert relayed, late["peer_id"]
     finally:
         fleet.close()
 
@@ -571,16 +459,14 @@ def test_late_arrival_joins_the_tail_of_a_finished_member(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fan_out", ["chain", "trees"])
 def test_waiters_receive_the_download_as_it_streams(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, fan_out: str
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
 ) -> None:
-    """The elected downloader streams its download: the waiting workers' cohort head (in
-    the trees, each tree's root) receives from the stream (not from a published peer),
+    """The elected downloader streams its download: the waiting workers' trees' roots
+    receive from the stream (not from a published peer),
     and all verify against the ground truth the downloader publishes at its end."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     fleet.settings["download_group_window"] = 0.0  # the single flight's own stream
-    fleet.settings["relay_fan_out"] = fan_out
     try:
         fleet.start("downloader", fault="slow_download", serve_for=20)
         wait_for_lease(redis_url, namespace)
@@ -595,9 +481,8 @@ def test_waiters_receive_the_download_as_it_streams(
             return any(p.startswith(downloader + "-r0-stream-") for p in w["peer_id"].split(","))
 
         fed = [w for w in waiters if streamed(w)]
-        # The chain's head (the others relay behind it), or the trees' roots: the seat
-        # below both takes its halves from them.
-        assert len(fed) == 1 if fan_out == "chain" else 1 <= len(fed) <= 2, waiters
+        # The trees' roots: the seat below both takes its halves from them.
+        assert 1 <= len(fed) <= 2, waiters
         assert all("-relay-" in p for w in waiters if w not in fed for p in w["peer_id"].split(",")), waiters
         # The head got its bytes before the truth existed, then waited for it.
         assert "await_truth" in fed[0]["timings"], fed[0]

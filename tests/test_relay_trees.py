@@ -1,4 +1,4 @@
-"""A cohort seated in the fan-out's two trees (``relay_fan_out`` "trees"): real worker
+"""A cohort seated in the fan-out's two trees: real worker
 processes behind one capped holder, each member receiving half the model from each of
 two upstreams, and a member SIGKILLed mid-transfer."""
 
@@ -28,12 +28,12 @@ from nccl_back.errors import HandshakeTimeoutError, TransferStalledError
 from nccl_back.load import tree_parts
 from nccl_back.load.attempt import Receiving
 from nccl_back.metrics import Metrics
-from nccl_back.transport.relay import RELAY_HANDSHAKE, Chain, Member, Progress, Seat, topology
+from nccl_back.transport.relay import RELAY_HANDSHAKE, Member, Place, Progress, Seat, topology
 from nccl_back.transport.relay.state import STALLED_HANDSHAKE, StepSources
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
-TREES = {"relay_fan_out": "trees", "cohort_window": 10.0, "relay_stall_timeout": 3.0,
+TREES = {"cohort_window": 10.0, "relay_stall_timeout": 3.0,
          "transfer_timeout": 20.0, "cohort_max_size": 64}
 
 
@@ -42,16 +42,16 @@ def slow_ckpt(tmp_path: Path) -> str:
     return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=13), tmp_path / "ckpt"))
 
 
-def _cohort(reg: Registry, n: int, position: int) -> tuple[list[str], Chain]:
+def _cohort(reg: Registry, n: int, position: int) -> tuple[list[str], Seat]:
     """``n`` members joined to one cohort, and the seat at ``position`` (no endpoint: only
     its upstreams are read)."""
     ids = [f"w{i}-r0-relay-{i}" for i in range(n)]
-    chain = ""
+    key = ""
     for i in ids:
-        chain, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, Member(i, "127.0.0.1:5000", "gloo", "cpu").to_dict(),
-                                   window=30, max_size=64, ttl=30)
-    return ids, Chain(Seat(chain, position), Member(ids[position], "127.0.0.1:5000", "gloo", "cpu"),
-                      Progress(), None, reg)  # type: ignore[arg-type]
+        key, _ = reg.join_cohort("v1", 0, 1, "ab" * 16, Member(i, "127.0.0.1:5000", "gloo", "cpu").to_dict(),
+                                 window=30, max_size=64, ttl=30)
+    return ids, Seat(Place(key, position), Member(ids[position], "127.0.0.1:5000", "gloo", "cpu"),
+                    Progress(), None, reg)  # type: ignore[arg-type]
 
 
 def test_a_seat_falls_back_to_earlier_seats_interior_in_the_tree_before_the_source(
@@ -87,7 +87,7 @@ def test_a_member_that_stalled_is_asked_once_more_with_a_short_handshake(
     failure, counts."""
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
     reg.mark_alive("up", 30)
-    seat = Chain(Seat("c", 3), Member("me", "127.0.0.1:5000", "gloo", "cpu"), Progress(),
+    seat = Seat(Place("c", 3), Member("me", "127.0.0.1:5000", "gloo", "cpu"), Progress(),
                  None, reg)  # type: ignore[arg-type]  # no endpoint: only liveness is read
     stalled = TransferStalledError("copy stalled (no progress for 3 s)")
     assert seat.handshake_bound("up", 3.0) == 3.0 and seat.stall_bound("up", 3.0) == 3.0
@@ -110,8 +110,8 @@ def test_a_stalled_member_whose_liveness_mark_lapsed_counts_failed_at_once(
     reg = Registry(s)
     stalled = TransferStalledError("copy stalled (no progress for 3 s)")
 
-    def seat(registry: Registry) -> Chain:
-        return Chain(Seat("c", 3), Member("me", "127.0.0.1:5000", "gloo", "cpu"), Progress(),
+    def seat(registry: Registry) -> Seat:
+        return Seat(Place("c", 3), Member("me", "127.0.0.1:5000", "gloo", "cpu"), Progress(),
                      None, registry)  # type: ignore[arg-type]  # no endpoint: only liveness is read
 
     reg.mark_alive("stopped", 0.2)
@@ -144,7 +144,7 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
                         replica=lambda: SimpleNamespace(speaks=lambda m: True))
     rcv = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))
     trees = tree_parts._Trees.__new__(tree_parts._Trees)
-    trees.rcv, trees.chain, trees.fed_by, trees.timeouts, trees.stalled = rcv, seat, None, {}, set()
+    trees.rcv, trees.seat, trees.fed_by, trees.timeouts, trees.stalled = rcv, seat, None, {}, set()
     trees.deadline, trees.stall = time.monotonic() + 30, 3.0
     asked: list[str] = []
 
@@ -300,7 +300,7 @@ def _role(member_id: str) -> str:
 def test_junk_pushed_onto_a_cohort_in_trees_is_built_over_and_skipped(
     slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
 ) -> None:
-    """An outsider pushes 60 junk records onto the cohort's chain while five members
+    """An outsider pushes 60 junk records onto the cohort's seat list while five members
     receive in the trees (its size, and so the trees, grow under them; leaves move to
     junk seats): junk is never asked, and every member ends verified and bit-identical
     from peers without reading storage."""

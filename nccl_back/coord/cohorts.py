@@ -1,8 +1,9 @@
-"""The relay's records: cohorts of receivers seated in chains, and streamed downloads.
+"""The relay's records: cohorts of receivers seated in arrival order, and streamed downloads.
 
 A cohort (``ns:cohort:{v}:{r}:{w}:{d}``, a hash ``{n, epoch}`` living one window) seats
-each arrival at the next position of a chain, ``{cohort}:{epoch}:{chain}``, a list of
-member records (a relay endpoint each, signed for the cohort key) in chain order; the
+each arrival at the next position of its seat list, ``{cohort}:{epoch}:{chain}`` (the
+key kind keeps the name ``chain`` from the retired chain fan-out: its wire format), a
+list of member records (a relay endpoint each, signed for the cohort key) in seat order; the
 seat and the record are one step (:mod:`.scripts`, the join script). A download that
 receivers wait on announces its relay endpoint at ``ns:stream:{v}:{r}:{w}:{d}``. The
 topology built on them is :mod:`nccl_back.transport.relay`.

@@ -127,9 +127,9 @@ class Receiving:
     failed_streams: set[str] = field(default_factory=set)
     """Streams that failed this rank (never tried again, nor counted as a peer)."""
     relay_error: NcclBackError | None = None
-    """The last upstream failure in a relay chain (the reason if nothing else serves us)."""
-    chain: relay.Chain | None = None
-    """This rank's seat in a cohort (relay chain) while it receives."""
+    """The last upstream failure in the relay (the reason if nothing else serves us)."""
+    seat: relay.Seat | None = None
+    """This rank's seat in a cohort's trees while it receives."""
 
     def start_budget(self, settings: Settings) -> Budget:
         """The load's peer budget, started by its first peer attempt."""

@@ -41,9 +41,9 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
     parts landed.
 
     Not tried when fewer than two holders have a free send slot now, when this rank
-    holds steps already, or when members are seated below it (their chain moves at
+    holds steps already, or when members are seated after it (their trees move at
     this rank's send cap whatever it receives at, and the holders' other slots serve
-    other cohorts' heads). A failed part leaves what landed, and its remainder comes
+    other cohorts' roots). A failed part leaves what landed, and its remainder comes
     from a holder whose part landed; with none left, the one-holder loop resumes at
     the first step this rank lacks, without the holders returned (those that failed).
     Failed verification blames the holders that sent failing bytes (a layer whose
@@ -147,12 +147,12 @@ def _part(rcv: Receive, steps: list[Step], peer: PeerInfo, claim: str, part: Par
 
 
 def _seated_below(rcv: Receive) -> bool:
-    """Whether a member is seated below this rank in its relay chain (unknown: yes)."""
-    chain = rcv.a.rx.chain
-    if chain is None:
+    """Whether a member is seated after this rank in its cohort (unknown: yes)."""
+    seat = rcv.a.rx.seat
+    if seat is None:
         return False
     try:
-        return bool(rcv.worker.registry.chain_members(chain.seat.chain, chain.position + 1,
-                                                      chain.position + 1))
+        return bool(rcv.worker.registry.chain_members(seat.place.key, seat.position + 1,
+                                                      seat.position + 1))
     except RegistryError:
         return True

@@ -1,8 +1,7 @@
 """The receive phase: the one loop over this rank's sources.
 
-Relay upstreams first (a member before this rank in its cohort, or the stream of the
-elected downloader; the relay only offers them, :meth:`~nccl_back.transport.relay.
-Cohorts.upstreams`), then holders in discovery's order (first several at once, a part
+Relay upstreams first (this rank's seat's parents in its cohort's two trees, or the
+stream of the elected downloader: :mod:`.tree_parts`), then holders in discovery's order (first several at once, a part
 from each: :mod:`.holder_parts`). Every source is asked the same way (:func:`~.asking.transfer`:
 one transfer request, the liveness handshake, the guarded transfer resuming at the
 first step this rank lacks), every verification goes through the Verifier
@@ -19,7 +18,6 @@ from nccl_back import _clock
 from nccl_back.coord.records import Member
 from nccl_back.errors import (
     HandshakeTimeoutError,
-    IncompatiblePeerError,
     NcclBackError,
     NoPeerError,
     PeerError,
@@ -36,8 +34,6 @@ from nccl_back.transport import (
     relay,
 )
 from nccl_back.transport.broadcast import resume_point
-from nccl_back.transport.relay import RELAY_HANDSHAKE
-from nccl_back.transport.rendezvous_store import unreachable_reason
 
 
 class Receive:
@@ -64,11 +60,11 @@ class Receive:
                 rx.start_budget(s).extend(s.single_flight_max_wait)
         if self.budget_spent(rx.relay_error):
             return
-        chain = rx.chain = worker.cohorts.join(a.replica(), a.log)
-        if chain is not None and rx.step_sources.done:
-            chain.progress.complete(rx.step_sources.done)  # what an earlier pass left us
+        seat = rx.seat = worker.cohorts.join(a.replica(), a.log)
+        if seat is not None and rx.step_sources.done:
+            seat.progress.complete(rx.step_sources.done)  # what an earlier pass left us
         try:
-            if chain is not None and self._from_upstreams(chain, a.found.stream):
+            if seat is not None and self._from_trees(seat, a.found.stream):
                 return
             if self.budget_spent(rx.relay_error):
                 return
@@ -87,82 +83,34 @@ class Receive:
                 finally:
                     rx.failed |= failed
         finally:
-            if chain is not None:
-                chain.end(a.peer_id is not None, str(a.reason or ""))
+            if seat is not None:
+                seat.end(a.peer_id is not None, str(a.reason or ""))
 
     # -- relay upstreams ----------------------------------------------------------------
 
-    def _from_upstreams(self, chain: relay.Chain, fed_by: Member | None) -> bool:
-        """Receive from the nearest live member upstream of us (then the stream
-        ``fed_by``), re-attaching further up when one fails, resuming at the first step
-        we lack (in the trees, ``relay_fan_out``: :mod:`.tree_parts`). False: nobody
-        upstream (a chain's head no stream feeds), or none served us by the chain's
-        deadline: holders then go on from where we stopped."""
-        worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
-        if chain.position == 0 and fed_by is None and s.relay_fan_out == "chain":
-            return False
+    def _from_trees(self, seat: relay.Seat, fed_by: Member | None) -> bool:
+        """Receive this seat's two halves from its upstreams in the cohort's trees (then
+        the stream ``fed_by``, or the cohort's holders), re-attaching further up when one
+        fails, resuming at the first step we lack (:mod:`.tree_parts`). False: none
+        served us by the relay's deadline: holders then go on from where we stopped."""
+        s, rx = self.worker.settings, self.a.rx
         deadline = _clock.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
         if fed_by is not None:  # we may wait for the whole download, as in the election
             deadline += s.single_flight_max_wait
         deadline = min(deadline, rx.deadline)
-        # A chain fed by a download moves at storage's pace: a step may take a shard's
+        # A cohort fed by a download moves at storage's pace: a step may take a shard's
         # download; a downloader that stops renewing its lease is given up on as long.
         stall = (max(s.relay_stall_timeout, s.download_lease) if fed_by is not None
                  else s.relay_stall_timeout)
-        if s.relay_fan_out == "trees":
-            return tree_parts.from_trees(self, chain, fed_by, deadline, stall)
-        while _clock.monotonic() < deadline:
-            try:
-                upstreams = worker.cohorts.upstreams(chain, fed_by)
-            except RegistryError as e:
-                a.log.warning("cohort_read_failed", error=str(e))
-                return False
-            if not upstreams:
-                return False
-            member = upstreams[0]
-            try:
-                why = (f"speaks {member.transport} on {member.device}" if not a.replica().speaks(member)
-                       else unreachable_reason(s, member.address))
-                if why is not None:  # not worth a handshake: the next one now
-                    raise IncompatiblePeerError(f"cohort member {member.member_id}: {why}")
-                self.pull(member.member_id, member.transport, member.address,
-                          handshake_timeout=chain.handshake_bound(
-                              member.member_id, min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
-                                                    max(deadline - _clock.monotonic(), 0.001))),
-                          deadline=deadline, stall=chain.stall_bound(member.member_id, stall))
-                a.peer_id = member.member_id
-                return True
-            except WeightVerificationError as e:
-                # Whoever sent the failing steps is never asked again and what it sent is
-                # gone: the next upstream (or a holder) sends it again.
-                chain.failed.update(self.blame(e, member.member_id))
-                rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
-            except PeerError as e:
-                rx.relay_error = e
-                if isinstance(e, HandshakeTimeoutError):
-                    worker.metrics.record_handshake_timeout()
-                if fed_by is not None and member.member_id == fed_by.member_id:
-                    chain.failed.add(member.member_id)  # the stream's stall bound is the lease's
-                elif not chain.counts_failed(member.member_id, e):
-                    a.log.info("relay_upstream_stalled", peer=member.member_id,
-                               held_steps=chain.progress.done, error=str(e))
-                    continue
-                a.log.warning("relay_upstream_failed", peer=member.member_id,
-                              held_steps=chain.progress.done, reason=fallback_reason(e), error=str(e))
-            except RegistryError as e:
-                a.log.warning("relay_upstream_failed", peer=member.member_id, error=str(e))
-                return False
-            if fed_by is not None and fed_by.member_id in chain.failed:
-                rx.failed_streams.add(fed_by.member_id)
-        return False
+        return tree_parts.from_trees(self, seat, fed_by, deadline, stall)
 
     # -- holders --------------------------------------------------------------------------
 
     def recorder(self, source: str) -> Callable[[int], None]:
         """What a transfer from ``source`` calls as each step lands: the step recorded as
-        ``source``'s and reported to this rank's chain."""
+        ``source``'s and reported to this rank's seat."""
         sources = self.a.rx.sources
-        progress = self.a.rx.chain.progress if self.a.rx.chain is not None else None
+        progress = self.a.rx.seat.progress if self.a.rx.seat is not None else None
 
         def on_step(k: int) -> None:
             sources.record(k, source)
@@ -248,7 +196,7 @@ class Receive:
              transfer_timeout: float | None = None) -> None:
         """Request a transfer from ``source`` from the first step this rank lacks, prove
         it alive (handshake), receive (each step recorded as ``source``'s and reported
-        to this rank's chain), verify: :class:`DamagedBytes` if that fails."""
+        to this rank's seat), verify: :class:`DamagedBytes` if that fails."""
         worker, a, s, t = self.worker, self.a, self.worker.settings, self.a.target
         sources = a.rx.sources
         # Resume what earlier sources gave us (and verification did not discard).

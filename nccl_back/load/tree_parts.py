@@ -1,4 +1,4 @@
-"""A cohort member's receive in the fan-out's trees (``relay_fan_out`` "trees"): part
+"""A cohort member's receive in the fan-out's two trees: part
 ``t`` of the plan from its upstream in tree ``t``, both parts at once, then one
 verification.
 
@@ -7,7 +7,7 @@ A step of the receive loop (:class:`~.receive.Receive`), kept apart as
 seat's ancestors, nearest first, ending at the cohort's head, then the stream that
 feeds the cohort): a failed upstream is never asked again, and the next one resumes at
 the part's first step this rank lacks; a member that stalled is asked once more first,
-unless its liveness mark lapsed (:meth:`~nccl_back.transport.relay.Chain.counts_failed`). A seat is a leaf in one tree,
+unless its liveness mark lapsed (:meth:`~nccl_back.transport.relay.Seat.counts_failed`). A seat is a leaf in one tree,
 and a leaf's parent changes as the cohort grows
 (:func:`~nccl_back.transport.relay.topology.seat_upstreams`):
 while a leaf's part moves, the cohort's size is looked at every :data:`WATCH_POLL`
@@ -17,7 +17,7 @@ upstream counts as failed: under load (a fleet released together) a live endpoin
 be slow to answer, and every seat that gave up on its parent would load the ones
 further up. Not once the part stalled: a member upstream stopped (or partitioned), the
 upstreams tried next are its suspects, and each retry would cost a stopped one another
-handshake bound. Verification and blame are the chain's; a member a failed check
+handshake bound. Verification and blame are the receive loop's; a member a failed check
 only suspects (a failing layer whose bytes both parts carried, and no source to blame
 for another: :class:`~nccl_back.transport.relay.Blame`) is not asked again by this seat.
 """
@@ -62,21 +62,21 @@ WATCH_POLL = 0.25
 HANDSHAKE_TRIES = 2
 
 
-def from_trees(rcv: Receive, chain: relay.Chain, fed_by: Member | None, deadline: float,
+def from_trees(rcv: Receive, seat: relay.Seat, fed_by: Member | None, deadline: float,
                stall: float) -> bool:
     """Both parts from this seat's upstreams in the two trees, then one verification;
     True once it passed (``a.peer_id`` names every source). False: a part ran out of
     upstreams (``rx.relay_error`` says why; holders go on from the first step this rank
     lacks) or the deadline passed."""
-    return _Trees(rcv, chain, fed_by, deadline, stall).run()
+    return _Trees(rcv, seat, fed_by, deadline, stall).run()
 
 
 class _Trees:
     """One seat's receive in the two trees (see the module docstring)."""
 
-    def __init__(self, rcv: Receive, chain: relay.Chain, fed_by: Member | None, deadline: float,
+    def __init__(self, rcv: Receive, seat: relay.Seat, fed_by: Member | None, deadline: float,
                  stall: float) -> None:
-        self.rcv, self.chain, self.fed_by, self.deadline, self.stall = rcv, chain, fed_by, deadline, stall
+        self.rcv, self.seat, self.fed_by, self.deadline, self.stall = rcv, seat, fed_by, deadline, stall
         t, s = rcv.a.target, rcv.worker.settings
         self.steps = plan(t.tensors, t.bucket(s, t.kind))
         self.timeouts: dict[str, int] = {}
@@ -85,7 +85,7 @@ class _Trees:
         """Trees whose part stalled: no handshake retried there (see the module docstring)."""
 
     def run(self) -> bool:
-        rcv, chain, a, rx = self.rcv, self.chain, self.rcv.a, self.rcv.a.rx
+        rcv, seat, a, rx = self.rcv, self.seat, self.rcv.a, self.rcv.a.rx
         cut = split(self.steps, TREES)
         while _clock.monotonic() < self.deadline:
             errors = Pulls(abort=False).run(
@@ -105,8 +105,8 @@ class _Trees:
             except WeightVerificationError as e:
                 # Whoever sent failing bytes is never asked again and what it sent is
                 # gone: both parts resume at what they now lack.
-                chain.failed.update(rcv.blame(e, min(rx.sources.sources(), default="")))
-                chain.failed.update(self._suspects(e))
+                seat.failed.update(rcv.blame(e, min(rx.sources.sources(), default="")))
+                seat.failed.update(self._suspects(e))
                 rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
                 continue
             a.peer_id = ",".join(sorted(rx.sources.sources()))
@@ -131,20 +131,20 @@ class _Trees:
         """Tree ``tree``'s part (the step indices ``mine``) from this seat's upstreams in
         that tree, nearest first, then the cohort's source; raises :class:`PeerError`
         once none is left."""
-        chain, s, rx = self.chain, self.rcv.worker.settings, self.rcv.a.rx
-        leaf = chain.position % TREES != tree  # grown(): seat p is interior in tree p % 2
+        seat, s, rx = self.seat, self.rcv.worker.settings, self.rcv.a.rx
+        leaf = seat.position % TREES != tree  # grown(): seat p is interior in tree p % 2
         while (first := rx.sources.lacking(mine)) is not None:
             if _clock.monotonic() >= self.deadline:
                 raise NoPeerError(f"tree {tree}: the relay's deadline passed")
-            path = chain.tree_path(tree, s.cohort_limit)
+            path = seat.tree_path(tree, s.cohort_limit)
 
             def moved(parent: int = path[0]) -> bool:
                 try:
-                    return chain.tree_path(tree, s.cohort_limit)[0] != parent
+                    return seat.tree_path(tree, s.cohort_limit)[0] != parent
                 except RegistryError:
                     return False  # Redis trouble says nothing of the tree
 
-            ups = chain.tree_upstreams(tree, path)
+            ups = seat.tree_upstreams(tree, path)
             with watched(moved if leaf else (lambda: False), WATCH_POLL,
                          f"nccl-back-tree-{tree}") as (gone, on_start):
                 if ups:
@@ -152,7 +152,7 @@ class _Trees:
                 else:
                     self._from_source(first, tree, on_start, gone)
             if gone.is_set():
-                self.rcv.a.log.info("tree_parent_moved", tree=tree, seat=chain.position, was=path[0],
+                self.rcv.a.log.info("tree_parent_moved", tree=tree, seat=seat.position, was=path[0],
                                     held_steps=rx.sources.done)
 
     def _from_member(self, first: int, tree: int, member: Member,
@@ -168,13 +168,13 @@ class _Trees:
         stream = self.fed_by is not None and member.member_id == self.fed_by.member_id
         try:
             self._pull(first, tree, member.member_id, member.transport, member.address, None,
-                       self.chain.stall_bound(member.member_id, self.stall), on_start, gone)
+                       self.seat.stall_bound(member.member_id, self.stall), on_start, gone)
         except PeerError as e:
             # The retry first: counts_failed marks a handshake timeout failed for good,
             # and the part would then go to a grandparent already sending to two.
             if gone.is_set() or self._retried(member.member_id, tree, e):
                 return
-            if not stream and not self.chain.counts_failed(member.member_id, e):
+            if not stream and not self.seat.counts_failed(member.member_id, e):
                 self.rcv.a.log.info("relay_upstream_stalled", peer=member.member_id, part=tree,
                                     held_steps=self.rcv.a.rx.sources.done, error=str(e))
                 return
@@ -184,16 +184,16 @@ class _Trees:
                      gone: threading.Event) -> None:
         """The part from the cohort's source: the stream that feeds it, else a holder,
         whose one send slot the tree roots hold together (a share drawn from the cohort's
-        chain: the source sends one model's worth, a part to each root). With several
+        key: the source sends one model's worth, a part to each root). With several
         holders (up to ``holder_parts``), tree ``t`` first asks the ``t``-th if it has a
         slot free now: the two roots, or a lone seat taking both parts, then fill from
         two holders at once, each sending half."""
-        worker, a, s, chain = self.rcv.worker, self.rcv.a, self.rcv.worker.settings, self.chain
-        if self.fed_by is not None and self.fed_by.member_id not in chain.failed:
+        worker, a, s, seat = self.rcv.worker, self.rcv.a, self.rcv.worker.settings, self.seat
+        if self.fed_by is not None and self.fed_by.member_id not in seat.failed:
             self._from_member(first, tree, self.fed_by, on_start, gone)
             return
-        share = hashlib.md5(chain.seat.chain.encode(), usedforsecurity=False).hexdigest()
-        out = chain.failed | a.rx.blamed
+        share = hashlib.md5(seat.place.key.encode(), usedforsecurity=False).hexdigest()
+        out = seat.failed | a.rx.blamed
         usable = [p for p in a.found.candidates if p.peer_id not in out]
         if not usable:
             raise NoPeerError(f"tree {tree}: no upstream left (every member and holder failed this seat)")
@@ -221,7 +221,7 @@ class _Trees:
         transfer(rcv.worker, rcv.a, source, request, kind, address, digest=t.manifest.digest,
                  tensors=t.tensors, bucket=t.bucket(s, t.kind), start=start, part=(tree, TREES),
                  on_step=rcv.recorder(source),
-                 handshake_timeout=self.chain.handshake_bound(
+                 handshake_timeout=self.seat.handshake_bound(
                      source, min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
                                  max(self.deadline - _clock.monotonic(), 0.001))),
                  deadline=self.deadline, stall=stall, started=on_start, gone=gone)
@@ -245,7 +245,7 @@ class _Trees:
         """``source`` failed this seat's part ``tree``: never asked again (a stream that
         failed is the load's to go back to the election for)."""
         a = self.rcv.a
-        self.chain.failed.add(source)
+        self.seat.failed.add(source)
         if any(p.peer_id == source for p in a.found.candidates):
             a.rx.failed.add(source)  # a holder: the holders' loop does not ask it again
         a.rx.relay_error = e

@@ -60,31 +60,31 @@ def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:
     """Compare the tensors' layer hashes with ``truth``; on a mismatch, never forward
     what this rank holds again, discard what the guilty and suspected sources sent,
     raise :class:`DamagedBytes`."""
-    chain = a.rx.chain
+    seat = a.rx.seat
     # Only a member's first check speaks for all it forwarded: a failed one ends its
     # forwarding for good, so a later pass must not overwrite it.
-    first = chain is not None and chain.progress.failed is None
+    first = seat is not None and seat.progress.failed is None
     try:
         worker.verifier.check_layers(a.model, truth)
     except WeightVerificationError as e:
-        if chain is not None:
+        if seat is not None:
             if first:
-                _verdict(worker, a, chain.member.member_id, ok=False)
+                _verdict(worker, a, seat.member.member_id, ok=False)
             # Downstream members may hold some of these bytes already: their links
             # end now and this endpoint refuses every later request.
-            chain.progress.fail(f"verification failed: {e}")
+            seat.progress.fail(f"verification failed: {e}")
         sources = a.rx.sources
         blame = sources.blame(set(e.bad), integrity.layer_of)
         blame = sources.forwarded(blame, _forwarders(worker, a, blame.guilty))
         sources.discard(blame.sources)
         raise DamagedBytes(e, blame.guilty, blame.suspects) from e
-    if first and chain is not None:
-        _verdict(worker, a, chain.member.member_id, ok=True)
+    if first and seat is not None:
+        _verdict(worker, a, seat.member.member_id, ok=True)
 
 
 def _verdict(worker: Worker, a: Attempt, member_id: str, *, ok: bool) -> None:
     """Record this member's own check for its receivers (:func:`_forwarders`), for as
-    long as its chain lives; without Redis they blame it as before."""
+    long as its cohort lives; without Redis they blame it as before."""
     s = worker.settings
     try:
         worker.registry.put_verdict(member_id, ok, s.transfer_timeout + s.busy_wait)
@@ -99,7 +99,7 @@ def _forwarders(worker: Worker, a: Attempt, guilty: frozenset[str]) -> set[str]:
     members = set(guilty) - {p.peer_id for p in a.found.candidates}
     if a.found.stream is not None:
         members.discard(a.found.stream.member_id)
-    if a.rx.chain is None or not members:
+    if a.rx.seat is None or not members:
         return set()
     end = _clock.monotonic() + VERDICT_WAIT
     while True:

@@ -2,10 +2,10 @@
 from, which upstream it receives from and re-attaching further up when one fails.
 
 The sending half is :mod:`.server` (a member's endpoint); seats and streams are
-announced by :mod:`.chain`. The relay only offers sources (:meth:`Cohorts.upstreams`):
+announced by :mod:`.endpoints`. The relay only offers sources (:meth:`Seat.tree_upstreams`):
 what a rank does with one (the request, the handshake, the transfer into its tensors,
 verification, blame) is the load layer's one source loop
-(:mod:`nccl_back.load.receive`).
+(:mod:`nccl_back.load.tree_parts`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from nccl_back.errors import (
 from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous
 from nccl_back.transport.pacing import Pacer
-from nccl_back.transport.relay.chain import (
-    Chain,
+from nccl_back.transport.relay.endpoints import (
     Endpoints,
     Replica,
+    Seat,
     Share,
     Stream,
     join,
@@ -56,7 +56,7 @@ class DamagedBytes(WeightVerificationError):
         self.suspects = frozenset(suspects) - self.blamed
 
 
-E = TypeVar("E", Chain, Stream, Share)
+E = TypeVar("E", Seat, Stream, Share)
 
 
 class Sender(Protocol):
@@ -112,7 +112,7 @@ class Cohorts:
 
     def find_stream(self, replica: Replica, failed: Collection[str], log: Any) -> Member | None:
         """The elected downloader's stream of this rank's flavour, if one is announced,
-        speaks our transport and has not failed us (cohorts only: it feeds a chain)."""
+        speaks our transport and has not failed us (cohorts only: it feeds a cohort)."""
         if not self.enabled:
             return None
         m = self._registry.get_stream(*replica.key)  # None: absent, or untrusted (said why)
@@ -123,7 +123,7 @@ class Cohorts:
             return None
         return m
 
-    def join(self, replica: Replica, log: Any) -> Chain | None:
+    def join(self, replica: Replica, log: Any) -> Seat | None:
         """A seat in the current cohort for this rank, or None (cohorts off, or Redis or
         the rendezvous failed: then this rank receives on its own, as without cohorts)."""
         return self._start(join, replica, log, "cohort_join_failed")
@@ -152,15 +152,6 @@ class Cohorts:
             return None
         self._track(started.server)
         return started
-
-    def upstreams(self, chain: Chain, fed_by: Member | None) -> list[Member]:
-        """The sources this rank's seat offers, best first: the members before it that
-        have not failed it (nearest first, stopped ones skipped), then the stream
-        ``fed_by`` that feeds the cohort. The load layer tries them (and blames)."""
-        upstreams = chain.upstreams()
-        if fed_by is not None and fed_by.member_id not in chain.failed:
-            upstreams.append(fed_by)  # the cohort's source, or past every member
-        return upstreams
 
     def _endpoints(self, replica: Replica, log: Any) -> Endpoints:
         """What this rank's relay endpoints are made of (raises if the rendezvous fails)."""

@@ -29,8 +29,8 @@ RELAY_HANDSHAKE = 3.0
 #: stopped); one that stopped itself costs every seat below it this, not
 #: :data:`RELAY_HANDSHAKE`.
 STALLED_HANDSHAKE = 1.0
-#: Relay sends one member runs at once (its successor, plus one re-attaching from
-#: further down while the first is still unwinding).
+#: Relay sends one endpoint runs at once unless it says otherwise (one receiver, plus
+#: one re-attaching while the first is still unwinding).
 MAX_RELAY_SENDS = 2
 #: Relay sends a member seated in the cohort's trees runs at once: its two children in
 #: the tree where it is interior, a leaf that has not yet moved out when a new child
@@ -47,10 +47,10 @@ SHARE_SENDS = 4
 
 
 @dataclass(frozen=True)
-class Seat:
-    """Where a member sits: its cohort's chain key and its position in it."""
+class Place:
+    """Where a member sits: its cohort's seat list key and its position (arrival order)."""
 
-    chain: str
+    key: str
     position: int
 
 

@@ -1,9 +1,8 @@
 """Fan-out topology: who sends which step to whom, for H holders and N receivers.
 
-Pure and dependency-free: no torch, no Redis. The live relay seats a cohort in
-:func:`grown`'s trees when ``relay_fan_out`` is ``"trees"`` (:func:`seat_upstreams`;
-its default is still capped chains, :mod:`.chain`); :mod:`benchmarks.simulate` weighs
-both.
+Pure and dependency-free: no torch, no Redis. The live relay seats every cohort in
+:func:`grown`'s trees (:func:`seat_upstreams`); :mod:`benchmarks.simulate` weighs them
+against other designs.
 
 Construction (two interior-disjoint pipelined binary trees, as NCCL's double tree).
 Receivers ``0 .. N-1`` are dealt round-robin to the holders (receiver ``i`` to holder

@@ -1,5 +1,5 @@
-"""Cohort membership: a member's seat, its upstreams, a streamed download's endpoint, and
-a cooperative download member's endpoint for its part."""
+"""A rank's relay endpoints: its seat in a cohort's trees (and its upstreams there), a
+streamed download's endpoint, and a cooperative download member's endpoint for its part."""
 
 from __future__ import annotations
 
@@ -25,25 +25,24 @@ from nccl_back.transport.relay import topology
 from nccl_back.transport.relay.server import RelayServer
 from nccl_back.transport.relay.state import (
     LINGER,
-    MAX_RELAY_SENDS,
     RELAY_HANDSHAKE,
     SHARE_SENDS,
     STALLED_HANDSHAKE,
     STREAM_SENDS,
     TREE_SENDS,
     Fills,
+    Place,
     Progress,
-    Seat,
 )
 
 log = get_logger(__name__)
 
 
 @dataclass(eq=False)
-class Chain:
-    """This receiver's place in a cohort, its progress and its relay endpoint."""
+class Seat:
+    """This receiver's seat in a cohort's two trees, its progress and its relay endpoint."""
 
-    seat: Seat
+    place: Place
     member: Member
     progress: Progress
     server: RelayServer
@@ -55,7 +54,7 @@ class Chain:
 
     @property
     def position(self) -> int:
-        return self.seat.position
+        return self.place.position
 
     def counts_failed(self, member_id: str, e: PeerError) -> bool:
         """Whether upstream member ``member_id`` failed this receiver for good with ``e``
@@ -95,24 +94,13 @@ class Chain:
         ``stall`` plus the handshake bound its own re-attach may cost it."""
         return stall + RELAY_HANDSHAKE if member_id in self.stalled else stall
 
-    def upstreams(self) -> list[Member]:
-        """Members before this one, nearest first, without those that failed us.
-
-        A malformed record is skipped with a reason: the member behind it is then
-        served by one further up (or by a holder).
-        """
-        if self.position == 0:
-            return []
-        found = self.registry.chain_members(self.seat.chain, 0, self.position - 1)
-        return self._live(list(reversed(found)))
-
     def tree_path(self, tree: int, max_size: int) -> list[int]:
         """The seats this one receives tree ``tree``'s part through in the cohort as it
         now stands, its parent first, ending at :data:`topology.SOURCE` (the cohort's
         source; a leaf's parent changes as the cohort grows, :func:`topology.seat_upstreams`).
         One read of the cohort's size."""
         # Seats past max_size are not the join script's (an outsider's pushes): not built over.
-        size = max(min(self.registry.chain_size(self.seat.chain), max_size), self.position + 1)
+        size = max(min(self.registry.chain_size(self.place.key), max_size), self.position + 1)
         return topology.seat_upstreams(self.position, size, tree)
 
     def tree_upstreams(self, tree: int, path: list[int]) -> list[tuple[int, Member]]:
@@ -128,11 +116,13 @@ class Chain:
                   and q not in seats]
         if not seats:
             return []
-        found = self.registry.chain_members(self.seat.chain, 0, max(seats))
+        found = self.registry.chain_members(self.place.key, 0, max(seats))
         by_id = {m.member_id: p for p in seats if p < len(found) and (m := found[p]) is not None}
         return [(by_id[m.member_id], m) for m in self._live([found[p] for p in seats if p < len(found)])]
 
     def _live(self, found: list[Member | None]) -> list[Member]:
+        """``found`` without untrusted records (skipped with a reason: the seat is then
+        served by one further up, or the source), those that failed us and stopped ones."""
         out = [m for m in found if m is not None  # None: untrusted, said why
                and m.member_id not in self.failed and m.member_id != self.member.member_id]
         try:
@@ -168,7 +158,7 @@ class Replica:
 
 @dataclass(frozen=True)
 class Endpoints:
-    """What one rank's relay endpoints are made of, the same for a chain member
+    """What one rank's relay endpoints are made of, the same for a cohort's seat
     (:func:`join`) and a streamed download (:func:`stream`): the worker's connections,
     the replica they serve and the pacing of their sends."""
 
@@ -193,40 +183,38 @@ class Endpoints:
                            **options)
 
 
-def join(p: Endpoints) -> Chain:
+def join(p: Endpoints) -> Seat:
     """Take a seat in the current cohort and start this member's relay endpoint.
 
     Raises :class:`RegistryError` (the caller then receives on its own, as without
     cohorts).
     """
     s = p.settings
-    # In trees: two children, one moving in before a leaf moved out, one re-attaching.
-    sends = TREE_SENDS if s.relay_fan_out == "trees" else MAX_RELAY_SENDS
-    server = p.server("relay", max_sends=sends).start()  # listening before anyone can read our record
+    # Two children, one moving in before a leaf moved out, one re-attaching.
+    server = p.server("relay", max_sends=TREE_SENDS).start()  # listening before anyone can read our record
     member = server.member
     try:
-        chain_key, position = p.registry.join_cohort(
+        key, position = p.registry.join_cohort(
             *p.replica.key, member.to_dict(), window=s.cohort_window, max_size=s.cohort_limit,
             ttl=s.transfer_timeout + s.busy_wait,
         )
     except RegistryError:
         server.end(False, "could not join a cohort")
         raise
-    seat = Seat(chain_key, position)
 
     def alive() -> None:
         p.registry.mark_alive(member.member_id, s.claim_ttl)
 
     # Renewed while the endpoint lives: a member stalled behind a stopped one is asked
-    # once more by the seats below it, one that stopped itself is not (Chain.counts_failed).
+    # once more by the seats below it, one that stopped itself is not (Seat.counts_failed).
     try:
         alive()
     except RegistryError as e:  # a missing mark costs the seats below their retry of it
         p.log.warning("alive_mark_failed", member=member.member_id, error=str(e))
     renew(server, alive, s.claim_ttl, "alive")
-    p.log.info("cohort_joined", chain=p.registry.keys.chain_place(chain_key), position=position,
+    p.log.info("cohort_joined", chain=p.registry.keys.chain_place(key), position=position,
                member=member.member_id)
-    return Chain(seat, member, server.progress, server, p.registry)
+    return Seat(Place(key, position), member, server.progress, server, p.registry)
 
 
 class Stream:

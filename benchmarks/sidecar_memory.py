@@ -28,7 +28,7 @@ from nccl_back.dev.servers import LocalRedis, free_port
 
 #: What ``nccl-back serve`` imports before it loads, for the idle interpreter.
 IDLE = (
-    "import sys, torch, nccl_back.cli, nccl_back.sidecar.server;"
+    "import sys, torch, nccl_back.cli, nccl_back.sidecar.serve;"
     " print('idle', flush=True); sys.stdin.read()"
 )
 

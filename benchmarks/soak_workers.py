@@ -125,7 +125,7 @@ def _socket(job: dict[str, Any]) -> Path:
 def _sidecar(job: dict[str, Any], settings: Settings) -> Any:
     """A CPU sidecar with a hand-off socket (the real ``nccl-back serve`` object) for the
     soak's large checkpoint, started (its health port bound), not yet loaded."""
-    from nccl_back.sidecar.server import ServeOptions, Sidecar
+    from nccl_back.sidecar.serve import ServeOptions, Sidecar
 
     sock = _socket(job)
     sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -276,7 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Validate everything up front, then run the sidecar until SIGTERM/SIGINT."""
     from nccl_back import log
     from nccl_back.model.identity import ModelSpec
-    from nccl_back.sidecar import server
+    from nccl_back.sidecar import serve
 
     log.configure(level=args.serve_log_level or "INFO", json=args.log_json)
     overrides = {
@@ -288,20 +288,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["strict"] = True
     settings = Settings.from_env(**overrides)
     device = _device(args.device)
-    factory = server.resolve_factory(args.factory) if args.factory else None
+    factory = serve.resolve_factory(args.factory) if args.factory else None
     if args.hf:
-        server.require_transformers()
+        serve.require_transformers()
     if args.diffusers:
         from nccl_back.model import pipeline
 
         pipeline.require_diffusers()
-    server.check_local_model(args.model)
+    serve.check_local_model(args.model)
     if args.drain_timeout is not None and args.drain_timeout <= 0:
         raise ConfigError(f"--drain-timeout {args.drain_timeout!r}: must be a positive number of seconds")
     if args.hf:
         spec_config = dict(ModelSpec.from_dir(args.model, cache_dir=settings.cache_dir).config)
-        factory = server.hf_factory(spec_config)
-    options = server.ServeOptions(
+        factory = serve.hf_factory(spec_config)
+    options = serve.ServeOptions(
         model_uri=args.model,
         device=device,
         factory=factory,
@@ -313,8 +313,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         drain_token_file=args.drain_token_file,
     )
-    sidecar = server.Sidecar(settings, options).start()
-    with server.stop_on_signals(sidecar):
+    sidecar = serve.Sidecar(settings, options).start()
+    with serve.stop_on_signals(sidecar):
         code = sidecar.run()
     if sidecar.abandoned:
         # A load or send outlived the drain bound; joining it could take as long again.

@@ -48,7 +48,7 @@ def garble_relay_sends(seat: int | None = None) -> None:
     ``seat``, only while this worker's latest cohort seat is at that position. Its own
     tensors, and what it sends as a holder, stay exact."""
     from nccl_back.transport import send
-    from nccl_back.transport.relay.receive import Cohorts
+    from nccl_back.transport.relay.seating import Cohorts
 
     seats: list[int] = []
     orig_join, orig_send = Cohorts.join, send.send_tensors

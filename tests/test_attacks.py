@@ -289,7 +289,7 @@ def test_deep_json_config_is_refused(tmp_path: Path) -> None:
 def test_sidecar_drain_needs_the_token_it_wrote(workdir: str, redis_url: str) -> None:
     """`serve --drain-token-file`: the sidecar writes a 0600 token; /drain without it is 403."""
     from nccl_back.config import Settings
-    from nccl_back.sidecar.server import ServeOptions, Sidecar
+    from nccl_back.sidecar.serve import ServeOptions, Sidecar
 
     token_file = os.path.join(workdir, "run", "drain.token")
     options = ServeOptions("unused", torch.device("cpu"), drain_token_file=token_file)

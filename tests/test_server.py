@@ -40,7 +40,7 @@ from nccl_back.errors import WeightLoadError
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.skeleton import build
 from nccl_back.sidecar.handoff import attach
-from nccl_back.sidecar.server import ServeOptions, Sidecar
+from nccl_back.sidecar.serve import ServeOptions, Sidecar
 
 from models import TinyTransformer, fill_random, write_checkpoint
 from workers import matches_checkpoint
@@ -380,7 +380,7 @@ def test_sidecar_with_handoff_keeps_one_copy(
 #: A model large enough that a private copy of it stands out from the interpreter's noise.
 _MEMORY_MODEL_MIB = 64
 #: What ``nccl-back serve`` imports before its load, for the idle interpreter compared with.
-_IDLE = ("import sys, torch, nccl_back.cli, nccl_back.sidecar.server;"
+_IDLE = ("import sys, torch, nccl_back.cli, nccl_back.sidecar.serve;"
          " print('idle', flush=True); sys.stdin.read()")
 
 

@@ -205,7 +205,7 @@ def _install_fault(fault: str) -> None:
 
         storage_path.gather_parts = gather  # type: ignore[assignment]
     elif fault in ("kill_member_1_before_announce", "stop_member_1_before_announce"):
-        from nccl_back.transport.relay.receive import Cohorts
+        from nccl_back.transport.relay.seating import Cohorts
 
         orig_open = Cohorts.open_share
 
@@ -216,8 +216,8 @@ def _install_fault(fault: str) -> None:
 
         Cohorts.open_share = open_share  # type: ignore[method-assign]
     elif fault in ("kill_member_1_on_request", "stop_member_1_on_request"):
-        from nccl_back.transport.relay import receive as relay_receive
-        from nccl_back.transport.relay.server import RelayServer
+        from nccl_back.transport.relay import seating as relay_receive
+        from nccl_back.transport.relay.forwarder import RelayServer
 
         orig_start, orig_admit = relay_receive.share, RelayServer._admit
         member_1: list[Any] = []
@@ -236,7 +236,7 @@ def _install_fault(fault: str) -> None:
         relay_receive.share = start_share  # type: ignore[assignment]
         RelayServer._admit = admit  # type: ignore[method-assign]
     elif fault in ("kill_member_1_mid_share", "stop_member_1_mid_share"):
-        from nccl_back.transport.relay.receive import Cohorts as ShareCohorts
+        from nccl_back.transport.relay.seating import Cohorts as ShareCohorts
 
         orig_part, orig_share = sender.send_tensors, ShareCohorts.open_share
         fired: list[bool] = []

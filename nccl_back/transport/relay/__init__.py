@@ -72,8 +72,8 @@ from nccl_back.transport.relay.endpoints import (
     join,
     stream,
 )
-from nccl_back.transport.relay.receive import Cohorts, DamagedBytes, Sender
-from nccl_back.transport.relay.server import RelayServer
+from nccl_back.transport.relay.forwarder import RelayServer
+from nccl_back.transport.relay.seating import Cohorts, DamagedBytes, Sender
 from nccl_back.transport.relay.state import (
     LINGER,
     MAX_RELAY_SENDS,

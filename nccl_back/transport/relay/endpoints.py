@@ -22,7 +22,7 @@ from nccl_back.metrics import Metrics
 from nccl_back.transport import Rendezvous, Step, payload_bytes, plan
 from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.relay import topology
-from nccl_back.transport.relay.server import RelayServer
+from nccl_back.transport.relay.forwarder import RelayServer
 from nccl_back.transport.relay.state import (
     LINGER,
     RELAY_HANDSHAKE,

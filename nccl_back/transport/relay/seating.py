@@ -37,7 +37,7 @@ from nccl_back.transport.relay.endpoints import (
     share,
     stream,
 )
-from nccl_back.transport.relay.server import RelayServer
+from nccl_back.transport.relay.forwarder import RelayServer
 from nccl_back.transport.send import Sends
 
 

@@ -46,9 +46,13 @@ class Fleet:
         self.readers: list[Any] = []
         self.stop = CTX.Event()
         self.procs: list[Any] = []
+        #: Released by each worker started with ``go`` once it waits for it.
+        self.ready = CTX.Semaphore(0)
 
     def start(self, role: str, *, settings: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         kwargs.setdefault("model_kwargs", MODEL)
+        if kwargs.get("go") is not None:
+            kwargs.setdefault("ready", self.ready)
         reader, writer = CTX.Pipe(duplex=False)
         self.readers.append(reader)
         p = CTX.Process(
@@ -60,6 +64,13 @@ class Fleet:
         p.start()
         self.procs.append(p)
         return p
+
+    def wait_ready(self, n: int, timeout: float = 60) -> None:
+        """Until ``n`` workers started with ``go`` have built everything and wait for it."""
+        deadline = time.monotonic() + timeout
+        for i in range(n):
+            if not self.ready.acquire(timeout=max(deadline - time.monotonic(), 0.01)):
+                raise TimeoutError(f"{i} of {n} workers ready in {timeout:g} s")
 
     def report(self, timeout: float = 60) -> dict[str, Any]:
         """The next report from any worker (a dead worker's pipe is skipped)."""

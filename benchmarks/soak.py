@@ -245,7 +245,8 @@ def drawn(plan: dict[str, Any]) -> set[str]:
     fetched from another unit's build (two cache units)."""
     units = plan["units"]
     out = {f["kind"] if f["kind"] != "hostile" else f"hostile:{f['form']}" for f in plan["faults"]}
-    out |= {f"unit:{u['kind']}" for u in units} | {f"fan_out:{plan['fan_out']}"}
+    out |= {f"unit:{u['kind']}" for u in units}
+    out |= {f"fan_out:{plan['fan_out']}"} if "fan_out" in plan else set()
     out |= {f"pipeline:{u['world']}" for u in units if u["kind"] == "pipeline"}
     out |= {f"tp:{u['scheme']}/{u['world']}" for u in units if u["kind"] == "tp"}
     if sum(u["kind"] == "cache" for u in units) >= 2:

@@ -4,6 +4,7 @@ with randomised faults at random moments, invariants checked after every rollout
     python benchmarks/soak.py --seed 7 --rollouts 200 --results benchmarks/RESULTS.md
     python benchmarks/soak.py --seed 7 --only 42        # replay rollout 42's schedule
     python benchmarks/soak.py --seed 7 --rollouts 10 --faults kill,stop --max-faults 2
+    python benchmarks/soak.py --seed 7 --rollouts 200 --cover  # the few that draw every path
 
 A schedule depends on the seed, the rollout's number, ``--faults`` and ``--max-faults``:
 replay with the same three. Exit status 1 when any invariant broke.
@@ -237,6 +238,35 @@ def schedule(seed: int, rollout: int, faults: tuple[str, ...] = FAULT_KINDS,
         plan.sort(key=lambda f: f["t"])
     return {"rollout": rollout, "seed": seed, "units": units, "faults": plan,
             "values_seed": values_seed}
+
+
+def drawn(plan: dict[str, Any]) -> set[str]:
+    """The paths a rollout's schedule draws: its fault kinds (hostile ones by form), unit
+    kinds, pipeline group sizes, tensor-parallel layouts, fan-out, and a compile cache
+    fetched from another unit's build (two cache units)."""
+    units = plan["units"]
+    out = {f["kind"] if f["kind"] != "hostile" else f"hostile:{f['form']}" for f in plan["faults"]}
+    out |= {f"unit:{u['kind']}" for u in units}
+    out |= {f"fan_out:{plan['fan_out']}"} if "fan_out" in plan else set()
+    out |= {f"pipeline:{u['world']}" for u in units if u["kind"] == "pipeline"}
+    out |= {f"tp:{u['scheme']}/{u['world']}" for u in units if u["kind"] == "tp"}
+    if sum(u["kind"] == "cache" for u in units) >= 2:
+        out.add("cache:fetched")
+    return out
+
+
+def covering(seed: int, numbers: list[int], faults: tuple[str, ...], max_faults: int) -> list[int]:
+    """A few of ``numbers`` whose schedules together draw every path that any of them
+    draws (greedy: the most new paths per unit started), in their order: a short run
+    that still takes every path of a long one."""
+    plans = {n: drawn(schedule(seed, n, faults, max_faults)) for n in numbers}
+    sizes = {n: len(schedule(seed, n, faults, max_faults)["units"]) for n in numbers}
+    wanted, picked = set().union(*plans.values()), []
+    while wanted:
+        n = max(numbers, key=lambda n: (len(plans[n] & wanted) / sizes[n], -n))
+        picked.append(n)
+        wanted -= plans[n]
+    return sorted(picked)
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -915,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", type=int, help="replay just this rollout's schedule")
     ap.add_argument("--faults", default=",".join(FAULT_KINDS), help="comma-separated fault kinds")
     ap.add_argument("--max-faults", type=int, default=3)
+    ap.add_argument("--cover", action="store_true",
+                    help="run only a few of these rollouts that together draw every path they draw")
     ap.add_argument("--budget", type=float, default=0, help="stop starting rollouts after this many seconds")
     ap.add_argument("--results", type=Path, help="replace the soak section of this RESULTS.md")
     ap.add_argument("--json", type=Path, help="write a summary here")
@@ -925,8 +957,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown fault kinds {sorted(unknown)}")
     numbers = [args.only] if args.only is not None else list(range(args.first, args.first + args.rollouts))
+    if args.cover:
+        numbers = covering(args.seed, numbers, faults, args.max_faults)
     work = Path(tempfile.mkdtemp(prefix="nccl-back-soak-"))
-    print(f"soak: seed {args.seed}, rollouts {numbers[0]}..{numbers[-1]}, work {work}; "
+    print(f"soak: seed {args.seed}, rollouts "
+          f"{', '.join(map(str, numbers)) if args.cover else f'{numbers[0]}..{numbers[-1]}'}, work {work}; "
           f"silent partitions skipped ({NOT_INJECTED['partition']}); slow HTTP clients skipped "
           f"({NOT_INJECTED['slow_http_client']}); timing is not replayed, schedules are", flush=True)
     soak = Soak(work, args.seed, faults, keep=args.keep)

@@ -176,7 +176,7 @@ def _round(ckpt: str, redis_url: str, namespace: str, cache_dir: str) -> list[di
         go = CTX.Event()
         for i in range(3):
             fleet.start(f"w{i}", go=go, serve_for=0)
-        time.sleep(3.0)  # every worker built its skeleton and waits for go
+        fleet.wait_ready(3)  # every worker built its skeleton and waits for go
         go.set()
         return [fleet.report(timeout=60) for _ in range(3)]
     finally:

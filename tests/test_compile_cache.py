@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from test_artifacts_transfer import Holders, base_settings
 
 from nccl_back import compile_cache
 from nccl_back.config import Settings
+from nccl_back.dev.servers import LocalRedis
 from nccl_back.load import artifact_transfer as flow
 from nccl_back.load import compile_cache as cc
 
@@ -38,8 +40,11 @@ def start(settings: dict[str, Any], cache: Path, *, name: str = "f-8x8",
     # Its own temporary directory too: inductor's precompiled headers live there (and,
     # with ``default_dirs``, its cache directory: torch's default).
     (cache.parent / f"{cache.name}-tmp").mkdir(parents=True, exist_ok=True)
+    # TORCHINDUCTOR_VEC_ISA_OK: inductor trusts the CPU's flags instead of building and
+    # loading a probe library per vector ISA (half of a cold compile on a loaded 2-core
+    # machine); the FX-graph cache and the precompiled headers, what travels, are as before.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(cache),
-           "TMPDIR": str(cache.parent / f"{cache.name}-tmp")}
+           "TMPDIR": str(cache.parent / f"{cache.name}-tmp"), "TORCHINDUCTOR_VEC_ISA_OK": "1"}
     if default_dirs:
         del env["TORCHINDUCTOR_CACHE_DIR"]
     return subprocess.Popen([sys.executable, str(WORKER), json.dumps(
@@ -54,67 +59,74 @@ def report(p: subprocess.Popen[str]) -> dict[str, Any]:
     return dict(json.loads(line))
 
 
+@pytest.fixture(scope="module")
+def publisher(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory,
+              ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """The clean engine (torch's default directories, which it created): its cold compile,
+    published and held, serves both tests below; one cold compile, not one per test.
+    Yields its settings and its report."""
+    s = {"redis_url": redis_server.url, "namespace": "t" + uuid.uuid4().hex[:12],
+         "advertise_host": "127.0.0.1", "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
+    clean = start(s, tmp_path_factory.mktemp("publisher") / "clean", hold=True, default_dirs=True)
+    try:
+        yield s, report(clean)
+    finally:
+        assert clean.stdin is not None
+        clean.stdin.close()
+        clean.wait(30)
+
+
 def test_a_compiled_program_starts_from_a_peers_inductor_cache(
-        redis_url: str, namespace: str, tmp_path: Path) -> None:
+        publisher: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path) -> None:
     """The second process fetches the first one's inductor cache (its compile is an FX-graph
     cache hit) and the precompiled headers its C++ kernels were built with (none rebuilt)."""
-    s = {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
-         "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
-    a = start(s, tmp_path / "a", hold=True)
-    try:
-        first = report(a)
-        assert not first["ok"] and "no peer has published" in first["reason"]
-        assert "published" in first["reason"] and first["misses"] >= 1
-        b = start(s, tmp_path / "b")
-        second = report(b)
-        assert b.wait(60) == 0
-        assert second["ok"], second["reason"]
-        assert second["hits"] >= 1 and second["misses"] == 0
-        assert second["sum"] == first["sum"]
-        # gcc built the first one's headers (0644); the second's came from it (0600).
-        assert first["headers"] and set(first["headers"].values()) == {"0o644"}, first
-        assert second["headers"] == {u: "0o600" for u in first["headers"]}, second
-    finally:
-        assert a.stdin is not None
-        a.stdin.close()
-        a.wait(30)
+    s, first = publisher
+    assert not first["ok"] and "no peer has published" in first["reason"]
+    assert "published" in first["reason"] and first["misses"] >= 1
+    b = start(s, tmp_path / "b")
+    second = report(b)
+    assert b.wait(60) == 0
+    assert second["ok"], second["reason"]
+    assert second["hits"] >= 1 and second["misses"] == 0
+    assert second["sum"] == first["sum"]
+    # gcc built the first one's headers (0644); the second's came from it (0600).
+    assert first["headers"] and set(first["headers"].values()) == {"0o644"}, first
+    assert second["headers"] == {u: "0o600" for u in first["headers"]}, second
 
 
-def test_nothing_another_user_planted_travels(redis_url: str, namespace: str, tmp_path: Path) -> None:
+def test_nothing_another_user_planted_travels(
+        publisher: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path) -> None:
     """An engine whose default cache directories another user created first (0777), with
     a kernel.so dropped in and a replaced .gch: it installs nothing into them and
     publishes nothing from them (both logged); what the fleet serves is the clean
     engine's set only."""
-    s = {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
-         "peer_ttl": 5.0, "secret": "compile-cache-secret-0123"}
-    clean = start(s, tmp_path / "clean", hold=True, default_dirs=True)
+    s, first = publisher
+    assert "published" in first["reason"] and first["headers"], first
+    planted_tmp = tmp_path / "victim-tmp"
+    cache = planted_tmp / Path(first["cache_dir"]).name
+    (cache / "precompiled_headers").mkdir(parents=True)
+    (cache / "zz").mkdir()
+    (cache / "zz" / "kernel.so").write_bytes(b"planted kernel")
+    for name in first["headers"]:  # each .gch replaced (gcc ignores an invalid one)
+        planted = b"planted header" if name.endswith(".gch") else \
+            (Path(first["headers_dir"]) / name).read_bytes()
+        (cache / "precompiled_headers" / name).write_bytes(planted)
+    for d in (cache, cache / "precompiled_headers", cache / "zz"):
+        d.chmod(0o777)
+    victim = start(s, tmp_path / "victim", default_dirs=True)
+    second = report(victim)
+    assert victim.wait(60) == 0
+    assert second["cache_dir"] == str(cache), second
+    assert not second["ok"] and "not installed" in second["reason"], second
+    assert "not published" in second["reason"] and "mode 0777" in second["reason"], second
+    # Caches and headers: each refused at install and at publish.
+    assert sum("artifact_install_refused" in w for w in second["warnings"]) == 2, second
+    assert sum("artifact_set_refused" in w for w in second["warnings"]) == 2, second
+    assert (cache / "zz" / "kernel.so").read_bytes() == b"planted kernel"
+    # What a third engine receives: the clean engine's files, nothing planted.
+    settings = Settings(**s)
+    key = cc.inductor_key("f-8x8")
     try:
-        first = report(clean)
-        assert "published" in first["reason"] and first["headers"], first
-        planted_tmp = tmp_path / "victim-tmp"
-        cache = planted_tmp / Path(first["cache_dir"]).name
-        (cache / "precompiled_headers").mkdir(parents=True)
-        (cache / "zz").mkdir()
-        (cache / "zz" / "kernel.so").write_bytes(b"planted kernel")
-        for name in first["headers"]:  # each .gch replaced (gcc ignores an invalid one)
-            planted = b"planted header" if name.endswith(".gch") else \
-                (Path(first["headers_dir"]) / name).read_bytes()
-            (cache / "precompiled_headers" / name).write_bytes(planted)
-        for d in (cache, cache / "precompiled_headers", cache / "zz"):
-            d.chmod(0o777)
-        victim = start(s, tmp_path / "victim", default_dirs=True)
-        second = report(victim)
-        assert victim.wait(60) == 0
-        assert second["cache_dir"] == str(cache), second
-        assert not second["ok"] and "not installed" in second["reason"], second
-        assert "not published" in second["reason"] and "mode 0777" in second["reason"], second
-        # Caches and headers: each refused at install and at publish.
-        assert sum("artifact_install_refused" in w for w in second["warnings"]) == 2, second
-        assert sum("artifact_set_refused" in w for w in second["warnings"]) == 2, second
-        assert (cache / "zz" / "kernel.so").read_bytes() == b"planted kernel"
-        # What a third engine receives: the clean engine's files, nothing planted.
-        settings = Settings(**s)
-        key = cc.inductor_key("f-8x8")
         for k, where in ((key, tmp_path / "third-cache"), (cc.headers_key(key), tmp_path / "third-h")):
             got = flow.fetch(settings, k, str(where), serve=False)
             assert got.ok, got.reason
@@ -124,9 +136,7 @@ def test_nothing_another_user_planted_travels(redis_url: str, namespace: str, tm
             assert not any(b"planted" in p.read_bytes() for p in Path(first["headers_dir"]).rglob("*")
                            if p.is_file())
     finally:
-        assert clean.stdin is not None
-        clean.stdin.close()
-        clean.wait(30)
+        flow.close_all()
 
 
 @pytest.fixture

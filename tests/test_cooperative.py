@@ -46,7 +46,7 @@ def _start_together(fleet: Fleet, n: int, **kwargs: Any) -> list[Any]:
     go = CTX.Event()
     procs = [fleet.start(f"w{i}", settings=COOPERATIVE, go=go, serve_for=30, model_kwargs=MODEL, **kwargs)
              for i in range(n)]
-    time.sleep(3.0)  # every worker built its skeleton and waits for go
+    fleet.wait_ready(n)  # every worker built its skeleton and waits for go
     go.set()
     return procs
 
@@ -116,7 +116,7 @@ def test_a_share_slower_to_read_than_the_stall_bound_still_serves_its_part(
     for i in range(3):
         fleet.start(f"w{i}", settings=slow,
                     go=go, serve_for=30, model_kwargs=MODEL, fault="slow_member_1_share")
-    time.sleep(3.0)
+    fleet.wait_ready(3)
     go.set()
     reports = [_ok(fleet.report(150)) for _ in range(3)]
     assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports
@@ -146,7 +146,7 @@ def test_members_with_different_send_caps_all_end_verified(fleet: Fleet) -> None
     for i, cap in enumerate((0.0, 0.001, 0.0)):
         fleet.start(f"w{i}", settings={**COOPERATIVE, "max_send_gbps": cap}, go=go, serve_for=30,
                     model_kwargs=MODEL)
-    time.sleep(3.0)
+    fleet.wait_ready(3)
     go.set()
     reports = [_ok(fleet.report(120)) for _ in range(3)]
     assert sorted(r["source"] for r in reports) == ["peer", "peer", "storage"], reports

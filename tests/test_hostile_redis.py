@@ -662,7 +662,7 @@ def test_flushall_mid_fleet_causes_no_stampede(tmp_path: Path, when: str) -> Non
 
     ckpt = str(write_checkpoint(fill_random(TinyTransformer(), seed=9), tmp_path / "ckpt"))
     server = LocalRedis().start()
-    stop, go = CTX.Event(), CTX.Event()
+    stop, go, ready = CTX.Event(), CTX.Event(), CTX.Semaphore(0)
     readers: list[Any] = []
     procs: list[Any] = []
 
@@ -671,7 +671,7 @@ def test_flushall_mid_fleet_causes_no_stampede(tmp_path: Path, when: str) -> Non
         readers.append(reader)
         p = CTX.Process(target=workers.worker_main, daemon=True,
                         args=(role, ckpt, _worker_settings(server.url, str(tmp_path / "c")), writer, stop),
-                        kwargs={"serve_for": 120, "go": gate})
+                        kwargs={"serve_for": 120, "go": gate, "ready": ready})
         p.start()
         procs.append(p)
 
@@ -698,7 +698,8 @@ def test_flushall_mid_fleet_causes_no_stampede(tmp_path: Path, when: str) -> Non
         n = 4
         for i in range(n):
             start(f"r{i}", go)
-        time.sleep(2.0)  # every receiver process is up and waiting on `go`
+        for i in range(n):  # every receiver process is up and waiting on `go`
+            assert ready.acquire(timeout=60), f"{i} of {n} receivers ready"
         client = redis.Redis.from_url(server.url)
         client.flushall()
         if when == "after_holders_reappear":

@@ -69,6 +69,7 @@ def worker_main(
     fault: str | None = None,
     adopt_as: dict[str, Any] | None = None,
     go: Any = None,
+    ready: Any = None,
     device: str = "cpu",
     env: dict[str, str] | None = None,
 ) -> None:
@@ -91,7 +92,8 @@ def worker_main(
     position N flips every byte of every step its relay endpoint forwards. ``adopt_as``: instead of
     loading, publish a model built with these kwargs under the checkpoint's version
     (to stage a peer whose manifest differs). ``go``: an Event to wait for before
-    loading (everything else is ready, so the load starts the moment it is set).
+    loading (everything else is ready, so the load starts the moment it is set);
+    ``ready``: a Semaphore released once, just before that wait.
     ``device``: where the model lives ("cuda": its transfers go over NCCL); ``env``:
     set first (NCCL reads its own at its first communicator).
     """
@@ -121,6 +123,8 @@ def worker_main(
                 return
             if go is not None:
                 faulthandler.cancel_dump_traceback_later()
+                if ready is not None:
+                    ready.release()
                 go.wait(120)
                 faulthandler.dump_traceback_later(40, exit=True)
             t0 = time.monotonic()

@@ -431,7 +431,7 @@ def slow_ckpt(tmp_path: Path) -> str:
     return str(write_checkpoint(fill_random(TinyTransformer(**MODEL), seed=11), tmp_path / "ckpt"))
 
 
-CHAIN_SETTINGS = {"cohort_window": 10.0, "relay_stall_timeout": 3.0, "transfer_timeout": 20.0,
+CHAIN_SETTINGS = {"cohort_window": 10.0, "stall_timeout": 3.0, "transfer_timeout": 20.0,
                   "relay_fan_out": "chain"}  # the trees' own: tests/test_relay_trees.py
 
 
@@ -497,7 +497,7 @@ def test_middle_member_killed_mid_transfer_the_rest_still_verify(
             assert reports[roles[2]]["peer_id"] == order[0]  # re-attached past the dead member
             assert reports[roles[3]]["peer_id"] == order[2]
         else:
-            # Stalled: m2 gives up on m1 after relay_stall_timeout; m3 may too (its
+            # Stalled: m2 gives up on m1 after stall_timeout; m3 may too (its
             # upstream m2 paused meanwhile) and attach further up; nobody uses m1.
             assert reports[roles[2]]["peer_id"] == order[0]
             assert reports[roles[3]]["peer_id"] != order[1]
@@ -526,7 +526,7 @@ def test_a_stopped_member_resumed_while_its_children_ask_it_again_all_verify(
         time.sleep(0.8)  # the chain is flowing: ~40 % of the model has passed
         os.kill(victim.pid, signal.SIGSTOP)
         # Past the stall bound: m2 gave up on this transfer and asks m1 once more.
-        time.sleep(CHAIN_SETTINGS["relay_stall_timeout"] + 0.3)
+        time.sleep(CHAIN_SETTINGS["stall_timeout"] + 0.3)
         os.kill(victim.pid, signal.SIGCONT)
         reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(4))}
         assert set(reports) == set(roles)
@@ -579,7 +579,7 @@ def test_waiters_receive_the_download_as_it_streams(
     the trees, each tree's root) receives from the stream (not from a published peer),
     and all verify against the ground truth the downloader publishes at its end."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
-    fleet.settings["download_group_window"] = 0.0  # the single flight's own stream
+    fleet.settings["cooperative_download"] = False  # the single flight's own stream
     fleet.settings["relay_fan_out"] = fan_out
     try:
         fleet.start("downloader", fault="slow_download", serve_for=20)
@@ -614,7 +614,7 @@ def test_downloader_killed_mid_stream_the_waiters_still_load(
     verified; nobody waits on the dead stream past the lease."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     fleet.settings["download_lease"] = 1.5
-    fleet.settings["download_group_window"] = 0.0  # the single flight's own stream
+    fleet.settings["cooperative_download"] = False  # the single flight's own stream
     try:
         doomed = fleet.start("doomed", fault="kill_mid_stream")
         wait_for_lease(redis_url, namespace)

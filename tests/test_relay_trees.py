@@ -33,7 +33,7 @@ from nccl_back.transport.relay.state import STALLED_HANDSHAKE, StepSources
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
-TREES = {"relay_fan_out": "trees", "cohort_window": 10.0, "relay_stall_timeout": 3.0,
+TREES = {"relay_fan_out": "trees", "cohort_window": 10.0, "stall_timeout": 3.0,
          "transfer_timeout": 20.0, "cohort_max_size": 64}
 
 
@@ -244,7 +244,7 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
         time.sleep(0.8)  # the trees are flowing
         os.kill(victim.pid, how)
         if resume:
-            time.sleep(TREES["relay_stall_timeout"] + 0.3)  # its children stalled and ask again
+            time.sleep(TREES["stall_timeout"] + 0.3)  # its children stalled and ask again
             os.kill(victim.pid, signal.SIGCONT)
         reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(6 if resume else 5))}
         assert (role in reports) is resume

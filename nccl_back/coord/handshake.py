@@ -47,8 +47,8 @@ it (:func:`abandoned`) once no step came for a moment, and moves on at once inst
 after its stall bound.
 
 Each side checks "I wrote my nonce and the other side made it +1". Every wait shares
-one deadline per side: ``settings.sender_handshake_timeout`` (1 s: don't wait on a
-flaky receiver) and ``settings.receiver_handshake_timeout`` (10 s: the peer may just
+one deadline per side: ``settings.sender_handshake`` (1 s: don't wait on a
+flaky receiver) and ``settings.handshake_timeout`` (10 s: the peer may just
 be busy). Past it: :class:`HandshakeTimeoutError` naming the state; no communicator
 exists yet, so there is nothing to clean up but the keys. Both sides carry their
 manifest digest, so a mismatch stops both before any data moves. Redis failures

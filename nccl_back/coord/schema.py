@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nccl_back.config import Settings
+from nccl_back.config import MAX_ARTIFACT_BYTES, Settings
 from nccl_back.coord import content, records
 from nccl_back.errors import RecordKind, StrEnum, UntrustedRecordError
 
@@ -184,7 +184,7 @@ def _verdict(body: dict[str, Any], parts: Mapping[str, str], settings: Settings)
 
 def _artifact_set(body: dict[str, Any], parts: Mapping[str, str],
                   settings: Settings) -> content.ArtifactSetRecord:
-    return content.artifact_set(body, parts, settings.max_artifact_bytes)
+    return content.artifact_set(body, parts, MAX_ARTIFACT_BYTES)
 
 
 _VRW = ("version", "rank", "world")

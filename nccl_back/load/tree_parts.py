@@ -222,7 +222,7 @@ class _Trees:
                  tensors=t.tensors, bucket=t.bucket(s, t.kind), start=start, part=(tree, TREES),
                  on_step=rcv.recorder(source),
                  handshake_timeout=self.chain.handshake_bound(
-                     source, min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
+                     source, min(s.handshake_timeout, RELAY_HANDSHAKE,
                                  max(self.deadline - _clock.monotonic(), 0.001))),
                  deadline=self.deadline, stall=stall, started=on_start, gone=gone)
 

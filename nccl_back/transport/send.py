@@ -335,7 +335,7 @@ class Sends:
                     reason="closing")
             return None
         try:
-            run_sender(self.registry, request.transfer_id, digest, s.sender_handshake_timeout)
+            run_sender(self.registry, request.transfer_id, digest, s.sender_handshake)
             transport = self.rendezvous.sender(transfer_scope(s.key("store"), request.transfer_id))
             with self._lock:
                 flight.transport = transport

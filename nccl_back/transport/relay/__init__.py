@@ -21,7 +21,7 @@ pipelined broadcast would be faster per byte) because a member that dies then br
 one link, not the whole cohort, and the same code runs on gloo and NCCL.
 
 Failure: a member whose upstream link fails (the upstream died: gloo raises in
-~0.3 s; or stalled: no step within ``relay_stall_timeout``) re-attaches to the
+~0.3 s; or stalled: no step within ``stall_timeout``) re-attaches to the
 nearest member further up, then to any holder, resuming at the first step it lacks;
 only then does it fall back to storage, with the reason. Its own downstream waits on
 its progress meanwhile and never notices. A member that gives up fails its
@@ -50,7 +50,7 @@ the download does, instead of after the download, the publication and a whole re
 transfer. The stream's receivers have no ground truth yet: they verify against the
 hashes the downloader publishes once its load is complete. If the download fails, its
 stream fails and its receivers go back to the election (another worker downloads, or
-the first one publishes); a stream-fed link allows ``max(relay_stall_timeout,
+the first one publishes); a stream-fed link allows ``max(stall_timeout,
 download_lease)`` between steps, since its pace is storage's.
 
 Registry (keys built by :class:`~nccl_back.coord.keys.Keys`)::

@@ -33,9 +33,7 @@ from dataclasses import dataclass
 
 from nccl_back import _clock
 from nccl_back.errors import BudgetSpentError
-
-#: Seconds a reshard's discovery (other layouts' holders, their truth, the plan) may take.
-DISCOVER_SECONDS = 10.0
+from nccl_back.timing import DISCOVER_SECONDS as DISCOVER_SECONDS  # imported from here by reshard
 
 
 @dataclass(frozen=True)

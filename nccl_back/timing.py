@@ -153,3 +153,151 @@ class DerivedBounds:
 
     def _capped(self, name: str, seconds: float) -> float:
         return min(seconds, self.__dict__.get("_caps", {}).get(name, seconds))
+
+
+# -- Fixed timing constants, by the module that uses them (not settings: each is a
+# protocol's own bound, with its reason).
+
+# coord/requests.py
+#: Seconds between looks at an empty queue: the first, doubling up to the longest (a
+#: request waits that long at most before it is seen). The pause carries over from one
+#: wait to the next of the same queue until a request comes, so an idle endpoint looks
+#: 1/REQUEST_POLL_MAX times a second (20), not the dozens a restarted doubling would cost.
+REQUEST_POLL_MIN, REQUEST_POLL_MAX = 0.002, 0.05
+#: Seconds the wake-up value of a request queue lives at most.
+WAKE_TTL = 1.0
+
+# coord/auth.py
+#: Seconds a record's ``exp`` may lie in the past: clocks of a fleet drift a little.
+CLOCK_SKEW = 5.0
+
+# coord/handshake.py
+#: Seconds before the second read of a key the other side is to write; each further
+#: wait doubles, up to :data:`HANDSHAKE_POLL_MAX`.
+HANDSHAKE_POLL = 0.005
+#: Longest wait between two reads: a fleet released together runs one handshake per
+#: part and member at once, and at 5 ms each one is 200 reads a second on the one
+#: Redis and the CPUs the waiting processes share.
+HANDSHAKE_POLL_MAX = 0.05
+
+# coord/schema.py
+#: Ground truth, layouts and position truth outlive a few missed heartbeats and the gap
+#: between a storage load and its first publication.
+GROUND_TRUTH_TTL_FACTOR = 6
+#: Artifact-set records outlive their holder a while (a miss then says that no live
+#: peer holds the set), and the next publisher replaces them.
+ARTIFACT_TTL_FACTOR = 360
+#: A handshake key outlives both sides' timeouts.
+HANDSHAKE_KEY_TTL = 30.0
+#: ``nccl-back check``'s probe key.
+CHECK_TTL = 10.0
+
+# coord/election.py
+#: Seconds between two polls of the group.
+ELECTION_POLL = 0.1
+
+# coord/store.py
+#: A record kept longer than this many times the TTL its writers give it was not
+#: written by a worker (a replayed or forged record): it is not obeyed.
+TTL_SLACK = 2.0
+
+# load/verify.py
+#: Seconds between two reads of a stream's ground truth while its downloader loads (or
+#: of the verdicts of the members a failed check blames).
+VERDICT_POLL = 0.05
+#: Seconds a failed check waits for the verdicts of the members it blames: they checked
+#: what they received about when this rank did (upstream, they got it first). One whose
+#: verdict has not come by then stays guilty.
+VERDICT_WAIT = 2.0
+
+# load/tree_parts.py
+#: Seconds between two looks at the cohort's size while a leaf's part moves.
+TREE_WATCH_POLL = 0.25
+
+# load/asking.py
+#: Seconds between two tries of a busy holder's send slots.
+BUSY_POLL = 0.05
+
+# load/cooperative.py
+#: Seconds between two looks for a member's announcement.
+ANNOUNCE_POLL = 0.05
+#: Seconds between two looks at a member's announcement while its part is pulled.
+SHARE_WATCH_POLL = 0.25
+
+# budget.py
+#: Seconds a reshard's discovery (other layouts' holders, their truth, the plan) may take.
+DISCOVER_SECONDS = 10.0
+
+# transport/relay/state.py
+#: Seconds a member's relay endpoint stays up, idle, after its own load ended and the
+#: cohort window passed, for a downstream member that is still re-attaching. A late
+#: arrival (within a window of the previous one) may sit behind a member that already
+#: finished: the endpoint stays up ``cohort_window`` + this, so it still finds it.
+LINGER = 2.0
+#: Seconds a member waits in the handshake with a relay upstream: a live one answers
+#: within its poll interval, so a dead one costs little.
+RELAY_HANDSHAKE = 3.0
+#: Seconds a member that stalled this receiver has to answer when asked once more: a
+#: live one answers within its poll interval (it stalled because one further up
+#: stopped); one that stopped itself costs every seat below it this, not
+#: :data:`RELAY_HANDSHAKE`.
+STALLED_HANDSHAKE = 1.0
+
+# transport/send.py
+#: The slowest link a drain counts on, in GB/s (10^9 B/s), where the worker's send cap
+#: is not lower: 200 Mbit/s, a slow and shared link, so that the bound errs long; the
+#: cap ends it.
+DRAIN_FLOOR_GBPS = 0.025
+#: Seconds a drain adds to the bytes' time: the last step's acknowledgement, and a
+#: busy machine's scheduling.
+DRAIN_GRACE = 0.5
+#: The most seconds a drain waits for an owed receiver (a follower of the download this
+#: worker was elected to) to ask: one that saw this worker's weights asks within a poll
+#: or two; one that never asks (fed by another member) costs no more.
+DRAIN_ARRIVAL = 1.0
+#: Seconds between two looks of a drain at its sends.
+DRAIN_POLL = 0.02
+#: The most seconds a drain waits for sends in flight, whatever their bytes: a closing
+#: process's shutdown grace (an engine gives its worker a few seconds) is not spent on
+#: one send, and a receiver told to move on loses less than a stall bound.
+DRAIN_MAX = 5.0
+
+# transport/store.py
+#: Seconds a bootstrap key outlives the connect deadline, at most (a bound, the sides
+#: delete their keys when the transfer ends).
+KEY_TTL_SLACK = 5.0
+#: Polling interval bounds, seconds: fast first (the peer writes within milliseconds),
+#: then backing off so a slow peer costs Redis little.
+STORE_POLL_MIN, STORE_POLL_MAX = 0.002, 0.05
+
+# transport/nccl.py
+#: Bound, in seconds, on host-side waits inside torch's non-blocking NCCL calls (the
+#: lazy connect of the first collective). Used only when the environment sets none.
+NONBLOCKING_TIMEOUT_S = 10
+#: torch's own per-collective timeout is set this far past our deadline, so that our
+#: deadline (and our abort, on the owner thread) always acts first.
+TORCH_TIMEOUT_SLACK_S = 600.0
+#: Seconds between polls of a pending collective or stream (the owner thread polls
+#: rather than blocks, so it sees an abort request or the deadline within this).
+NCCL_POLL_S = 0.0005
+
+# sidecar/loop.py
+#: A connection that sent nothing stays in the kernel about this long (the kernel counts
+#: it in SYN-ACK retransmits: about 3 s) before it is accepted.
+DEFER_SECONDS = 2
+
+# sidecar/handoff/server.py
+#: Seconds between two looks of the hand-off server's accept loop for a stop.
+HANDOFF_ACCEPT_POLL = 0.1
+
+# sidecar/health.py
+#: Seconds from a connection's accept to the last byte of its reply, absolute.
+HEALTH_REQUEST_TIMEOUT = 10.0
+
+# sidecar/server.py
+#: How often the main thread re-checks for a stop while waiting on the load.
+SIDECAR_STOP_POLL = 0.1
+
+# model/storage.py
+#: Seconds one request to remote storage may wait (to connect, and for each read).
+STORAGE_TIMEOUT = 60.0

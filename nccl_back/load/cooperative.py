@@ -63,13 +63,10 @@ from nccl_back.model.crc import check_file
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import cut_points
 from nccl_back.model.storage import Storage
+from nccl_back.timing import ANNOUNCE_POLL
+from nccl_back.timing import SHARE_WATCH_POLL as WATCH_POLL
 from nccl_back.transport import Part, Step, Transport, part_steps, plan
 from nccl_back.transport.relay import Share
-
-#: Seconds between two looks for a member's announcement.
-ANNOUNCE_POLL = 0.05
-#: Seconds between two looks at a member's announcement while its part is pulled.
-WATCH_POLL = 0.25
 
 
 def serve_share(worker: Worker, a: Attempt) -> Rescues | None:

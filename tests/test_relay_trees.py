@@ -231,7 +231,8 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
     the second tree's root, once data moves: every other member ends verified and
     bit-identical from peers, none reads storage, each within its deadline. Its liveness
     mark lapsed before the stall bound, or it resumed (SIGCONT) while the seats below
-    ask it once more: the same, and a resumed one ends verified too."""
+    ask it once more: the same, and a resumed one ends verified too (from any source: it
+    was stopped past the stall bound, which bounds its own upstream link as well)."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     victim: Any = None
     try:
@@ -250,7 +251,8 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
         assert (role in reports) is resume
         for r in reports.values():
             _ok(r)
-            assert r["source"] == "peer" and r["storage_bytes"] == 0, r
+            if r["role"] != role:
+                assert r["source"] == "peer" and r["storage_bytes"] == 0, r
             assert r["load_seconds"] < 2 * TREES["transfer_timeout"], r
         assert time.monotonic() - t0 < 60
     finally:

@@ -176,7 +176,7 @@ class Receive:
 
         A peer whose send slots are all claimed is not a failure: the receiver waits
         (re-discovering, so receivers that finished meanwhile become candidates) up to
-        ``settings.busy_wait``. Real failures count towards :data:`~nccl_back.config.MAX_PEER_ATTEMPTS`; a
+        ``settings.busy_wait``. Real failures count towards :data:`~nccl_back.timing.MAX_PEER_ATTEMPTS`; a
         verification failure counts against the sources that sent the failing steps
         only: a holder that did not is asked again (it then sends what was discarded).
         """

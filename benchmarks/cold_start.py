@@ -389,8 +389,10 @@ class Bench:
                      cohort_max_size=1 if scenario.endswith("_tree") else self.args.cohort_max_size,
                      bucket_bytes=self.args.bucket_bytes,
                      holder_parts=1 if scenario == "warm_whole" else Settings().holder_parts,
-                     download_group_window=(self.args.group_window
-                                            if scenario.startswith("cooperative") else 0.0))
+                     # A download group's window is a tenth of the cohort's.
+                     cooperative_download=scenario.startswith("cooperative"),
+                     cohort_window=(self.args.group_window * 10 if scenario.startswith("cooperative")
+                                    else Settings().cohort_window))
         return json.dumps({k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def spawn(self, name: str, settings: str, spec: ModelSpec, storage_host: str,
@@ -655,7 +657,7 @@ def goals(summary: list[dict[str, Any]], holders: int = 1, model_bytes: int = 1,
         if not kill or ("warm", 1) not in med:
             continue
         k = kill[-1]
-        bound = (med["warm", 1] + Settings().relay_stall_timeout) * 1.2
+        bound = (med["warm", 1] + Settings().stall_timeout) * 1.2
         alive = "" if k["victim_killed_while_loading"] else " (the victim had finished: not a test)"
         below = k["below_victim_max_s"]
         how = k["victim_signal"]
@@ -826,7 +828,7 @@ def main() -> int:
                         " (a worker's own connection to the bucket), not one shared link")
     p.add_argument("--group-window", type=float, default=Settings().download_group_window,
                    help="cooperative: download_group_window, seconds the elected worker waits"
-                        " for the others before naming the members")
+                        " for the others before naming the members (sets cohort_window to 10x it)")
     p.add_argument("--netns", action="store_true",
                    help="each worker in its own network namespace, its outgoing link shaped by tc"
                         " at --link-gbps (instead of the send cap); needs root, ip and tc")

@@ -50,7 +50,7 @@ def main() -> None:
         fleet = t.Fleet(ckpt, {"redis_url": redis.url, "namespace": "bench-reshard",
                                "cache_dir": str(Path(tmp) / "cache"), "advertise_host": "127.0.0.1",
                                "peer_ttl": 3.0, "secret": "b" * 32,
-                               "transfer_timeout": 120.0, "receiver_handshake_timeout": 10.0})
+                               "transfer_timeout": 120.0, "handshake_timeout": 10.0})
         try:
             fleet.start(1, "plain", settings={"max_concurrent_sends": args.sends})
             (h,) = fleet.reports(1, timeout=300)

@@ -215,8 +215,8 @@ def predict(c: Costs, sizes: tuple[int, ...] = SIM_SIZES) -> dict[str, dict[int,
 
 #: Fleet sizes of the fan-out tables.
 FANOUT_SIZES = (1, 64, 256, 1024, 4096)
-#: ``relay_stall_timeout``: the most a member waits for its next step.
-STALL = Settings.relay_stall_timeout
+#: ``stall_timeout``: the most a member waits for its next step.
+STALL = Settings.stall_timeout
 #: Run 7's N=1 costs as benchmarks/results-log.md ("Simulation") gives them: used when no
 #: measured JSON is at hand (``benchmarks/out/`` is not in a fresh clone).
 RUN7 = Costs(fixed=0.21, setup=0.039, step=3.38 / 65, steps=65, download=14.7, cohort_max=16,

@@ -59,7 +59,7 @@ skipped). Invariants after every rollout:
 1. every unit that was not killed reported, per rank, either tensors whose bytes equal
    the checkpoint's (before, or after a ``shard_changed``: never anything else), or an
    :class:`NcclBackError` (anything else is a failure, with its traceback);
-2. no load took longer than ``bound = 2 * (single_flight_max_wait + peer_budget_seconds)
+2. no load took longer than ``bound = 2 * (single_flight_max_wait + peer_budget)
    + STORAGE_ALLOWANCE`` plus the time its own process was SIGSTOPped (the load loop
    runs the election and the peer phase at most twice, then storage); a unit silent
    ``HANG_MARGIN`` past its bound is a hang (its stacks are dumped to its log);
@@ -114,18 +114,18 @@ SECRET = "soak-secret-0123456789abcdef"
 #: Small timeouts keep the bound tight and a rollout a few seconds long.
 SETTINGS: dict[str, Any] = {
     "advertise_host": "127.0.0.1", "secret": SECRET,
-    "redis_timeout": 0.5, "peer_ttl": 2.0, "claim_ttl": 2.0,
-    "sender_handshake_timeout": 1.0, "receiver_handshake_timeout": 2.0,
-    "transfer_timeout": 5.0, "busy_wait": 2.0, "max_peer_attempts": 2,
-    "single_flight_wait": 3.0, "download_lease": 2.0, "single_flight_max_wait": 6.0,
-    "cohort_window": 0.5, "relay_stall_timeout": 2.0, "storage_attempts": 2,
+    # claim_ttl 1.8 s; a sender's handshake 1 s; busy_wait 2.5 s, peer_budget 13.5 s.
+    "redis_timeout": 0.5, "peer_ttl": 3.0, "handshake_timeout": 2.0, "transfer_timeout": 5.0,
+    # The elected worker names a roster of who waits with it (a window of 0.05 s, a tenth
+    # of the cohort's): one more path and key kind.
+    "cohort_window": 0.5, "stall_timeout": 2.0, "storage_attempts": 2,
     "bucket_bytes": 16384,
-    # The elected worker names a roster of who waits with it: one more path and key kind.
-    "download_group_window": 0.3,
     # 200 kB/s per sender: a transfer of the 117 kB transformer takes ~0.6 s, so faults
     # at random moments land inside transfers and relay chains, not only between them.
     "max_send_gbps": 0.0002,
 }
+#: Derived bounds carved shorter than ``SETTINGS`` gives them (:meth:`Settings.capped`).
+CAPS: dict[str, float] = {"single_flight_wait": 3.0, "single_flight_max_wait": 6.0, "download_lease": 2.0}
 #: The sidecar units' model: what a sidecar holds is then the model, not interpreter noise.
 SIDECAR_MODEL_MIB = 32
 #: What a sidecar may hold (RssAnon + RssShmem over its process before it), per model byte.
@@ -160,7 +160,7 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.load.servi
 
 def load_bound(settings: Settings) -> float:
     """The documented deadline of one load (invariant 2, see the module docstring)."""
-    return 2 * (settings.single_flight_max_wait + settings.peer_budget_seconds) + STORAGE_ALLOWANCE
+    return 2 * (settings.single_flight_max_wait + settings.peer_budget) + STORAGE_ALLOWANCE
 
 
 # --------------------------------------------------------------------------- schedule
@@ -333,7 +333,7 @@ class Soak:
         self.settings_kwargs = {**SETTINGS, "redis_url": self.redis.url, "namespace": self.namespace,
                                 "cache_dir": str(work / "cache")}
         self.big, self.big_digest = self._big(work / "big")
-        self.settings = Settings(**self.settings_kwargs)
+        self.settings = Settings(**self.settings_kwargs).capped(**CAPS)
         self.bound = load_bound(self.settings)
         atexit.register(self.close)
 
@@ -509,6 +509,7 @@ class Soak:
                    # the tiny ones, so faults land inside their transfers).
                    "settings": {**self.settings_kwargs,
                                 **({"max_send_gbps": 0.0} if u.get("kind") == "sidecar" else {})},
+                   "caps": CAPS,
                    "log": str(rdir / f"u{u['unit']}-{rank}.log"),
                    "hang_after": self.bound + HANG_MARGIN, "group_timeout": GROUP_TIMEOUT}
             reader, writer = _CTX.Pipe(duplex=False)
@@ -894,8 +895,8 @@ def table(outcomes: list[Outcome], seed: int, wall: float, faults: tuple[str, ..
         " size present), as extra reads: rollouts: "
         + ", ".join(f"{n}: {c}" for n, c in sorted(reads.items()))
         + "; rollouts without faults: " + (", ".join(f"{n}: {c}" for n, c in sorted(clean_reads.items())) or "none")
-        + ". Bound per load: 2 * (single_flight_max_wait + peer_budget_seconds) + "
-        f"{STORAGE_ALLOWANCE:g} s = {load_bound(Settings(**{**SETTINGS})):.0f} s, plus the time the "
+        + ". Bound per load: 2 * (single_flight_max_wait + peer_budget) + "
+        f"{STORAGE_ALLOWANCE:g} s = {load_bound(Settings(**SETTINGS).capped(**CAPS)):.0f} s, plus the time the "
         "load's own process was stopped.",
     ]
     if failed:

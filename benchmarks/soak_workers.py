@@ -216,7 +216,7 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
             report.pop("phase")
         # From here on a silent rank is the library's: the soak judges hangs from this on.
         out.send({"unit": job["unit"], "rank": rank, "event": "phase", "phase": "service"})
-        settings = Settings(**job["settings"])
+        settings = Settings(**job["settings"]).capped(**job["caps"])
         if job.get("garble"):
             from faults import garble_relay_sends
 

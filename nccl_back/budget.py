@@ -1,6 +1,7 @@
 """One deadline per load, split into phases: the bound on everything a load waits for.
 
-A load's peer attempts share one :class:`Budget` (``Settings.peer_budget``); each phase
+A load's peer attempts share one :class:`Budget` (``Settings.peer_budget``, derived in
+:mod:`nccl_back.timing` like every bound below but the fixed ones); each phase
 takes a :class:`Phase` of it, bounded by the phase's own limit and by what is left of
 the whole, so no phase can spend another's time and none can outlive the load:
 
@@ -17,7 +18,7 @@ plan       within discover's                      the plan's cells and tests
                                                   takes a send turn
 claim      ``busy_wait``                          the holder's ``max_sends`` slots
 transfer   ``transfer_timeout``, ``stall_timeout`` the watchdog
-fetch      ``peer_budget`` (artifact sets),       ``max_artifact_bytes``
+fetch      ``peer_budget`` (artifact sets),       ``MAX_ARTIFACT_BYTES``
            ``artifact_wait`` (header waits)
 ========== ====================================== =====================================
 
@@ -32,9 +33,7 @@ from dataclasses import dataclass
 
 from nccl_back import _clock
 from nccl_back.errors import BudgetSpentError
-
-#: Seconds a reshard's discovery (other layouts' holders, their truth, the plan) may take.
-DISCOVER_SECONDS = 10.0
+from nccl_back.timing import DISCOVER_SECONDS as DISCOVER_SECONDS  # imported from here by reshard
 
 
 @dataclass(frozen=True)

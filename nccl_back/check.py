@@ -130,11 +130,11 @@ def _redis_fix(error: BaseException) -> str:
         return ("put the Redis password in NCCL_BACK_REDIS_URL (redis://:PASSWORD@host:port/db,"
                 " URL-encoded) as the server's requirepass has it")
     if "TLS certificate verification failed" in str(error):
-        return ("set NCCL_BACK_REDIS_CA_FILE (--redis-ca-file) to the CA bundle that signed"
+        return ("put ?ssl_ca_certs=PATH in NCCL_BACK_REDIS_URL: the CA bundle that signed"
                 " the server's certificate, and use the host name the certificate names")
     if "sentinel" in str(error):
         return ("check the sentinel addresses and the service name in NCCL_BACK_REDIS_URL,"
-                " and NCCL_BACK_REDIS_SENTINEL_PASSWORD")
+                " and its ?sentinel_password=")
     return ("start Redis or correct host and port in NCCL_BACK_REDIS_URL; from a pod, check"
             " the Service name and that a NetworkPolicy admits this pod to it")
 

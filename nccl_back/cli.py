@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 # Only light modules at the top: `--help`, `fingerprint` and `status` must not pay for
 # torch (seconds). Each command imports what it needs (see tests/test_cli_speed.py).
-from nccl_back.config import Settings
+from nccl_back.config import RETIRED, Settings
 from nccl_back.errors import ConfigError, NcclBackError
 
 if TYPE_CHECKING:
@@ -83,22 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
 _SETTINGS_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("redis-url", str, "coordination store: redis://[:password@]host:port/db, rediss:// (TLS),"
      " redis+sentinel://h1:26379,h2:26379/SERVICE/db or redis+cluster://h1:6379,h2:6379"),
-    ("redis-ca-file", str, "CA bundle (PEM) verifying the Redis server's TLS certificate"),
-    ("redis-cert-file", str, "client certificate (PEM) for mutual TLS with Redis"),
-    ("redis-key-file", str, "private key (PEM) of --redis-cert-file"),
     ("namespace", str, "prefix of every Redis key"),
     ("transport", str, "auto, gloo or nccl"),
     ("verify", str, "integrity check after a peer load: sampled, full or none"),
     ("advertise-host", str, "address peers use to reach this worker"),
-    ("transfer-timeout", float, "watchdog deadline of one transfer, seconds"),
-    ("receiver-handshake-timeout", float, "seconds a receiver waits in the handshake"),
-    ("sender-handshake-timeout", float, "seconds a sender waits in the handshake"),
+    ("transfer-timeout", float, "seconds one copy may take; the load's waits are carved from it"),
+    ("handshake-timeout", float, "seconds a receiver waits in the handshake (a sender a tenth)"),
     ("redis-timeout", float, "socket timeout of every Redis call, seconds"),
     ("peer-ttl", float, "seconds an entry stays visible without a heartbeat"),
-    ("busy-wait", float, "seconds a receiver waits for a busy peer before storage"),
     ("max-concurrent-sends", int, "receivers served at once"),
     ("cache-dir", str, "CRC32C cache directory"),
 )
+
+
+class _Retired(argparse.Action):
+    """A retired settings flag: one line naming what replaces it, exit 2."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: setting retired; {RETIRED[self.dest]}")
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    for flag, type_, help_ in _SETTINGS_FLAGS:
+        p.add_argument(f"--{flag}", type=type_, help=help_)
+    for name in RETIRED:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, action=_Retired, help=argparse.SUPPRESS)
 
 
 def _add_serve(sub: Any) -> None:
@@ -133,8 +143,7 @@ def _add_serve(sub: Any) -> None:
                    " then needs it (nccl-back drain --token-file PATH)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of falling back to storage when a peer load fails")
-    for flag, type_, help_ in _SETTINGS_FLAGS:
-        p.add_argument(f"--{flag}", type=type_, help=help_)
+    _add_settings_flags(p)
     p.add_argument("--log-json", action="store_true", help="log events as JSON lines on stderr")
     p.add_argument("--log-level", dest="serve_log_level", metavar="LEVEL",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
@@ -157,8 +166,7 @@ def _add_check(sub: Any) -> None:
     p.add_argument("--skip", default="", metavar="NAME[,NAME]",
                    help="checks to leave out (e.g. transports: answers without importing torch)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    for flag, type_, help_ in _SETTINGS_FLAGS:
-        p.add_argument(f"--{flag}", type=type_, help=help_)
+    _add_settings_flags(p)
     p.set_defaults(func=cmd_check)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from nccl_back.errors import ConfigError
 from nccl_back.redis_url import parse_redis_url
+from nccl_back.timing import DerivedBounds
 from nccl_back.transport_kinds import MAX_HOLDER_PARTS, TRANSPORT_KINDS, TransportKind
 
 ENV_PREFIX = "NCCL_BACK_"
@@ -26,6 +27,8 @@ SECRET_FILE_ENV = ENV_PREFIX + "SECRET_FILE"
 MIN_SECRET_BYTES = 16
 #: Longest secret file read (a secret is a key, not a document).
 MAX_SECRET_FILE_BYTES = 4096
+#: Largest artifact set (compile caches) published or accepted, in bytes.
+MAX_ARTIFACT_BYTES = 1 << 30
 #: Automatic ``bucket_bytes`` (the setting at 0, :meth:`Settings.bucket_for`): about
 #: 1/:data:`STEPS_PER_MODEL` of the model, a power of two within the transport's range.
 AUTO_BUCKET_BYTES = {"gloo": (1 << 20, 8 << 20), "nccl": (8 << 20, 8 << 20)}
@@ -34,6 +37,29 @@ AUTO_BUCKET_BYTES = {"gloo": (1 << 20, 8 << 20), "nccl": (8 << 20, 8 << 20)}
 #: each gloo call has a fixed cost (a raw broadcast of 128 MiB in 1 MiB calls reaches
 #: 0.70-0.83 of one flat call here, in 2 MiB calls 0.91-1.0; benchmarks/RESULTS.md).
 STEPS_PER_MODEL = 64
+
+#: Settings that are no longer set, and what replaces each: setting one (keyword, variable,
+#: flag or engine config key) is an error naming the replacement, never silently ignored.
+RETIRED: dict[str, str] = {
+    "sender_handshake_timeout": "derived: a tenth of handshake_timeout, at least 1 s",
+    "receiver_handshake_timeout": "set handshake_timeout",
+    "relay_stall_timeout": "set stall_timeout (it bounds relay members too)",
+    "busy_wait": "derived: half of transfer_timeout",
+    "peer_budget": "derived: busy_wait + transfer_timeout + 3 x handshake_timeout; set transfer_timeout",
+    "artifact_wait": "derived: half of transfer_timeout",
+    "single_flight_wait": "derived: 2.5 x transfer_timeout",
+    "single_flight_max_wait": "derived: 30 x transfer_timeout",
+    "claim_ttl": "derived: 0.6 x peer_ttl",
+    "download_lease": "derived: 1.5 x peer_ttl",
+    "download_group_window": "derived: cohort_window / 10; cooperative_download=false turns the split off",
+    "max_peer_attempts": "fixed at 3 (nccl_back.timing.MAX_PEER_ATTEMPTS)",
+    "max_artifact_bytes": "fixed at 1 GiB (nccl_back.config.MAX_ARTIFACT_BYTES)",
+    "redis_ca_file": "put ?ssl_ca_certs=PATH in redis_url",
+    "redis_cert_file": "put ?ssl_certfile=PATH in redis_url",
+    "redis_key_file": "put ?ssl_keyfile=PATH in redis_url",
+    "redis_sentinel_password": "put ?sentinel_password=PASSWORD in redis_url",
+    "relay_fan_out": "the two trees are the one fan-out (chains retired): remove it",
+}
 
 TransportName = Literal["auto", TransportKind]
 VerifyMode = Literal["sampled", "full", "none"]
@@ -77,28 +103,16 @@ def default_advertise_host(redis_url: str) -> str:
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(DerivedBounds):
     """Everything a worker needs to know to load weights from a peer or from storage."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Coordination store, password in the URL: ``redis://`` (``rediss://`` over TLS) for
     one server, ``redis+sentinel://h1:26379,h2:26379/SERVICE/0`` for the master Sentinel
     names, ``redis+cluster://h1:6379,h2:6379`` for a Redis Cluster (``rediss+...`` over
-    TLS); see :mod:`nccl_back.redis_url`."""
-
-    redis_ca_file: str = ""
-    """PEM CA bundle that verifies the Redis server's certificate (TLS URLs; empty: the
-    system's CAs). Verification of the certificate and host name is always on."""
-
-    redis_cert_file: str = ""
-    """PEM client certificate presented to Redis for mutual TLS (empty: none)."""
-
-    redis_key_file: str = ""
-    """PEM private key of ``redis_cert_file`` (empty: the key is in the certificate file)."""
-
-    redis_sentinel_password: str = field(default="", repr=False)
-    """Password of the sentinels themselves, if they have one (the URL's password is the
-    data nodes')."""
+    TLS); TLS files and the sentinels' password as query parameters
+    (``?ssl_ca_certs=/ca.pem&ssl_certfile=...&ssl_keyfile=...``, ``?sentinel_password=...``);
+    see :mod:`nccl_back.redis_url`."""
 
     namespace: str = "nccl_back"
     """Prefix of every Redis key, so several fleets can share one Redis."""
@@ -112,20 +126,23 @@ class Settings:
     A worker that advertises loopback to a Redis on another host is warned about, and
     receivers on other hosts skip it."""
 
-    sender_handshake_timeout: float = 1.0
-    """Seconds a sender waits in the liveness handshake (short: don't wait on a flaky receiver)."""
-
-    receiver_handshake_timeout: float = 10.0
-    """Seconds a receiver waits in the liveness handshake (the peer may just be busy)."""
+    handshake_timeout: float = 10.0
+    """Seconds a receiver waits in the liveness handshake (the peer may just be busy); a
+    sender waits a tenth of it, at least 1 s (:attr:`sender_handshake`)."""
 
     transfer_timeout: float = 120.0
-    """Watchdog deadline in seconds for communicator creation plus the broadcast loop."""
+    """Seconds one copy of the model may take from a peer: the watchdog deadline of
+    communicator creation plus the broadcast loop, and the scale every wait of a load
+    is carved from (:attr:`busy_wait`, :attr:`peer_budget`, :attr:`artifact_wait`,
+    :attr:`single_flight_wait`, :attr:`single_flight_max_wait`)."""
 
     redis_timeout: float = 2.0
     """Socket timeout in seconds for every Redis call."""
 
     peer_ttl: float = 10.0
-    """Seconds a published peer stays visible without a heartbeat (a crashed worker vanishes)."""
+    """Seconds a published peer stays visible without a heartbeat (a crashed worker
+    vanishes); the liveness of claims and leases is derived from it (:attr:`claim_ttl`,
+    :attr:`download_lease`, :attr:`heartbeat_interval`)."""
 
     max_concurrent_sends: int = 1
     """How many receivers one sender serves at once (the ranks of one worker resharding
@@ -138,12 +155,6 @@ class Settings:
     slot are used, and not by a receiver that has members seated below it in a relay
     cohort. A cohort's seat takes each tree's half from its own idle holder, so two at
     most. 1: one holder sends everything. At most 4."""
-
-    max_peer_attempts: int = 3
-    """Peers a receiver tries before it falls back to storage."""
-
-    busy_wait: float = 60.0
-    """Seconds a receiver waits for a busy peer's send slot (or a new peer) before storage."""
 
     strict: bool = False
     """Raise instead of falling back to storage when a peer load fails."""
@@ -176,14 +187,11 @@ class Settings:
     1: no relay (whole copies from holders: a binomial fan-out)."""
 
     stall_timeout: float = 10.0
-    """Seconds a transfer from a holder may go without a step completing before it is
-    aborted (a silent peer: stopped, partitioned) and the receiver moves on, instead of
-    waiting out ``transfer_timeout``. Must exceed what one bucket takes at the slowest
-    sender's ``max_send_gbps``."""
-
-    relay_stall_timeout: float = 10.0
-    """Seconds a relay member waits for its upstream's next step before it re-attaches
-    elsewhere (another member upstream, a holder, or storage)."""
+    """Seconds a transfer may go without a step completing before it is aborted (a silent
+    peer: stopped, partitioned) and the receiver moves on, instead of waiting out
+    ``transfer_timeout``: from a holder, and for a relay member from its upstream (it
+    then re-attaches elsewhere: another member upstream, a holder, or storage). Must
+    exceed what one bucket takes at the slowest sender's ``max_send_gbps``."""
 
     storage_workers: int = 8
     """Parallel downloads (shards and ranged chunks) from storage."""
@@ -202,49 +210,20 @@ class Settings:
     cache_dir: str = field(default_factory=_default_cache_dir)
     """Where the CRC32C cache lives, so a restart reads no shard bytes."""
 
-    single_flight_wait: float = 300.0
-    """Seconds a worker waits for an elected downloader before loading from storage itself."""
-
-    download_lease: float = 15.0
-    """Seconds an elected downloader's lease lasts without renewal (a dead one is replaced)."""
-
-    single_flight_max_wait: float = 3600.0
-    """Upper bound in seconds on waiting for an elected downloader that is alive (still
-    renewing its lease) past ``single_flight_wait``: a large model can take longer."""
-
-    download_group_window: float = 0.2
-    """Seconds the worker elected to download a version nobody holds waits for its
-    download group before naming the members of a cooperative download, each to read one
-    part from storage and serve it to the elected worker, which proves every file and
-    streams the whole (:mod:`nccl_back.load.cooperative`; single-rank workers loading the
-    checkpoint's own tensors, cohorts on). Alone, it reads the whole and streams it as it
-    reads; 0 turns the split off."""
-
-    claim_ttl: float = 6.0
-    """Seconds a send-slot claim, a download member's record or a relay member's liveness
-    mark lives unless renewed by its running owner: a dead or stopped one is given up on."""
-
-    peer_budget: float = 0.0
-    """Seconds all peer attempts of one load may take together (claims, handshakes,
-    transfers, waits for busy peers), so fake or stalling peers cannot cost more; past
-    it the worker loads from storage. 0: ``busy_wait + transfer_timeout +
-    max_peer_attempts * receiver_handshake_timeout``."""
+    cooperative_download: bool = True
+    """The worker elected to download a version nobody holds waits
+    :attr:`download_group_window` for its download group, then names the members of a
+    cooperative download, each to read one part from storage and serve it to the elected
+    worker, which proves every file and streams the whole
+    (:mod:`nccl_back.load.cooperative`; single-rank workers loading the checkpoint's own
+    tensors, cohorts on). Alone, it reads the whole and streams it as it reads. False:
+    no split."""
 
     compile_caches: bool = True
     """Engines share their compile caches (vLLM's ``torch_compile_cache`` for its hash,
     the inductor artifacts in it, ``modelinfos``) with peers: a starting engine receives
     them during its weight load, a ready one publishes them. Needs ``secret``: without
     one caches are skipped (a warning, once), because they hold code the engine runs."""
-
-    max_artifact_bytes: int = 1 << 30
-    """Largest artifact set (compile caches) published or accepted, in bytes."""
-
-    artifact_wait: float = 60.0
-    """Seconds, counted from its start, that anything waits on a background fetch of
-    compile caches (the precompiled headers): inductor, before it builds a header itself
-    (in total, however many headers it looks for), and the engine, for the fetch's
-    outcome before it decides what to publish; past it the fetch is a miss ("timed out")
-    and its transfer is given up (its peer budget)."""
 
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
@@ -262,22 +241,11 @@ class Settings:
                 raise ConfigError(f"{f.name}={value!r}: must be true or false")
             if isinstance(value, str) and not _utf8(value):
                 # os.environ holds undecodable bytes as lone surrogates; never echo a secret.
-                shown = "" if f.name in ("secret", "redis_sentinel_password") else f"={value!r}"
+                shown = "" if f.name in ("secret", "redis_url") else f"={value!r}"
                 raise ConfigError(f"{f.name}{shown}: not UTF-8 text")
-        target = parse_redis_url(self.redis_url)
+        parse_redis_url(self.redis_url)
         if not self.advertise_host:
             object.__setattr__(self, "advertise_host", default_advertise_host(self.redis_url))
-        tls_files = ("redis_ca_file", "redis_cert_file", "redis_key_file")
-        for name in tls_files:
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name}={getattr(self, name)!r}: must be a file path (or empty)")
-        if not target.tls and any(getattr(self, n) for n in tls_files):
-            # Silently ignoring them would let a user believe the link is encrypted.
-            given = [n for n in tls_files if getattr(self, n)]
-            raise ConfigError(f"{', '.join(given)} given but redis_url={self.redis_url!r} is not TLS;"
-                              " use rediss://, rediss+sentinel:// or rediss+cluster://")
-        if self.redis_key_file and not self.redis_cert_file:
-            raise ConfigError("redis_key_file given without redis_cert_file (the client certificate)")
         # No braces either: the namespace becomes a Redis Cluster hash tag, {namespace}.
         if not self.namespace or any(c in self.namespace for c in " :*?[]{}"):
             raise ConfigError(
@@ -288,16 +256,13 @@ class Settings:
         if self.verify not in ("sampled", "full", "none"):
             raise ConfigError(f"verify={self.verify!r}: choose sampled, full or none")
         for name in (
-            "sender_handshake_timeout", "receiver_handshake_timeout", "transfer_timeout", "redis_timeout",
-            "peer_ttl", "single_flight_wait", "busy_wait", "download_lease", "single_flight_max_wait",
-            "claim_ttl", "cohort_window", "relay_stall_timeout", "stall_timeout", "artifact_wait",
+            "handshake_timeout", "transfer_timeout", "redis_timeout", "peer_ttl", "cohort_window", "stall_timeout",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive number of seconds")
         for name in (
-            "max_concurrent_sends", "max_peer_attempts", "storage_workers",
-            "chunk_bytes", "storage_attempts", "max_artifact_bytes",
+            "max_concurrent_sends", "storage_workers", "chunk_bytes", "storage_attempts",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -318,13 +283,6 @@ class Settings:
         ):
             raise ConfigError(f"s3_endpoint_url={self.s3_endpoint_url!r}: give http(s)://host[:port]"
                               " (the store's endpoint, no bucket or path), or leave it empty")
-        w = self.download_group_window
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w < self.single_flight_wait:
-            raise ConfigError(f"download_group_window={w!r}: must be 0 (no cooperative download) or a"
-                              f" number of seconds below single_flight_wait={self.single_flight_wait!r}")
-        if self.single_flight_max_wait < self.single_flight_wait:
-            raise ConfigError(f"single_flight_max_wait={self.single_flight_max_wait!r}: must be at"
-                              f" least single_flight_wait={self.single_flight_wait!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -337,9 +295,6 @@ class Settings:
                 f"secret: must be a string of at least {MIN_SECRET_BYTES} bytes"
                 " (e.g. `openssl rand -hex 32`), or unset"
             )
-        pb = self.peer_budget
-        if not isinstance(pb, (int, float)) or isinstance(pb, bool) or pb < 0:
-            raise ConfigError(f"peer_budget={self.peer_budget!r}: must be 0 (automatic) or positive seconds")
 
     def key(self, purpose: str) -> bytes | None:
         """A 32-byte key for one ``purpose`` derived from :attr:`secret` (``None`` without one).
@@ -367,35 +322,22 @@ class Settings:
         """:attr:`cohort_max_size`, or when it is 0 1,024 seats."""
         return self.cohort_max_size or 1024
 
-    @property
-    def peer_budget_seconds(self) -> float:
-        """:attr:`peer_budget`, or its automatic value when it is 0."""
-        if self.peer_budget > 0:
-            return float(self.peer_budget)
-        return self.busy_wait + self.transfer_timeout + self.max_peer_attempts * self.receiver_handshake_timeout
-
-    @property
-    def heartbeat_interval(self) -> float:
-        """Seconds between heartbeats: a third of the TTL (one lost beat is harmless)."""
-        return self.peer_ttl / 3
-
-    @property
-    def connect_timeout(self) -> float:
-        """Seconds either side waits for the communicator to form after a handshake.
-
-        Derived from the handshake timeouts: both sides proved alive a moment ago, so a
-        communicator that has not formed within them never will (and the claim must not
-        be held for a whole ``transfer_timeout``). Never longer than ``transfer_timeout``.
-        """
-        return min(self.sender_handshake_timeout + self.receiver_handshake_timeout,
-                   self.transfer_timeout)
+    def __new__(cls, *args: Any, **kwargs: Any) -> Settings:
+        # Runs before the dataclass's __init__: a retired name gets its replacement, not
+        # a bare "unexpected keyword argument".
+        retired_error(kwargs, "{name}")
+        return super().__new__(cls)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated again)."""
+        retired_error(changes, "{name}")
         if ("redis_url" in changes and "advertise_host" not in changes
                 and self.advertise_host == default_advertise_host(self.redis_url)):
             changes["advertise_host"] = ""  # automatic: chosen again for the new Redis
-        return dataclasses.replace(self, **changes)
+        copy = dataclasses.replace(self, **changes)
+        if "_caps" in self.__dict__:
+            object.__setattr__(copy, "_caps", self.caps)  # a carved phase stays carved
+        return copy
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -407,6 +349,8 @@ class Settings:
         value raises :class:`ConfigError` naming the variable.
         """
         env = os.environ if environ is None else environ
+        retired_error({k[len(ENV_PREFIX):].lower() for k in env if k.startswith(ENV_PREFIX)},
+                      ENV_PREFIX + "{NAME}")
         values: dict[str, Any] = {}
         secret_file = env.get(SECRET_FILE_ENV)
         if secret_file is not None:
@@ -436,6 +380,14 @@ class Settings:
                 raise
             # A suffix: the message still starts with the field, as Settings(...) says it.
             raise ConfigError(f"{e} (from {', '.join(named)})") from e
+
+
+def retired_error(names: Any, shown: str) -> None:
+    """:class:`ConfigError` naming the first retired setting among ``names`` (as ``shown``
+    formats it: ``{name}`` or ``{NAME}``, ``{flag}``) and what replaces it."""
+    for name in sorted(n for n in names if n in RETIRED):
+        spelled = shown.format(name=name, NAME=name.upper(), flag=name.replace("_", "-"))
+        raise ConfigError(f"{spelled}: setting retired; {RETIRED[name]}")
 
 
 def _read_secret_file(path: str) -> str:

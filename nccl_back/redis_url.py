@@ -9,13 +9,22 @@ connects (:mod:`nccl_back.coord.redisclient`) reads the same parse. The URL form
     redis+sentinel://[:pw@]h1:26379,h2:26379/SVC/0  the master Sentinel names SVC
     redis+cluster://[:pw@]h1:6379,h2:6379           a Redis Cluster (any nodes, as seeds)
     rediss://, rediss+sentinel://, rediss+cluster://  the same over TLS
+
+Query parameters (redis-py's names) carry what else a connection needs::
+
+    ?ssl_ca_certs=/ca.pem                 the CA bundle that verifies the server (TLS URLs;
+                                          default: the system's CAs; verification is always on)
+    &ssl_certfile=/c.pem&ssl_keyfile=/k.pem  a client certificate for mutual TLS (the key
+                                          may sit in the certificate file)
+    &sentinel_password=PW                 the sentinels' own password (redis+sentinel://; the
+                                          URL's password is the data nodes')
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from nccl_back.errors import ConfigError
 
@@ -50,6 +59,17 @@ class RedisTarget:
     db: int
     service: str | None
     """The master's name in Sentinel (``sentinel`` only)."""
+    ca_file: str | None = None
+    """``ssl_ca_certs``: the PEM CA bundle that verifies the server (None: the system's)."""
+    cert_file: str | None = None
+    """``ssl_certfile``: the PEM client certificate for mutual TLS."""
+    key_file: str | None = None
+    """``ssl_keyfile``: the PEM private key of ``cert_file`` (None: in the certificate file)."""
+    sentinel_password: str | None = field(default=None, repr=False)
+    """``sentinel_password``: the sentinels' own (``sentinel`` only)."""
+
+#: The query parameters :func:`parse_redis_url` reads (the rest go to redis-py as they are).
+OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "sentinel_password")
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -68,7 +88,7 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise ConfigError(f"redis_url={url!r}: scheme must be redis://, rediss:// or unix:// ({_EXAMPLE})")
     kind, tls = _SCHEMES[scheme]
     if scheme == "unix":
-        return RedisTarget(kind, tls, (), parts.username, parts.password, 0, None)
+        return _options(url, parts.query, RedisTarget(kind, tls, (), parts.username, parts.password, 0, None))
     userinfo, sep, hostlist = parts.netloc.rpartition("@")
     username = password = None
     if sep:
@@ -90,7 +110,38 @@ def parse_redis_url(url: str) -> RedisTarget:
     db = int(path[0]) if path else 0
     if kind == "cluster" and db != 0:
         raise ConfigError(f"redis_url={url!r}: a Redis Cluster has only database 0")
-    return RedisTarget(kind, tls, hosts, username, password, db, service)
+    return _options(url, parts.query, RedisTarget(kind, tls, hosts, username, password, db, service))
+
+
+def _options(url: str, query: str, target: RedisTarget) -> RedisTarget:
+    """``target`` with the :data:`OPTIONS` of the URL's query, checked."""
+    got: dict[str, str] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key not in OPTIONS:
+            continue
+        if key in got or not value:
+            raise ConfigError(f"redis_url={redact(url)!r}: {key} given twice or empty")
+        got[key] = value
+    tls_files = [k for k in OPTIONS[:3] if k in got]
+    if tls_files and not target.tls:
+        # Silently ignoring them would let a user believe the link is encrypted.
+        raise ConfigError(f"redis_url={redact(url)!r}: {', '.join(tls_files)} given but the URL is not"
+                          " TLS; use rediss://, rediss+sentinel:// or rediss+cluster://")
+    if "ssl_keyfile" in got and "ssl_certfile" not in got:
+        raise ConfigError(f"redis_url={redact(url)!r}: ssl_keyfile given without ssl_certfile"
+                          " (the client certificate)")
+    if "sentinel_password" in got and target.kind != "sentinel":
+        raise ConfigError(f"redis_url={redact(url)!r}: sentinel_password is for redis+sentinel:// URLs")
+    return replace(target, ca_file=got.get("ssl_ca_certs"), cert_file=got.get("ssl_certfile"),
+                   key_file=got.get("ssl_keyfile"), sentinel_password=got.get("sentinel_password"))
+
+
+def without_options(url: str) -> str:
+    """``url`` without the query parameters :func:`parse_redis_url` reads itself (for redis-py,
+    which would pass them on to the connection as they are)."""
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in OPTIONS]
+    return urlunsplit(parts._replace(query=urlencode(query)))
 
 
 def _host_port(url: str, item: str, default: int) -> tuple[str, int]:
@@ -112,9 +163,13 @@ def _host_port(url: str, item: str, default: int) -> tuple[str, int]:
 
 
 def redact(url: str) -> str:
-    """``url`` without its password, fit for an error message or a log line."""
+    """``url`` without its passwords, fit for an error message or a log line."""
     parts = urlsplit(url)
+    if "sentinel_password=" in parts.query:
+        query = "&".join("sentinel_password=***" if p.startswith("sentinel_password=") else p
+                         for p in parts.query.split("&"))
+        parts = parts._replace(query=query)
     if parts.password is None:
-        return url
+        return urlunsplit(parts)
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return urlunsplit(parts._replace(netloc=netloc))

@@ -52,8 +52,8 @@ def main() -> None:
     settings = Settings.from_env(
         redis_url=args.redis_url, namespace=args.namespace, cache_dir=args.cache_dir,
         advertise_host="127.0.0.1", redis_timeout=0.5,
-        peer_ttl=3.0, busy_wait=1.0, single_flight_wait=1.0,
-    )
+        peer_ttl=3.0,
+    ).capped(busy_wait=1.0, single_flight_wait=1.0)
     spec = ModelSpec.from_dir(args.ckpt, cache_dir=args.cache_dir)
     model = flat_skeleton(spec)
     with WeightService(settings, worker_id=f"embed-{os.getpid()}") as svc:

@@ -148,7 +148,7 @@ def test_receiver_skips_a_loopback_peer_before_any_claim(
     nor handshaken (that cost the connect deadline): skipped with the reason, storage next."""
     ckpt = str(write_checkpoint(fill_random(TinyTransformer(), seed=3), tmp_path / "ckpt"))
     settings = Settings(redis_url=outward_redis, namespace=namespace, cache_dir=cache_dir,
-                        receiver_handshake_timeout=5.0)
+                        handshake_timeout=5.0)
     assert not is_loopback(settings.advertise_host)
     registry = Registry(settings)
     spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
@@ -164,6 +164,6 @@ def test_receiver_skips_a_loopback_peer_before_any_claim(
     assert result.source == "storage"
     assert registry.client.llen(registry.key("req", "loop-peer")) == 0
     assert list(registry.scan("hs:*")) == []
-    assert time.monotonic() - t0 < settings.receiver_handshake_timeout
+    assert time.monotonic() - t0 < settings.handshake_timeout
     assert any(r.getMessage().startswith("peer_unreachable") and "loopback" in r.getMessage()
                for r in caplog.records)

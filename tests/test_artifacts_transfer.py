@@ -34,7 +34,7 @@ FACTORS = {"vllm": "0.32.0", "config_hash": "c0ffee", "compiler_hash": "beef"}
 def base_settings(redis_url: str, namespace: str, **kw: Any) -> dict[str, Any]:
     return {"redis_url": redis_url, "namespace": namespace, "advertise_host": "127.0.0.1",
             "peer_ttl": 5.0, "secret": SECRET,
-            "receiver_handshake_timeout": 5.0, "transfer_timeout": 30.0, **kw}
+            "handshake_timeout": 5.0, "transfer_timeout": 30.0, **kw}
 
 
 class Holders:

@@ -363,7 +363,7 @@ def plain(redis_url: str, namespace: str, cache_dir: str) -> Any:
 
     return Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
                     cache_dir=cache_dir, peer_ttl=3.0, transfer_timeout=20.0,
-                    receiver_handshake_timeout=3.0, single_flight_wait=20.0, busy_wait=5.0)
+                    handshake_timeout=3.0).capped(single_flight_wait=20.0, busy_wait=5.0)
 
 
 @pytest.fixture
@@ -614,7 +614,7 @@ def test_fake_peers_that_answer_the_handshake_then_stall_cost_at_most_the_budget
     from nccl_back.load.service import WeightService
     from nccl_back.model.skeleton import manifest
 
-    settings = plain.replace(peer_budget=3.0, transfer_timeout=60.0)
+    settings = plain.replace(transfer_timeout=60.0).capped(peer_budget=3.0)
     spec, model = _spec_and_model(ckpt, settings)
     digest = manifest(model).digest
     attacker, tarpit, stop = Registry(plain), Tarpit(), threading.Event()

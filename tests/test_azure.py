@@ -535,7 +535,7 @@ def test_storage_load_then_peer_load_of_an_az_checkpoint(
     upload_dir(client, container, "m", ckpt)
     config = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
                       cache_dir=cache_dir, peer_ttl=3.0,
-                      transfer_timeout=20.0, receiver_handshake_timeout=5.0)
+                      transfer_timeout=20.0, handshake_timeout=5.0)
     spec = ModelSpec.from_dir(f"az://{container}/m", settings=config)
     expected, _ = named_tensors(fill_random(TinyTransformer(), 4))
     with WeightService(config) as seed:

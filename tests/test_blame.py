@@ -480,8 +480,8 @@ def test_relay_upstreams_and_holders_share_one_peer_budget(
     ckpt = str(write_checkpoint(fill_random(TinyTransformer(), seed=11), tmp_path / "ckpt"))
     settings = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
                         cache_dir=cache_dir, peer_ttl=3.0, transfer_timeout=60.0,
-                        receiver_handshake_timeout=3.0, single_flight_wait=20.0, busy_wait=5.0,
-                        peer_budget=3.0, cohort_window=30.0)
+                        handshake_timeout=3.0, cohort_window=30.0).capped(
+        single_flight_wait=20.0, busy_wait=5.0, peer_budget=3.0)
     spec, model = _spec_and_model(ckpt, settings)
     digest = manifest(model).digest
     attacker, tarpit, stop = Registry(settings), Tarpit(), threading.Event()

@@ -31,8 +31,8 @@ SECRET = "claims-test-secret-0123456789abcdef"
 @pytest.fixture
 def fleet(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Iterator[tuple[Settings, ModelSpec]]:
     ckpt = write_checkpoint(fill_random(TinyTransformer(), seed=21), tmp_path / "ckpt")
-    s = settings_for(redis_url, namespace, cache_dir, secret=SECRET, claim_ttl=2.0, busy_wait=12.0,
-                     max_concurrent_sends=1)
+    # settings_for's peer_ttl 3 s and transfer_timeout 20 s: claim_ttl 1.8 s, busy_wait 10 s.
+    s = settings_for(redis_url, namespace, cache_dir, secret=SECRET, max_concurrent_sends=1)
     yield s, ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir)
 
 

@@ -158,15 +158,13 @@ def test_redis_password_missing(env: dict[str, str], redis_pw: LocalRedis) -> No
 
 
 def test_bad_tls_ca(env: dict[str, str], redis_server: LocalRedis, pki: dict[str, str]) -> None:  # noqa: F811
-    """rediss:// with a CA that did not sign the server: fails naming NCCL_BACK_REDIS_CA_FILE;
+    """rediss:// with a CA that did not sign the server: fails naming the URL's ?ssl_ca_certs=;
     with the right CA the line says the certificate was verified."""
     with TLSTerminator(redis_server.port, pki["server"], pki["server_key"]) as t:
-        url = f"rediss://127.0.0.1:{t.port}/0"
-        proc = run_check({**env, "NCCL_BACK_REDIS_URL": url, "NCCL_BACK_REDIS_CA_FILE": pki["other_ca"]},
-                         *NO_TORCH)
-        _fail(proc, "redis", "TLS certificate verification failed", "NCCL_BACK_REDIS_CA_FILE")
-        good = run_check({**env, "NCCL_BACK_REDIS_URL": url, "NCCL_BACK_REDIS_CA_FILE": pki["ca"]},
-                         *NO_TORCH)
+        url = f"rediss://127.0.0.1:{t.port}/0?ssl_ca_certs="
+        proc = run_check({**env, "NCCL_BACK_REDIS_URL": url + pki["other_ca"]}, *NO_TORCH)
+        _fail(proc, "redis", "TLS certificate verification failed", "?ssl_ca_certs=PATH in NCCL_BACK_REDIS_URL")
+        good = run_check({**env, "NCCL_BACK_REDIS_URL": url + pki["ca"]}, *NO_TORCH)
         assert good.returncode == 0, good.stdout
         assert "TLS certificate and host name verified" in lines(good)["redis"]
 
@@ -295,3 +293,15 @@ def test_nccl_without_cuda(env: dict[str, str]) -> None:
     """transport=nccl on a machine without CUDA: transports fails with the fix."""
     proc = run_check({**env, "NCCL_BACK_TRANSPORT": "nccl"})
     _fail(proc, "transports", "CUDA is not available here", "NCCL_BACK_TRANSPORT=gloo")
+
+
+def test_a_retired_setting_fails_naming_its_replacement(env: dict[str, str]) -> None:
+    """A retired NCCL_BACK_* variable fails the settings check naming what replaces it; a retired
+    flag is one usage line naming it, exit 2."""
+    proc = run_check({**env, "NCCL_BACK_BUSY_WAIT": "5"}, *NO_TORCH)
+    _fail(proc, "settings", "NCCL_BACK_BUSY_WAIT: setting retired; derived: half of transfer_timeout",
+          "NCCL_BACK_*")
+    proc = run_check(env, *NO_TORCH, "--receiver-handshake-timeout", "3")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "--receiver-handshake-timeout: setting retired; set handshake_timeout" in proc.stderr

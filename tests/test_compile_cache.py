@@ -213,18 +213,19 @@ def test_a_stalled_headers_fetch_is_waited_for_within_its_bound(
     ("timed out after 3 s"), long before the stall bound would end the transfer; the
     fetch itself gives up (its peer budget) and leaves no partial header."""
     s = base_settings(redis_url, namespace, stall_timeout=30.0, transfer_timeout=60.0,
-                      artifact_wait=3.0, bucket_bytes=1 << 20)
+                      bucket_bytes=1 << 20)
+    waiter = Settings(**s).capped(artifact_wait=3.0)
     holder = _headers_holder(held, s, tmp_path, "stalled", 96 << 20,  # ~6 s at 16 MB/s
                              max_send_gbps=0.016)
     began = time.monotonic()
-    with compile_cache("stalled", Settings(**s), cache_dir=str(tmp_path / "cache")) as got:
+    with compile_cache("stalled", waiter, cache_dir=str(tmp_path / "cache")) as got:
         time.sleep(1.0)
         os.kill(holder.pid, signal.SIGSTOP)
         cc.wait_for_headers()  # what inductor's _precompile_header does first
         waited = time.monotonic() - began
         assert 2.5 < waited < 4.5, waited
         # Asking again joins the fetch in flight (one per set) and gets its outcome.
-        job = cc.fetch_headers(Settings(**s), cc.inductor_key("stalled"))
+        job = cc.fetch_headers(waiter, cc.inductor_key("stalled"))
         assert len(cc._IN_FLIGHT) == 1
         outcome = job.result()
     ended = time.monotonic() - began

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from nccl_back.config import Settings
+from nccl_back.config import RETIRED, Settings
 from nccl_back.errors import ConfigError, NcclBackError
 
 
 def test_defaults_are_valid() -> None:
     """Default settings construct and follow the design's handshake timeouts."""
     s = Settings()
-    assert s.sender_handshake_timeout == 1.0
-    assert s.receiver_handshake_timeout == 10.0
+    assert s.sender_handshake == 1.0
+    assert s.handshake_timeout == 10.0
     assert s.heartbeat_interval == pytest.approx(s.peer_ttl / 3)
 
 
@@ -34,11 +35,9 @@ def test_defaults_are_valid() -> None:
         ({"max_send_gbps": -0.5}, r"max_send_gbps=-0.5: must be 0"),
         ({"cohort_max_size": -1}, r"cohort_max_size=-1: must be 0 \(automatic/unlimited\) or positive"),
         ({"cohort_window": 0}, r"cohort_window=0: must be a positive number"),
-        ({"relay_stall_timeout": -1}, r"relay_stall_timeout=-1: must be a positive number"),
-        ({"download_group_window": -1}, r"download_group_window=-1: must be 0 \(no cooperative"),
-        ({"download_group_window": 300.0},
-         r"download_group_window=300.0: .* below single_flight_wait=300.0"),
-        ({"download_group_window": float("nan")}, r"download_group_window=nan"),
+        ({"stall_timeout": -1}, r"stall_timeout=-1: must be a positive number"),
+        ({"handshake_timeout": 0}, r"handshake_timeout=0: must be a positive number"),
+        ({"cooperative_download": 0}, r"cooperative_download=0: must be true or false"),
     ],
 )
 def test_bad_values_name_the_value(kwargs: dict[str, object], message: str) -> None:
@@ -100,8 +99,8 @@ def test_nan_and_infinite_values_are_rejected(value: str) -> None:
     """NaN or infinite seconds (from the environment or code) are a ConfigError."""
     with pytest.raises(ConfigError, match=r"NCCL_BACK_|transfer_timeout=(nan|inf|-inf)"):
         Settings.from_env({"NCCL_BACK_TRANSFER_TIMEOUT": value})
-    with pytest.raises(ConfigError, match=r"busy_wait=(nan|inf|-inf): must be"):
-        Settings(busy_wait=float(value))
+    with pytest.raises(ConfigError, match=r"stall_timeout=(nan|inf|-inf): must be"):
+        Settings(stall_timeout=float(value))
 
 
 def test_secret_from_variable_or_file_never_shown(tmp_path: Path) -> None:
@@ -134,24 +133,43 @@ def test_bad_secrets_are_config_errors_without_the_value(tmp_path: Path) -> None
         Settings.from_env({"NCCL_BACK_SECRET_FILE": str(path)})
 
 
-def test_multirank_settings_are_checked_and_connect_timeout_is_derived() -> None:
-    """single_flight_max_wait >= single_flight_wait, claim_ttl > 0; connect_timeout = both handshake timeouts."""
-    with pytest.raises(ConfigError, match="single_flight_max_wait=10.*at least single_flight_wait=300"):
-        Settings(single_flight_max_wait=10.0)
-    with pytest.raises(ConfigError, match="claim_ttl=0"):
-        Settings(claim_ttl=0)
-    s = Settings(sender_handshake_timeout=1.0, receiver_handshake_timeout=10.0)
-    assert s.connect_timeout == 11.0
-    assert Settings(transfer_timeout=5.0).connect_timeout == 5.0
-
-
-def test_peer_budget_is_automatic_or_explicit() -> None:
-    """peer_budget 0 derives the bound from the other timeouts; negative is refused."""
+def test_derived_bounds_keep_the_defaults_of_the_settings_they_replace() -> None:
+    """Each derived bound follows its field and, at the defaults, equals the retired setting's default."""
     s = Settings()
-    assert s.peer_budget_seconds == s.busy_wait + s.transfer_timeout + 3 * s.receiver_handshake_timeout
-    assert Settings(peer_budget=5).peer_budget_seconds == 5
-    with pytest.raises(ConfigError, match="peer_budget=-1"):
-        Settings(peer_budget=-1)
+    assert (s.sender_handshake, s.connect_timeout, s.busy_wait, s.artifact_wait) == (1.0, 11.0, 60.0, 60.0)
+    assert (s.single_flight_wait, s.single_flight_max_wait, s.peer_budget) == (300.0, 3600.0, 210.0)
+    assert (s.claim_ttl, s.download_lease, s.download_group_window) == (6.0, 15.0, 0.2)
+    assert s.peer_budget == s.busy_wait + s.transfer_timeout + 3 * s.handshake_timeout
+    assert Settings(transfer_timeout=5.0).connect_timeout == 5.0
+    assert Settings(peer_ttl=5.0).claim_ttl == 3.0
+    assert Settings(cohort_window=3.0).download_group_window == pytest.approx(0.3)
+    assert Settings(cooperative_download=False).download_group_window == 0.0
+
+
+def test_capped_lowers_a_derived_bound_and_survives_replace() -> None:
+    """capped() carves a derived bound shorter (never longer), keeps it through replace(), and
+    refuses a name that is not a derived bound or a bad number."""
+    s = Settings().capped(peer_budget=3.0, busy_wait=100.0)
+    assert (s.peer_budget, s.busy_wait) == (3.0, 60.0)
+    assert s.replace(namespace="other").peer_budget == 3.0
+    assert s.caps == {"peer_budget": 3.0, "busy_wait": 100.0} and Settings().caps == {}
+    with pytest.raises(ConfigError, match="transfer_timeout: not a derived bound"):
+        Settings().capped(transfer_timeout=1.0)
+    with pytest.raises(ConfigError, match="claim_ttl=0: must be a positive number"):
+        Settings().capped(claim_ttl=0)
+
+
+@pytest.mark.parametrize("name", sorted(RETIRED))
+def test_a_retired_setting_is_an_error_naming_its_replacement(name: str) -> None:
+    """A retired setting, as a keyword, in replace() or as NCCL_BACK_*, is one ConfigError naming
+    what replaces it; never silently ignored."""
+    with pytest.raises(ConfigError, match=rf"^{name}: setting retired; {re.escape(RETIRED[name])}$"):
+        Settings(**{name: 1.0})
+    with pytest.raises(ConfigError, match=rf"^{name}: setting retired"):
+        Settings().replace(**{name: 1.0})
+    env = f"NCCL_BACK_{name.upper()}"
+    with pytest.raises(ConfigError, match=rf"^{env}: setting retired; {re.escape(RETIRED[name])}$"):
+        Settings.from_env({env: "1"})
 
 
 def test_bucket_policy_per_transport_and_send_cap_from_env() -> None:
@@ -212,3 +230,13 @@ def test_wrongly_typed_values_are_config_errors(kwargs: dict[str, object], messa
     field, not an AttributeError or TypeError from deeper down."""
     with pytest.raises(ConfigError, match=message):
         Settings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_retired_key_of_an_engines_extra_config_names_its_replacement() -> None:
+    """vLLM's model_loader_extra_config with a retired key: one ConfigError naming the key and its replacement."""
+    from nccl_back.engines.common import settings_from
+
+    with pytest.raises(ConfigError, match=r"^model_loader_extra_config\['relay_stall_timeout'\]: setting retired;"
+                                          r" set stall_timeout"):
+        settings_from({"relay_stall_timeout": 3})
+    assert settings_from({"stall_timeout": 3}).stall_timeout == 3.0

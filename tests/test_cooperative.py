@@ -20,9 +20,11 @@ from models import TinyTransformer, fill_random, write_checkpoint
 
 #: Large enough for several steps per part at the fleet's 16 KiB bucket.
 MODEL = {"n_layers": 4, "d": 64}
-COOPERATIVE = {"download_group_window": 1.0, "peer_ttl": 3.0, "redis_timeout": 3.0,
-               "sender_handshake_timeout": 3.0, "single_flight_wait": 60.0,
-               "single_flight_max_wait": 90.0, "relay_stall_timeout": 5.0}
+#: A download group's window of 1 s (a tenth of the cohort's), a sender's handshake of 3 s
+#: (a tenth of the receiver's).
+COOPERATIVE = {"cohort_window": 10.0, "peer_ttl": 3.0, "redis_timeout": 3.0,
+               "handshake_timeout": 30.0, "single_flight_max_wait": 90.0,  # single_flight_wait 50 s
+               "stall_timeout": 5.0}
 
 
 @pytest.fixture
@@ -108,11 +110,11 @@ def test_a_member_serving_a_wrong_byte_is_blamed_and_its_share_read_again(fleet:
 def test_a_share_slower_to_read_than_the_stall_bound_still_serves_its_part(
         fleet: Fleet, ckpt: str) -> None:
     """Member 1 reads its share at 1 s a step, longer in all than the elected
-    worker's stall bound (3 s) and its announcement's TTL (``claim_ttl`` 2 s, renewed
+    worker's stall bound (3 s) and its announcement's TTL (``claim_ttl`` 1.8 s, renewed
     while it serves): each step goes out as it lands, so the pull keeps moving, nobody
     reads member 1's share again, and all three end verified."""
     go = CTX.Event()
-    slow = {**COOPERATIVE, "relay_stall_timeout": 2.0, "download_lease": 3.0, "claim_ttl": 2.0}
+    slow = {**COOPERATIVE, "stall_timeout": 2.0, "download_lease": 3.0}
     for i in range(3):
         fleet.start(f"w{i}", settings=slow,
                     go=go, serve_for=30, model_kwargs=MODEL, fault="slow_member_1_share")
@@ -188,7 +190,7 @@ def test_a_member_lost_before_it_answers_is_given_up_on_within_its_announcements
     arrives (the handshake never answered): its announcement lapses, so its part is
     spread over the other two after ``claim_ttl`` (3 s), not after the elected worker's
     handshake timeout (40 s here), and both end verified."""
-    fleet.settings.update(claim_ttl=3.0, receiver_handshake_timeout=40.0)
+    fleet.settings.update(peer_ttl=5.0, handshake_timeout=40.0)  # claim_ttl 3 s
     procs = _start_together(fleet, 3, fault=fault)
     reports = [_ok(fleet.report(150)) for _ in range(2)]
     assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
@@ -215,7 +217,7 @@ def test_the_elected_worker_killed_during_the_gather_a_member_takes_over(
     lost[0].join(5)
     assert lost[0].exitcode == -signal.SIGKILL
     # Taken over within the lease and the window, not after a dead member's stall bound.
-    assert all(r["load_seconds"] < COOPERATIVE["relay_stall_timeout"] + 8 for r in reports), reports
+    assert all(r["load_seconds"] < COOPERATIVE["stall_timeout"] + 8 for r in reports), reports
     # Each survivor's share, plus the dead worker's share read by the new owner.
     assert sum(r["storage_bytes"] for r in reports) < 1.1 * _checkpoint_bytes(ckpt), reports
     owner = next(r for r in reports if r["source"] == "storage")

@@ -371,7 +371,7 @@ def test_grace_period_covers_the_drain_bound(name: str, rendered: dict[str, list
     objs = rendered[name]
     cfg = config_data(objs)
     drain_bound = (
-        float(cfg["NCCL_BACK_SENDER_HANDSHAKE_TIMEOUT"])
+        float(cfg["NCCL_BACK_HANDSHAKE_TIMEOUT"]) / 10  # the sender's handshake
         + float(cfg["NCCL_BACK_TRANSFER_TIMEOUT"])
         + float(cfg["NCCL_BACK_REDIS_TIMEOUT"])
     )

@@ -39,8 +39,8 @@ class FakeClock(_clock.Clock):
 
 @pytest.fixture
 def settings(redis_url: str, namespace: str) -> Settings:
-    return Settings(redis_url=redis_url, namespace=namespace, single_flight_wait=10.0,
-                    single_flight_max_wait=50.0, download_lease=15.0)
+    return Settings(redis_url=redis_url, namespace=namespace).capped(  # download_lease 15 s
+        single_flight_wait=10.0, single_flight_max_wait=50.0)
 
 
 @pytest.fixture
@@ -157,9 +157,9 @@ def test_a_worker_that_cannot_read_a_share_never_joins_the_download_group(
 
 @pytest.fixture
 def cooperative(redis_url: str, namespace: str) -> Iterator[Registry]:
-    reg = Registry(Settings(redis_url=redis_url, namespace=namespace, single_flight_wait=10.0,
-                            single_flight_max_wait=50.0, download_lease=15.0,
-                            download_group_window=0.2, secret="election-test-secret-" + "x" * 16))
+    reg = Registry(Settings(redis_url=redis_url, namespace=namespace,  # group window 0.2 s
+                            secret="election-test-secret-" + "x" * 16).capped(
+        single_flight_wait=10.0, single_flight_max_wait=50.0))
     yield reg
     reg.close()
 

@@ -87,11 +87,10 @@ def _settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
     return Settings(
         redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
         cache_dir=cache_dir, secret=SECRET, peer_ttl=3.0,
-        redis_timeout=3.0, sender_handshake_timeout=1.0, receiver_handshake_timeout=2.0,
-        transfer_timeout=10.0, single_flight_wait=8.0, single_flight_max_wait=12.0,
-        download_lease=2.0, busy_wait=6.0, claim_ttl=2.0, cohort_window=0.3,
-        relay_stall_timeout=3.0, max_peer_attempts=2, download_group_window=0.2,
-    )
+        redis_timeout=3.0, handshake_timeout=2.0,  # a sender's handshake 1 s
+        transfer_timeout=10.0, cohort_window=0.3,  # busy_wait 5 s, a group window 0.03 s
+        stall_timeout=3.0,  # claim_ttl 1.8 s
+    ).capped(single_flight_wait=8.0, single_flight_max_wait=12.0, download_lease=2.0)
 
 
 #: Peak RSS a load may add while values of 32 MiB or more (``hostile.HUGE``) sit at a
@@ -113,8 +112,9 @@ def rss_checked(how: str, fn: Callable[[], T]) -> T:
 #: endpoint wait outlast a 2-core stall: with the fleet's 2 s, CI's two suites running
 #: beside once cost the elected worker its lease and the member its endpoint, and both
 #: downloaded alone (exact, but no cooperative download to test).
-TOGETHER = {"download_group_window": 3.0, "download_lease": 6.0, "claim_ttl": 6.0,
-            "relay_stall_timeout": 6.0}
+TOGETHER = {"cohort_window": 30.0, "peer_ttl": 10.0, "stall_timeout": 6.0}  # window 3 s, claim_ttl 6 s
+#: ... and the lease of 6 s (the fleet's cap of 2 s replaced).
+TOGETHER_CAPS = {"download_lease": 6.0}
 
 
 def kind_of(key: str) -> str:
@@ -255,7 +255,7 @@ def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
     by its stream); a reshard from a plain holder; an artifact set published and fetched."""
     fleet.clean()
     watch = KeyWatch(fleet.client, fleet.settings.namespace)
-    together = fleet.settings.replace(**TOGETHER)
+    together = fleet.settings.replace(**TOGETHER).capped(**TOGETHER_CAPS)
     try:
         with WeightService(together) as first, WeightService(together) as second, \
                 ThreadPoolExecutor(2) as pool:
@@ -436,7 +436,7 @@ def test_every_corruption_of_the_spread_record_leaves_a_cooperative_download_exa
     key, gtype, gvalue = captured["dlx"]
     fleet.clean()
     corrupt(fleet.client, key, schema.DOWNLOAD_RESCUE, how, (gtype, gvalue))
-    together = fleet.settings.replace(**TOGETHER)
+    together = fleet.settings.replace(**TOGETHER).capped(**TOGETHER_CAPS)
     with WeightService(together) as first, WeightService(together) as second, \
             ThreadPoolExecutor(2) as pool:
         loads = [pool.submit(fleet.load, svc) for svc in (first, second)]
@@ -644,7 +644,7 @@ def test_a_wrong_type_index_neither_hides_a_holder_nor_stops_it_publishing(fleet
 
 def _worker_settings(redis_url: str, cache_dir: str) -> dict[str, Any]:
     return {"redis_url": redis_url, "namespace": "lost", "cache_dir": cache_dir, "secret": SECRET,
-            "peer_ttl": 3.0, "single_flight_wait": 20.0, "busy_wait": 10.0, "bucket_bytes": 16384}
+            "peer_ttl": 3.0, "single_flight_wait": 20.0, "bucket_bytes": 16384}  # busy_wait 10 s
 
 
 @pytest.mark.timeout(180)

@@ -42,11 +42,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 #: What a worker's settings add to :func:`workers.settings_for` (the hostile-Redis
 #: fleet's timings: a receiver the rollout's garbage turns away retries within seconds).
 SETTINGS = {
-    "secret": SECRET, "peer_ttl": 3.0, "redis_timeout": 3.0, "sender_handshake_timeout": 1.0,
-    "receiver_handshake_timeout": 2.0, "transfer_timeout": 10.0, "single_flight_wait": 8.0,
-    "single_flight_max_wait": 12.0, "download_lease": 2.0, "busy_wait": 6.0, "claim_ttl": 2.0,
-    "cohort_window": 0.3, "relay_stall_timeout": 3.0, "max_peer_attempts": 2,
-    "download_group_window": 0.2,
+    "secret": SECRET, "peer_ttl": 3.0, "redis_timeout": 3.0,  # claim_ttl 1.8 s
+    "handshake_timeout": 2.0, "transfer_timeout": 10.0,  # a sender's handshake 1 s, busy_wait 5 s
+    "single_flight_wait": 8.0, "single_flight_max_wait": 12.0, "download_lease": 2.0,  # caps
+    "cohort_window": 0.3, "stall_timeout": 3.0,  # a download group's window 0.03 s
 }
 #: Seconds one worker's load may take, whatever Redis holds (the single flight's waits
 #: and one re-publication of the holder's entry add up to well under it).

@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "nccl_back"
 #: Layer of each top-level module or subpackage, bottom first (ARCHITECTURE.md).
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["errors", "transport_kinds", "_clock", "files", "bounded_json", "log",
-                     "metrics", "config", "redis_url", "result", "budget"], 0),
+                     "metrics", "config", "redis_url", "result", "budget", "timing"], 0),
     "model": 1,
     "coord": 2,
     "transport": 3,
@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["cli", "__init__"], 7),
 }
 #: Modules of the common layer may import each other in this order only.
-COMMON_ORDER = ["errors", "transport_kinds", "_clock", "files", "budget", "bounded_json",
+COMMON_ORDER = ["errors", "transport_kinds", "_clock", "files", "timing", "budget", "bounded_json",
                 "redis_url", "log", "metrics", "config", "result"]
 MAX_LINES = 500
 

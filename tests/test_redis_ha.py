@@ -119,12 +119,16 @@ def test_urls_parse(url: str, kind: str, tls: bool, hosts: tuple[tuple[str, int]
         ({"redis_url": "redis+cluster://a:7000/3"}, r"a Redis Cluster has only database 0"),
         ({"redis_url": "redis://a:1,b:2/0"}, r"several hosts; use redis\+sentinel:// or redis\+cluster://"),
         ({"redis_url": "redis+cluster://a:99999"}, r"bad port"),
-        ({"redis_ca_file": "/ca.pem"}, r"redis_ca_file given but redis_url=.* is not TLS"),
-        ({"redis_url": "rediss://h", "redis_key_file": "/k.pem"}, r"redis_key_file given without redis_cert_file"),
+        ({"redis_url": "redis://h?ssl_ca_certs=/ca.pem"}, r"ssl_ca_certs given but the URL is not TLS"),
+        ({"redis_url": "rediss://h?ssl_keyfile=/k.pem"}, r"ssl_keyfile given without ssl_certfile"),
+        ({"redis_url": "rediss://h?ssl_ca_certs=/a.pem&ssl_ca_certs=/b.pem"}, r"ssl_ca_certs given twice or empty"),
+        ({"redis_url": "redis://:pw@h?sentinel_password=sp"},
+         r"^redis_url='redis://:\*\*\*@h\?sentinel_password=\*\*\*': sentinel_password is for redis\+sentinel://"),
     ],
 )
 def test_bad_ha_settings_are_config_errors(changes: dict[str, str], message: str) -> None:
-    """A malformed Sentinel/Cluster URL or TLS file without TLS is a ConfigError naming it."""
+    """A malformed Sentinel/Cluster URL, a TLS file without TLS or a sentinel password without
+    Sentinel is a ConfigError naming it (passwords redacted)."""
     with pytest.raises(ConfigError, match=message):
         Settings(**changes)
 
@@ -260,12 +264,11 @@ def test_sentinel_failover_during_a_load(namespace: str, ckpt: Path, cache_dir: 
 
 
 def test_sentinel_with_its_own_password(namespace: str) -> None:
-    """Sentinels with their own password are reached with redis_sentinel_password; without it, a RegistryError."""
+    """Sentinels with their own password are reached with the URL's ?sentinel_password=; without it, a RegistryError."""
     with LocalSentinel(password="data-pw", sentinel_password="sentinel-pw") as sentinel:
         with pytest.raises(RegistryError, match="redis PING failed"):
             Registry(Settings(redis_url=sentinel.url, namespace=namespace, redis_timeout=0.5)).ping()
-        reg = Registry(Settings(redis_url=sentinel.url, namespace=namespace,
-                                redis_sentinel_password="sentinel-pw"))
+        reg = Registry(Settings(redis_url=sentinel.url + "?sentinel_password=sentinel-pw", namespace=namespace))
         reg.publish_peer(_info("p1"))
         assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["p1"]
         reg.close()
@@ -360,8 +363,8 @@ def tls_redis(redis_server: LocalRedis, pki: dict[str, str]) -> Iterator[TLSTerm
 
 def test_tls_with_ca_bundle(tls_redis: TLSTerminator, pki: dict[str, str], namespace: str) -> None:
     """rediss:// with the CA bundle that signed the server: verified, every operation works."""
-    reg = Registry(Settings(redis_url=f"rediss://127.0.0.1:{tls_redis.port}/0", namespace=namespace,
-                            redis_ca_file=pki["ca"]))
+    reg = Registry(Settings(redis_url=f"rediss://127.0.0.1:{tls_redis.port}/0?ssl_ca_certs={pki['ca']}",
+                            namespace=namespace))
     reg.ping()
     reg.publish_peer(_info("p1"))
     assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["p1"]
@@ -372,11 +375,12 @@ def test_tls_wrong_ca_is_one_clear_error(tls_redis: TLSTerminator, pki: dict[str
                                          namespace: str) -> None:
     """A CA that did not sign the server's certificate: one RegistryError saying so and naming the fix."""
     url = f"rediss://127.0.0.1:{tls_redis.port}/0"
-    reg = Registry(Settings(redis_url=url, namespace=namespace, redis_ca_file=pki["other_ca"]))
-    with pytest.raises(RegistryError, match=r"TLS certificate verification failed .*set redis_ca_file"):
+    wrong = f"{url}?ssl_ca_certs={pki['other_ca']}"
+    reg = Registry(Settings(redis_url=wrong, namespace=namespace))
+    with pytest.raises(RegistryError, match=r"TLS certificate verification failed .*put \?ssl_ca_certs=PATH in redis_url"):
         reg.ping()
-    proc = subprocess.run([EXE, "status", "--redis-url", url], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "NCCL_BACK_REDIS_CA_FILE": pki["other_ca"]})
+    proc = subprocess.run([EXE, "status"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "NCCL_BACK_REDIS_URL": wrong})
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "TLS certificate verification failed" in proc.stderr
     # Without any CA the system store does not know our test CA either: verification is on.
@@ -389,23 +393,22 @@ def test_tls_client_certificate(redis_server: LocalRedis, pki: dict[str, str], n
     with TLSTerminator(redis_server.port, pki["server"], pki["server_key"], client_ca=pki["ca"]) as t:
         url = f"rediss://127.0.0.1:{t.port}/0"
         with pytest.raises(RegistryError, match="redis PING failed"):
-            Registry(Settings(redis_url=url, namespace=namespace, redis_ca_file=pki["ca"])).ping()
-        reg = Registry(Settings(redis_url=url, namespace=namespace, redis_ca_file=pki["ca"],
-                                redis_cert_file=pki["client"], redis_key_file=pki["client_key"]))
+            Registry(Settings(redis_url=f"{url}?ssl_ca_certs={pki['ca']}", namespace=namespace)).ping()
+        mutual = f"{url}?ssl_ca_certs={pki['ca']}&ssl_certfile={pki['client']}&ssl_keyfile={pki['client_key']}"
+        reg = Registry(Settings(redis_url=mutual, namespace=namespace))
         reg.ping()
         reg.close()
 
 
 def test_tls_missing_ca_file_is_a_config_error(namespace: str) -> None:
     """A CA path that does not exist is named before any connection."""
-    with pytest.raises(ConfigError, match=r"redis_ca_file='/no/ca.pem': no such file"):
-        Registry(Settings(redis_url="rediss://127.0.0.1:1/0", namespace=namespace,
-                          redis_ca_file="/no/ca.pem"))
+    with pytest.raises(ConfigError, match=r"redis_url's ssl_ca_certs='/no/ca.pem': no such file"):
+        Registry(Settings(redis_url="rediss://127.0.0.1:1/0?ssl_ca_certs=/no/ca.pem", namespace=namespace))
 
 
 def test_tls_peer_load(tls_redis: TLSTerminator, pki: dict[str, str], namespace: str, ckpt: Path,
                        cache_dir: str, tmp_path: Path) -> None:
-    """Two worker processes coordinate over TLS (CA from NCCL_BACK_REDIS_CA_FILE): a verified peer load."""
-    result = _peer_load(ckpt, f"rediss://127.0.0.1:{tls_redis.port}/0", namespace, cache_dir,
-                        tmp_path, env={"NCCL_BACK_REDIS_CA_FILE": pki["ca"]})
+    """Two worker processes coordinate over TLS (the CA in the URL's ?ssl_ca_certs=): a verified peer load."""
+    result = _peer_load(ckpt, f"rediss://127.0.0.1:{tls_redis.port}/0?ssl_ca_certs={pki['ca']}", namespace,
+                        cache_dir, tmp_path)
     assert result["source"] == "peer" and result["verified"] is True

@@ -499,7 +499,7 @@ def test_downloader_killed_mid_stream_the_waiters_still_load(
     verified; nobody waits on the dead stream past the lease."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     fleet.settings["download_lease"] = 1.5
-    fleet.settings["download_group_window"] = 0.0  # the single flight's own stream
+    fleet.settings["cooperative_download"] = False  # the single flight's own stream
     try:
         doomed = fleet.start("doomed", fault="kill_mid_stream")
         wait_for_lease(redis_url, namespace)

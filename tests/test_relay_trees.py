@@ -33,7 +33,7 @@ from nccl_back.transport.relay.state import STALLED_HANDSHAKE, StepSources
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
-TREES = {"cohort_window": 10.0, "relay_stall_timeout": 3.0,
+TREES = {"cohort_window": 10.0, "stall_timeout": 3.0,
          "transfer_timeout": 20.0, "cohort_max_size": 64}
 
 
@@ -231,7 +231,8 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
     the second tree's root, once data moves: every other member ends verified and
     bit-identical from peers, none reads storage, each within its deadline. Its liveness
     mark lapsed before the stall bound, or it resumed (SIGCONT) while the seats below
-    ask it once more: the same, and a resumed one ends verified too."""
+    ask it once more: the same, and a resumed one ends verified too (from any source: it
+    was stopped past the stall bound, which bounds its own upstream link as well)."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     victim: Any = None
     try:
@@ -244,13 +245,14 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
         time.sleep(0.8)  # the trees are flowing
         os.kill(victim.pid, how)
         if resume:
-            time.sleep(TREES["relay_stall_timeout"] + 0.3)  # its children stalled and ask again
+            time.sleep(TREES["stall_timeout"] + 0.3)  # its children stalled and ask again
             os.kill(victim.pid, signal.SIGCONT)
         reports = {r["role"]: r for r in (fleet.report(timeout=60) for _ in range(6 if resume else 5))}
         assert (role in reports) is resume
         for r in reports.values():
             _ok(r)
-            assert r["source"] == "peer" and r["storage_bytes"] == 0, r
+            if r["role"] != role:
+                assert r["source"] == "peer" and r["storage_bytes"] == 0, r
             assert r["load_seconds"] < 2 * TREES["transfer_timeout"], r
         assert time.monotonic() - t0 < 60
     finally:

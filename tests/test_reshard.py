@@ -128,10 +128,11 @@ def fleet(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Ite
     ckpt = str(write_checkpoint(model, tmp_path / "ckpt", n_shards=2))
     f = Fleet(ckpt, {"redis_url": redis_url, "namespace": namespace, "cache_dir": cache_dir,
                      "advertise_host": "127.0.0.1", "peer_ttl": 3.0,
-                     "transfer_timeout": 20.0, "receiver_handshake_timeout": 5.0,
+                     "transfer_timeout": 20.0,
                      # Waits a 2-core machine running CI's two suites can meet: at the
-                     # defaults a GET timed out there and the receiver rightly went to storage.
-                     "redis_timeout": 3.0, "sender_handshake_timeout": 3.0,
+                     # defaults a GET timed out there and the receiver rightly went to storage
+                     # (a sender's handshake is a tenth of the receiver's: 3 s).
+                     "redis_timeout": 3.0, "handshake_timeout": 30.0,
                      "secret": "s" * 32, "bucket_bytes": 4096})
     yield f
     f.close()
@@ -297,7 +298,7 @@ def test_plan_mismatch_is_refused_before_data_moves(tmp_path: Path, redis_url: s
     model = fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=3)
     ckpt = str(write_checkpoint(model, tmp_path / "ckpt", n_shards=2))
     s = Settings(redis_url=redis_url, namespace=namespace, cache_dir=cache_dir, secret="s" * 32,
-                 advertise_host="127.0.0.1", receiver_handshake_timeout=5.0)
+                 advertise_host="127.0.0.1", handshake_timeout=5.0)
     spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
 
     def skewed(receiver: Any, holders: Any) -> reshard_plan.Plan:

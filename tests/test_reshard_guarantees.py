@@ -81,7 +81,7 @@ def world(tmp_path: Path, redis_url: str, namespace: str, cache_dir: str) -> Ite
     model = fill_random(build(lambda: rw.Flat(rw.checkpoint_shapes())), seed=11)
     ckpt = str(write_checkpoint(model, tmp_path / "ckpt"))
     w = World(ckpt, settings_for(redis_url, namespace, cache_dir, secret=SECRET, bucket_bytes=4096,
-                                 busy_wait=5.0))
+                                 busy_wait=5.0))  # a cap: settings_for's is 10 s
     yield w
     w.close()
 

@@ -511,7 +511,7 @@ def test_worker_from_s3_serves_worker_from_gcs(
         gbucket.blob(f"m/{f}").upload_from_filename(str(ckpt / f))
     config = Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
                       cache_dir=cache_dir, peer_ttl=3.0,
-                      transfer_timeout=20.0, receiver_handshake_timeout=5.0)
+                      transfer_timeout=20.0, handshake_timeout=5.0)
     from_s3 = ModelSpec.from_dir(f"s3://{bucket}/m", settings=config)
     from_gs = ModelSpec.from_dir(f"gs://{gbucket.name}/m", settings=config)
     assert from_s3.version == from_gs.version

@@ -36,7 +36,7 @@ def ckpt(tmp_path: Path) -> str:
 def settings(redis_url: str, namespace: str, cache_dir: str) -> Settings:
     return Settings(redis_url=redis_url, namespace=namespace, advertise_host="127.0.0.1",
                     cache_dir=cache_dir, peer_ttl=3.0,
-                    transfer_timeout=20.0, receiver_handshake_timeout=5.0)
+                    transfer_timeout=20.0, handshake_timeout=5.0)
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_close_racing_the_heartbeat_leaves_no_entry(settings: Settings, ckpt: st
 def test_queued_send_after_withdraw_is_refused(settings: Settings, ckpt: str, registry: Registry) -> None:
     """A request queued behind a busy send slot is refused once the worker withdrew, never served."""
     spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
-    with WeightService(settings.replace(sender_handshake_timeout=1.5)) as svc:
+    with WeightService(settings.replace(handshake_timeout=15.0)) as svc:  # a sender's: 1.5 s
         info = svc.serve(build(TinyTransformer), spec)
         # First request: nobody answers its handshake, so the one send slot is busy ~1.5 s.
         registry.push_request(info.peer_id, _request(info))
@@ -132,7 +132,7 @@ def test_failed_send_frees_the_receivers_slot(settings: Settings, ckpt: str, reg
         assert token is not None
         # The request arrives but no handshake follows (the receiver died right after).
         registry.push_request(info.peer_id, _request(info, claim=token))
-        deadline = time.monotonic() + 10  # sender_handshake_timeout is 1 s; the claim's TTL 60 s
+        deadline = time.monotonic() + 10  # the sender's handshake is 1 s; the claim's TTL 60 s
         while registry.active_claims(info.peer_id):
             assert time.monotonic() < deadline, "the slot stayed claimed"
             time.sleep(0.05)
@@ -178,7 +178,7 @@ def test_cpu_receiver_skips_a_peer_of_another_transport_before_any_claim(
     # No request ever reached the GPU peer, no handshake was started, no timeout waited.
     assert registry.client.llen(registry.key("req", "gpu-peer")) == 0
     assert list(registry.scan("hs:*")) == []
-    assert time.monotonic() - t0 < settings.receiver_handshake_timeout
+    assert time.monotonic() - t0 < settings.handshake_timeout
 
 
 @pytest.mark.timeout(60)

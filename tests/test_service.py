@@ -179,7 +179,7 @@ def test_dead_registered_peer_falls_back(fleet: Fleet) -> None:
     _ok(fleet.report())
     os.kill(sender.pid, signal.SIGKILL)
     t0 = time.monotonic()
-    fleet.start("receiver", serve_for=0, settings={"receiver_handshake_timeout": 1.5})
+    fleet.start("receiver", serve_for=0, settings={"handshake_timeout": 1.5})
     r = _ok(fleet.report())
     assert r["source"] == "storage"
     assert r["fallback_reason"].startswith("handshake_timeout:")
@@ -214,7 +214,7 @@ def test_receiver_killed_mid_transfer_sender_keeps_serving(fleet: Fleet) -> None
 def test_receiver_sigkilled_with_default_timeouts_frees_the_slot_fast(fleet: Fleet) -> None:
     """With the default transfer_timeout (120 s), a receiver SIGKILLed mid-transfer frees its
     send slot: the next receiver gets a peer load within 15 s of the kill."""
-    defaults = {"transfer_timeout": 120.0, "receiver_handshake_timeout": 10.0}
+    defaults = {"transfer_timeout": 120.0, "handshake_timeout": 10.0}
     fleet.start("sender", settings=defaults)
     _ok(fleet.report())
     go = CTX.Event()
@@ -294,7 +294,7 @@ def test_redis_killed_during_handshake(ckpt: str, namespace: str, cache_dir: str
         _ok(f.report())
         os.kill(sender.pid, signal.SIGSTOP)  # registered, alive, but never answers
         f.start("receiver", serve_for=0,
-                settings={"receiver_handshake_timeout": 20.0, "redis_timeout": 0.5})
+                settings={"handshake_timeout": 20.0, "redis_timeout": 0.5})
         client = redis.Redis.from_url(own.url)
         deadline = time.monotonic() + 30
         while not list(client.scan_iter(f"{{{namespace}}}:hs:*")):
@@ -326,11 +326,11 @@ def test_single_flight_one_download(fleet: Fleet) -> None:
 def test_single_flight_downloader_dies(fleet: Fleet) -> None:
     """If the elected downloader dies, another worker takes over within the lease."""
     fleet.settings["download_lease"] = 1.5
-    fleet.settings["download_group_window"] = 0.0  # the single flight's own download
+    fleet.settings["cooperative_download"] = False  # the single flight's own download
     # A waiter that joined the dead downloader's stream gives it up at the relay stall
     # bound, not at the connection's loss (the default 10 s was most of this test's time;
     # measured: 25.5 s -> 11.2 s); nothing here sends slowly.
-    fleet.settings["relay_stall_timeout"] = 3.0
+    fleet.settings["stall_timeout"] = 3.0
     doomed = fleet.start("doomed", fault="kill_mid_download")
     # Let the doomed worker win the election before the others start.
     wait_for_lease(fleet.settings["redis_url"], fleet.settings["namespace"])

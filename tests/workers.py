@@ -20,6 +20,7 @@ from nccl_back.config import Settings
 from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.skeleton import build, named_tensors
+from nccl_back.timing import CAPPABLE
 
 from models import TinyTransformer  # type: ignore[import-not-found]
 
@@ -33,10 +34,16 @@ def settings_for(redis_url: str, namespace: str, cache_dir: str, **overrides: An
         "cache_dir": cache_dir,
         "peer_ttl": 3.0,
         "transfer_timeout": 20.0,
-        "receiver_handshake_timeout": 5.0,
+        "handshake_timeout": 5.0,
     }
     base.update(overrides)
-    return Settings(**base)
+    # Derived bounds (claim_ttl, busy_wait, ...) are no settings: a test carves them shorter.
+    caps = {k: base.pop(k) for k in list(base) if k in CAPPABLE}
+    settings = Settings(**base)
+    for name, seconds in caps.items():
+        if seconds >= getattr(settings, name):
+            raise ValueError(f"{name}={seconds}: a cap must lower the derived {getattr(settings, name)}")
+    return settings.capped(**caps) if caps else settings
 
 
 def matches_checkpoint(model: Any, ckpt: str) -> bool:

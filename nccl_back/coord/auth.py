@@ -32,13 +32,12 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import UntrustedRecordError
 from nccl_back.log import get_logger
+from nccl_back.timing import CLOCK_SKEW
 
 log = get_logger(__name__)
 
 SIG = "sig"
 EXP = "exp"
-#: Seconds a record's ``exp`` may lie in the past: clocks of a fleet drift a little.
-CLOCK_SKEW = 5.0
 
 _warned = threading.Event()
 

@@ -51,6 +51,7 @@ from nccl_back.coord.registry import Registry
 from nccl_back.coord.signed_store import Raw
 from nccl_back.errors import NcclBackError
 from nccl_back.log import get_logger
+from nccl_back.timing import ELECTION_POLL as POLL
 from nccl_back.transport_kinds import MAX_PARTS
 
 log = get_logger("nccl_back.coord.election")
@@ -65,8 +66,6 @@ _FAILED = 8  # this rank could not poll (Redis): the group stops waiting
 # Rank 0's member number i of n in a roster, above the bits (i < n <= MAX_PARTS < 256).
 _MEMBER_I, _MEMBER_N = 8, 16
 
-#: Seconds between two polls of the group.
-POLL = 0.1
 
 class DownloadLease:
     """The right to be the one worker (of ``world`` ranks) downloading ``version``."""

@@ -47,8 +47,8 @@ it (:func:`abandoned`) once no step came for a moment, and moves on at once inst
 after its stall bound.
 
 Each side checks "I wrote my nonce and the other side made it +1". Every wait shares
-one deadline per side: ``settings.sender_handshake_timeout`` (1 s: don't wait on a
-flaky receiver) and ``settings.receiver_handshake_timeout`` (10 s: the peer may just
+one deadline per side: ``settings.sender_handshake`` (1 s: don't wait on a
+flaky receiver) and ``settings.handshake_timeout`` (10 s: the peer may just
 be busy). Past it: :class:`HandshakeTimeoutError` naming the state; no communicator
 exists yet, so there is nothing to clean up but the keys. Both sides carry their
 manifest digest, so a mismatch stops both before any data moves. Redis failures
@@ -80,19 +80,14 @@ from nccl_back.errors import (
     RegistryError,
 )
 from nccl_back.log import get_logger
+from nccl_back.timing import HANDSHAKE_POLL as POLL
+from nccl_back.timing import HANDSHAKE_POLL_MAX as POLL_MAX
 
 log = get_logger(__name__)
 
 __all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "abandon", "abandoned", "refuse", "run_receiver",
            "run_sender"]
 
-#: Seconds before the second read of a key the other side is to write; each further
-#: wait doubles, up to :data:`POLL_MAX`.
-POLL = 0.005
-#: Longest wait between two reads: a fleet released together runs one handshake per
-#: part and member at once, and at 5 ms each one is 200 reads a second on the one
-#: Redis and the CPUs the waiting processes share.
-POLL_MAX = 0.05
 
 
 #: Refusal codes a sender may write, and what the receiver raises for each.

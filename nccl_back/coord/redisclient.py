@@ -8,9 +8,9 @@ plain or over TLS, chosen by ``Settings.redis_url``.
 - ``rediss://``, ``rediss+sentinel://``, ``rediss+cluster://``: the same over TLS.
 
 The URL's password is the data nodes' (``requirepass``); sentinels with their own
-password take ``Settings.redis_sentinel_password``. TLS always verifies the server's
-certificate and host name, against ``Settings.redis_ca_file`` (or the system's CAs),
-and presents ``Settings.redis_cert_file`` / ``redis_key_file`` when given (mutual TLS).
+password take the URL's ``?sentinel_password=``. TLS always verifies the server's
+certificate and host name, against the URL's ``?ssl_ca_certs=`` (or the system's CAs),
+and presents ``?ssl_certfile=`` / ``?ssl_keyfile=`` when given (mutual TLS).
 
 On a cluster every key of one namespace shares one hash slot (:class:`~.keys.Keys` puts
 the namespace in a ``{hash tag}``), so multi-key commands, transactions and Lua scripts
@@ -27,22 +27,15 @@ from typing import Any
 
 from nccl_back.config import Settings
 from nccl_back.errors import ConfigError
-from nccl_back.redis_url import parse_redis_url
+from nccl_back.redis_url import RedisTarget, parse_redis_url, without_options
 
 
-def _tls_kwargs(settings: Settings) -> dict[str, Any]:
-    for name in ("redis_ca_file", "redis_cert_file", "redis_key_file"):
-        path = getattr(settings, name)
+def _tls_kwargs(target: RedisTarget) -> dict[str, Any]:
+    files = {"ssl_ca_certs": target.ca_file, "ssl_certfile": target.cert_file, "ssl_keyfile": target.key_file}
+    for name, path in files.items():
         if path and not os.path.isfile(path):
-            raise ConfigError(f"{name}={path!r}: no such file")
-    return {
-        "ssl": True,
-        "ssl_cert_reqs": "required",
-        "ssl_check_hostname": True,
-        "ssl_ca_certs": settings.redis_ca_file or None,
-        "ssl_certfile": settings.redis_cert_file or None,
-        "ssl_keyfile": settings.redis_key_file or None,
-    }
+            raise ConfigError(f"redis_url's {name}={path!r}: no such file")
+    return {"ssl": True, "ssl_cert_reqs": "required", "ssl_check_hostname": True, **files}
 
 
 def connect(settings: Settings) -> Any:
@@ -60,12 +53,13 @@ def connect(settings: Settings) -> Any:
         "socket_connect_timeout": settings.redis_timeout,
         "decode_responses": False,  # replies are bytes: parsed by each kind's parser
     }
-    tls = _tls_kwargs(settings) if target.tls else {}
+    tls = _tls_kwargs(target) if target.tls else {}
     if target.kind == "single":
         if target.tls:
             tls.pop("ssl")  # implied by rediss://
         try:
-            return redis.Redis.from_url(settings.redis_url, health_check_interval=30, **common, **tls)
+            return redis.Redis.from_url(without_options(settings.redis_url), health_check_interval=30,
+                                        **common, **tls)
         except ValueError as e:
             raise ConfigError(f"cannot use redis_url: {e}") from e
     auth: dict[str, Any] = {"username": target.username, "password": target.password}
@@ -73,7 +67,7 @@ def connect(settings: Settings) -> Any:
         from redis.sentinel import Sentinel
 
         sentinel_kwargs = {
-            **common, **tls, "password": settings.redis_sentinel_password or None,
+            **common, **tls, "password": target.sentinel_password,
         }
         sentinel = Sentinel(
             list(target.hosts), sentinel_kwargs=sentinel_kwargs,
@@ -106,11 +100,11 @@ def explain(error: BaseException) -> str:
         # redis-py appends the repr of every sentinel connection: one line is enough.
         name = text.split(" : ", 1)[0].removeprefix("No master found for ")
         return (f"no sentinel named a master {name} (sentinels unreachable, the service name"
-                " wrong, or redis_sentinel_password missing)")
+                " wrong, or the URL's ?sentinel_password= missing)")
     cause: BaseException | None = error
     while cause is not None and not isinstance(cause, ssl.SSLError):
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
-        return (f"TLS certificate verification failed ({text}); set redis_ca_file"
-                " (NCCL_BACK_REDIS_CA_FILE) to the CA bundle that signed the Redis server's certificate")
+        return (f"TLS certificate verification failed ({text}); put ?ssl_ca_certs=PATH in redis_url"
+                " (NCCL_BACK_REDIS_URL): the CA bundle that signed the Redis server's certificate")
     return text

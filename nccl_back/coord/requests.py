@@ -23,17 +23,14 @@ from nccl_back.coord import schema
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, ms
 from nccl_back.errors import RecordKind
+from nccl_back.timing import REQUEST_POLL_MAX as POLL_MAX
+from nccl_back.timing import REQUEST_POLL_MIN as POLL_MIN
+from nccl_back.timing import WAKE_TTL
 
 #: Requests kept in one peer's queue (the newest); a flood beyond it is trimmed away.
 MAX_QUEUED_REQUESTS = 256
-#: Seconds between looks at an empty queue: the first, doubling up to the longest (a
-#: request waits that long at most before it is seen). The pause carries over from one
-#: wait to the next of the same queue until a request comes, so an idle endpoint looks
-#: 1/POLL_MAX times a second (20), not the dozens a restarted doubling would cost.
-POLL_MIN, POLL_MAX = 0.002, 0.05
 #: The wake-up value (see the module docstring); it lives a second at most.
 WAKE = b""
-WAKE_TTL = 1.0
 
 
 class RequestRecords(SignedStore):

@@ -37,23 +37,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nccl_back.config import Settings
+from nccl_back.config import MAX_ARTIFACT_BYTES, Settings
 from nccl_back.coord import content, records
 from nccl_back.errors import RecordKind, StrEnum, UntrustedRecordError
+from nccl_back.timing import (
+    ARTIFACT_TTL_FACTOR,
+    CHECK_TTL,
+    GROUND_TRUTH_TTL_FACTOR,
+    HANDSHAKE_KEY_TTL,
+)
 
 Parser = Callable[[dict[str, Any], Mapping[str, str], Settings], Any]
 """A verified record's body, its key's parts, the reader's settings -> the typed record."""
 
-#: Ground truth, layouts and position truth outlive a few missed heartbeats and the gap
-#: between a storage load and its first publication.
-GROUND_TRUTH_TTL_FACTOR = 6
-#: Artifact-set records outlive their holder a while (a miss then says that no live
-#: peer holds the set), and the next publisher replaces them.
-ARTIFACT_TTL_FACTOR = 360
-#: A handshake key outlives both sides' timeouts.
-HANDSHAKE_KEY_TTL = 30.0
-#: ``nccl-back check``'s probe key.
-CHECK_TTL = 10.0
 #: Bytes of one peer entry, request, claim, lease or handshake value (real ones < 1 KiB).
 SMALL = 16 << 10
 #: Bytes of a ground-truth or position-truth record.
@@ -184,7 +180,7 @@ def _verdict(body: dict[str, Any], parts: Mapping[str, str], settings: Settings)
 
 def _artifact_set(body: dict[str, Any], parts: Mapping[str, str],
                   settings: Settings) -> content.ArtifactSetRecord:
-    return content.artifact_set(body, parts, settings.max_artifact_bytes)
+    return content.artifact_set(body, parts, MAX_ARTIFACT_BYTES)
 
 
 _VRW = ("version", "rank", "world")

@@ -37,6 +37,7 @@ from nccl_back.coord.scripts import Scripts
 from nccl_back.errors import ConfigError, RecordKind, RegistryError, UntrustedRecordError
 from nccl_back.log import get_logger
 from nccl_back.redis_url import redact
+from nccl_back.timing import TTL_SLACK
 
 # The registry's one logger, whichever family logs: operators filter on its name.
 log = get_logger("nccl_back.coord.registry")
@@ -62,9 +63,6 @@ BATCH = 256
 #: Bytes of the longest key name a scan returns (ours are far shorter).
 MAX_KEY_NAME = 1024
 
-#: A record kept longer than this many times the TTL its writers give it was not
-#: written by a worker (a replayed or forged record): it is not obeyed.
-TTL_SLACK = 2.0
 
 
 class Raw(str):

@@ -366,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
             print(_why_this_link(args), flush=True)
         # Alone, with nobody to split the download with: its time is the plain download,
         # the baseline of both comparisons (not the download group's window on top).
-        first = demo.start("worker-0", settings.replace(download_group_window=0.0), spec)
+        first = demo.start("worker-0", settings.replace(cooperative_download=False), spec)
         demo.wait([first])
         rest = [demo.start(f"worker-{i + 1}", settings, spec) for i in range(args.workers)]
         demo.wait(rest)

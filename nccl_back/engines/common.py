@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeVar
 from torch import nn
 
 from nccl_back import _clock
-from nccl_back.config import ENV_PREFIX, Settings
+from nccl_back.config import ENV_PREFIX, Settings, retired_error
 from nccl_back.coord import consensus
 from nccl_back.errors import (
     ConfigError,
@@ -160,6 +160,7 @@ def settings_from(extra: Any, *, source: str = "model_loader_extra_config") -> S
             f"{source} for load format {LOAD_FORMAT!r} must be a JSON object,"
             f" got {type(extra).__name__}"
         )
+    retired_error(extra, f"{source}[{{name!r}}]")
     fields = {f.name for f in dataclasses.fields(Settings)}
     unknown = sorted(set(extra) - fields)
     if unknown:

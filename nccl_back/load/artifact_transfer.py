@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from nccl_back import _clock
-from nccl_back.config import Settings
+from nccl_back.config import MAX_ARTIFACT_BYTES, Settings
 from nccl_back.coord.artifact_records import ArtifactSetRecord
 from nccl_back.errors import ArtifactError, NcclBackError, UntrustedPathError
 from nccl_back.load.service import WeightService
@@ -108,9 +108,8 @@ def artifact_spec(lookup: str, digest: str) -> ModelSpec:
 def _transfer_settings(s: Settings) -> Settings:
     # Sets are CPU bytes (gloo whatever the weights use), checked by their own digest
     # (no ground truth), and have no storage path: a failed transfer is a miss.
-    return s.replace(transport="gloo", verify="none", strict=True,
-                     single_flight_wait=min(2.0, s.single_flight_wait),
-                     single_flight_max_wait=min(2.0, s.single_flight_wait))
+    return s.replace(transport="gloo", verify="none", strict=True).capped(
+        single_flight_wait=2.0, single_flight_max_wait=2.0)
 
 
 def _holder(nbytes: int, data: torch.Tensor | None = None) -> Model:
@@ -216,7 +215,7 @@ def publish(settings: Settings, key: CacheKey, root: str, units: Sequence[str], 
     assert secret is not None
     refused: list[str] = []
     try:
-        man, data = artifact_sets.collect(root, units, secret, settings.max_artifact_bytes,
+        man, data = artifact_sets.collect(root, units, secret, MAX_ARTIFACT_BYTES,
                                       refused=refused)
     except UntrustedPathError as e:
         log.warning("artifact_set_refused", root=root, key=key.lookup[:12], reason=str(e))

@@ -21,11 +21,9 @@ from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import NoPeerError, RegistryError
 from nccl_back.load.attempt import Attempt, PeerBusy, Worker
+from nccl_back.timing import BUSY_POLL
 from nccl_back.transport import Transport, receiver_transport, recv_tensors, run_guarded
 from nccl_back.transport.parts import Part
-
-#: Seconds between two tries of a busy holder's send slots.
-BUSY_POLL = 0.05
 
 
 def new_request(worker: Worker, a: Attempt, claim: str | None, **fields: Any) -> TransferRequest:

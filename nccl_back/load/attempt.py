@@ -134,7 +134,7 @@ class Receiving:
     def start_budget(self, settings: Settings) -> Budget:
         """The load's peer budget, started by its first peer attempt."""
         if self.budget is None:
-            self.budget = Budget.of(settings.peer_budget_seconds)
+            self.budget = Budget.of(settings.peer_budget)
         return self.budget
 
     @property

@@ -201,7 +201,7 @@ def fetch_headers(settings: Settings, key: CacheKey, *, engine: str = "library",
     if not started:
         return job
     # The transfer gives up when nobody waits for it any more.
-    s = settings.replace(peer_budget=min(settings.peer_budget_seconds, settings.artifact_wait))
+    s = settings.capped(peer_budget=settings.artifact_wait)
 
     def run() -> None:
         try:

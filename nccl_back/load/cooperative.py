@@ -9,7 +9,7 @@ then it waits, like any waiter, for the elected worker's stream.
 
 The elected worker reads part 0 and, at the same time, pulls part ``i`` from each member
 (the transfer every path uses, :func:`~.asking.transfer`). A member that does not
-announce itself within ``claim_ttl`` (at most ``relay_stall_timeout``), whose
+announce itself within ``claim_ttl`` (at most ``stall_timeout``), whose
 announcement lapses (it is renewed while
 the member's endpoint lives: a member killed or stopped is found within ``claim_ttl``,
 not after a handshake or connect timeout), or whose transfer fails, costs its part's
@@ -63,13 +63,10 @@ from nccl_back.model.crc import check_file
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import cut_points
 from nccl_back.model.storage import Storage
+from nccl_back.timing import ANNOUNCE_POLL
+from nccl_back.timing import SHARE_WATCH_POLL as WATCH_POLL
 from nccl_back.transport import Part, Step, Transport, part_steps, plan
 from nccl_back.transport.relay import Share
-
-#: Seconds between two looks for a member's announcement.
-ANNOUNCE_POLL = 0.05
-#: Seconds between two looks at a member's announcement while its part is pulled.
-WATCH_POLL = 0.25
 
 
 def serve_share(worker: Worker, a: Attempt) -> Rescues | None:
@@ -254,7 +251,7 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
     r = a.replica()
     # A named member announces at its next poll of the roster: one that has not within
     # the bound its announcement would then live is taken for dead.
-    bound = min(s.claim_ttl, s.relay_stall_timeout)
+    bound = min(s.claim_ttl, s.stall_timeout)
     deadline = _clock.monotonic() + bound
     member = None
     while member is None:
@@ -262,7 +259,7 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
         if member is None:
             if _clock.monotonic() >= deadline:
                 raise NoPeerError(f"member {i} of {n} announced no endpoint within {bound:g} s"
-                                  " (claim_ttl, at most relay_stall_timeout)")
+                                  " (claim_ttl, at most stall_timeout)")
             _clock.sleep(ANNOUNCE_POLL)
     if not r.speaks(member):
         raise NoPeerError(f"member {i} of {n} speaks {member.transport}/{member.device}, not {t.kind}")
@@ -273,9 +270,9 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
             transfer(worker, a, member.member_id, request, member.transport, member.address,
                      digest=t.manifest.digest, tensors=t.tensors, bucket=bucket, part=part,
                      on_step=None,
-                     handshake_timeout=s.receiver_handshake_timeout,
+                     handshake_timeout=s.handshake_timeout,
                      deadline=_clock.monotonic() + s.transfer_timeout + s.single_flight_max_wait,
-                     stall=max(s.relay_stall_timeout, s.download_lease),
+                     stall=max(s.stall_timeout, s.download_lease),
                      started=on_start, gone=gone)
         except NcclBackError as e:
             if not gone.is_set():

@@ -141,7 +141,7 @@ def _part(rcv: Receive, steps: list[Step], peer: PeerInfo, claim: str, part: Par
         worker, a, peer.peer_id, request, peer.transport, peer.address,
         digest=t.manifest.digest, tensors=t.tensors, bucket=t.bucket(s, peer.transport),
         start=start, part=part, on_step=rcv.recorder(peer.peer_id),
-        handshake_timeout=max(min(s.receiver_handshake_timeout, a.rx.left()), 0.001),
+        handshake_timeout=max(min(s.handshake_timeout, a.rx.left()), 0.001),
         deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout, stall=s.stall_timeout,
         started=started)
 

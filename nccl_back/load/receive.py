@@ -29,6 +29,7 @@ from nccl_back.load import holder_parts, tree_parts, verify
 from nccl_back.load.asking import BUSY_POLL, claimed, new_request, transfer
 from nccl_back.load.attempt import Attempt, NobodyHolds, PeerBusy, StreamLost, Worker
 from nccl_back.load.discover import discover, holders
+from nccl_back.timing import MAX_PEER_ATTEMPTS
 from nccl_back.transport import (
     plan,
     relay,
@@ -54,9 +55,9 @@ class Receive:
             # One budget for every peer attempt of this load: holders, relay upstreams,
             # the stream and the pass after a lost stream. A stream-fed load may wait
             # for the whole download, as the election would have: the automatic budget
-            # covers that wait; one set by the operator bounds everything.
+            # covers that wait; one carved shorter (Settings.capped) bounds everything.
             rx.start_budget(s)
-            if s.peer_budget == 0 and a.found.stream is not None:
+            if "peer_budget" not in s.caps and a.found.stream is not None:
                 rx.start_budget(s).extend(s.single_flight_max_wait)
         if self.budget_spent(rx.relay_error):
             return
@@ -94,14 +95,14 @@ class Receive:
         fails, resuming at the first step we lack (:mod:`.tree_parts`). False: none
         served us by the relay's deadline: holders then go on from where we stopped."""
         s, rx = self.worker.settings, self.a.rx
-        deadline = _clock.monotonic() + s.transfer_timeout + s.receiver_handshake_timeout
+        deadline = _clock.monotonic() + s.transfer_timeout + s.handshake_timeout
         if fed_by is not None:  # we may wait for the whole download, as in the election
             deadline += s.single_flight_max_wait
         deadline = min(deadline, rx.deadline)
         # A cohort fed by a download moves at storage's pace: a step may take a shard's
         # download; a downloader that stops renewing its lease is given up on as long.
-        stall = (max(s.relay_stall_timeout, s.download_lease) if fed_by is not None
-                 else s.relay_stall_timeout)
+        stall = (max(s.stall_timeout, s.download_lease) if fed_by is not None
+                 else s.stall_timeout)
         return tree_parts.from_trees(self, seat, fed_by, deadline, stall)
 
     # -- holders --------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class Receive:
 
         A peer whose send slots are all claimed is not a failure: the receiver waits
         (re-discovering, so receivers that finished meanwhile become candidates) up to
-        ``settings.busy_wait``. Real failures count towards ``max_peer_attempts``; a
+        ``settings.busy_wait``. Real failures count towards :data:`~nccl_back.timing.MAX_PEER_ATTEMPTS`; a
         verification failure counts against the sources that sent the failing steps
         only: a holder that did not is asked again (it then sends what was discarded).
         """
@@ -147,7 +148,7 @@ class Receive:
                 try:
                     with claimed(worker, a, peer) as token:
                         self.pull(peer.peer_id, peer.transport, peer.address, claim=token,
-                                  handshake_timeout=max(min(s.receiver_handshake_timeout,
+                                  handshake_timeout=max(min(s.handshake_timeout,
                                                             a.rx.left()), 0.001),
                                   deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout,
                                   stall=s.stall_timeout)  # a silent peer costs the stall bound
@@ -174,7 +175,7 @@ class Receive:
                 except RegistryError as e:
                     a.reason = e
                     return
-                if len(failed) >= s.max_peer_attempts:
+                if len(failed) >= MAX_PEER_ATTEMPTS:
                     a.reason = last
                     return
             if busy == 0 or _clock.monotonic() >= deadline:
@@ -235,6 +236,6 @@ class Receive:
         if a.rx.budget is None or not a.rx.budget.spent():
             return False
         a.reason = NoPeerError(
-            f"peer attempts spent their budget of {s.peer_budget_seconds:g} s (peer_budget)"
+            f"peer attempts spent their budget of {s.peer_budget:g} s (peer_budget)"
             + ("" if last is None else f"; last: {last}"))
         return True

@@ -285,7 +285,7 @@ def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int, deadline
 
         transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
                  digest=f.plan.digest, tensors=land.payload, bucket=bucket, on_step=placed,
-                 handshake_timeout=max(min(s.receiver_handshake_timeout,
+                 handshake_timeout=max(min(s.handshake_timeout,
                                            deadline - _clock.monotonic()), 0.001),
                  deadline=deadline, transfer_timeout=s.transfer_timeout,
                  stall=s.stall_timeout, started=started)

@@ -46,6 +46,7 @@ from nccl_back.load import verify
 from nccl_back.load.asking import claimed, new_request, transfer
 from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.pulls import Pulls, watched
+from nccl_back.timing import TREE_WATCH_POLL as WATCH_POLL
 from nccl_back.transport import Transport, plan, relay
 from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.parts import parts as split
@@ -56,8 +57,6 @@ from nccl_back.transport.rendezvous_store import unreachable_reason
 if TYPE_CHECKING:
     from nccl_back.load.receive import Receive
 
-#: Seconds between two looks at the cohort's size while a leaf's part moves.
-WATCH_POLL = 0.25
 #: Handshake timeouts an upstream may cost one seat before it counts as failed.
 HANDSHAKE_TRIES = 2
 
@@ -222,7 +221,7 @@ class _Trees:
                  tensors=t.tensors, bucket=t.bucket(s, t.kind), start=start, part=(tree, TREES),
                  on_step=rcv.recorder(source),
                  handshake_timeout=self.seat.handshake_bound(
-                     source, min(s.receiver_handshake_timeout, RELAY_HANDSHAKE,
+                     source, min(s.handshake_timeout, RELAY_HANDSHAKE,
                                  max(self.deadline - _clock.monotonic(), 0.001))),
                  deadline=self.deadline, stall=stall, started=on_start, gone=gone)
 

@@ -28,15 +28,9 @@ from nccl_back.errors import (
 from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.verifier import Basis
 from nccl_back.model import integrity
+from nccl_back.timing import VERDICT_POLL as _POLL
+from nccl_back.timing import VERDICT_WAIT
 from nccl_back.transport.relay import DamagedBytes
-
-#: Seconds between two reads of a stream's ground truth while its downloader loads (or
-#: of the verdicts of the members a failed check blames).
-_POLL = 0.05
-#: Seconds a failed check waits for the verdicts of the members it blames: they checked
-#: what they received about when this rank did (upstream, they got it first). One whose
-#: verdict has not come by then stays guilty.
-VERDICT_WAIT = 2.0
 
 
 def check(worker: Worker, a: Attempt, deadline: float) -> None:

@@ -40,13 +40,12 @@ from nccl_back.errors import (
 from nccl_back.log import get_logger
 from nccl_back.model.crc import crc32c_hex
 from nccl_back.model.crc_cache import Opener, local_crc32cs, open_unbuffered
+from nccl_back.timing import STORAGE_TIMEOUT as DEFAULT_TIMEOUT
 
 log = get_logger("nccl_back.model.storage")
 
 T = TypeVar("T")
 
-#: Seconds one request to remote storage may wait (to connect, and for each read).
-DEFAULT_TIMEOUT = 60.0
 #: Smallest ranged request a shard is cut into (smaller shards are one request).
 MIN_CHUNK_BYTES = 1 << 20
 #: Every scheme a URI may have (a plain path is ``file``) and the module registering its backend.

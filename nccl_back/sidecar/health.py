@@ -42,9 +42,8 @@ from nccl_back.log import get_logger
 from nccl_back.metrics import CONTENT_TYPE, Metrics
 from nccl_back.sidecar.http import TEXT, TOKEN_HEADER, Request, response
 from nccl_back.sidecar.loop import Answer, Loop, bind
+from nccl_back.timing import HEALTH_REQUEST_TIMEOUT as REQUEST_TIMEOUT
 
-#: Seconds from a connection's accept to the last byte of its reply, absolute.
-REQUEST_TIMEOUT = 10.0
 #: Open connections at most; a new one beyond that evicts the oldest unfinished request.
 MAX_CONNECTIONS = 1024
 

@@ -66,12 +66,10 @@ from nccl_back.sidecar.http import (
     parse_request,
     response,
 )
+from nccl_back.timing import DEFER_SECONDS
 
 #: Listen backlog asked for; Linux caps it at ``net.core.somaxconn`` (4096 since 5.4).
 BACKLOG = 4096
-#: A connection that sent nothing stays in the kernel about this long (the kernel counts
-#: it in SYN-ACK retransmits: about 3 s) before it is accepted.
-DEFER_SECONDS = 2
 #: Listening sockets on the one port, each with its own accept queue (``SO_REUSEPORT``).
 LISTENERS = 4
 #: Seconds a turn may spend accepting before it serves the readable connections again.

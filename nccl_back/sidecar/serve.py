@@ -51,11 +51,10 @@ from nccl_back.result import LoadResult
 from nccl_back.sidecar.drain import write_token_file
 from nccl_back.sidecar.handoff import HandoffServer, arena
 from nccl_back.sidecar.health import HealthServer
+from nccl_back.timing import SIDECAR_STOP_POLL as _POLL
 
 _log = get_logger(__name__)
 
-#: How often the main thread re-checks for a stop while waiting on the load.
-_POLL = 0.1
 
 
 @dataclass(frozen=True)

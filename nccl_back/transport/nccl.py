@@ -60,6 +60,8 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import TransferError
 from nccl_back.log import get_logger
+from nccl_back.timing import NCCL_POLL_S as POLL_S
+from nccl_back.timing import NONBLOCKING_TIMEOUT_S, TORCH_TIMEOUT_SLACK_S
 from nccl_back.transport.channel import SENDER_RANK, WORLD_SIZE, Pending, Probe, register_transport
 from nccl_back.transport.rendezvous_store import StoreRendezvous, StoreTransport
 
@@ -73,17 +75,8 @@ GPU_HINT = (
     " (torch.distributed.is_nccl_available() is False or no CUDA device is visible)"
 )
 
-#: Bound, in seconds, on host-side waits inside torch's non-blocking NCCL calls (the
-#: lazy connect of the first collective). Used only when the environment sets none.
-NONBLOCKING_TIMEOUT_S = 10
 
-#: torch's own per-collective timeout is set this far past our deadline, so that our
-#: deadline (and our abort, on the owner thread) always acts first.
-TORCH_TIMEOUT_SLACK_S = 600.0
 
-#: Seconds between polls of a pending collective or stream (the owner thread polls
-#: rather than blocks, so it sees an abort request or the deadline within this).
-POLL_S = 0.0005
 
 _ENV_LOCK = threading.Lock()
 # Read by ProcessGroupNCCL's constructor: no teardown on errors, no heartbeat monitor

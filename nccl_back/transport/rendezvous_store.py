@@ -65,6 +65,9 @@ from nccl_back.errors import (
 )
 from nccl_back.log import get_logger
 from nccl_back.redis_url import parse_redis_url
+from nccl_back.timing import KEY_TTL_SLACK
+from nccl_back.timing import STORE_POLL_MAX as POLL_MAX
+from nccl_back.timing import STORE_POLL_MIN as POLL_MIN
 from nccl_back.transport.channel import RECEIVER_RANK, SENDER_RANK, Rendezvous, Transport
 
 if TYPE_CHECKING:
@@ -77,14 +80,8 @@ log = get_logger(__name__)
 MAX_VALUE_BYTES = 16 << 10
 #: Longest key name a process group may use (torch's are short: ``{prefix}/0/{rank}``).
 MAX_NAME_CHARS = 256
-#: Seconds a bootstrap key outlives the connect deadline, at most (a bound, the sides
-#: delete their keys when the transfer ends).
-KEY_TTL_SLACK = 5.0
 #: Kinds of call from other threads kept per store (a bound on what they can make us hold).
 MAX_FOREIGN = 32
-#: Polling interval bounds, seconds: fast first (the peer writes within milliseconds),
-#: then backing off so a slow peer costs Redis little.
-POLL_MIN, POLL_MAX = 0.002, 0.05
 
 # Stored form: "{hex hmac}:{base64 value}" ("-" instead of the hmac in unsigned mode).
 _UNSIGNED = "-"

@@ -43,6 +43,7 @@ from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
 from nccl_back.metrics import Metrics
+from nccl_back.timing import DRAIN_ARRIVAL, DRAIN_FLOOR_GBPS, DRAIN_GRACE, DRAIN_MAX, DRAIN_POLL
 from nccl_back.transport.broadcast import TransferStats, moved_bytes, payload_bytes, send_tensors
 from nccl_back.transport.channel import Rendezvous, Transport
 from nccl_back.transport.pacing import Pacer
@@ -148,23 +149,6 @@ def refuse_queued(registry: Registry, key: str, role: Role, log: Any) -> None:
         registry.drop_requests(key)
 
 
-#: The slowest link a drain counts on, in GB/s (10^9 B/s), where the worker's send cap
-#: is not lower: 200 Mbit/s, a slow and shared link, so that the bound errs long; the
-#: cap ends it.
-DRAIN_FLOOR_GBPS = 0.025
-#: Seconds a drain adds to the bytes' time: the last step's acknowledgement, and a
-#: busy machine's scheduling.
-DRAIN_GRACE = 0.5
-#: The most seconds a drain waits for an owed receiver (a follower of the download this
-#: worker was elected to) to ask: one that saw this worker's weights asks within a poll
-#: or two; one that never asks (fed by another member) costs no more.
-DRAIN_ARRIVAL = 1.0
-#: Seconds between two looks of a drain at its sends.
-DRAIN_POLL = 0.02
-#: The most seconds a drain waits for sends in flight, whatever their bytes: a closing
-#: process's shutdown grace (an engine gives its worker a few seconds) is not spent on
-#: one send, and a receiver told to move on loses less than a stall bound.
-DRAIN_MAX = 5.0
 
 
 def drain_bound(nbytes: int, settings: Settings) -> float:
@@ -335,7 +319,7 @@ class Sends:
                     reason="closing")
             return None
         try:
-            run_sender(self.registry, request.transfer_id, digest, s.sender_handshake_timeout)
+            run_sender(self.registry, request.transfer_id, digest, s.sender_handshake)
             transport = self.rendezvous.sender(transfer_scope(s.key("store"), request.transfer_id))
             with self._lock:
                 flight.transport = transport

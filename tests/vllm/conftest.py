@@ -38,7 +38,7 @@ def engine_env(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> d
         # Long enough that an entry gone after a clean exit was withdrawn, not expired,
         # and that a crashed peer's entry outlives an engine start on a loaded machine.
         "NCCL_BACK_PEER_TTL": "600",
-        "NCCL_BACK_RECEIVER_HANDSHAKE_TIMEOUT": "3",
+        "NCCL_BACK_HANDSHAKE_TIMEOUT": "3",
     })
     return env
 

@@ -53,6 +53,7 @@ def test_extra_config_overrides_environment(monkeypatch: pytest.MonkeyPatch) -> 
         ({"verify": "maybe"}, r"verify='maybe': choose sampled, full or none"),
         ({"strict": [1]}, r"model_loader_extra_config\['strict'\]=\[1\]: expected a string, number or boolean"),
         ({"redis_url": "http://x"}, r"redis_url='http://x': scheme must be"),
+        ({"busy_wait": 5}, r"model_loader_extra_config\['busy_wait'\]: setting retired; derived: half of"),
     ],
 )
 def test_bad_extra_config_is_one_clear_error(extra: dict[str, Any], match: str) -> None:

@@ -44,8 +44,8 @@ from nccl_back.sidecar.handoff.protocol import (
     refusal,
     send_line,
 )
+from nccl_back.timing import HANDOFF_ACCEPT_POLL as _ACCEPT_POLL
 
-_ACCEPT_POLL = 0.1
 _HANDLER_THREADS = 8
 #: Connections being served or waiting for a handler at most; more are closed at once.
 _MAX_PENDING = 64

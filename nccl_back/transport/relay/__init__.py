@@ -21,7 +21,7 @@ the whole cohort, and the same code runs on gloo and NCCL. The receiving half is
 :mod:`nccl_back.load.tree_parts`.
 
 Failure: a member whose upstream link fails (the upstream died: gloo raises in
-~0.3 s; or stalled: no step within ``relay_stall_timeout``) re-attaches to the
+~0.3 s; or stalled: no step within ``stall_timeout``) re-attaches to the
 nearest member further up its tree, then to the source, resuming at the first step
 of that half it lacks; only then does it go to holders, then storage, with the
 reason. Its own children wait on its progress meanwhile and never notice. A member
@@ -44,7 +44,7 @@ the download does, instead of after the download, the publication and a whole re
 transfer. The stream's receivers have no ground truth yet: they verify against the
 hashes the downloader publishes once its load is complete. If the download fails, its
 stream fails and its receivers go back to the election (another worker downloads, or
-the first one publishes); a stream-fed link allows ``max(relay_stall_timeout,
+the first one publishes); a stream-fed link allows ``max(stall_timeout,
 download_lease)`` between steps, since its pace is storage's.
 
 Registry (keys built by :class:`~nccl_back.coord.keys.Keys`)::

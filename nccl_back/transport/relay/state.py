@@ -12,23 +12,13 @@ from nccl_back.errors import (
     TransferTimeoutError,
 )
 from nccl_back.log import get_logger
+from nccl_back.timing import LINGER as LINGER  # the relay's modules import these from here
+from nccl_back.timing import RELAY_HANDSHAKE as RELAY_HANDSHAKE
+from nccl_back.timing import STALLED_HANDSHAKE as STALLED_HANDSHAKE
 from nccl_back.transport import Step
 
 log = get_logger(__name__)
 
-#: Seconds a member's relay endpoint stays up, idle, after its own load ended and the
-#: cohort window passed, for a downstream member that is still re-attaching. A late
-#: arrival (within a window of the previous one) may sit behind a member that already
-#: finished: the endpoint stays up ``cohort_window`` + this, so it still finds it.
-LINGER = 2.0
-#: Seconds a member waits in the handshake with a relay upstream: a live one answers
-#: within its poll interval, so a dead one costs little.
-RELAY_HANDSHAKE = 3.0
-#: Seconds a member that stalled this receiver has to answer when asked once more: a
-#: live one answers within its poll interval (it stalled because one further up
-#: stopped); one that stopped itself costs every seat below it this, not
-#: :data:`RELAY_HANDSHAKE`.
-STALLED_HANDSHAKE = 1.0
 #: Relay sends one endpoint runs at once unless it says otherwise (one receiver, plus
 #: one re-attaching while the first is still unwinding).
 MAX_RELAY_SENDS = 2

@@ -466,7 +466,7 @@ def test_waiters_receive_the_download_as_it_streams(
     receive from the stream (not from a published peer),
     and all verify against the ground truth the downloader publishes at its end."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
-    fleet.settings["download_group_window"] = 0.0  # the single flight's own stream
+    fleet.settings["cooperative_download"] = False  # the single flight's own stream
     try:
         fleet.start("downloader", fault="slow_download", serve_for=20)
         wait_for_lease(redis_url, namespace)

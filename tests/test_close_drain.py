@@ -172,6 +172,10 @@ def _round(ckpt: str, redis_url: str, namespace: str, cache_dir: str) -> list[di
     # 0.4 MB/s links: the 0.83 MB model's stream takes ~2 s, so the elected worker
     # closes with its followers' stream in flight.
     fleet.settings["max_send_gbps"] = 0.0004
+    # The sender's side of a handshake is a tenth of this (3 s): a heavily loaded machine
+    # stretched the 1 s a 5 s bound gives it past a follower's wait (each then read
+    # storage on its own). What is checked is the drain, not the handshake's speed.
+    fleet.settings["handshake_timeout"] = 30.0
     try:
         go = CTX.Event()
         for i in range(3):

@@ -26,6 +26,7 @@ from nccl_back.coord import records, schema
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, TransferStalledError
 from nccl_back.load import tree_parts
+from nccl_back.load.asking import Source
 from nccl_back.load.attempt import Receiving
 from nccl_back.metrics import Metrics
 from nccl_back.transport.relay import RELAY_HANDSHAKE, Member, Place, Progress, Seat, topology
@@ -142,15 +143,15 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
     rx = Receiving(step_sources=StepSources([]))
     a = SimpleNamespace(rx=rx, log=structlog.get_logger(), found=SimpleNamespace(candidates=[]),
                         replica=lambda: SimpleNamespace(speaks=lambda m: True))
-    rcv = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))
+    fill = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))
     trees = tree_parts._Trees.__new__(tree_parts._Trees)
-    trees.rcv, trees.seat, trees.fed_by, trees.timeouts, trees.stalled = rcv, seat, None, {}, set()
+    trees.fill, trees.seat, trees.fed_by, trees.timeouts, trees.stalled = fill, seat, None, {}, set()
     trees.deadline, trees.stall = time.monotonic() + 30, 3.0
     asked: list[str] = []
 
-    def pull(first: int, tree: int, source: str, *rest: Any) -> None:
-        asked.append(source)
-        raise HandshakeTimeoutError(f"handshake with {source} timed out in state R1 WAIT_ACK")
+    def pull(tree: int, source: Source, *rest: Any) -> None:
+        asked.append(source.id)
+        raise HandshakeTimeoutError(f"handshake with {source.id} timed out in state R1 WAIT_ACK")
 
     monkeypatch.setattr(trees, "_pull", pull)
     tree = 7 % topology.TREES  # interior there: its parent never moves
@@ -158,7 +159,7 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
     for _ in range(tree_parts.HANDSHAKE_TRIES):
         path = seat.tree_path(tree, 64)
         parent = seat.tree_upstreams(tree, path)[0]
-        trees._from_member(0, tree, parent[1], lambda t: None, threading.Event())
+        trees._from_member(tree, parent[1], lambda t: None, threading.Event())
     assert asked == [ids[path[0]]] * tree_parts.HANDSHAKE_TRIES, asked
     assert seat.failed == {ids[path[0]]} and isinstance(rx.relay_error, HandshakeTimeoutError)
     assert seat.tree_upstreams(tree, seat.tree_path(tree, 64))[0][0] == path[1]  # now further up

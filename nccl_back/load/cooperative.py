@@ -44,7 +44,7 @@ from nccl_back.errors import (
     RegistryError,
     fallback_reason,
 )
-from nccl_back.load.asking import new_request, transfer
+from nccl_back.load.asking import Ask, Into, Source, transfer
 from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.held_proof import held_reads
 from nccl_back.load.pulls import Pull, Pulls, watched
@@ -263,17 +263,13 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
             _clock.sleep(ANNOUNCE_POLL)
     if not r.speaks(member):
         raise NoPeerError(f"member {i} of {n} speaks {member.transport}/{member.device}, not {t.kind}")
-    sub = {} if len(part) == 2 else {"sub": part[2], "subs": part[3]}
-    request = new_request(worker, a, None, part=part[0], parts=n, **sub)
     with _watched(worker, a, i, member.member_id, started) as (gone, on_start):
         try:
-            transfer(worker, a, member.member_id, request, member.transport, member.address,
-                     digest=t.manifest.digest, tensors=t.tensors, bucket=bucket, part=part,
-                     on_step=None,
-                     handshake_timeout=s.handshake_timeout,
-                     deadline=_clock.monotonic() + s.transfer_timeout + s.single_flight_max_wait,
-                     stall=max(s.stall_timeout, s.download_lease),
-                     started=on_start, gone=gone)
+            # Not recorded as the receive's steps: the files' CRC32C prove them (held_proof).
+            transfer(worker, a, Source.member(member), Ask(
+                s.handshake_timeout, _clock.monotonic() + s.transfer_timeout + s.single_flight_max_wait,
+                max(s.stall_timeout, s.download_lease), part=part,
+                into=Into(t.manifest.digest, t.tensors, bucket), started=on_start, gone=gone))
         except NcclBackError as e:
             if not gone.is_set():
                 raise

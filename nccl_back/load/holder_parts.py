@@ -3,8 +3,8 @@ holders at once, then one verification, since several senders fill one receiver 
 than one does.
 
 A step of the receive loop (:class:`~.receive.Receive`), kept apart so that loop stays
-one page: it asks each holder as every path does (:mod:`.asking`) and uses the loop's
-blame, step recorder and the load's one budget.
+one page: it asks each holder as every path does (:mod:`.asking`) and shares the loop's
+blame and the load's one budget (:class:`~.fill.Fill`).
 """
 
 from __future__ import annotations
@@ -12,30 +12,23 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from nccl_back.coord.registry import PeerInfo
 from nccl_back.errors import (
-    HandshakeTimeoutError,
     PeerError,
     RegistryError,
     WeightVerificationError,
-    fallback_reason,
 )
 from nccl_back.load import verify
-from nccl_back.load.asking import claimed, new_request, transfer
+from nccl_back.load.asking import Ask, Source, claimed, transfer
 from nccl_back.load.attempt import PeerBusy
+from nccl_back.load.fill import Fill
 from nccl_back.load.pulls import Pulls
-from nccl_back.transport import Transport, plan, relay
-from nccl_back.transport.broadcast import Step, resume_point
+from nccl_back.transport import Transport, relay
 from nccl_back.transport.parts import Part
-from nccl_back.transport.parts import parts as split
-
-if TYPE_CHECKING:
-    from nccl_back.load.receive import Receive
 
 
-def from_holders_in_parts(rcv: Receive) -> set[str]:
+def from_holders_in_parts(fill: Fill) -> set[str]:
     """Part ``i`` of ``n`` from each of ``n`` idle holders at once (``holder_parts``),
     into this rank's tensors, then one verification: ``a.peer_id`` names those whose
     parts landed.
@@ -50,13 +43,13 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
     bytes all came from one); when a failing layer's bytes came from several and
     none is to blame for another layer (a layer at a cut), none.
     """
-    worker, a, s, rx = rcv.worker, rcv.a, rcv.worker.settings, rcv.a.rx
-    if s.holder_parts < 2 or rx.sources.sources() or _seated_below(rcv):
+    worker, a, s, rx = fill.worker, fill.a, fill.worker.settings, fill.a.rx
+    if s.holder_parts < 2 or rx.sources.sources() or _seated_below(fill):
         return set()
     with contextlib.ExitStack() as held:
         picked: list[tuple[PeerInfo, str]] = []
         for peer in a.found.candidates:
-            if len(picked) == s.holder_parts or rcv.budget_spent(None):
+            if len(picked) == s.holder_parts or fill.budget_spent(None):
                 break
             if peer.peer_id in rx.blamed or peer.peer_id in rx.failed:
                 continue
@@ -70,12 +63,9 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
             return set()  # the claims taken go back as the block ends
         n = len(picked)
         a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
-        # One plan for every part: each candidate speaks this rank's transport (discover).
-        t = a.target
-        steps = plan(t.tensors, t.bucket(s, t.kind))
         # Not aborted on a failure: what the other parts land stays (see Pulls).
         errors = Pulls(abort=False).run(
-            [functools.partial(_part, rcv, steps, peer, token, (i, n))
+            [functools.partial(_part, fill, peer, token, (i, n))
              for i, (peer, token) in enumerate(picked)], "nccl_back-part")
         failed: set[str] = set()
         done: list[tuple[PeerInfo, str]] = []  # whose part landed (its slot still held)
@@ -84,17 +74,17 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
             if e is None:
                 done.append((peer, token))
             else:
-                _part_failed(rcv, peer, i, e)
+                _part_failed(fill, peer, i, e)
                 failed.add(peer.peer_id)
                 lost.append(i)
         # A failed part's remainder comes from a holder whose own part landed, from the
         # first step of it this rank lacks: the parts that landed are not sent again.
-        while lost and done and not rcv.budget_spent(None):
+        while lost and done and not fill.budget_spent(None):
             try:
-                _part(rcv, steps, *done[0], (lost[0], n), lambda _tr: None)
+                _part(fill, *done[0], (lost[0], n), lambda _tr: None)
                 lost.pop(0)
             except (PeerError, RegistryError) as e:
-                _part_failed(rcv, done[0][0], lost[0], e)
+                _part_failed(fill, done[0][0], lost[0], e)
                 failed.add(done.pop(0)[0].peer_id)
     if lost:
         return failed
@@ -104,7 +94,7 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
         blamed, suspects = ((e.blamed, e.suspects) if isinstance(e, relay.DamagedBytes)
                             else (frozenset(), frozenset()))
         if blamed:
-            rcv.blame(e, min(blamed))
+            fill.blame(e, min(blamed))
             return failed
         # The failing layers' bytes came from several holders and none alone (a layer
         # at a cut): none is blamed, what they sent is gone, and the one-holder loop
@@ -116,43 +106,30 @@ def from_holders_in_parts(rcv: Receive) -> set[str]:
     return set()
 
 
-def _part_failed(rcv: Receive, peer: PeerInfo, i: int, e: BaseException) -> None:
+def _part_failed(fill: Fill, peer: PeerInfo, i: int, e: BaseException) -> None:
     """Log part ``i``'s failure at holder ``peer``; anything but a peer's or Redis's
     failure is a bug, raised."""
     if not isinstance(e, (PeerError, RegistryError)):
         raise e
-    if isinstance(e, HandshakeTimeoutError):
-        rcv.worker.metrics.record_handshake_timeout()
-    rcv.a.log.warning("peer_attempt_failed", peer=peer.peer_id, part=i,
-                      reason=fallback_reason(e), error=str(e))
+    fill.failed(peer.peer_id, e, part=i)
 
 
-def _part(rcv: Receive, steps: list[Step], peer: PeerInfo, claim: str, part: Part,
+def _part(fill: Fill, peer: PeerInfo, claim: str, part: Part,
           started: Callable[[Transport], None]) -> None:
-    """Part ``part`` of ``steps`` (this rank's plan) from holder ``peer`` (its slot
-    ``claim`` held), from the first step of it this rank lacks."""
-    worker, a, s, t = rcv.worker, rcv.a, rcv.worker.settings, rcv.a.target
-    first = a.rx.sources.lacking(split(steps, part[1])[part[0]])
-    if first is None:
-        return  # every step of it is held
-    start = resume_point(steps, t.tensors, first)
-    request = new_request(worker, a, claim, start=start, part=part[0], parts=part[1])
-    transfer(
-        worker, a, peer.peer_id, request, peer.transport, peer.address,
-        digest=t.manifest.digest, tensors=t.tensors, bucket=t.bucket(s, peer.transport),
-        start=start, part=part, on_step=rcv.recorder(peer.peer_id),
-        handshake_timeout=max(min(s.handshake_timeout, a.rx.left()), 0.001),
-        deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout, stall=s.stall_timeout,
-        started=started)
+    """Part ``part`` of this rank's plan from holder ``peer`` (its slot ``claim`` held),
+    from the first step of it this rank lacks (each candidate speaks this rank's
+    transport: discover)."""
+    transfer(fill.worker, fill.a, Source.peer(peer),
+             Ask.holder(fill.worker.settings, fill.a.rx, claim, part=part, started=started))
 
 
-def _seated_below(rcv: Receive) -> bool:
+def _seated_below(fill: Fill) -> bool:
     """Whether a member is seated after this rank in its cohort (unknown: yes)."""
-    seat = rcv.a.rx.seat
+    seat = fill.a.rx.seat
     if seat is None:
         return False
     try:
-        return bool(rcv.worker.registry.chain_members(seat.place.key, seat.position + 1,
-                                                      seat.position + 1))
+        return bool(fill.worker.registry.chain_members(seat.place.key, seat.position + 1,
+                                                       seat.position + 1))
     except RegistryError:
         return True

@@ -5,47 +5,37 @@ stream of the elected downloader: :mod:`.tree_parts`), then holders in discovery
 from each: :mod:`.holder_parts`). Every source is asked the same way (:func:`~.asking.transfer`:
 one transfer request, the liveness handshake, the guarded transfer resuming at the
 first step this rank lacks), every verification goes through the Verifier
-(:mod:`.verify`), blame lands here, and every attempt of the load shares one
+(:mod:`.verify`), blame lands in one place (:class:`~.fill.Fill`), and every attempt of the load shares one
 :class:`~nccl_back.budget.Budget` (``peer_budget``). A reshard (:mod:`.reshard`) pulls
 its pieces through the same :func:`~.asking.transfer` and :func:`~.asking.claimed`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from nccl_back import _clock
 from nccl_back.coord.records import Member
 from nccl_back.errors import (
-    HandshakeTimeoutError,
     NcclBackError,
     NoPeerError,
     PeerError,
     RegistryError,
     WeightVerificationError,
-    fallback_reason,
 )
 from nccl_back.load import holder_parts, tree_parts, verify
-from nccl_back.load.asking import BUSY_POLL, claimed, new_request, transfer
-from nccl_back.load.attempt import Attempt, NobodyHolds, PeerBusy, StreamLost, Worker
+from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
+from nccl_back.load.attempt import NobodyHolds, PeerBusy, StreamLost
 from nccl_back.load.discover import discover, holders
+from nccl_back.load.fill import Fill
 from nccl_back.timing import MAX_PEER_ATTEMPTS
-from nccl_back.transport import (
-    plan,
-    relay,
-)
-from nccl_back.transport.broadcast import resume_point
+from nccl_back.transport import plan, relay
 
 
-class Receive:
+class Receive(Fill):
     """One pass of the receive phase on this rank. Sets ``a.peer_id`` or ``a.reason``.
 
     Run twice when the first pass was fed by a stream that was lost: both passes
     share ``a.rx`` (one budget, and what the first one received and did not discard).
     """
-
-    def __init__(self, worker: Worker, a: Attempt) -> None:
-        self.worker, self.a = worker, a
 
     def run(self) -> None:
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
@@ -107,18 +97,6 @@ class Receive:
 
     # -- holders --------------------------------------------------------------------------
 
-    def recorder(self, source: str) -> Callable[[int], None]:
-        """What a transfer from ``source`` calls as each step lands: the step recorded as
-        ``source``'s and reported to this rank's seat."""
-        sources = self.a.rx.sources
-        progress = self.a.rx.seat.progress if self.a.rx.seat is not None else None
-
-        def on_step(k: int) -> None:
-            sources.record(k, source)
-            if progress is not None:
-                progress.advance(k)
-        return on_step
-
     def _from_holders(self, failed: set[str]) -> None:
         """Try holders until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
 
@@ -147,11 +125,8 @@ class Receive:
                     return
                 try:
                     with claimed(worker, a, peer) as token:
-                        self.pull(peer.peer_id, peer.transport, peer.address, claim=token,
-                                  handshake_timeout=max(min(s.handshake_timeout,
-                                                            a.rx.left()), 0.001),
-                                  deadline=a.rx.deadline, transfer_timeout=s.transfer_timeout,
-                                  stall=s.stall_timeout)  # a silent peer costs the stall bound
+                        transfer(worker, a, Source.peer(peer), Ask.holder(s, a.rx, token))
+                        verify.check(worker, a, a.rx.deadline)
                     a.peer_id = peer.peer_id
                     return
                 except PeerBusy:
@@ -168,10 +143,7 @@ class Receive:
                     last = e
                     failed.add(peer.peer_id)
                     i += 1
-                    if isinstance(e, HandshakeTimeoutError):
-                        worker.metrics.record_handshake_timeout()
-                    a.log.warning("peer_attempt_failed", peer=peer.peer_id,
-                                  reason=fallback_reason(e), error=str(e))
+                    self.failed(peer.peer_id, e)
                 except RegistryError as e:
                     a.reason = e
                     return
@@ -189,53 +161,3 @@ class Receive:
             except RegistryError as e:
                 a.reason = e
                 return
-
-    # -- one source -------------------------------------------------------------------------
-
-    def pull(self, source: str, kind: str, address: str, *, handshake_timeout: float,
-             deadline: float, stall: float, claim: str | None = None,
-             transfer_timeout: float | None = None) -> None:
-        """Request a transfer from ``source`` from the first step this rank lacks, prove
-        it alive (handshake), receive (each step recorded as ``source``'s and reported
-        to this rank's seat), verify: :class:`DamagedBytes` if that fails."""
-        worker, a, s, t = self.worker, self.a, self.worker.settings, self.a.target
-        sources = a.rx.sources
-        # Resume what earlier sources gave us (and verification did not discard).
-        start = resume_point(plan(t.tensors, t.bucket(s, kind)), t.tensors, sources.done)
-        request = new_request(worker, a, claim, start=start)
-        transfer(worker, a, source, request, kind, address, digest=t.manifest.digest, tensors=t.tensors,
-                 bucket=t.bucket(s, kind), start=start, on_step=self.recorder(source),
-                 handshake_timeout=handshake_timeout, deadline=deadline, stall=stall,
-                 transfer_timeout=transfer_timeout)
-        verify.check(worker, a, deadline)
-
-    def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
-        """Record a verification failure against the sources that sent failing bytes
-        (``tried`` when they cannot be told); returns them. Suspects (one of them sent
-        wrong bytes, the check cannot say which: :class:`~nccl_back.transport.relay.Blame`)
-        are logged, not blamed: what they sent is gone, and a source implicated again
-        is blamed then."""
-        a = self.a
-        blamed = set(error.blamed) if isinstance(error, relay.DamagedBytes) else {tried}
-        a.rx.blamed |= blamed
-        self.worker.metrics.record_verification_failure()
-        for src in sorted(blamed):
-            a.log.warning("peer_attempt_failed", peer=src, reason="verification_failed",
-                          via=tried, error=str(error))
-        if isinstance(error, relay.DamagedBytes) and error.suspects:
-            a.log.warning("verification_unplaced", suspects=sorted(error.suspects), via=tried,
-                          held_steps=a.rx.sources.done, error=str(error))
-        if tried not in blamed:
-            a.log.info("peer_attempt_retried", peer=tried, blamed=sorted(blamed),
-                       held_steps=a.rx.sources.done)
-        return blamed
-
-    def budget_spent(self, last: BaseException | None) -> bool:
-        """True (and ``a.reason`` set) once the load's peer budget is spent."""
-        a, s = self.a, self.worker.settings
-        if a.rx.budget is None or not a.rx.budget.spent():
-            return False
-        a.reason = NoPeerError(
-            f"peer attempts spent their budget of {s.peer_budget:g} s (peer_budget)"
-            + ("" if last is None else f"; last: {last}"))
-        return True

@@ -49,7 +49,7 @@ from nccl_back.errors import (
     WeightVerificationError,
     fallback_reason,
 )
-from nccl_back.load.asking import claimed, new_request, transfer
+from nccl_back.load.asking import Ask, Into, Source, claimed, transfer
 from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
 from nccl_back.load.discover import usable_peers
 from nccl_back.load.pulls import Pulls
@@ -229,11 +229,11 @@ def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> None
     raises with the reason if not (that of the holder that failed first, once every
     pull has ended). Sets this rank's basis and what it checked."""
     s, t = worker.settings, a.target
-    deadline = a.rx.start_budget(s).deadline
+    a.rx.start_budget(s)  # the holders are asked within it (asking.Ask.holder)
     # One pull per holder at once: a receiver's link is faster than one sender's path
     # (a TP=1 rank behind TP=2 holders).
     pulls = Pulls(abort=True)
-    errors = pulls.run([functools.partial(_from_holder, worker, a, f, k, deadline)
+    errors = pulls.run([functools.partial(_from_holder, worker, a, f, k)
                         for k in f.plan.used], "nccl_back-reshard")
     cause = errors[pulls.first] if pulls.first is not None else None
     if cause is not None:
@@ -264,16 +264,15 @@ def _blame(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources, bad: set
     return blamed
 
 
-def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int, deadline: float,
+def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int,
                  started: Callable[[Transport], None]) -> None:
     """Holder ``k``'s moves: a send slot, the transfer into place, the staged copies."""
     s, t, peer = worker.settings, a.target, f.peers[k]
     land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
     with claimed(worker, a, peer, share=f.share,
-                 until=min(deadline, _clock.monotonic() + s.busy_wait)) as token:
+                 until=min(a.rx.deadline, _clock.monotonic() + s.busy_wait)) as token:
         a.timings[f"claim.{k}"] = _clock.perf() - began
-        request = new_request(worker, a, token, layout=f.plan.receiver, group=f.group, holder=k)
         bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
         # Staged boxes are copied into place as their step arrives, while the next ones do.
         done = {j: [n for n in names if n in land.staged]
@@ -283,12 +282,8 @@ def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int, deadline
             for name in done.get(step, ()):
                 land.place(name)
 
-        transfer(worker, a, peer.peer_id, request, peer.transport, peer.address,
-                 digest=f.plan.digest, tensors=land.payload, bucket=bucket, on_step=placed,
-                 handshake_timeout=max(min(s.handshake_timeout,
-                                           deadline - _clock.monotonic()), 0.001),
-                 deadline=deadline, transfer_timeout=s.transfer_timeout,
-                 stall=s.stall_timeout, started=started)
+        into = Into(f.plan.digest, land.payload, bucket, placed, f.plan.receiver, f.group, k)
+        transfer(worker, a, Source.peer(peer), Ask.holder(s, a.rx, token, into=into, started=started))
     began = _clock.perf()
     land.finish()
     a.timings[f"unpack.{k}"] = _clock.perf() - began

@@ -3,9 +3,9 @@
 verification.
 
 A step of the receive loop (:class:`~.receive.Receive`), kept apart as
-:mod:`.holder_parts` is. Each part runs its own loop over that tree's upstreams (the
-seat's ancestors, nearest first, ending at the cohort's head, then the stream that
-feeds the cohort): a failed upstream is never asked again, and the next one resumes at
+:mod:`.holder_parts` is (both take its :class:`~.fill.Fill`). Each part runs its own
+loop over that tree's upstreams (the seat's ancestors, nearest first, ending at the
+cohort's head, then the stream that feeds the cohort): a failed upstream is never asked again, and the next one resumes at
 the part's first step this rank lacks; a member that stalled is asked once more first,
 unless its liveness mark lapsed (:meth:`~nccl_back.transport.relay.Seat.counts_failed`). A seat is a leaf in one tree,
 and a leaf's parent changes as the cohort grows
@@ -28,7 +28,6 @@ import functools
 import hashlib
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from nccl_back import _clock
 from nccl_back.coord.records import Member
@@ -43,40 +42,36 @@ from nccl_back.errors import (
     fallback_reason,
 )
 from nccl_back.load import verify
-from nccl_back.load.asking import claimed, new_request, transfer
+from nccl_back.load.asking import Ask, Source, claimed, transfer
 from nccl_back.load.attempt import PeerBusy
+from nccl_back.load.fill import Fill
 from nccl_back.load.pulls import Pulls, watched
 from nccl_back.timing import TREE_WATCH_POLL as WATCH_POLL
 from nccl_back.transport import Transport, plan, relay
-from nccl_back.transport.broadcast import resume_point
 from nccl_back.transport.parts import parts as split
-from nccl_back.transport.relay import RELAY_HANDSHAKE
 from nccl_back.transport.relay.topology import TREES
 from nccl_back.transport.rendezvous_store import unreachable_reason
-
-if TYPE_CHECKING:
-    from nccl_back.load.receive import Receive
 
 #: Handshake timeouts an upstream may cost one seat before it counts as failed.
 HANDSHAKE_TRIES = 2
 
 
-def from_trees(rcv: Receive, seat: relay.Seat, fed_by: Member | None, deadline: float,
+def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None, deadline: float,
                stall: float) -> bool:
     """Both parts from this seat's upstreams in the two trees, then one verification;
     True once it passed (``a.peer_id`` names every source). False: a part ran out of
     upstreams (``rx.relay_error`` says why; holders go on from the first step this rank
     lacks) or the deadline passed."""
-    return _Trees(rcv, seat, fed_by, deadline, stall).run()
+    return _Trees(fill, seat, fed_by, deadline, stall).run()
 
 
 class _Trees:
     """One seat's receive in the two trees (see the module docstring)."""
 
-    def __init__(self, rcv: Receive, seat: relay.Seat, fed_by: Member | None, deadline: float,
+    def __init__(self, fill: Fill, seat: relay.Seat, fed_by: Member | None, deadline: float,
                  stall: float) -> None:
-        self.rcv, self.seat, self.fed_by, self.deadline, self.stall = rcv, seat, fed_by, deadline, stall
-        t, s = rcv.a.target, rcv.worker.settings
+        self.fill, self.seat, self.fed_by, self.deadline, self.stall = fill, seat, fed_by, deadline, stall
+        t, s = fill.a.target, fill.worker.settings
         self.steps = plan(t.tensors, t.bucket(s, t.kind))
         self.timeouts: dict[str, int] = {}
         """Handshake timeouts per upstream (both parts' loops share it)."""
@@ -84,7 +79,7 @@ class _Trees:
         """Trees whose part stalled: no handshake retried there (see the module docstring)."""
 
     def run(self) -> bool:
-        rcv, seat, a, rx = self.rcv, self.seat, self.rcv.a, self.rcv.a.rx
+        fill, seat, a, rx = self.fill, self.seat, self.fill.a, self.fill.a.rx
         cut = split(self.steps, TREES)
         while _clock.monotonic() < self.deadline:
             errors = Pulls(abort=False).run(
@@ -100,11 +95,11 @@ class _Trees:
                     rx.relay_error = failed[0]
                 return False
             try:
-                verify.check(rcv.worker, a, self.deadline)
+                verify.check(fill.worker, a, self.deadline)
             except WeightVerificationError as e:
                 # Whoever sent failing bytes is never asked again and what it sent is
                 # gone: both parts resume at what they now lack.
-                seat.failed.update(rcv.blame(e, min(rx.sources.sources(), default="")))
+                seat.failed.update(fill.blame(e, min(rx.sources.sources(), default="")))
                 seat.failed.update(self._suspects(e))
                 rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
                 continue
@@ -120,7 +115,7 @@ class _Trees:
         stream: a cohort's one source)."""
         if not isinstance(e, relay.DamagedBytes):
             return set()
-        a = self.rcv.a
+        a = self.fill.a
         sources = {p.peer_id for p in a.found.candidates}
         if self.fed_by is not None:
             sources.add(self.fed_by.member_id)
@@ -130,9 +125,9 @@ class _Trees:
         """Tree ``tree``'s part (the step indices ``mine``) from this seat's upstreams in
         that tree, nearest first, then the cohort's source; raises :class:`PeerError`
         once none is left."""
-        seat, s, rx = self.seat, self.rcv.worker.settings, self.rcv.a.rx
+        seat, s, rx = self.seat, self.fill.worker.settings, self.fill.a.rx
         leaf = seat.position % TREES != tree  # grown(): seat p is interior in tree p % 2
-        while (first := rx.sources.lacking(mine)) is not None:
+        while rx.sources.lacking(mine) is not None:
             if _clock.monotonic() >= self.deadline:
                 raise NoPeerError(f"tree {tree}: the relay's deadline passed")
             path = seat.tree_path(tree, s.cohort_limit)
@@ -147,17 +142,17 @@ class _Trees:
             with watched(moved if leaf else (lambda: False), WATCH_POLL,
                          f"nccl-back-tree-{tree}") as (gone, on_start):
                 if ups:
-                    self._from_member(first, tree, ups[0][1], on_start, gone)
+                    self._from_member(tree, ups[0][1], on_start, gone)
                 else:
-                    self._from_source(first, tree, on_start, gone)
+                    self._from_source(tree, on_start, gone)
             if gone.is_set():
-                self.rcv.a.log.info("tree_parent_moved", tree=tree, seat=seat.position, was=path[0],
-                                    held_steps=rx.sources.done)
+                self.fill.a.log.info("tree_parent_moved", tree=tree, seat=seat.position, was=path[0],
+                                     held_steps=rx.sources.done)
 
-    def _from_member(self, first: int, tree: int, member: Member,
+    def _from_member(self, tree: int, member: Member,
                      on_start: Callable[[Transport], None], gone: threading.Event) -> None:
         """One try of the part from ``member`` (a seat's endpoint, or the cohort's stream)."""
-        a, s = self.rcv.a, self.rcv.worker.settings
+        a, s = self.fill.a, self.fill.worker.settings
         why = (f"speaks {member.transport} on {member.device}" if not a.replica().speaks(member)
                else unreachable_reason(s, member.address))
         if why is not None:  # not worth a handshake: the next one now
@@ -166,7 +161,7 @@ class _Trees:
             return
         stream = self.fed_by is not None and member.member_id == self.fed_by.member_id
         try:
-            self._pull(first, tree, member.member_id, member.transport, member.address, None,
+            self._pull(tree, Source.member(member), None,
                        self.seat.stall_bound(member.member_id, self.stall), on_start, gone)
         except PeerError as e:
             # The retry first: counts_failed marks a handshake timeout failed for good,
@@ -174,12 +169,12 @@ class _Trees:
             if gone.is_set() or self._retried(member.member_id, tree, e):
                 return
             if not stream and not self.seat.counts_failed(member.member_id, e):
-                self.rcv.a.log.info("relay_upstream_stalled", peer=member.member_id, part=tree,
-                                    held_steps=self.rcv.a.rx.sources.done, error=str(e))
+                self.fill.a.log.info("relay_upstream_stalled", peer=member.member_id, part=tree,
+                                     held_steps=self.fill.a.rx.sources.done, error=str(e))
                 return
             self._failed(member.member_id, tree, e)
 
-    def _from_source(self, first: int, tree: int, on_start: Callable[[Transport], None],
+    def _from_source(self, tree: int, on_start: Callable[[Transport], None],
                      gone: threading.Event) -> None:
         """The part from the cohort's source: the stream that feeds it, else a holder,
         whose one send slot the tree roots hold together (a share drawn from the cohort's
@@ -187,9 +182,9 @@ class _Trees:
         holders (up to ``holder_parts``), tree ``t`` first asks the ``t``-th if it has a
         slot free now: the two roots, or a lone seat taking both parts, then fill from
         two holders at once, each sending half."""
-        worker, a, s, seat = self.rcv.worker, self.rcv.a, self.rcv.worker.settings, self.seat
+        worker, a, s, seat = self.fill.worker, self.fill.a, self.fill.worker.settings, self.seat
         if self.fed_by is not None and self.fed_by.member_id not in seat.failed:
-            self._from_member(first, tree, self.fed_by, on_start, gone)
+            self._from_member(tree, self.fed_by, on_start, gone)
             return
         share = hashlib.md5(seat.place.key.encode(), usedforsecurity=False).hexdigest()
         out = seat.failed | a.rx.blamed
@@ -201,8 +196,7 @@ class _Trees:
         for peer, until in [*tries, (usable[0], min(self.deadline, _clock.monotonic() + s.busy_wait))]:
             try:
                 with claimed(worker, a, peer, share=share, until=until) as token:
-                    self._pull(first, tree, peer.peer_id, peer.transport, peer.address, token,
-                               s.stall_timeout, on_start, gone)
+                    self._pull(tree, Source.peer(peer), token, s.stall_timeout, on_start, gone)
             except PeerBusy:
                 continue
             except PeerError as e:
@@ -210,20 +204,13 @@ class _Trees:
                     self._failed(peer.peer_id, tree, e)
             return
 
-    def _pull(self, first: int, tree: int, source: str, kind: str, address: str,
-              claim: str | None, stall: float, on_start: Callable[[Transport], None],
-              gone: threading.Event) -> None:
+    def _pull(self, tree: int, source: Source, claim: str | None, stall: float,
+              on_start: Callable[[Transport], None], gone: threading.Event) -> None:
         """Tree ``tree``'s part from ``source``, from the first step of it this rank lacks."""
-        rcv, s, t = self.rcv, self.rcv.worker.settings, self.rcv.a.target
-        start = resume_point(self.steps, t.tensors, first)
-        request = new_request(rcv.worker, rcv.a, claim, start=start, part=tree, parts=TREES)
-        transfer(rcv.worker, rcv.a, source, request, kind, address, digest=t.manifest.digest,
-                 tensors=t.tensors, bucket=t.bucket(s, t.kind), start=start, part=(tree, TREES),
-                 on_step=rcv.recorder(source),
-                 handshake_timeout=self.seat.handshake_bound(
-                     source, min(s.handshake_timeout, RELAY_HANDSHAKE,
-                                 max(self.deadline - _clock.monotonic(), 0.001))),
-                 deadline=self.deadline, stall=stall, started=on_start, gone=gone)
+        fill = self.fill
+        transfer(fill.worker, fill.a, source, Ask.upstream(
+            fill.worker.settings, self.seat, source.id, self.deadline, stall, (tree, TREES), claim,
+            on_start, gone))
 
     def _retried(self, source: str, tree: int, e: PeerError) -> bool:
         """Whether ``source`` is asked again after ``e``: it timed out in the handshake
@@ -233,17 +220,17 @@ class _Trees:
             self.stalled.add(tree)
         if not isinstance(e, HandshakeTimeoutError):
             return False
-        self.rcv.worker.metrics.record_handshake_timeout()
+        self.fill.worker.metrics.record_handshake_timeout()
         self.timeouts[source] = self.timeouts.get(source, 0) + 1
         if self.timeouts[source] >= HANDSHAKE_TRIES or tree in self.stalled:
             return False
-        self.rcv.a.log.info("relay_handshake_retried", peer=source, part=tree, error=str(e))
+        self.fill.a.log.info("relay_handshake_retried", peer=source, part=tree, error=str(e))
         return True
 
     def _failed(self, source: str, tree: int, e: PeerError) -> None:
         """``source`` failed this seat's part ``tree``: never asked again (a stream that
         failed is the load's to go back to the election for)."""
-        a = self.rcv.a
+        a = self.fill.a
         self.seat.failed.add(source)
         if any(p.peer_id == source for p in a.found.candidates):
             a.rx.failed.add(source)  # a holder: the holders' loop does not ask it again

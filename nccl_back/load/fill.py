@@ -1,0 +1,62 @@
+"""What the receive loop (:class:`~.receive.Receive`) shares with its steps kept apart
+(:mod:`.holder_parts`, :mod:`.tree_parts`): the load, blame, and the load's one budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nccl_back.errors import (
+    HandshakeTimeoutError,
+    NcclBackError,
+    NoPeerError,
+    WeightVerificationError,
+    fallback_reason,
+)
+from nccl_back.load.attempt import Attempt, Worker
+from nccl_back.transport import relay
+
+
+@dataclass(frozen=True)
+class Fill:
+    """This rank's tensors filled from peers in one load ``a``."""
+
+    worker: Worker
+    a: Attempt
+
+    def failed(self, peer: str, e: NcclBackError, **where: int) -> None:
+        """Count and log holder ``peer``'s failure ``e`` (of part ``where``)."""
+        if isinstance(e, HandshakeTimeoutError):
+            self.worker.metrics.record_handshake_timeout()
+        self.a.log.warning("peer_attempt_failed", peer=peer, **where, reason=fallback_reason(e),
+                           error=str(e))
+
+    def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
+        """Record a verification failure against the sources that sent failing bytes
+        (``tried`` when they cannot be told); returns them. Suspects (one of them sent
+        wrong bytes, the check cannot say which: :class:`~nccl_back.transport.relay.Blame`)
+        are logged, not blamed: what they sent is gone, and a source implicated again
+        is blamed then."""
+        a = self.a
+        blamed = set(error.blamed) if isinstance(error, relay.DamagedBytes) else {tried}
+        a.rx.blamed |= blamed
+        self.worker.metrics.record_verification_failure()
+        for src in sorted(blamed):
+            a.log.warning("peer_attempt_failed", peer=src, reason="verification_failed",
+                          via=tried, error=str(error))
+        if isinstance(error, relay.DamagedBytes) and error.suspects:
+            a.log.warning("verification_unplaced", suspects=sorted(error.suspects), via=tried,
+                          held_steps=a.rx.sources.done, error=str(error))
+        if tried not in blamed:
+            a.log.info("peer_attempt_retried", peer=tried, blamed=sorted(blamed),
+                       held_steps=a.rx.sources.done)
+        return blamed
+
+    def budget_spent(self, last: BaseException | None) -> bool:
+        """True (and ``a.reason`` set) once the load's peer budget is spent."""
+        a, s = self.a, self.worker.settings
+        if a.rx.budget is None or not a.rx.budget.spent():
+            return False
+        a.reason = NoPeerError(
+            f"peer attempts spent their budget of {s.peer_budget:g} s (peer_budget)"
+            + ("" if last is None else f"; last: {last}"))
+        return True

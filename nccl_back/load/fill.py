@@ -1,9 +1,10 @@
 """What the receive loop (:class:`~.receive.Receive`) shares with its steps kept apart
-(:mod:`.holder_parts`, :mod:`.tree_parts`): the load, blame, and the load's one budget."""
+(:mod:`.holder_parts`, :mod:`.tree_parts`): the load, its outcome so far, blame, and the
+load's one budget."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nccl_back.errors import (
     HandshakeTimeoutError,
@@ -16,12 +17,19 @@ from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.transport import relay
 
 
-@dataclass(frozen=True)
+@dataclass
 class Fill:
-    """This rank's tensors filled from peers in one load ``a``."""
+    """One pass filling this rank's tensors from peers in load ``a``: who filled them once
+    they verified (``peer_id``) or why not (``reason``), from what the load held (a pass
+    after a lost stream starts from the first one's)."""
 
     worker: Worker
     a: Attempt
+    peer_id: str | None = field(init=False)
+    reason: NcclBackError | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.peer_id, self.reason = self.a.peer_id, self.a.reason
 
     def failed(self, peer: str, e: NcclBackError, **where: int) -> None:
         """Count and log holder ``peer``'s failure ``e`` (of part ``where``)."""
@@ -52,11 +60,11 @@ class Fill:
         return blamed
 
     def budget_spent(self, last: BaseException | None) -> bool:
-        """True (and ``a.reason`` set) once the load's peer budget is spent."""
+        """True (and ``reason`` set) once the load's peer budget is spent."""
         a, s = self.a, self.worker.settings
         if a.rx.budget is None or not a.rx.budget.spent():
             return False
-        a.reason = NoPeerError(
+        self.reason = NoPeerError(
             f"peer attempts spent their budget of {s.peer_budget:g} s (peer_budget)"
             + ("" if last is None else f"; last: {last}"))
         return True

@@ -30,7 +30,7 @@ from nccl_back.transport.parts import Part
 
 def from_holders_in_parts(fill: Fill) -> set[str]:
     """Part ``i`` of ``n`` from each of ``n`` idle holders at once (``holder_parts``),
-    into this rank's tensors, then one verification: ``a.peer_id`` names those whose
+    into this rank's tensors, then one verification: ``fill.peer_id`` names those whose
     parts landed.
 
     Not tried when fewer than two holders have a free send slot now, when this rank
@@ -102,7 +102,7 @@ def from_holders_in_parts(fill: Fill) -> set[str]:
         worker.metrics.record_verification_failure()
         a.log.warning("holder_parts_unplaced", peers=sorted(suspects), error=str(e))
         return failed
-    a.peer_id = ",".join(p.peer_id for p, _ in done)
+    fill.peer_id = ",".join(p.peer_id for p, _ in done)
     return set()
 
 

@@ -12,6 +12,8 @@ its pieces through the same :func:`~.asking.transfer` and :func:`~.asking.claime
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nccl_back import _clock
 from nccl_back.coord.records import Member
 from nccl_back.errors import (
@@ -30,14 +32,35 @@ from nccl_back.timing import MAX_PEER_ATTEMPTS
 from nccl_back.transport import plan, relay
 
 
+@dataclass(frozen=True)
+class Received:
+    """A pass's outcome: this rank's bytes verified, from ``peer_id`` (comma-separated: parts)."""
+
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class NotReceived:
+    """A pass's outcome: no source served this rank, and why."""
+
+    reason: NcclBackError
+
+
 class Receive(Fill):
-    """One pass of the receive phase on this rank. Sets ``a.peer_id`` or ``a.reason``.
+    """One pass of the receive phase on this rank: :meth:`run` says who served it, or why
+    nobody did (the service records it in the load).
 
     Run twice when the first pass was fed by a stream that was lost: both passes
     share ``a.rx`` (one budget, and what the first one received and did not discard).
     """
 
-    def run(self) -> None:
+    def run(self) -> Received | NotReceived:
+        self._pass()
+        if self.reason is None and self.peer_id is not None:
+            return Received(self.peer_id)
+        return NotReceived(self.reason or NoPeerError("no source served this rank"))
+
+    def _pass(self) -> None:
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
         if rx.step_sources is None:
             rx.step_sources = relay.StepSources(plan(a.target.tensors, a.target.bucket(s, a.target.kind)))
@@ -59,23 +82,24 @@ class Receive(Fill):
                 return
             if self.budget_spent(rx.relay_error):
                 return
-            if a.reason is None and not a.found.candidates:
+            if self.reason is None and not a.found.candidates:
                 # Fed by a stream that failed us: the downloader may have published since.
                 a.discovered(discover(worker, a))
+                self.reason = a.reason
                 if not a.found.candidates and (a.reason is None or isinstance(a.reason, NobodyHolds)):
-                    a.reason = StreamLost(
+                    self.reason = StreamLost(
                         f"the download streamed to this rank failed ({rx.relay_error}) and no"
                         " peer holds the version yet; back to the election")
-            if a.reason is None:
+            if self.reason is None:
                 failed = holder_parts.from_holders_in_parts(self) | rx.failed
                 try:
-                    if a.peer_id is None and a.reason is None:
+                    if self.peer_id is None and self.reason is None:
                         self._from_holders(failed)
                 finally:
                     rx.failed |= failed
         finally:
             if seat is not None:
-                seat.end(a.peer_id is not None, str(a.reason or ""))
+                seat.end(self.peer_id is not None, str(self.reason or ""))
 
     # -- relay upstreams ----------------------------------------------------------------
 
@@ -98,7 +122,7 @@ class Receive(Fill):
     # -- holders --------------------------------------------------------------------------
 
     def _from_holders(self, failed: set[str]) -> None:
-        """Try holders until one transfer verifies; sets ``a.peer_id`` or ``a.reason``.
+        """Try holders until one transfer verifies; sets ``peer_id`` or ``reason``.
 
         A peer whose send slots are all claimed is not a failure: the receiver waits
         (re-discovering, so receivers that finished meanwhile become candidates) up to
@@ -127,7 +151,7 @@ class Receive(Fill):
                     with claimed(worker, a, peer) as token:
                         transfer(worker, a, Source.peer(peer), Ask.holder(s, a.rx, token))
                         verify.check(worker, a, a.rx.deadline)
-                    a.peer_id = peer.peer_id
+                    self.peer_id = peer.peer_id
                     return
                 except PeerBusy:
                     busy += 1
@@ -145,19 +169,19 @@ class Receive(Fill):
                     i += 1
                     self.failed(peer.peer_id, e)
                 except RegistryError as e:
-                    a.reason = e
+                    self.reason = e
                     return
                 if len(failed) >= MAX_PEER_ATTEMPTS:
-                    a.reason = last
+                    self.reason = last
                     return
             if busy == 0 or _clock.monotonic() >= deadline:
                 if busy:
                     last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
-                a.reason = last
+                self.reason = last
                 return
             _clock.sleep(BUSY_POLL)
             try:
                 candidates = holders(worker, a)
             except RegistryError as e:
-                a.reason = e
+                self.reason = e
                 return

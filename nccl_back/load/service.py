@@ -54,7 +54,7 @@ from nccl_back.load.cooperative import serve_share
 from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
 from nccl_back.load.ranged_group import RangedLoader
-from nccl_back.load.receive import Receive
+from nccl_back.load.receive import NotReceived, Receive, Received
 from nccl_back.load.single_flight import single_flight
 from nccl_back.load.storage_phase import fall_back, load_checkpoint
 from nccl_back.load.verifier import Basis, Verifier
@@ -334,7 +334,11 @@ class WeightService:
     def _receive(self, a: Attempt) -> Decision:
         t = _clock.perf()
         with caught(a, "receive_any"):
-            Receive(self._worker, a).run()
+            match Receive(self._worker, a).run():
+                case Received(peer_id=peer_id):
+                    a.peer_id = peer_id
+                case NotReceived(reason=reason):
+                    a.reason = reason
         a.timings["peer"] = _clock.perf() - t
         return agree(a, "peer load")
 

@@ -59,7 +59,7 @@ HANDSHAKE_TRIES = 2
 def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None, deadline: float,
                stall: float) -> bool:
     """Both parts from this seat's upstreams in the two trees, then one verification;
-    True once it passed (``a.peer_id`` names every source). False: a part ran out of
+    True once it passed (``fill.peer_id`` names every source). False: a part ran out of
     upstreams (``rx.relay_error`` says why; holders go on from the first step this rank
     lacks) or the deadline passed."""
     return _Trees(fill, seat, fed_by, deadline, stall).run()
@@ -103,7 +103,7 @@ class _Trees:
                 seat.failed.update(self._suspects(e))
                 rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
                 continue
-            a.peer_id = ",".join(sorted(rx.sources.sources()))
+            fill.peer_id = ",".join(sorted(rx.sources.sources()))
             return True
         return False
 

@@ -27,7 +27,7 @@ from nccl_back.errors import (
 )
 from nccl_back.load import holder_parts, tree_parts, verify
 from nccl_back.load.asking import BUSY_POLL, claimed, new_request, transfer
-from nccl_back.load.attempt import Attempt, NobodyHolds, PeerBusy, StreamLost, Worker
+from nccl_back.load.attempt import Absence, Attempt, NoHolder, PeerBusy, Worker
 from nccl_back.load.discover import discover, holders
 from nccl_back.timing import MAX_PEER_ATTEMPTS
 from nccl_back.transport import (
@@ -72,9 +72,9 @@ class Receive:
             if a.reason is None and not a.found.candidates:
                 # Fed by a stream that failed us: the downloader may have published since.
                 a.discovered(discover(worker, a))
-                if not a.found.candidates and (a.reason is None or isinstance(a.reason, NobodyHolds)):
-                    a.reason = StreamLost(
-                        f"the download streamed to this rank failed ({rx.relay_error}) and no"
+                if not a.found.candidates and (a.reason is None or isinstance(a.reason, NoHolder)):
+                    a.reason = NoHolder(
+                        Absence.STREAM_LOST, f"the download streamed to this rank failed ({rx.relay_error}) and no"
                         " peer holds the version yet; back to the election")
             if a.reason is None:
                 failed = holder_parts.from_holders_in_parts(self) | rx.failed

@@ -233,6 +233,26 @@ class WeightService:
     # -- one load, phase by phase ----------------------------------------------------------
 
     def _run_phases(self, a: Attempt) -> LoadResult:
+        """The load's state machine. Each arrow follows a consensus round (:func:`agree`),
+        so every rank of the worker takes the same one; a rank that raised ends every
+        rank's load. A sharded skeleton (or a single-rank plain one facing holders of
+        another layout only) may reshard, at most once per load.
+
+        ::
+
+            discover ──ok──────────────────────────────► receive ──ok──► serve (peer)
+               │ not ok, sharded ──► reshard ──ok──► serve      │
+               │                        └─ none covers us: on as if not tried
+               │ nobody ──► elect ──ok──► receive               │ nobody (the stream
+               │              │ (a member serves its share,     │  it was fed by is
+               │              │  then waits again)              │  lost) ──► elect ──ok──► receive
+               │              └─ else ─────────────────────┐    │ failed, sharded,
+               │                                           │    │ not resharded ──► reshard
+               └───────────────────────────────────────────┴────┴──► storage (the reason)
+
+        ``storage`` loads (an elected worker streams its download), publishes the
+        ground truth and serves; ``strict`` makes a failed peer load raise there instead.
+        """
         worker = self._worker
         t = _clock.perf()
         with caught(a, "prepare"):

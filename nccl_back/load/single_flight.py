@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from nccl_back import _clock
 from nccl_back.coord.election import DownloadLease, Outcome, elect
 from nccl_back.errors import NcclBackError, NoPeerError
-from nccl_back.load.attempt import Attempt, NobodyHolds, NobodyTrusted, NoTruth, Worker
+from nccl_back.load.attempt import Attempt, NoHolder, Worker
 from nccl_back.load.discover import discover, sees_peer
 from nccl_back.load.vote import caught
 
@@ -39,7 +39,7 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
     # (rejected, or no truth to verify them), this worker downloads only once a live
     # holder would have re-published (within peer_ttl, or it counts as dead). The
     # single flight still holds: one of the waiters takes the lease.
-    after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
+    after = s.peer_ttl if isinstance(a.reason, NoHolder) and a.reason.waits_for_holders else 0.0
     # A member waits again after serving its share: for the stream, not a second roster.
     cooperate = a.cooperative and a.member is None
     result = elect(a.lease, lambda: sees_peer(worker, a), a.group, a.rank, s, lease_after=after,
@@ -57,11 +57,8 @@ def single_flight(worker: Worker, a: Attempt) -> Flight:
         a.log.info("single_flight_elected", waited=flight.waited,
                    group=_members(a, s.download_group_window if cooperate else 0.0))
         a.elected = True
-        if isinstance(a.reason, NobodyHolds):
-            # Same class: "nobody trusted" keeps its own fallback reason.
-            a.reason = type(a.reason)(
-                f"{a.reason}; this worker was elected to download it (single flight)"
-            )
+        if isinstance(a.reason, NoHolder):  # "nobody trusted" keeps its own fallback code
+            a.reason = a.reason.also("this worker was elected to download it (single flight)")
     elif outcome == "timeout":
         a.reason = NoPeerError(
             f"waited {flight.waited:g} s (single_flight_wait {s.single_flight_wait:g} s, at most"

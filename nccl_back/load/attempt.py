@@ -1,9 +1,12 @@
 """One ``load`` on one rank: what is fixed for it, what its phases produce, and the
-reasons a phase gives for not loading from a peer.
+reasons a rank gives for not loading from a peer.
 
-The phases (:mod:`.discover`, :mod:`.single_flight`, :mod:`.receive`, :mod:`.verify`,
-:mod:`.storage`, :mod:`.publish`) each read the :class:`Attempt` and write their own
-part of it; :class:`Worker` is what the service lends all of them.
+Discovery and the single flight return what they found (:class:`Discovery`,
+:class:`~.single_flight.Flight`), which the service takes into the :class:`Attempt`;
+the receive, reshard, verify and storage phases read it and write their own part.
+A rank that found nobody to load from says why with a :class:`NoHolder` (not an
+error: its vote sends the worker to the election); :class:`Worker` is what the
+service lends every phase.
 """
 
 from __future__ import annotations
@@ -213,6 +216,7 @@ class Attempt:
     checked: PositionCheck | None = None
     """What a check in checkpoint coordinates covered (a reshard's)."""
     lease: DownloadLease | None = None
+    """Rank 0's download lease of the last single-flight wait (released when the load ends)."""
     cooperative: bool = False
     """This rank can take part in a cooperative download (one rank, the checkpoint's own
     tensors, cohorts on): it joins the download group and may be named a member."""

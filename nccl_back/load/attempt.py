@@ -1,13 +1,17 @@
 """One ``load`` on one rank: what is fixed for it, what its phases produce, and the
-reasons a phase gives for not loading from a peer.
+reasons a rank gives for not loading from a peer.
 
-The phases (:mod:`.discover`, :mod:`.single_flight`, :mod:`.receive`, :mod:`.verify`,
-:mod:`.storage`, :mod:`.publish`) each read the :class:`Attempt` and write their own
-part of it; :class:`Worker` is what the service lends all of them.
+Discovery and the single flight return what they found (:class:`Discovery`,
+:class:`~.single_flight.Flight`), which the service takes into the :class:`Attempt`;
+the receive, reshard, verify and storage phases read it and write their own part.
+A rank that found nobody to load from says why with a :class:`NoHolder` (not an
+error: its vote sends the worker to the election); :class:`Worker` is what the
+service lends every phase.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +23,7 @@ from nccl_back.config import Settings
 from nccl_back.coord.consensus import Group
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import PeerInfo, Registry
-from nccl_back.errors import NcclBackError, NoPeerError, UntrustedRecordError
+from nccl_back.errors import NcclBackError, StrEnum, fallback_reason
 from nccl_back.load.verifier import Basis, PositionCheck, Verifier
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
@@ -31,29 +35,65 @@ from nccl_back.transport.sender import PeerServer
 # -- why a rank does not load from a peer (internal reasons) ------------------------------
 
 
-class NobodyHolds(NoPeerError):
+class Absence(StrEnum):
+    """Why a rank found nobody to load from: not a failure (its vote is "nobody", and the
+    worker goes to the election), so not an error either; each value its own case."""
+
+    NOBODY_HOLDS = "nobody_holds"
     """No live peer holds the version at all (the first worker of a rollout)."""
-
-
-class NobodyTrusted(NobodyHolds, UntrustedRecordError):
+    NOBODY_TRUSTED = "nobody_trusted"
     """Entries for the version exist, but none could be trusted (all were rejected)."""
-
-
-class NoTruth(NobodyHolds):
+    NO_TRUTH = "no_truth"
     """Peers hold the version, but the ground truth to verify them against is missing
     (Redis lost its data, a failover to an empty replica): the worker waits in the
     single flight while the holders re-publish it (every heartbeat), rather than read
     storage, as every worker of a rollout would."""
-
-
-class NoTrustedTruth(NoTruth, UntrustedRecordError):
+    NO_TRUSTED_TRUTH = "no_trusted_truth"
     """Peers hold the version, but the ground-truth record is not to be trusted (forged,
     wrong type): skipped and waited out like a missing one; holders replace it."""
-
-
-class StreamLost(NobodyHolds):
+    STREAM_LOST = "stream_lost"
     """The download streamed to this rank failed and nobody holds the version yet: the
     worker goes back to the election (single flight) once more."""
+    NO_LAYOUT_COVER = "no_layout_cover"
+    """No live holders of any layout cover this rank's pieces (or their truth is
+    missing, disagrees, or does not cover what the Verifier must check)."""
+
+
+@dataclass(frozen=True)
+class NoHolder:
+    """A rank's reason for finding nobody to load from: what it found (:class:`Absence`)
+    and the detail a fallback reports."""
+
+    absence: Absence
+    detail: str
+
+    def __str__(self) -> str:
+        return self.detail
+
+    @property
+    def code(self) -> str:
+        """Its :data:`~nccl_back.errors.FALLBACK_REASONS` code."""
+        untrusted = self.absence in (Absence.NOBODY_TRUSTED, Absence.NO_TRUSTED_TRUTH)
+        return "untrusted_record" if untrusted else "no_peer"
+
+    @property
+    def waits_for_holders(self) -> bool:
+        """Entries exist that cannot be used yet: the election downloads only once a live
+        holder would have re-published them (within ``peer_ttl``)."""
+        return self.absence in (Absence.NOBODY_TRUSTED, Absence.NO_TRUTH,
+                                Absence.NO_TRUSTED_TRUTH)
+
+    def also(self, more: str) -> NoHolder:
+        return dataclasses.replace(self, detail=f"{self.detail}; {more}")
+
+
+Reason = NcclBackError | NoHolder
+"""A rank's vote against loading from a peer: nobody to load from, or what failed."""
+
+
+def reason_code(reason: Reason) -> str:
+    """The fallback code of ``reason`` (metric label, prefix of ``fallback_reason``)."""
+    return reason.code if isinstance(reason, NoHolder) else fallback_reason(reason)
 
 
 class PeerBusy(Exception):
@@ -106,7 +146,7 @@ class Discovery:
     truth: dict[str, str] | None = None
     stream: relay.Member | None = None
     """The elected downloader's stream this rank's cohort is fed from (no holder yet)."""
-    reason: NcclBackError | None = None
+    reason: Reason | None = None
 
 
 @dataclass
@@ -176,6 +216,7 @@ class Attempt:
     checked: PositionCheck | None = None
     """What a check in checkpoint coordinates covered (a reshard's)."""
     lease: DownloadLease | None = None
+    """Rank 0's download lease of the last single-flight wait (released when the load ends)."""
     cooperative: bool = False
     """This rank can take part in a cooperative download (one rank, the checkpoint's own
     tensors, cohorts on): it joins the download group and may be named a member."""
@@ -194,7 +235,7 @@ class Attempt:
     peer_id: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     # This rank's vote in the next consensus round.
-    reason: NcclBackError | None = None
+    reason: Reason | None = None
     """Why this rank cannot (or could not) load from a peer; None while it can."""
     error: Exception | None = None
     """What this rank raised unexpectedly; every rank then stops."""

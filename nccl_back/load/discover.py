@@ -16,15 +16,7 @@ from nccl_back.errors import (
     RegistryError,
     UntrustedRecordError,
 )
-from nccl_back.load.attempt import (
-    Attempt,
-    Discovery,
-    NobodyHolds,
-    NobodyTrusted,
-    NoTrustedTruth,
-    NoTruth,
-    Worker,
-)
+from nccl_back.load.attempt import Absence, Attempt, Discovery, NoHolder, Worker
 from nccl_back.transport.rendezvous_store import unreachable_reason
 
 
@@ -45,10 +37,10 @@ def discover(worker: Worker, a: Attempt) -> Discovery:
                 # The elected downloader streams it; the ground truth comes at its end.
                 return Discovery(stream=stream)
             if untrusted:
-                return Discovery(reason=NobodyTrusted(
+                return Discovery(reason=NoHolder(Absence.NOBODY_TRUSTED,
                     f"no trusted peer holds {where}:"
                     f" {untrusted} entries rejected (see record_rejected)"))
-            return Discovery(reason=NobodyHolds(f"no live peer holds {where}"))
+            return Discovery(reason=NoHolder(Absence.NOBODY_HOLDS, f"no live peer holds {where}"))
         usable = usable_peers(worker, a, peers)
         if not usable:
             t = a.target
@@ -65,11 +57,11 @@ def discover(worker: Worker, a: Attempt) -> Discovery:
         try:
             stored = reg.get_ground_truth(version, a.rank, a.world, man.digest, worker.verifier.scheme)
         except UntrustedRecordError as e:
-            return Discovery(reason=NoTrustedTruth(
+            return Discovery(reason=NoHolder(Absence.NO_TRUSTED_TRUTH,
                 f"peers exist but the ground truth for manifest {man.digest[:12]} is not to"
                 f" be trusted ({e}); waiting for a holder to replace it (single flight)"))
         if stored is None:
-            return Discovery(reason=NoTruth(
+            return Discovery(reason=NoHolder(Absence.NO_TRUTH,
                 f"peers exist but no ground-truth hashes for manifest {man.digest[:12]}"
                 " to verify against; waiting for a holder to re-publish them (single flight)"))
         expected = worker.verifier.expected(stored)

@@ -13,7 +13,7 @@ from nccl_back.errors import (
     WeightVerificationError,
     fallback_reason,
 )
-from nccl_back.load.attempt import Attempt, Worker
+from nccl_back.load.attempt import Attempt, Reason, Worker
 from nccl_back.transport import relay
 
 
@@ -26,7 +26,7 @@ class Fill:
     worker: Worker
     a: Attempt
     peer_id: str | None = field(init=False)
-    reason: NcclBackError | None = field(init=False)
+    reason: Reason | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.peer_id, self.reason = self.a.peer_id, self.a.reason

@@ -25,7 +25,7 @@ from nccl_back.errors import (
 )
 from nccl_back.load import holder_parts, tree_parts, verify
 from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
-from nccl_back.load.attempt import NobodyHolds, PeerBusy, StreamLost
+from nccl_back.load.attempt import Absence, NoHolder, PeerBusy, Reason
 from nccl_back.load.discover import discover, holders
 from nccl_back.load.fill import Fill
 from nccl_back.timing import MAX_PEER_ATTEMPTS
@@ -43,7 +43,7 @@ class Received:
 class NotReceived:
     """A pass's outcome: no source served this rank, and why."""
 
-    reason: NcclBackError
+    reason: Reason
 
 
 class Receive(Fill):
@@ -86,9 +86,9 @@ class Receive(Fill):
                 # Fed by a stream that failed us: the downloader may have published since.
                 a.discovered(discover(worker, a))
                 self.reason = a.reason
-                if not a.found.candidates and (a.reason is None or isinstance(a.reason, NobodyHolds)):
-                    self.reason = StreamLost(
-                        f"the download streamed to this rank failed ({rx.relay_error}) and no"
+                if not a.found.candidates and (a.reason is None or isinstance(a.reason, NoHolder)):
+                    self.reason = NoHolder(
+                        Absence.STREAM_LOST, f"the download streamed to this rank failed ({rx.relay_error}) and no"
                         " peer holds the version yet; back to the election")
             if self.reason is None:
                 failed = holder_parts.from_holders_in_parts(self) | rx.failed

@@ -50,7 +50,7 @@ from nccl_back.errors import (
     fallback_reason,
 )
 from nccl_back.load.asking import Ask, Into, Source, claimed, transfer
-from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
+from nccl_back.load.attempt import Absence, Attempt, NoHolder, Reason, Worker
 from nccl_back.load.discover import usable_peers
 from nccl_back.load.pulls import Pulls
 from nccl_back.load.verifier import merge_macs
@@ -68,11 +68,6 @@ MAX_WORLDS = 8
 #: World sizes whose holders a reshard always looks up, besides its own and those the
 #: index keys name: the tensor-parallel sizes of real fleets.
 USUAL_WORLDS = (1, 2, 4, 8)
-
-
-class NoLayoutCover(NobodyHolds):
-    """No live holders of any layout cover this rank's pieces (or their truth is
-    missing, disagrees, or does not cover what the Verifier must check)."""
 
 
 @dataclass(frozen=True)
@@ -116,9 +111,14 @@ def _find_all(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | None
     began = _clock.perf()
     with caught(a, "reshard_discovery"):
         try:
-            found = find(worker, a, sh)
+            got = find(worker, a, sh)
         except (NoPeerError, RegistryError) as e:
             a.reason = e
+        else:
+            if isinstance(got, NoHolder):
+                a.reason = got
+            else:
+                found = got
     a.timings["reshard_discovery"] = _clock.perf() - began
     if not agree(a, "reshard discovery").ok:
         why = str(a.reason) if a.reason else "another rank found none"
@@ -131,19 +131,22 @@ def _find_all(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | None
     return None if found is None else dataclasses.replace(found, share=share)
 
 
-def _also(reason: NcclBackError | None, more: str) -> NcclBackError | None:
+def _also(reason: Reason | None, more: str) -> Reason | None:
     """``reason`` (its class: its fallback code) saying ``more`` as well."""
     if reason is None:
         return None
+    if isinstance(reason, NoHolder):
+        return reason.also(more)
     try:
         return type(reason)(f"{reason}; {more}")
     except TypeError:  # a class whose constructor takes more
         return reason
 
 
-def find(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources:
+def find(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | NoHolder:
     """The first world size (nearest to ours) whose live holders cover this rank, with
-    truth the Verifier can check every held position (or byte) against."""
+    truth the Verifier can check every held position (or byte) against; else why none
+    does (:attr:`Absence.NO_LAYOUT_COVER`)."""
     phase = a.rx.start_budget(worker.settings).phase("reshard discovery", DISCOVER_SECONDS)
     reg, version = worker.registry, a.spec.version
     by_world: dict[int, list[PeerInfo]] = {}
@@ -167,7 +170,7 @@ def find(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources:
             if isinstance(e, BudgetSpentError):
                 raise
             why = f"holders at world size {w}: {e}"
-    raise NoLayoutCover(why)
+    return NoHolder(Absence.NO_LAYOUT_COVER, why)
 
 
 def _at_world(worker: Worker, a: Attempt, sh: Sharding, holders: list[PeerInfo], phase: Phase) -> ReshardSources:

@@ -46,6 +46,7 @@ from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.auth import warn_unsigned
 from nccl_back.coord.consensus import Group, rank_and_size
+from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import ManifestMismatchError, NcclBackError
 from nccl_back.load import heap, reshard
@@ -55,7 +56,7 @@ from nccl_back.load.discover import discover
 from nccl_back.load.publish import peer_loaded
 from nccl_back.load.ranged_group import RangedLoader
 from nccl_back.load.receive import NotReceived, Receive, Received
-from nccl_back.load.single_flight import single_flight
+from nccl_back.load.single_flight import Flight, single_flight
 from nccl_back.load.storage_phase import fall_back, load_checkpoint
 from nccl_back.load.verifier import Basis, Verifier
 from nccl_back.load.vote import Decision, agree, caught
@@ -233,6 +234,26 @@ class WeightService:
     # -- one load, phase by phase ----------------------------------------------------------
 
     def _run_phases(self, a: Attempt) -> LoadResult:
+        """The load's state machine. Each arrow follows a consensus round (:func:`agree`),
+        so every rank of the worker takes the same one; a rank that raised ends every
+        rank's load. A sharded skeleton (or a single-rank plain one facing holders of
+        another layout only) may reshard, at most once per load.
+
+        ::
+
+            discover ──ok──────────────────────────────► receive ──ok──► serve (peer)
+               │ not ok, sharded ──► reshard ──ok──► serve      │
+               │                        └─ none covers us: on as if not tried
+               │ nobody ──► elect ──ok──► receive               │ nobody (the stream
+               │              │ (a member serves its share,     │  it was fed by is
+               │              │  then waits again)              │  lost) ──► elect ──ok──► receive
+               │              └─ else ─────────────────────┐    │ failed, sharded,
+               │                                           │    │ not resharded ──► reshard
+               └───────────────────────────────────────────┴────┴──► storage (the reason)
+
+        ``storage`` loads (an elected worker streams its download), publishes the
+        ground truth and serves; ``strict`` makes a failed peer load raise there instead.
+        """
         worker = self._worker
         t = _clock.perf()
         with caught(a, "prepare"):
@@ -319,17 +340,36 @@ class WeightService:
         return RangedLoader(sh, a.group)
 
     def _elect(self, a: Attempt) -> Decision:
-        flight = single_flight(self._worker, a)
+        flight = self._fly(a)
         if flight.outcome == "member":
             # Named in the elected worker's roster: read and serve the share, then wait,
             # as any waiter, for its stream (reading what it spreads to us meanwhile).
             rescues = serve_share(self._worker, a)
             try:
-                single_flight(self._worker, a)
+                self._fly(a)
             finally:
                 if rescues is not None:
                     rescues.close()
         return agree(a, "single flight")
+
+    def _fly(self, a: Attempt) -> Flight:
+        """One wait in the single flight, its findings taken into ``a`` (rank 0 keeps the
+        lease it polls in ``a.lease``, released when the load ends)."""
+        w = self._worker
+        if a.rank == 0:
+            if a.lease is not None:
+                a.lease.release()  # never held: a holder appeared, or another was elected
+            a.lease = DownloadLease(w.registry, a.spec.version, a.world, w.id,
+                                    self.settings.download_lease)
+        flight = single_flight(w, a, a.lease)
+        a.reason, a.error = flight.reason, a.error or flight.error
+        a.member = flight.member or a.member
+        if flight.outcome == "elected":
+            a.elected, a.roster = True, flight.roster
+        elif flight.outcome == "peer":
+            with caught(a, "discover"):
+                a.discovered(discover(w, a))
+        return flight
 
     def _receive(self, a: Attempt) -> Decision:
         t = _clock.perf()

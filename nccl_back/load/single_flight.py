@@ -12,84 +12,83 @@ from dataclasses import dataclass
 from nccl_back import _clock
 from nccl_back.coord.election import DownloadLease, Outcome, elect
 from nccl_back.errors import NcclBackError, NoPeerError
-from nccl_back.load.attempt import Attempt, NobodyHolds, NobodyTrusted, NoTruth, Worker
-from nccl_back.load.discover import discover, sees_peer
-from nccl_back.load.vote import caught
+from nccl_back.load.attempt import Attempt, NoHolder, Reason, Worker
+from nccl_back.load.discover import sees_peer
 
 
 @dataclass(frozen=True)
 class Flight:
-    """How the wait ended (the same on every rank) and how long it took."""
+    """How the wait ended (the same on every rank), how long it took, and what this rank
+    takes from it (the service applies it to the load)."""
 
     outcome: Outcome
     waited: float
+    reason: Reason | None = None
+    """This rank's vote after the wait (``peer``: None, discovery follows)."""
+    error: Exception | None = None
+    """What this rank raised while polling (every rank then stops)."""
+    member: tuple[int, int] | None = None
+    """``member``: ``(i, n)``, this worker's place in the cooperative download."""
+    roster: list[str] | None = None
+    """``elected``, cooperating: the members rank 0 named (itself first)."""
 
 
-def single_flight(worker: Worker, a: Attempt) -> Flight:
-    """Wait as a group for a holder, or download (``a.elected``). Rank 0 keeps the lease
-    it may win in ``a.lease`` (released when the load ends). Sets this rank's vote:
-    a fresh discovery once a peer appeared, else why it goes to storage."""
+def single_flight(worker: Worker, a: Attempt, lease: DownloadLease | None) -> Flight:
+    """Wait as a group for a holder, or download (``elected``); rank 0 polls ``lease``
+    (kept by the caller, released when the load ends)."""
     s = worker.settings
-    if a.rank == 0:
-        a.lease = DownloadLease(worker.registry, a.spec.version, a.world, worker.id,
-                                s.download_lease)
     started = _clock.monotonic()
     # Holders re-publish their entry and truth at every heartbeat, over whatever
     # Redis lost or an attacker wrote there: while entries exist that cannot be used
     # (rejected, or no truth to verify them), this worker downloads only once a live
     # holder would have re-published (within peer_ttl, or it counts as dead). The
     # single flight still holds: one of the waiters takes the lease.
-    after = s.peer_ttl if isinstance(a.reason, (NoTruth, NobodyTrusted)) else 0.0
+    after = s.peer_ttl if isinstance(a.reason, NoHolder) and a.reason.waits_for_holders else 0.0
     # A member waits again after serving its share: for the stream, not a second roster.
     cooperate = a.cooperative and a.member is None
-    result = elect(a.lease, lambda: sees_peer(worker, a), a.group, a.rank, s, lease_after=after,
+    result = elect(lease, lambda: sees_peer(worker, a), a.group, a.rank, s, lease_after=after,
                    cooperate=cooperate)
     outcome, error = result.outcome, result.error
-    flight = Flight(outcome, round(_clock.monotonic() - started, 3))
+    waited = round(_clock.monotonic() - started, 3)
     if outcome == "member":
-        a.member = result.member
-        a.log.info("download_member_named", waited=flight.waited, member=a.member)
-    elif outcome == "peer":
-        a.log.info("single_flight_peer_appeared", waited=flight.waited)
-        with caught(a, "discover"):
-            a.discovered(discover(worker, a))
-    elif outcome == "elected":
-        a.log.info("single_flight_elected", waited=flight.waited,
-                   group=_members(a, s.download_group_window if cooperate else 0.0))
-        a.elected = True
-        if isinstance(a.reason, NobodyHolds):
-            # Same class: "nobody trusted" keeps its own fallback reason.
-            a.reason = type(a.reason)(
-                f"{a.reason}; this worker was elected to download it (single flight)"
-            )
-    elif outcome == "timeout":
-        a.reason = NoPeerError(
-            f"waited {flight.waited:g} s (single_flight_wait {s.single_flight_wait:g} s, at most"
+        a.log.info("download_member_named", waited=waited, member=result.member)
+        return Flight(outcome, waited, a.reason, member=result.member)
+    if outcome == "peer":
+        a.log.info("single_flight_peer_appeared", waited=waited)
+        return Flight(outcome, waited)
+    if outcome == "elected":
+        roster, named = _members(a, lease, s.download_group_window if cooperate else 0.0)
+        a.log.info("single_flight_elected", waited=waited, group=named)
+        # "Nobody trusted" keeps its own fallback code.
+        why = (a.reason.also("this worker was elected to download it (single flight)")
+               if isinstance(a.reason, NoHolder) else a.reason)
+        return Flight(outcome, waited, why, roster=roster)
+    if outcome == "timeout":
+        return Flight(outcome, waited, NoPeerError(
+            f"waited {waited:g} s (single_flight_wait {s.single_flight_wait:g} s, at most"
             f" single_flight_max_wait {s.single_flight_max_wait:g} s while the elected"
-            " downloader lives) for it to publish; downloading too"
-        )
-    elif error is not None:  # this rank could not poll; the others follow it
+            " downloader lives) for it to publish; downloading too"))
+    if error is not None:  # this rank could not poll; the others follow it
         if isinstance(error, NcclBackError):
-            a.reason = error
-        else:
-            a.error = error
-    else:
-        a.log.warning("single_flight_rank_failed", failed_rank=result.rank)
-    return flight
+            return Flight(outcome, waited, error)
+        return Flight(outcome, waited, a.reason, error=error)
+    a.log.warning("single_flight_rank_failed", failed_rank=result.rank)
+    return Flight(outcome, waited, a.reason)
 
 
-def _members(a: Attempt, window: float) -> list[str] | None:
+def _members(a: Attempt, lease: DownloadLease | None,
+             window: float) -> tuple[list[str] | None, list[str] | None]:
     """Rank 0, holding the lease: with a ``window``, name the cooperative download's
-    members after waiting it out (the roster waiters read, kept in ``a.roster``); else
-    who waits with it. Returned for the log; None on the other ranks or when Redis
-    cannot say (the download goes on without a roster)."""
-    if a.lease is None or not a.lease.held:
-        return None
+    members after waiting it out (the roster waiters read); else who waits with it.
+    Returns the roster and who is named, for the log; Nones on the other ranks or when
+    Redis cannot say (the download goes on without a roster)."""
+    if lease is None or not lease.held:
+        return None, None
     try:
         if window > 0:
-            a.roster = a.lease.name_members(window)
-            return a.roster
-        return a.lease.group()
+            roster = lease.name_members(window)
+            return roster, roster
+        return None, lease.group()
     except NcclBackError as e:
         a.log.warning("download_group_unread", error=str(e))
-        return None
+        return None, None

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord.consensus import gather
-from nccl_back.errors import NcclBackError, fallback_reason
-from nccl_back.load.attempt import Attempt, NobodyHolds, Worker
+from nccl_back.errors import NcclBackError
+from nccl_back.load.attempt import Attempt, NoHolder, Worker, reason_code
 from nccl_back.load.cooperative import gather_parts
 from nccl_back.load.publish import publish_stored
 from nccl_back.load.verifier import Basis
@@ -51,10 +51,10 @@ class StorageLoad:
 def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
     """Load from storage on every rank (the reason logged), publish, serve."""
     reason = a.reason
-    code = fallback_reason(reason) if reason is not None else "other"
+    code = reason_code(reason) if reason is not None else "other"
     if reason is not None:
         worker.metrics.record_fallback(code)
-        if a.elected and isinstance(reason, NobodyHolds):
+        if a.elected and isinstance(reason, NoHolder):
             # Nothing went wrong: the first worker of a version must download it.
             a.log.info("first_of_version", reason=code, detail=str(reason))
         else:

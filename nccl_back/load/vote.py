@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nccl_back.coord.consensus import gather
-from nccl_back.errors import ConsensusError
-from nccl_back.load.attempt import Attempt, NobodyHolds
+from nccl_back.errors import ConsensusError, NcclBackError
+from nccl_back.load.attempt import Attempt, NoHolder
 
 # One rank's code in a consensus round (the worst code decides).
 OK, NOBODY, FAILED, RAISED = 0, 1, 2, 3
@@ -29,7 +29,7 @@ def code(a: Attempt) -> int:
         return RAISED
     if a.reason is None:
         return OK
-    return NOBODY if isinstance(a.reason, NobodyHolds) else FAILED
+    return NOBODY if isinstance(a.reason, NoHolder) else FAILED
 
 
 @contextlib.contextmanager
@@ -72,7 +72,7 @@ class Decision:
     def strict_error(self, a: Attempt) -> Exception:
         """What every rank raises with ``strict`` after a failed peer load: the rank that
         failed its own reason, the others a :class:`ConsensusError` naming it."""
-        if self.codes[a.rank] == FAILED and a.reason is not None:
+        if self.codes[a.rank] == FAILED and isinstance(a.reason, NcclBackError):
             return a.reason
         r = self.codes.index(FAILED)
         return ConsensusError(

@@ -96,6 +96,11 @@ def s3() -> Iterator[LocalS3]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    # One fork server per pytest process, started by the first test that forks: its
+    # preload is the union every module's children need, whichever module set one last.
+    from groups import CTX, PRELOAD
+
+    CTX.set_forkserver_preload(PRELOAD)
     # Azurite comes from the npm registry on first use: installed once here, before any
     # test starts, so its download counts against no test's timeout.
     if any("azurite" in getattr(i, "fixturenames", ()) for i in session.items):

@@ -386,7 +386,11 @@ def _put_back(client: redis.Redis, key: str, genuine: tuple[bytes | None, float]
     client.delete(key)
     left = expires - time.monotonic()
     if dumped is not None and left > 0.5:
-        client.restore(key, 0 if left == float("inf") else int(left * 1000), dumped)
+        try:
+            client.restore(key, 0 if left == float("inf") else int(left * 1000), dumped)
+        except redis.ResponseError as e:  # the holder's heartbeat rewrote it since the delete
+            if "BUSYKEY" not in str(e):
+                raise
 
 
 def _genuine(client: redis.Redis, key: str) -> tuple[bytes | None, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -96,6 +97,12 @@ def s3() -> Iterator[LocalS3]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    # One fork server per pytest process, started by the first test that forks: its
+    # preload is the union every module's children need, whichever module set one last.
+    # Only where a collected module imported tests/groups.py (not in the vLLM suite).
+    groups = sys.modules.get("groups")
+    if groups is not None:
+        groups.CTX.set_forkserver_preload(groups.PRELOAD)
     # Azurite comes from the npm registry on first use: installed once here, before any
     # test starts, so its download counts against no test's timeout.
     if any("azurite" in getattr(i, "fixturenames", ()) for i in session.items):

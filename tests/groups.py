@@ -17,7 +17,13 @@ import workers
 # that import again (tens of seconds each on a loaded 2-core machine). The fork server
 # itself runs no threads, so its children start clean.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "nccl_back.load.service", "models", "workers"])
+#: What the one fork server of a pytest process imports, for every test module's children
+#: (tests/conftest.py sets it again once collection ends: the last module to set a preload
+#: wins). A name that does not import (diffusers missing) is skipped by multiprocessing.
+PRELOAD = ["torch", "torch.distributed", "nccl_back.load.service", "models", "workers",
+           "reshard_workers", "pipelines", "diffusers", "diffusers.models.unets.unet_2d",
+           "diffusers.models.autoencoders.vq_model", "diffusers.schedulers.scheduling_ddim"]
+CTX.set_forkserver_preload(PRELOAD)
 
 
 class Groups:

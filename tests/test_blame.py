@@ -391,11 +391,15 @@ def test_member_whose_bytes_failed_forwards_none_of_them(
     reg = Registry(settings)
     spec = ModelSpec.from_dir(ckpt, cache_dir=cache_dir)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
+    # The holders keep the default 2 s window: a 30 s one held the good holder's download
+    # 3 s (its group window) and kept both holders' arrival counters, which
+    # _cohorts_closed waits out, for 30 s. Only m0 and m1 need the long window.
+    holders = {"cohort_window": 2.0}
     try:
-        fleet.start("good", serve_for=120)
+        fleet.start("good", serve_for=120, settings=holders)
         _ok(fleet.report())
         fleet.start("bad", fault="corrupt_send", serve_for=120,
-                    settings={"max_send_gbps": 0.0004})
+                    settings={**holders, "max_send_gbps": 0.0004})
         _ok(fleet.report())
         good = _wait("the good holder", lambda: _holder(reg, spec.version, "good"))
         bad = _wait("the damaged holder", lambda: _holder(reg, spec.version, "bad"))

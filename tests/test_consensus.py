@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from groups import CTX  # forked from a server with torch imported (see tests/groups.py)
 
 from nccl_back.coord.consensus import agree, gather, gather_ints, rank_and_size
 from nccl_back.dev.servers import free_port
@@ -26,10 +27,9 @@ def _rank_main(rank: int, port: int, votes: list[bool], out: mp.Queue) -> None: 
 
 
 def _run(votes: list[bool]) -> dict[int, tuple[tuple[int, int], bool]]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q = CTX.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, votes, q)) for r in range(2)]
+    procs = [CTX.Process(target=_rank_main, args=(r, port, votes, q)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -80,10 +80,9 @@ def test_every_rank_gets_every_ranks_integers_or_none_for_a_failed_rank(
         sends: list[list[int] | None]) -> None:
     """gather_ints over two real ranks: each rank's integers (a failed rank's None) reach
     every rank intact, in rank order."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q = CTX.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_ints_main, args=(r, port, sends, q)) for r in range(2)]
+    procs = [CTX.Process(target=_ints_main, args=(r, port, sends, q)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=60) for _ in procs)

@@ -6,7 +6,6 @@ real processes in a gloo group.)"""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from groups import CTX  # forked from a server with torch imported (tests/groups.py)
 
 from nccl_back import _clock
 from nccl_back.config import Settings
@@ -338,10 +338,9 @@ def test_every_rank_of_a_waiting_worker_learns_its_member_number(cooperative: Re
     """A 2-rank worker (separate processes, real gloo) named member 1 of 2: rank 0 read the
     roster, and both ranks leave the wait together as member (1, 2)."""
     holder = _lease(cooperative, "A")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = CTX.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_waiting_rank, args=(r, port, cooperative.settings, out), daemon=True)
+    procs = [CTX.Process(target=_waiting_rank, args=(r, port, cooperative.settings, out), daemon=True)
              for r in range(2)]
     try:
         assert holder.try_acquire()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from groups import CTX  # forked from a server with torch imported (tests/groups.py)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -106,9 +106,8 @@ class Sidecar:
 
 
 def _spawn_sidecar(path: str, dtype: str = "float32", device: str = "cpu") -> Sidecar:
-    ctx = mp.get_context("spawn")
-    ready, stop = ctx.Queue(), ctx.Event()
-    process = ctx.Process(target=_sidecar, args=(path, dtype, device, ready, stop), daemon=True)
+    ready, stop = CTX.Queue(), CTX.Event()
+    process = CTX.Process(target=_sidecar, args=(path, dtype, device, ready, stop), daemon=True)
     process.start()
     try:
         segment = ready.get(timeout=60)

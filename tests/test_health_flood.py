@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import multiprocessing as mp
 import os
 import resource
 import socket
@@ -29,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from groups import CTX  # forked from a server with torch imported (tests/groups.py)
 
 from nccl_back.metrics import Metrics
 from nccl_back.sidecar.health import HealthServer
@@ -178,9 +178,8 @@ def _flood(port: int, drip: float | None, started: Any, result: Any, stop: Any) 
 @contextlib.contextmanager
 def spawned(target: Any, *args: Any) -> Iterator[Any]:
     """``target(*args, stop)`` in a spawned process, stopped (or killed) at the end."""
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    process = ctx.Process(target=target, args=(*args, stop), daemon=True)
+    stop = CTX.Event()
+    process = CTX.Process(target=target, args=(*args, stop), daemon=True)
     process.start()
     try:
         yield stop
@@ -211,9 +210,8 @@ def test_every_probe_answers_within_a_second_under_a_connection_flood(
     floods, since a 2-core machine running CI's two suites beside can stall a probe's
     process past 1 s (the loop before its fix failed 1 to 6 probes in every flood; a CI
     run beside which nothing else ran failed one probe in each of three floods)."""
-    ctx = mp.get_context("spawn")
     for _ in range(3):
-        ready, started, result = ctx.Queue(), ctx.Event(), ctx.Queue()
+        ready, started, result = CTX.Queue(), CTX.Event(), CTX.Queue()
         with spawned(_busy_server, ready, 10.0):
             port, cap = ready.get(timeout=60)
             with spawned(_flood, port, drip, started, result):
@@ -247,8 +245,7 @@ def test_a_slowloris_connection_is_cut_at_its_deadline_during_a_flood(
 ) -> None:
     """A client sending one byte every 2 s is answered 408 (or closed) at its request
     deadline even while a flood runs: it never holds the server past it."""
-    ctx = mp.get_context("spawn")
-    ready, started, result = ctx.Queue(), ctx.Event(), ctx.Queue()
+    ready, started, result = CTX.Queue(), CTX.Event(), CTX.Queue()
     with spawned(_busy_server, ready, 3.0):
         port, _ = ready.get(timeout=60)
         with spawned(_flood, port, 2.0, started, result), socket.create_connection(
@@ -299,8 +296,7 @@ def test_probes_answer_when_the_process_is_out_of_descriptors() -> None:
     """With every descriptor of the process taken but three, 300 dripping clients and
     probes: accepts fail with EMFILE, and the loop frees descriptors by evicting the
     oldest connections, so every probe is still answered."""
-    ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
+    ready = CTX.Queue()
     with spawned(_starved_server, ready):
         port, cap = ready.get(timeout=60)
         assert cap == 64  # a quarter of the 256 descriptors

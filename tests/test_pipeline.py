@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from groups import CTX  # forked from a server with torch and diffusers imported (tests/groups.py)
 from torch import nn
 
 from nccl_back import log
@@ -44,7 +45,6 @@ import pipelines
 from test_server import Serve
 
 pytest.importorskip("diffusers")
-CTX = mp.get_context("spawn")
 
 
 @pytest.fixture(scope="module")

@@ -500,6 +500,11 @@ def test_downloader_killed_mid_stream_the_waiters_still_load(
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     fleet.settings["download_lease"] = 1.5
     fleet.settings["cooperative_download"] = False  # the single flight's own stream
+    # The waiter fed by the dead stream gives it up at the relay stall bound, not at the
+    # connection's loss: with the default 10 s (13 s) loads took 23 s quiet, near the
+    # 30 s bound below. 3 s is still 60 x the stream's 50 ms a tensor (test_service's
+    # downloader-dies test does the same).
+    fleet.settings["stall_timeout"] = 3.0
     try:
         doomed = fleet.start("doomed", fault="kill_mid_stream")
         wait_for_lease(redis_url, namespace)

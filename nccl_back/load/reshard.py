@@ -273,8 +273,8 @@ def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int,
     s, t, peer = worker.settings, a.target, f.peers[k]
     land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
-    with claimed(worker, a, peer, share=f.share,
-                 until=min(a.rx.deadline, _clock.monotonic() + s.busy_wait)) as token:
+    budget = a.rx.peer_budget
+    with claimed(worker, a, peer, share=f.share, until=budget.phase("claim", s.busy_wait)) as token:
         a.timings[f"claim.{k}"] = _clock.perf() - began
         bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
         # Staged boxes are copied into place as their step arrives, while the next ones do.
@@ -286,7 +286,7 @@ def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int,
                 land.place(name)
 
         into = Into(f.plan.digest, land.payload, bucket, placed, f.plan.receiver, f.group, k)
-        transfer(worker, a, Source.peer(peer), Ask.holder(s, a.rx, token, into=into, started=started))
+        transfer(worker, a, Source.peer(peer), Ask.holder(s, budget, token, into=into, started=started))
     began = _clock.perf()
     land.finish()
     a.timings[f"unpack.{k}"] = _clock.perf() - began

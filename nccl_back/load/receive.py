@@ -12,8 +12,6 @@ its pieces through the same :func:`~.asking.transfer` and :func:`~.asking.claime
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from nccl_back import _clock
 from nccl_back.coord.records import Member
 from nccl_back.errors import (
@@ -25,25 +23,11 @@ from nccl_back.errors import (
 )
 from nccl_back.load import holder_parts, tree_parts, verify
 from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
-from nccl_back.load.attempt import Absence, NoHolder, PeerBusy, Reason
+from nccl_back.load.attempt import Absence, NoHolder, PeerBusy
 from nccl_back.load.discover import discover, holders
-from nccl_back.load.fill import Fill
+from nccl_back.load.fill import Fill, NotReceived, Received
 from nccl_back.timing import MAX_PEER_ATTEMPTS
 from nccl_back.transport import plan, relay
-
-
-@dataclass(frozen=True)
-class Received:
-    """A pass's outcome: this rank's bytes verified, from ``peer_id`` (comma-separated: parts)."""
-
-    peer_id: str
-
-
-@dataclass(frozen=True)
-class NotReceived:
-    """A pass's outcome: no source served this rank, and why."""
-
-    reason: Reason
 
 
 class Receive(Fill):

@@ -2,29 +2,41 @@
 
 A load's peer attempts share one :class:`Budget` (``Settings.peer_budget``, derived in
 :mod:`nccl_back.timing` like every bound below but the fixed ones); each phase
-takes a :class:`Phase` of it, bounded by the phase's own limit and by what is left of
-the whole, so no phase can spend another's time and none can outlive the load:
+takes a :class:`Phase` of it (a phase may carve sub-phases of its own), bounded by the
+phase's own limit and by what is left of the whole, so no phase can spend another's time
+and none can outlive the load:
 
-========== ====================================== =====================================
-phase      bound                                  work bounded by
-========== ====================================== =====================================
-discover   :data:`DISCOVER_SECONDS` (a reshard's) the peer index (``MAX_INDEX``), the
-                                                  world keys a reshard reads
-                                                  (``MAX_WORLD_KEYS``), world sizes
-                                                  planned (``reshard.MAX_WORLDS``)
-plan       within discover's                      the plan's cells and tests
-                                                  (``reshard_plan.MAX_CELLS``,
-                                                  ``MAX_TESTS``); a holder's before it
-                                                  takes a send turn
-claim      ``busy_wait``                          the holder's ``max_sends`` slots
-transfer   ``transfer_timeout``, ``stall_timeout`` the watchdog
-fetch      ``peer_budget`` (artifact sets),       ``MAX_ARTIFACT_BYTES``
-           ``artifact_wait`` (header waits)
-========== ====================================== =====================================
+================= ============================================ ==============================
+phase             bound                                        carved (from)
+================= ============================================ ==============================
+reshard discovery :data:`DISCOVER_SECONDS`                     ``reshard.find`` (the load):
+                                                               the world keys read
+                                                               (``MAX_WORLD_KEYS``), world
+                                                               sizes planned
+                                                               (``reshard.MAX_WORLDS``), each
+                                                               plan's cells and tests
+relay             ``transfer_timeout + handshake_timeout``     ``Receive._from_trees`` (the
+                  (``+ single_flight_max_wait`` stream-fed)    load): a seat's both parts
+claim             ``busy_wait``                                the holders' loop, a reshard's
+                                                               holder (the load), a tree's
+                                                               holder (the relay): send slots
+handshake         ``handshake_timeout`` (a relay upstream: at  ``asking.Ask`` (the load, or
+                  most ``RELAY_HANDSHAKE``; never 0)           the relay)
+transfer          ``transfer_timeout`` (a holder's)            ``asking.transfer`` (what the
+                                                               ``Ask`` is within)
+connect           ``connect_timeout``                          ``asking.transfer`` (transfer)
+================= ============================================ ==============================
 
-A spent phase raises :class:`~nccl_back.errors.BudgetSpentError` naming the phase and
-its bound; the load then goes on as that phase's failure says (the next source, or
-storage), never waits longer.
+A holder's transfer is within the load's budget, a relay upstream's within the relay
+phase; a cooperative download's member part (not a peer load: the election's) gets a
+budget of its own, ``transfer_timeout + single_flight_max_wait``.
+
+A spent phase says so naming the phase and its bound (:meth:`Phase.check`:
+:class:`~nccl_back.errors.BudgetSpentError`; a claim's :class:`~nccl_back.errors.NoPeerError`;
+the load's own budget, :class:`~.load.fill.Fill`'s); the load then goes on as that phase's
+failure says (the next source, or storage), never waits longer. Waits that are no
+share of a load keep their own bound where they are (a relay verdict's
+``VERDICT_WAIT``, a member's announcement, an artifact header's ``artifact_wait``).
 """
 
 from __future__ import annotations
@@ -35,14 +47,16 @@ from nccl_back import _clock
 from nccl_back.errors import BudgetSpentError
 from nccl_back.timing import DISCOVER_SECONDS as DISCOVER_SECONDS  # imported from here by reshard
 
+#: The least a wait is given (:meth:`Span.timeout`): a wait of 0 would end before its first try.
+MIN_TIMEOUT = 0.001
 
-@dataclass(frozen=True)
-class Phase:
-    """One phase's share of a load's time."""
 
-    name: str
+class Span:
+    """A deadline and its bound: a :class:`Budget` or a :class:`Phase` of one, and
+    what is carved from it."""
+
     deadline: float
-    """Monotonic time the phase must end by."""
+    """Monotonic time it must end by."""
     seconds: float
     """Its bound, for messages."""
 
@@ -52,6 +66,24 @@ class Phase:
     def spent(self) -> bool:
         return self.left() <= 0
 
+    def timeout(self) -> float:
+        """What is left, as a wait's timeout: at least :data:`MIN_TIMEOUT`."""
+        return max(self.left(), MIN_TIMEOUT)
+
+    def phase(self, name: str, seconds: float | None = None) -> Phase:
+        """A phase bounded by ``seconds`` from now (None: only by this) and by this."""
+        end = self.deadline if seconds is None else min(self.deadline, _clock.monotonic() + seconds)
+        return Phase(name, end, self.seconds if seconds is None else min(seconds, self.seconds))
+
+
+@dataclass(frozen=True)
+class Phase(Span):
+    """One phase's share of a load's time."""
+
+    name: str
+    deadline: float
+    seconds: float
+
     def check(self, doing: str = "") -> None:
         """Raise :class:`BudgetSpentError` once the phase's time is up."""
         if self.spent():
@@ -60,7 +92,7 @@ class Phase:
 
 
 @dataclass
-class Budget:
+class Budget(Span):
     """One load's deadline (monotonic) and the phases cut from it."""
 
     deadline: float
@@ -69,17 +101,6 @@ class Budget:
     @classmethod
     def of(cls, seconds: float) -> Budget:
         return cls(_clock.monotonic() + seconds, seconds)
-
-    def left(self) -> float:
-        return self.deadline - _clock.monotonic()
-
-    def spent(self) -> bool:
-        return self.left() <= 0
-
-    def phase(self, name: str, seconds: float | None = None) -> Phase:
-        """A phase bounded by ``seconds`` (None: only by the load) and by the load."""
-        end = self.deadline if seconds is None else min(self.deadline, _clock.monotonic() + seconds)
-        return Phase(name, end, self.seconds if seconds is None else min(seconds, self.seconds))
 
     def extend(self, seconds: float) -> None:
         """Allow ``seconds`` more (a stream-fed load waits for the whole download)."""

@@ -21,6 +21,7 @@ from groups import CTX
 from hostile import corrupt, corruptions
 from test_service import MODEL, Fleet, _ok
 
+from nccl_back.budget import Budget
 from nccl_back.config import Settings
 from nccl_back.coord import records, schema
 from nccl_back.coord.registry import Registry
@@ -146,7 +147,7 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
     fill = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))
     trees = tree_parts._Trees.__new__(tree_parts._Trees)
     trees.fill, trees.seat, trees.fed_by, trees.timeouts, trees.stalled = fill, seat, None, {}, set()
-    trees.deadline, trees.stall = time.monotonic() + 30, 3.0
+    trees.bound, trees.stall = Budget.of(30).phase("relay"), 3.0
     asked: list[str] = []
 
     def pull(tree: int, source: Source, *rest: Any) -> None:

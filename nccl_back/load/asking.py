@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nccl_back import _clock
+from nccl_back.budget import Budget, Phase, Span
 from nccl_back.config import Settings
 from nccl_back.coord.auth import transfer_scope
 from nccl_back.coord.handshake import abandoned, run_receiver
@@ -68,15 +69,15 @@ class Into:
 @dataclass(frozen=True)
 class Ask:
     """What a source is asked (all of this rank's tensors, or ``part``; ``into`` else),
-    with the slot ``claim`` held, and within which bounds. ``transfer_timeout``: a
-    holder's transfer gets its own bound once the handshake is done (within
-    ``deadline``); a relay upstream shares the relay's. ``started``: told the transport
-    before data moves (a reshard aborts the others). ``gone``: set once the source is
-    known dead (the handshake then ends at once; the caller aborts the transport
-    ``started`` gave it)."""
+    with the slot ``claim`` held, and within which bounds: the ``handshake`` phase, then
+    the transfer ``within`` (a holder's its own ``transfer_timeout`` of the load's budget;
+    a relay upstream's the relay phase). ``started``: told the transport before data
+    moves (a reshard aborts the others). ``gone``: set once the source is known dead
+    (the handshake then ends at once; the caller aborts the transport ``started`` gave
+    it)."""
 
     handshake: float
-    deadline: float
+    within: Span
     stall: float
     transfer_timeout: float | None = None
     part: Part | None = None
@@ -86,21 +87,21 @@ class Ask:
     gone: threading.Event | None = None
 
     @classmethod
-    def holder(cls, s: Settings, rx: Receiving, claim: str, *, part: Part | None = None,
+    def holder(cls, s: Settings, budget: Budget, claim: str, *, part: Part | None = None,
                into: Into | None = None, started: Callable[[Transport], None] | None = None) -> Ask:
-        """A holder (its slot ``claim`` held), within the load's peer budget; a silent
+        """A holder (its slot ``claim`` held), within the load's peer ``budget``; a silent
         one costs the stall bound."""
-        return cls(max(min(s.handshake_timeout, rx.left()), 0.001), rx.deadline, s.stall_timeout,
+        return cls(budget.phase("handshake", s.handshake_timeout).timeout(), budget, s.stall_timeout,
                    s.transfer_timeout, part, claim, into, started)
 
     @classmethod
-    def upstream(cls, s: Settings, seat: Seat, source: str, deadline: float, stall: float, part: Part,
+    def upstream(cls, s: Settings, seat: Seat, source: str, relay: Phase, stall: float, part: Part,
                  claim: str | None, started: Callable[[Transport], None], gone: threading.Event) -> Ask:
         """A seat's upstream in a tree (a member, the stream, a holder as the cohort's
-        source), within the relay's ``deadline``: the relay's handshake bound, short once
+        source), within the ``relay`` phase: the relay's handshake bound, short once
         ``source`` stalled this seat."""
-        bound = min(s.handshake_timeout, RELAY_HANDSHAKE, max(deadline - _clock.monotonic(), 0.001))
-        return cls(seat.handshake_bound(source, bound), deadline, stall, None, part, claim, None,
+        bound = relay.phase("handshake", min(s.handshake_timeout, RELAY_HANDSHAKE)).timeout()
+        return cls(seat.handshake_bound(source, bound), relay, stall, None, part, claim, None,
                    started, gone)
 
 
@@ -134,9 +135,7 @@ def transfer(worker: Worker, a: Attempt, source: Source, ask: Ask) -> None:
         run_receiver(worker.registry, request.transfer_id, digest, ask.handshake,
                      after_ready=lambda: worker.registry.push_request(source.id, request.to_dict()),
                      gone=ask.gone)
-    deadline = ask.deadline
-    if ask.transfer_timeout is not None:
-        deadline = min(_clock.monotonic() + ask.transfer_timeout, deadline)
+    bound = ask.within.phase("transfer", ask.transfer_timeout)
     with _timed(a.timings, f"transfer{_suffix(request)}"):
         transport = receiver_transport(s, source.kind, source.address,
                                        transfer_scope(s.key("store"), request.transfer_id),
@@ -145,7 +144,7 @@ def transfer(worker: Worker, a: Attempt, source: Source, ask: Ask) -> None:
             ask.started(transport)
         run_guarded(transport, lambda tr: recv_tensors(tr, tensors, bucket, start=start, part=ask.part,
                                                         on_step=on_step),
-                    deadline, connect_deadline=min(_clock.monotonic() + s.connect_timeout, deadline),
+                    bound.deadline, connect_deadline=bound.phase("connect", s.connect_timeout).deadline,
                     stall=ask.stall, abandoned=lambda: _abandoned(worker, request.transfer_id))
 
 
@@ -187,10 +186,11 @@ def _suffix(request: TransferRequest) -> str:
 
 @contextlib.contextmanager
 def claimed(worker: Worker, a: Attempt, peer: PeerInfo, *, share: str | None = None,
-            until: float | None = None) -> Iterator[str]:
+            until: Phase | None = None) -> Iterator[str]:
     """A send slot of ``peer`` held (renewed every third of ``claim_ttl``) while the
     block runs, released after. ``until`` None: one try, :class:`PeerBusy` when every
-    slot is taken; else polled until ``until`` (:class:`NoPeerError` then). ``share``:
+    slot is taken; else polled until the phase ``until`` is spent (:class:`NoPeerError`
+    then). ``share``:
     the receiving group's token part (its ranks hold one slot together)."""
     s, reg = worker.settings, worker.registry
     while True:
@@ -199,8 +199,9 @@ def claimed(worker: Worker, a: Attempt, peer: PeerInfo, *, share: str | None = N
             break
         if until is None:
             raise PeerBusy(peer.peer_id)
-        if _clock.monotonic() >= until:
-            raise NoPeerError(f"holder {peer.peer_id}: every send slot stayed claimed")
+        if until.spent():
+            raise NoPeerError(f"holder {peer.peer_id}: every send slot stayed claimed for {until.name}'s"
+                              f" bound of {until.seconds:g} s")
         _clock.sleep(BUSY_POLL)
     try:
         with kept_claim(reg, peer.peer_id, token, s.claim_ttl, a.log):

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from nccl_back import _clock
 from nccl_back.budget import Budget
 from nccl_back.config import Settings
 from nccl_back.coord.consensus import Group
@@ -178,11 +177,11 @@ class Receiving:
         return self.budget
 
     @property
-    def deadline(self) -> float:
-        return self.budget.deadline if self.budget is not None else _clock.monotonic()
-
-    def left(self) -> float:
-        return self.deadline - _clock.monotonic()
+    def peer_budget(self) -> Budget:
+        """The load's peer budget, which every bound of its peer work is carved from."""
+        if self.budget is None:
+            raise NcclBackError("internal: the load's peer budget never started")
+        return self.budget
 
     @property
     def sources(self) -> relay.StepSources:

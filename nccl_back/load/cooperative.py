@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nccl_back import _clock
+from nccl_back.budget import Budget
 from nccl_back.coord.records import Rescue
 from nccl_back.errors import (
     ChecksumMismatchError,
@@ -266,9 +267,10 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
     with _watched(worker, a, i, member.member_id, started) as (gone, on_start):
         try:
             # Not recorded as the receive's steps: the files' CRC32C prove them (held_proof).
+            # The election's download, not a peer load: a budget of its own.
+            within = Budget.of(s.transfer_timeout + s.single_flight_max_wait)
             transfer(worker, a, Source.member(member), Ask(
-                s.handshake_timeout, _clock.monotonic() + s.transfer_timeout + s.single_flight_max_wait,
-                max(s.stall_timeout, s.download_lease), part=part,
+                s.handshake_timeout, within, max(s.stall_timeout, s.download_lease), part=part,
                 into=Into(t.manifest.digest, t.tensors, bucket), started=on_start, gone=gone))
         except NcclBackError as e:
             if not gone.is_set():

@@ -17,6 +17,21 @@ from nccl_back.load.attempt import Attempt, Reason, Worker
 from nccl_back.transport import relay
 
 
+@dataclass(frozen=True)
+class Received:
+    """A pass's outcome (a receive's, a reshard's): this rank's bytes verified, from
+    ``peer_id`` (comma-separated: parts)."""
+
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class NotReceived:
+    """A pass's outcome (a receive's, a reshard's): no source served this rank, and why."""
+
+    reason: Reason
+
+
 @dataclass
 class Fill:
     """One pass filling this rank's tensors from peers in load ``a``: who filled them once

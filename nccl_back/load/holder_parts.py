@@ -89,7 +89,7 @@ def from_holders_in_parts(fill: Fill) -> set[str]:
     if lost:
         return failed
     try:
-        verify.check(worker, a, rx.deadline)
+        verify.check(worker, a, rx.peer_budget.deadline)
     except WeightVerificationError as e:
         blamed, suspects = ((e.blamed, e.suspects) if isinstance(e, relay.DamagedBytes)
                             else (frozenset(), frozenset()))
@@ -120,7 +120,7 @@ def _part(fill: Fill, peer: PeerInfo, claim: str, part: Part,
     from the first step of it this rank lacks (each candidate speaks this rank's
     transport: discover)."""
     transfer(fill.worker, fill.a, Source.peer(peer),
-             Ask.holder(fill.worker.settings, fill.a.rx, claim, part=part, started=started))
+             Ask.holder(fill.worker.settings, fill.a.rx.peer_budget, claim, part=part, started=started))
 
 
 def _seated_below(fill: Fill) -> bool:

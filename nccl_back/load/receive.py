@@ -12,8 +12,6 @@ its pieces through the same :func:`~.asking.transfer` and :func:`~.asking.claime
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from nccl_back import _clock
 from nccl_back.coord.records import Member
 from nccl_back.errors import (
@@ -25,25 +23,11 @@ from nccl_back.errors import (
 )
 from nccl_back.load import holder_parts, tree_parts, verify
 from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
-from nccl_back.load.attempt import Absence, NoHolder, PeerBusy, Reason
+from nccl_back.load.attempt import Absence, NoHolder, PeerBusy
 from nccl_back.load.discover import discover, holders
-from nccl_back.load.fill import Fill
+from nccl_back.load.fill import Fill, NotReceived, Received
 from nccl_back.timing import MAX_PEER_ATTEMPTS
 from nccl_back.transport import plan, relay
-
-
-@dataclass(frozen=True)
-class Received:
-    """A pass's outcome: this rank's bytes verified, from ``peer_id`` (comma-separated: parts)."""
-
-    peer_id: str
-
-
-@dataclass(frozen=True)
-class NotReceived:
-    """A pass's outcome: no source served this rank, and why."""
-
-    reason: Reason
 
 
 class Receive(Fill):
@@ -109,15 +93,14 @@ class Receive(Fill):
         fails, resuming at the first step we lack (:mod:`.tree_parts`). False: none
         served us by the relay's deadline: holders then go on from where we stopped."""
         s, rx = self.worker.settings, self.a.rx
-        deadline = _clock.monotonic() + s.transfer_timeout + s.handshake_timeout
+        bound = s.transfer_timeout + s.handshake_timeout
         if fed_by is not None:  # we may wait for the whole download, as in the election
-            deadline += s.single_flight_max_wait
-        deadline = min(deadline, rx.deadline)
+            bound += s.single_flight_max_wait
         # A cohort fed by a download moves at storage's pace: a step may take a shard's
         # download; a downloader that stops renewing its lease is given up on as long.
         stall = (max(s.stall_timeout, s.download_lease) if fed_by is not None
                  else s.stall_timeout)
-        return tree_parts.from_trees(self, seat, fed_by, deadline, stall)
+        return tree_parts.from_trees(self, seat, fed_by, rx.peer_budget.phase("relay", bound), stall)
 
     # -- holders --------------------------------------------------------------------------
 
@@ -135,7 +118,8 @@ class Receive(Fill):
         # when no holder is left to try.
         last: NcclBackError = a.rx.relay_error or NoPeerError(
             "no peer tried" if not failed else f"holders {sorted(failed)} failed their parts")
-        deadline = min(_clock.monotonic() + s.busy_wait, a.rx.deadline)
+        budget = a.rx.peer_budget
+        claim = budget.phase("claim", s.busy_wait)
         candidates = a.found.candidates
         while True:
             busy = 0
@@ -149,8 +133,8 @@ class Receive(Fill):
                     return
                 try:
                     with claimed(worker, a, peer) as token:
-                        transfer(worker, a, Source.peer(peer), Ask.holder(s, a.rx, token))
-                        verify.check(worker, a, a.rx.deadline)
+                        transfer(worker, a, Source.peer(peer), Ask.holder(s, budget, token))
+                        verify.check(worker, a, budget.deadline)
                     self.peer_id = peer.peer_id
                     return
                 except PeerBusy:
@@ -174,7 +158,7 @@ class Receive(Fill):
                 if len(failed) >= MAX_PEER_ATTEMPTS:
                     self.reason = last
                     return
-            if busy == 0 or _clock.monotonic() >= deadline:
+            if busy == 0 or claim.spent():
                 if busy:
                     last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
                 self.reason = last

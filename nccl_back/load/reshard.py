@@ -52,9 +52,10 @@ from nccl_back.errors import (
 from nccl_back.load.asking import Ask, Into, Source, claimed, transfer
 from nccl_back.load.attempt import Absence, Attempt, NoHolder, Reason, Worker
 from nccl_back.load.discover import usable_peers
+from nccl_back.load.fill import NotReceived, Received
 from nccl_back.load.pulls import Pulls
 from nccl_back.load.verifier import merge_macs
-from nccl_back.load.vote import Decision, agree, caught
+from nccl_back.load.vote import agree, caught
 from nccl_back.model import marginals
 from nccl_back.model.layout import Layout
 from nccl_back.model.reshard_plan import Landing, Plan, PlanError, plan, zero_padding
@@ -85,26 +86,22 @@ class ReshardSources:
     ClaimRecords.claim`): its ranks hold a holder's send slot together."""
 
 
-def run(worker: Worker, a: Attempt, sh: Sharding) -> tuple[Decision, int] | None:
-    """Reshard on every rank, or on none: the group's decision and the bytes moved, or
-    None when no holders cover every rank (this rank's earlier vote restored: the load
-    goes on as without it)."""
-    found = _find_all(worker, a, sh)
-    if found is None:
-        return None
-    t = _clock.perf()
-    with caught(a, "reshard"):
-        try:
-            receive(worker, a, sh, found)
-            a.peer_id = ",".join(found.peers[k].peer_id for k in found.plan.used)
-        except NcclBackError as e:  # this rank's vote: storage (or strict), with the reason
-            a.reason = e
-            a.log.warning("reshard_failed", reason=fallback_reason(e), error=str(e))
-    a.timings["peer"] = _clock.perf() - t
-    return agree(a, "reshard"), found.plan.nbytes()
+def run(worker: Worker, a: Attempt, sh: Sharding, found: ReshardSources) -> Received | NotReceived:
+    """This rank's pieces from the holders every rank ``found`` (:func:`find_all`): who
+    served them once they verified, or why not (the service records it, then the
+    group votes)."""
+    try:
+        receive(worker, a, sh, found)
+    except NcclBackError as e:  # this rank's vote: storage (or strict), with the reason
+        a.log.warning("reshard_failed", reason=fallback_reason(e), error=str(e))
+        return NotReceived(e)
+    return Received(",".join(found.peers[k].peer_id for k in found.plan.used))
 
 
-def _find_all(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | None:
+def find_all(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | None:
+    """Holders to reshard from on every rank, or on none (one vote): None when no holders
+    cover every rank (this rank's earlier vote restored: the load goes on as without
+    it)."""
     before = a.reason
     found: ReshardSources | None = None
     a.reason = None
@@ -273,8 +270,8 @@ def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int,
     s, t, peer = worker.settings, a.target, f.peers[k]
     land = Landing(f.plan.for_holder(k), t.tensors, t.device)
     began = _clock.perf()
-    with claimed(worker, a, peer, share=f.share,
-                 until=min(a.rx.deadline, _clock.monotonic() + s.busy_wait)) as token:
+    budget = a.rx.peer_budget
+    with claimed(worker, a, peer, share=f.share, until=budget.phase("claim", s.busy_wait)) as token:
         a.timings[f"claim.{k}"] = _clock.perf() - began
         bucket = s.bucket_for(peer.transport, payload_bytes(land.payload))
         # Staged boxes are copied into place as their step arrives, while the next ones do.
@@ -286,7 +283,7 @@ def _from_holder(worker: Worker, a: Attempt, f: ReshardSources, k: int,
                 land.place(name)
 
         into = Into(f.plan.digest, land.payload, bucket, placed, f.plan.receiver, f.group, k)
-        transfer(worker, a, Source.peer(peer), Ask.holder(s, a.rx, token, into=into, started=started))
+        transfer(worker, a, Source.peer(peer), Ask.holder(s, budget, token, into=into, started=started))
     began = _clock.perf()
     land.finish()
     a.timings[f"unpack.{k}"] = _clock.perf() - began

@@ -39,6 +39,7 @@ import contextlib
 import os
 import socket
 import uuid
+from collections.abc import Callable
 
 import torch
 
@@ -53,9 +54,10 @@ from nccl_back.load import heap, reshard
 from nccl_back.load.attempt import Attempt, Target, Worker
 from nccl_back.load.cooperative import serve_share
 from nccl_back.load.discover import discover
+from nccl_back.load.fill import NotReceived, Received
 from nccl_back.load.publish import peer_loaded
 from nccl_back.load.ranged_group import RangedLoader
-from nccl_back.load.receive import NotReceived, Receive, Received
+from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import Flight, single_flight
 from nccl_back.load.storage_phase import fall_back, load_checkpoint
 from nccl_back.load.verifier import Basis, Verifier
@@ -298,12 +300,12 @@ class WeightService:
     def _reshard(self, a: Attempt, sh: Sharding) -> LoadResult | None:
         """From holders of other layouts: the load's result (a peer load, or storage
         after the reshard failed), or None when no holders cover every rank."""
-        resharded = reshard.run(self._worker, a, sh)
-        if resharded is None:
+        found = reshard.find_all(self._worker, a, sh)
+        if found is None:
             return None
-        decision, moved = resharded
+        decision = self._pass(a, "reshard", "reshard", lambda: reshard.run(self._worker, a, sh, found))
         if decision.ok:
-            return peer_loaded(self._worker, a, nbytes=moved)
+            return peer_loaded(self._worker, a, nbytes=found.plan.nbytes())
         return self._storage(a, decision)
 
     def _plain_sharding(self, a: Attempt) -> Sharding | None:
@@ -372,15 +374,19 @@ class WeightService:
         return flight
 
     def _receive(self, a: Attempt) -> Decision:
+        return self._pass(a, "receive_any", "peer load", lambda: Receive(self._worker, a).run())
+
+    def _pass(self, a: Attempt, phase: str, what: str, run: Callable[[], Received | NotReceived]) -> Decision:
+        """One pass from peers (a receive, a reshard): its outcome recorded, then the vote."""
         t = _clock.perf()
-        with caught(a, "receive_any"):
-            match Receive(self._worker, a).run():
+        with caught(a, phase):
+            match run():
                 case Received(peer_id=peer_id):
                     a.peer_id = peer_id
                 case NotReceived(reason=reason):
                     a.reason = reason
         a.timings["peer"] = _clock.perf() - t
-        return agree(a, "peer load")
+        return agree(a, what)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -29,7 +29,7 @@ import hashlib
 import threading
 from collections.abc import Callable
 
-from nccl_back import _clock
+from nccl_back.budget import Phase
 from nccl_back.coord.records import Member
 from nccl_back.errors import (
     HandshakeTimeoutError,
@@ -56,21 +56,21 @@ from nccl_back.transport.rendezvous_store import unreachable_reason
 HANDSHAKE_TRIES = 2
 
 
-def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None, deadline: float,
+def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None, bound: Phase,
                stall: float) -> bool:
     """Both parts from this seat's upstreams in the two trees, then one verification;
     True once it passed (``fill.peer_id`` names every source). False: a part ran out of
     upstreams (``rx.relay_error`` says why; holders go on from the first step this rank
-    lacks) or the deadline passed."""
-    return _Trees(fill, seat, fed_by, deadline, stall).run()
+    lacks) or the relay phase ``bound`` is spent."""
+    return _Trees(fill, seat, fed_by, bound, stall).run()
 
 
 class _Trees:
     """One seat's receive in the two trees (see the module docstring)."""
 
-    def __init__(self, fill: Fill, seat: relay.Seat, fed_by: Member | None, deadline: float,
+    def __init__(self, fill: Fill, seat: relay.Seat, fed_by: Member | None, bound: Phase,
                  stall: float) -> None:
-        self.fill, self.seat, self.fed_by, self.deadline, self.stall = fill, seat, fed_by, deadline, stall
+        self.fill, self.seat, self.fed_by, self.bound, self.stall = fill, seat, fed_by, bound, stall
         t, s = fill.a.target, fill.worker.settings
         self.steps = plan(t.tensors, t.bucket(s, t.kind))
         self.timeouts: dict[str, int] = {}
@@ -81,7 +81,7 @@ class _Trees:
     def run(self) -> bool:
         fill, seat, a, rx = self.fill, self.seat, self.fill.a, self.fill.a.rx
         cut = split(self.steps, TREES)
-        while _clock.monotonic() < self.deadline:
+        while not self.bound.spent():
             errors = Pulls(abort=False).run(
                 [functools.partial(self._part, cut[tree], tree) for tree in range(TREES)],
                 "nccl_back-tree")
@@ -95,7 +95,7 @@ class _Trees:
                     rx.relay_error = failed[0]
                 return False
             try:
-                verify.check(fill.worker, a, self.deadline)
+                verify.check(fill.worker, a, self.bound.deadline)
             except WeightVerificationError as e:
                 # Whoever sent failing bytes is never asked again and what it sent is
                 # gone: both parts resume at what they now lack.
@@ -128,8 +128,7 @@ class _Trees:
         seat, s, rx = self.seat, self.fill.worker.settings, self.fill.a.rx
         leaf = seat.position % TREES != tree  # grown(): seat p is interior in tree p % 2
         while rx.sources.lacking(mine) is not None:
-            if _clock.monotonic() >= self.deadline:
-                raise NoPeerError(f"tree {tree}: the relay's deadline passed")
+            self.bound.check(f"tree {tree}")
             path = seat.tree_path(tree, s.cohort_limit)
 
             def moved(parent: int = path[0]) -> bool:
@@ -193,7 +192,7 @@ class _Trees:
             raise NoPeerError(f"tree {tree}: no upstream left (every member and holder failed this seat)")
         own = usable[tree % min(len(usable), s.holder_parts)]
         tries = [(own, None)] if own is not usable[0] else []  # one try: busy, the shared one
-        for peer, until in [*tries, (usable[0], min(self.deadline, _clock.monotonic() + s.busy_wait))]:
+        for peer, until in [*tries, (usable[0], self.bound.phase("claim", s.busy_wait))]:
             try:
                 with claimed(worker, a, peer, share=share, until=until) as token:
                     self._pull(tree, Source.peer(peer), token, s.stall_timeout, on_start, gone)
@@ -209,7 +208,7 @@ class _Trees:
         """Tree ``tree``'s part from ``source``, from the first step of it this rank lacks."""
         fill = self.fill
         transfer(fill.worker, fill.a, source, Ask.upstream(
-            fill.worker.settings, self.seat, source.id, self.deadline, stall, (tree, TREES), claim,
+            fill.worker.settings, self.seat, source.id, self.bound, stall, (tree, TREES), claim,
             on_start, gone))
 
     def _retried(self, source: str, tree: int, e: PeerError) -> bool:

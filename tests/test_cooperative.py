@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from groups import CTX
 from test_service import Fleet, _ok
 
@@ -132,7 +133,11 @@ def test_a_late_arrival_is_no_member_and_receives_the_whole(fleet: Fleet, ckpt: 
     """A worker arriving after the roster was named is not a member (it reads nothing
     from storage) and receives the whole from the fan-out, verified like the others."""
     _start_together(fleet, 2)
-    time.sleep(2.5)  # past the window: the roster is named
+    client = redis.Redis.from_url(fleet.settings["redis_url"])
+    deadline = time.monotonic() + 30
+    while not any(client.scan_iter(f"{{{fleet.settings['namespace']}}}:dlr:*")):  # the roster is named
+        assert time.monotonic() < deadline, "no roster named in 30 s"
+        time.sleep(0.05)
     fleet.start("late", settings=COOPERATIVE, serve_for=30, model_kwargs=MODEL)
     reports = [_ok(fleet.report(120)) for _ in range(3)]
     late = next(r for r in reports if r["role"] == "late")

@@ -185,7 +185,7 @@ def _release(fleet: Fleet, n: int, settings: dict[str, Any],
     go = CTX.Event()
     procs = {f"m{i}": fleet.start(f"m{i}", settings=settings, go=go, serve_for=30, fault=fault)
              for i in range(n)}
-    time.sleep(3.0)  # every member built its skeleton and waits for go
+    fleet.wait_ready(n)  # every member built its skeleton and waits for go
     go.set()
     return procs, time.monotonic()
 

@@ -278,6 +278,7 @@ def test_a_late_arrival_joins_the_trees_in_flight(
         _ok(fleet.report())
         late_go = CTX.Event()
         fleet.start("late", settings=TREES | {"max_send_gbps": 0.0008}, go=late_go, serve_for=30)
+        fleet.wait_ready(1)  # its ready signal is not one of the four _release waits for
         _, t0 = _release(fleet, 4, TREES | {"max_send_gbps": 0.0008})
         _seats(redis_url, namespace, 4, t0)
         time.sleep(0.7)  # about a third of the model has moved

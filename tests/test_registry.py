@@ -100,6 +100,24 @@ def test_dead_peer_vanishes_after_its_ttl(redis_url: str, namespace: str) -> Non
     assert reg.client.smembers(reg.key("peers", "v1", 0, 1)) == {b"alive"}
 
 
+def test_a_forged_index_of_dead_ids_is_seen_by_every_reader_not_only_the_first(
+        redis_url: str, namespace: str) -> None:
+    """An index naming only dead ids over a live holder's overwritten entry: every
+    reader rejects it (a first reader's pruning would leave the next one an empty index,
+    and nobody to wait for: it would download at once)."""
+    first, second = make_registry(redis_url, namespace), make_registry(redis_url, namespace)
+    first.publish_peer(peer("p1"))
+    index = first.keys.peer_index("v1", 0, 1)
+    first.client.delete(index)
+    first.client.sadd(index, "ghost")
+    first.client.set(first.keys.peer("v1", 0, 1, "p1"), b"{")
+    for reg in (first, second):
+        before = reg.rejected
+        assert reg.find_peers("v1", 0, 1) == []
+        assert reg.rejected > before, "the forgery went unseen"
+    assert first.client.smembers(index) == {b"ghost"}
+
+
 def test_ground_truth_is_never_overwritten(redis_url: str, namespace: str) -> None:
     """The first storage load's hashes for a manifest stay; a later put for it is refused."""
     reg = make_registry(redis_url, namespace)

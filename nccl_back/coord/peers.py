@@ -110,11 +110,15 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         # Only absent keys are dead: one of another type is a live holder's entry that
         # someone overwrote, which its next heartbeat restores (kept in the index).
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
-        if dead:  # a hint's pruning: whatever is at the index, never a registry error
+        if dead and len(dead) < len(ids):  # a hint's pruning: never a registry error
             self.tidy("SREM", lambda: self.client.srem(index, *dead))
-        if len(dead) == len(ids):
+        elif dead:
             # An index of dead peers only: stale (a restored copy) or forged. It must not
             # hide a live holder until its next heartbeat: the peer keys are the truth.
+            # Not pruned: emptied, it would read as no index at all to the next reader,
+            # which would not see what this one rejects and take the download lease at
+            # once (a forgery must cost a wait for the holders' heartbeat, not storage
+            # reads). It expires with its holders, and a holder's publication resets it.
             keys = sorted(self._scan(self.keys.peer(version, rank, world_size, ANY), limit=MAX_INDEX))
             if not keys:
                 return []

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from nccl_back.coord.registry import PeerStatus, Registry
 
 PROG = "nccl-back"
+_URI_HELP = "checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,13 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("fingerprint", help="print a checkpoint's version and shard CRC32Cs")
-    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix")
+    p.add_argument("uri", metavar="PATH_OR_URI", help=_URI_HELP)
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
     p.set_defaults(func=cmd_fingerprint)
 
     p = sub.add_parser("load", help="load a checkpoint from storage into a flat skeleton")
-    p.add_argument("uri", metavar="PATH_OR_URI", help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix")
+    p.add_argument("uri", metavar="PATH_OR_URI", help=_URI_HELP)
     p.add_argument("--device", default="cpu", help="torch device for the tensors (default cpu)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--cache-dir", help="CRC32C cache directory (default: Settings.cache_dir)")
@@ -111,13 +112,18 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, action=_Retired, help=argparse.SUPPRESS)
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings flags given on the command line, as ``Settings`` field values."""
+    names = (f.replace("-", "_") for f, _, _ in _SETTINGS_FLAGS)
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="sidecar: load a model (peer first) and serve it until SIGTERM",
                        description="Load a model (from a live peer, storage as fallback), serve it"
                        " to peers and local consumers, answer health probes; SIGTERM drains and"
                        " exits 0. Settings come from NCCL_BACK_* variables; flags win.")
-    p.add_argument("--model", required=True, metavar="PATH_OR_URI",
-                   help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix")
+    p.add_argument("--model", required=True, metavar="PATH_OR_URI", help=_URI_HELP)
     how = p.add_mutually_exclusive_group()
     how.add_argument("--factory", metavar="MODULE:FUNCTION",
                      help="callable returning the nn.Module skeleton (default: a flat skeleton"
@@ -157,8 +163,7 @@ def _add_check(sub: Any) -> None:
                        " its model?", description="Run every check a worker needs before a rollout,"
                        " with the settings `serve` would use (NCCL_BACK_* variables; flags win);"
                        f" one line per check, exit 1 if any fails. Checks: {', '.join(NAMES)}.")
-    p.add_argument("--model", metavar="PATH_OR_URI",
-                   help="checkpoint directory, gs://bucket/prefix, s3://bucket/prefix or az://container/prefix to read (storage check)")
+    p.add_argument("--model", metavar="PATH_OR_URI", help=_URI_HELP + " to read (storage check)")
     p.add_argument("--health-host", default="127.0.0.1",
                    help="interface of the health server, as for serve (default 127.0.0.1)")
     p.add_argument("--health-port", type=int, default=9400,
@@ -174,11 +179,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Print one line per preflight check (or JSON); 1 if any failed."""
     from nccl_back import check
 
-    overrides = {
-        f.replace("-", "_"): getattr(args, f.replace("-", "_"))
-        for f, _, _ in _SETTINGS_FLAGS
-        if getattr(args, f.replace("-", "_")) is not None
-    }
+    overrides = _overrides(args)
     target = check.Target(args.model, args.health_host, args.health_port)
     skip = frozenset(n.strip() for n in args.skip.split(",") if n.strip())
     results = check.run_checks(os.environ, overrides, target, skip)
@@ -287,11 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nccl_back.sidecar import serve
 
     log.configure(level=args.serve_log_level or "INFO", json=args.log_json)
-    overrides = {
-        f.replace("-", "_"): getattr(args, f.replace("-", "_"))
-        for f, _, _ in _SETTINGS_FLAGS
-        if getattr(args, f.replace("-", "_")) is not None
-    }
+    overrides = _overrides(args)
     if args.strict is not None:
         overrides["strict"] = True
     settings = Settings.from_env(**overrides)

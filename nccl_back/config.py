@@ -32,14 +32,13 @@ MAX_ARTIFACT_BYTES = 1 << 30
 #: Automatic ``bucket_bytes`` (the setting at 0, :meth:`Settings.bucket_for`): about
 #: 1/:data:`STEPS_PER_MODEL` of the model, a power of two within the transport's range.
 AUTO_BUCKET_BYTES = {"gloo": (1 << 20, 8 << 20), "nccl": (8 << 20, 8 << 20)}
-#: Steps a model is cut into at least, within the range above: a relay hop costs one step,
-#: so a path of D hops costs one transfer x (1 + (D - 1) / STEPS_PER_MODEL). Not more:
-#: each gloo call has a fixed cost (a raw broadcast of 128 MiB in 1 MiB calls reaches
-#: 0.70-0.83 of one flat call here, in 2 MiB calls 0.91-1.0; benchmarks/RESULTS.md).
+#: Steps a model is cut into at least: a path of D relay hops costs one transfer x
+#: (1 + (D - 1) / STEPS_PER_MODEL). Not more: each gloo call has a fixed cost
+#: (benchmarks/RESULTS.md).
 STEPS_PER_MODEL = 64
 
-#: Settings that are no longer set, and what replaces each: setting one (keyword, variable,
-#: flag or engine config key) is an error naming the replacement, never silently ignored.
+#: Retired settings and what replaces each: setting one anywhere is an error naming the
+#: replacement, never silently ignored.
 RETIRED: dict[str, str] = {
     "sender_handshake_timeout": "derived: a tenth of handshake_timeout, at least 1 s",
     "receiver_handshake_timeout": "set handshake_timeout",
@@ -71,14 +70,11 @@ def _default_cache_dir() -> str:
 
 
 def default_advertise_host(redis_url: str) -> str:
-    """The address of this machine's interface that reaches Redis: where peers, which
-    share that Redis, most likely reach this worker too.
+    """The address of this machine's interface that reaches Redis (peers sharing it most
+    likely reach this worker there too), else the host name's address, else 127.0.0.1.
 
-    A UDP ``connect`` sends nothing; it only makes the kernel pick the route and so the
-    source address. Resolving the host name instead gives 127.0.0.1 wherever
-    ``/etc/hosts`` maps it so (common), an address no other host can reach. A Redis on
-    a Unix socket or on loopback says nothing about other hosts: the host name's
-    address then, else 127.0.0.1.
+    A UDP ``connect`` sends nothing but makes the kernel pick the route's source address;
+    the host name alone often resolves to 127.0.0.1 through ``/etc/hosts``.
     """
     try:
         target = parse_redis_url(redis_url)
@@ -107,12 +103,9 @@ class Settings(DerivedBounds):
     """Everything a worker needs to know to load weights from a peer or from storage."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Coordination store, password in the URL: ``redis://`` (``rediss://`` over TLS) for
-    one server, ``redis+sentinel://h1:26379,h2:26379/SERVICE/0`` for the master Sentinel
-    names, ``redis+cluster://h1:6379,h2:6379`` for a Redis Cluster (``rediss+...`` over
-    TLS); TLS files and the sentinels' password as query parameters
-    (``?ssl_ca_certs=/ca.pem&ssl_certfile=...&ssl_keyfile=...``, ``?sentinel_password=...``);
-    see :mod:`nccl_back.redis_url`."""
+    """Coordination store, password in the URL: ``redis://`` (``rediss://``: TLS),
+    ``redis+sentinel://h1:26379,h2:26379/SERVICE/0`` or ``redis+cluster://h1:6379,h2:6379``;
+    TLS files and the sentinels' password as query parameters (:mod:`nccl_back.redis_url`)."""
 
     namespace: str = "nccl_back"
     """Prefix of every Redis key, so several fleets can share one Redis."""
@@ -121,40 +114,34 @@ class Settings(DerivedBounds):
     """``gloo`` (CPU tensors), ``nccl`` (GPU tensors) or ``auto`` (by the model's device)."""
 
     advertise_host: str = ""
-    """Address other workers use to reach this one's transports. Empty (the default):
-    the address of the interface that reaches Redis (:func:`default_advertise_host`).
-    A worker that advertises loopback to a Redis on another host is warned about, and
-    receivers on other hosts skip it."""
+    """Address other workers reach this one's transports at. Empty: the interface that
+    reaches Redis (:func:`default_advertise_host`); loopback with a remote Redis is warned
+    about, and receivers on other hosts skip it."""
 
     handshake_timeout: float = 10.0
     """Seconds a receiver waits in the liveness handshake (the peer may just be busy); a
     sender waits a tenth of it, at least 1 s (:attr:`sender_handshake`)."""
 
     transfer_timeout: float = 120.0
-    """Seconds one copy of the model may take from a peer: the watchdog deadline of
-    communicator creation plus the broadcast loop, and the scale every wait of a load
-    is carved from (:attr:`busy_wait`, :attr:`peer_budget`, :attr:`artifact_wait`,
-    :attr:`single_flight_wait`, :attr:`single_flight_max_wait`)."""
+    """Seconds one copy of the model from a peer may take (communicator creation plus the
+    broadcast); the scale every wait of a load is carved from (:mod:`nccl_back.timing`)."""
 
     redis_timeout: float = 2.0
     """Socket timeout in seconds for every Redis call."""
 
     peer_ttl: float = 10.0
     """Seconds a published peer stays visible without a heartbeat (a crashed worker
-    vanishes); the liveness of claims and leases is derived from it (:attr:`claim_ttl`,
-    :attr:`download_lease`, :attr:`heartbeat_interval`)."""
+    vanishes); the liveness of claims, leases and heartbeats derives from it."""
 
     max_concurrent_sends: int = 1
-    """How many receivers one sender serves at once (the ranks of one worker resharding
-    from it count as one receiver: together they take one model's worth of bytes)."""
+    """How many receivers one sender serves at once (one worker's resharding ranks count
+    as one: together they take one model's worth of bytes)."""
 
     holder_parts: int = 2
-    """How many idle holders a receiver pulls the model from at once, each sending its own
-    part of the steps (balanced by bytes) under its own ``max_send_gbps``: behind capped
-    senders a receiver then fills that many times faster. Only holders with a free send
-    slot are used, and not by a receiver that has members seated below it in a relay
-    cohort. A cohort's seat takes each tree's half from its own idle holder, so two at
-    most. 1: one holder sends everything. At most 4."""
+    """How many idle holders (with a free send slot) a receiver pulls from at once, each
+    sending its byte-balanced part under its own ``max_send_gbps``; not for a receiver with
+    relay members below it, and two at most for a cohort seat (one per tree). 1: one holder
+    sends everything. At most 4."""
 
     strict: bool = False
     """Raise instead of falling back to storage when a peer load fails."""
@@ -163,35 +150,27 @@ class Settings(DerivedBounds):
     """Integrity check after a peer load: sampled hashes, a full checksum, or none."""
 
     bucket_bytes: int = 0
-    """Tensors smaller than this are coalesced into buckets of this size for the broadcast,
-    larger ones sent in place in chunks of this size; it is also the unit a relay forwards.
-    0 (the default): chosen per transport and model size, :meth:`bucket_for` (gloo: about
-    1/64 of the model, 1 to 8 MiB, which keeps the per-call cost small for large models
-    and a relay hop short for small ones; NCCL 8 MiB, where a call costs more). Sender
-    and receiver must agree (both derive it from the same manifest)."""
+    """The broadcast's unit: smaller tensors are coalesced into buckets of this size, larger
+    ones sent in chunks of it; also what a relay forwards. 0: per transport and model size
+    (:meth:`bucket_for`). Both sides derive it from the same manifest."""
 
     max_send_gbps: float = 0.0
     """Cap on this worker's outgoing weight traffic in GB/s (10^9 B/s), shared by all its
-    sends and relays, so serving weights never starves the worker's own traffic.
-    0 (unset, the default): unlimited."""
+    sends and relays, so serving never starves its own traffic. 0: unlimited."""
 
     cohort_window: float = 2.0
-    """Receivers of the same version and rank that start a transfer at most this many
-    seconds after the cohort's previous arrival join it (the relay's two pipelined
-    trees; a rolling start keeps joining them in flight) instead of queueing for whole
-    copies; after a window with no arrival the next one starts a new cohort."""
+    """Receivers of one version and rank arriving within this many seconds of the cohort's
+    previous arrival join it (the relay's two pipelined trees, joinable in flight) instead
+    of queueing for whole copies; after a quiet window the next starts a new cohort."""
 
     cohort_max_size: int = 0
-    """Most receivers in one cohort; the next ones start another. 0 (the default):
-    1,024 (:attr:`cohort_limit`; the trees cost a step per level, log2 of the cohort).
+    """Most receivers in one cohort; the next start another. 0: 1,024 (:attr:`cohort_limit`).
     1: no relay (whole copies from holders: a binomial fan-out)."""
 
     stall_timeout: float = 10.0
-    """Seconds a transfer may go without a step completing before it is aborted (a silent
-    peer: stopped, partitioned) and the receiver moves on, instead of waiting out
-    ``transfer_timeout``: from a holder, and for a relay member from its upstream (it
-    then re-attaches elsewhere: another member upstream, a holder, or storage). Must
-    exceed what one bucket takes at the slowest sender's ``max_send_gbps``."""
+    """Seconds a transfer may go without a completed step before it is aborted (a silent
+    holder or relay upstream) and the receiver moves on (re-attaches, or storage) instead
+    of waiting out ``transfer_timeout``. Must exceed one bucket at the slowest cap."""
 
     storage_workers: int = 8
     """Parallel downloads (shards and ranged chunks) from storage."""
@@ -203,33 +182,27 @@ class Settings(DerivedBounds):
     """Attempts per storage request (exponential backoff with jitter between them)."""
 
     s3_endpoint_url: str = ""
-    """Endpoint of the S3-compatible store that ``s3://`` URIs name (MinIO, R2, Ceph:
-    ``http(s)://host[:port]``). Empty: boto3's own choice, ``AWS_ENDPOINT_URL_S3``, then
-    ``AWS_ENDPOINT_URL``, then the AWS config file, else AWS S3 itself."""
+    """Endpoint of the S3-compatible store ``s3://`` URIs name (``http(s)://host[:port]``:
+    MinIO, R2, Ceph). Empty: boto3's own choice (``AWS_ENDPOINT_URL_S3`` ..., else AWS)."""
 
     cache_dir: str = field(default_factory=_default_cache_dir)
     """Where the CRC32C cache lives, so a restart reads no shard bytes."""
 
     cooperative_download: bool = True
-    """The worker elected to download a version nobody holds waits
-    :attr:`download_group_window` for its download group, then names the members of a
-    cooperative download, each to read one part from storage and serve it to the elected
-    worker, which proves every file and streams the whole
-    (:mod:`nccl_back.load.cooperative`; single-rank workers loading the checkpoint's own
-    tensors, cohorts on). Alone, it reads the whole and streams it as it reads. False:
-    no split."""
+    """Split a download nobody else holds: the elected worker waits
+    :attr:`download_group_window`, then each member reads one part from storage and serves
+    it to the elected worker, which proves every file and streams the whole
+    (:mod:`nccl_back.load.cooperative`). False: no split."""
 
     compile_caches: bool = True
-    """Engines share their compile caches (vLLM's ``torch_compile_cache`` for its hash,
-    the inductor artifacts in it, ``modelinfos``) with peers: a starting engine receives
-    them during its weight load, a ready one publishes them. Needs ``secret``: without
-    one caches are skipped (a warning, once), because they hold code the engine runs."""
+    """Engines share their compile caches with peers (received during the weight load,
+    published when ready). Needs ``secret``, as caches hold code the engine runs; without
+    one they are skipped (a warning, once)."""
 
     secret: str | None = field(default=None, repr=False)
-    """Shared secret of the fleet (``NCCL_BACK_SECRET``, or ``NCCL_BACK_SECRET_FILE`` naming
-    a file that holds it), separate from the Redis password; at least 16 bytes. It signs
-    every coordination record and keys the integrity checks, so that whoever can write
-    to Redis cannot feed a worker weights. ``None``: unsigned, as trusting as Redis."""
+    """The fleet's shared secret (``NCCL_BACK_SECRET``, or a file ``NCCL_BACK_SECRET_FILE``
+    names), at least 16 bytes. It signs every record and keys the integrity checks, so
+    write access to Redis cannot feed a worker weights. ``None``: as trusting as Redis."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -297,19 +270,15 @@ class Settings(DerivedBounds):
             )
 
     def key(self, purpose: str) -> bytes | None:
-        """A 32-byte key for one ``purpose`` derived from :attr:`secret` (``None`` without one).
-
-        Each use (signatures, sample positions, checksum weights) gets its own key, so
-        what one reveals says nothing about another.
-        """
+        """A 32-byte key for one ``purpose`` derived from :attr:`secret` (``None`` without
+        one): what one use reveals says nothing about another's key."""
         if self.secret is None:
             return None
         return hmac.new(self.secret.encode(), b"nccl_back/" + purpose.encode(), hashlib.sha256).digest()
 
     def bucket_for(self, kind: str, model_bytes: int = 0) -> int:
-        """:attr:`bucket_bytes`, or when it is 0 (automatic) the power of two nearest to
-        ``model_bytes`` / :data:`STEPS_PER_MODEL`, within ``kind``'s :data:`AUTO_BUCKET_BYTES`
-        range (gloo, 1 GiB of separate tensors: 1 MiB reaches 0.57 of a flat broadcast, 8 MiB 0.90)."""
+        """:attr:`bucket_bytes`, or if 0 the power of two nearest ``model_bytes`` /
+        :data:`STEPS_PER_MODEL` within ``kind``'s :data:`AUTO_BUCKET_BYTES` range."""
         if self.bucket_bytes:
             return self.bucket_bytes
         lo, hi = AUTO_BUCKET_BYTES.get(kind, (1 << 20, 1 << 20))
@@ -341,13 +310,9 @@ class Settings(DerivedBounds):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from ``NCCL_BACK_<FIELD>`` variables (e.g. ``NCCL_BACK_REDIS_URL``).
-
-        Unset variables keep their defaults; ``overrides`` win over the environment.
-        ``NCCL_BACK_SECRET_FILE`` names a file holding the secret (trailing newline
-        dropped); setting it and ``NCCL_BACK_SECRET`` both is an error. An unparsable
-        value raises :class:`ConfigError` naming the variable.
-        """
+        """Settings from ``NCCL_BACK_<FIELD>`` variables; ``overrides`` win. A bad value's
+        :class:`ConfigError` names the variable; ``NCCL_BACK_SECRET_FILE`` and
+        ``NCCL_BACK_SECRET`` both set is one."""
         env = os.environ if environ is None else environ
         retired_error({k[len(ENV_PREFIX):].lower() for k in env if k.startswith(ENV_PREFIX)},
                       ENV_PREFIX + "{NAME}")

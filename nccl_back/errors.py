@@ -1,9 +1,5 @@
-"""The one error hierarchy of nccl_back.
-
-Every error the library raises on purpose derives from :class:`NcclBackError`, so a
-caller can catch one class. Each subclass's docstring says when it is raised. Errors
-that wrap a lower-level failure chain it (``raise ... from e``).
-"""
+"""The one error hierarchy of nccl_back: every error raised on purpose derives from
+:class:`NcclBackError`; each class's docstring says when it is raised."""
 
 from __future__ import annotations
 
@@ -15,10 +11,8 @@ class NcclBackError(Exception):
 
 
 class ConfigError(NcclBackError, ValueError):
-    """A setting, flag, URL or environment variable has a bad value.
-
-    The message names the bad value and how to fix it.
-    """
+    """A setting, flag, URL or environment variable has a bad value (the message says
+    which, and how to fix it)."""
 
 
 class StorageError(NcclBackError):
@@ -42,17 +36,13 @@ class SkeletonError(NcclBackError):
 
 
 class WeightLoadError(NcclBackError):
-    """After a load, tensors were missing, unexpected or filled twice (load tracking).
-
-    Also raised when a checkpoint tensor does not fit its skeleton container (dtype or
-    shape mismatch): nccl_back never casts silently.
-    """
+    """After a load, tensors were missing, unexpected or filled twice; or a checkpoint
+    tensor does not fit its skeleton container (nccl_back never casts silently)."""
 
 
 class WeightVerificationError(NcclBackError):
-    """Integrity hashes computed after a load differ from the ground truth; names the
-    layers (or the checkpoint tensors, for checks in checkpoint coordinates) that differ,
-    also as ``bad``."""
+    """Integrity hashes computed after a load differ from the ground truth; ``bad`` names
+    the layers (or checkpoint tensors) that differ."""
 
     def __init__(self, message: str, bad: set[str] | frozenset[str] = frozenset()) -> None:
         super().__init__(message)
@@ -64,11 +54,8 @@ class RegistryError(NcclBackError):
 
 
 class UntrustedRecordError(RegistryError):
-    """A value read from Redis is not to be acted on: unsigned or badly signed while a
-    secret is set, expired, malformed or out of bounds, or kept without a TTL.
-
-    The record is skipped (logged and counted); other records are still used.
-    """
+    """A value read from Redis is not to be acted on (unsigned or badly signed under a
+    secret, expired, malformed, out of bounds, kept without a TTL); it alone is skipped."""
 
 
 class PeerError(NcclBackError):
@@ -80,8 +67,8 @@ class NoPeerError(PeerError):
 
 
 class BudgetSpentError(NoPeerError):
-    """A phase of one load used up its time bound (:mod:`nccl_back.budget`) before a
-    peer served it: the load goes on to the next source or to storage."""
+    """A phase of one load spent its time bound (:mod:`nccl_back.budget`) before a peer
+    served it."""
 
 
 class HandshakeTimeoutError(PeerError, TimeoutError):
@@ -97,42 +84,33 @@ class TransferError(PeerError):
 
 
 class TransferTimeoutError(TransferError, TimeoutError):
-    """The watchdog deadline passed during communicator creation or the broadcast loop.
-
-    The communicator was aborted before this was raised.
-    """
+    """The watchdog deadline passed during communicator creation or the broadcast loop
+    (the communicator was aborted first)."""
 
 
 class TransferStalledError(TransferTimeoutError):
-    """No step of a transfer completed within its stall bound (a silent peer: stopped,
-    partitioned, its link down without a reset), long before the deadline. The
-    communicator was aborted before this was raised."""
+    """No step of a transfer completed within its stall bound (a silent peer), long
+    before the deadline (the communicator was aborted first)."""
 
 
 class TransferAbandonedError(TransferError):
-    """The sender gave the transfer up after the handshake (it closed, past its drain's
-    bound) and left a notice saying so; the communicator was aborted before this was
-    raised, long before the stall bound."""
+    """The sender gave the transfer up after the handshake (closing, past its drain's
+    bound) and left a notice saying so (the communicator was aborted first)."""
 
 
 class IncompatiblePeerError(PeerError):
-    """The peers holding this version cannot serve this receiver: they speak another
-    transport or hold their weights on another device kind. Raised at discovery (before
-    any claim) or when a sender refuses the request before creating anything."""
+    """The peers holding this version speak another transport or hold their weights on
+    another device kind: raised at discovery, or on a sender's refusal."""
 
 
 class LayoutMismatchError(IncompatiblePeerError):
-    """This worker cannot reshard: an engine adapter could not describe its layout as
-    pieces of the checkpoint (a quantized or unknown layer, pipeline parallelism...),
-    so it loads only from peers of exactly its layout, or from storage."""
+    """This worker cannot reshard (its engine adapter could not describe its layout as
+    pieces of the checkpoint): it loads only from peers of its exact layout, or storage."""
 
 
 class ConsensusError(PeerError):
-    """The worker's ranks could not agree: a collective over the worker's group failed, or
-    another rank failed (the message names it) and this rank follows it.
-
-    ``failed_rank`` is the rank whose failure this one follows (None: the group itself failed).
-    """
+    """The worker's ranks could not agree: a collective over its group failed, or rank
+    ``failed_rank`` failed and this one follows it (None: the group itself failed)."""
 
     def __init__(self, message: str, failed_rank: int | None = None) -> None:
         super().__init__(message)
@@ -140,17 +118,14 @@ class ConsensusError(PeerError):
 
 
 class ArtifactError(NcclBackError):
-    """An artifact set (compile caches) is refused: a malformed or oversized manifest, a
-    path that would leave the cache directory, bytes whose keyed digest differs, no
-    fleet secret; or it could not be collected or installed. Nothing of a refused set
-    is written to the cache directory."""
+    """An artifact set (compile caches) is refused (bad or oversized manifest, escaping
+    path, wrong keyed digest, no secret) or could not be collected or installed; nothing
+    of a refused set is written."""
 
 
 class UntrustedPathError(ArtifactError):
-    """A compile-cache directory or file another local user could have written (owned by
-    another uid, writable by group or others, a symlink, a hard link, changed while it
-    was read; :mod:`nccl_back.model.trusted_tree`): nothing under it is published, and
-    nothing is installed into it."""
+    """A compile-cache path another local user could have written
+    (:mod:`nccl_back.model.trusted_tree`): nothing under it is published or installed."""
 
 
 class AttachError(NcclBackError):
@@ -177,17 +152,15 @@ FALLBACK_REASONS = (
 the prefix of ``LoadResult.fallback_reason``)."""
 
 class StrEnum(str, enum.Enum):
-    """An enumeration whose members are their string values (``str(m) == m.value``), so a
-    member is its own metric label or table cell (``enum.StrEnum`` from Python 3.11)."""
+    """``enum.StrEnum`` (Python 3.11) for 3.10: ``str(member) == member.value``."""
 
     def __str__(self) -> str:
         return self.value
 
 
 class RecordKind(StrEnum):
-    """Every kind of value nccl_back reads from Redis and may reject: the one list that
-    records, the registry (:meth:`Registry.reject`), the metrics (a label of
-    ``records_rejected``) and error messages share. A ``str``, so it is its own label."""
+    """Every kind of value read from Redis and possibly rejected: the one list records,
+    :meth:`Registry.reject`, metric labels and error messages share."""
 
     PEER = "peer"
     """A peer entry (``ns:peer:...``)."""

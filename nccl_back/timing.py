@@ -1,15 +1,7 @@
-"""Time, in one place: the durations a user sets, the bounds derived from them, and the
-fixed timing constants of the protocol.
-
-A user sets six durations (fields of :class:`~nccl_back.config.Settings`):
-``redis_timeout``, ``peer_ttl``, ``handshake_timeout``, ``stall_timeout``,
-``transfer_timeout`` and ``cohort_window``. Every other bound is derived from them by
-:class:`DerivedBounds` (which ``Settings`` inherits), each documented there once; the
-ratios keep the defaults of the settings they replaced (``Settings()`` derives
-``claim_ttl`` 6 s, ``download_lease`` 15 s, a sender's handshake 1 s, ``busy_wait`` and
-``artifact_wait`` 60 s, ``peer_budget`` 210 s, ``single_flight_wait`` 300 s,
-``single_flight_max_wait`` 3600 s, ``download_group_window`` 0.2 s). A caller may carve
-a derived bound shorter for one phase (:meth:`DerivedBounds.capped`), never longer.
+"""Time, in one place: the bounds derived from the six durations a user sets (fields of
+:class:`~nccl_back.config.Settings`, which inherits :class:`DerivedBounds`), and the
+protocol's fixed timing constants. A caller may carve a derived bound shorter for one
+phase (:meth:`DerivedBounds.capped`), never longer.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ CAPPABLE = ("claim_ttl", "download_lease", "sender_handshake", "busy_wait", "pee
 class DerivedBounds:
     """The bounds derived from the durations a user sets (a base of ``Settings``)."""
 
-    # The fields they derive from (declared here for the type checker; Settings has them).
+    # Settings' fields they derive from, declared for the type checker.
     peer_ttl: float
     handshake_timeout: float
     transfer_timeout: float
@@ -60,83 +52,73 @@ class DerivedBounds:
 
     @property
     def claim_ttl(self) -> float:
-        """Seconds a send-slot claim, a download member's record or a relay member's liveness
-        mark lives unless renewed by its running owner (every third of it): a dead or
-        stopped one is given up on. :data:`CLAIM_TTL_OF_PEER_TTL` of :attr:`peer_ttl` (6 s)."""
+        """Seconds a claim, download member record or relay liveness mark lives unless its
+        owner renews it (every third of it): :data:`CLAIM_TTL_OF_PEER_TTL` x :attr:`peer_ttl`."""
         return self._capped("claim_ttl", self.peer_ttl * CLAIM_TTL_OF_PEER_TTL)
 
     @property
     def download_lease(self) -> float:
-        """Seconds an elected downloader's lease lasts without renewal (a dead one is
-        replaced). :data:`LEASE_OF_PEER_TTL` times :attr:`peer_ttl` (15 s)."""
+        """Seconds an elected downloader's lease lasts unrenewed (a dead one is replaced):
+        :data:`LEASE_OF_PEER_TTL` x :attr:`peer_ttl`."""
         return self._capped("download_lease", self.peer_ttl * LEASE_OF_PEER_TTL)
 
     @property
     def sender_handshake(self) -> float:
-        """Seconds a sender waits in the liveness handshake: a tenth of
-        :attr:`handshake_timeout` (short: don't wait on a flaky receiver), at least
-        :data:`SENDER_HANDSHAKE_FLOOR` (a scheduler's hiccup) and at most the receiver's own."""
+        """Seconds a sender waits in the handshake: a tenth of :attr:`handshake_timeout`
+        (don't wait on a flaky receiver), at least :data:`SENDER_HANDSHAKE_FLOOR`, at most
+        the receiver's."""
         wait = min(max(self.handshake_timeout / 10, SENDER_HANDSHAKE_FLOOR), self.handshake_timeout)
         return self._capped("sender_handshake", wait)
 
     @property
     def connect_timeout(self) -> float:
-        """Seconds either side waits for the communicator to form after a handshake: both
-        sides' handshake bounds (both proved alive a moment ago, so a communicator that has
-        not formed within them never will, and the claim must not be held for a whole
-        :attr:`transfer_timeout`); never longer than :attr:`transfer_timeout`."""
+        """Seconds either side waits for the communicator after a handshake: both sides'
+        handshake bounds (both just proved alive; a claim must not be held a whole
+        :attr:`transfer_timeout` for a communicator that will never form), at most that."""
         return min(self.sender_handshake + self.handshake_timeout, self.transfer_timeout)
 
     @property
     def busy_wait(self) -> float:
-        """Seconds a receiver waits for a busy peer's send slot (or a new peer) before
-        storage: half of :attr:`transfer_timeout` (60 s)."""
+        """Seconds a receiver waits for a busy peer's slot (or a new peer): half of
+        :attr:`transfer_timeout`."""
         return self._capped("busy_wait", self.transfer_timeout / 2)
 
     @property
     def peer_budget(self) -> float:
-        """Seconds all peer attempts of one load may take together (claims, handshakes,
-        transfers, waits for busy peers), so fake or stalling peers cannot cost more; past
-        it the worker loads from storage: :attr:`busy_wait` + :attr:`transfer_timeout` +
-        :data:`MAX_PEER_ATTEMPTS` x :attr:`handshake_timeout` (210 s)."""
+        """Seconds all peer attempts of one load take at most together (fake or stalling peers
+        cost no more), then storage: :attr:`busy_wait` + :attr:`transfer_timeout` +
+        :data:`MAX_PEER_ATTEMPTS` x :attr:`handshake_timeout`."""
         bound = self.busy_wait + self.transfer_timeout + MAX_PEER_ATTEMPTS * self.handshake_timeout
         return self._capped("peer_budget", bound)
 
     @property
     def artifact_wait(self) -> float:
-        """Seconds, counted from its start, that anything waits on a background fetch of
-        compile caches (the precompiled headers): inductor, before it builds a header itself
-        (in total, however many headers it looks for), and the engine, for the fetch's
-        outcome before it decides what to publish; past it the fetch is a miss ("timed
-        out") and its transfer is given up. Half of :attr:`transfer_timeout` (60 s)."""
+        """Seconds from its start that anything (inductor, in total; the engine, before it
+        publishes) waits on a background compile-cache fetch; then the fetch is a miss and
+        is given up. Half of :attr:`transfer_timeout`."""
         return self._capped("artifact_wait", self.transfer_timeout / 2)
 
     @property
     def single_flight_wait(self) -> float:
-        """Seconds a worker waits for an elected downloader before loading from storage
-        itself, unless the downloader still renews its lease:
-        :data:`SINGLE_FLIGHT_OF_TRANSFER` x :attr:`transfer_timeout` (300 s)."""
+        """Seconds a worker waits for an elected downloader that stopped renewing its lease:
+        :data:`SINGLE_FLIGHT_OF_TRANSFER` x :attr:`transfer_timeout`."""
         return self._capped("single_flight_wait", self.transfer_timeout * SINGLE_FLIGHT_OF_TRANSFER)
 
     @property
     def single_flight_max_wait(self) -> float:
-        """Upper bound in seconds on waiting for an elected downloader that is alive (still
-        renewing its lease): a storage download may take longer than a peer's copy,
-        :data:`DOWNLOAD_OF_TRANSFER` x :attr:`transfer_timeout` (3600 s)."""
+        """Seconds a worker waits at most for a live elected downloader (storage is slower
+        than a peer): :data:`DOWNLOAD_OF_TRANSFER` x :attr:`transfer_timeout`."""
         return self._capped("single_flight_max_wait", self.transfer_timeout * DOWNLOAD_OF_TRANSFER)
 
     @property
     def download_group_window(self) -> float:
-        """Seconds the elected downloader waits for its download group before naming the
-        members of a cooperative download: a tenth of :attr:`cohort_window` (0.2 s); 0
-        without :attr:`cooperative_download`."""
+        """Seconds the elected downloader waits for its group before naming a cooperative
+        download's members: a tenth of :attr:`cohort_window`; 0 without the split."""
         return self.cohort_window / GROUP_WINDOW_OF_COHORT if self.cooperative_download else 0.0
 
     def capped(self: _B, **bounds: float) -> _B:
-        """A copy whose derived bounds named in ``bounds`` (``busy_wait``, ``peer_budget``,
-        ``claim_ttl``, ...) are at most those seconds: a phase carved shorter than the
-        load's (a fetch nobody waits for long). Not a setting: nothing reads it from the
-        environment; :meth:`replace` keeps it."""
+        """A copy whose :data:`CAPPABLE` bounds named in ``bounds`` are at most those seconds:
+        a phase carved shorter than the load's. Not a setting; :meth:`replace` keeps it."""
         for name, seconds in bounds.items():
             if name not in CAPPABLE:
                 raise ConfigError(f"{name}: not a derived bound; choose from {', '.join(CAPPABLE)}")
@@ -155,14 +137,12 @@ class DerivedBounds:
         return min(seconds, self.__dict__.get("_caps", {}).get(name, seconds))
 
 
-# -- Fixed timing constants, by the module that uses them (not settings: each is a
-# protocol's own bound, with its reason).
+# -- Fixed timing constants (a protocol's own bounds, not settings), by the module using them.
 
 # coord/requests.py
-#: Seconds between looks at an empty queue: the first, doubling up to the longest (a
-#: request waits that long at most before it is seen). The pause carries over from one
-#: wait to the next of the same queue until a request comes, so an idle endpoint looks
-#: 1/REQUEST_POLL_MAX times a second (20), not the dozens a restarted doubling would cost.
+#: Seconds between looks at an empty queue, doubling from the first to the longest. The
+#: pause carries over between waits on one queue, so an idle endpoint looks 20 times a
+#: second, not the dozens a restarted doubling would cost.
 REQUEST_POLL_MIN, REQUEST_POLL_MAX = 0.002, 0.05
 #: Seconds the wake-up value of a request queue lives at most.
 WAKE_TTL = 1.0
@@ -172,20 +152,16 @@ WAKE_TTL = 1.0
 CLOCK_SKEW = 5.0
 
 # coord/handshake.py
-#: Seconds before the second read of a key the other side is to write; each further
-#: wait doubles, up to :data:`HANDSHAKE_POLL_MAX`.
+#: Seconds before the second read of a key the other side is to write, doubling up to:
 HANDSHAKE_POLL = 0.005
-#: Longest wait between two reads: a fleet released together runs one handshake per
-#: part and member at once, and at 5 ms each one is 200 reads a second on the one
-#: Redis and the CPUs the waiting processes share.
+#: the longest wait: a fleet released together runs many handshakes at once, and at 5 ms
+#: each is 200 reads a second on the one Redis.
 HANDSHAKE_POLL_MAX = 0.05
 
 # coord/schema.py
-#: Ground truth, layouts and position truth outlive a few missed heartbeats and the gap
-#: between a storage load and its first publication.
+#: Ground truth and layouts outlive a few missed heartbeats and a load's first publication.
 GROUND_TRUTH_TTL_FACTOR = 6
-#: Artifact-set records outlive their holder a while (a miss then says that no live
-#: peer holds the set), and the next publisher replaces them.
+#: Artifact-set records outlive their holder a while; the next publisher replaces them.
 ARTIFACT_TTL_FACTOR = 360
 #: A handshake key outlives both sides' timeouts.
 HANDSHAKE_KEY_TTL = 30.0
@@ -197,17 +173,14 @@ CHECK_TTL = 10.0
 ELECTION_POLL = 0.1
 
 # coord/signed_store.py
-#: A record kept longer than this many times the TTL its writers give it was not
-#: written by a worker (a replayed or forged record): it is not obeyed.
+#: A record kept over this many times its writers' TTL is replayed or forged: not obeyed.
 TTL_SLACK = 2.0
 
 # load/verify.py
-#: Seconds between two reads of a stream's ground truth while its downloader loads (or
-#: of the verdicts of the members a failed check blames).
+#: Seconds between two reads of a stream's ground truth (or of blamed members' verdicts).
 VERDICT_POLL = 0.05
-#: Seconds a failed check waits for the verdicts of the members it blames: they checked
-#: what they received about when this rank did (upstream, they got it first). One whose
-#: verdict has not come by then stays guilty.
+#: Seconds a failed check waits for the verdicts of members it blames (upstream, they
+#: checked first); one whose verdict has not come by then stays guilty.
 VERDICT_WAIT = 2.0
 
 # load/tree_parts.py
@@ -229,61 +202,48 @@ SHARE_WATCH_POLL = 0.25
 DISCOVER_SECONDS = 10.0
 
 # transport/relay/state.py
-#: Seconds a member's relay endpoint stays up, idle, after its own load ended and the
-#: cohort window passed, for a downstream member that is still re-attaching. A late
-#: arrival (within a window of the previous one) may sit behind a member that already
-#: finished: the endpoint stays up ``cohort_window`` + this, so it still finds it.
+#: Seconds a relay endpoint stays up, idle, past its load and the cohort window, so a
+#: re-attaching or late downstream member still finds it.
 LINGER = 2.0
 #: Seconds a member waits in the handshake with a relay upstream: a live one answers
 #: within its poll interval, so a dead one costs little.
 RELAY_HANDSHAKE = 3.0
-#: Seconds a member that stalled this receiver has to answer when asked once more: a
-#: live one answers within its poll interval (it stalled because one further up
-#: stopped); one that stopped itself costs every seat below it this, not
-#: :data:`RELAY_HANDSHAKE`.
+#: Seconds a member that stalled this receiver has to answer again: a live one answers
+#: within its poll; a stopped one costs every seat below it this, not RELAY_HANDSHAKE.
 STALLED_HANDSHAKE = 1.0
 
 # transport/send.py
-#: The slowest link a drain counts on, in GB/s (10^9 B/s), where the worker's send cap
-#: is not lower: 200 Mbit/s, a slow and shared link, so that the bound errs long; the
-#: cap ends it.
+#: The slowest link a drain counts on, GB/s, unless the send cap is lower: 200 Mbit/s,
+#: so the bound errs long.
 DRAIN_FLOOR_GBPS = 0.025
-#: Seconds a drain adds to the bytes' time: the last step's acknowledgement, and a
-#: busy machine's scheduling.
+#: Seconds a drain adds to the bytes' time: the last acknowledgement, a busy scheduler.
 DRAIN_GRACE = 0.5
-#: The most seconds a drain waits for an owed receiver (a follower of the download this
-#: worker was elected to) to ask: one that saw this worker's weights asks within a poll
-#: or two; one that never asks (fed by another member) costs no more.
+#: The most seconds a drain waits for an owed receiver (a follower of this worker's
+#: download) to ask: one that saw the weights asks within a poll or two.
 DRAIN_ARRIVAL = 1.0
 #: Seconds between two looks of a drain at its sends.
 DRAIN_POLL = 0.02
-#: The most seconds a drain waits for sends in flight, whatever their bytes: a closing
-#: process's shutdown grace (an engine gives its worker a few seconds) is not spent on
-#: one send, and a receiver told to move on loses less than a stall bound.
+#: The most seconds a drain waits for sends in flight: an engine's shutdown grace is a
+#: few seconds, and a receiver told to move on loses less than a stall bound.
 DRAIN_MAX = 5.0
 
 # transport/rendezvous_store.py
-#: Seconds a bootstrap key outlives the connect deadline, at most (a bound, the sides
-#: delete their keys when the transfer ends).
+#: Seconds a bootstrap key outlives the connect deadline (the sides delete it after).
 KEY_TTL_SLACK = 5.0
-#: Polling interval bounds, seconds: fast first (the peer writes within milliseconds),
-#: then backing off so a slow peer costs Redis little.
+#: Poll bounds, seconds: fast first (a peer writes within ms), backing off for slow ones.
 STORE_POLL_MIN, STORE_POLL_MAX = 0.002, 0.05
 
 # transport/nccl.py
-#: Bound, in seconds, on host-side waits inside torch's non-blocking NCCL calls (the
-#: lazy connect of the first collective). Used only when the environment sets none.
+#: Seconds bounding host-side waits in torch's non-blocking NCCL calls, unless env sets one.
 NONBLOCKING_TIMEOUT_S = 10
-#: torch's own per-collective timeout is set this far past our deadline, so that our
-#: deadline (and our abort, on the owner thread) always acts first.
+#: torch's per-collective timeout lies this far past our deadline, so our abort acts first.
 TORCH_TIMEOUT_SLACK_S = 600.0
-#: Seconds between polls of a pending collective or stream (the owner thread polls
-#: rather than blocks, so it sees an abort request or the deadline within this).
+#: Seconds between polls of a pending collective (polling, the owner sees an abort soon).
 NCCL_POLL_S = 0.0005
 
 # sidecar/loop.py
-#: A connection that sent nothing stays in the kernel about this long (the kernel counts
-#: it in SYN-ACK retransmits: about 3 s) before it is accepted.
+#: A connection that sent nothing waits in the kernel about this long before its accept
+#: (counted in SYN-ACK retransmits: about 3 s).
 DEFER_SECONDS = 2
 
 # sidecar/handoff/server.py

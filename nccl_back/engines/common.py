@@ -1,36 +1,14 @@
-"""What every engine adapter needs, and the protocol an adapter implements.
+"""What every engine adapter needs, and the :class:`EngineAdapter` protocol.
 
-An engine adapter plugs nccl_back into an inference engine's weight loading. Its module
-(``nccl_back.engines.{name}``, the only one importing the engine) implements
-:class:`EngineAdapter` for one load, registers it by name (:func:`register_engine`), and
-hooks it into the engine's own plug-in point (vLLM: a model loader for
-``--load-format nccl_back``):
-
-* ``name``, ``title``, ``version``, ``log``: the engine's name (``vllm``: the registry
-  key, part of the identity and of the worker's label), how messages name it
-  (``vLLM``), its version and its logger (the outcome goes there);
-* :meth:`~EngineAdapter.checkpoint_dir`: the local checkpoint folder (the identity);
-* :meth:`~EngineAdapter.layout`: the engine's own fields of the identity (dtype,
-  quantization, parallel sizes and ranks...): what else changes the tensors it loads;
-* :meth:`~EngineAdapter.default_load`: the engine's own loader, the storage path;
-* :meth:`~EngineAdapter.group`: the process group over the engine's ranks (consensus,
-  election and fallback run over it);
-* :meth:`~EngineAdapter.describe` and ``parallel_fields``: the engine's tensors as
-  pieces of the checkpoint (:mod:`nccl_back.model.layout`), and the identity fields
-  that description replaces (tensor-parallel size and rank). An engine whose every
-  rank is described shares one version with engines of other parallel layouts of the
-  same content, and reshards from them when no peer of its own layout serves
-  (:mod:`nccl_back.load.reshard`); one that cannot be described keeps them in its
-  identity and says why (``layout_mismatch``).
-
-The hook builds the model as the engine does, calls :func:`load_weights` with the
-adapter (made through the registry, :func:`engine_adapter`), the settings
-(:func:`settings_from` the engine's config) and the model, and after the engine's
-post-processing calls :meth:`EngineLoad.check_served_state`.
-Everything else lives here: the identity (:func:`engine_layout`, :func:`engine_spec`),
-the served state (:func:`loaded_state`), keeping the service serving until exit,
-routing the library's warnings into the engine's logger and the outcome summary. An
-SGLang adapter is then its ~50 lines of SGLang. This module never imports an engine.
+An adapter's module (``nccl_back.engines.{name}``, the only one importing the engine)
+implements :class:`EngineAdapter`, registers it (:func:`register_engine`) and hooks into
+the engine's plug-in point (vLLM: ``--load-format nccl_back``). The hook builds the model
+as the engine does, calls :func:`load_weights` with the adapter (:func:`engine_adapter`),
+the settings (:func:`settings_from`) and the model, and after the engine's
+post-processing calls :meth:`EngineLoad.check_served_state`. An engine whose every rank
+is described (:meth:`EngineAdapter.describe`) shares one version with other parallel
+layouts of the same content and reshards from them (:mod:`nccl_back.load.reshard`).
+Everything else lives here; this module never imports an engine.
 """
 
 from __future__ import annotations
@@ -79,17 +57,20 @@ class EngineAdapter(Protocol):
     """One engine's side of a load (see the module docstring)."""
 
     name: str
+    """Registry key, part of the identity and of the worker's label (``vllm``)."""
     title: str
+    """How messages name the engine (``vLLM``)."""
     version: str
     log: logging.Logger
+    """The engine's logger: the load's outcome goes there."""
 
     def checkpoint_dir(self) -> str:
         """The checkpoint folder the engine loads (must be local: the identity reads it)."""
         ...
 
     def layout(self) -> dict[str, Any]:
-        """The engine's own identity fields: everything besides the checkpoint that
-        changes the tensors this rank loads (JSON values, see :func:`jsonable`)."""
+        """The engine's own identity fields (dtype, quantization, parallel sizes...): what
+        besides the checkpoint changes the tensors this rank loads (:func:`jsonable` values)."""
         ...
 
     def default_load(self, model: nn.Module) -> None:
@@ -105,10 +86,8 @@ class EngineAdapter(Protocol):
 
     def describe(self, model: nn.Module,
                  checkpoint: Sequence[str]) -> Mapping[str, TensorLayout | None]:
-        """Each tensor ``model`` serves as pieces of the checkpoint tensors named
-        ``checkpoint`` (None: a constant the engine makes itself, which a resharding
-        receiver keeps); :class:`~nccl_back.model.layout.LayoutError` with the reason
-        when the engine's layout cannot be described."""
+        """Each tensor ``model`` serves as pieces of the named ``checkpoint`` tensors (None:
+        an engine-made constant); :class:`~nccl_back.model.layout.LayoutError` if it cannot."""
         ...
 
 
@@ -129,8 +108,7 @@ def register_engine(name: str) -> Callable[[A], A]:
 
 def engine_adapter(name: str) -> Callable[..., EngineAdapter]:
     """The adapter class registered as ``name``, importing ``nccl_back.engines.{name}``
-    (and so the engine) on first use: an engine's plug-in hook makes each load's adapter
-    through it."""
+    (and so the engine) on first use."""
     if name not in _ENGINES:
         if not name.isidentifier():
             raise ConfigError(f"engine {name!r}: not an adapter name")
@@ -147,12 +125,9 @@ def engine_adapter(name: str) -> Callable[..., EngineAdapter]:
 
 
 def settings_from(extra: Any, *, source: str = "model_loader_extra_config") -> Settings:
-    """Settings from ``NCCL_BACK_*`` with the engine's extra config ``extra`` on top.
-
-    Keys are :class:`Settings` field names; values are JSON scalars, parsed like the
-    environment variables. Raises :class:`ConfigError` naming ``source`` and the key for
-    an unknown key, a non-scalar or a bad value.
-    """
+    """Settings from ``NCCL_BACK_*`` with the engine's extra config ``extra`` (field names
+    to JSON scalars, parsed like the variables) on top; a :class:`ConfigError` names
+    ``source`` and the key."""
     if extra is None:
         extra = {}
     if not isinstance(extra, Mapping):
@@ -216,10 +191,8 @@ def checkpoint_spec(adapter: EngineAdapter, settings: Settings) -> ModelSpec:
 
 
 def adapter_spec(adapter: EngineAdapter, checkpoint: ModelSpec, *, described: bool) -> ModelSpec:
-    """The identity of what ``adapter``'s rank loads: with a layout description
-    (``described``), without the fields it replaces, so engines of other parallel
-    layouts share the version (the peer index still keys rank and world size, and the
-    layout record tells the layouts apart)."""
+    """The identity of what ``adapter``'s rank loads; when ``described``, without the
+    fields the description replaces, so engines of other parallel layouts share it."""
     fields = adapter.layout()
     if described:
         fields = {k: v for k, v in fields.items() if k not in adapter.parallel_fields}
@@ -254,12 +227,8 @@ def engine_sharding(adapter: EngineAdapter, settings: Settings, model: nn.Module
 
 
 def loaded_state(model: nn.Module) -> nn.Module:
-    """A module holding ``model``'s persistent tensors under the same names.
-
-    It keeps the tensors as the engine's checkpoint load leaves them, whatever the
-    engine's post-processing later does to ``model``'s attributes, so the weight
-    service receives into and serves exactly that state.
-    """
+    """A module holding ``model``'s persistent tensors under the same names, as the
+    checkpoint load leaves them whatever post-processing later does to ``model``."""
     tensors, aliases = named_tensors(model)
     return buffer_module([*tensors.items(), *((a, tensors[c]) for a, c in aliases.items())])
 
@@ -288,8 +257,7 @@ class EngineLoad:
     result: LoadResult
     state: nn.Module
     truth: dict[str, str] | None
-    """The Verifier's fingerprint of ``state`` right after the load (None: nothing to
-    check)."""
+    """The Verifier's fingerprint of ``state`` right after the load (None: no check)."""
 
     def check_served_state(self, log: logging.Logger, post_processing: str) -> None:
         """Stop serving if ``post_processing`` (the engine's step after the load) rewrote
@@ -316,10 +284,8 @@ def keep_serving(service: WeightService) -> None:
 
 def _close_at_exit(service: WeightService) -> None:
     service.close()
-    # Measured in vLLM's worker: without a full collection here, the interpreter's own
-    # final one (py-spy: gc_collect_main) ran past vLLM's 5 s shutdown grace in 4 of 4
-    # clean exits and the worker was killed; after this one (0.6 s) it exited within
-    # about a second, as a worker without nccl_back does.
+    # Without this, the interpreter's own final collection ran past vLLM's 5 s shutdown
+    # grace and the worker was killed; this one takes about 0.6 s.
     gc.collect()
 
 
@@ -390,9 +356,8 @@ def load_weights(adapter: EngineAdapter, settings: Settings, model: nn.Module) -
 
 
 def outcome(result: LoadResult) -> tuple[str, int]:
-    """The summary's tail and level: a peer load, or the first engine of a version (no
-    live peer held it: nothing went wrong, it downloads and serves the next ones), is
-    INFO; any other storage load is a fallback that an operator should see (WARNING)."""
+    """The summary's tail and level: INFO for a peer load or a version's first engine (no
+    peer held it yet), WARNING for any other storage load (a fallback)."""
     why = result.fallback_reason
     if result.source == "peer" or why is None:
         return "", logging.INFO
@@ -414,10 +379,8 @@ def log_outcome(log: logging.Logger, result: LoadResult, identity_s: float) -> N
 
 
 class ToEngineLog(logging.Handler):
-    """Hands the library's own warnings and errors (``nccl_back.*``: ``no_secret``,
-    ``record_rejected``, ``publish_failed`` ...) to the engine's logger, so they appear
-    where the engine's own do, at their level; below WARNING they stay with the
-    application's logging configuration, as for any embedding."""
+    """Hands the library's warnings and errors to the engine's logger, so they appear
+    where the engine's own do; lower levels stay with the application's configuration."""
 
     def __init__(self, target: logging.Logger) -> None:
         super().__init__(logging.WARNING)
@@ -429,8 +392,7 @@ class ToEngineLog(logging.Handler):
 
 
 def route_library_logs(target: logging.Logger) -> None:
-    """Install :class:`ToEngineLog` to ``target`` once per process (engines may call
-    their plug-in hook in every process they start, and more than once)."""
+    """Install :class:`ToEngineLog` to ``target`` once per process (hooks run repeatedly)."""
     root = logging.getLogger("nccl_back")
     if not any(isinstance(h, ToEngineLog) and h.target is target for h in root.handlers):
         root.addHandler(ToEngineLog(target))

@@ -1,50 +1,24 @@
-"""vLLM adapter: the ``nccl_back`` load format.
+"""vLLM adapter: the ``nccl_back`` load format (docs/vllm.md).
 
 Installing nccl-back registers it through vLLM's ``vllm.general_plugins`` entry point
-(:func:`register`, which vLLM calls in every process it starts), so this works with
-nothing but an install::
+(:func:`register`, called in every process vLLM starts)::
 
     NCCL_BACK_REDIS_URL=redis://... vllm serve /models/llama --load-format nccl_back
 
-Settings come from ``NCCL_BACK_*`` and ``--model-loader-extra-config`` (JSON; its
-keys are :class:`~nccl_back.config.Settings` fields and win over the environment). An
-unknown key or a bad value raises :class:`ConfigError` when vLLM builds the loader,
-before any weight is read.
+Settings come from ``NCCL_BACK_*`` and ``--model-loader-extra-config`` (JSON, Settings
+fields, winning), validated when vLLM builds the loader, before any weight is read.
 
-**What travels.** vLLM's model is built exactly as for ``--load-format auto``
-(``create_model``: vLLM's own module on the target device, no checkpoint read), and
-its tensors are filled either from a peer engine or by vLLM's ``DefaultModelLoader``
-(then the engine's hashes become the ground truth). What moves between engines is
-the module as vLLM's checkpoint load leaves it, in the engine's own layout: fused
-(``qkv_proj``, ``gate_up_proj``), sharded by tensor-parallel rank, in the engine's
-dtype. Afterwards vLLM's ``process_weights_after_loading`` runs on both paths, as
-after any load. Why not its output: on the CPU build that step packs every linear
-weight into a oneDNN handle and leaves a zero-size parameter behind, so the final
-state is not a set of tensors that can be sent. A sender keeps the loaded tensors
-alive (on CUDA, unquantized, processing leaves them in place: no extra memory); if
-processing rewrote one in place, the sender detects it and stops serving.
+What travels is the module as vLLM's checkpoint load leaves it (fused, TP-sharded, in
+the engine's dtype), filled from a peer or by vLLM's ``DefaultModelLoader``;
+``process_weights_after_loading`` then runs on both paths. Not its output: on the CPU
+build it packs linear weights into oneDNN handles that cannot be sent. A sender that
+finds a loaded tensor rewritten in place stops serving.
 
-What every engine needs (the load's flow, the identity, the served state, the outcome
-in the engine's log) is :mod:`nccl_back.engines.common`'s; this module is what is vLLM's.
-
-**Identity.** The version is the checkpoint's content identity plus everything that
-changes these tensors (:func:`engine_layout`): vLLM version, architecture, dtype,
-quantization, tensor-parallel size and rank, pipeline size and rank, expert
-parallelism, KV-cache dtype, revision and ``hf_overrides``. When every rank's
-parameters are described as pieces of the checkpoint (:mod:`.vllm_layout`: the layers
-of dense decoder models) the tensor-parallel size and rank leave the version: engines
-of other TP sizes then share it and reshard from each other when no engine of their
-own layout serves (docs/layouts.md); otherwise they stay in it and engines of
-different layouts never exchange weights.
-
-**Ranks.** Each vLLM worker process is one rank; consensus, election and fallback run
-over the engine's world group (gloo ``cpu_group``): every rank loads from a peer, or
-every rank loads from storage. After its load an engine serves its weights in the
-background while it answers requests, and leaves the registry as soon as vLLM starts
-shutting the worker down.
-
-**Compile caches** travel too, with a fleet secret (:mod:`.vllm_cache`): fetched right
-after the weights, before vLLM's warm-up compile; published once the engine is ready.
+The version adds everything that changes these tensors (:func:`engine_layout`); when
+every rank is described as pieces of the checkpoint (:mod:`.vllm_layout`), the TP size
+and rank leave it and engines of other TP sizes reshard from each other. Consensus,
+election and fallback run over the engine's world group (gloo ``cpu_group``). Compile
+caches travel too, with a fleet secret (:mod:`.vllm_cache`).
 """
 
 from __future__ import annotations
@@ -95,10 +69,7 @@ log = logging.getLogger("vllm.nccl_back")
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the ``nccl_back`` load format.
-
-    vLLM calls it in every process it starts; registering twice is harmless.
-    """
+    """The ``vllm.general_plugins`` entry point (called in every vLLM process; idempotent)."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not NcclBackModelLoader:
@@ -221,14 +192,9 @@ class NcclBackModelLoader(BaseModelLoader):
 def _withdraw_when_shutdown_starts() -> None:
     """Leave the registry the moment vLLM starts shutting this worker process down.
 
-    vLLM's executor gives a worker a grace period (5 s) from the start of its shutdown,
-    then kills it. The worker's own teardown (message queues, the worker, the distributed
-    state) runs first, about a second on a quiet machine and past the grace on a loaded
-    one, and ``atexit``, where the service withdraws and closes, only after it: a worker
-    killed before then stays listed until its entry's TTL, and a receiver may spend a
-    handshake timeout on it. So the withdrawal also runs first thing in the worker's
-    shutdown (the service still closes at exit). Under another executor (no
-    ``WorkerProc``), exit alone withdraws.
+    vLLM kills a worker 5 s into its shutdown, and its own teardown (before ``atexit``,
+    where the service withdraws) can take longer on a loaded machine: a killed worker
+    would stay listed until its TTL. Under another executor, exit alone withdraws.
     """
     try:
         from vllm.v1.executor.multiproc_executor import WorkerProc

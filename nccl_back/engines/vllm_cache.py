@@ -1,44 +1,19 @@
-"""vLLM's compile caches travel with the weights (``--load-format nccl_back``).
+"""vLLM's compile caches travel with the weights (docs/compile-caches.md).
 
-**What travels.** After an engine is ready (compiled and warmed up: the end of its
-worker's ``compile_or_warm_up_model``), rank 0 publishes, as one artifact set
-(:mod:`nccl_back.load.artifact_transfer`), the compile cache vLLM used,
-``VLLM_CACHE_ROOT/torch_compile_cache/<vLLM's hash>/`` and, with vLLM's AOT compile
-(the default with torch >= 2.10, and the CPU build's path),
-``torch_compile_cache/torch_aot_compile/<hash>/`` (graphs, and the inductor and Triton
-caches vLLM keeps inside them: kernels, the shared libraries of the CPU build), and
-``VLLM_CACHE_ROOT/modelinfos/*.json``. A starting engine looks the set up right
-after its weights are loaded, before vLLM's profile run and warm-up compile, and
-installs it under its own ``VLLM_CACHE_ROOT`` with vLLM's own directory names
-(never over a local cache: a unit that exists stays as it is).
-Where vLLM hands its graph to ``torch.compile`` with inductor itself (compilation mode
-``DYNAMO_TRACE_ONCE`` with ``VLLM_USE_AOT_COMPILE=0``: :func:`inductor_only`), nothing
-is written under ``VLLM_CACHE_ROOT``; inductor's cache directory
-(``TORCHINDUCTOR_CACHE_DIR``) is then the set, under the same key plus ``set=inductor``.
-The precompiled headers inductor built its C++ (CPU) kernels with travel as a third
-set (key plus ``set=headers``) into torch's default cache directory, where inductor
-looks for them by names that hash their compile command and compiler: ~150 MB each,
-4-5 s of compiler time to rebuild; fetched only where they are not already there, in
-the background (inductor waits for the fetch before it looks for a header).
+After an engine is ready (its worker's ``compile_or_warm_up_model`` returned), rank 0
+publishes one artifact set (:mod:`nccl_back.load.artifact_transfer`): the compile cache
+directories vLLM used (``torch_compile_cache/<hash>``, ``torch_compile_cache/
+torch_aot_compile/<hash>``) and ``modelinfos/*.json`` under ``VLLM_CACHE_ROOT``. A
+starting engine fetches it right after its weights, before warm-up, and installs it
+with vLLM's own names, never over a local unit. Where inductor alone compiles
+(:func:`inductor_only`) its cache directory is the set (``set=inductor``); inductor's
+precompiled C++ headers travel as a third set (``set=headers``), in the background.
 
-**The lookup key** is what the engine knows before compiling, each factor computed by
-vLLM's or torch's own code, never a copy of their formula (:func:`cache_key`):
-``vllm_config.compute_hash()``, vLLM's environment hash
-(``hash_factors(envs.compile_factors())``), the compiler's hash
-(``make_compiler(...).compute_hash``: torch's inductor system and code keys), the
-vLLM, torch and nccl_back versions, and this rank. Both ends compute it at the same
-point (the weight load), so equal settings always meet. vLLM's own key also covers the
-hash of the traced model code, known only once it compiles: since the files keep
-vLLM's own names, vLLM's key still decides hit or miss after the install, so a stale
-set can only be a vLLM miss (it compiles), never a wrong hit.
-
-**Misses say why** in the engine's log: no secret, vLLM compiles nothing here
-(``enforce_eager`` or compilation mode ``NONE``, the cache disabled, an explicit ``compilation_config.cache_dir``), no set for this key (and which factor
-differs from the newest set for this model), no live holder, a refused transfer or
-digest.
-
-vLLM has no hook after warm-up for a model loader, so :func:`after_warm_up` wraps the
-worker class vLLM names in ``parallel_config.worker_cls`` (once per class).
+The lookup key (:func:`cache_key`) is computed by vLLM's and torch's own code at the
+weight load on both ends; vLLM's own key (which covers the traced code) still decides
+each hit after the install, so a stale set can only be a miss, never a wrong hit.
+Misses say why in the engine's log. vLLM has no post-warm-up hook for a model loader,
+so :func:`after_warm_up` wraps ``parallel_config.worker_cls`` (once per class).
 """
 
 from __future__ import annotations
@@ -117,11 +92,8 @@ def cache_key(vllm_config: VllmConfig, scope: str) -> CacheKey:
 
 
 def inductor_only(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM hands its graph to ``torch.compile`` with inductor (compilation mode
-    ``DYNAMO_TRACE_ONCE`` without vLLM's AOT compile): it then keeps its whole compile in
-    inductor's cache directory (FX graphs, AOTAutograd entries, kernels) and nothing under
-    ``VLLM_CACHE_ROOT``, so that directory is what travels (as :func:`nccl_back.
-    compile_cache` shares it; torch's FX-graph keys decide each hit after the install)."""
+    """Whether vLLM hands its graph to inductor itself (``DYNAMO_TRACE_ONCE`` without AOT
+    compile): then its whole compile is in inductor's cache directory, which travels."""
     import vllm.envs as envs
     from vllm.config.compilation import CompilationMode
 
@@ -130,9 +102,7 @@ def inductor_only(vllm_config: VllmConfig) -> bool:
 
 
 def units(vllm_config: VllmConfig, root: str) -> list[str]:
-    """What travels after a compile: the cache directories vLLM used for its hashes
-    (``torch_compile_cache/<hash>`` of its backend, ``torch_compile_cache/
-    torch_aot_compile/<hash>`` of its AOT compile, as vLLM left them in its config)."""
+    """What travels after a compile: the cache directories vLLM's config names as used."""
     out: list[str] = []
     cc = vllm_config.compilation_config
     for used in (cc.cache_dir, cc.local_cache_dir):
@@ -163,9 +133,8 @@ def modelinfos_key() -> CacheKey:
 
 
 _early = threading.Event()
-#: What :func:`early_modelinfos` did in this process (None: it did not try). vLLM
-#: configures the front end's logging only after its plugins load, so with ``LLM(...)``
-#: the line it logs may not show; this says it anyway.
+#: What :func:`early_modelinfos` did here (None: did not try); its log line may not show,
+#: as vLLM configures the front end's logging after plugins load.
 early_outcome: str | None = None
 
 
@@ -233,9 +202,8 @@ def after_warm_up(vllm_config: VllmConfig, callback: Callable[[], None]) -> None
 
 def share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging.Logger,
           engine: str) -> None:
-    """During the weight load (before warm-up): fetch a peer's caches for this engine's
-    key; after warm-up, publish this engine's own unless vLLM used the received ones.
-    Never raises: the weights travel whatever happens to the caches."""
+    """Fetch a peer's caches now (the weight load); after warm-up, publish this engine's
+    own unless vLLM used the received ones. Never raises: the weights travel regardless."""
     try:
         _share(settings, vllm_config, scope, log, engine)
     except Exception as e:

@@ -1,36 +1,13 @@
 """vLLM's layout: which pieces of which checkpoint tensors each loaded parameter holds.
 
-:func:`describe` reads vLLM's own layer metadata on the module as ``create_model``
-built it (before ``process_weights_after_loading``, in vLLM's fused names) and returns
-one :class:`~nccl_back.model.layout.TensorLayout` per tensor the engine serves:
-
-- ``ColumnParallelLinear``: output rows ``tp_rank * n ... + n`` (``n`` =
-  ``output_size_per_partition``), weight and bias.
-- ``MergedColumnParallelLinear`` (``gate_up_proj``): the concatenation along dim 0 of
-  the rank's slice of each ``output_sizes[i]``, in shard order, each from its own
-  checkpoint tensor (or from one fused checkpoint tensor, at the shard's offset).
-- ``QKVParallelLinear``: the rank's ``num_heads`` query heads, then its key and value
-  heads, which come from KV head ``tp_rank // num_kv_head_replicas`` (replication when
-  the TP size exceeds the KV heads), as vLLM's ``weight_loader`` cuts them.
-- ``RowParallelLinear``: input columns ``tp_rank * input_size_per_partition ...``;
-  its bias is whole.
-- ``VocabParallelEmbedding`` / ``ParallelLMHead``: rows ``org_vocab_start_index ...
-  org_vocab_end_index`` of ``shard_indices``, then padding that maps to nothing (vLLM's
-  loader zeroes it); a tied LM head is described by the embedding that owns it.
-- ``ReplicatedLinear`` and norms (``RMSNorm``, ``GemmaRMSNorm``, ``LayerNorm``): whole.
-- An unquantized ``Attention``'s KV scale buffers: None, the engine's own constants
-  (1.0, no checkpoint tensor); a resharding receiver keeps its own.
-
-Checkpoint names come from vLLM's own mapping: the model's ``hf_to_vllm_mapper``
-(which names each checkpoint tensor's fused parameter and shard id) or, without one,
-its ``packed_modules_mapping`` (the fused module's parts, in shard order). Anything
-else raises :class:`~nccl_back.model.layout.LayoutError` with the reason, and the
-engine does not reshard: a quantized method, MoE (an unknown layer type), a
-subclass of the types above (its loader may cut differently), a tensor of another
-module, pipeline parallelism, a mapper that maps one checkpoint tensor to several
-shards. The description is then checked against the checkpoint's shapes
-(:func:`~nccl_back.model.layout.layout_of`), so a name or size that does not fit is a
-refusal too, never a guess.
+:func:`describe` reads vLLM's own layer metadata on the module as ``create_model`` built
+it (vLLM's fused names) and returns one :class:`~nccl_back.model.layout.TensorLayout`
+per served tensor, as each layer's ``weight_loader`` cuts it (the table in
+docs/vllm.md); checkpoint names come from the model's ``hf_to_vllm_mapper`` or its
+``packed_modules_mapping``. Anything else (quantization, MoE, a subclass of a known
+layer, pipeline parallelism...) raises :class:`~nccl_back.model.layout.LayoutError`
+with the reason, and the description is checked against the checkpoint's shapes
+(:func:`~nccl_back.model.layout.layout_of`): a misfit is a refusal, never a guess.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The ends of ``POST /drain`` outside the health server: the drain token file and the
-request that ``nccl-back drain`` (a Kubernetes preStop hook) sends.
-
-Every container of a pod shares its loopback, so loopback alone does not say who may
-drain: the sidecar writes a random token to a 0600 file in a private directory
-(:func:`write_token_file`) that only its own user can read, and ``POST /drain`` must
-carry it. Nothing here imports torch: the preStop hook must start fast.
+"""The ends of ``POST /drain`` outside the health server: the drain token file (a pod's
+containers share its loopback, so loopback alone says nothing of who may drain) and the
+request ``nccl-back drain`` (a preStop hook) sends. No torch here: the hook starts fast.
 """
 
 from __future__ import annotations
@@ -59,11 +55,10 @@ def read_token_file(path: str) -> str:
     return data.decode("utf-8", "replace").strip()
 
 
-def request_drain(
-    port: int, timeout: float, host: str = "127.0.0.1", token: str | None = None
-) -> None:
-    """Ask the local sidecar on ``port`` to drain (with its drain ``token`` when it has
+def request_drain(port: int, timeout: float, token: str | None = None) -> None:
+    """Ask the sidecar on loopback ``port`` to drain (with its drain ``token`` when it has
     one); returns once it has (or raises)."""
+    host = "127.0.0.1"
     headers = {TOKEN_HEADER: token} if token is not None else {}
     req = urllib.request.Request(f"http://{host}:{port}/drain", method="POST", headers=headers)
     try:

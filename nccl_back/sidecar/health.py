@@ -12,20 +12,15 @@
                           this, so in-flight transfers finish before SIGTERM)
 ========================  =====================================================
 
-The server binds 127.0.0.1 unless told otherwise; in a pod it must bind the pod's
-address (``0.0.0.0``) for the kubelet's probes to reach it. ``/drain`` checks the
-client address itself, so binding wider never lets another pod drain this one; every
-container of the pod shares its loopback, so the sidecar also sets a drain token,
-written to a 0600 file (:mod:`nccl_back.sidecar.drain`) that only its own user can read.
+In a pod it binds the pod's address (``0.0.0.0``) for the kubelet; ``/drain`` checks
+the client address itself, so binding wider never lets another pod drain this one, and
+the pod's other containers (sharing its loopback) need the 0600 token file
+(:mod:`nccl_back.sidecar.drain`).
 
-Why not ``http.server``: its timeout bounds each ``recv``, not a request, so clients
-that drip one byte every few seconds hold its handler threads for ever and the probes
-stop answering. The connections are served by :mod:`nccl_back.sidecar.loop` instead
-(one thread, one epoll, a bounded table, a deadline on the whole request; what keeps
-probes answering under a connection flood is in its docstring); requests are parsed by
-:mod:`nccl_back.sidecar.http` under its limits (head, headers, body), with no chunked
-bodies and no keep-alive. The only slow handler, the drain callback, runs on its own
-thread, never on the loop.
+Not ``http.server``: its timeout bounds each ``recv``, not a request, so clients that
+drip bytes hold its threads for ever. Connections are served by
+:mod:`nccl_back.sidecar.loop`, parsed by :mod:`nccl_back.sidecar.http` (bounded, no
+chunked bodies, no keep-alive); the drain callback runs on its own thread.
 """
 
 from __future__ import annotations
@@ -69,12 +64,9 @@ def _is_loopback(host: str) -> bool:
 class HealthServer:
     """Serves ``/healthz``, ``/readyz``, ``/metrics`` and ``POST /drain`` from a daemon thread.
 
-    ``on_drain`` (optional) is called once by the first ``POST /drain``: the service
-    withdraws from the registry, refuses new claims and waits for in-flight sends.
-    With ``drain_token``, ``POST /drain`` must carry it (header ``X-Drain-Token``).
-    At most ``max_connections`` connections are open at once (fewer under a low file
-    descriptor limit: :func:`connection_cap`), each for at most ``request_timeout``
-    seconds (see :mod:`nccl_back.sidecar.loop`).
+    The first ``POST /drain`` (carrying ``drain_token`` if set) calls ``on_drain`` once.
+    At most ``max_connections`` are open (:func:`connection_cap`), each for at most
+    ``request_timeout`` seconds.
     """
 
     def __init__(

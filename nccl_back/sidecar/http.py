@@ -1,11 +1,8 @@
 """The health port's HTTP/1.x: one request parsed under hard limits, and the reply bytes.
 
-A request head is at most :data:`MAX_HEAD_BYTES` (:data:`MAX_HEADERS` headers), its
-target at most :data:`MAX_TARGET` characters, a body at most :data:`MAX_BODY_BYTES`;
-no chunked bodies, no obsolete line folding, and a header that decides anything
-(``Content-Length``, ``Host``, the drain token) given once only. No keep-alive: every
-reply says ``Connection: close``, so bytes after the first request are never read as a
-second one. The loop that feeds this parser is :mod:`nccl_back.sidecar.loop`.
+Limits below; no chunked bodies, no line folding, a deciding header (``Content-Length``,
+``Host``, the drain token) given once only, and no keep-alive (``Connection: close``:
+bytes after the first request are never read as a second one).
 """
 
 from __future__ import annotations

@@ -2,44 +2,27 @@
 
 :class:`Loop` accepts, reads, parses (:mod:`nccl_back.sidecar.http`), hands each
 request to its handler, writes the reply and closes; it never blocks on a client, so
-no number of slow or idle clients can starve a probe. What a kubelet probe (a 1 s
-timeout) needs from it under a flood of clients that connect and send nothing, or
-drip a byte every few seconds:
+no flood of idle or dripping clients can make a kubelet probe (1 s timeout) miss:
 
-- *The kernel's accept queue never stays full.* A full queue drops a probe's SYN, and
-  the client retransmits it only after 1 s, past the probe's timeout. So the backlog
-  is :data:`BACKLOG` (Linux caps it at ``net.core.somaxconn``), on each of
-  :data:`LISTENERS` sockets sharing the port (:func:`bind`); the listeners defer
-  accepting (``TCP_DEFER_ACCEPT``, :data:`DEFER_SECONDS`), so a client that connects
-  and sends nothing waits in the kernel's SYN queue (while that has room) instead of
-  taking a place in the accept queue; each turn serves the connections that are readable first, then
-  accepts until the queue is empty (for :data:`ACCEPT_BUDGET` at most); and accepting
-  costs little: a socket, one read (a probe's request is usually there by then, and is
-  answered at once) and one epoll registration.
-- *A bounded table that makes room instead of refusing.* At most ``max_connections``
-  are open (the caller bounds it by the descriptor limit). A new connection beyond
-  that evicts the oldest one still sending its request (the idle and slow ones are the
-  oldest), after one last read of what it sent: a probe whose request has arrived is
-  answered, not evicted. Evicted connections are closed once the accept queue is
-  empty (:meth:`Loop._evict`). Eviction is a plain close, not a reset: the flooding
-  client's end stays open, holding its port and descriptor, so a flood from one host
-  slows itself down instead of recycling its ports at once (a reset made the same
-  flood 3-4 times faster, and probes then failed).
-- *A deadline on the whole request.* Each connection has ``timeout`` seconds from its
-  accept to the last byte of its reply, however its bytes trickle in; past it the
-  client gets a best-effort ``408`` and is closed. A request whose handler runs slowly
-  (the drain) is exempt while it runs, on its own thread, then gets a fresh deadline
-  to send the reply.
-- *Out of descriptors* (``EMFILE``): the oldest unfinished connection is evicted to
-  make room; with none to evict, a spare descriptor is given up to accept and close
-  the next client, so the queue still drains and the loop does not spin.
+- *The accept queue never stays full* (a dropped SYN is retransmitted after 1 s, past
+  the probe's timeout): :data:`LISTENERS` sockets share the port with :data:`BACKLOG`
+  each; ``TCP_DEFER_ACCEPT`` keeps silent clients in the SYN queue; each turn serves
+  readable connections first, then accepts until the queues are empty (for
+  :data:`ACCEPT_BUDGET` at most); an accept costs one read and one registration.
+- *A bounded table that makes room instead of refusing*: beyond ``max_connections`` a
+  new connection evicts the oldest one still sending its request, after a last read (a
+  probe whose request arrived is answered). Eviction is a plain close, not a reset: the
+  flooder's end stays open, holding its port, so it slows itself down (a reset made the
+  same flood 3-4 times faster, and probes failed).
+- *A deadline on the whole request*: ``timeout`` seconds from accept to the reply's last
+  byte, then a best-effort ``408``. A slow handler (the drain) runs on its own thread,
+  exempt, then gets a fresh deadline for the reply.
+- *Out of descriptors* (``EMFILE``): evict the oldest unfinished connection, else give
+  up a spare descriptor to accept and close the next client, so the queue drains.
 
-The limit is the interpreter the loop shares with the rest of the sidecar. While
-another thread holds the GIL in one long call, the loop stalls and the queues absorb
-what arrives meanwhile. A thread that keeps the interpreter busy in Python code makes
-each of the loop's system calls wait for the GIL on its return: about 3 ms per
-accepted connection instead of about 25 µs (measured), so beside such a thread a
-flood above a few hundred connections a second outgrows the queues.
+The limit is the GIL shared with the rest of the sidecar: beside a thread busy in
+Python code each system call waits for it (about 3 ms per accepted connection instead
+of 25 µs), so a flood above a few hundred connections a second outgrows the queues.
 """
 
 from __future__ import annotations
@@ -226,12 +209,8 @@ class Loop:
         return True
 
     def _make_room(self) -> bool:
-        """Evict for one new connection; False if every slot waits on a slow handler.
-
-        The oldest still reading its request goes, after a last read: a probe whose
-        request has arrived is answered instead, which frees its slot. Then the oldest
-        being answered.
-        """
+        """Evict for one new connection (the oldest reading, after a last read that may
+        answer it; else the oldest writing); False if every slot waits on a slow handler."""
         while len(self._conns) >= self.max_connections:
             victim = next((c for c in self._conns.values() if c.state == "reading"), None)
             if victim is None:
@@ -399,12 +378,9 @@ def bind(host: str, port: int) -> list[socket.socket]:
     """:data:`LISTENERS` listening sockets sharing ``host:port`` (``SO_REUSEPORT``; port 0:
     a free one), set up for the loop: backlog, deferred accept, non-blocking.
 
-    A port already bound by anyone is ``EADDRINUSE`` (an ``OSError``), as for a single
-    socket: it is first bound once without ``SO_REUSEPORT``, which any holder refuses.
-    The kernel spreads connections over the group by their addresses, so the group's
-    accept queues hold :data:`LISTENERS` times what one can. Only sockets of this
-    process's user that also ask for ``SO_REUSEPORT`` could join the group (the
-    kernel's rule), so no other user's process can take a share of the probes.
+    A port bound by anyone is ``EADDRINUSE``, as for one socket: it is first bound once
+    without ``SO_REUSEPORT``. Only this user's sockets could join the group (the kernel's
+    rule), so no other user's process can take a share of the probes.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if port:

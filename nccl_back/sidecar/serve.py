@@ -62,36 +62,30 @@ class ServeOptions:
     """What ``nccl-back serve`` was asked to do (beyond :class:`Settings`)."""
 
     model_uri: str
-    """Checkpoint directory, ``gs://bucket/prefix`` or ``s3://bucket/prefix``."""
+    """Checkpoint directory or storage URI (``gs://``, ``s3://``, ``az://``)."""
     device: torch.device
     factory: Callable[[], Model] | None = None
-    """Builds the skeleton (run under :func:`skeleton.build`); None: a flat skeleton
-    from the safetensors headers."""
+    """Builds the skeleton (under :func:`skeleton.build`); None: a flat one from the headers."""
     diffusers: bool = False
-    """The model is a diffusers pipeline folder: build each component with diffusers
-    (:func:`nccl_back.model.pipeline.pipeline_skeletons`). A pipeline folder is detected from
-    its ``model_index.json`` either way; without this flag its flat skeleton (one child
-    per component) is built from the headers, without diffusers."""
+    """Build each component of a diffusers pipeline folder with diffusers
+    (:func:`nccl_back.model.pipeline.pipeline_skeletons`); without it a pipeline folder
+    gets a flat skeleton (one child per component) from the headers."""
     socket_path: str | None = None
     """Unix socket of the local hand-off server; None: no hand-off."""
     health_host: str = "127.0.0.1"
     health_port: int = 0
     drain_timeout: float | None = None
-    """Bound on waiting for in-flight sends (and a running load) when draining;
-    None: ``settings.transfer_timeout``."""
+    """Bound on in-flight sends (and a running load) when draining; None: transfer_timeout."""
     ready_file: str | None = None
     """Written atomically (JSON) once ready, removed when draining starts."""
     drain_token_file: str | None = None
-    """Where a fresh random drain token is written (0600, in a private directory) at
-    start; ``POST /drain`` then needs it. None: loopback clients drain without one."""
+    """Where a fresh drain token is written (0600, private directory) at start; ``POST
+    /drain`` then needs it. None: loopback clients drain without one."""
 
 
 def resolve_factory(spec: str) -> Callable[[], Any]:
-    """``"module:function"`` -> the callable; :class:`ConfigError` naming what is wrong.
-
-    The current directory is importable, as for ``python -m``, so a factory in the
-    user's own module works from the console script too.
-    """
+    """``"module:function"`` -> the callable (the current directory importable, as for
+    ``python -m``); :class:`ConfigError` naming what is wrong."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"--factory {spec!r}: expected module:function (e.g. mypkg.models:build)")
@@ -148,11 +142,8 @@ def check_local_model(uri: str) -> None:
 
 
 class Sidecar:
-    """One ``serve`` process: health server, weight service, hand-off server, drain.
-
-    ``out`` receives the one ready line. The drain's wait reads time through
-    :mod:`nccl_back._clock`.
-    """
+    """One ``serve`` process: health server, weight service, hand-off server, drain;
+    ``out`` receives the one ready line."""
 
     def __init__(
         self,
@@ -202,8 +193,7 @@ class Sidecar:
         return f"http://{shown}:{self.health.port}"
 
     def start(self) -> Sidecar:
-        """Write the drain token file, bind the health port (:class:`ConfigError` if
-        either fails)."""
+        """Write the drain token file and bind the health port."""
         if self.options.drain_token_file is not None:
             try:
                 write_token_file(self.options.drain_token_file, self._drain_token)
@@ -232,9 +222,8 @@ class Sidecar:
         else:
             model = flat_skeleton(spec, opts.device, settings=self.settings)
         if opts.socket_path is not None and opts.device.type == "cpu":
-            # Built in the hand-off's segment: the load writes the weights into shared
-            # memory once, peers are served from it and consumers map the same pages.
-            # A flat skeleton's buffers are all checkpoint tensors: nothing to copy.
+            # In the hand-off's segment: loaded once into shared memory, served to peers
+            # from it, mapped by consumers. A flat skeleton has no other buffers to keep.
             self._hosted = arena.host(model, keep_buffers=opts.factory is not None or opts.diffusers)
         result = self.service.load(model, spec)
         if opts.socket_path is not None:
@@ -248,10 +237,8 @@ class Sidecar:
             self.service.withdraw()
             return result
         if not self.service.peers:
-            # Ready means published (or, while Redis is unreachable, waiting for the
-            # heartbeat to publish it). The service serves nobody when its rendezvous
-            # could not start (it logged why); serving locally goes on, but this sidecar
-            # must not count as a weight source.
+            # Ready means published (or waiting for the heartbeat to publish). Without a
+            # rendezvous (the service logged why) it serves locally but is no source.
             log.error("not_published", source=result.source,
                       hint="see the service's publish_failed / ground_truth_* events")
             return result
@@ -274,12 +261,8 @@ class Sidecar:
         self.health.close()
 
     def run(self, stop: threading.Event | None = None) -> int:
-        """Start, load and serve until stopped (``stop`` set, or a signal under
-        :func:`stop_on_signals`); drain and close. Returns 0.
-
-        A failed load raises (after closing). The caller exits the process without
-        joining threads when :attr:`abandoned` is set afterwards.
-        """
+        """Start, load and serve until ``stop`` is set or a signal arrives
+        (:func:`stop_on_signals`); drain, close, return 0. A failed load raises (closed)."""
         stop = stop if stop is not None else threading.Event()
         if not self._started:
             self.start()
@@ -335,11 +318,8 @@ class Sidecar:
         self._log.info("sends_drained", active_sends=left)
 
     def _ground_truth(self, spec: ModelSpec, model: Model) -> dict[str, str] | None:
-        """The storage load's sampled hashes, so a local consumer checks against storage.
-
-        None (the hand-off server hashes the model itself) if Redis has none that match,
-        or with a secret: the stored hashes are keyed, and a local consumer has no key.
-        """
+        """The storage load's sampled hashes for local consumers to check against; None
+        (the hand-off hashes the model) without a match, or with a secret (keyed hashes)."""
         if self.settings.key("integrity") is not None:
             return None
         try:
@@ -372,9 +352,8 @@ class Sidecar:
 def stop_on_signals(sidecar: Sidecar) -> Iterator[None]:
     """Within this block SIGTERM and SIGINT stop ``sidecar.run`` (main thread only).
 
-    The handler only assigns an attribute: it interrupts the main thread anywhere, and
-    taking a lock there (``Event.set``, a logger's) could deadlock against that thread.
-    """
+    The handler only assigns: taking a lock (``Event.set``, a logger's) where it
+    interrupts the main thread could deadlock."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -391,8 +370,7 @@ def stop_on_signals(sidecar: Sidecar) -> Iterator[None]:
 
 
 def _reraise(error: BaseException) -> NoReturn:
-    """Re-raise a load error; anything outside our hierarchy becomes an NcclBackError,
-    so the command line still reports one line."""
+    """Re-raise a load error, as an NcclBackError if foreign (the CLI reports one line)."""
     if isinstance(error, (NcclBackError, KeyboardInterrupt, SystemExit)):
         raise error
     raise NcclBackError(f"load failed: {error!r}") from error

@@ -1,35 +1,23 @@
-"""The hand-off's arena: one allocation holding every canonical tensor of the model.
+"""The hand-off's arena: one allocation holding every canonical tensor of the model
+(``skeleton.ALIGN``-ed offsets, a name -> offset map); both halves use this module.
 
-The arena holds every canonical tensor (``skeleton.ALIGN``-ed offsets, the consolidated
-layout, a name -> offset map). A CPU sidecar makes it before the load
-(:func:`host`): the skeleton is built into the segment, so the load writes the
-weights into shared memory once and the process never holds a private copy. Given a
-model of its own, the server packs it at ``start()`` (:func:`pack`: a copy, then its
-tensors re-pointed into the arena), so the host (or GPU) holds one copy after that.
-Either way the server's model must then be treated as read-only.
+A CPU sidecar builds the skeleton into it before the load (:func:`host`), so the
+weights land in shared memory once; a server given its own model packs it at
+``start()`` (:func:`pack`: copied, tensors re-pointed). Either way the server's model is
+read-only from then on.
 
-- CPU: the arena is one POSIX shared-memory segment ``/dev/shm/nccl_back_<random>``,
-  created by ``multiprocessing.shared_memory.SharedMemory`` (mode 0600, so consumer
-  and sidecar run as the same user; registered with the sidecar's resource tracker,
-  which unlinks it if the sidecar dies). Both sides map the file with their own
-  ``mmap`` object handed to ``torch.frombuffer``, which keeps the mmap alive as long
-  as any tensor uses it: a ``SharedMemory`` object would unmap on garbage collection
-  under live tensors, and on Python < 3.13 attaching one registers the segment with
-  the *consumer's* resource tracker, which unlinks it when the consumer exits. The
-  consumer maps copy-on-write (``MAP_PRIVATE``): pages are shared until it writes,
-  and its writes never reach the sidecar or other consumers.
-- GPU: the arena is one CUDA allocation (the model's own when its skeleton is already
-  consolidated), exported through CUDA IPC (:mod:`.cuda`).
+- CPU: a POSIX shared-memory segment ``/dev/shm/nccl_back_<random>`` (0600: consumer and
+  sidecar run as one user; the sidecar's resource tracker unlinks it if the sidecar
+  dies). Each side maps it with its own ``mmap`` given to ``torch.frombuffer``, which
+  keeps it alive under live tensors: a ``SharedMemory`` object would unmap on garbage
+  collection, and on Python < 3.13 attaching one registers the segment with the
+  consumer's tracker, which unlinks it at the consumer's exit. The consumer maps
+  copy-on-write (``MAP_PRIVATE``): its writes reach no one else.
+- GPU: one CUDA allocation exported through CUDA IPC (:mod:`.cuda`).
 
-The segment lives in /dev/shm, so it counts against the container's memory and needs a
-/dev/shm large enough for the model (containers get 64 MiB by default; mount a memory
-``emptyDir`` there, shared by sidecar and consumer). Space is reserved when the
-segment is created, so a too-small /dev/shm is an :class:`AttachError`, not a SIGBUS.
-If the sidecar dies, its resource tracker unlinks the segment (observed: right after a
-SIGKILL, with a "leaked shared_memory objects" warning).
-
-This module owns making, mapping and laying out the arena and re-pointing a model's
-tensors into it; both halves use it (the consumer for views and a zero-copy attach).
+/dev/shm must hold the model (containers get 64 MiB: mount a memory ``emptyDir``);
+space is reserved at creation, so too small a /dev/shm is an :class:`AttachError`,
+not a SIGBUS.
 """
 
 from __future__ import annotations
@@ -123,13 +111,9 @@ def pack(model: Model) -> Arena:
 
 
 def host(model: Model, *, keep_buffers: bool = True) -> Arena:
-    """A fresh segment with the CPU skeleton ``model`` built into it, before its load.
-
-    The model's tensors become views of the segment at the arena's offsets
-    (:func:`consolidate_into`; ``keep_buffers`` as there), so a load writes straight
-    into shared memory. :class:`AttachError` if /dev/shm cannot hold it; the segment
-    is removed again if this fails.
-    """
+    """A fresh segment with the CPU skeleton ``model``'s tensors made views of it
+    (:func:`consolidate_into`), so its load writes into shared memory; removed again on
+    failure (:class:`AttachError` if /dev/shm cannot hold it)."""
     man = manifest(model)
     offsets, end = flat_layout(man)
     shm, tensor = create_segment(max(end, 1))
@@ -187,14 +171,12 @@ def _unlink(shm: shared_memory.SharedMemory | None) -> None:
 def map_segment(
     name: str, size: int, *, writable: bool, populate: bool = False, owner: int | None = None
 ) -> torch.Tensor:
-    """The segment as a uint8 tensor that keeps its own mmap alive (see module docstring).
+    """The segment as a uint8 tensor that keeps its own mmap alive; ``populate`` maps
+    every page up front for a caller about to read them all.
 
-    ``populate`` maps every page up front (read-only, so no copy-on-write is triggered),
-    for a caller about to read all of them. A consumer (not ``writable``) maps only a
-    regular file of at least ``size`` bytes that belongs to ``owner`` (default: this
-    process's user) or root and that neither group nor others may write
-    (:func:`check_segment`); it opens without following links and checks the very file
-    descriptor it maps, so the file cannot be swapped between check and map.
+    A consumer (not ``writable``) maps only what :func:`check_segment` accepts for
+    ``owner``, opened without following links and checked on the very descriptor it
+    maps, so the file cannot be swapped between check and map.
     """
     path = os.path.join(SHM_DIR, name)
     flags = os.O_NOFOLLOW | os.O_CLOEXEC

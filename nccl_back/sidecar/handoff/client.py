@@ -1,21 +1,10 @@
 """The hand-off's consuming half: :func:`attach` fills a skeleton from the local sidecar.
 
-Steps: refuse a socket directory others can write and a listener of another uid
-(:mod:`.perms`), send one request line and read the reply (:mod:`.protocol`), turn a
-refusal into an :class:`AttachError` naming what differs (for a manifest, the tensors,
-from the server's manifest sent with the refusal), map the arena (:mod:`.arena`,
-:mod:`.cuda`), fill the model, and recompute
-:meth:`nccl_back.load.verifier.Verifier.check_layers` against the hashes the server sent
-(:class:`WeightVerificationError`).
-
-Modes. ``copy``: the consumer copies each tensor into its own skeleton tensors and
-drops the mapping; its tensors are its own, and killing the sidecar afterwards changes
-nothing. ``zero_copy``: the consumer's tensors are re-pointed to views of the arena
-(no copy, no second host copy). Observed on Linux (tests/test_handoff.py): after the
-sidecar is SIGKILLed and the segment unlinked, a zero-copy consumer's tensors stay
-valid and unchanged, because a mapping keeps a tmpfs file's pages alive until it is
-unmapped. On GPU the sidecar must outlive a zero-copy consumer: CUDA IPC memory
-belongs to the exporting process.
+Modes. ``copy``: the consumer copies into its own tensors and drops the mapping.
+``zero_copy``: its tensors become views of the arena (no second host copy); they stay
+valid after the sidecar dies and the segment is unlinked, as a mapping keeps a tmpfs
+file's pages alive (tests/test_handoff.py). On GPU the sidecar must outlive a zero-copy
+consumer: CUDA IPC memory belongs to the exporting process.
 """
 
 from __future__ import annotations
@@ -60,19 +49,12 @@ def attach(
 ) -> LoadResult:
     """Fill ``model`` (a skeleton) from the sidecar listening at ``endpoint`` (a socket path).
 
-    The socket's directory must be writable by its owner only, and the process
-    listening must run as ``expected_uid`` (default: this process's effective uid),
-    checked with ``SO_PEERCRED``; otherwise :class:`AttachError`, before any byte is
-    sent.
-
-    The sidecar must serve the same ``version`` and the same manifest (tensor names,
-    shapes, dtypes) as the skeleton, or :class:`AttachError` names the difference
-    before anything is mapped; any failure to reach the sidecar or map its memory is
-    an :class:`AttachError` too. ``mode`` is ``"copy"``
-    (the tensors stay the consumer's own) or ``"zero_copy"`` (they become views of the
-    sidecar's memory; see the module docstring). ``timeout`` bounds the exchange with
-    the sidecar. With ``verify`` the layer hashes are recomputed and compared with the
-    sidecar's (:class:`WeightVerificationError` on a mismatch).
+    Before any byte is sent, the socket's directory must be its owner's alone and the
+    listener must run as ``expected_uid`` (default: this process's). The sidecar must
+    serve the same ``version`` and manifest, else :class:`AttachError` names the
+    difference before anything is mapped (as for any failure to reach or map it).
+    ``timeout`` bounds the exchange; with ``verify`` the layer hashes are recomputed
+    (:class:`WeightVerificationError` on a mismatch).
     """
     if mode not in MODES:
         raise ConfigError(f"mode={mode!r}: choose 'copy' or 'zero_copy'")

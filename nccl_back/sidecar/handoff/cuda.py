@@ -1,12 +1,8 @@
 """The hand-off's GPU path: a CUDA arena exported as a CUDA IPC handle, opened by the consumer.
 
-The server exports its arena per request (``UntypedStorage._share_cuda_``, bytes as
-base64) and the consumer opens it with
-``torch.multiprocessing.reductions.rebuild_cuda_tensor`` (torch's own ref counting).
-Not available with ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``. CUDA IPC
-memory belongs to the exporting process, so a zero-copy consumer needs the sidecar
-alive. GPU indices differ between containers (``CUDA_VISIBLE_DEVICES``): the two sides
-agree on the GPU by its UUID.
+The server exports its arena per request (``UntypedStorage._share_cuda_``); the consumer
+opens it with torch's ``rebuild_cuda_tensor``. Not with ``expandable_segments``. GPU
+indices differ between containers, so the sides name the GPU by its UUID.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Local doors: who may reach the hand-off socket and which segment a consumer maps.
 
-The socket lives in a directory that nobody but its owner (or root) can write: the
-server creates it 0700 when missing and refuses one that others can write (a squatter
-there could replace the socket), and binds the socket 0600 under a restrictive umask.
-:func:`~nccl_back.sidecar.handoff.attach` refuses such a directory too, then checks
-with ``SO_PEERCRED`` (:func:`peer_uid`) that the process listening on the socket runs
-as ``expected_uid`` (default: the consumer's own), so a socket someone else put there
-is never trusted; the server likewise answers only its own user (or root). /dev/shm is
-writable by everyone, so the consumer maps a segment only after checking the very
-descriptor it maps (opened with ``O_NOFOLLOW``): a regular file, owned by the
-sidecar's uid, its own or root, writable by nobody else, and at least as large as the
-reply says (:func:`check_segment`); anything else is an :class:`AttachError` naming
-the problem.
+The socket's directory is writable by its owner (or root) only (:func:`private_dir`: a
+squatter could replace the socket); both ends check the other's uid (:func:`peer_uid`).
+/dev/shm is writable by everyone, so a consumer maps only a segment
+:func:`check_segment` accepts; anything else is an :class:`AttachError` naming why.
 """
 
 from __future__ import annotations
@@ -68,12 +60,9 @@ def peer_uid(conn: socket.socket) -> int:
 
 
 def check_segment(name: str, st: os.stat_result, size: int, owner: int) -> None:
-    """Refuse (:class:`AttachError` naming the problem) a segment that a consumer must
-    not map: not a regular file, owned by another user than ``owner`` (the sidecar's),
-    this process's or root, writable
-    by group or others (anyone could rewrite the weights under the consumer after the
-    hashes were checked), or smaller than ``size`` bytes (a read past the end of a
-    mapping is SIGBUS)."""
+    """:class:`AttachError` for a segment a consumer must not map: not a regular file,
+    owned by neither ``owner`` (the sidecar), this process's user nor root, writable by
+    others (they could rewrite checked weights), or under ``size`` bytes (SIGBUS)."""
     if not stat.S_ISREG(st.st_mode):
         raise AttachError(f"segment {name} is not a regular file; refusing to map it")
     if st.st_uid not in (owner, os.geteuid(), 0):

@@ -6,10 +6,8 @@
     server   -> {"ok": false, "reason": "version" | "manifest" | ..., "message", ...}
               | {"ok": true, "kind": "shm" | "cuda_ipc", ..., "layout", "hashes"}
 
-This module owns the framing (a line read within an absolute deadline and a byte
-limit), the limits on what either side accepts, the refusal shape and the base64 that
-carries CUDA IPC handles. Both halves (:mod:`.server`, :mod:`.client`) use it, so the
-two ends cannot drift apart.
+Both halves use this module's framing (a line within an absolute deadline and a byte
+limit), limits and refusal shape, so the two ends cannot drift apart.
 """
 
 from __future__ import annotations
@@ -46,11 +44,8 @@ def send_line(conn: socket.socket, obj: Any, deadline: float) -> None:
 
 
 def recv_line(conn: socket.socket, deadline: float, limit: int) -> bytes:
-    """One line (without its newline), of at most ``limit`` bytes, before ``deadline``.
-
-    The deadline bounds the whole line, not each ``recv``: a peer dripping one byte at
-    a time cannot hold the other side for longer. ``ValueError`` past ``limit``.
-    """
+    """One line (without its newline), of at most ``limit`` bytes (else ``ValueError``),
+    before ``deadline``: the whole line's, so a dripping peer cannot hold the other side."""
     buf = bytearray()
     while True:
         conn.settimeout(remaining(deadline))

@@ -1,16 +1,10 @@
 """The hand-off's serving half: :class:`HandoffServer` answers consumers on this host.
 
-At ``start()`` it packs the model into its arena (:mod:`.arena`; unless it was given
-the arena the model was built in, :func:`.arena.host`), binds the Unix
-socket 0600 in a private directory (:mod:`.perms`) and answers each consumer's one
-request line (:mod:`.protocol`) from a small thread pool: a refusal when the version
-or the manifest differs (nothing is mapped then), else where the arena is (a /dev/shm
-segment, or a CUDA IPC handle from :mod:`.cuda`), its layout and the layer hashes.
-
-``close()`` stops the server, removes the socket and unlinks the segment: no new
-consumer can map it, and its memory is freed when the last mapping (the server
-model's, zero-copy consumers') goes away. A server that died leaves a stale socket,
-which the next server replaces.
+At ``start()`` it packs the model into its arena (unless the model was built in one,
+:func:`.arena.host`), binds the socket 0600 in a private directory and answers each
+request line from a small thread pool: a refusal, or the arena, its layout and the
+layer hashes. ``close()`` unlinks the segment: its memory is freed with the last
+mapping. A dead server's stale socket is replaced by the next server.
 """
 
 from __future__ import annotations
@@ -56,13 +50,10 @@ _log = get_logger("nccl_back.sidecar.handoff")
 class HandoffServer:
     """Serves a loaded model to consumers on this host over the Unix socket ``socket_path``.
 
-    ``hashes`` are the ground-truth layer hashes (from the storage load, computed with
-    ``hash_mode``); when omitted they are computed from the model at ``start()``, which
-    then only guards the hand-off itself. ``io_timeout`` bounds every socket operation
-    of one consumer's request. ``hosted`` is the arena ``model`` was built in
-    (:func:`.arena.host`): served as it is when the model still lies in it, no copy.
-    The server owns it from here on and unlinks its segment at ``close()``.
-    Use as a context manager or call ``start()``/``close()``.
+    ``hashes``: the ground-truth layer hashes (``hash_mode``); omitted, they are computed
+    at ``start()`` and guard only the hand-off. ``io_timeout`` bounds each socket call of
+    a request. ``hosted``: the arena ``model`` was built in, served without a copy while
+    the model lies in it, owned (and unlinked) by the server from here on.
     """
 
     def __init__(
@@ -109,11 +100,8 @@ class HandoffServer:
         return self._shm.name if self._shm is not None else None
 
     def start(self) -> HandoffServer:
-        """Pack the model into the arena, bind the socket and serve in a background thread.
-
-        Raises :class:`AttachError` if the segment or the socket cannot be made (the
-        message says why), or if this server was already started or closed.
-        """
+        """Pack the model into the arena, bind the socket and serve in a background thread
+        (:class:`AttachError` if that fails, or if started or closed before)."""
         if self._thread is not None or self._stop.is_set():
             raise AttachError(
                 f"hand-off server at {self.socket_path} was already started or closed;"

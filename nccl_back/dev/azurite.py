@@ -1,12 +1,7 @@
 """A real Azure Blob Storage emulator on loopback: Microsoft's Azurite, reached through
-the real ``azure-storage-blob`` client.
-
-Azurite is a Node.js package: on first use it is installed from the npm registry
-(``npm install azurite@AZURITE_VERSION``) into a cache directory,
-``$NCCL_BACK_AZURITE_DIR`` or ``<user cache>/nccl-back/azurite-<version>``, under a
-file lock (parallel test processes install it once) and a deadline. Without ``node``
-and ``npm`` on ``PATH`` :func:`install` raises :class:`AzuriteUnavailable`, the one
-reason the tests skip.
+the real ``azure-storage-blob`` client. Installed from npm on first use into
+:func:`azurite_dir`, under a file lock (parallel tests install it once) and a deadline;
+without ``node`` and ``npm`` :class:`AzuriteUnavailable` is the one reason tests skip.
 """
 
 from __future__ import annotations
@@ -19,12 +14,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from nccl_back.dev.servers import LocalProcess, free_port
+from nccl_back.dev.servers import LocalProcess
 from nccl_back.errors import NcclBackError
 
 #: The Azurite release the tests run against (pinned: a fresh machine gets this one).
@@ -112,14 +107,8 @@ def install(timeout: float = INSTALL_TIMEOUT) -> Path:
 
 @dataclass
 class LocalAzurite(LocalProcess):
-    """Azurite's Blob service (in memory) on a loopback port, with its one account.
-
-    The ``az://`` backend reaches it through ``AZURE_STORAGE_CONNECTION_STRING``
-    (:attr:`env`; pass it to child processes, or set it).
-    """
-
-    port: int = 0
-    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    """Azurite's Blob service (in memory) on a loopback port, with its one account;
+    :attr:`env` points the ``az://`` backend at it."""
 
     @property
     def endpoint(self) -> str:
@@ -139,11 +128,9 @@ class LocalAzurite(LocalProcess):
 
     def start(self, timeout: float = 60.0) -> LocalAzurite:
         binary = install()
-        if not self.port:
-            self.port = free_port()
         # In memory, no telemetry (nothing leaves the machine), and any API version: the
         # Python client may be newer than the emulator.
-        self._spawn([str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+        self._spawn([str(binary), "--blobHost", "127.0.0.1", "--blobPort", self._port(),
                      "--inMemoryPersistence", "--disableTelemetry", "--skipApiVersionCheck",
                      "--silent"], "azurite-blob", timeout)
         return self

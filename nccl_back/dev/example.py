@@ -19,13 +19,9 @@ HEAD_DIM = 64
 
 
 def example_shapes(model_mb: float, layers: int = EXAMPLE_LAYERS) -> dict[str, tuple[int, ...]]:
-    """Llama-style tensor names and shapes totalling about ``model_mb`` MiB in bfloat16.
-
-    Grouped-query attention (4 query heads per KV head), an 8/3·d gated MLP and untied
-    input/output embeddings, as in real checkpoints: mixed sizes, from d-element norms
-    to the embeddings. The vocabulary (~32·d) absorbs the rounding of ``d``, so the
-    total lands within a few percent of ``model_mb``.
-    """
+    """Llama-style tensor names and shapes totalling about ``model_mb`` MiB in bfloat16
+    (GQA with 4 query heads per KV head, an 8/3·d gated MLP, untied embeddings); the
+    vocabulary (~32·d) absorbs the rounding of ``d``."""
     if not (model_mb > 0 and math.isfinite(model_mb)):
         raise ConfigError(f"model size {model_mb!r} MB: must be a positive number")
     # Parameters: ~layers·10.5·d² in the layers plus 2·32·d² in the embeddings.
@@ -58,11 +54,8 @@ def example_shapes(model_mb: float, layers: int = EXAMPLE_LAYERS) -> dict[str, t
 def write_example_model(
     directory: str | Path, model_mb: float, *, shards: int = 4, seed: int = 0
 ) -> Path:
-    """Write an example checkpoint: ``config.json``, safetensors shards and their index.
-
-    Values are random (bfloat16, std 0.02; norms 1.0) from ``seed``, so two calls with
-    the same arguments write identical bytes.
-    """
+    """Write an example checkpoint (``config.json``, safetensors shards, their index) of
+    random values from ``seed``: equal arguments write identical bytes."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     shapes = example_shapes(model_mb)

@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import os
-import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from nccl_back.dev.servers import LocalProcess, free_port, python_server
+from nccl_back.dev.servers import LocalProcess, python_server
 
 
 @dataclass
 class LocalGCS(LocalProcess):
-    """A real GCS emulator (``gcp-storage-emulator``, in memory) on loopback.
-
-    The real ``google-cloud-storage`` client reaches it through ``STORAGE_EMULATOR_HOST``
-    (see :attr:`host`; pass ``env=`` to child processes or set it yourself).
-    """
-
-    port: int = 0
-    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    """A real GCS emulator (``gcp-storage-emulator``, in memory) on loopback, reached
+    through ``STORAGE_EMULATOR_HOST`` = :attr:`host`."""
 
     @property
     def host(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 20.0) -> LocalGCS:
-        if not self.port:
-            self.port = free_port()
         self._spawn([*python_server("gcp-storage-emulator", "gcp_storage_emulator"), "start",
-                     "--host", "127.0.0.1", "--port", str(self.port), "--in-memory", "-q"],
+                     "--host", "127.0.0.1", "--port", self._port(), "--in-memory", "-q"],
                     "gcp-storage-emulator", timeout)
         return self
 

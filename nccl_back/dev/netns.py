@@ -1,13 +1,9 @@
 """Shaped links for benchmarks: each process in its own network namespace on one bridge,
-its outgoing link shaped by ``tc`` (a token bucket filter), as separate machines with
-their own NICs would be, instead of the library's own send cap.
+its outgoing link shaped by ``tc``, as separate machines' NICs would be.
 
-Needs root (``CAP_NET_ADMIN``), ``ip`` and ``tc``: :func:`unavailable` says why not.
-The host side of the bridge is :data:`HOST` (servers the processes reach must listen
-there); :meth:`Links.add` makes one namespace and returns its name and address, and a
-process enters it with :func:`enter` before it opens any socket. :meth:`Links.close`
-deletes every namespace (which deletes its link) and the bridge. One at a time on a
-machine: every bridge takes the same address.
+Needs root, ``ip`` and ``tc`` (:func:`unavailable` says why not). Servers listen on
+:data:`HOST`; :meth:`Links.add` makes a namespace, which a process enters (:func:`enter`)
+before opening any socket. One at a time on a machine: every bridge takes one address.
 """
 
 from __future__ import annotations

@@ -33,10 +33,9 @@ class LocalSentinel(Started):
     sentinel_password: str | None = None
     """The sentinels' own ``requirepass`` (``Settings.redis_sentinel_password``)."""
     down_after_ms: int = 5000
-    """How long a server may not answer before the sentinels call it down. Not shorter:
-    on a busy machine a server (or a sentinel) goes unscheduled for a second or more,
-    and at 1 s the sentinels flagged live servers down, failed over with nothing killed
-    and never agreed for long enough for :meth:`wait_ready` or :meth:`wait_failover`."""
+    """How long a server may not answer before the sentinels call it down. Not shorter: on
+    a busy machine processes go unscheduled for a second or more, and at 1 s the sentinels
+    failed over with nothing killed and never agreed for long."""
     servers: list[LocalRedis] = field(default_factory=list, init=False)
     sentinels: list[LocalRedis] = field(default_factory=list, init=False)
     _dir: str | None = field(default=None, init=False)
@@ -129,10 +128,8 @@ class LocalSentinel(Started):
         return state["port"]
 
     def wait_failover(self, old_port: int, timeout: float = 90.0) -> int:
-        """Wait until the sentinels have promoted another server: every sentinel names the
-        same new master, up; that server answers as a master; redis-py's discovery finds it.
-        Returns its port. (A failover takes a few seconds, much longer when a sentinel
-        election splits its votes and waits out ``failover-timeout`` to retry.)"""
+        """Wait until every sentinel names the same new master, up, that answers as master
+        and that redis-py's discovery finds; returns its port."""
         state: dict[str, int] = {}
 
         def promoted() -> bool:
@@ -176,7 +173,9 @@ class LocalSentinel(Started):
                 sentinel = LocalRedis(port=port)
                 sentinel.extra = [str(conf), "--sentinel"]
                 self.sentinels.append(sentinel)
-                self._start_sentinel(sentinel, conf)
+                # `redis-server FILE --sentinel`: the config file comes first, so not start().
+                sentinel._spawn([redis_server_binary(), str(conf), "--sentinel"],
+                                "redis sentinel", 10)
 
             def ready() -> bool:
                 for s in self.sentinels:
@@ -195,11 +194,6 @@ class LocalSentinel(Started):
             raise
         return self
 
-    @staticmethod
-    def _start_sentinel(sentinel: LocalRedis, conf: Path) -> None:
-        # `redis-server FILE --sentinel`: the config file must come first, so not start().
-        sentinel._spawn([redis_server_binary(), str(conf), "--sentinel"], "redis sentinel", 10)
-
     def stop(self) -> None:
         for s in [*self.sentinels, *self.servers]:
             s.stop()
@@ -212,10 +206,8 @@ class LocalSentinel(Started):
 
 @dataclass
 class TLSTerminator(Started):
-    """A TLS front for a plain TCP server (what stunnel or a cloud's TLS endpoint does):
-    listens on loopback with ``certfile``/``keyfile`` and forwards each connection's
-    plaintext to ``127.0.0.1:target_port``. With ``client_ca`` it requires a client
-    certificate signed by that CA (mutual TLS). Threads in this process; ``stop()``."""
+    """A TLS front (as stunnel) on loopback forwarding plaintext to ``target_port``; with
+    ``client_ca`` it requires a client certificate signed by it (mutual TLS)."""
 
     target_port: int
     certfile: str

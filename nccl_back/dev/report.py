@@ -4,12 +4,11 @@ against the same fleet from storage alone."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: ``--phases`` columns: LoadResult.timings keys (and the skeleton build), in load order.
 PHASES = ("skeleton", "discovery", "handshake", "transfer", "verify", "storage", "hash")
-
 
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
@@ -22,15 +21,17 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         return next((n for wid, n in by_id.items() if wid and peer.startswith(wid + "-")), peer)
 
     header = ("worker", "source", "from", "seconds", "GB/s", "verified", "fallback reason")
-    rows = []
-    for r in results:
-        if "error" in r:
-            rows.append((r["worker"], "FAILED", "", "", "", "", r["error"]))
-            continue
-        rows.append((r["worker"], r["source"], source_of(r) or "-", f"{r['seconds']:.2f}",
-                     f"{r['gbps']:.3f}", "yes" if r["verified"] else "NO",
-                     r["fallback_reason"] or "-"))
+    rows = _rows(results, lambda r: (
+        r["worker"], r["source"], source_of(r) or "-", f"{r['seconds']:.2f}", f"{r['gbps']:.3f}",
+        "yes" if r["verified"] else "NO", r["fallback_reason"] or "-"))
     return "\n".join(_table(header, rows))
+
+
+def _rows(results: Sequence[dict[str, Any]],
+          row: Callable[[dict[str, Any]], tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """``row`` of each worker's result; a failed worker's row (7 columns) names its error."""
+    return [(r["worker"], "FAILED", "", "", "", "", r["error"]) if "error" in r else row(r)
+            for r in results]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -86,21 +87,14 @@ def format_comparison(results: Sequence[dict[str, Any]], gbit: float | None) -> 
 
 def format_new_version(results: Sequence[dict[str, Any]], checkpoint_bytes: int, download: float,
                        link_rate: float) -> str:
-    """The brand-new version's round: one row per worker with the bytes it read from
-    storage (``link_bytes`` in ``link_requests``: counted on its own link) and received
-    from peers, then what
-    storage served in all and how long the fleet took against one download (``download``
-    seconds, measured in the first round: the same size, the same link, which moved
-    ``link_rate`` bytes/s), and what the members' links moved together."""
+    """The brand-new version's round: one row per worker (bytes read on its own link,
+    received from peers), then what storage served in all, the fleet's time against one
+    ``download`` (the first round's, whose link moved ``link_rate`` bytes/s), and what
+    the members' links moved together."""
     header = ("worker", "source", "seconds", "storage MB", "requests", "peers MB", "verified")
-    rows = []
-    for r in results:
-        if "error" in r:
-            rows.append((r["worker"], "FAILED", "", "", "", "", r["error"]))
-            continue
-        rows.append((r["worker"], r["source"], f"{r['seconds']:.2f}", f"{r['link_bytes'] / 1e6:.1f}",
-                     str(r["link_requests"]), f"{r['peer_bytes'] / 1e6:.1f}",
-                     "yes" if r["verified"] else "NO"))
+    rows = _rows(results, lambda r: (
+        r["worker"], r["source"], f"{r['seconds']:.2f}", f"{r['link_bytes'] / 1e6:.1f}",
+        str(r["link_requests"]), f"{r['peer_bytes'] / 1e6:.1f}", "yes" if r["verified"] else "NO"))
     lines = _table(header, rows)
     ok = [r for r in results if "error" not in r]
     if ok and checkpoint_bytes > 0 and download > 0:

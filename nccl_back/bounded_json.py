@@ -1,16 +1,10 @@
 """JSON read from outside (headers, config files, Redis values, requests), with bounds.
 
-``json.loads`` recurses once per nesting level and raises ``RecursionError`` (not a
-``ValueError``) on deep input, and it accepts any size. :func:`loads` checks the size
-and the nesting depth *before* parsing, so every bad input is one ``ValueError``
-that a caller turns into its own typed error or a skipped record.
-
-The depth check is a structural scan in fixed-size blocks (numpy, O(n) time, a few
-MiB of memory whatever the input): it finds the string boundaries from the quotes and
-the parity of the backslashes before them, and counts brackets outside strings. Not a
-regular expression over the strings: Python's ``re`` keeps a backtracking frame per
-character of a string, ~115 bytes per character (a 20 MB header string would cost
-2.3 GiB before a single value is parsed).
+``json.loads`` raises ``RecursionError`` on deep input and accepts any size;
+:func:`loads` checks size and depth first, so every bad input is one ``ValueError``.
+The depth check is a numpy scan in fixed-size blocks (O(n), a few MiB), finding strings
+from quotes and backslash parity. Not a regular expression: ``re`` keeps ~115 bytes of
+backtracking state per string character (2.3 GiB for a 20 MB header string).
 """
 
 from __future__ import annotations

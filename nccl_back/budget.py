@@ -1,42 +1,26 @@
 """One deadline per load, split into phases: the bound on everything a load waits for.
 
-A load's peer attempts share one :class:`Budget` (``Settings.peer_budget``, derived in
-:mod:`nccl_back.timing` like every bound below but the fixed ones); each phase
-takes a :class:`Phase` of it (a phase may carve sub-phases of its own), bounded by the
-phase's own limit and by what is left of the whole, so no phase can spend another's time
-and none can outlive the load:
+A load's peer attempts share one :class:`Budget` (``Settings.peer_budget``); each phase
+takes a :class:`Phase` of it (and may carve sub-phases), bounded by its own limit and by
+what is left of the whole, so no phase spends another's time or outlives the load.
+Phases, their bounds, and where (from what) they are carved:
 
-================= ============================================ ==============================
-phase             bound                                        carved (from)
-================= ============================================ ==============================
-reshard discovery :data:`DISCOVER_SECONDS`                     ``reshard.find`` (the load):
-                                                               the world keys read
-                                                               (``MAX_WORLD_KEYS``), world
-                                                               sizes planned
-                                                               (``reshard.MAX_WORLDS``), each
-                                                               plan's cells and tests
-relay             ``transfer_timeout + handshake_timeout``     ``Receive._from_trees`` (the
-                  (``+ single_flight_max_wait`` stream-fed)    load): a seat's both parts
-claim             ``busy_wait``                                the holders' loop, a reshard's
-                                                               holder (the load), a tree's
-                                                               holder (the relay): send slots
-handshake         ``handshake_timeout`` (a relay upstream: at  ``asking.Ask`` (the load, or
-                  most ``RELAY_HANDSHAKE``; never 0)           the relay)
-transfer          ``transfer_timeout`` (a holder's)            ``asking.transfer`` (what the
-                                                               ``Ask`` is within)
-connect           ``connect_timeout``                          ``asking.transfer`` (transfer)
-================= ============================================ ==============================
+- reshard discovery: :data:`DISCOVER_SECONDS`; ``reshard.find`` (the load), covering
+  world keys read, world sizes planned, each plan's cells and tests;
+- relay: ``transfer_timeout + handshake_timeout`` (``+ single_flight_max_wait``
+  stream-fed); ``Receive._from_trees`` (the load): a seat's both parts;
+- claim: ``busy_wait``; the holders' loop, a reshard's holder (the load), a tree's
+  holder (the relay);
+- handshake: ``handshake_timeout`` (a relay upstream: at most ``RELAY_HANDSHAKE``,
+  never 0); ``asking.Ask`` (the load, or the relay);
+- transfer: a holder's ``transfer_timeout``; ``asking.transfer`` (within the ``Ask``);
+- connect: ``connect_timeout``; ``asking.transfer``.
 
-A holder's transfer is within the load's budget, a relay upstream's within the relay
-phase; a cooperative download's member part (not a peer load: the election's) gets a
-budget of its own, ``transfer_timeout + single_flight_max_wait``.
-
-A spent phase says so naming the phase and its bound (:meth:`Phase.check`:
-:class:`~nccl_back.errors.BudgetSpentError`; a claim's :class:`~nccl_back.errors.NoPeerError`;
-the load's own budget, :class:`~.load.fill.Fill`'s); the load then goes on as that phase's
-failure says (the next source, or storage), never waits longer. Waits that are no
-share of a load keep their own bound where they are (a relay verdict's
-``VERDICT_WAIT``, a member's announcement, an artifact header's ``artifact_wait``).
+A cooperative download's member part (the election's, not a peer load) has its own
+budget, ``transfer_timeout + single_flight_max_wait``. A spent phase raises naming
+itself and its bound (:meth:`Phase.check`: :class:`~nccl_back.errors.BudgetSpentError`);
+the load then goes on to the next source or storage, never waits longer. Waits that
+are no share of a load keep their own bounds (``VERDICT_WAIT``, ``artifact_wait``...).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``nccl-back check``: will this worker be able to load from peers and serve them?
 
-A preflight run before a rollout, with the worker's own settings (``NCCL_BACK_*``
-plus the same flags as ``serve``). Each check is one :class:`Check`: ok, failed
-(with the problem and its fix) or skipped. Only :func:`check_transports` imports
-torch (seconds, and absent from a slim image); the others need Redis, sockets and
-the storage client only, so ``--skip transports`` answers without it.
+A preflight with the worker's own settings; each :class:`Check` is ok, failed (with the
+problem and its fix) or skipped. Only :func:`check_transports` imports torch (slow, maybe
+absent), so ``--skip transports`` answers without it.
 """
 
 from __future__ import annotations
@@ -68,17 +66,11 @@ def skip(name: str, why: str) -> Check:
     return Check(name, "skip", why)
 
 
-# --------------------------------------------------------------------------- settings
-
-
 def load_settings(
     environ: Mapping[str, str], overrides: Mapping[str, Any]
 ) -> tuple[Check, Check, Settings | None]:
-    """The ``settings`` and ``secret`` checks, and the Settings (None if unusable).
-
-    The secret is judged apart from the rest, so a missing or short one is its own
-    failed line while every other check still runs with the other settings.
-    """
+    """The ``settings`` and ``secret`` checks, and the Settings (None if unusable); the
+    secret is judged apart, so a bad one fails its own line while the rest still run."""
     rest = {k: v for k, v in environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
     try:
         settings = Settings.from_env(rest, **overrides)
@@ -110,9 +102,6 @@ def load_settings(
 
 _SECRET_FIX = (f"put the fleet's shared secret (at least 16 bytes, e.g. `openssl rand -hex 32`)"
                f" in a file and set {SECRET_FILE_ENV} to it, the same on every worker")
-
-
-# --------------------------------------------------------------------------- redis
 
 
 def _redis_fix(error: BaseException) -> str:
@@ -187,9 +176,6 @@ def check_namespace(settings: Settings, registry: Any) -> Check:
                            f" {peers} peer(s) published")
 
 
-# --------------------------------------------------------------------------- network
-
-
 def _addresses(host: str) -> list[str]:
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     return sorted({str(i[4][0]) for i in infos})
@@ -246,12 +232,8 @@ def _listen_and_connect(bind: str, port: int, reach: str, timeout: float) -> tup
 
 
 def check_rendezvous(settings: Settings) -> Check:
-    """An ephemeral transport port listens on the advertised address and is reached there.
-
-    The rendezvous itself goes through Redis and opens no port; what listens is gloo's
-    data socket, on an ephemeral port of ``advertise_host``, for one transfer
-    (:mod:`nccl_back.transport.gloo`). No fixed port is needed, so none can be in use.
-    """
+    """An ephemeral transport port listens on the advertised address and is reached there
+    (the rendezvous is in Redis; gloo's data socket takes an ephemeral port per transfer)."""
     host = settings.advertise_host
     bound, problem = _listen_and_connect(host, 0, host, settings.redis_timeout)
     if problem:
@@ -275,9 +257,6 @@ def check_health(target: Target, settings: Settings) -> Check:
     return ok("health", f"{target.health_host}:{bound} listens (/healthz /readyz /metrics)")
 
 
-# --------------------------------------------------------------------------- transports
-
-
 def check_transports(settings: Settings) -> Check:
     """Each registered transport kind's probe (gloo in this torch; with CUDA, NCCL's
     version and the visible GPUs), in registry order; the first problem fails (imports
@@ -297,9 +276,6 @@ def check_transports(settings: Settings) -> Check:
         if probe.found:
             found.append(probe.found)
     return ok("transports", f"torch {torch.__version__}: {', '.join(found)}")
-
-
-# --------------------------------------------------------------------------- files
 
 
 def check_cache(settings: Settings) -> Check:
@@ -339,9 +315,6 @@ def check_storage(target: Target, settings: Settings) -> Check:
     via = f" ({where})" if where else ""
     return ok("storage", f"{uri}{via}: version {spec.version}, {len(spec.shards)} shard(s),"
                          f" {size} bytes")
-
-
-# --------------------------------------------------------------------------- all
 
 
 def run_checks(

@@ -1,9 +1,6 @@
-"""The ``nccl-back`` command line.
-
-Each subcommand is one ``cmd_<name>(args) -> int`` function, registered in
-:func:`build_parser` with ``set_defaults(func=...)``; to add one, add a subparser
-there and a ``cmd_`` function here. Expected failures (bad input, missing files,
-storage errors) print one line on stderr and exit non-zero, never a traceback.
+"""The ``nccl-back`` command line: one ``cmd_<name>(args) -> int`` per subcommand,
+registered in :func:`build_parser`. Expected failures print one line on stderr and exit
+non-zero, never a traceback.
 """
 
 from __future__ import annotations
@@ -118,6 +115,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
+def _add_health_flags(p: argparse.ArgumentParser, of: str, port_note: str) -> None:
+    p.add_argument("--health-host", default="127.0.0.1", help=f"interface of {of} (default 127.0.0.1)")
+    p.add_argument("--health-port", type=int, default=9400,
+                   help=f"port of the health server (default 9400{port_note})")
+
+
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="sidecar: load a model (peer first) and serve it until SIGTERM",
                        description="Load a model (from a live peer, storage as fallback), serve it"
@@ -136,10 +139,7 @@ def _add_serve(sub: Any) -> None:
                      " detected and served from flat skeletons built from the headers")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket of the local hand-off server")
-    p.add_argument("--health-host", default="127.0.0.1",
-                   help="interface of /healthz /readyz /metrics /drain (default 127.0.0.1)")
-    p.add_argument("--health-port", type=int, default=9400,
-                   help="port of the health server (default 9400; 0: any free port)")
+    _add_health_flags(p, "/healthz /readyz /metrics /drain", "; 0: any free port")
     p.add_argument("--drain-timeout", type=float, metavar="SECONDS",
                    help="bound on in-flight transfers when draining (default: transfer timeout)")
     p.add_argument("--ready-file", metavar="PATH",
@@ -164,10 +164,7 @@ def _add_check(sub: Any) -> None:
                        " with the settings `serve` would use (NCCL_BACK_* variables; flags win);"
                        f" one line per check, exit 1 if any fails. Checks: {', '.join(NAMES)}.")
     p.add_argument("--model", metavar="PATH_OR_URI", help=_URI_HELP + " to read (storage check)")
-    p.add_argument("--health-host", default="127.0.0.1",
-                   help="interface of the health server, as for serve (default 127.0.0.1)")
-    p.add_argument("--health-port", type=int, default=9400,
-                   help="port of the health server, as for serve (default 9400)")
+    _add_health_flags(p, "the health server, as for serve", "")
     p.add_argument("--skip", default="", metavar="NAME[,NAME]",
                    help="checks to leave out (e.g. transports: answers without importing torch)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")

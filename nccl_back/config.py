@@ -212,10 +212,13 @@ class Settings(DerivedBounds):
                 raise ConfigError(f"{f.name}={value!r}: must be a string")
             if f.type == "bool" and not isinstance(value, bool):
                 raise ConfigError(f"{f.name}={value!r}: must be true or false")
-            if isinstance(value, str) and not _utf8(value):
+            try:
+                if isinstance(value, str):
+                    value.encode("utf-8")
+            except UnicodeEncodeError:
                 # os.environ holds undecodable bytes as lone surrogates; never echo a secret.
                 shown = "" if f.name in ("secret", "redis_url") else f"={value!r}"
-                raise ConfigError(f"{f.name}{shown}: not UTF-8 text")
+                raise ConfigError(f"{f.name}{shown}: not UTF-8 text") from None
         parse_redis_url(self.redis_url)
         if not self.advertise_host:
             object.__setattr__(self, "advertise_host", default_advertise_host(self.redis_url))
@@ -370,14 +373,6 @@ def _read_secret_file(path: str) -> str:
         return data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{SECRET_FILE_ENV}={path!r}: the secret is not UTF-8 text") from e
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _parse(key: str, raw: str, type_: Any) -> Any:

@@ -1,16 +1,10 @@
 """Structured logging through the standard ``logging`` module.
 
-The library only *emits* events, through :func:`get_logger`: each is a record on the
-stdlib logger ``nccl_back`` (or a child such as ``nccl_back.load.service``), whose message
-is ``event key=value ...`` and whose attributes carry the same fields (``record.rank``,
-``record.version``, ``record.peer`` ...; the whole event dict is ``record.nccl_back``).
-So an embedding application sees our events only through its own logging
-configuration, and nothing at all if it configures none: the ``nccl_back`` logger
-carries a ``NullHandler`` (the standard library-author practice), which keeps Python's
-last-resort handler from printing our warnings.
-
-Our CLI, the demo and the benchmarks call :func:`configure` to print events on stderr
-as JSON lines or readable text.
+The library only emits events (:func:`get_logger`): records on the ``nccl_back`` logger
+tree, message ``event key=value ...``, the fields also as attributes (the whole event
+as ``record.nccl_back``). An application sees them only through its own logging
+configuration (a ``NullHandler`` keeps Python's last-resort handler quiet); the CLI, the
+demo and the benchmarks call :func:`configure` to print them on stderr.
 """
 
 from __future__ import annotations
@@ -25,8 +19,7 @@ import structlog
 
 ROOT = "nccl_back"
 
-# The one thing done on import, and the documented practice for libraries: it makes
-# the logger "handled" so an application without logging config sees nothing from us.
+# The one thing done on import (the practice for libraries): see the module docstring.
 logging.getLogger(ROOT).addHandler(logging.NullHandler())
 
 # LogRecord attributes an event field must not overwrite (logging raises on a clash).
@@ -38,12 +31,8 @@ _STRUCTLOG_DIR = os.path.dirname(structlog.__file__)
 
 def _stacklevel() -> int:
     """The ``stacklevel`` that makes a record name our caller's file and line, not
-    structlog's (an engine's log format shows them: vLLM prints ``file.py:line``).
-
-    Called from the last processor: the structlog frames above it up to the caller are
-    the ones still on the stack when structlog calls the stdlib logger (less the
-    processor loop, which returns first), so their count is the level.
-    """
+    structlog's (vLLM prints ``file.py:line``): the count of structlog frames above the
+    last processor, which are the ones left when structlog calls the stdlib logger."""
     level = 0
     frame = sys._getframe(2)  # the processor loop (structlog's) that called _to_record
     while frame is not None and frame.f_code.co_filename.startswith(_STRUCTLOG_DIR):
@@ -125,11 +114,8 @@ class _Handler(logging.StreamHandler):
 
 
 def configure(level: str = "INFO", json: bool = False, stream: TextIO | None = None) -> None:
-    """Print nccl_back's events on ``stream`` (default stderr) as JSON lines or readable text.
-
-    For the CLI, the demo and benchmarks; an embedding application configures
-    ``logging`` itself instead. Calling it again replaces the earlier configuration.
-    """
+    """Print nccl_back's events on ``stream`` (default stderr) as JSON lines or readable
+    text (CLI, demo, benchmarks); calling it again replaces the earlier configuration."""
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         from nccl_back.errors import ConfigError

@@ -1,10 +1,8 @@
 """Prometheus metrics of one nccl_back service instance.
 
-Each :class:`Metrics` owns its own ``CollectorRegistry`` rather than the process-wide
-default, so several services (or tests) in one process never collide on metric names.
-Label values come from small fixed sets (:data:`SOURCES`, :data:`FALLBACK_REASONS`,
-outcome ``ok``/``failed``) so the number of series stays bounded; every known series
-is created at zero up front, so ``rate()`` works from the first scrape.
+Each :class:`Metrics` owns its ``CollectorRegistry``, so services in one process never
+collide; label values come from small fixed sets (bounded series), each series created
+at zero up front so ``rate()`` works from the first scrape.
 """
 
 from __future__ import annotations
@@ -22,13 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from nccl_back.errors import (
-    FALLBACK_REASONS,
-    RECORD_KINDS,
-    ConfigError,
-    RecordKind,
-    fallback_reason,
-)
+from nccl_back.errors import FALLBACK_REASONS, RECORD_KINDS, ConfigError, RecordKind
 
 SOURCES = ("peer", "storage", "local")
 """Where a load's weights came from (``LoadResult.source``)."""
@@ -36,7 +28,7 @@ SOURCES = ("peer", "storage", "local")
 SEND_ROLES = ("holder", "relay")
 """Who sent weights to a receiver: a published holder, or a cohort member relaying."""
 
-__all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SEND_ROLES", "SOURCES", "Metrics", "fallback_reason"]
+__all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SEND_ROLES", "SOURCES", "Metrics"]
 
 # Cold starts range from sub-second (local hand-off) to many minutes (large model from
 # storage); the default buckets stop at 10 s.
@@ -159,12 +151,8 @@ class Metrics:
         self.handshake_timeouts.inc()
 
     def record_untrusted(self, kind: RecordKind | str) -> None:
-        """Count one rejected Redis record by its :class:`RecordKind`.
-
-        Never raises: it runs inside ``load()`` whenever a hostile or stale value is
-        skipped, and a counter must not turn a skip into a failed load. A kind outside
-        the enumeration (a caller's bug) is counted as ``unknown``.
-        """
+        """Count one rejected Redis record by its :class:`RecordKind`; never raises (a
+        counter must not turn a skip into a failed load): an unknown kind counts as ``unknown``."""
         label = str(kind) if str(kind) in RECORD_KINDS else UNKNOWN_KIND
         self.records_rejected.labels(kind=label).inc()
 

@@ -1,23 +1,15 @@
 """Coordination-store URLs: what a ``redis_url`` names, parsed and checked, and its
-redacted form for messages.
-
-A common module (no ``redis`` import, nothing of the coordination layer): :class:`Settings`
-validates URLs with it and the metadata CLI commands stay fast; the client that
-connects (:mod:`nccl_back.coord.redisclient`) reads the same parse. The URL forms::
+redacted form for messages. No ``redis`` import: :class:`Settings` validates with it and
+the client (:mod:`nccl_back.coord.redisclient`) reads the same parse. The forms::
 
     redis://[:password@]host:6379/0                 one server (unix:///path/redis.sock?db=0 too)
     redis+sentinel://[:pw@]h1:26379,h2:26379/SVC/0  the master Sentinel names SVC
     redis+cluster://[:pw@]h1:6379,h2:6379           a Redis Cluster (any nodes, as seeds)
     rediss://, rediss+sentinel://, rediss+cluster://  the same over TLS
 
-Query parameters (redis-py's names) carry what else a connection needs::
-
-    ?ssl_ca_certs=/ca.pem                 the CA bundle that verifies the server (TLS URLs;
-                                          default: the system's CAs; verification is always on)
-    &ssl_certfile=/c.pem&ssl_keyfile=/k.pem  a client certificate for mutual TLS (the key
-                                          may sit in the certificate file)
-    &sentinel_password=PW                 the sentinels' own password (redis+sentinel://; the
-                                          URL's password is the data nodes')
+Query parameters (redis-py's names, :data:`OPTIONS`; see :class:`RedisTarget`):
+``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile`` (TLS URLs; verification is always
+on) and ``sentinel_password`` (the sentinels' own; the URL's is the data nodes').
 """
 
 from __future__ import annotations

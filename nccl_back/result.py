@@ -10,12 +10,8 @@ Source = Literal["peer", "storage", "local"]
 
 @dataclass(frozen=True)
 class LoadResult:
-    """The outcome of one load into a skeleton.
-
-    ``source`` says where the weights came from; ``fallback_reason`` is set whenever a
-    peer load was tried (or skipped) and storage was used instead, so no fallback is
-    ever silent.
-    """
+    """The outcome of one load into a skeleton: ``fallback_reason`` is set whenever storage
+    was used after a peer load was tried (or skipped), so no fallback is silent."""
 
     source: Source
     version: str
@@ -28,9 +24,8 @@ class LoadResult:
     """Seconds per phase, e.g. ``download``, ``copy``, ``discovery``, ``handshake``,
     ``transfer``, ``verify``."""
     storage_bytes: int = 0
-    """Bytes this rank read from storage: ``bytes`` for a download (plus its share, for
-    a cooperative download's member that downloaded after all); a member's share (its
-    source is ``"peer"``: the whole came from the stream); 0 from a peer otherwise."""
+    """Bytes this rank read from storage: ``bytes`` for a download (plus a cooperative
+    member's share), a member's share for its ``"peer"`` load, else 0."""
     peer_bytes: int = 0
     """Bytes this rank received from peers: ``bytes`` for a peer load; for the worker
     that gathered a cooperative download, the parts its members sent it."""

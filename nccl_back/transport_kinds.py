@@ -1,10 +1,6 @@
-"""Names every layer shares and none owns: the transport kinds, and how many parts one
+"""Names every layer shares and none owns (no package imports): the transport kinds
+(:mod:`nccl_back.transport.channel` registers exactly these), and how many parts one
 transfer's steps may be split into.
-
-The common layer (no imports from the package), so coordination records can check a
-peer's advertised transport and the transports can register under the same names
-without importing each other. :mod:`nccl_back.transport.channel` keeps the registry of the
-classes behind each name and checks it covers exactly these.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ EXAMPLE_LAYERS = 24
 HEAD_DIM = 64
 
 
-
 def example_shapes(model_mb: float, layers: int = EXAMPLE_LAYERS) -> dict[str, tuple[int, ...]]:
     """Llama-style tensor names and shapes totalling about ``model_mb`` MiB in bfloat16
     (GQA with 4 query heads per KV head, an 8/3·d gated MLP, untied embeddings); the

@@ -287,5 +287,3 @@ class TLSTerminator(Started):
             self._sock.close()
         for t in self._threads:
             t.join(2)
-
-

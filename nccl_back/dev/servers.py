@@ -276,5 +276,3 @@ class LocalRedisCluster(Started):
         for n in self.nodes:
             n.stop()
         self.nodes.clear()
-
-

@@ -213,6 +213,3 @@ def _vocab(mod: Any, name: str, src: str) -> TensorLayout:
     if rows > idx.num_org_elements:
         parts.append(Padding(rows - idx.num_org_elements))
     return TensorLayout(0, tuple(parts))
-
-
-

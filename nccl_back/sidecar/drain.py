@@ -66,4 +66,3 @@ def request_drain(port: int, timeout: float, token: str | None = None) -> None:
             resp.read()
     except (urllib.error.URLError, OSError) as e:
         raise NcclBackError(f"drain request to {host}:{port} failed: {e}") from e
-

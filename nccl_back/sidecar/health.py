@@ -1,16 +1,9 @@
 """The sidecar's one HTTP port: liveness, readiness, metrics and a local drain trigger.
 
-========================  =====================================================
-``GET /healthz``          200 while the process is alive (liveness probe)
-``GET /readyz``           200 once weights are loaded, verified and published;
-                          503 before that and from the moment draining starts
-``GET /metrics``          Prometheus text of the service's :class:`Metrics`
-``POST /drain``           loopback clients only, with the drain token when one
-                          is set (header ``X-Drain-Token``): start draining and,
-                          if the service gave an ``on_drain`` callback, block
-                          until it returns (a Kubernetes ``preStop`` hook calls
-                          this, so in-flight transfers finish before SIGTERM)
-========================  =====================================================
+``GET /healthz`` 200 while alive; ``GET /readyz`` 200 once weights are loaded, verified
+and published, 503 before and from the drain's start; ``GET /metrics`` Prometheus text;
+``POST /drain`` (loopback clients, with ``X-Drain-Token`` when set) drains and blocks
+until ``on_drain`` returns (a ``preStop`` hook: in-flight transfers finish before SIGTERM).
 
 In a pod it binds the pod's address (``0.0.0.0``) for the kubelet; ``/drain`` checks
 the client address itself, so binding wider never lets another pod drain this one, and

@@ -56,7 +56,6 @@ from nccl_back.timing import SIDECAR_STOP_POLL as _POLL
 _log = get_logger(__name__)
 
 
-
 @dataclass(frozen=True)
 class ServeOptions:
     """What ``nccl-back serve`` was asked to do (beyond :class:`Settings`)."""

@@ -71,11 +71,8 @@ class Arena:
 
 
 def pack(model: Model) -> Arena:
-    """Copy ``model``'s tensors into a new arena and re-point the model into it.
-
-    A CPU model goes into a fresh segment (unlinked again if packing fails); a CUDA
-    model whose skeleton already is consolidated is exported as it is, no second copy.
-    """
+    """Copy ``model``'s tensors into a new arena (a CPU model's segment is unlinked again
+    on failure) and re-point the model into it; a consolidated CUDA model is used as is."""
     tensors, _ = named_tensors(model)
     man = manifest(model)
     device = model_device(model)

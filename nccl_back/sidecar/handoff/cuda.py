@@ -35,11 +35,8 @@ def local_gpu_index(uuid: str, visible: list[str]) -> int:
 
 
 def share(arena: torch.Tensor) -> dict[str, Any]:
-    """A fresh IPC export of ``arena`` for one consumer, as the reply's ``cuda`` object.
-
-    Each export carries its own IPC ref counter, which that consumer releases when it
-    drops the mapping (torch's CUDA IPC protocol). The caller serialises exports.
-    """
+    """A fresh IPC export of ``arena`` for one consumer (its own ref counter, released
+    when it drops the mapping), as the reply's ``cuda`` object; the caller serialises."""
     with torch.cuda.device(arena.device):
         (device, handle, size, offset, counter, counter_offset, event, sync) = (
             arena.untyped_storage()._share_cuda_()

@@ -20,7 +20,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from nccl_back.errors import FALLBACK_REASONS, RECORD_KINDS, ConfigError, RecordKind
+from nccl_back.errors import (
+    FALLBACK_REASONS,
+    RECORD_KINDS,
+    ConfigError,
+    RecordKind,
+    fallback_reason,
+)
 
 SOURCES = ("peer", "storage", "local")
 """Where a load's weights came from (``LoadResult.source``)."""
@@ -28,7 +34,7 @@ SOURCES = ("peer", "storage", "local")
 SEND_ROLES = ("holder", "relay")
 """Who sent weights to a receiver: a published holder, or a cohort member relaying."""
 
-__all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SEND_ROLES", "SOURCES", "Metrics"]
+__all__ = ["CONTENT_TYPE", "FALLBACK_REASONS", "SEND_ROLES", "SOURCES", "Metrics", "fallback_reason"]
 
 # Cold starts range from sub-second (local hand-off) to many minutes (large model from
 # storage); the default buckets stop at 10 s.

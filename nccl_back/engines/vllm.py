@@ -53,9 +53,7 @@ from nccl_back.engines.common import (
     loaded_state,
     settings_from,
 )
-from nccl_back.load.service import WeightService
 from nccl_back.model.layout import TensorLayout
-from nccl_back.result import LoadResult
 
 __all__ = ["LOAD_FORMAT", "NcclBackModelLoader", "engine_layout", "engine_spec", "loaded_state",
            "register", "settings_from"]
@@ -149,14 +147,6 @@ class NcclBackModelLoader(BaseModelLoader):
         )
         self._vllm_config: VllmConfig | None = None
         self._loaded: EngineLoad | None = None
-
-    @property
-    def service(self) -> WeightService | None:
-        return self._loaded.service if self._loaded is not None else None
-
-    @property
-    def result(self) -> LoadResult | None:
-        return self._loaded.result if self._loaded is not None else None
 
     def download_model(self, model_config: ModelConfig) -> None:
         self._default.download_model(model_config)

@@ -204,11 +204,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    """Print the version, a pipeline's components, and every shard's CRC32C.
-
-    Every shard's header is read and validated too: a version is only given to
-    files that a load would accept as safetensors.
-    """
+    """Print the version, a pipeline's components, and every shard's CRC32C (headers
+    validated: only files a load would accept get a version)."""
     from nccl_back.model.identity import ModelSpec
     from nccl_back.model.safetensors_format import validate_headers
     from nccl_back.model.storage import Storage
@@ -406,11 +403,8 @@ def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> 
 
 
 class _Bar:
-    """A tqdm progress bar of bytes on stderr: drawn only on a terminal, never with --quiet.
-
-    Called as the loader's ``progress(done, total, rate)``, or with :meth:`add` from
-    download threads as chunks arrive.
-    """
+    """A tqdm progress bar of bytes on stderr (only on a terminal, never with --quiet):
+    the loader's ``progress(done, total, rate)``, or :meth:`add` from download threads."""
 
     def __init__(self, desc: str, total: int | None, quiet: bool) -> None:
         from tqdm import tqdm

@@ -366,6 +366,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``PeerInfo`` fields that open each peer's row of ``status`` (in this order).
+_STATUS_INFO = ("peer_id", "model", "host", "pid", "engine", "rank", "world_size")
+
+
 def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> dict[str, Any]:
     from nccl_back.model.scheme import SCHEME
 
@@ -377,24 +381,12 @@ def _status_report(registry: Registry, listing: dict[str, list[PeerStatus]]) -> 
             key = (st.info.rank, st.info.world_size)
             if key not in truth:
                 truth[key] = registry.has_ground_truth(version, *key, SCHEME)
-            rows.append({
-                "peer_id": st.info.peer_id,
-                "model": st.info.model,
-                "host": st.info.host,
-                "pid": st.info.pid,
-                "engine": st.info.engine,
-                "rank": st.info.rank,
-                "world_size": st.info.world_size,
-                "age": round(st.age, 3),
-                "ttl": round(st.ttl, 3),
-                "active_claims": st.active_claims,
-                "max_sends": st.info.max_sends,
-                "busy": st.busy,
-                "source": st.info.source,
-                "transport": st.info.transport,
-                "address": st.info.address,
-                "ground_truth": truth[key],
-            })
+            info = {k: getattr(st.info, k) for k in _STATUS_INFO}
+            rows.append({**info, "age": round(st.age, 3), "ttl": round(st.ttl, 3),
+                         "active_claims": st.active_claims, "max_sends": st.info.max_sends,
+                         "busy": st.busy, "source": st.info.source,
+                         "transport": st.info.transport, "address": st.info.address,
+                         "ground_truth": truth[key]})
         report[version] = {
             "peers": rows,
             "ground_truth": {f"{r}/{w}": v for (r, w), v in sorted(truth.items())},

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from nccl_back.errors import ConfigError, ShardNotFoundError
 from nccl_back.model.checkpoint import INDEX_NAME
-from nccl_back.model.crc_cache import CACHE_NAME, crc32c_combine, file_crc32c
+from nccl_back.model.crc import crc32c_combine
+from nccl_back.model.crc_cache import CACHE_NAME, file_crc32c
 from nccl_back.model.identity import ModelSpec, Shard
 
 from models import TinyTransformer, fill_random, write_checkpoint

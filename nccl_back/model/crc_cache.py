@@ -10,7 +10,7 @@ consult the cache: it checksums the bytes it reads into the tensors.
 
 The same cache holds remote objects' CRC32C by URI, under whatever identity key their
 backend gives (an S3 object's endpoint, ETag and size: :mod:`nccl_back.model.s3`).
-:func:`crc32c_combine` joins the CRC32C of consecutive pieces, so an object read as
+:func:`~nccl_back.model.crc.crc32c_combine` joins the CRC32C of consecutive pieces, so an object read as
 parallel ranges is checksummed without holding it whole (:func:`ranged_crc32cs`, for
 object stores that keep no CRC32C of their own).
 """
@@ -34,9 +34,10 @@ from nccl_back.config import Settings
 from nccl_back.errors import ShardNotFoundError, StorageError
 from nccl_back.files import write_atomic
 from nccl_back.log import get_logger
+from nccl_back.model.crc import crc32c_combine
 
-__all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "crc32c_combine", "file_crc32c",
-           "local_crc32cs", "ranged_crc32cs"]
+__all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "file_crc32c", "local_crc32cs",
+           "ranged_crc32cs"]
 
 log = get_logger(__name__)
 
@@ -165,46 +166,6 @@ def cached_crc32c(path: str, st: os.stat_result, cache: CrcCache, compute: Calla
             cache.put(path, st, crc)
         log.debug("crc32c_computed", path=path, size=st.st_size, crc32c=crc)
     return crc
-
-
-# CRC32C (Castagnoli), reflected, as google_crc32c computes it.
-_POLY = 0x82F63B78
-
-
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo the CRC polynomial (both reflected, x^0 at bit 31), as zlib does."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _powers() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-#: x^(2^k) modulo the polynomial, for k in 0..31.
-_X2N = _powers()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len(B)``."""
-    p, k, n = 1 << 31, 3, len2  # x^0; x^(8 * len2) is x^(len2 * 2^3)
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
 
 
 #: ``read(j, offset, n, what, sink)``: feed bytes ``[offset, offset + n)`` of object ``j``

@@ -286,10 +286,7 @@ def _sampled_payloads(
     fused, left = fused_hash.sampled(tensors, samples, key)
     payloads, rest = _sampled_in_place({n: tensors[n] for n in left}, samples, key)
     payloads.update(fused)
-    by_device: dict[torch.device, list[str]] = defaultdict(list)
-    for name in rest:
-        by_device[tensors[name].device].append(name)
-    for device, names in by_device.items():
+    for device, names in _by_device({n: tensors[n] for n in rest}).items():
         picks = sample_picks_of([(n, tensors[n].numel()) for n in names], samples, key)
         index = [torch.from_numpy(_word_index(p, _as_words(tensors[n])[2]))
                  for n, p in zip(names, picks, strict=True)]

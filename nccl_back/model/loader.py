@@ -208,6 +208,19 @@ def read_exact(fd: int, dest: np.ndarray, offset: int, path: str, size: int) -> 
         done += n
 
 
+def open_shard(path: str, size: int) -> int:
+    """A read-only descriptor of a local shard, whose size must be its identity's ``size``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as e:
+        raise ShardNotFoundError(f"shard {path!r} does not exist") from e
+    if (got := os.fstat(fd).st_size) != size:
+        os.close(fd)
+        raise CheckpointFormatError(
+            f"{path}: {got} bytes, its identity says {size} (changed since fingerprinted?)")
+    return fd
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor's bytes as a flat uint8 tensor sharing its memory, if it is contiguous."""
     if not t.is_contiguous() or t.numel() == 0:
@@ -226,16 +239,8 @@ def _load_local(shard: Shard, copies: Sequence[_Copy], header: ShardHeader,
     count as filled (``on_filled``) only after the whole file's CRC32C passed.
     """
     path = parse_uri(shard.uri).path
+    fd = open_shard(path, shard.size)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError as e:
-        raise ShardNotFoundError(f"shard {path!r} does not exist") from e
-    try:
-        st = os.fstat(fd)
-        if st.st_size != shard.size:
-            raise CheckpointFormatError(
-                f"{path}: {st.st_size} bytes, its identity says {shard.size} (changed since fingerprinted?)"
-            )
         head = np.empty(len(header.raw), dtype=np.uint8)
         read_exact(fd, head, 0, path, shard.size)
         if head.tobytes() != header.raw:

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from nccl_back import _clock
-from nccl_back.errors import CheckpointFormatError, ShardNotFoundError, StorageError
+from nccl_back.errors import StorageError
 from nccl_back.model.checkpoint import TensorInfo, locate, model_headers
 from nccl_back.model.crc import Interval
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.loader import read_exact
+from nccl_back.model.loader import open_shard, read_exact
 from nccl_back.model.reshard_plan import Move, place, plan, zero_padding
 from nccl_back.model.sharding import Sharding
 from nccl_back.model.skeleton import Model, named_tensors
@@ -357,14 +357,7 @@ class SpanReader:
 
     def _fd(self, uri: str, path: str) -> int:
         if uri not in self.fds:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError as e:
-                raise ShardNotFoundError(f"shard {path!r} does not exist") from e
-            self.fds[uri] = fd
-            if (size := os.fstat(fd).st_size) != self.shards[uri].size:
-                raise CheckpointFormatError(f"{path}: {size} bytes, its identity says"
-                                            f" {self.shards[uri].size} (changed since fingerprinted?)")
+            self.fds[uri] = open_shard(path, self.shards[uri].size)
         return self.fds[uri]
 
     def close(self) -> None:

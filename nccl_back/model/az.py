@@ -19,12 +19,8 @@ SDK's ``download_blob`` reads each response whole into memory and retries body r
 itself with real sleeps, so reads go through the generated ``Get Blob`` operation it
 wraps.
 
-CRC32C: Azure stores a Content-MD5 at most and no CRC32C, so each blob is read once,
-as parallel ranged GETs pinned to its listed ETag (``If-Match``: a blob replaced
-mid-read is an error, never a checksum of mixed bytes), and the value is cached by
-(endpoint with the account, container, blob, ETag, size) in ``cache_dir``: a restart
-sends no request per blob. Downloads are checked against it by
-:class:`~nccl_back.model.storage.Storage`.
+CRC32C: Azure stores a Content-MD5 at most and no CRC32C, so each blob's is computed
+and cached as :mod:`~nccl_back.model.object_store` says (the endpoint names the account).
 
 The Azure libraries are imported on the first request only.
 """

@@ -14,13 +14,9 @@ What a user of those expects, and nothing of our own beyond one setting:
   connection errors; waits go through :mod:`nccl_back._clock`.
 
 CRC32C: a listing gives sizes and ETags but no checksum values, so each object is
-asked once (HeadObject, ``ChecksumMode=ENABLED``). A whole-object ``ChecksumCRC32C``
-is used as it is; a composite one (a multipart upload's, ``...-N``) is no CRC32C of the
-object and counts as absent: then the object is read once, as parallel ranged GETs
-pinned to the listed ETag (``If-Match``), its pieces' CRC32C combined. Either way the
-value is cached by (endpoint, bucket, key, ETag, size) in ``cache_dir``, so a restart
-sends no request per object. Downloads are ranged GETs into the destination buffer;
-:class:`~nccl_back.model.storage.Storage` checks their CRC32C.
+asked once (HeadObject, ``ChecksumMode=ENABLED``). A composite ``ChecksumCRC32C`` (a
+multipart upload's, ``...-N``) is no CRC32C of the object and counts as absent: then
+it is computed and cached as :mod:`~nccl_back.model.object_store` says.
 
 boto3 is imported on the first request only.
 """

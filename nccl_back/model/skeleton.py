@@ -95,9 +95,7 @@ class Manifest:
     @property
     def digest(self) -> str:
         """MD5 hex of the canonical JSON of the entries: equal iff same names, shapes, dtypes."""
-        payload = json.dumps(
-            [[e.name, list(e.shape), e.dtype] for e in self.entries], separators=(",", ":")
-        )
+        payload = json.dumps(self.to_json()["entries"], separators=(",", ":"))
         return hashlib.md5(payload.encode()).hexdigest()
 
     @property
@@ -370,7 +368,7 @@ def _rehome(
                     param.data = views[name]
                     continue
                 if id(param) not in replaced:
-                    replaced[id(param)] = _real_parameter(param, views[name])
+                    replaced[id(param)] = _parameter_like(param, views[name])
                 mod._parameters[pname] = replaced[id(param)]
             for bname, buf in mod._buffers.items():
                 if buf is not None and bname not in mod._non_persistent_buffers_set:
@@ -383,17 +381,17 @@ def _rehome(
     return model
 
 
-def _real_parameter(meta: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A parameter like ``meta`` (class, ``requires_grad``, attributes) holding ``data``.
+def _parameter_like(like: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter like ``like`` (class, ``requires_grad``, attributes) holding ``data``.
 
-    ``.data`` cannot be swapped from the meta device to a real one, so the parameter
+    ``.data`` cannot be swapped between the meta device and a real one, so the parameter
     object is replaced; engines hang attributes (``weight_loader``) on theirs.
     """
     try:
-        new = type(meta)(data, requires_grad=meta.requires_grad)
+        new = type(like)(data, requires_grad=like.requires_grad)
     except Exception:  # a subclass with its own constructor: a plain Parameter will do
-        new = nn.Parameter(data, requires_grad=meta.requires_grad)
-    new.__dict__.update(meta.__dict__)
+        new = nn.Parameter(data, requires_grad=like.requires_grad)
+    new.__dict__.update(like.__dict__)
     return new
 
 
@@ -401,7 +399,7 @@ def _on_meta(original: Callable[..., Any], module: nn.Module, name: str,
              param: nn.Parameter | None) -> None:
     original(module, name, param)
     if param is not None and param.device.type != "meta":
-        module._parameters[name] = _meta_parameter(param)
+        module._parameters[name] = _parameter_like(param, param.data.to("meta"))
 
 
 _PATCH = _ThreadPatch(lambda: {(nn.Module, "register_parameter"): _on_meta})
@@ -417,16 +415,6 @@ def params_on_meta() -> contextlib.AbstractContextManager[None]:
     allocates the whole model once.
     """
     return _PATCH.active()
-
-
-def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
-    meta = param.data.to("meta")
-    try:
-        new = type(param)(meta, requires_grad=param.requires_grad)
-    except Exception:
-        new = nn.Parameter(meta, requires_grad=param.requires_grad)
-    new.__dict__.update(param.__dict__)
-    return new
 
 
 def build(

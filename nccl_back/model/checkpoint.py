@@ -174,6 +174,12 @@ def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, Tenso
     return dict(sorted(found.items()))
 
 
+def manifest_of(located: Mapping[str, tuple[ShardHeader, TensorInfo]]) -> Manifest:
+    """The :class:`Manifest` of :func:`locate`'s tensors: the whole checkpoint, by name."""
+    return Manifest(tuple(TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))
+                          for name, (_, info) in sorted(located.items())))
+
+
 def flat_skeleton(
     spec: ModelSpec,
     device: str | torch.device = "cpu",
@@ -190,12 +196,7 @@ def flat_skeleton(
     the names a mapping of component skeletons has, so both exchange weights.
     Headers are read through ``storage``, else a :class:`Storage` with ``settings``.
     """
-    headers = model_headers(storage or Storage(settings), spec)
-    located = locate(headers)
-    man = Manifest(tuple(
-        TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))
-        for name, (_, info) in sorted(located.items())
-    ))
+    man = manifest_of(locate(model_headers(storage or Storage(settings), spec)))
     # One allocation, laid out as consolidate() would, instead of one per tensor.
     offsets, total = flat_layout(man)
     flat = torch.empty(total, dtype=torch.uint8, device=device)

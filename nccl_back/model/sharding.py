@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from nccl_back.config import Settings
-from nccl_back.model.checkpoint import flat_skeleton, locate, model_headers
+from nccl_back.model.checkpoint import flat_skeleton, locate, manifest_of, model_headers
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.layout import Layout, TensorLayout, layout_of
 from nccl_back.model.loader import load_from_storage
@@ -23,8 +23,6 @@ from nccl_back.model.reshard_plan import pack, plan, unpack, zero_padding
 from nccl_back.model.skeleton import (
     Manifest,
     Model,
-    TensorEntry,
-    dtype_name,
     manifest,
     named_tensors,
 )
@@ -55,10 +53,7 @@ def sharding(model: Model, spec: ModelSpec, described: Mapping[str, TensorLayout
     ``own``: tensors that hold no checkpoint element and that every worker of the
     version makes alike itself (an engine's constants): left out of the layout, so a
     resharding receiver keeps its own and no holder sends them."""
-    headers = model_headers(Storage(settings or Settings.from_env()), spec)
-    located = locate(headers)
-    ckpt = Manifest(tuple(TensorEntry(n, tuple(i.shape), dtype_name(i.dtype))
-                          for n, (_, i) in sorted(located.items())))
+    ckpt = manifest_of(locate(model_headers(Storage(settings or Settings.from_env()), spec)))
     shapes = {e.name: e.shape for e in ckpt.entries}
     held = manifest(model)
     if own:

@@ -36,8 +36,7 @@ from nccl_back.files import write_atomic
 from nccl_back.log import get_logger
 from nccl_back.model.crc import crc32c_combine
 
-__all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "file_crc32c", "local_crc32cs",
-           "ranged_crc32cs"]
+__all__ = ["CACHE_NAME", "CrcCache", "Opener", "file_crc32c", "local_crc32cs", "ranged_crc32cs"]
 
 log = get_logger(__name__)
 
@@ -88,12 +87,6 @@ class CrcCache:
             # A missing or damaged cache only costs a recomputation.
             self.entries = {}
 
-    def get(self, path: str, st: os.stat_result) -> str | None:
-        return self.get_key(path, _file_key(st))
-
-    def put(self, path: str, st: os.stat_result, crc: str) -> None:
-        self.put_key(path, _file_key(st), crc)
-
     def get_key(self, name: str, key: list[Any]) -> str | None:
         """The CRC32C cached for ``name`` under identity ``key``; None if absent or stale."""
         entry = self.entries.get(name)
@@ -126,10 +119,7 @@ def file_crc32c(
     path: str, *, cache_dir: str | None = None, opener: Opener = open_unbuffered
 ) -> str:
     """CRC32C (8 hex digits) of a local file, from the cache in ``cache_dir`` when valid."""
-    cache = CrcCache(cache_dir or Settings().cache_dir)
-    crc = _cached_file_crc32c(os.path.abspath(path), cache, opener)
-    cache.save()
-    return crc
+    return local_crc32cs([os.path.abspath(path)], cache_dir, opener)[0]
 
 
 def local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> list[str]:
@@ -144,26 +134,22 @@ def local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> li
 
 
 def _cached_file_crc32c(path: str, cache: CrcCache, opener: Opener) -> str:
+    """From ``cache`` while the file's identity is unchanged, else read (then cached
+    when that is safe)."""
     try:
         st = os.stat(path)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"shard {path!r} does not exist") from e
-    return cached_crc32c(path, st, cache, lambda: _stream_crc32c(path, opener))
-
-
-def cached_crc32c(path: str, st: os.stat_result, cache: CrcCache, compute: Callable[[], str]) -> str:
-    """CRC32C of the local file ``path`` whose stat is ``st``: from ``cache`` when its
-    identity is unchanged, else ``compute()`` (then cached when that is safe)."""
-    crc = cache.get(path, st)
+    crc = cache.get_key(path, _file_key(st))
     if crc is None:
         # Real time, not nccl_back._clock: it is compared with the file system's mtime.
         started = time.time_ns()
-        crc = compute()
+        crc = _stream_crc32c(path, opener)
         # Cache only a file that was not rewritten while we read it, and whose mtime is
         # older than the file system's timestamp granularity ("racy git"): a same-size
         # rewrite within that window would keep the same key and reuse a stale CRC.
         if _file_key(os.stat(path)) == _file_key(st) and st.st_mtime_ns < started - _RACY_NS:
-            cache.put(path, st, crc)
+            cache.put_key(path, _file_key(st), crc)
         log.debug("crc32c_computed", path=path, size=st.st_size, crc32c=crc)
     return crc
 

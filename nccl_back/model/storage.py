@@ -357,15 +357,11 @@ class Storage:
 
     def backend(self, loc: Location) -> Backend:
         """The backend reading ``loc``'s scheme (made on first use, then shared)."""
-        return self.scheme_backend(loc.scheme)
-
-    def scheme_backend(self, scheme: str) -> Backend:
-        """The backend of ``scheme`` (a key of :data:`SCHEMES`), made on first use."""
         with self._lock:
-            found = self._backends.get(scheme)
+            found = self._backends.get(loc.scheme)
             if found is None:
-                cls = backend_class(scheme)
-                found = self._backends[scheme] = cls(self.settings, timeout=self.timeout)
+                cls = backend_class(loc.scheme)
+                found = self._backends[loc.scheme] = cls(self.settings, timeout=self.timeout)
             return found
 
     def list_dir(self, uri: str) -> list[ObjectInfo]:
@@ -377,12 +373,11 @@ class Storage:
         """Each listed object's CRC32C, in order, from its scheme's backend (metadata, or
         computed once and cached in ``cache_dir``, else the settings' ``cache_dir``)."""
         cache = cache_dir or self.settings.cache_dir
-        by_scheme: dict[str, list[int]] = {}
+        by_backend: dict[Backend, list[int]] = {}
         for i, info in enumerate(infos):
-            by_scheme.setdefault(parse_uri(info.uri).scheme, []).append(i)
+            by_backend.setdefault(self.backend(parse_uri(info.uri)), []).append(i)
         out: list[str] = [""] * len(infos)
-        for scheme, idx in by_scheme.items():
-            backend = self.scheme_backend(scheme)
+        for backend, idx in by_backend.items():
             for i, crc in zip(idx, backend.crc32cs([infos[i] for i in idx], cache), strict=True):
                 out[i] = crc
         return out

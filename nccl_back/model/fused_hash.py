@@ -204,7 +204,7 @@ def sampled(tensors: Mapping[str, torch.Tensor], samples: int,
         if index.size == 0:
             payloads[name] = b""
             continue
-        names, bases, indices = groups[(t.device, dtype)]
+        names, bases, indices = groups[(words.device, dtype)]
         names.append(name)
         bases.append(words.data_ptr())
         indices.append(index)

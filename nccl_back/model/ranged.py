@@ -4,18 +4,12 @@ of the checkpoint tensors its pieces come from, through one bounded staging buff
 Per checkpoint tensor the rank's layout needs, the span is the rows (dim 0) its pieces
 cover: a column-parallel slice is a contiguous sub-span of a row-major tensor, a piece
 along another dim needs every row, so the tensor's whole span. Spans are read in
-chunks of whole rows into the staging buffer (reused; :data:`STAGE_BYTES`, or one row
-if a row is larger) and each chunk's part of every move of
-:func:`~.reshard_plan.plan` (this layout from a whole-checkpoint holder) is copied
-straight into the rank's tensors (:func:`~.reshard_plan.place`).
+chunks of whole rows into the staging buffer and copied straight into the rank's
+tensors by the moves of :func:`~.reshard_plan.plan` (:func:`~.reshard_plan.place`).
 
-A checkpoint tensor more than one rank needs rows of (overlapping spans: a piece along
-dim 1, a replicated tensor) is read once by the group: :func:`schedule`, from every
-rank's :attr:`RangedLoad.needs`, splits its rows into one contiguous block per rank
-(balanced by bytes), each rank reads its own block (:meth:`RangedLoad.read_chunk`, in
-staging-sized chunks, CRC-ing its intervals like any span) and the caller hands each
-chunk to every rank (:meth:`RangedLoad.buffer`, :meth:`RangedLoad.place`), in the
-order :meth:`Schedule.chunks` gives every rank alike.
+A checkpoint tensor more than one rank needs rows of (a piece along dim 1, a
+replicated tensor) is read once by the group: :func:`schedule` gives each rank one
+block of its rows to read, and the caller hands each chunk to every rank.
 
 No rank reads a whole file, so no rank can check a file's CRC32C alone. Instead each
 rank returns the CRC32C of every elementary interval it read (its spans cut at every

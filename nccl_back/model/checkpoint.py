@@ -176,17 +176,13 @@ def flat_skeleton(
     storage: Storage | None = None,
     settings: Settings | None = None,
 ) -> nn.Module:
-    """A skeleton built from the checkpoint's headers alone, without Python model code.
-
-    Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
-    module's ``state_dict`` names are exactly the checkpoint's names; tensors are
-    views of one allocation on ``device`` (:func:`nccl_back.model.skeleton.consolidate`).
-    For a pipeline the root has one child per weighted component (``unet.conv_in.weight``),
-    the names a mapping of component skeletons has, so both exchange weights.
-    Headers are read through ``storage``, else a :class:`Storage` with ``settings``.
-    """
+    """A skeleton built from the checkpoint's headers alone, without Python model code:
+    a :func:`buffer_module` of views of one allocation on ``device``, laid out as
+    :func:`nccl_back.model.skeleton.consolidate` would. For a pipeline the root has one
+    child per weighted component (``unet.conv_in.weight``), the names a mapping of
+    component skeletons has, so both exchange weights. Headers are read through
+    ``storage``, else a :class:`Storage` with ``settings``."""
     man = manifest_of(locate(model_headers(storage or Storage(settings), spec)))
-    # One allocation, laid out as consolidate() would, instead of one per tensor.
     offsets, total = flat_layout(man)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     return buffer_module(

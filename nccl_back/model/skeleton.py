@@ -271,12 +271,9 @@ _NO_INIT = _ThreadPatch(lambda: {(nn.init, f): _skip_init for f in _INIT_FUNCTIO
 
 def no_init() -> contextlib.AbstractContextManager[None]:
     """Within this block, this thread's ``torch.nn.init`` initialisers and
-    ``reset_parameters`` do nothing (other threads' are untouched).
-
-    Parameters keep whatever their allocation holds: they are containers to be filled.
-    Buffers a constructor computes with ordinary tensor ops (``inv_freq``, masks) are
-    computed as usual, so nothing that a checkpoint does not carry is left uninitialised.
-    """
+    ``reset_parameters`` do nothing (other threads' are untouched): parameters are
+    containers to be filled, while buffers a constructor computes with ordinary tensor
+    ops (``inv_freq``, masks), which no checkpoint carries, are computed as usual."""
     return _NO_INIT.active()
 
 
@@ -300,15 +297,13 @@ def flat_layout(man: Manifest) -> tuple[dict[str, int], int]:
 
 
 def consolidate(model: Model) -> Model:
-    """Re-home every tensor of a skeleton into one flat buffer, in manifest order.
-
-    Tensors become views of a single allocation (one per model), ``ALIGN``-ed, in
-    sorted name order. A transfer between two consolidated skeletons then moves large
-    contiguous ranges in place instead of packing and unpacking small tensors: close to
-    one flat broadcast. Parameter values are *not* copied (a skeleton holds none yet),
-    buffer values are; tied tensors stay tied; non-persistent buffers are left as they are. Parameters on the
-    ``meta`` device (:func:`build` makes them so) get their first real storage here:
-    the model is allocated once, never twice.
+    """Re-home every tensor of a skeleton into views of one ``ALIGN``-ed allocation, in
+    manifest order, so a transfer between two consolidated skeletons moves large
+    contiguous ranges in place: close to one flat broadcast. Parameter values are *not*
+    copied (a skeleton holds none yet), buffer values are; tied tensors stay tied;
+    non-persistent buffers are left as they are. Parameters on the ``meta`` device
+    (:func:`build` makes them so) get their first real storage here: the model is
+    allocated once, never twice.
     """
     man = manifest(model)
     tensors, aliases = named_tensors(model)
@@ -407,13 +402,9 @@ _PATCH = _ThreadPatch(lambda: {(nn.Module, "register_parameter"): _on_meta})
 
 def params_on_meta() -> contextlib.AbstractContextManager[None]:
     """Within this block, every parameter this thread registers is moved to the ``meta``
-    device (other threads' modules are left alone).
-
-    Constructors still run on the real device, so buffers they compute (``inv_freq``)
-    are real; each parameter's real allocation is dropped as soon as it is registered,
-    so building costs at most one parameter of device memory until :func:`consolidate`
-    allocates the whole model once.
-    """
+    device (other threads' modules are left alone): constructors still run on the real
+    device, so buffers they compute are real, and building costs at most one parameter
+    of device memory until :func:`consolidate` allocates the whole model once."""
     return _PATCH.active()
 
 
@@ -424,12 +415,11 @@ def build(
 
     ``factory`` builds the model (or mapping of sub-modules) exactly as the worker
     would, minus any checkpoint loading (pass your own ``skip_checkpoint=True``-style
-    flag inside it). With ``flat`` (the default) parameters are created on the
-    ``meta`` device while the factory runs (:func:`params_on_meta`) and then laid out
-    in one allocation (:func:`consolidate`): the model's memory is allocated once,
-    so a model that fills most of a GPU can still be built, and peer transfers move
-    large contiguous ranges. Raises :class:`SkeletonError` if the result has tensors
-    on another device, or on ``meta`` after the layout.
+    flag inside it). With ``flat`` (the default) parameters are on ``meta`` while the
+    factory runs (:func:`params_on_meta`) and then laid out in one allocation
+    (:func:`consolidate`), so a model that fills most of a GPU can still be built.
+    Raises :class:`SkeletonError` if the result has tensors on another device, or on
+    ``meta`` after the layout.
     """
     dev = torch.device(device)
     meta = params_on_meta() if flat else contextlib.nullcontext()

@@ -69,10 +69,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -82,6 +83,7 @@ from nccl_back.log import get_logger
 from nccl_back.model.skeleton import Model, named_tensors
 
 HashMode = Literal["sampled", "full"]
+T = TypeVar("T")
 
 DEFAULT_SAMPLES = 100
 #: Words per chunk in ``full`` mode (4 MiB of int64): small enough to stay in cache,
@@ -294,18 +296,12 @@ def _sampled_payloads(
         # GPU model costs two synchronisations rather than two per tensor.
         all_index = torch.cat(index).to(device)
         picked: list[torch.Tensor] = []
-        start = 0
-        for n, idx in zip(names, index, strict=True):
-            end = start + idx.numel()
+        for n, idx in zip(names, cut(all_index, [i.numel() for i in index]), strict=True):
             words, dtype, _ = _as_words(tensors[n])
-            picked.append(_normalise(torch.take(words, all_index[start:end]), dtype))
-            start = end
+            picked.append(_normalise(torch.take(words, idx), dtype))
         blob = torch.cat(picked).cpu().numpy() if picked else np.empty(0, np.uint8)
-        start = 0
-        for n, p in zip(names, picked, strict=True):
-            end = start + p.numel()
-            payloads[n] = blob[start:end].tobytes()
-            start = end
+        for n, part in zip(names, cut(blob, [p.numel() for p in picked]), strict=True):
+            payloads[n] = part.tobytes()
     return payloads
 
 
@@ -347,11 +343,16 @@ def _sampled_in_place(
         flat_index = torch.from_numpy(np.concatenate(index)).to(device)
         blob = _normalise(torch.take(whole, flat_index), dtype).cpu().numpy().tobytes()
         width = len(blob) // len(flat_index)  # bytes per sample after normalising
-        pos = 0
-        for (name, _, _), idx in zip(members, index, strict=True):
-            payloads[name] = blob[pos : pos + len(idx) * width]
-            pos += len(idx) * width
+        for (name, _, _), part in zip(members, cut(blob, [len(i) * width for i in index]),
+                                      strict=True):
+            payloads[name] = part
     return payloads, rest
+
+
+def cut(seq: T, sizes: Iterable[int]) -> list[T]:
+    """``seq`` (anything sliceable) cut into consecutive pieces of ``sizes``."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [seq[a:b] for a, b in itertools.pairwise(bounds)]  # type: ignore[index]
 
 
 def _by_device(tensors: Mapping[str, torch.Tensor]) -> dict[torch.device, list[str]]:
@@ -377,10 +378,7 @@ def _host_sums(names: list[str], tensors: Mapping[str, torch.Tensor], size: int,
         partials.extend(sums)
         counts.append(len(sums))
     flat = torch.stack(partials).cpu().tolist() if partials else []
-    start = 0
-    for n, count in zip(names, counts, strict=True):
-        fused[n] = flat[start: start + count]
-        start += count
+    fused.update(zip(names, cut(flat, counts), strict=True))
     return fused
 
 

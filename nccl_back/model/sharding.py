@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from nccl_back.config import Settings
 from nccl_back.model.checkpoint import flat_skeleton, locate, manifest_of, model_headers
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.layout import Layout, TensorLayout, layout_of
+from nccl_back.model.layout import Layout, TensorLayout, layout_of, trivial_layout
 from nccl_back.model.loader import load_from_storage
 from nccl_back.model.reshard_plan import pack, plan, unpack, zero_padding
 from nccl_back.model.skeleton import (
@@ -41,7 +41,7 @@ class Sharding:
     @property
     def whole(self) -> Layout:
         """The layout of a plain holder of the whole checkpoint."""
-        return layout_of(self.checkpoint, {}, {e.name: e.shape for e in self.checkpoint.entries})
+        return trivial_layout(self.checkpoint)
 
 
 def sharding(model: Model, spec: ModelSpec, described: Mapping[str, TensorLayout],

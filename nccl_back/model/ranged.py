@@ -157,17 +157,11 @@ def schedule(needs: Sequence[Needs]) -> Schedule:
 
 @dataclass(frozen=True)
 class _Source:
-    """One checkpoint tensor this rank reads rows ``rows`` of, and the moves fed by them."""
+    """One checkpoint tensor, the rows of it this rank reads, and the moves fed by them."""
 
     info: TensorInfo
-    rows: tuple[int, int]
-    row_bytes: int
+    need: Need
     moves: tuple[Move, ...]
-
-    @property
-    def span(self) -> Span:
-        return (self.info.uri, self.info.start + self.rows[0] * self.row_bytes,
-                self.info.start + self.rows[1] * self.row_bytes)
 
 
 class RangedLoad:
@@ -193,8 +187,7 @@ class RangedLoad:
         """The headers this rank parsed (their CRCs come from the bytes it read them as,
         so ranks must agree on them) and the rows of each checkpoint tensor it needs."""
         heads = tuple((h.uri, 0, len(h.raw)) for h in self.headers)
-        return Needs(heads, tuple(Need(s.info.name, s.info.uri, s.info.start, s.row_bytes, *s.rows)
-                                  for s in self.sources), self.stage_cap)
+        return Needs(heads, tuple(s.need for s in self.sources), self.stage_cap)
 
     @property
     def spans(self) -> list[Span]:
@@ -209,7 +202,7 @@ class RangedLoad:
         self._tensors = named_tensors(model)[0]
         self._shared = sched.names
         spans = [*extra, *sched.reads(rank)[len(self.headers):]]
-        row = max((s.row_bytes for s in self.sources), default=0)
+        row = max((s.need.row_bytes for s in self.sources), default=0)
         stage = max(min(self.stage_cap, max((hi - lo for _, lo, hi in spans), default=0)), row,
                     sched.chunk_bytes, 1)
         self._reader = SpanReader(self.storage, self.spec.shards, cuts, stage)
@@ -285,14 +278,15 @@ class RangedLoad:
 
     def _fill(self, reader: SpanReader, s: _Source, tensors: Mapping[str, torch.Tensor]) -> None:
         """Read ``s``'s rows in chunks of whole rows and place each chunk's moves."""
-        uri, lo, hi = s.span
+        need = s.need
+        uri, lo, hi = need.span(need.lo, need.hi)
         if hi <= lo:
             return
-        step = max(len(reader.stage) // s.row_bytes, 1) * s.row_bytes
+        step = max(len(reader.stage) // need.row_bytes, 1) * need.row_bytes
         shape = s.info.shape or (1,)
         for off, buf in reader.read(uri, lo, hi, step):
-            first = s.rows[0] + (off - lo) // s.row_bytes
-            n = len(buf) // s.row_bytes
+            first = need.lo + (off - lo) // need.row_bytes
+            n = len(buf) // need.row_bytes
             chunk = torch.from_numpy(buf).view(s.info.dtype).view((n, *shape[1:]))
             for m in s.moves:
                 place(m, (first, first + n), chunk, tensors)
@@ -300,8 +294,9 @@ class RangedLoad:
 
 def _source(info: TensorInfo, moves: list[Move]) -> _Source:
     shape = info.shape or (1,)
-    rows = (min(m.src_box[0][0] for m in moves), max(m.src_box[0][1] for m in moves))
-    return _Source(info, rows, info.nbytes // shape[0] if shape[0] else 0, tuple(moves))
+    lo, hi = min(m.src_box[0][0] for m in moves), max(m.src_box[0][1] for m in moves)
+    row_bytes = info.nbytes // shape[0] if shape[0] else 0
+    return _Source(info, Need(info.name, info.uri, info.start, row_bytes, lo, hi), tuple(moves))
 
 
 class SpanReader:

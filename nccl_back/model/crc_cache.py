@@ -63,8 +63,7 @@ def _stream_crc32c(path: str, opener: Opener) -> str:
     crc = 0
     with opener(path) as f:
         while n := f.readinto(buf):  # type: ignore[attr-defined]
-            # A numpy view, not a memoryview: google_crc32c is several times slower
-            # on memoryviews.
+            # A numpy view, not a memoryview: google_crc32c is several times slower on those.
             crc = google_crc32c.extend(crc, buf[:n])
     return f"{crc:08x}"
 

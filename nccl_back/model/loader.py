@@ -336,8 +336,6 @@ def load_from_storage(
     tensors, aliases = named_tensors(model)
     needed = _held_shards(model, spec)
     headers = model_headers(storage, spec, needed)
-    # A mapping model (one rank of a pipeline) holds some sub-modules of the checkpoint:
-    # tensors of the others are skipped, and shards holding only those are not read.
     held = tuple(f"{k}." for k in model) if isinstance(model, Mapping) else None
     try:
         plan = _plan_load(tensors, aliases, headers, held)

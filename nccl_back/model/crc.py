@@ -11,7 +11,7 @@ and combines them in order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,43 +28,52 @@ def crc32c_hex(data: Any) -> str:
     return f"{google_crc32c.value(data):08x}"
 
 
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo the polynomial (both reflected, x^0 at bit 31), as zlib does."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+def _times(mat: Sequence[int], vec: int) -> int:
+    """``mat`` (32 columns, one int each) times the bit vector ``vec``, over GF(2)."""
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
 
 
-def _powers() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
+def _square(mat: Sequence[int]) -> list[int]:
+    return [_times(mat, mat[n]) for n in range(32)]
 
 
-#: x^(2^k) modulo the polynomial, for k in 0..31 (the powers cycle with period 32 here).
-_X2N = _powers()
+def _zero_bytes_operators() -> list[list[int]]:
+    """Operator ``k`` appends ``2**k`` zero bytes to a message (shifts the CRC register
+    through them): one zero bit's operator squared 3 times, then once per ``k``."""
+    op = [POLY] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3):
+        op = _square(op)
+    ops = [op]
+    for _ in range(63):
+        ops.append(_square(ops[-1]))
+    return ops
+
+
+#: Built once (64 squarings): a combine then costs one product per set bit of ``len_b``.
+_ZEROS = _zero_bytes_operators()
 
 
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """CRC32C of ``A || B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (bytes):
-    ``crc(A)`` times x^(8 * len(B)), XOR ``crc(B)`` (zlib's ``crc32_combine``)."""
+    """CRC32C of ``A || B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (bytes).
+
+    ``crc(A)`` is multiplied by the operator of ``len(B)`` zero bytes (zlib's
+    ``crc32_combine``: GF(2) 32x32 matrices, powers of two by squaring), then ``crc(B)``
+    is XORed in: the register's initial and final inversions cancel in that sum."""
     if not 0 <= len_b < 1 << 64:
         raise ValueError(f"len_b={len_b}: must be in [0, 2**64)")
-    p, k = 1 << 31, 3  # x^0; x^(8 * len_b) is x^(len_b * 2^3)
+    k = 0
     while len_b:
         if len_b & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            crc_a = _times(_ZEROS[k], crc_a)
         len_b >>= 1
         k += 1
-    return _multmodp(p, crc_a) ^ crc_b
+    return (crc_a ^ crc_b) & 0xFFFFFFFF
 
 
 @dataclass(frozen=True, order=True)

@@ -30,12 +30,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
 from nccl_back.model.object_store import MAX_LIST_PAGES, ObjectStore, range_total
 from nccl_back.model.storage import (
-    DEFAULT_TIMEOUT,
     Location,
     ObjectInfo,
     register_backend,
@@ -126,12 +124,8 @@ class S3Objects(ObjectStore):
 
     scheme = "s3"
     form = "s3://bucket/prefix"
-
-    def __init__(
-        self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
-        super().__init__(settings, timeout=timeout, client=client)
-        self._session: Any = None
+    _session: Any = None
+    """The boto3 session :meth:`_make_client` made (None with a client given)."""
 
     @classmethod
     def parse(cls, uri: str, rest: str) -> Location:

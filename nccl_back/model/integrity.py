@@ -230,9 +230,8 @@ def _first(names: list[str]) -> str:
     return f"[{shown}{more}]"
 
 
-#: Integer dtype of each element width: ``torch.take`` has kernels for these on every
-#: device, but not for float8, uint16/32/64 or complex32, so samples are gathered
-#: through a same-width integer view and only then read as their own dtype.
+#: Integer dtype of each element width: samples are gathered through such a view (the
+#: dtypes ``torch.take`` has kernels for everywhere), then read as their own dtype.
 _WORD_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Floating dtypes hashed as float16: those that convert to it on CPU and GPU alike.
 #: float8_e8m0fnu (powers of two up to 2**127) would overflow and float4 has no
@@ -245,8 +244,7 @@ _TO_HALF = frozenset(
     )
     if hasattr(torch, name)
 )
-#: The one NaN every NaN hashes as: conversions keep (CPU) or drop (GPU) payload
-#: and sign bits, so NaNs are canonicalised for both sides to agree.
+#: The one NaN every NaN hashes as (conversions keep or drop payload and sign bits).
 _HALF_NAN = 0x7E00
 
 

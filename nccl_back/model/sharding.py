@@ -1,11 +1,9 @@
 """A tensor-parallel library model's sharding: its :class:`~.layout.Layout` and the
 checkpoint it is cut from, and the whole-checkpoint storage load that cuts it.
 
-``nccl_back.sharding(model, spec, {name: column(...), ...})`` reads the checkpoint's
-headers (one ranged read per shard), checks the description against them and the
-skeleton, and returns the :class:`Sharding` a user passes to
-``WeightService.load(..., sharding=...)``. The helpers that describe one tensor
-(:func:`~.layout.column`, :func:`~.layout.row`, :func:`~.layout.concat`,
+``nccl_back.sharding(model, spec, {name: column(...), ...})`` gives the :class:`Sharding`
+a user passes to ``WeightService.load(..., sharding=...)``; the helpers that describe
+one tensor (:func:`~.layout.column`, :func:`~.layout.row`, :func:`~.layout.concat`,
 :func:`~.layout.shard`, :class:`~.layout.Padding`) live in :mod:`.layout`.
 """
 

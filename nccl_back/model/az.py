@@ -215,15 +215,12 @@ class AzureBlobs(ObjectStore):
         """The account's blob endpoint (its URL names the account)."""
         return str(self.client.url)
 
-    def describe(self) -> str:
-        try:
-            account, endpoint, how = self.client.account_name, self.endpoint, self.how
-            won = getattr(self._credential, "_successful_credential", None)
-            if won is not None:  # the credential of the chain that gave the token
-                how = f"{how}: {type(won).__name__}"
-            return f"account {account}, endpoint {endpoint}, credentials from {how}"
-        except Exception:  # a description must never fail the check it decorates
-            return ""
+    def _describe(self) -> str:
+        account, endpoint, how = self.client.account_name, self.endpoint, self.how
+        won = getattr(self._credential, "_successful_credential", None)
+        if won is not None:  # the credential of the chain that gave the token
+            how = f"{how}: {type(won).__name__}"
+        return f"account {account}, endpoint {endpoint}, credentials from {how}"
 
     def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
         """Run one request with retries; map failures to one line naming the URI and the fix."""

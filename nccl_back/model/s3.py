@@ -162,13 +162,10 @@ class S3Objects(ObjectStore):
     def endpoint(self) -> str:
         return str(self.client.meta.endpoint_url)
 
-    def describe(self) -> str:
-        try:
-            creds = self._session.get_credentials() if self._session is not None else None
-            who = f"credentials from {creds.method}" if creds is not None else "no credentials"
-            return f"endpoint {self.endpoint}, region {self.client.meta.region_name}, {who}"
-        except Exception:  # a description must never fail the check it decorates
-            return ""
+    def _describe(self) -> str:
+        creds = self._session.get_credentials() if self._session is not None else None
+        who = f"credentials from {creds.method}" if creds is not None else "no credentials"
+        return f"endpoint {self.endpoint}, region {self.client.meta.region_name}, {who}"
 
     def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
         """Run one request with retries; map failures to one line naming the URI and the fix."""

@@ -196,7 +196,14 @@ class Backend(abc.ABC):
         """Read ``len(view)`` bytes at ``start`` into ``view`` (a download's chunk); bytes read."""
 
     def describe(self) -> str:
-        """Where this backend reads and as whom, for ``nccl-back check`` ("" if nothing to say)."""
+        """Where this backend reads and as whom, for ``nccl-back check`` ("" if nothing to
+        say, or if finding out fails: a description must never fail the check it decorates)."""
+        try:
+            return self._describe()
+        except Exception:
+            return ""
+
+    def _describe(self) -> str:
         return ""
 
 

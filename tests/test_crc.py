@@ -39,6 +39,16 @@ def test_empty_parts_are_neutral(crc: int) -> None:
     assert crc32c_combine(0, crc, 123) == crc
 
 
+def test_combine_holds_from_two_to_the_29_bytes() -> None:
+    """A length of 2**29 bytes combines right: zlib's table of 32 powers, reused
+    cyclically, is wrong from there for CRC32C's polynomial."""
+    zeros = np.zeros(64 << 20, np.uint8)
+    whole, tail = google_crc32c.value(b"head"), 0
+    for _ in range(8):
+        whole, tail = google_crc32c.extend(whole, zeros), google_crc32c.extend(tail, zeros)
+    assert crc32c_combine(google_crc32c.value(b"head"), tail, 1 << 29) == whole
+
+
 def test_a_negative_length_is_refused() -> None:
     """A negative length is an error, not a silent wrong CRC."""
     with pytest.raises(ValueError, match="len_b=-1"):

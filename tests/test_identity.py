@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from nccl_back.errors import ConfigError, ShardNotFoundError
 from nccl_back.model.checkpoint import INDEX_NAME
-from nccl_back.model.crc_cache import CACHE_NAME, crc32c_combine, file_crc32c
+from nccl_back.model.crc import crc32c_combine
+from nccl_back.model.crc_cache import CACHE_NAME, file_crc32c
 from nccl_back.model.identity import ModelSpec, Shard
 
 from models import TinyTransformer, fill_random, write_checkpoint
@@ -252,9 +253,8 @@ from nccl_back.model.crc_cache import CrcCache
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
 cache = CrcCache(sys.argv[1])
-st = os.stat(sys.argv[1])
 for i in range(100):
-    cache.put(f"/model/shard-{i}.safetensors", st, "0badf00d")
+    cache.put_key(f"/model/shard-{i}.safetensors", [i], "0badf00d")
 cache.save()
 cache.save()  # a second failed save must not leak a second file
 print("dirty" if cache.dirty else "clean")

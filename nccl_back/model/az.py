@@ -19,12 +19,8 @@ SDK's ``download_blob`` reads each response whole into memory and retries body r
 itself with real sleeps, so reads go through the generated ``Get Blob`` operation it
 wraps.
 
-CRC32C: Azure stores a Content-MD5 at most and no CRC32C, so each blob is read once,
-as parallel ranged GETs pinned to its listed ETag (``If-Match``: a blob replaced
-mid-read is an error, never a checksum of mixed bytes), and the value is cached by
-(endpoint with the account, container, blob, ETag, size) in ``cache_dir``: a restart
-sends no request per blob. Downloads are checked against it by
-:class:`~nccl_back.model.storage.Storage`.
+CRC32C: Azure stores a Content-MD5 at most and no CRC32C, so each blob's is computed
+and cached as :mod:`~nccl_back.model.object_store` says (the endpoint names the account).
 
 The Azure libraries are imported on the first request only.
 """
@@ -35,30 +31,23 @@ import math
 import os
 import re
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
-import numpy as np
-
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
-from nccl_back.log import get_logger
-from nccl_back.model.crc_cache import CrcCache, ranged_crc32cs
+from nccl_back.model.object_store import MAX_LIST_PAGES, BufferWriter, ObjectStore, range_total
 from nccl_back.model.storage import (
     DEFAULT_TIMEOUT,
-    MIN_CHUNK_BYTES,
-    Backend,
     Location,
     ObjectInfo,
     register_backend,
     too_large,
     with_retries,
 )
-
-log = get_logger("nccl_back.model.storage")
 
 T = TypeVar("T")
 
@@ -68,8 +57,6 @@ _CONTAINER_RE = re.compile(r"^[a-z0-9](?:[a-z0-9]|-(?!-)){1,61}[a-z0-9]$")
 _CONTAINER_RULES = "3-63 lowercase letters, digits and single '-'"
 _ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
 _ENDPOINT_RE = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
-#: Pages of 5000 blobs a listing may take (a prefix holds one model's files).
-MAX_LIST_PAGES = 1000
 _PAGE = 5000
 #: Bytes the transport reads from a response at a time.
 _READ_BYTES = 1 << 20
@@ -135,16 +122,8 @@ def sas_expiry(token: str) -> datetime | None:
         return None
 
 
-def _range_total(content_range: Any) -> int | None:
-    """The blob's size from ``Content-Range: bytes a-b/TOTAL``; None if it says none."""
-    if not isinstance(content_range, str):
-        return None
-    total = content_range.rpartition("/")[2]
-    return int(total) if total.isdigit() else None
-
-
 @register_backend
-class AzureBlobs(Backend):
+class AzureBlobs(ObjectStore):
     """Reads ``az://`` blobs; thread-safe (one ``BlobServiceClient``, made on first use).
 
     ``env`` is where the account and credentials are read (``os.environ`` when None).
@@ -236,15 +215,12 @@ class AzureBlobs(Backend):
         """The account's blob endpoint (its URL names the account)."""
         return str(self.client.url)
 
-    def describe(self) -> str:
-        try:
-            account, endpoint, how = self.client.account_name, self.endpoint, self.how
-            won = getattr(self._credential, "_successful_credential", None)
-            if won is not None:  # the credential of the chain that gave the token
-                how = f"{how}: {type(won).__name__}"
-            return f"account {account}, endpoint {endpoint}, credentials from {how}"
-        except Exception:  # a description must never fail the check it decorates
-            return ""
+    def _describe(self) -> str:
+        account, endpoint, how = self.client.account_name, self.endpoint, self.how
+        won = getattr(self._credential, "_successful_credential", None)
+        if won is not None:  # the credential of the chain that gave the token
+            how = f"{how}: {type(won).__name__}"
+        return f"account {account}, endpoint {endpoint}, credentials from {how}"
 
     def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
         """Run one request with retries; map failures to one line naming the URI and the fix."""
@@ -328,45 +304,21 @@ class AzureBlobs(Backend):
 
         if isinstance(item, BlobPrefix):
             return None
-        name, size, etag = (getattr(item, a, None) for a in ("name", "size", "etag"))
-        if not (isinstance(name, str) and name.startswith(prefix) and name != prefix
-                and "/" not in name[len(prefix):] and type(size) is int and size >= 0
-                and isinstance(etag, str) and etag.strip('"') != ""):
-            log.warning("az_listing_entry_skipped", uri=loc.uri, name=repr(name)[:200])
-            return None
-        return ObjectInfo(f"az://{loc.bucket}/{name}", name[len(prefix):], size, None,
-                          tag=quoted(etag))
-
-    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
-        cache = CrcCache(cache_dir)
-        keys = [["az", self.endpoint, i.tag, i.size] for i in infos]
-        out = [cache.get_key(i.uri, k) if i.tag else None for i, k in zip(infos, keys, strict=True)]
-        todo = [j for j, crc in enumerate(out) if crc is None]
-        for j, crc in zip(todo, self._compute_crc32cs([infos[j] for j in todo]), strict=True):
-            out[j] = crc
-            if infos[j].tag:
-                cache.put_key(infos[j].uri, keys[j], crc)
-        cache.save()
-        return [str(c) for c in out]
-
-    def _compute_crc32cs(self, infos: Sequence[ObjectInfo]) -> list[str]:
-        """Read each blob once for its CRC32C, in ranged GETs pinned to its listed ETag."""
-        return ranged_crc32cs(
-            [(i.uri, i.size) for i in infos],
-            lambda j, off, n, what, sink: self._get(self._loc(infos[j]), off, n, what, sink,
-                                                    etag=infos[j].tag or None)[0],
-            lambda j, what, fn: self._call(what, self._loc(infos[j]), fn),
-            workers=self.settings.storage_workers, chunk_bytes=self.settings.chunk_bytes,
-            min_chunk=MIN_CHUNK_BYTES, backend="az")
-
-    def _loc(self, info: ObjectInfo) -> Location:
-        container, _, name = info.uri[len("az://"):].partition("/")
-        return Location("az", container, name)
+        etag = getattr(item, "etag", None)
+        return self._listed(loc, prefix, getattr(item, "name", None), getattr(item, "size", None),
+                            quoted(etag) if isinstance(etag, str) and etag.strip('"') else None)
 
     # -- reads -------------------------------------------------------------------------
 
+    def _ranged(self, loc: Location, start: int, n: int, what: str,
+                sink: Callable[[bytes], object], *, etag: str = "") -> int:
+        return self._get(loc, start, n, what, sink, etag=etag)[0]
+
+    def _past_end(self, e: BaseException | None) -> bool:
+        return _error_code(e)[0] == "InvalidRange"
+
     def _get(self, loc: Location, start: int, n: int, what: str,
-             sink: Callable[[bytes], None], *, etag: str | None = None,
+             sink: Callable[[bytes], object], *, etag: str = "",
              most: int | None = None) -> tuple[int, int | None]:
         """One GET of bytes ``[start, start + n)`` streamed into ``sink`` in bounded pieces,
         ``If-Match: etag`` when given; (bytes received, the blob's size). ``most`` bounds
@@ -379,12 +331,7 @@ class AzureBlobs(Backend):
             cls=lambda pipeline, body, headers: (pipeline.http_response, body),
         )
         try:
-            got_range = response.headers.get("Content-Range")
-            if start and not (isinstance(got_range, str) and got_range.startswith(f"bytes {start}-")):
-                # A server that ignores the range sends the blob from its first byte.
-                raise StorageError(f"{what}: the server answered Range bytes={start}-... with"
-                                   f" {got_range!r}; use an endpoint that supports ranged GETs")
-            total = _range_total(got_range)
+            total = range_total(what, start, response.headers.get("Content-Range"))
             if total is None and response.status_code == 200:
                 length = response.headers.get("Content-Length", "")
                 total = int(length) if length.isdigit() else None
@@ -417,34 +364,14 @@ class AzureBlobs(Backend):
 
         return self._call(what, loc, bounded)
 
-    def read_range(self, loc: Location, start: int, end: int) -> bytes:
-        buf = np.empty(end - start, dtype=np.uint8)
-        try:
-            n = self._fetch(loc, buf.data, start, f"reading {loc.uri} [{start}, {end})")
-        except StorageError as e:
-            if _error_code(e.__cause__)[0] == "InvalidRange":
-                return b""  # starts past the end: the blob is shorter
-            raise
-        return buf[:n].tobytes()
-
     def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
         """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; a blob that
         ends before them is an error naming its size."""
         what = f"downloading {loc.uri} [{start}, {start + len(view)})"
-        return self._fetch(loc, view, start, what, exact=True)
 
-    def _fetch(self, loc: Location, view: memoryview, start: int, what: str,
-               *, exact: bool = False) -> int:
         def fetch() -> int:
-            pos = 0
-
-            def copy(data: bytes) -> None:
-                nonlocal pos
-                view[pos : pos + len(data)] = data
-                pos += len(data)
-
-            got, total = self._get(loc, start, len(view), what, copy)
-            if exact and got != len(view):
+            got, total = self._get(loc, start, len(view), what, BufferWriter(view).write)
+            if got != len(view):
                 raise StorageError(f"{what}: the blob is {total} bytes, not the"
                                    f" {start + len(view)} or more listed; it changed after it"
                                    " was listed: run again")

@@ -17,7 +17,6 @@ but torch has no element type for (``F6_E2M3``, ``F6_E3M2``; ``F4`` on a torch w
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -28,10 +27,7 @@ from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, SkeletonError
 from nccl_back.model import safetensors_format as fmt
 from nccl_back.model.index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
-from nccl_back.model.index import parse_index as parse_index
 from nccl_back.model.safetensors_format import HEADER_PROBE_BYTES as HEADER_PROBE_BYTES
-from nccl_back.model.safetensors_format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from nccl_back.model.safetensors_format import header_length as header_length
 from nccl_back.model.skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from nccl_back.model.storage import Shard, Storage
 
@@ -133,13 +129,6 @@ def read_header(storage: Storage, shard: Shard) -> ShardHeader:
     return parse_header(fmt.read_raw_header(storage, shard), shard.uri, shard.size)
 
 
-def read_headers(storage: Storage, shards: Sequence[Shard]) -> list[ShardHeader]:
-    """All shards' headers, read in parallel (remote reads are round-trip bound)."""
-    workers = max(1, min(storage.settings.storage_workers, len(shards)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-header") as pool:
-        return list(pool.map(lambda s: read_header(storage, s), shards))
-
-
 def model_headers(
     storage: Storage, spec: ModelSpec, shards: Sequence[Shard] | None = None
 ) -> list[ShardHeader]:
@@ -150,7 +139,7 @@ def model_headers(
     or a module with one child per component) names them ``unet.conv_in.weight``.
     """
     shards = spec.shards if shards is None else shards
-    headers = read_headers(storage, shards)
+    headers = fmt.per_shard(storage, shards, read_header)
     if not spec.components:
         return headers
     return [_prefixed(h, spec.component_of(s) + ".") for h, s in zip(headers, shards, strict=True)]
@@ -174,6 +163,12 @@ def locate(headers: Sequence[ShardHeader]) -> dict[str, tuple[ShardHeader, Tenso
     return dict(sorted(found.items()))
 
 
+def manifest_of(located: Mapping[str, tuple[ShardHeader, TensorInfo]]) -> Manifest:
+    """The :class:`Manifest` of :func:`locate`'s tensors: the whole checkpoint, by name."""
+    return Manifest(tuple(TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))
+                          for name, (_, info) in sorted(located.items())))
+
+
 def flat_skeleton(
     spec: ModelSpec,
     device: str | torch.device = "cpu",
@@ -181,22 +176,13 @@ def flat_skeleton(
     storage: Storage | None = None,
     settings: Settings | None = None,
 ) -> nn.Module:
-    """A skeleton built from the checkpoint's headers alone, without Python model code.
-
-    Nested empty ``nn.Module``s hold each tensor as a persistent buffer, so the
-    module's ``state_dict`` names are exactly the checkpoint's names; tensors are
-    views of one allocation on ``device`` (:func:`nccl_back.model.skeleton.consolidate`).
-    For a pipeline the root has one child per weighted component (``unet.conv_in.weight``),
-    the names a mapping of component skeletons has, so both exchange weights.
-    Headers are read through ``storage``, else a :class:`Storage` with ``settings``.
-    """
-    headers = model_headers(storage or Storage(settings), spec)
-    located = locate(headers)
-    man = Manifest(tuple(
-        TensorEntry(name, tuple(info.shape), dtype_name(info.dtype))
-        for name, (_, info) in sorted(located.items())
-    ))
-    # One allocation, laid out as consolidate() would, instead of one per tensor.
+    """A skeleton built from the checkpoint's headers alone, without Python model code:
+    a :func:`buffer_module` of views of one allocation on ``device``, laid out as
+    :func:`nccl_back.model.skeleton.consolidate` would. For a pipeline the root has one
+    child per weighted component (``unet.conv_in.weight``), the names a mapping of
+    component skeletons has, so both exchange weights. Headers are read through
+    ``storage``, else a :class:`Storage` with ``settings``."""
+    man = manifest_of(locate(model_headers(storage or Storage(settings), spec)))
     offsets, total = flat_layout(man)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     return buffer_module(

@@ -10,7 +10,7 @@ consult the cache: it checksums the bytes it reads into the tensors.
 
 The same cache holds remote objects' CRC32C by URI, under whatever identity key their
 backend gives (an S3 object's endpoint, ETag and size: :mod:`nccl_back.model.s3`).
-:func:`crc32c_combine` joins the CRC32C of consecutive pieces, so an object read as
+:func:`~nccl_back.model.crc.crc32c_combine` joins the CRC32C of consecutive pieces, so an object read as
 parallel ranges is checksummed without holding it whole (:func:`ranged_crc32cs`, for
 object stores that keep no CRC32C of their own).
 """
@@ -34,9 +34,9 @@ from nccl_back.config import Settings
 from nccl_back.errors import ShardNotFoundError, StorageError
 from nccl_back.files import write_atomic
 from nccl_back.log import get_logger
+from nccl_back.model.crc import crc32c_combine
 
-__all__ = ["CACHE_NAME", "CrcCache", "Opener", "cached_crc32c", "crc32c_combine", "file_crc32c",
-           "local_crc32cs", "ranged_crc32cs"]
+__all__ = ["CACHE_NAME", "CrcCache", "Opener", "file_crc32c", "local_crc32cs", "ranged_crc32cs"]
 
 log = get_logger(__name__)
 
@@ -63,8 +63,7 @@ def _stream_crc32c(path: str, opener: Opener) -> str:
     crc = 0
     with opener(path) as f:
         while n := f.readinto(buf):  # type: ignore[attr-defined]
-            # A numpy view, not a memoryview: google_crc32c is several times slower
-            # on memoryviews.
+            # A numpy view, not a memoryview: google_crc32c is several times slower on those.
             crc = google_crc32c.extend(crc, buf[:n])
     return f"{crc:08x}"
 
@@ -86,12 +85,6 @@ class CrcCache:
         except (OSError, ValueError):
             # A missing or damaged cache only costs a recomputation.
             self.entries = {}
-
-    def get(self, path: str, st: os.stat_result) -> str | None:
-        return self.get_key(path, _file_key(st))
-
-    def put(self, path: str, st: os.stat_result, crc: str) -> None:
-        self.put_key(path, _file_key(st), crc)
 
     def get_key(self, name: str, key: list[Any]) -> str | None:
         """The CRC32C cached for ``name`` under identity ``key``; None if absent or stale."""
@@ -125,10 +118,7 @@ def file_crc32c(
     path: str, *, cache_dir: str | None = None, opener: Opener = open_unbuffered
 ) -> str:
     """CRC32C (8 hex digits) of a local file, from the cache in ``cache_dir`` when valid."""
-    cache = CrcCache(cache_dir or Settings().cache_dir)
-    crc = _cached_file_crc32c(os.path.abspath(path), cache, opener)
-    cache.save()
-    return crc
+    return local_crc32cs([os.path.abspath(path)], cache_dir, opener)[0]
 
 
 def local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> list[str]:
@@ -143,68 +133,24 @@ def local_crc32cs(paths: list[str], cache_dir: str | None, opener: Opener) -> li
 
 
 def _cached_file_crc32c(path: str, cache: CrcCache, opener: Opener) -> str:
+    """From ``cache`` while the file's identity is unchanged, else read (then cached
+    when that is safe)."""
     try:
         st = os.stat(path)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"shard {path!r} does not exist") from e
-    return cached_crc32c(path, st, cache, lambda: _stream_crc32c(path, opener))
-
-
-def cached_crc32c(path: str, st: os.stat_result, cache: CrcCache, compute: Callable[[], str]) -> str:
-    """CRC32C of the local file ``path`` whose stat is ``st``: from ``cache`` when its
-    identity is unchanged, else ``compute()`` (then cached when that is safe)."""
-    crc = cache.get(path, st)
+    crc = cache.get_key(path, _file_key(st))
     if crc is None:
         # Real time, not nccl_back._clock: it is compared with the file system's mtime.
         started = time.time_ns()
-        crc = compute()
+        crc = _stream_crc32c(path, opener)
         # Cache only a file that was not rewritten while we read it, and whose mtime is
         # older than the file system's timestamp granularity ("racy git"): a same-size
         # rewrite within that window would keep the same key and reuse a stale CRC.
         if _file_key(os.stat(path)) == _file_key(st) and st.st_mtime_ns < started - _RACY_NS:
-            cache.put(path, st, crc)
+            cache.put_key(path, _file_key(st), crc)
         log.debug("crc32c_computed", path=path, size=st.st_size, crc32c=crc)
     return crc
-
-
-# CRC32C (Castagnoli), reflected, as google_crc32c computes it.
-_POLY = 0x82F63B78
-
-
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo the CRC polynomial (both reflected, x^0 at bit 31), as zlib does."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _powers() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-#: x^(2^k) modulo the polynomial, for k in 0..31.
-_X2N = _powers()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len(B)``."""
-    p, k, n = 1 << 31, 3, len2  # x^0; x^(8 * len2) is x^(len2 * 2^3)
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
 
 
 #: ``read(j, offset, n, what, sink)``: feed bytes ``[offset, offset + n)`` of object ``j``

@@ -174,10 +174,7 @@ def chunk_sums(names: list[str], tensors: Mapping[str, torch.Tensor], word: int,
                     + start // integrity._CHUNK_WORDS)
         firsts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]])
         per_chunk = np.add.reduceat(sums, firsts).tolist()
-        at = 0
-        for n, c in zip(picked, chunks.tolist(), strict=True):
-            out[n] = per_chunk[at: at + c]
-            at += c
+        out.update(zip(picked, integrity.cut(per_chunk, chunks.tolist()), strict=True))
     return out, rest
 
 
@@ -204,7 +201,7 @@ def sampled(tensors: Mapping[str, torch.Tensor], samples: int,
         if index.size == 0:
             payloads[name] = b""
             continue
-        names, bases, indices = groups[(t.device, dtype)]
+        names, bases, indices = groups[(words.device, dtype)]
         names.append(name)
         bases.append(words.data_ptr())
         indices.append(index)
@@ -218,10 +215,8 @@ def sampled(tensors: Mapping[str, torch.Tensor], samples: int,
             _give_up(e)
             return {}, list(tensors)
         step = len(got) // len(addresses)  # bytes per normalised sample
-        pos = 0
-        for name, count in zip(names, counts.tolist(), strict=True):
-            payloads[name] = got[pos: pos + count * step]
-            pos += count * step
+        payloads.update(zip(names, integrity.cut(got, [c * step for c in counts.tolist()]),
+                            strict=True))
     return payloads, rest
 
 

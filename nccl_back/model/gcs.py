@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
+from nccl_back.model.object_store import BufferWriter
 from nccl_back.model.storage import (
     Backend,
     Location,
@@ -50,22 +51,6 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError))
 
 
-class _BufferWriter:
-    """A write-only file object over a pre-allocated buffer, for ``download_to_file``."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.pos = 0
-
-    def write(self, data: bytes) -> int:
-        n = len(data)
-        if self.pos + n > len(self.view):
-            raise StorageError(f"server sent more than the {len(self.view)} bytes requested")
-        self.view[self.pos : self.pos + n] = data
-        self.pos += n
-        return n
-
-
 @register_backend
 class GcsObjects(Backend):
     """Reads ``gs://`` objects; thread-safe.
@@ -95,11 +80,8 @@ class GcsObjects(Backend):
                 "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
             ) from e
 
-    def describe(self) -> str:
-        try:
-            return f"endpoint {self.client.api_endpoint}, project {self.client.project!r}"
-        except Exception:  # a description must never fail the check it decorates
-            return ""
+    def _describe(self) -> str:
+        return f"endpoint {self.client.api_endpoint}, project {self.client.project!r}"
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one remote request with retries; map failures to nccl_back errors."""
@@ -166,7 +148,7 @@ class GcsObjects(Backend):
             # A fresh Blob (no metadata loaded) so the request goes to the client's
             # endpoint, not to a mediaLink that may name another host.
             blob = self.client.bucket(loc.bucket).blob(loc.path)
-            writer = _BufferWriter(view)
+            writer = BufferWriter(view)
             blob.download_to_file(
                 writer, start=start, end=start + len(view) - 1,
                 checksum=None, retry=None, timeout=self.timeout,

@@ -10,9 +10,7 @@ one differing tensor must never share a version (vLLM 0.31's header-only key did
 exactly that).
 
 Each shard's CRC32C comes from the backend of its URI's scheme
-(:meth:`~nccl_back.model.storage.Storage.crc32cs`): from the store's own metadata where
-it has a whole-object CRC32C, else computed once and cached on disk
-(:mod:`nccl_back.model.crc_cache`), local files by file identity.
+(:meth:`~nccl_back.model.storage.Storage.crc32cs`).
 
 A diffusers pipeline folder (``model_index.json`` at the root, one folder per
 component) is one spec: its version covers ``model_index.json``, every component's

@@ -69,10 +69,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -82,6 +83,7 @@ from nccl_back.log import get_logger
 from nccl_back.model.skeleton import Model, named_tensors
 
 HashMode = Literal["sampled", "full"]
+T = TypeVar("T")
 
 DEFAULT_SAMPLES = 100
 #: Words per chunk in ``full`` mode (4 MiB of int64): small enough to stay in cache,
@@ -228,9 +230,8 @@ def _first(names: list[str]) -> str:
     return f"[{shown}{more}]"
 
 
-#: Integer dtype of each element width: ``torch.take`` has kernels for these on every
-#: device, but not for float8, uint16/32/64 or complex32, so samples are gathered
-#: through a same-width integer view and only then read as their own dtype.
+#: Integer dtype of each element width: samples are gathered through such a view (the
+#: dtypes ``torch.take`` has kernels for everywhere), then read as their own dtype.
 _WORD_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Floating dtypes hashed as float16: those that convert to it on CPU and GPU alike.
 #: float8_e8m0fnu (powers of two up to 2**127) would overflow and float4 has no
@@ -243,8 +244,7 @@ _TO_HALF = frozenset(
     )
     if hasattr(torch, name)
 )
-#: The one NaN every NaN hashes as: conversions keep (CPU) or drop (GPU) payload
-#: and sign bits, so NaNs are canonicalised for both sides to agree.
+#: The one NaN every NaN hashes as (conversions keep or drop payload and sign bits).
 _HALF_NAN = 0x7E00
 
 
@@ -286,10 +286,7 @@ def _sampled_payloads(
     fused, left = fused_hash.sampled(tensors, samples, key)
     payloads, rest = _sampled_in_place({n: tensors[n] for n in left}, samples, key)
     payloads.update(fused)
-    by_device: dict[torch.device, list[str]] = defaultdict(list)
-    for name in rest:
-        by_device[tensors[name].device].append(name)
-    for device, names in by_device.items():
+    for device, names in _by_device({n: tensors[n] for n in rest}).items():
         picks = sample_picks_of([(n, tensors[n].numel()) for n in names], samples, key)
         index = [torch.from_numpy(_word_index(p, _as_words(tensors[n])[2]))
                  for n, p in zip(names, picks, strict=True)]
@@ -297,18 +294,12 @@ def _sampled_payloads(
         # GPU model costs two synchronisations rather than two per tensor.
         all_index = torch.cat(index).to(device)
         picked: list[torch.Tensor] = []
-        start = 0
-        for n, idx in zip(names, index, strict=True):
-            end = start + idx.numel()
+        for n, idx in zip(names, cut(all_index, [i.numel() for i in index]), strict=True):
             words, dtype, _ = _as_words(tensors[n])
-            picked.append(_normalise(torch.take(words, all_index[start:end]), dtype))
-            start = end
+            picked.append(_normalise(torch.take(words, idx), dtype))
         blob = torch.cat(picked).cpu().numpy() if picked else np.empty(0, np.uint8)
-        start = 0
-        for n, p in zip(names, picked, strict=True):
-            end = start + p.numel()
-            payloads[n] = blob[start:end].tobytes()
-            start = end
+        for n, part in zip(names, cut(blob, [p.numel() for p in picked]), strict=True):
+            payloads[n] = part.tobytes()
     return payloads
 
 
@@ -350,11 +341,16 @@ def _sampled_in_place(
         flat_index = torch.from_numpy(np.concatenate(index)).to(device)
         blob = _normalise(torch.take(whole, flat_index), dtype).cpu().numpy().tobytes()
         width = len(blob) // len(flat_index)  # bytes per sample after normalising
-        pos = 0
-        for (name, _, _), idx in zip(members, index, strict=True):
-            payloads[name] = blob[pos : pos + len(idx) * width]
-            pos += len(idx) * width
+        for (name, _, _), part in zip(members, cut(blob, [len(i) * width for i in index]),
+                                      strict=True):
+            payloads[name] = part
     return payloads, rest
+
+
+def cut(seq: T, sizes: Iterable[int]) -> list[T]:
+    """``seq`` (anything sliceable) cut into consecutive pieces of ``sizes``."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [seq[a:b] for a, b in itertools.pairwise(bounds)]  # type: ignore[index]
 
 
 def _by_device(tensors: Mapping[str, torch.Tensor]) -> dict[torch.device, list[str]]:
@@ -380,10 +376,7 @@ def _host_sums(names: list[str], tensors: Mapping[str, torch.Tensor], size: int,
         partials.extend(sums)
         counts.append(len(sums))
     flat = torch.stack(partials).cpu().tolist() if partials else []
-    start = 0
-    for n, count in zip(names, counts, strict=True):
-        fused[n] = flat[start: start + count]
-        start += count
+    fused.update(zip(names, cut(flat, counts), strict=True))
     return fused
 
 

@@ -6,7 +6,7 @@ concatenation along dim 0 of such slices of ``q``, ``k`` and ``v``, a padded voc
 ends in rows that map to nothing. A :class:`TensorLayout` says so for one skeleton
 tensor: a concatenation along ``dim`` of :class:`Piece` s (a slice along one dim of one
 logical checkpoint tensor) and :class:`Padding`. A skeleton tensor without one is the
-whole checkpoint tensor of its name, as every load assumed before.
+whole checkpoint tensor of its name.
 
 A :class:`Layout` is that description for every tensor of one rank's skeleton, checked
 against the checkpoint's shapes (:func:`layout_of`). Its canonical JSON and

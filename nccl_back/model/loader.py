@@ -2,31 +2,26 @@
 
 Name mapping: a checkpoint tensor fills the skeleton tensor of the same name; a name
 that is an alias of a tied tensor (``lm_head.weight`` tied to ``embed.weight``) fills
-its canonical tensor. For a mapping model (``{"transformer": ..., "vae": ...}``) the
-checkpoint's names are the full prefixed names (``transformer.blocks.0.weight``), the
-same names :func:`nccl_back.model.skeleton.named_tensors` gives, so one checkpoint (any
-number of shards, in any grouping) serves a whole pipeline. A rank that holds only
-some sub-modules passes a mapping of just those: checkpoint tensors under other
-sub-module names belong to other ranks and are skipped (shards holding only those
-are not read); every tensor under a held sub-module's name must still fit exactly.
+its canonical tensor. A mapping model (``{"transformer": ..., "vae": ...}``, a
+pipeline's components) or a module with one child per pipeline component takes the
+full prefixed names (``transformer.blocks.0.weight``, as
+:func:`nccl_back.model.skeleton.named_tensors` gives them), so one checkpoint serves a
+whole pipeline. A rank passing a mapping of some sub-modules skips the tensors of the
+others (shards holding only those are not read); every tensor under a held
+sub-module's name must still fit exactly.
 
 Order of work: read every header, check every tensor's dtype and shape and that the
-checkpoint and skeleton hold exactly the same tensors, and only then copy. So a
+checkpoint and skeleton hold exactly the same tensors, and only then copy, so a
 mismatch raises :class:`WeightLoadError` before any byte is written. Local shards are
-read with positional reads straight into the skeleton's existing tensors (never
-memory-mapped: a mapped file truncated meanwhile kills the process with SIGBUS);
-remote shards are downloaded into one buffer each and copied from it.
-
-A diffusers pipeline spec (:attr:`ModelSpec.components`) loads into a mapping of
-component skeletons (``{"unet": unet, "vqvae": vq}``, all or some of its components)
-or into a module with one child per component: each component's files fill the
-tensors under its name, and only the held components' files are read.
+read with positional reads straight into the skeleton's tensors (never memory-mapped:
+a mapped file truncated meanwhile kills the process with SIGBUS); remote shards are
+downloaded into one buffer each and copied from it.
 
 Every shard's CRC32C is checked against the identity: downloads as they arrive, before
 their tensors are copied; local files over exactly the bytes read into the tensors, as
 they are read (a file changed during the load is an error naming it, never a silent
-mix; the CRC32C runs at ~12 GB/s, cheap beside the read). A warm restart reads each
-local shard once: the identity comes from the CRC32C cache, the load reads the bytes.
+mix). A warm restart reads each local shard once: the identity comes from the CRC32C
+cache, the load reads the bytes.
 """
 
 from __future__ import annotations
@@ -208,6 +203,19 @@ def read_exact(fd: int, dest: np.ndarray, offset: int, path: str, size: int) -> 
         done += n
 
 
+def open_shard(path: str, size: int) -> int:
+    """A read-only descriptor of a local shard, whose size must be its identity's ``size``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as e:
+        raise ShardNotFoundError(f"shard {path!r} does not exist") from e
+    if (got := os.fstat(fd).st_size) != size:
+        os.close(fd)
+        raise CheckpointFormatError(
+            f"{path}: {got} bytes, its identity says {size} (changed since fingerprinted?)")
+    return fd
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor's bytes as a flat uint8 tensor sharing its memory, if it is contiguous."""
     if not t.is_contiguous() or t.numel() == 0:
@@ -218,24 +226,13 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
 def _load_local(shard: Shard, copies: Sequence[_Copy], header: ShardHeader,
                 tracker: _Tracker) -> None:
     """Read the shard with positional reads straight into the skeleton's tensors, and
-    checksum exactly the bytes read as they arrive: what is copied is what is checked.
-
-    Never an ``mmap``: a file truncated while mapped raises SIGBUS, and one rewritten in
-    place would hand over new bytes after the old ones passed their check. A change
-    (other header, short read, another CRC32C) is an error naming the shard; its tensors
-    count as filled (``on_filled``) only after the whole file's CRC32C passed.
-    """
+    checksum exactly the bytes read as they arrive: what is copied is what is checked
+    (a mapped file rewritten in place would hand over bytes after their check). A
+    change is an error naming the shard; its tensors count as filled (``on_filled``)
+    only after the whole file's CRC32C passed."""
     path = parse_uri(shard.uri).path
+    fd = open_shard(path, shard.size)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError as e:
-        raise ShardNotFoundError(f"shard {path!r} does not exist") from e
-    try:
-        st = os.fstat(fd)
-        if st.st_size != shard.size:
-            raise CheckpointFormatError(
-                f"{path}: {st.st_size} bytes, its identity says {shard.size} (changed since fingerprinted?)"
-            )
         head = np.empty(len(header.raw), dtype=np.uint8)
         read_exact(fd, head, 0, path, shard.size)
         if head.tobytes() != header.raw:
@@ -339,8 +336,6 @@ def load_from_storage(
     tensors, aliases = named_tensors(model)
     needed = _held_shards(model, spec)
     headers = model_headers(storage, spec, needed)
-    # A mapping model (one rank of a pipeline) holds some sub-modules of the checkpoint:
-    # tensors of the others are skipped, and shards holding only those are not read.
     held = tuple(f"{k}." for k in model) if isinstance(model, Mapping) else None
     try:
         plan = _plan_load(tensors, aliases, headers, held)

@@ -115,9 +115,7 @@ def sums(region: torch.Tensor, name: str, shape: tuple[int, ...], dims: tuple[in
     weights = {e: _weights(key, name, shape, e, device) for e in range(len(shape))}
     weights[cut] = weights[cut][start:start + region.shape[cut]]
     flat = region.detach().reshape(region.shape[0], -1)  # dim 0 by the others, in memory order
-    inner = torch.ones(1, dtype=torch.int64, device=device)  # the other dims' weights' product
-    for e in range(1, len(shape)):
-        inner = (inner.reshape(-1, 1) * weights[e].reshape(1, -1)).reshape(-1)
+    inner = _inner(weights, 0, device)
     rows = flat.shape[0]
     step = max(_CHUNK // max(flat.shape[1], 1), 1)
     along: list[torch.Tensor] = []
@@ -143,14 +141,20 @@ def sums(region: torch.Tensor, name: str, shape: tuple[int, ...], dims: tuple[in
     return out
 
 
+def _inner(weights: dict[int, torch.Tensor], skip: int, device: torch.device) -> torch.Tensor:
+    """Every dim's weights but ``skip``'s multiplied out, flat in memory order."""
+    inner = torch.ones(1, dtype=torch.int64, device=device)
+    for e in sorted(weights):
+        if e != skip:
+            inner = (inner.reshape(-1, 1) * weights[e].reshape(1, -1)).reshape(-1)
+    return inner
+
+
 def _along(region: torch.Tensor, d: int, weights: dict[int, torch.Tensor], mul: int,
            scratch: Scratch) -> np.ndarray:
     """``P_d`` with dim ``d`` moved first (a copy per chunk: tensors of three or more
     dims, rare in checkpoints)."""
-    inner = torch.ones(1, dtype=torch.int64, device=region.device)
-    for e in sorted(weights):
-        if e != d:
-            inner = (inner.reshape(-1, 1) * weights[e].reshape(1, -1)).reshape(-1)
+    inner = _inner(weights, d, region.device)
     moved = region.detach().movedim(d, 0)
     step = max(_CHUNK // max(moved[0].numel(), 1), 1)
     parts = [_contract(_values(moved[lo:lo + step].contiguous(), mul, scratch).reshape(

@@ -10,12 +10,8 @@ passes only the components it holds.
 initialisation and without reading its weights: the component's class (from
 ``model_index.json``) is constructed from its ``config.json`` (``from_config`` for
 diffusers models, the config class for transformers models) under
-:func:`nccl_back.model.skeleton.build`, so every ``nn.Parameter`` moves to the ``meta``
-device as it is registered (parameters cost nothing, initialisers run on ``meta``),
-buffers are computed by the constructor as usual (constructor state that no
-checkpoint carries is real), and then the whole component gets one allocation on the
-target device, laid out as a consolidated skeleton (sorted names, ``ALIGN``-ed),
-which makes transfers between skeletons near one flat broadcast.
+:func:`nccl_back.model.skeleton.build`: parameters on ``meta`` while it runs, then one
+allocation for the whole component.
 
 Constructors that load weights eagerly (a component that calls ``from_pretrained``
 or ``load_state_dict`` on a sub-model in its ``__init__``) run under the same rule: the

@@ -19,7 +19,7 @@ sharded tensor, all of them for a replicated one); with the secret, positions an
 cannot be predicted or forged (forging one position's MAC: 2^-32). Raw bytes are
 compared, so a NaN payload or a flipped sign bit counts. What it misses: changes
 outside the sampled positions (it is a sample, like ``sampled`` mode); without a secret
-the positions are public, so it is then a corruption check only, as today.
+the positions are public, so it is then a corruption check only.
 """
 
 from __future__ import annotations

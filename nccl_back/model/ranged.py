@@ -4,18 +4,12 @@ of the checkpoint tensors its pieces come from, through one bounded staging buff
 Per checkpoint tensor the rank's layout needs, the span is the rows (dim 0) its pieces
 cover: a column-parallel slice is a contiguous sub-span of a row-major tensor, a piece
 along another dim needs every row, so the tensor's whole span. Spans are read in
-chunks of whole rows into the staging buffer (reused; :data:`STAGE_BYTES`, or one row
-if a row is larger) and each chunk's part of every move of
-:func:`~.reshard_plan.plan` (this layout from a whole-checkpoint holder) is copied
-straight into the rank's tensors (:func:`~.reshard_plan.place`).
+chunks of whole rows into the staging buffer and copied straight into the rank's
+tensors by the moves of :func:`~.reshard_plan.plan` (:func:`~.reshard_plan.place`).
 
-A checkpoint tensor more than one rank needs rows of (overlapping spans: a piece along
-dim 1, a replicated tensor) is read once by the group: :func:`schedule`, from every
-rank's :attr:`RangedLoad.needs`, splits its rows into one contiguous block per rank
-(balanced by bytes), each rank reads its own block (:meth:`RangedLoad.read_chunk`, in
-staging-sized chunks, CRC-ing its intervals like any span) and the caller hands each
-chunk to every rank (:meth:`RangedLoad.buffer`, :meth:`RangedLoad.place`), in the
-order :meth:`Schedule.chunks` gives every rank alike.
+A checkpoint tensor more than one rank needs rows of (a piece along dim 1, a
+replicated tensor) is read once by the group: :func:`schedule` gives each rank one
+block of its rows to read, and the caller hands each chunk to every rank.
 
 No rank reads a whole file, so no rank can check a file's CRC32C alone. Instead each
 rank returns the CRC32C of every elementary interval it read (its spans cut at every
@@ -36,11 +30,11 @@ import numpy as np
 import torch
 
 from nccl_back import _clock
-from nccl_back.errors import CheckpointFormatError, ShardNotFoundError, StorageError
+from nccl_back.errors import StorageError
 from nccl_back.model.checkpoint import TensorInfo, locate, model_headers
 from nccl_back.model.crc import Interval
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.loader import read_exact
+from nccl_back.model.loader import open_shard, read_exact
 from nccl_back.model.reshard_plan import Move, place, plan, zero_padding
 from nccl_back.model.sharding import Sharding
 from nccl_back.model.skeleton import Model, named_tensors
@@ -163,17 +157,11 @@ def schedule(needs: Sequence[Needs]) -> Schedule:
 
 @dataclass(frozen=True)
 class _Source:
-    """One checkpoint tensor this rank reads rows ``rows`` of, and the moves fed by them."""
+    """One checkpoint tensor, the rows of it this rank reads, and the moves fed by them."""
 
     info: TensorInfo
-    rows: tuple[int, int]
-    row_bytes: int
+    need: Need
     moves: tuple[Move, ...]
-
-    @property
-    def span(self) -> Span:
-        return (self.info.uri, self.info.start + self.rows[0] * self.row_bytes,
-                self.info.start + self.rows[1] * self.row_bytes)
 
 
 class RangedLoad:
@@ -199,8 +187,7 @@ class RangedLoad:
         """The headers this rank parsed (their CRCs come from the bytes it read them as,
         so ranks must agree on them) and the rows of each checkpoint tensor it needs."""
         heads = tuple((h.uri, 0, len(h.raw)) for h in self.headers)
-        return Needs(heads, tuple(Need(s.info.name, s.info.uri, s.info.start, s.row_bytes, *s.rows)
-                                  for s in self.sources), self.stage_cap)
+        return Needs(heads, tuple(s.need for s in self.sources), self.stage_cap)
 
     @property
     def spans(self) -> list[Span]:
@@ -215,7 +202,7 @@ class RangedLoad:
         self._tensors = named_tensors(model)[0]
         self._shared = sched.names
         spans = [*extra, *sched.reads(rank)[len(self.headers):]]
-        row = max((s.row_bytes for s in self.sources), default=0)
+        row = max((s.need.row_bytes for s in self.sources), default=0)
         stage = max(min(self.stage_cap, max((hi - lo for _, lo, hi in spans), default=0)), row,
                     sched.chunk_bytes, 1)
         self._reader = SpanReader(self.storage, self.spec.shards, cuts, stage)
@@ -291,14 +278,15 @@ class RangedLoad:
 
     def _fill(self, reader: SpanReader, s: _Source, tensors: Mapping[str, torch.Tensor]) -> None:
         """Read ``s``'s rows in chunks of whole rows and place each chunk's moves."""
-        uri, lo, hi = s.span
+        need = s.need
+        uri, lo, hi = need.span(need.lo, need.hi)
         if hi <= lo:
             return
-        step = max(len(reader.stage) // s.row_bytes, 1) * s.row_bytes
+        step = max(len(reader.stage) // need.row_bytes, 1) * need.row_bytes
         shape = s.info.shape or (1,)
         for off, buf in reader.read(uri, lo, hi, step):
-            first = s.rows[0] + (off - lo) // s.row_bytes
-            n = len(buf) // s.row_bytes
+            first = need.lo + (off - lo) // need.row_bytes
+            n = len(buf) // need.row_bytes
             chunk = torch.from_numpy(buf).view(s.info.dtype).view((n, *shape[1:]))
             for m in s.moves:
                 place(m, (first, first + n), chunk, tensors)
@@ -306,8 +294,9 @@ class RangedLoad:
 
 def _source(info: TensorInfo, moves: list[Move]) -> _Source:
     shape = info.shape or (1,)
-    rows = (min(m.src_box[0][0] for m in moves), max(m.src_box[0][1] for m in moves))
-    return _Source(info, rows, info.nbytes // shape[0] if shape[0] else 0, tuple(moves))
+    lo, hi = min(m.src_box[0][0] for m in moves), max(m.src_box[0][1] for m in moves)
+    row_bytes = info.nbytes // shape[0] if shape[0] else 0
+    return _Source(info, Need(info.name, info.uri, info.start, row_bytes, lo, hi), tuple(moves))
 
 
 class SpanReader:
@@ -357,14 +346,7 @@ class SpanReader:
 
     def _fd(self, uri: str, path: str) -> int:
         if uri not in self.fds:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError as e:
-                raise ShardNotFoundError(f"shard {path!r} does not exist") from e
-            self.fds[uri] = fd
-            if (size := os.fstat(fd).st_size) != self.shards[uri].size:
-                raise CheckpointFormatError(f"{path}: {size} bytes, its identity says"
-                                            f" {self.shards[uri].size} (changed since fingerprinted?)")
+            self.fds[uri] = open_shard(path, self.shards[uri].size)
         return self.fds[uri]
 
     def close(self) -> None:

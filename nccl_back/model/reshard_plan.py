@@ -15,13 +15,10 @@ translated into holder and receiver coordinates (layouts map elements by transla
 so a box stays a box). The receiver's pieces tile its tensors, so every non-padding
 element is filled exactly once; padding is filled by nothing.
 
-:func:`sent` and :class:`Landing` are one holder's moves as a transfer's payload: one
-byte tensor per move, in plan order, that is the box itself wherever the box is one
-contiguous run of memory (a slice along the first dim of a contiguous tensor), so most
-bytes are neither packed by the sender nor copied again by the receiver; the other boxes
-are staged. :func:`pack` and :func:`unpack` apply moves through one buffer (the whole-checkpoint
-sharded storage load); :func:`place` applies them from chunks of source rows (the
-ranged one).
+:func:`sent` and :class:`Landing` are one holder's moves as a transfer's payload, one
+byte tensor per move, the box itself wherever it is one contiguous run of memory (a
+slice along the first dim of a contiguous tensor), so most bytes are neither packed by
+the sender nor copied again by the receiver.
 """
 
 from __future__ import annotations

@@ -14,13 +14,9 @@ What a user of those expects, and nothing of our own beyond one setting:
   connection errors; waits go through :mod:`nccl_back._clock`.
 
 CRC32C: a listing gives sizes and ETags but no checksum values, so each object is
-asked once (HeadObject, ``ChecksumMode=ENABLED``). A whole-object ``ChecksumCRC32C``
-is used as it is; a composite one (a multipart upload's, ``...-N``) is no CRC32C of the
-object and counts as absent: then the object is read once, as parallel ranged GETs
-pinned to the listed ETag (``If-Match``), its pieces' CRC32C combined. Either way the
-value is cached by (endpoint, bucket, key, ETag, size) in ``cache_dir``, so a restart
-sends no request per object. Downloads are ranged GETs into the destination buffer;
-:class:`~nccl_back.model.storage.Storage` checks their CRC32C.
+asked once (HeadObject, ``ChecksumMode=ENABLED``). A composite ``ChecksumCRC32C`` (a
+multipart upload's, ``...-N``) is no CRC32C of the object and counts as absent: then
+it is computed and cached as :mod:`~nccl_back.model.object_store` says.
 
 boto3 is imported on the first request only.
 """
@@ -34,16 +30,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
-
-from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
-from nccl_back.model.crc_cache import CrcCache, ranged_crc32cs
+from nccl_back.model.object_store import MAX_LIST_PAGES, ObjectStore, range_total
 from nccl_back.model.storage import (
-    DEFAULT_TIMEOUT,
-    MIN_CHUNK_BYTES,
-    Backend,
     Location,
     ObjectInfo,
     register_backend,
@@ -60,8 +50,6 @@ T = TypeVar("T")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IPV4_RE = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
 _BUCKET_RULES = "3-63 lowercase letters, digits, '.' and '-'"
-#: Pages of 1000 keys a listing may take (a prefix holds one model's files).
-MAX_LIST_PAGES = 1000
 #: Bytes read from a response body at a time (a CRC pass keeps no more per worker).
 _READ_BYTES = 1 << 20
 
@@ -116,7 +104,7 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, (bexc.HTTPClientError, bexc.ConnectionError, ConnectionError, TimeoutError))
 
 
-def _read_body(body: Any, what: str, sink: Callable[[bytes], None], most: int) -> int:
+def _read_body(body: Any, what: str, sink: Callable[[bytes], object], most: int) -> int:
     """Stream a response body into ``sink`` in bounded reads; bytes read (at most ``most``)."""
     got = 0
     try:
@@ -130,29 +118,14 @@ def _read_body(body: Any, what: str, sink: Callable[[bytes], None], most: int) -
     return got
 
 
-def _object_size(resp: dict[str, Any]) -> int | None:
-    """The whole object's size from a ranged GET's headers (``bytes 0-9/TOTAL``; the
-    length of a whole body where the server ignored the range); None if neither says."""
-    got = resp.get("ContentRange")
-    if isinstance(got, str):
-        total = got.rpartition("/")[2]
-        return int(total) if total.isdigit() else None
-    length = resp.get("ContentLength")
-    return length if isinstance(length, int) else None
-
-
 @register_backend
-class S3Objects(Backend):
+class S3Objects(ObjectStore):
     """Reads ``s3://`` objects; thread-safe (one boto3 client, made on first use)."""
 
     scheme = "s3"
     form = "s3://bucket/prefix"
-
-    def __init__(
-        self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
-        super().__init__(settings, timeout=timeout, client=client)
-        self._session: Any = None
+    _session: Any = None
+    """The boto3 session :meth:`_make_client` made (None with a client given)."""
 
     @classmethod
     def parse(cls, uri: str, rest: str) -> Location:
@@ -189,13 +162,10 @@ class S3Objects(Backend):
     def endpoint(self) -> str:
         return str(self.client.meta.endpoint_url)
 
-    def describe(self) -> str:
-        try:
-            creds = self._session.get_credentials() if self._session is not None else None
-            who = f"credentials from {creds.method}" if creds is not None else "no credentials"
-            return f"endpoint {self.endpoint}, region {self.client.meta.region_name}, {who}"
-        except Exception:  # a description must never fail the check it decorates
-            return ""
+    def _describe(self) -> str:
+        creds = self._session.get_credentials() if self._session is not None else None
+        who = f"credentials from {creds.method}" if creds is not None else "no credentials"
+        return f"endpoint {self.endpoint}, region {self.client.meta.region_name}, {who}"
 
     def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
         """Run one request with retries; map failures to one line naming the URI and the fix."""
@@ -260,39 +230,12 @@ class S3Objects(Backend):
 
     def _object_info(self, loc: Location, prefix: str, item: Any) -> ObjectInfo | None:
         """A listed object, or None (logged) for an entry that is not one directly inside."""
-        key, size, etag = item.get("Key"), item.get("Size"), item.get("ETag")
-        ok = (isinstance(key, str) and key.startswith(prefix) and "/" not in key[len(prefix):]
-              and key != prefix and isinstance(size, int) and size >= 0
-              and isinstance(etag, str))
-        if not ok:
-            if key != prefix:
-                log.warning("s3_listing_entry_skipped", uri=loc.uri, key=repr(key)[:200])
-            return None
-        return ObjectInfo(f"s3://{loc.bucket}/{key}", key[len(prefix):], size, None, tag=etag)
+        return self._listed(loc, prefix, item.get("Key"), item.get("Size"), item.get("ETag"))
 
-    def crc32cs(self, infos: Sequence[ObjectInfo], cache_dir: str) -> list[str]:
-        cache = CrcCache(cache_dir)
-        keys = [["s3", self.endpoint, i.tag, i.size] if i.tag else None for i in infos]
-        out = [cache.get_key(i.uri, k) if k else None for i, k in zip(infos, keys, strict=True)]
-        todo = [j for j, crc in enumerate(out) if crc is None]
-        workers = max(1, min(self.settings.storage_workers, len(todo)))
+    def _metadata_crc32cs(self, infos: Sequence[ObjectInfo]) -> list[str | None]:
+        workers = max(1, min(self.settings.storage_workers, len(infos)))
         with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-s3-head") as pool:
-            heads = list(pool.map(lambda j: self._head_crc32c(infos[j]), todo))
-        # Objects with no whole-object checksum are read, all in one pool of ranges.
-        bare = [j for j, crc in zip(todo, heads, strict=True) if crc is None]
-        computed = dict(zip(bare, self._compute_crc32cs([infos[j] for j in bare]), strict=True))
-        for j, crc in zip(todo, heads, strict=True):
-            crc = crc or computed[j]
-            out[j] = crc
-            key = keys[j]
-            if key is not None:
-                cache.put_key(infos[j].uri, key, crc)
-        cache.save()
-        return [str(c) for c in out]
-
-    def _loc(self, info: ObjectInfo) -> Location:
-        bucket, _, key = info.uri[len("s3://"):].partition("/")
-        return Location("s3", bucket, key)
+            return list(pool.map(self._head_crc32c, infos))
 
     def _head_crc32c(self, info: ObjectInfo) -> str | None:
         """The whole-object CRC32C in ``info``'s metadata; None if it has none."""
@@ -311,32 +254,24 @@ class S3Objects(Backend):
                      checksum=str(head.get("ChecksumCRC32C"))[:40])
         return crc
 
-    def _compute_crc32cs(self, infos: Sequence[ObjectInfo]) -> list[str]:
-        """Read each object once for its CRC32C, in ranged GETs pinned to its listed ETag."""
-        return ranged_crc32cs(
-            [(i.uri, i.size) for i in infos],
-            lambda j, off, n, what, sink: self._ranged(
-                self._loc(infos[j]), off, n, what, sink,
-                **({"IfMatch": infos[j].tag} if infos[j].tag else {})),
-            lambda j, what, fn: self._call(what, self._loc(infos[j]), fn),
-            workers=self.settings.storage_workers, chunk_bytes=self.settings.chunk_bytes,
-            min_chunk=MIN_CHUNK_BYTES, backend="s3")
-
     # -- reads -------------------------------------------------------------------------
 
     def _ranged(self, loc: Location, start: int, n: int, what: str,
-                sink: Callable[[bytes], None], **extra: Any) -> int:
-        """One GET of bytes ``[start, start + n)`` streamed into ``sink``; bytes received."""
+                sink: Callable[[bytes], object], *, etag: str = "") -> int:
         resp = self.client.get_object(
-            Bucket=loc.bucket, Key=loc.path, Range=f"bytes={start}-{start + n - 1}", **extra
-        )
-        got_range = resp.get("ContentRange")
-        if start and not (isinstance(got_range, str) and got_range.startswith(f"bytes {start}-")):
+            Bucket=loc.bucket, Key=loc.path, Range=f"bytes={start}-{start + n - 1}",
+            **({"IfMatch": etag} if etag else {}))
+        try:
+            range_total(what, start, resp.get("ContentRange"))
+        except StorageError:
             resp["Body"].close()
-            # A server that ignores Range sends the object from its first byte.
-            raise StorageError(f"{what}: the server answered Range bytes={start}-... with"
-                               f" {got_range!r}; use an endpoint that supports ranged GETs")
+            raise
         return _read_body(resp["Body"], what, sink, n)
+
+    def _past_end(self, e: BaseException | None) -> bool:
+        from botocore import exceptions as bexc
+
+        return isinstance(e, bexc.ClientError) and _error_code(e)[0] == "InvalidRange"
 
     def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
         from botocore import exceptions as bexc
@@ -352,7 +287,9 @@ class S3Objects(Backend):
                 if _error_code(e)[0] == "InvalidRange":
                     return b""  # no byte 0: the object is empty
                 raise
-            size = _object_size(resp)
+            size = range_total(what, 0, got := resp.get("ContentRange"))
+            if not isinstance(got, str) and isinstance(resp.get("ContentLength"), int):
+                size = resp["ContentLength"]  # a whole body: the server ignored the range
             if size is None or size > max_bytes:
                 resp["Body"].close()  # unread: the connection is dropped, not drained
                 if size is None:
@@ -363,31 +300,3 @@ class S3Objects(Backend):
             return b"".join(parts)
 
         return self._call(what, loc, bounded)
-
-    def read_range(self, loc: Location, start: int, end: int) -> bytes:
-        from botocore import exceptions as bexc
-
-        buf = np.empty(end - start, dtype=np.uint8)
-        try:
-            n = self.fetch_into(loc, buf.data, start)
-        except StorageError as e:
-            if isinstance(e.__cause__, bexc.ClientError) and _error_code(e.__cause__)[0] == "InvalidRange":
-                return b""  # starts past the end: the object is shorter
-            raise
-        return buf[:n].tobytes()
-
-    def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
-        """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; bytes received."""
-        what = f"downloading {loc.uri} [{start}, {start + len(view)})"
-
-        def fetch() -> int:
-            pos = 0
-
-            def copy(data: bytes) -> None:
-                nonlocal pos
-                view[pos : pos + len(data)] = data
-                pos += len(data)
-
-            return self._ranged(loc, start, len(view), what, copy)
-
-        return self._call(what, loc, fetch)

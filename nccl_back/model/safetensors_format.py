@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from nccl_back import bounded_json
 from nccl_back.errors import CheckpointFormatError
 from nccl_back.model.storage import Shard, Storage
+
+T = TypeVar("T")
 
 #: The reference library's limit on the JSON header size (``MAX_HEADER_SIZE``).
 MAX_HEADER_BYTES = 100_000_000
@@ -311,9 +313,14 @@ def read_header(storage: Storage, shard: Shard) -> HeaderRecord:
     return parse(read_raw_header(storage, shard), shard.uri, shard.size)
 
 
-def validate_headers(storage: Storage, shards: Sequence[Shard]) -> list[HeaderRecord]:
-    """Read and validate every shard's header, in parallel (remote reads are round-trip
-    bound); the first malformed one raises :class:`CheckpointFormatError` naming it."""
+def per_shard(storage: Storage, shards: Sequence[Shard], read: Callable[[Storage, Shard], T]) -> list[T]:
+    """``read(storage, shard)`` of every shard, in parallel (remote reads are round-trip bound)."""
     workers = max(1, min(storage.settings.storage_workers, len(shards)))
     with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-header") as pool:
-        return list(pool.map(lambda s: read_header(storage, s), shards))
+        return list(pool.map(lambda s: read(storage, s), shards))
+
+
+def validate_headers(storage: Storage, shards: Sequence[Shard]) -> list[HeaderRecord]:
+    """Every shard's header, validated; the first malformed one raises
+    :class:`CheckpointFormatError` naming it."""
+    return per_shard(storage, shards, read_header)

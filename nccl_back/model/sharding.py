@@ -1,11 +1,9 @@
 """A tensor-parallel library model's sharding: its :class:`~.layout.Layout` and the
 checkpoint it is cut from, and the whole-checkpoint storage load that cuts it.
 
-``nccl_back.sharding(model, spec, {name: column(...), ...})`` reads the checkpoint's
-headers (one ranged read per shard), checks the description against them and the
-skeleton, and returns the :class:`Sharding` a user passes to
-``WeightService.load(..., sharding=...)``. The helpers that describe one tensor
-(:func:`~.layout.column`, :func:`~.layout.row`, :func:`~.layout.concat`,
+``nccl_back.sharding(model, spec, {name: column(...), ...})`` gives the :class:`Sharding`
+a user passes to ``WeightService.load(..., sharding=...)``; the helpers that describe
+one tensor (:func:`~.layout.column`, :func:`~.layout.row`, :func:`~.layout.concat`,
 :func:`~.layout.shard`, :class:`~.layout.Padding`) live in :mod:`.layout`.
 """
 
@@ -15,16 +13,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from nccl_back.config import Settings
-from nccl_back.model.checkpoint import flat_skeleton, locate, model_headers
+from nccl_back.model.checkpoint import flat_skeleton, locate, manifest_of, model_headers
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.layout import Layout, TensorLayout, layout_of
+from nccl_back.model.layout import Layout, TensorLayout, layout_of, trivial_layout
 from nccl_back.model.loader import load_from_storage
 from nccl_back.model.reshard_plan import pack, plan, unpack, zero_padding
 from nccl_back.model.skeleton import (
     Manifest,
     Model,
-    TensorEntry,
-    dtype_name,
     manifest,
     named_tensors,
 )
@@ -43,7 +39,7 @@ class Sharding:
     @property
     def whole(self) -> Layout:
         """The layout of a plain holder of the whole checkpoint."""
-        return layout_of(self.checkpoint, {}, {e.name: e.shape for e in self.checkpoint.entries})
+        return trivial_layout(self.checkpoint)
 
 
 def sharding(model: Model, spec: ModelSpec, described: Mapping[str, TensorLayout],
@@ -55,10 +51,7 @@ def sharding(model: Model, spec: ModelSpec, described: Mapping[str, TensorLayout
     ``own``: tensors that hold no checkpoint element and that every worker of the
     version makes alike itself (an engine's constants): left out of the layout, so a
     resharding receiver keeps its own and no holder sends them."""
-    headers = model_headers(Storage(settings or Settings.from_env()), spec)
-    located = locate(headers)
-    ckpt = Manifest(tuple(TensorEntry(n, tuple(i.shape), dtype_name(i.dtype))
-                          for n, (_, i) in sorted(located.items())))
+    ckpt = manifest_of(locate(model_headers(Storage(settings or Settings.from_env()), spec)))
     shapes = {e.name: e.shape for e in ckpt.entries}
     held = manifest(model)
     if own:

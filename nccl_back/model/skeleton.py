@@ -95,9 +95,7 @@ class Manifest:
     @property
     def digest(self) -> str:
         """MD5 hex of the canonical JSON of the entries: equal iff same names, shapes, dtypes."""
-        payload = json.dumps(
-            [[e.name, list(e.shape), e.dtype] for e in self.entries], separators=(",", ":")
-        )
+        payload = json.dumps(self.to_json()["entries"], separators=(",", ":"))
         return hashlib.md5(payload.encode()).hexdigest()
 
     @property
@@ -273,12 +271,9 @@ _NO_INIT = _ThreadPatch(lambda: {(nn.init, f): _skip_init for f in _INIT_FUNCTIO
 
 def no_init() -> contextlib.AbstractContextManager[None]:
     """Within this block, this thread's ``torch.nn.init`` initialisers and
-    ``reset_parameters`` do nothing (other threads' are untouched).
-
-    Parameters keep whatever their allocation holds: they are containers to be filled.
-    Buffers a constructor computes with ordinary tensor ops (``inv_freq``, masks) are
-    computed as usual, so nothing that a checkpoint does not carry is left uninitialised.
-    """
+    ``reset_parameters`` do nothing (other threads' are untouched): parameters are
+    containers to be filled, while buffers a constructor computes with ordinary tensor
+    ops (``inv_freq``, masks), which no checkpoint carries, are computed as usual."""
     return _NO_INIT.active()
 
 
@@ -302,15 +297,13 @@ def flat_layout(man: Manifest) -> tuple[dict[str, int], int]:
 
 
 def consolidate(model: Model) -> Model:
-    """Re-home every tensor of a skeleton into one flat buffer, in manifest order.
-
-    Tensors become views of a single allocation (one per model), ``ALIGN``-ed, in
-    sorted name order. A transfer between two consolidated skeletons then moves large
-    contiguous ranges in place instead of packing and unpacking small tensors: close to
-    one flat broadcast. Parameter values are *not* copied (a skeleton holds none yet),
-    buffer values are; tied tensors stay tied; non-persistent buffers are left as they are. Parameters on the
-    ``meta`` device (:func:`build` makes them so) get their first real storage here:
-    the model is allocated once, never twice.
+    """Re-home every tensor of a skeleton into views of one ``ALIGN``-ed allocation, in
+    manifest order, so a transfer between two consolidated skeletons moves large
+    contiguous ranges in place: close to one flat broadcast. Parameter values are *not*
+    copied (a skeleton holds none yet), buffer values are; tied tensors stay tied;
+    non-persistent buffers are left as they are. Parameters on the ``meta`` device
+    (:func:`build` makes them so) get their first real storage here: the model is
+    allocated once, never twice.
     """
     man = manifest(model)
     tensors, aliases = named_tensors(model)
@@ -370,7 +363,7 @@ def _rehome(
                     param.data = views[name]
                     continue
                 if id(param) not in replaced:
-                    replaced[id(param)] = _real_parameter(param, views[name])
+                    replaced[id(param)] = _parameter_like(param, views[name])
                 mod._parameters[pname] = replaced[id(param)]
             for bname, buf in mod._buffers.items():
                 if buf is not None and bname not in mod._non_persistent_buffers_set:
@@ -383,17 +376,17 @@ def _rehome(
     return model
 
 
-def _real_parameter(meta: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A parameter like ``meta`` (class, ``requires_grad``, attributes) holding ``data``.
+def _parameter_like(like: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter like ``like`` (class, ``requires_grad``, attributes) holding ``data``.
 
-    ``.data`` cannot be swapped from the meta device to a real one, so the parameter
+    ``.data`` cannot be swapped between the meta device and a real one, so the parameter
     object is replaced; engines hang attributes (``weight_loader``) on theirs.
     """
     try:
-        new = type(meta)(data, requires_grad=meta.requires_grad)
+        new = type(like)(data, requires_grad=like.requires_grad)
     except Exception:  # a subclass with its own constructor: a plain Parameter will do
-        new = nn.Parameter(data, requires_grad=meta.requires_grad)
-    new.__dict__.update(meta.__dict__)
+        new = nn.Parameter(data, requires_grad=like.requires_grad)
+    new.__dict__.update(like.__dict__)
     return new
 
 
@@ -401,7 +394,7 @@ def _on_meta(original: Callable[..., Any], module: nn.Module, name: str,
              param: nn.Parameter | None) -> None:
     original(module, name, param)
     if param is not None and param.device.type != "meta":
-        module._parameters[name] = _meta_parameter(param)
+        module._parameters[name] = _parameter_like(param, param.data.to("meta"))
 
 
 _PATCH = _ThreadPatch(lambda: {(nn.Module, "register_parameter"): _on_meta})
@@ -409,24 +402,10 @@ _PATCH = _ThreadPatch(lambda: {(nn.Module, "register_parameter"): _on_meta})
 
 def params_on_meta() -> contextlib.AbstractContextManager[None]:
     """Within this block, every parameter this thread registers is moved to the ``meta``
-    device (other threads' modules are left alone).
-
-    Constructors still run on the real device, so buffers they compute (``inv_freq``)
-    are real; each parameter's real allocation is dropped as soon as it is registered,
-    so building costs at most one parameter of device memory until :func:`consolidate`
-    allocates the whole model once.
-    """
+    device (other threads' modules are left alone): constructors still run on the real
+    device, so buffers they compute are real, and building costs at most one parameter
+    of device memory until :func:`consolidate` allocates the whole model once."""
     return _PATCH.active()
-
-
-def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
-    meta = param.data.to("meta")
-    try:
-        new = type(param)(meta, requires_grad=param.requires_grad)
-    except Exception:
-        new = nn.Parameter(meta, requires_grad=param.requires_grad)
-    new.__dict__.update(param.__dict__)
-    return new
 
 
 def build(
@@ -436,12 +415,11 @@ def build(
 
     ``factory`` builds the model (or mapping of sub-modules) exactly as the worker
     would, minus any checkpoint loading (pass your own ``skip_checkpoint=True``-style
-    flag inside it). With ``flat`` (the default) parameters are created on the
-    ``meta`` device while the factory runs (:func:`params_on_meta`) and then laid out
-    in one allocation (:func:`consolidate`): the model's memory is allocated once,
-    so a model that fills most of a GPU can still be built, and peer transfers move
-    large contiguous ranges. Raises :class:`SkeletonError` if the result has tensors
-    on another device, or on ``meta`` after the layout.
+    flag inside it). With ``flat`` (the default) parameters are on ``meta`` while the
+    factory runs (:func:`params_on_meta`) and then laid out in one allocation
+    (:func:`consolidate`), so a model that fills most of a GPU can still be built.
+    Raises :class:`SkeletonError` if the result has tensors on another device, or on
+    ``meta`` after the layout.
     """
     dev = torch.device(device)
     meta = params_on_meta() if flat else contextlib.nullcontext()

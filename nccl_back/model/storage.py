@@ -1,16 +1,10 @@
-"""Reading checkpoints from storage, one backend per URI scheme.
+"""Reading checkpoints from storage, one :class:`Backend` per URI scheme.
 
-A :class:`Backend` is everything one scheme needs: its URI rules, listing with sizes,
-each object's CRC32C (from its metadata, or computed once and cached), whole reads of
-small files bounded by their size before a byte is read, ranged reads, and the ranged
-fetch :class:`Storage` builds parallel, verified downloads from. Backends register by
-scheme (:func:`register_backend`); :data:`SCHEMES` names the module registering each,
-imported on first use, so a worker reading local files never loads a cloud client.
-Local files (:class:`LocalFiles`) are read with positional reads; ``gs://`` is
-:mod:`nccl_back.model.gcs`, ``s3://`` :mod:`nccl_back.model.s3`, ``az://``
-:mod:`nccl_back.model.az`. A remote shard is
-downloaded as parallel ranged chunks into one buffer, its CRC32C checked against the
-one it was identified by: a mismatch re-downloads it, then :class:`ChecksumMismatchError`.
+Backends register by scheme (:func:`register_backend`); :data:`SCHEMES` names the module
+registering each, imported on first use, so a worker reading local files never loads a
+cloud client. A remote shard is downloaded as parallel ranged chunks into one buffer,
+its CRC32C checked against the one it was identified by: a mismatch re-downloads it,
+then :class:`ChecksumMismatchError`.
 """
 
 from __future__ import annotations
@@ -162,8 +156,7 @@ class Backend(abc.ABC):
 
     @property
     def client(self) -> Any:
-        """The backend's client: the one given, else :meth:`_make_client`'s, made once
-        (reads run in threads: the first ones share it)."""
+        """The client given, else :meth:`_make_client`'s, made once and shared by threads."""
         with self._client_lock:
             if self._client is None:
                 self._client = self._make_client()
@@ -203,7 +196,14 @@ class Backend(abc.ABC):
         """Read ``len(view)`` bytes at ``start`` into ``view`` (a download's chunk); bytes read."""
 
     def describe(self) -> str:
-        """Where this backend reads and as whom, for ``nccl-back check`` ("" if nothing to say)."""
+        """Where this backend reads and as whom, for ``nccl-back check`` ("" if nothing to
+        say, or if finding out fails: a description must never fail the check it decorates)."""
+        try:
+            return self._describe()
+        except Exception:
+            return ""
+
+    def _describe(self) -> str:
         return ""
 
 
@@ -364,15 +364,11 @@ class Storage:
 
     def backend(self, loc: Location) -> Backend:
         """The backend reading ``loc``'s scheme (made on first use, then shared)."""
-        return self.scheme_backend(loc.scheme)
-
-    def scheme_backend(self, scheme: str) -> Backend:
-        """The backend of ``scheme`` (a key of :data:`SCHEMES`), made on first use."""
         with self._lock:
-            found = self._backends.get(scheme)
+            found = self._backends.get(loc.scheme)
             if found is None:
-                cls = backend_class(scheme)
-                found = self._backends[scheme] = cls(self.settings, timeout=self.timeout)
+                cls = backend_class(loc.scheme)
+                found = self._backends[loc.scheme] = cls(self.settings, timeout=self.timeout)
             return found
 
     def list_dir(self, uri: str) -> list[ObjectInfo]:
@@ -384,18 +380,17 @@ class Storage:
         """Each listed object's CRC32C, in order, from its scheme's backend (metadata, or
         computed once and cached in ``cache_dir``, else the settings' ``cache_dir``)."""
         cache = cache_dir or self.settings.cache_dir
-        by_scheme: dict[str, list[int]] = {}
+        by_backend: dict[Backend, list[int]] = {}
         for i, info in enumerate(infos):
-            by_scheme.setdefault(parse_uri(info.uri).scheme, []).append(i)
+            by_backend.setdefault(self.backend(parse_uri(info.uri)), []).append(i)
         out: list[str] = [""] * len(infos)
-        for scheme, idx in by_scheme.items():
-            backend = self.scheme_backend(scheme)
+        for backend, idx in by_backend.items():
             for i, crc in zip(idx, backend.crc32cs([infos[i] for i in idx], cache), strict=True):
                 out[i] = crc
         return out
 
     def read_bytes(self, uri: str, *, max_bytes: int) -> bytes:
-        """A small file's whole content, bounded by :meth:`Backend.read_bytes`."""
+        """A small file's whole content (:meth:`Backend.read_bytes`)."""
         loc = parse_uri(uri)
         data = self.backend(loc).read_bytes(loc, max_bytes=max_bytes)
         if len(data) > max_bytes:  # grew after its size was taken
@@ -490,7 +485,7 @@ class Storage:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def download(self, shard: Shard) -> np.ndarray:
-        """One shard's verified bytes (see :meth:`download_many`)."""
+        """One shard's verified bytes (:meth:`download_many`)."""
         downloads = self.download_many([shard])
         try:
             return next(downloads)[1]

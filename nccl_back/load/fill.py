@@ -1,5 +1,5 @@
 """What the receive loop (:class:`~.receive.Receive`) shares with its steps kept apart
-(:mod:`.holder_parts`, :mod:`.tree_parts`): the load, its outcome so far, blame, and the
+(:mod:`.holders`, :mod:`.tree_parts`): the load, its outcome so far, blame, and the
 load's one budget."""
 
 from __future__ import annotations

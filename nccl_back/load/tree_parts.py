@@ -3,7 +3,7 @@
 verification.
 
 A step of the receive loop (:class:`~.receive.Receive`), kept apart as
-:mod:`.holder_parts` is (both take its :class:`~.fill.Fill`). Each part runs its own
+:mod:`.holders` is (both take its :class:`~.fill.Fill`). Each part runs its own
 loop over that tree's upstreams (the seat's ancestors, nearest first, ending at the
 cohort's head, then the stream that feeds the cohort): a failed upstream is never asked again, and the next one resumes at
 the part's first step this rank lacks; a member that stalled is asked once more first,

@@ -15,7 +15,7 @@ reshard discovery :data:`DISCOVER_SECONDS`                     ``reshard.find`` 
                                                                sizes planned
                                                                (``reshard.MAX_WORLDS``), each
                                                                plan's cells and tests
-relay             ``transfer_timeout + handshake_timeout``     ``Receive._from_trees`` (the
+relay             ``transfer_timeout + handshake_timeout``     ``tree_parts.from_trees`` (the
                   (``+ single_flight_max_wait`` stream-fed)    load): a seat's both parts
 claim             ``busy_wait``                                the holders' loop, a reshard's
                                                                holder (the load), a tree's

@@ -1,18 +1,12 @@
-"""The receive phase: the one loop over this rank's sources.
-
-Relay upstreams first (this rank's seat's parents in its cohort's two trees, or the
-stream of the elected downloader: :mod:`.tree_parts`), then holders in discovery's
-order (:mod:`.holders`: first several at once, a part from each). Every source is asked the same way (:func:`~.asking.transfer`:
-one transfer request, the liveness handshake, the guarded transfer resuming at the
-first step this rank lacks), every verification goes through the Verifier
-(:mod:`.verify`), blame lands in one place (:class:`~.fill.Fill`), and every attempt of the load shares one
-:class:`~nccl_back.budget.Budget` (``peer_budget``). A reshard (:mod:`.reshard`) pulls
-its pieces through the same :func:`~.asking.transfer` and :func:`~.asking.claimed`.
+"""The receive phase: one pass over this rank's sources within the load's one
+:class:`~nccl_back.budget.Budget` (``peer_budget``): its seat's upstreams in its
+cohort's two trees, or the stream feeding them (:mod:`.tree_parts`), then holders
+(:mod:`.holders`). Every source is asked through :func:`~.asking.transfer`, every
+check goes through the Verifier (:mod:`.verify`), and blame lands in :class:`~.fill.Fill`.
 """
 
 from __future__ import annotations
 
-from nccl_back.coord.records import Member
 from nccl_back.errors import NoPeerError
 from nccl_back.load import holders, tree_parts
 from nccl_back.load.attempt import Absence, NoHolder
@@ -53,7 +47,7 @@ class Receive(Fill):
         if seat is not None and rx.step_sources.done:
             seat.progress.complete(rx.step_sources.done)  # what an earlier pass left us
         try:
-            if seat is not None and self._from_trees(seat, a.found.stream):
+            if seat is not None and tree_parts.from_trees(self, seat, a.found.stream):
                 return
             if self.budget_spent(rx.relay_error):
                 return
@@ -70,20 +64,3 @@ class Receive(Fill):
         finally:
             if seat is not None:
                 seat.end(self.peer_id is not None, str(self.reason or ""))
-
-    # -- relay upstreams ----------------------------------------------------------------
-
-    def _from_trees(self, seat: relay.Seat, fed_by: Member | None) -> bool:
-        """Receive this seat's two halves from its upstreams in the cohort's trees (then
-        the stream ``fed_by``, or the cohort's holders), re-attaching further up when one
-        fails, resuming at the first step we lack (:mod:`.tree_parts`). False: none
-        served us by the relay's deadline: holders then go on from where we stopped."""
-        s, rx = self.worker.settings, self.a.rx
-        bound = s.transfer_timeout + s.handshake_timeout
-        if fed_by is not None:  # we may wait for the whole download, as in the election
-            bound += s.single_flight_max_wait
-        # A cohort fed by a download moves at storage's pace: a step may take a shard's
-        # download; a downloader that stops renewing its lease is given up on as long.
-        stall = (max(s.stall_timeout, s.download_lease) if fed_by is not None
-                 else s.stall_timeout)
-        return tree_parts.from_trees(self, seat, fed_by, rx.peer_budget.phase("relay", bound), stall)

@@ -172,6 +172,10 @@ class _Holders:
             blamed = fill.blame(e, tried)
             a.rx.failed |= blamed & ids
             return n == 1 and tried not in blamed
+        except PeerError as e:  # a stream's truth never came: as a failed transfer
+            for peer, _ in done:
+                self._failed(peer, None, e)
+            return False
         fill.peer_id = ",".join(p.peer_id for p, _ in done)
         return False
 

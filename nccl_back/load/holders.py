@@ -21,11 +21,13 @@ from collections.abc import Callable
 from nccl_back import _clock
 from nccl_back.coord.registry import PeerInfo
 from nccl_back.errors import (
+    HandshakeTimeoutError,
     NcclBackError,
     NoPeerError,
     PeerError,
     RegistryError,
     WeightVerificationError,
+    fallback_reason,
 )
 from nccl_back.load import verify
 from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
@@ -180,13 +182,17 @@ class _Holders:
         return False
 
     def _failed(self, peer: PeerInfo, part: Part | None, e: BaseException) -> None:
-        """Log ``peer``'s failure of ``part``; anything but a peer's failure (Redis's ends
-        the pass) is raised."""
+        """Count and log ``peer``'s failure of ``part``; anything but a peer's failure
+        (Redis's ends the pass) is raised."""
         if not isinstance(e, PeerError):
             raise e
         self.last = e
         self.a.rx.failed.add(peer.peer_id)
-        self.fill.failed(peer.peer_id, e, **({} if part is None else {"part": part[0]}))
+        if isinstance(e, HandshakeTimeoutError):
+            self.fill.worker.metrics.record_handshake_timeout()
+        where = {} if part is None else {"part": part[0]}
+        self.a.log.warning("peer_attempt_failed", peer=peer.peer_id, **where,
+                           reason=fallback_reason(e), error=str(e))
 
     def _part(self, peer: PeerInfo, claim: str, part: Part | None,
               started: Callable[[Transport], None]) -> None:

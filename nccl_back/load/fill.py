@@ -1,18 +1,12 @@
 """What the receive loop (:class:`~.receive.Receive`) shares with its steps kept apart
-(:mod:`.holder_parts`, :mod:`.tree_parts`): the load, its outcome so far, blame, and the
+(:mod:`.holders`, :mod:`.tree_parts`): the load, its outcome so far, blame, and the
 load's one budget."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nccl_back.errors import (
-    HandshakeTimeoutError,
-    NcclBackError,
-    NoPeerError,
-    WeightVerificationError,
-    fallback_reason,
-)
+from nccl_back.errors import NoPeerError, WeightVerificationError
 from nccl_back.load.attempt import Attempt, Reason, Worker
 from nccl_back.transport import relay
 
@@ -45,13 +39,6 @@ class Fill:
 
     def __post_init__(self) -> None:
         self.peer_id, self.reason = self.a.peer_id, self.a.reason
-
-    def failed(self, peer: str, e: NcclBackError, **where: int) -> None:
-        """Count and log holder ``peer``'s failure ``e`` (of part ``where``)."""
-        if isinstance(e, HandshakeTimeoutError):
-            self.worker.metrics.record_handshake_timeout()
-        self.a.log.warning("peer_attempt_failed", peer=peer, **where, reason=fallback_reason(e),
-                           error=str(e))
 
     def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
         """Record a verification failure against the sources that sent failing bytes

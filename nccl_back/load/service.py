@@ -1,24 +1,6 @@
-"""Receive / serve orchestration: the protocol's steps, in order.
-
-``WeightService.load(model, spec, group)`` on each rank of a worker:
-
-1. *Discovery* (:mod:`.discover`) — live peers holding ``spec.version`` for this rank
-   that speak this rank's transport on its device kind, the ground-truth hashes of
-   this skeleton flavour, and whether the peers' manifest matches this skeleton's.
-2. *Single flight* (:mod:`.single_flight`) — when some rank finds nobody holding the
-   version, the worker as a whole waits: its rank 0 tries the download lease, and one
-   collective per poll tells every rank whether all of them see a peer or rank 0 was
-   elected (:mod:`nccl_back.coord.election`).
-3. *Receive* (:mod:`.receive`) — through this rank's cohort when someone is upstream
-   of it (:mod:`nccl_back.transport.relay`), else from holders: claim a send slot
-   (short TTL, renewed while the attempt runs), liveness handshake, guarded transfer
-   (a short connect deadline, then the transfer's); on failure the next source.
-4. *Verify* (:mod:`.verify`) — against the ground truth (a stream's once published);
-   a mismatch blames only the sources of the failing steps.
-5. *Storage* (:mod:`.storage`) — unless every rank succeeded, every rank loads from
-   storage (an elected downloader streams its download to waiting cohorts).
-6. *Publication* (:mod:`.publish`) — after a storage load the hashes become the ground
-   truth (never overwritten); after a verified peer load the worker serves others too.
+"""Receive / serve orchestration: :class:`WeightService`, whose ``load`` runs the
+protocol's phases in order (:meth:`WeightService._run_phases` draws them; ARCHITECTURE.md,
+"One load, end to end", names each phase's module).
 
 Between the phases every rank takes part in a consensus round (:mod:`.vote`, over
 :func:`nccl_back.coord.consensus.gather`): each rank's code (ok / no peer at all /

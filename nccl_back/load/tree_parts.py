@@ -3,7 +3,7 @@
 verification.
 
 A step of the receive loop (:class:`~.receive.Receive`), kept apart as
-:mod:`.holder_parts` is (both take its :class:`~.fill.Fill`). Each part runs its own
+:mod:`.holders` is (both take its :class:`~.fill.Fill`). Each part runs its own
 loop over that tree's upstreams (the seat's ancestors, nearest first, ending at the
 cohort's head, then the stream that feeds the cohort): a failed upstream is never asked again, and the next one resumes at
 the part's first step this rank lacks; a member that stalled is asked once more first,
@@ -56,13 +56,20 @@ from nccl_back.transport.rendezvous_store import unreachable_reason
 HANDSHAKE_TRIES = 2
 
 
-def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None, bound: Phase,
-               stall: float) -> bool:
-    """Both parts from this seat's upstreams in the two trees, then one verification;
-    True once it passed (``fill.peer_id`` names every source). False: a part ran out of
-    upstreams (``rx.relay_error`` says why; holders go on from the first step this rank
-    lacks) or the relay phase ``bound`` is spent."""
-    return _Trees(fill, seat, fed_by, bound, stall).run()
+def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None) -> bool:
+    """Both parts from this seat's upstreams in the two trees (then the stream
+    ``fed_by``, or the cohort's holders), then one verification; True once it passed
+    (``fill.peer_id`` names every source). False: a part ran out of upstreams
+    (``rx.relay_error`` says why; holders go on from the first step this rank lacks) or
+    the relay phase is spent."""
+    s = fill.worker.settings
+    bound = s.transfer_timeout + s.handshake_timeout
+    if fed_by is not None:  # we may wait for the whole download, as in the election
+        bound += s.single_flight_max_wait
+    # A cohort fed by a download moves at storage's pace: a step may take a shard's
+    # download; a downloader that stops renewing its lease is given up on as long.
+    stall = max(s.stall_timeout, s.download_lease) if fed_by is not None else s.stall_timeout
+    return _Trees(fill, seat, fed_by, fill.a.rx.peer_budget.phase("relay", bound), stall).run()
 
 
 class _Trees:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from nccl_back import _clock
 from nccl_back.coord import records, schema
@@ -113,12 +114,8 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
                 return []
             self.reject(RecordKind.INDEX, index, f"{len(ids)} members, none alive; peer keys scanned")
             raws, ttls = self._get_with_ttls(keys, schema.PEER)
-        peers: list[PeerInfo] = []
-        for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
-            info = self._entry(key, raw, ttl_ms)  # one bad entry must not hide the good ones
-            if info is not None and (info.version, info.rank, info.world_size) == (
-                    version, rank, world_size):
-                peers.append(info)
+        peers = [p for p, _ in self._entries(keys, raws, ttls)
+                 if (p.version, p.rank, p.world_size) == (version, rank, world_size)]
         claims = self._claim_counts(peers)
         random.shuffle(peers)
         peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
@@ -144,12 +141,13 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         return sorted(k[len(prefix):] for k in self._scan(self.keys.peer(version, rank, world_size, ANY),
                                                           limit=MAX_INDEX))
 
-    def _entry(self, key: str, raw: object, ttl_ms: int) -> PeerInfo | None:
-        """The verified entry at ``key`` (describing that key), or None (rejected)."""
-        if raw is None or raw is WRONG_TYPE:  # (another type was rejected when read)
-            return None
-        info: PeerInfo | None = self.parse(key, raw, schema.PEER, ttl_ms=ttl_ms)
-        return info
+    def _entries(self, keys: list[str], raws: list[Any],
+                 ttls: list[int]) -> list[tuple[PeerInfo, int]]:
+        """The verified entries (each describing its key) with their PTTLs; one bad entry
+        never hides the good ones (another Redis type was rejected when read)."""
+        return [(info, int(ttl_ms)) for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True)
+                if raw is not None and raw is not WRONG_TYPE
+                and (info := self.parse(key, raw, schema.PEER, ttl_ms=ttl_ms)) is not None]
 
     def list_all(self) -> dict[str, list[PeerStatus]]:
         """Every live peer, grouped by version (for ``nccl-back status``)."""
@@ -157,11 +155,7 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         if not keys:
             return {}
         raws, ttls = self._get_with_ttls(keys, schema.PEER)
-        peers: list[tuple[PeerInfo, float]] = []
-        for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
-            info = self._entry(key, raw, ttl_ms)
-            if info is not None:
-                peers.append((info, max(int(ttl_ms), 0) / 1000))
+        peers = [(info, max(ttl_ms, 0) / 1000) for info, ttl_ms in self._entries(keys, raws, ttls)]
         claims = self._claim_counts([p for p, _ in peers])
         now = _clock.wall()
         out: dict[str, list[PeerStatus]] = {}

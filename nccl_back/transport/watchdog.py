@@ -97,15 +97,17 @@ def run_guarded(
     began = _clock.monotonic()
     asked = began
 
-    def gave_up() -> bool:
-        """Whether the notice says the other side gave up (asked once quiet, that often)."""
+    def heed_notice() -> None:
+        """Abort if the notice says the other side gave up (asked once quiet, that often)."""
         nonlocal asked
         now = _clock.monotonic()
         since = max(transport.progress_at if connected.is_set() else began, asked)
         if abandoned is None or now - since < NOTICE_AFTER:
-            return False
+            return
         asked = now
-        return abandoned()
+        if abandoned():
+            _abort(transport, thread, "abandoned", NOTICE_AFTER)
+            raise TransferAbandonedError(_abandoned_words(transport))
 
     def nap(until: float) -> float:
         """How long to wait for the thread: until ``until``, or the next ask of the notice."""
@@ -115,9 +117,8 @@ def run_guarded(
     if first < deadline:
         while thread.is_alive() and not connected.is_set() and _clock.monotonic() < first:
             thread.join(nap(first))
-            if thread.is_alive() and not connected.is_set() and gave_up():
-                _abort(transport, thread, "abandoned", NOTICE_AFTER)
-                raise TransferAbandonedError(_abandoned_words(transport))
+            if thread.is_alive() and not connected.is_set():
+                heed_notice()
         if thread.is_alive() and not connected.is_set():
             _abort(transport, thread, "connect")
             raise TransferTimeoutError(f"{_not_formed(transport, True)}; aborted")
@@ -130,9 +131,7 @@ def run_guarded(
         thread.join(nap(_clock.monotonic() + wait))
         if not thread.is_alive():
             break
-        if gave_up():
-            _abort(transport, thread, "abandoned", NOTICE_AFTER)
-            raise TransferAbandonedError(_abandoned_words(transport))
+        heed_notice()
         if _clock.monotonic() >= deadline:
             _abort(transport, thread, "transfer")
             raise TransferTimeoutError(

@@ -1,16 +1,8 @@
 """Artifact sets' record family (compile caches that travel between peers).
 
-- ``ns:art:{k}``: the manifest of the set published under lookup key ``k`` (a hex
-  digest of what the engine knows before it compiles, :mod:`nccl_back.load.artifact_transfer`)
-  and the version its holders serve it as; signed, written by every publisher (the
-  newest wins: its holder is live).
-- ``ns:artidx:{s}``: for one model (``s``: its weights' version), the lookup key and
-  the named factors of the newest set published, so a miss can say which factor
-  differs (another compile setting, vLLM or torch version).
-
-Both are read as untrusted input through the record schema (:mod:`.schema`): signed
-for their key, bounded, parsed into :class:`ArtifactSetRecord` / :class:`ArtifactIndex`
-or rejected (logged, counted).
+A set's manifest under its lookup key (the newest publisher wins: its holder is live),
+and per model the lookup key and named factors of the newest set, so a miss can say
+which factor differs (a compile setting, vLLM or torch version).
 """
 
 from __future__ import annotations
@@ -37,10 +29,9 @@ class ArtifactRecords(SignedStore):
 
     def get_artifact_set(self, lookup: str) -> ArtifactSetRecord | None:
         """The set published under ``lookup``; None if absent or rejected."""
-        got = self.get_signed(self.keys.artifact_set(hex_token(lookup, "lookup")), schema.ARTIFACT_SET)
-        return None if got is None else got[0]
+        return self.record(self.keys.artifact_set(hex_token(lookup, "lookup")), schema.ARTIFACT_SET)
 
     def get_artifact_index(self, scope: str) -> ArtifactIndex | None:
         """``scope``'s newest set's lookup key and factors; None if absent or rejected."""
-        got = self.get_signed(self.keys.artifact_index(hex_token(scope, "scope")), schema.ARTIFACT_INDEX)
-        return None if got is None else got[0]
+        return self.record(self.keys.artifact_index(hex_token(scope, "scope")),
+                           schema.ARTIFACT_INDEX)

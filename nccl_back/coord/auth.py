@@ -1,21 +1,11 @@
 """Signed coordination records: HMAC-SHA256 over canonical JSON, bound to a Redis key.
 
 Whoever can write to Redis could otherwise tell a worker whom to receive weights from
-and what hashes to expect. With ``Settings.secret`` set, every record a worker acts on
-(peer entries, ground truth, transfer requests, handshake values) carries ``"sig"``:
-the hex HMAC-SHA256, under a key derived from the secret (``Settings.key("sign")``),
-of the record's canonical JSON (sorted keys, no spaces, ASCII, no NaN) without
-``"sig"``, prefixed by the Redis key it is stored at. Binding the key means a genuine
-record cannot be replayed elsewhere (another version's ground truth, another
-transfer's handshake). Records that live briefly also carry ``"exp"`` (Unix time)
-inside the signed bytes, so an old one cannot be replayed later at the same key.
-
-``verify`` returns the record without ``sig``/``exp`` or raises
-:class:`~nccl_back.errors.UntrustedRecordError` saying why (unsigned, bad signature,
-expired); callers skip that record, log and count it, never act on it.
-
-Without a secret, records are written unsigned and accepted as they are (every Redis
-writer is trusted); :func:`warn_unsigned` says so once per process, loudly.
+and what hashes to expect. With ``Settings.secret`` set, every record carries ``"sig"``,
+an HMAC under ``Settings.key("sign")`` of its canonical JSON prefixed by its Redis key,
+so a genuine record cannot be replayed at another key; records that grant something
+also sign an ``"exp"``, so an old one cannot be replayed later at the same key. Without
+a secret every Redis writer is trusted; :func:`warn_unsigned` says so, loudly.
 """
 
 from __future__ import annotations
@@ -64,7 +54,6 @@ class Signer:
     def enabled(self) -> bool:
         return self.key is not None
 
-
     def sign(self, redis_key: str, record: Mapping[str, Any], ttl: float | None = None) -> dict[str, Any]:
         """``record`` as stored at ``redis_key``: with ``exp`` (when ``ttl`` is given)
         and ``sig`` if this signer has a key, unchanged otherwise."""
@@ -77,8 +66,8 @@ class Signer:
         return out
 
     def verify(self, redis_key: str, value: Any) -> dict[str, Any]:
-        """The record stored at ``redis_key`` without ``sig``/``exp``, if it is to be
-        trusted; :class:`UntrustedRecordError` otherwise."""
+        """The trusted record at ``redis_key`` without ``sig``/``exp``, or
+        :class:`UntrustedRecordError`."""
         if not isinstance(value, dict):
             raise UntrustedRecordError(f"{redis_key}: not a JSON object")
         body = {k: v for k, v in value.items() if k != SIG}
@@ -104,12 +93,9 @@ class Signer:
 
 
 def transfer_scope(key: bytes | None, transfer_id: str) -> str:
-    """The scope of a transfer's bootstrap keys in Redis (:mod:`.transport.store`).
-
-    With a key (``Settings.key("store")``) it carries a per-transfer token only the
-    two sides can compute, so a transfer's keys cannot be named in advance from its
-    id; their values are signed besides, which is what keeps others from writing them.
-    """
+    """The scope of a transfer's bootstrap keys; with a key (``Settings.key("store")``) it
+    carries a token only the two sides can compute, so the keys cannot be named in
+    advance from the transfer id."""
     if key is None:
         return transfer_id
     token = hmac.new(key, transfer_id.encode(), hashlib.sha256).hexdigest()[:32]

@@ -1,13 +1,9 @@
 """Send slots: a receiver claims one of a peer's ``max_sends`` slots before it asks.
 
-A claim is ``{"token", "receiver"}`` at ``ns:claim:{peer_id}:{slot}``, signed with an
-expiry inside the signature like every record that grants something (:mod:`.schema`),
-taken through :meth:`SignedStore.acquire` (a claim that does not verify, is expired or
-is kept far beyond ``claim_ttl`` is taken over rather than obeyed) and renewed by
-re-signing it, compare-and-set on the value read: a genuine claim copied out of Redis
-and written back is refused once its expiry passes, whoever writes it. It expires by
-itself if its receiver dies holding it; renewal and release act only while it still
-holds the caller's token, so a late release never frees a slot another receiver took.
+A claim is taken through :meth:`SignedStore.acquire` (an untrusted one is taken over,
+not obeyed) and renewed by re-signing it with a compare-and-set. It expires by itself if
+its receiver dies; renewal and release act only while it holds the caller's token, so a
+late release never frees a slot another receiver took.
 """
 
 from __future__ import annotations
@@ -28,16 +24,13 @@ class ClaimRecords(SignedStore):
 
     def claim(self, peer_id: str, receiver_id: str, max_sends: int, ttl: float,
               share: str | None = None) -> str | None:
-        """Take one of ``peer_id``'s ``max_sends`` send slots for ``ttl`` seconds.
+        """Take one of ``peer_id``'s ``max_sends`` send slots for ``ttl`` seconds: a token for
+        :meth:`renew_claim` and :meth:`release`, or None when every slot is taken.
 
-        Returns a token for :meth:`renew_claim` and :meth:`release`, or None when every
-        slot is taken. The slot expires by itself if the receiver dies holding it.
-        ``share`` (32 hex digits, the same on every rank of one receiving group): the
-        token is ``{slot}:{share}``, and a rank that finds a slot held with its group's
-        token holds it too. Every rank of the group tries the slots in one order drawn
-        from ``share``, so two ranks racing for a free slot meet in the same one: the
-        group takes one slot, as one receiver (the sender runs sends of one token side
-        by side: ``transport/sender.py``).
+        ``share`` (32 hex digits, the same on every rank of one receiving group): the token
+        is ``{slot}:{share}``, a rank finding its group's token holds the slot too, and
+        every rank tries the slots in one order drawn from ``share``, so racing ranks meet
+        in the same slot: the group takes one, as one receiver.
         """
         if share is None:
             order = random.sample(range(max_sends), max_sends)
@@ -56,19 +49,16 @@ class ClaimRecords(SignedStore):
 
     def _held_as(self, key: str, token: str, ttl: float) -> bool:
         """Whether the trusted claim at ``key`` holds ``token``."""
-        got = self.get_signed(key, schema.CLAIM, ttl=ttl)
-        claim: Claim | None = None if got is None else got[0]
+        claim: Claim | None = self.record(key, schema.CLAIM, ttl=ttl)
         return claim is not None and claim.token == token
 
     def release(self, peer_id: str, token: str) -> None:
-        """Free the slot ``token`` holds, if it still holds it (compare-and-delete). It
-        only tidies (the claim expires by itself): whatever is at its key, never an error."""
+        """Free the slot ``token`` holds, if it still does; only tidies (never an error)."""
         key = self.keys.claim(peer_id, _claim_slot(token))
         self.tidy("release", lambda: self.lua.release(keys=[key], args=[token]))
 
     def renew_claim(self, peer_id: str, token: str, ttl: float) -> bool:
-        """Re-sign the slot ``token`` holds for another ``ttl`` seconds (the expiry in the
-        signature moves with it); False if it is no longer ours."""
+        """Re-sign the slot ``token`` holds for another ``ttl`` seconds; False if no longer ours."""
         key = self.keys.claim(peer_id, _claim_slot(token))
         got = self.get_signed(key, schema.CLAIM, ttl=ttl)
         if got is None or got[0].token != token:

@@ -1,11 +1,8 @@
 """The relay's records: cohorts of receivers seated in arrival order, and streamed downloads.
 
-A cohort (``ns:cohort:{v}:{r}:{w}:{d}``, a hash ``{n, epoch}`` living one window) seats
-each arrival at the next position of its seat list, ``{cohort}:{epoch}:{chain}`` (the
-key kind keeps the name ``chain`` from the retired chain fan-out: its wire format), a
-list of member records (a relay endpoint each, signed for the cohort key) in seat order; the
-seat and the record are one step (:mod:`.scripts`, the join script). A download that
-receivers wait on announces its relay endpoint at ``ns:stream:{v}:{r}:{w}:{d}``. The
+A cohort (a hash ``{n, epoch}`` living one window) seats each arrival at the next
+position of its seat list (the key kind keeps the name ``chain``: its wire format), member
+records signed for the cohort key, seat and record in one step (the join script). The
 topology built on them is :mod:`nccl_back.transport.relay`.
 """
 
@@ -16,6 +13,7 @@ from typing import Any
 
 from nccl_back.coord import schema
 from nccl_back.coord.records import Member
+from nccl_back.coord.schema import KeyKind
 from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, ms
 from nccl_back.errors import RegistryError, UntrustedRecordError
 
@@ -44,8 +42,7 @@ class CohortRecords(SignedStore):
             raise RegistryError(f"join_cohort: unexpected reply {got!r}"[:200]) from e
 
     def chain_members(self, chain: str, first: int, last: int) -> list[Member | None]:
-        """Member records at positions ``first..last`` of ``chain``, signature checked
-        (None where a record is untrusted: skipped with a reason, counted)."""
+        """Member records at positions ``first..last`` of ``chain`` (None where untrusted)."""
         cohort = self.keys.cohort_of_chain(chain)
         if cohort is None:
             raise RegistryError(f"{chain!r} is not a cohort chain key")
@@ -64,49 +61,37 @@ class CohortRecords(SignedStore):
         return got
 
     def mark_gone(self, member_id: str, ttl: float) -> None:
-        """Say that ``member_id``'s relay endpoint has stopped (for as long as its chain
-        lives), so a member seated behind it skips it instead of waiting out a handshake
-        with an endpoint that will never answer."""
+        """Say that ``member_id``'s relay endpoint has stopped, so members seated behind it
+        skip it instead of waiting out a handshake."""
         self.set_signed(self.keys.gone(member_id), {"member_id": member_id}, schema.GONE, ttl)
 
+    def _records_at(self, keys: list[str], kind: KeyKind) -> list[Any]:
+        """The typed records at ``keys``, in one batch: None where absent or rejected."""
+        return [None if raw is None else self.parse(key, raw, kind)
+                for key, raw in zip(keys, self.values(keys, kind), strict=True)]
+
     def gone_members(self, member_ids: list[str]) -> set[str]:
-        """Which of ``member_ids`` said their endpoint stopped (a tombstone that does not
-        verify is skipped with a reason: the member is then tried, as without one)."""
-        if not member_ids:
-            return set()
-        keys = [self.keys.gone(m) for m in member_ids]
-        # Bounded: anyone may write at a tombstone's key (member ids are readable), and
-        # every upstream lookup of every seat reads these.
-        raws = self.values(keys, schema.GONE)
-        return {m for key, raw in zip(keys, raws, strict=True)
-                if raw is not None and (m := self.parse(key, raw, schema.GONE)) is not None}
+        """Which of ``member_ids`` said their endpoint stopped (untrusted tombstones skipped)."""
+        found = self._records_at([self.keys.gone(m) for m in member_ids], schema.GONE)
+        return {m for m in found if m is not None}
 
     def put_verdict(self, member_id: str, ok: bool, ttl: float) -> None:
-        """Say whether ``member_id``'s own check of what it received passed (for as long
-        as its chain lives): a member forwards bytes before it checks them, so one whose
-        check failed forwarded what it was sent wrong, and its receivers look further up."""
+        """Say whether ``member_id``'s own check passed: it forwards before checking, so on
+        a failure its receivers look further up."""
         self.set_signed(self.keys.verdict(member_id), {"member_id": member_id, "ok": ok},
                         schema.VERDICT, ttl)
 
     def verdicts(self, member_ids: list[str]) -> dict[str, bool]:
-        """The verdicts of those of ``member_ids`` that wrote one (one that does not
-        verify is skipped with a reason: as if none were written)."""
-        if not member_ids:
-            return {}
-        keys = [self.keys.verdict(m) for m in member_ids]
-        # Bounded: anyone may write there (member ids are readable).
-        raws = self.values(keys, schema.VERDICT)
-        return {m: ok for m, key, raw in zip(member_ids, keys, raws, strict=True)
-                if raw is not None and (ok := self.parse(key, raw, schema.VERDICT)) is not None}
+        """The verdicts of those of ``member_ids`` that wrote one (untrusted ones skipped)."""
+        found = self._records_at([self.keys.verdict(m) for m in member_ids], schema.VERDICT)
+        return {m: ok for m, ok in zip(member_ids, found, strict=True) if ok is not None}
 
     def mark_alive(self, member_id: str, ttl: float) -> None:
-        """Say that ``member_id``'s relay endpoint serves, for ``ttl`` seconds (renewed
-        while it does: a stopped or partitioned member's mark lapses)."""
+        """Say that ``member_id``'s relay endpoint serves, for ``ttl`` seconds."""
         self.set_signed(self.keys.alive(member_id), {"member_id": member_id}, schema.ALIVE, ttl)
 
     def lapsed(self, member_id: str) -> bool:
-        """Whether ``member_id``'s liveness mark is gone. A mark that does not verify is
-        no proof of either (skipped with a reason): not lapsed, the member is asked."""
+        """Whether ``member_id``'s liveness mark is gone (an untrusted one: not lapsed)."""
         try:
             return self.read(self.keys.alive(member_id), schema.ALIVE) is None
         except UntrustedRecordError:
@@ -114,27 +99,22 @@ class CohortRecords(SignedStore):
 
     # -- downloads streamed to waiting workers ------------------------------------------
 
-    def stream_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
-        """The relay endpoint of the worker downloading one rank's skeleton flavour."""
-        return self.keys.stream(version, rank, world_size, manifest_digest)
-
     def put_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
                    member: dict[str, Any], ttl: float) -> None:
         """Announce (signed, with a TTL) the relay endpoint a download is streamed from."""
-        self.set_signed(self.stream_key(version, rank, world_size, manifest_digest), member,
+        self.set_signed(self.keys.stream(version, rank, world_size, manifest_digest), member,
                         schema.STREAM, ttl)
 
     def get_stream(self, version: str, rank: int, world_size: int,
                    manifest_digest: str) -> Member | None:
-        """The verified stream record, or None (absent, or untrusted: skipped with a reason)."""
-        got = self.get_signed(self.stream_key(version, rank, world_size, manifest_digest),
-                              schema.STREAM)
-        return None if got is None else got[0]
+        """The verified stream record, or None."""
+        return self.record(self.keys.stream(version, rank, world_size, manifest_digest),
+                           schema.STREAM)
 
     def drop_stream(self, version: str, rank: int, world_size: int, manifest_digest: str,
                     member_id: str) -> None:
         """Remove the stream record if it is still ours (a new downloader's stays)."""
-        key = self.stream_key(version, rank, world_size, manifest_digest)
+        key = self.keys.stream(version, rank, world_size, manifest_digest)
         got = self.get_signed(key, schema.STREAM)
         if got is not None and got[0].member_id == member_id:
             self.compare_and_delete(key, got[1])

@@ -1,17 +1,11 @@
 """All-rank consensus over the worker's own process group.
 
-A worker may be several ranks (tensor or pipeline parallel). If rank 0 goes peer to
-peer while rank 3 downloads, the group deadlocks in its next collective. So every
-decision that changes the path is taken by all ranks together: each votes 1 or 0,
-``all_reduce(MIN)``, and only a unanimous 1 proceeds. A rank that fails votes 0, which
-is how one rank's failure reaches every rank.
-
-:func:`gather` carries more than a vote: every rank's small integer code (an
-``all_reduce(SUM)`` over a one-hot vector), so every rank learns *which* rank failed and
-how, and all ranks take the same decision from the same codes; :func:`gather_ints`
-carries a list of integers per rank the same way (a ranged load's needs and CRCs).
-Nothing another rank sends is unpickled. A rank takes part in every round whatever
-happened to it (its code says so); nobody leaves a round early.
+If rank 0 of a worker goes peer to peer while rank 3 downloads, the group deadlocks in
+its next collective, so every decision that changes the path is taken by all ranks
+together. :func:`agree` is a unanimous vote (a failing rank votes no); :func:`gather`
+carries every rank's small integer code, so all learn *which* rank failed and how;
+:func:`gather_ints` a list of integers per rank. Nothing another rank sends is
+unpickled, and every rank takes part in every round, whatever happened to it.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ def rank_and_size(group: Group) -> tuple[int, int]:
 
 
 def vote_device(group: Group) -> torch.device:
-    """Where a collective's tensors live: NCCL needs CUDA tensors; gloo (and everything
-    else, and no group) takes CPU ones."""
+    """Where a collective's tensors live: CUDA for NCCL, else the CPU."""
     if group is None:
         return torch.device("cpu")
     backend = str(dist.get_backend(group)).lower()
@@ -49,12 +42,8 @@ def vote_device(group: Group) -> torch.device:
 
 
 def agree(vote: bool, group: Group) -> bool:
-    """True only if every rank of ``group`` voted True (``all_reduce(MIN)``).
-
-    Without a group the worker is one process and its own vote decides. A failing
-    collective raises :class:`ConsensusError`: the group can no longer agree on
-    anything, and the caller must not pick a path on its own.
-    """
+    """True only if every rank of ``group`` voted True (``all_reduce(MIN)``); a failing
+    collective raises :class:`ConsensusError` (the caller must not pick a path alone)."""
     if group is None:
         return vote
     try:
@@ -66,10 +55,8 @@ def agree(vote: bool, group: Group) -> bool:
 
 
 def gather(code: int, group: Group) -> list[int]:
-    """Every rank's ``code`` (a non-negative int), indexed by rank, on every rank.
-
-    Without a group: ``[code]``. A failing collective raises :class:`ConsensusError`.
-    """
+    """Every rank's ``code`` (a non-negative int), indexed by rank, on every rank (a
+    one-hot ``all_reduce(SUM)``); a failing collective raises :class:`ConsensusError`."""
     if code < 0:
         raise ValueError(f"code={code}: must be non-negative")
     if group is None:
@@ -91,13 +78,8 @@ MAX_INTS = 1 << 22
 
 def gather_ints(values: Sequence[int] | None, group: Group) -> list[list[int] | None]:
     """Every rank's ``values`` (non-negative int64s, at most :data:`MAX_INTS`; None: this
-    rank failed), indexed by rank, on every rank. Two collectives over fixed-shape
-    tensors and nothing unpickled: what another rank sends can only be integers, which
-    the caller decodes and checks.
-
-    Without a group: ``[values]``. A failing collective, or a count beyond the bound,
-    raises :class:`ConsensusError`.
-    """
+    rank failed), indexed by rank, on every rank, through two fixed-shape collectives. A
+    failing collective, or a count beyond the bound, raises :class:`ConsensusError`."""
     if values is not None and (len(values) > MAX_INTS or any(not 0 <= v < 1 << 63 for v in values)):
         raise ValueError(f"{len(values)} values: at most {MAX_INTS}, each in [0, 2**63)")
     if group is None:
@@ -120,10 +102,8 @@ def gather_ints(values: Sequence[int] | None, group: Group) -> list[list[int] | 
 
 
 def broadcast_from(tensor: torch.Tensor, src: int, group: Group) -> None:
-    """``tensor`` from rank ``src`` of ``group`` (its rank in the group) into every
-    rank's ``tensor`` (same size; on :func:`vote_device`): the ranged load's shared
-    chunks. Without a group: nothing to do. A failing collective (the group's timeout
-    included) raises :class:`ConsensusError`."""
+    """``tensor`` from rank ``src`` of ``group`` into every rank's ``tensor`` (same size, on
+    :func:`vote_device`); a failing collective raises :class:`ConsensusError`."""
     if group is None:
         return
     try:

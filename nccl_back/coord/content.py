@@ -1,11 +1,10 @@
 """Typed, bounded records of content read from Redis: ground truth, truth in checkpoint
 coordinates, layouts, reshard groups and artifact sets.
 
-Like :mod:`.records` (the records that grant or locate something), each parser takes
-a verified record's body and the parts of the key it was read at, and returns the
-typed record or raises :class:`~nccl_back.errors.UntrustedRecordError`: a record that
-describes another key than its own (another version's truth, a layout that does not
-hash to its digest) is refused here, in one place.
+As in :mod:`.records`, each parser returns the typed record or raises
+:class:`~nccl_back.errors.UntrustedRecordError`; it also gets the parts of the key the
+record was read at, so one describing another key (another version's truth, a layout
+not hashing to its digest) is refused here, in one place.
 """
 
 from __future__ import annotations
@@ -93,8 +92,6 @@ class ArtifactIndex:
 
     lookup: str
     factors: dict[str, str]
-
-
 
 
 # -- their parsers ----------------------------------------------------------------------

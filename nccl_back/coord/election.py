@@ -1,39 +1,24 @@
 """Single-flight download: one *worker* per version downloads, the others wait for it.
 
-When N workers of a version start together and no peer holds it yet, they would all
-hit storage at once (the thundering herd). Instead one worker is elected with a Redis
-lease (``SET NX`` with a TTL, renewed while it downloads); the others poll for a peer
-and receive from it as soon as it publishes (then from each other: every receiver
-becomes a sender). If the elected worker dies, its lease expires and a waiter takes over.
+Instead of every worker hitting storage at once, one is elected with a Redis lease
+(``SET NX`` with a TTL, renewed while it downloads); the others poll for a peer and
+receive as soon as it publishes. If the elected worker dies, its lease expires and a
+waiter takes over.
 
-The election is a *group* decision. A worker of several ranks is elected as a whole:
-only its rank 0 tries the lease, and every poll ends in one collective
-(:func:`nccl_back.coord.consensus.gather`) that carries rank 0's result and every rank's "I
-see a peer" to all ranks, so all ranks leave the wait together with the same outcome.
-(Electing per rank would let worker A win rank 0 while worker B wins rank 1: each
-would then wait for a peer that can only appear after its own group's consensus.)
+A worker of several ranks is elected as a whole: only rank 0 tries the lease, and every
+poll ends in one collective (:func:`.consensus.gather`) carrying rank 0's result and each
+rank's "I see a peer", so all ranks leave the wait with the same outcome (per-rank
+elections could let worker A win rank 0 and B rank 1, each then waiting on the other).
 
-A waiter gives up after ``Settings.single_flight_wait`` unless the elected downloader
-is still alive (its lease is still being renewed): then it keeps waiting, up to
-``Settings.single_flight_max_wait``, because a large model can take longer.
+A waiter gives up after ``single_flight_wait`` unless the downloader still renews its
+lease, then waits up to ``single_flight_max_wait`` (a large model takes longer).
 
-Every waiting worker that can read a share (``cooperate``: one rank, the checkpoint's
-own tensors) has its rank 0 enter the version's download group as it starts to wait (:meth:`DownloadLease.join`), so the one elected knows who waits with it
-(:meth:`DownloadLease.group`): the workers a cooperative download splits the
-checkpoint among. With ``Settings.download_group_window`` set, the elected worker
-waits that long for arrivals, then names the members in a roster
-(:meth:`DownloadLease.name_members`: itself first, then the group in arrival order, at
-most ``MAX_PARTS``); each waiter's rank 0 reads it at its polls until a roster of the
-lease's holder is there (:meth:`DownloadLease.roster`) and keeps its member number in
-:attr:`DownloadLease.member`. Rank 0's code carries that number, so that poll's
-collective tells every rank of the worker and the wait ends as ``"member"``
-(:attr:`Election.member`): the worker reads and serves its share, then waits again,
-for the stream, without the roster. A waiter not named (late, or past ``MAX_PARTS``) is
-a receiver as before. Only a worker that can read a share takes part (``cooperate``).
-
-The lease itself (key, signing, take-over, compare-and-set renewal) is a record family
-of the registry (:mod:`.leases`); this module holds the policy: who tries it, how long
-waiters wait, and how the group agrees.
+Cooperative download: a waiter that can read a share (``cooperate``) enters the download
+group; with ``download_group_window`` the elected worker then names a roster (itself
+first, then the group in arrival order, at most ``MAX_PARTS``). A named waiter's rank 0
+carries its member number in the poll's code, so its wait ends as ``"member"``: it reads
+and serves its share, then waits for the stream. The lease record itself is
+:mod:`.leases`; this module is the policy.
 """
 
 from __future__ import annotations
@@ -78,13 +63,11 @@ class DownloadLease:
         self.owner = owner
         self.ttl = ttl
         self._raw: Raw | None = None
-        """The exact value we stored: renewals and the release compare against it, so
-        after an expiry a late renewal or release never takes the lease from its new owner."""
+        """The exact value we stored, which renewals and the release compare against."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.member: tuple[int, int] | None = None
-        """``(i, n)`` once the roster of the lease's holder names this worker member ``i``
-        of ``n``; None before, or when it was not named."""
+        """``(i, n)`` once the holder's roster names this worker member ``i`` of ``n``."""
         self._roster_seen = False
 
     @property
@@ -112,24 +95,17 @@ class DownloadLease:
         self.registry.join_download_group(self.version, self.world, self.owner)
 
     def group(self) -> list[str]:
-        """The workers that entered the download group, in arrival order (this one too,
-        once it joined)."""
+        """The workers that entered the download group, in arrival order."""
         return self.registry.download_group(self.version, self.world)
 
     def name_members(self, window: float) -> list[str]:
-        """Wait ``window`` seconds for waiters to join the download group, then name this
-        worker (holding the lease) and the first of them, at most ``MAX_PARTS`` in all, in
-        the roster: the cooperative download's members, returned. A former owner's
-        roster names who will not serve again, though their group entries stay: that
-        owner lost the lease (it died or stopped renewing), and its members read their
-        shares already and now wait for a stream (they read no second roster). Named,
-        each would cost the stall bound.
+        """Wait ``window`` seconds for the download group, then name this worker and the
+        first of the others, at most ``MAX_PARTS``, in the roster; return the members.
 
-        Unless a former owner's members still serve their parts (an announcement of one
-        of them lives: renewed while its endpoint lives): then this worker takes that
-        split over at once, in the dead owner's place, and names nobody (its roster is
-        not rewritten, so a waiter reads none of this holder's and stays a receiver).
-        Storage then reads the dead owner's share again, not the whole."""
+        A former owner's members are left out: they read their shares already and wait
+        for a stream (each would cost the stall bound). If one of them still announces
+        its part, this worker adopts that split instead, naming nobody, so storage reads
+        only the dead owner's share again."""
         former = self.registry.download_roster(self.version, self.world)
         if former is not None and former.owner != self.owner and self._serving(former):
             log.info("download_roster_adopted", key=self.key, former=former.owner,
@@ -143,23 +119,20 @@ class DownloadLease:
         return members
 
     def _serving(self, roster: Roster) -> bool:
-        """Whether a member of ``roster`` still announces its part (single-rank members:
-        rank 0 of a world of one)."""
+        """Whether a member of ``roster`` still announces its part (members have one rank)."""
         return any(self.registry.download_member(self.version, 0, self.world, i) is not None
                    for i in range(1, len(roster.members)))
 
     def roster(self) -> Roster | None:
-        """The roster of the worker holding the lease now, or None: none named yet, or
-        one whose owner no longer holds the lease (dead, or taken over), which names
-        nobody."""
+        """The roster of the worker holding the lease now, or None (none yet, or its owner
+        lost the lease)."""
         got = self.registry.download_roster(self.version, self.world)
         if got is None or got.owner == self.owner or got.owner != self.holder():
             return None
         return got
 
     def read_roster(self) -> None:
-        """Learn this worker's member number (:attr:`member`) from the holder's roster;
-        once one was read, never again (a waiter it does not name is a receiver)."""
+        """Learn :attr:`member` from the holder's roster, once (a waiter not named receives)."""
         if self._roster_seen:
             return
         got = self.roster()
@@ -172,8 +145,7 @@ class DownloadLease:
         log.info("download_roster_read", key=self.key, owner=got.owner, member=i, of=len(got.members))
 
     def holder(self) -> str | None:
-        """The worker holding the lease now, or None (also when the value there is not
-        to be trusted: skipped with a reason, counted, and taken over by the next try)."""
+        """The worker holding the lease now, or None (also for an untrusted value)."""
         return self.registry.lease_holder(self.version, self.world, self.ttl)
 
     def release(self) -> None:
@@ -206,17 +178,15 @@ class Election:
     """How a group's wait ended: the same on every rank."""
 
     outcome: Outcome
-    """``"peer"`` (every rank sees a peer), ``"elected"`` (rank 0 holds the lease: this
-    worker downloads), ``"member"`` (the elected worker's roster named this one: it reads
-    and serves its share, then waits on), ``"timeout"`` (nobody published in time:
-    download too) or ``"error"`` (a rank could not poll)."""
+    """``"peer"`` (every rank sees one), ``"elected"`` (this worker downloads), ``"member"``
+    (named in the roster: it serves its share, then waits on), ``"timeout"`` (download
+    too) or ``"error"`` (a rank could not poll)."""
     rank: int | None = None
     """The rank that decided it: 0 when elected or timed out, the failing rank on error."""
     error: NcclBackError | None = None
     """On the rank that could not poll, its error; None on the others."""
     member: tuple[int, int] | None = None
-    """``(i, n)`` with ``"member"``: the roster of the worker holding the lease named this
-    worker member ``i`` of ``n``, as rank 0 read it."""
+    """``(i, n)`` with ``"member"``, as rank 0 read the roster."""
 
 
 def elect(
@@ -231,14 +201,10 @@ def elect(
 ) -> Election:
     """Wait, as a group, until every rank sees a peer or rank 0 wins ``lease``.
 
-    Every rank of ``group`` calls this (``lease`` matters on rank 0 only); every rank
-    returns the same :class:`Election` (but for ``error``, kept where it was raised).
-    ``lease_after``: seconds rank 0 waits before it tries the lease (holders exist but
-    their ground truth is missing: they re-publish it within a heartbeat, and a download
-    then would be one storage read too many). ``cooperate``: this worker can read a share
-    of a cooperative download, so rank 0 joins the download group and (with
-    ``download_group_window``) reads the roster, and the wait ends as ``"member"`` once
-    it names this worker.
+    Every rank calls this (``lease`` matters on rank 0) and gets the same
+    :class:`Election`. ``lease_after``: seconds before rank 0 tries the lease (holders
+    without ground truth re-publish it within a heartbeat). ``cooperate``: this worker
+    can read a share, so rank 0 joins the group and reads the roster.
     """
     start = _clock.monotonic()
     joined = False
@@ -269,8 +235,7 @@ def elect(
             return Election("error", failed[0], error)
         member = _member(codes[0])
         if member is not None:
-            # Before "peer": the elected worker waits for the share of every member it
-            # named, whatever else appeared meanwhile.
+            # Before "peer": the elected worker waits for every member it named.
             return Election("member", 0, member=member)
         if all(c & _SEES_PEER for c in codes):
             if lease is not None and lease.held:

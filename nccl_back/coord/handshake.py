@@ -31,32 +31,18 @@ satisfy this one::
                                                              swapped -> abandoned
                                                              not swapped -> the ack landed
 
-The last step is a race by nature: the receiver's acknowledgement can land just as the
-sender's deadline passes. Both sides settle it with one atomic operation on ``S``, so
-exactly one wins: either the ack is stored (the sender sees it and goes on, even past
-its deadline) or the sender's abandonment is (a receiver still in R2 reads it, one in
-R3 sees its compare-and-set fail; either raises at once). A receiver never believes in
-a transfer its sender gave up.
+The last step races by nature (the ack may land as the sender's deadline passes): one
+atomic operation on ``S`` settles it, so a receiver never believes in a transfer its
+sender gave up. A sender that will not serve says so before creating anything
+(:func:`refuse`: ``R := {sender, refused: code}``); one that gives a transfer up after
+the handshake writes ``S := {sender, abandoned}`` (:func:`abandon`), which the
+receiver's guarded transfer reads once quiet instead of waiting out its stall bound.
 
-A sender that will not serve a request (another transport, draining, another version,
-a relay endpoint with every send slot taken) says so before creating anything, by :func:`refuse`: ``R := {sender, refused: code}``.
-The receiver raises at once instead of waiting out its timeout. A sender that gives a
-transfer up after the handshake (it closes, past its drain's bound) says so by
-:func:`abandon`, ``S := {sender, abandoned}`` again: the receiver's guarded transfer reads
-it (:func:`abandoned`) once no step came for a moment, and moves on at once instead of
-after its stall bound.
-
-Each side checks "I wrote my nonce and the other side made it +1". Every wait shares
-one deadline per side: ``settings.sender_handshake`` (1 s: don't wait on a
-flaky receiver) and ``settings.handshake_timeout`` (10 s: the peer may just
-be busy). Past it: :class:`HandshakeTimeoutError` naming the state; no communicator
-exists yet, so there is nothing to clean up but the keys. Both sides carry their
-manifest digest, so a mismatch stops both before any data moves. Redis failures
-surface as :class:`RegistryError` (the caller falls back). With a secret every value
-(refusals included) is signed for its key with an expiry (:mod:`.auth`), and a value
-that does not verify or parse is ignored as if absent (logged, counted): a Redis
-writer can neither complete nor refuse a handshake. The compare-and-set steps compare
-the raw signed values.
+Each side has one deadline (``sender_handshake``, 1 s: don't wait on a flaky receiver;
+``handshake_timeout``, 10 s: the peer may be busy), past which
+:class:`HandshakeTimeoutError` names the state. With a secret every value is signed for
+its key with an expiry, and one that does not verify or parse reads as absent: a Redis
+writer can neither complete nor refuse a handshake.
 """
 
 from __future__ import annotations
@@ -87,7 +73,6 @@ log = get_logger(__name__)
 
 __all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "abandon", "abandoned", "refuse", "run_receiver",
            "run_sender"]
-
 
 
 #: Refusal codes a sender may write, and what the receiver raises for each.
@@ -125,8 +110,7 @@ def abandon(registry: Registry, transfer_id: str) -> None:
 
 
 def abandoned(registry: Registry, transfer_id: str) -> bool:
-    """Whether the sender gave ``transfer_id`` up (:func:`abandon`); a value that does not
-    verify or parse is no notice."""
+    """Whether the sender gave ``transfer_id`` up (an untrusted value is no notice)."""
     _, s_key = keys(registry, transfer_id)
     found = registry.get_signed(s_key, schema.HANDSHAKE)
     return found is not None and found[0].abandoned
@@ -143,14 +127,11 @@ def run_receiver(
 ) -> None:
     """The receiver's half (states R0-R3); returns once the sender proved it is alive.
 
-    ``after_ready`` runs right after X is stored (R0), e.g. to push the transfer
-    request, so the sender's short timeout starts only once X is there to find.
-    ``gone``: set when the caller learns otherwise that the sender is gone (its
-    liveness record expired); the wait then ends at its next poll.
-    Raises :class:`HandshakeTimeoutError` (also when the sender abandoned the transfer
-    just before our last write), :class:`ManifestMismatchError`, the error a refusal
-    maps to (:data:`REFUSALS`), :class:`NoPeerError` once ``gone`` is set, or
-    :class:`RegistryError`; on any of them the handshake keys are removed.
+    ``after_ready`` runs right after X is stored (pushing the request then starts the
+    sender's short timeout only once X is there). ``gone``, once set (the sender's
+    liveness record expired), ends the wait with :class:`NoPeerError`. Raises
+    :class:`HandshakeTimeoutError`, :class:`ManifestMismatchError`, a refusal's error or
+    :class:`RegistryError`, removing the keys.
     """
     r_key, s_key = keys(registry, transfer_id)
     deadline = _clock.monotonic() + timeout
@@ -189,11 +170,8 @@ def run_receiver(
 
 def run_sender(registry: Registry, transfer_id: str, manifest_digest: str, timeout: float) -> None:
     """The sender's half (states S0-S3); returns once the receiver proved it is alive.
-
-    Raises :class:`HandshakeTimeoutError`, :class:`ManifestMismatchError` (after
-    acknowledging, so the receiver learns of the mismatch at once instead of timing
-    out) or :class:`RegistryError`.
-    """
+    Raises :class:`HandshakeTimeoutError`, :class:`ManifestMismatchError` (after acking,
+    so the receiver learns of it at once) or :class:`RegistryError`."""
     r_key, s_key = keys(registry, transfer_id)
     deadline = _clock.monotonic() + timeout
     abandoned = False
@@ -211,14 +189,12 @@ def run_sender(registry: Registry, transfer_id: str, manifest_digest: str, timeo
                   deadline, "S3 WAIT_ACK", transfer_id)
         except HandshakeTimeoutError:
             # Abandon atomically: if the ack landed meanwhile, the receiver is committed
-            # and waits for us, so we go on instead. The marker stays (with its TTL) for
-            # the receiver to read.
+            # and waits for us, so we go on instead. The marker stays for it to read.
             abandon = registry.signed(s_key, _ABANDONED, schema.HANDSHAKE)
             if registry.compare_and_set(s_key, offer, abandon, HANDSHAKE_KEY_TTL):
                 abandoned = True
                 raise
-            found = registry.get_signed(s_key, schema.HANDSHAKE)
-            late: HandshakeValue | None = found[0] if found is not None else None
+            late: HandshakeValue | None = registry.record(s_key, schema.HANDSHAKE)
             if not (late is not None and late.value == y + 1 and late.by == "receiver"):
                 raise
             log.info("handshake_late_ack_accepted", transfer_id=transfer_id)
@@ -265,8 +241,7 @@ def _wait(
     (or ``gone`` is set): the value, and the raw one stored (for a compare-and-set)."""
     pauses = _clock.pauses(POLL, POLL_MAX)
     while True:
-        # Unsigned, forged, expired or malformed values are skipped (logged, counted):
-        # only the genuine other side can move the handshake on.
+        # Untrusted values are skipped: only the genuine other side moves the handshake on.
         found = registry.get_signed(key, schema.HANDSHAKE)
         if found is not None and ready(found[0]):
             return found[0], found[1]
@@ -283,6 +258,5 @@ def _wait(
 
 
 def _cleanup(registry: Registry, *keys_: str) -> None:
-    # Best effort (a delete only tidies, never raises): the keys expire anyway, and the
-    # original error matters more.
+    # Best effort (never raises): the keys expire anyway, and the original error matters.
     registry.delete(*keys_)

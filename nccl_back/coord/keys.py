@@ -1,15 +1,11 @@
 """Redis key names: every coordination key is built (and every key name parsed) here,
-from the record schema's prefixes (:mod:`.schema`, which says what each kind holds,
-its type, signing and TTL).
+from the record schema's prefixes (:mod:`.schema`).
 
 Every key lives under ``{namespace}:``, a hash tag, so on a Redis Cluster a whole
-namespace sits in one slot (multi-key commands, transactions and Lua scripts need
-that); on one server it is just a prefix. A cohort's chains are
-``{cohort}:{epoch}:{chain}``, named inside the join script (the epoch is read there).
-
-The record-key methods also build the ``SCAN`` globs: pass ``"*"`` for a part (peer ids
-and versions never hold ``:``, spaces or glob characters; :meth:`Registry.publish_peer`
-refuses them), so a glob and the keys it matches are spelled by the same method.
+namespace sits in one slot (multi-key commands and Lua scripts need that). A cohort's
+chains are ``{cohort}:{epoch}:{chain}``, named inside the join script. The methods also
+build ``SCAN`` globs (pass :data:`ANY` for a part; :meth:`Registry.publish_peer` refuses
+glob characters in ids), so a glob and its keys are spelled by the same method.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ class Keys:
     """The key names of one namespace (a value: cheap, immutable, shared by threads)."""
 
     def __init__(self, namespace: str) -> None:
-        self.namespace = namespace
         self._tag = "{" + namespace + "}"
 
     def key(self, *parts: object) -> str:
@@ -58,8 +53,7 @@ class Keys:
 
     def ground_truth(self, version: str, rank: int | str, world_size: int | str,
                      manifest_digest: str, scheme: str) -> str:
-        """Ground truth of one rank's skeleton flavour (keyed by its manifest digest)
-        under one verification scheme (two schemes' truths never replace each other)."""
+        """Ground truth of one rank's skeleton flavour under one verification scheme."""
         return self.key(K.GROUND_TRUTH.prefix, version, rank, world_size, manifest_digest, scheme)
 
     def layout(self, layout_digest: str) -> str:
@@ -72,8 +66,7 @@ class Keys:
 
     def position_truth(self, version: str, rank: int | str, world_size: int | str,
                        layout_digest: str, scheme: str) -> str:
-        """Truth in checkpoint coordinates of what one rank's layout holds, under one
-        verification scheme."""
+        """Truth in checkpoint coordinates of one rank's layout, under one scheme."""
         return self.key(K.POSITION_TRUTH.prefix, version, rank, world_size, layout_digest, scheme)
 
     def claim(self, peer_id: str, slot: int | str) -> str:
@@ -85,35 +78,29 @@ class Keys:
         return self.key(K.REQUEST.prefix, peer_id)
 
     def lease(self, version: str, world_size: int) -> str:
-        """The single-flight download lease of ``version`` for workers of ``world_size``
-        ranks: one per worker (taken by its rank 0), never one per rank."""
+        """The single-flight download lease of ``version`` for workers of ``world_size`` ranks."""
         return self.key(K.LEASE.prefix, version, world_size)
 
     def download_group(self, version: str, world_size: int) -> str:
-        """The workers of ``world_size`` ranks waiting together for ``version`` (one entry
-        per worker, pushed by its rank 0)."""
+        """The workers of ``world_size`` ranks waiting together for ``version``."""
         return self.key(K.DOWNLOAD_GROUP.prefix, version, world_size)
 
     def download_roster(self, version: str, world_size: int) -> str:
-        """The members of the cooperative download of ``version`` by workers of
-        ``world_size`` ranks, named by the worker elected."""
+        """The members of ``version``'s cooperative download, named by the worker elected."""
         return self.key(K.DOWNLOAD_ROSTER.prefix, version, world_size)
 
     def download_member(self, version: str, rank: int, world_size: int, member: int) -> str:
-        """Where member ``member`` of ``version``'s cooperative download serves its part
-        (one rank's)."""
+        """Where member ``member`` of a cooperative download serves one rank's part."""
         return self.key(K.DOWNLOAD_MEMBER.prefix, version, rank, world_size, member)
 
     def download_rescue(self, version: str, rank: int, world_size: int) -> str:
-        """The failed members' parts of ``version``'s cooperative download (one rank's),
-        spread by the worker elected over the others."""
+        """The failed members' parts of a cooperative download, spread over the others."""
         return self.key(K.DOWNLOAD_RESCUE.prefix, version, rank, world_size)
 
     # -- relay: cohorts and streamed downloads ----------------------------------------------
 
     def cohort(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
-        """The current cohort of receivers of one rank's skeleton flavour; its chains are
-        ``{cohort}:{epoch}:{chain}`` (named by the join script)."""
+        """The current cohort of receivers of one rank's skeleton flavour."""
         return self.key(K.COHORT.prefix, version, rank, world_size, manifest_digest)
 
     def cohort_of_chain(self, chain: str) -> str | None:
@@ -133,8 +120,7 @@ class Keys:
         return self.key(K.GONE.prefix, member_id)
 
     def verdict(self, member_id: str) -> str:
-        """A relay member's own check, passed or failed: whether it forwarded bytes it
-        received wrong (its receivers then blame whoever sent them, not it)."""
+        """A relay member's own check, passed or failed."""
         return self.key(K.VERDICT.prefix, member_id)
 
     def alive(self, member_id: str) -> str:
@@ -162,8 +148,7 @@ class Keys:
         return self.key(K.HANDSHAKE.prefix, transfer_id, name)
 
     def rendezvous(self, scope: str, name: str) -> str:
-        """A process group's bootstrap key of one transfer (``scope``: its transfer id,
-        with a token under a secret, :func:`.auth.transfer_scope`)."""
+        """A process group's bootstrap key (``scope``: :func:`.auth.transfer_scope`)."""
         return self.key(K.RENDEZVOUS.prefix, scope, name)
 
     def check(self, token: str) -> str:

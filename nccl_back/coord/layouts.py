@@ -1,17 +1,10 @@
 """Resharding's record families: layout descriptions, reshard groups and truth in
 checkpoint coordinates.
 
-- ``ns:layout:{l}``: a layout's canonical JSON, content-addressed (a record whose
-  layout does not hash to ``l`` is rejected, whoever signed it). A holder with a layout
-  stores it when it publishes; a resharding receiver stores its own before it asks, so
-  a sender can compute the same plan.
-- ``ns:group:{g}``: the holder layouts a plan is computed over, content-addressed.
-- ``ns:ct:{v}:{r}:{w}:{l}:{scheme}``: what one rank of layout ``l`` holds, in
-  checkpoint coordinates (:mod:`nccl_back.model.position_truth`: MACs at sampled
-  positions, and per-index sums for ``full``), stored ``SET NX`` by a worker the
-  Verifier allows to publish truth, signed without an expiry inside like ground truth,
-  and re-stored by its holder's heartbeat. A receiver reads the records of the holders
-  it receives from: together they hold every position it does.
+Layouts and groups are content-addressed (a record not hashing to its key is rejected,
+whoever signed it); a resharding receiver stores its layout before it asks, so a sender
+can compute the same plan. Position truth (:mod:`nccl_back.model.position_truth`) is
+stored ``SET NX`` like ground truth and re-stored by its holder's heartbeat.
 """
 
 from __future__ import annotations
@@ -44,10 +37,8 @@ class LayoutRecords(SignedStore):
         self.set_signed(key, {"layout": layout.dumps()}, schema.LAYOUT_RECORD)
 
     def get_layout(self, digest: str) -> Layout | None:
-        """The layout stored under ``digest``; None if absent or not to be trusted
-        (rejected: logged, counted)."""
-        got = self.get_signed(self.keys.layout(digest), schema.LAYOUT_RECORD)
-        return None if got is None else got[0]
+        """The layout stored under ``digest``; None if absent or untrusted."""
+        return self.record(self.keys.layout(digest), schema.LAYOUT_RECORD)
 
     def put_group(self, digests: list[str]) -> str:
         """Store the list of holder layouts a plan is computed over; returns its digest."""
@@ -58,12 +49,10 @@ class LayoutRecords(SignedStore):
 
     def get_group(self, digest: str) -> list[str] | None:
         """That list, or None if absent or not to be trusted."""
-        got = self.get_signed(self.keys.group(digest), schema.GROUP)
-        return None if got is None else got[0]
+        return self.record(self.keys.group(digest), schema.GROUP)
 
     def worlds(self, version: str) -> list[tuple[int, int]]:
-        """``(rank, world size)`` pairs some holder of ``version`` names in its index key,
-        from at most :data:`MAX_WORLD_KEYS` keys (names only: a hint, never trusted)."""
+        """``(rank, world size)`` pairs named by ``version``'s index keys (a hint)."""
         out = set()
         for key in self._scan(self.keys.peer_index(version, ANY, ANY), limit=MAX_WORLD_KEYS):
             *_, rank, world = key.rsplit(":", 2)
@@ -82,9 +71,8 @@ class LayoutRecords(SignedStore):
 
     def keep_positions(self, version: str, rank: int, world: int, layout: Layout,
                        truth: PositionTruth | None, *, store_layout: bool) -> None:
-        """A holder's heartbeat: its position truth and layout stay in Redis (re-stored
-        after Redis lost them; a record there that is not to be trusted is replaced, a
-        trusted one never)."""
+        """A holder's heartbeat: its position truth and layout stay in Redis (an untrusted
+        record replaced, a trusted one never)."""
         if truth is not None and not self.put_position_truth(version, rank, world, truth):
             key = self.keys.position_truth(version, rank, world, layout.digest, truth.scheme)
             try:
@@ -98,8 +86,7 @@ class LayoutRecords(SignedStore):
 
     def get_position_truth(self, version: str, rank: int, world: int, layout_digest: str,
                            scheme: str) -> PositionTruth | None:
-        """That record, or None if absent; :class:`UntrustedRecordError` (logged,
-        counted) if it is not to be trusted."""
+        """That record, or None if absent; :class:`UntrustedRecordError` if untrusted."""
         key = self.keys.position_truth(version, rank, world, layout_digest, scheme)
         got = self.read(key, schema.POSITION_TRUTH)
         return None if got is None else got[0]

@@ -1,25 +1,15 @@
 """The single-flight download lease: which one worker downloads a version from storage.
 
-``{"owner": worker_id}`` at ``ns:dl:{v}:{w}``, one per worker (taken by its rank 0),
-never one per rank. Signed with an expiry inside the signature and renewed by
-re-signing it, compare-and-set on the exact value its owner wrote, so after an expiry a
-late renewal or release never takes the lease from its new owner. A lease that does
-not verify (written without the secret, a stale genuine copy, garbage, another Redis
-type, a TTL far beyond the lease's) is never obeyed: the next taker takes it over
-atomically (:meth:`SignedStore.acquire`), at most one of them. The election that uses
-it is :mod:`.election`.
+One per worker (taken by its rank 0), never one per rank; renewed by re-signing it with
+a compare-and-set on the exact value its owner wrote, so after an expiry a late renewal
+or release never takes it from its new owner. An untrusted lease is never obeyed: the
+next taker takes it over atomically (:meth:`SignedStore.acquire`). The policy is
+:mod:`.election`.
 
-Beside it, the download group ``ns:dlg:{v}:{w}``: a list of ``{"worker": worker_id}``
-records, one pushed by each waiting worker's rank 0 as it starts to wait (signed with
-an expiry of the longest wait), read in arrival order by whoever is elected: the
-workers that could split the download with it. The roster ``ns:dlr:{v}:{w}``,
-``{"members": [elected, ...]}``, is who the elected worker named to
-split it; waiters obey it only while its owner holds the lease (a dead owner's roster
-names nobody). Each member's rank ``r`` then announces where it serves its part, a
-member record at ``ns:dlm:{v}:{r}:{w}:{i}``, which only the elected worker reads (no peer
-entry: nobody else finds a partial holder). When one fails, the elected worker spreads
-its part over the others that still serve: ``{"rescues": [{"part": j, "by": [i, ...]}]}``
-at ``ns:dlx:{v}:{r}:{w}``, which those members poll after their own share.
+Beside it, the cooperative download's records: the download group (waiters in arrival
+order), the roster the elected worker names, each member's announcement of where it
+serves its part (read only by the elected worker: nobody else finds a partial holder),
+and the rescues spreading a failed member's part over the others.
 """
 
 from __future__ import annotations
@@ -39,27 +29,24 @@ class LeaseRecords(SignedStore):
     """The download-lease record family."""
 
     def lease_key(self, version: str, world_size: int) -> str:
-        """The single-flight download lease of ``version`` for workers of ``world_size``
-        ranks: one per worker (taken by its rank 0), never one per rank."""
+        """The download lease of ``version`` for workers of ``world_size`` ranks."""
         return self.keys.lease(version, world_size)
 
     def take_lease(self, version: str, world_size: int, owner: str, ttl: float) -> Raw | None:
         """Take the lease for ``ttl`` seconds if nobody trusted holds it: the raw value
-        stored (what :meth:`renew_lease` and :meth:`drop_lease` compare), or None."""
+        stored (for renewal and release), or None."""
         return self.acquire(self.lease_key(version, world_size), {"owner": owner}, schema.LEASE,
                             ttl)
 
     def lease_holder(self, version: str, world_size: int, ttl: float) -> str | None:
-        """The owner of the lease now, or None (also when the value there is not to be
-        trusted: skipped with a reason, counted, and taken over by the next taker)."""
-        got = self.get_signed(self.lease_key(version, world_size), schema.LEASE, ttl=ttl)
-        return None if got is None else str(got[0].owner)
+        """The owner of the lease now, or None (also for an untrusted value)."""
+        got = self.record(self.lease_key(version, world_size), schema.LEASE, ttl=ttl)
+        return None if got is None else str(got.owner)
 
     def renew_lease(self, version: str, world_size: int, owner: str, held: Raw,
                     ttl: float) -> Raw | None:
-        """Re-sign the lease for another ``ttl`` seconds (the expiry inside the signature
-        moves with the TTL) if it still holds ``held``: the new raw value, or None if it
-        is no longer ours."""
+        """Re-sign the lease for another ``ttl`` seconds if it still holds ``held``: the new
+        raw value, or None if it is no longer ours."""
         key = self.lease_key(version, world_size)
         new = self.signed(key, {"owner": owner}, schema.LEASE, ttl)
         return new if self.compare_and_set(key, held, new, ttl) else None
@@ -77,13 +64,10 @@ class LeaseRecords(SignedStore):
             keys=[key], args=[raw, MAX_GROUP_ENTRIES, ms(ttl)]))
 
     def download_group(self, version: str, world_size: int) -> list[str]:
-        """The workers waiting for ``version``, each once, in arrival order (entries that
-        do not verify are skipped with a reason, counted)."""
+        """The workers waiting for ``version``, each once, in arrival order."""
         key = self.keys.download_group(version, world_size)
         raws = self.items(key, schema.DOWNLOAD_GROUP, 0, MAX_GROUP_ENTRIES - 1)
         if raws is WRONG_TYPE:
-            # Garbage of another type there: nobody joined through it; the next join
-            # replaces it.
             self.reject(RecordKind.DOWNLOAD_GROUP, key, "wrong Redis type")
             return []
         workers: list[str] = []
@@ -94,43 +78,33 @@ class LeaseRecords(SignedStore):
         return workers
 
     def name_download_roster(self, version: str, world_size: int, members: list[str]) -> None:
-        """Name the members of ``version``'s cooperative download (the caller, holding the
-        lease, first), over whatever was there (a former owner's roster, garbage)."""
+        """Name the members of ``version``'s cooperative download (the caller first)."""
         key = self.keys.download_roster(version, world_size)
         self.set_signed(key, {"members": members}, schema.DOWNLOAD_ROSTER)
 
     def download_roster(self, version: str, world_size: int) -> Roster | None:
-        """The roster of ``version``'s cooperative download, or None (also when the value
-        there is not to be trusted: skipped with a reason, counted)."""
-        got = self.get_signed(self.keys.download_roster(version, world_size), schema.DOWNLOAD_ROSTER)
-        return None if got is None else got[0]
+        """The roster of ``version``'s cooperative download, or None (also if untrusted)."""
+        return self.record(self.keys.download_roster(version, world_size), schema.DOWNLOAD_ROSTER)
 
     def announce_download_member(self, version: str, rank: int, world_size: int, member: int,
                                  record: Member) -> None:
-        """Say where member ``member`` of ``version``'s cooperative download serves its
-        part (this rank's), over whatever was there."""
+        """Say where member ``member`` of ``version``'s cooperative download serves its part."""
         key = self.keys.download_member(version, rank, world_size, member)
         self.set_signed(key, record.to_dict(), schema.DOWNLOAD_MEMBER)
 
     def download_member(self, version: str, rank: int, world_size: int, member: int) -> Member | None:
-        """Where member ``member`` serves its part, or None (also when the value there is
-        not to be trusted: skipped with a reason, counted)."""
-        got = self.get_signed(self.keys.download_member(version, rank, world_size, member),
-                              schema.DOWNLOAD_MEMBER)
-        return None if got is None else got[0]
+        """Where member ``member`` serves its part, or None (also if untrusted)."""
+        return self.record(self.keys.download_member(version, rank, world_size, member),
+                           schema.DOWNLOAD_MEMBER)
 
     def spread_download_parts(self, version: str, rank: int, world_size: int,
                               rescues: Sequence[Rescue]) -> None:
-        """Say which members read which failed members' parts of ``version``'s cooperative
-        download (this rank's), over whatever was there (the elected worker's own record,
-        one rescue shorter, or garbage)."""
+        """Say which members read which failed members' parts (this rank's)."""
         self.set_signed(self.keys.download_rescue(version, rank, world_size),
                         {"rescues": [{"part": r.part, "by": list(r.by)} for r in rescues]},
                         schema.DOWNLOAD_RESCUE)
 
     def download_rescues(self, version: str, rank: int, world_size: int) -> tuple[Rescue, ...]:
-        """The failed members' parts spread so far, or none (also when the value there is
-        not to be trusted: skipped with a reason, counted)."""
-        got = self.get_signed(self.keys.download_rescue(version, rank, world_size),
-                              schema.DOWNLOAD_RESCUE)
-        return () if got is None else got[0]
+        """The failed members' parts spread so far, or none (also if untrusted)."""
+        return self.record(self.keys.download_rescue(version, rank, world_size),
+                           schema.DOWNLOAD_RESCUE) or ()

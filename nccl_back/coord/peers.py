@@ -1,12 +1,9 @@
 """Availability: which peers hold which version, for which rank.
 
-A peer entry (``ns:peer:{v}:{r}:{w}:{peer_id}``, a signed :class:`PeerInfo`) and the
-index of one rank's peer ids (``ns:peers:{v}:{r}:{w}``, a set) are written in one step
-and kept alive by the holder's heartbeat, which also keeps the ground truth it holds
-(:mod:`.truth`) and its request queue (:mod:`.requests`). The index is only a hint to
-avoid ``SCAN`` on the hot path: the per-peer key with its TTL is the truth, members
-whose key expired are dropped when read, and an index that is garbage (another Redis
-type, oversized, only dead members) is bypassed by scanning the peer keys, so a hint
+A peer entry and its rank's index of peer ids are written in one step and kept alive by
+the holder's heartbeat (with its ground truth and request queue). The index is only a
+hint to avoid ``SCAN`` on the hot path: the entries are the truth, dead members are
+pruned when read, and a garbage index is bypassed by scanning the entries, so a hint
 never hides a live holder.
 """
 
@@ -14,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from nccl_back import _clock
 from nccl_back.coord import records, schema
@@ -23,7 +21,7 @@ from nccl_back.coord.records import PeerInfo
 from nccl_back.coord.requests import RequestRecords
 from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, log, ms
 from nccl_back.coord.truth import TruthRecords
-from nccl_back.errors import ConfigError, RecordKind, UntrustedRecordError
+from nccl_back.errors import ConfigError, RecordKind
 
 _KEY_UNSAFE = " :*?[]"
 
@@ -68,13 +66,11 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         log.debug("peer_published", peer_id=info.peer_id, version=info.version, rank=info.rank)
 
     def heartbeat(self, info: PeerInfo, scheme: str, truth: dict[str, str] | None = None) -> None:
-        """Refresh the TTLs of the peer's keys and of the ground truth it relies on.
+        """Refresh the peer's keys and the ground truth it relies on.
 
-        Re-writes the entry rather than only extending it, so a peer whose entry already
-        expired (a long GC pause, a Redis restart) becomes visible again. ``truth``: the
-        ground truth this peer holds (stored form, :func:`.truth.encode_truth`),
-        re-published signed when the record is gone (Redis lost its data) or not to be
-        trusted, and before the entry, so receivers never find the peer without its truth.
+        Re-writes the entry, so one that expired (a GC pause, a Redis restart) reappears.
+        ``truth`` (stored form) is re-published when gone or untrusted, before the entry,
+        so receivers never find the peer without its truth.
         """
         if truth:
             self.keep_ground_truth(info, scheme, truth)
@@ -96,51 +92,39 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         log.debug("peer_withdrawn", peer_id=peer_id, version=version)
 
     def find_peers(self, version: str, rank: int, world_size: int) -> list[PeerInfo]:
-        """Live peers holding ``version`` for this rank, least-claimed first.
-
-        Ties are broken at random so that receivers starting together spread across
-        peers instead of all asking the first one.
-        """
+        """Live peers holding ``version`` for this rank, least-claimed first (ties at random,
+        so receivers starting together spread across peers)."""
         index = self.keys.peer_index(version, rank, world_size)
         ids = self._peer_ids(index, version, rank, world_size)
         if not ids:
             return []
         keys = [self.keys.peer(version, rank, world_size, pid) for pid in ids]
         raws, ttls = self._get_with_ttls(keys, schema.PEER)
-        # Only absent keys are dead: one of another type is a live holder's entry that
-        # someone overwrote, which its next heartbeat restores (kept in the index).
+        # Only absent keys are dead: another type is a live holder's overwritten entry.
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
         if dead and len(dead) < len(ids):  # a hint's pruning: never a registry error
             self.tidy("SREM", lambda: self.client.srem(index, *dead))
         elif dead:
-            # An index of dead peers only: stale (a restored copy) or forged. It must not
-            # hide a live holder until its next heartbeat: the peer keys are the truth.
-            # Not pruned: emptied, it would read as no index at all to the next reader,
-            # which would not see what this one rejects and take the download lease at
-            # once (a forgery must cost a wait for the holders' heartbeat, not storage
-            # reads). It expires with its holders, and a holder's publication resets it.
+            # Dead peers only: stale or forged; the peer keys are the truth. Not pruned:
+            # emptied, it would read as no index to the next reader, which would take the
+            # download lease at once (a forgery must cost a wait for the holders'
+            # heartbeat, not storage reads). A holder's publication resets it.
             keys = sorted(self._scan(self.keys.peer(version, rank, world_size, ANY), limit=MAX_INDEX))
             if not keys:
                 return []
             self.reject(RecordKind.INDEX, index, f"{len(ids)} members, none alive; peer keys scanned")
             raws, ttls = self._get_with_ttls(keys, schema.PEER)
-        peers: list[PeerInfo] = []
-        for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
-            info = self._entry(key, raw, ttl_ms)  # one bad entry must not hide the good ones
-            if info is not None and (info.version, info.rank, info.world_size) == (
-                    version, rank, world_size):
-                peers.append(info)
+        peers = [p for p, _ in self._entries(keys, raws, ttls)
+                 if (p.version, p.rank, p.world_size) == (version, rank, world_size)]
         claims = self._claim_counts(peers)
         random.shuffle(peers)
         peers.sort(key=lambda p: claims[p.peer_id] / max(p.max_sends, 1))
         return peers
 
     def _peer_ids(self, index: str, version: str, rank: int, world_size: int) -> list[str]:
-        """The peer ids of the index, or of the peer keys themselves when the index is
-        garbage (another Redis type, or oversized): bypassed, not dropped (a reader that
-        dropped it would leave the next one an empty index while the entries still
-        exist); the holders' next heartbeats replace it. A hint must never hide the
-        truth it points to."""
+        """The peer ids of the index, or of the peer keys when the index is garbage:
+        bypassed, not dropped (the next reader would find no index while entries exist);
+        the holders' next heartbeats replace it."""
         got = self.members(index, schema.INDEX, MAX_INDEX)
         if got is WRONG_TYPE:
             why = "wrong Redis type"
@@ -157,16 +141,13 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         return sorted(k[len(prefix):] for k in self._scan(self.keys.peer(version, rank, world_size, ANY),
                                                           limit=MAX_INDEX))
 
-    def _entry(self, key: str, raw: object, ttl_ms: int) -> PeerInfo | None:
-        """The verified entry at ``key`` (describing that key), or None (rejected)."""
-        if raw is None or raw is WRONG_TYPE:  # (another type was rejected when read)
-            return None
-        try:
-            info: PeerInfo = self._trusted(key, raw, schema.PEER, ttl_ms)
-            return info
-        except UntrustedRecordError as e:
-            self.reject(RecordKind.PEER, key, str(e))
-            return None
+    def _entries(self, keys: list[str], raws: list[Any],
+                 ttls: list[int]) -> list[tuple[PeerInfo, int]]:
+        """The verified entries (each describing its key) with their PTTLs; one bad entry
+        never hides the good ones (another Redis type was rejected when read)."""
+        return [(info, int(ttl_ms)) for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True)
+                if raw is not None and raw is not WRONG_TYPE
+                and (info := self.parse(key, raw, schema.PEER, ttl_ms=ttl_ms)) is not None]
 
     def list_all(self) -> dict[str, list[PeerStatus]]:
         """Every live peer, grouped by version (for ``nccl-back status``)."""
@@ -174,11 +155,7 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
         if not keys:
             return {}
         raws, ttls = self._get_with_ttls(keys, schema.PEER)
-        peers: list[tuple[PeerInfo, float]] = []
-        for key, raw, ttl_ms in zip(keys, raws, ttls, strict=True):
-            info = self._entry(key, raw, ttl_ms)
-            if info is not None:
-                peers.append((info, max(int(ttl_ms), 0) / 1000))
+        peers = [(info, max(ttl_ms, 0) / 1000) for info, ttl_ms in self._entries(keys, raws, ttls)]
         claims = self._claim_counts([p for p, _ in peers])
         now = _clock.wall()
         out: dict[str, list[PeerStatus]] = {}

@@ -1,11 +1,10 @@
 """Typed, bounded records for every value read from Redis.
 
-Anyone who can write to Redis can put anything there: a ``max_sends`` of ``1e400``,
-JSON nested a million deep, an address that is no address, a list where an object
-belongs. Each parser here turns one raw value into a typed record or raises
-:class:`~nccl_back.errors.UntrustedRecordError` saying what is wrong, so the caller
-skips that one value (logged, counted) and goes on with the others; nothing else
-ever escapes. Bounds are generous for real fleets and tight for hostile input.
+Anyone who can write to Redis can put anything there (``1e400``, JSON nested a million
+deep, a list where an object belongs). Each parser turns one raw value into a typed
+record or raises :class:`~nccl_back.errors.UntrustedRecordError`, so the caller skips
+that value and goes on; nothing else escapes. Bounds are generous for real fleets and
+tight for hostile input.
 """
 
 from __future__ import annotations
@@ -61,20 +60,18 @@ def load(raw: str | bytes | None, what: str, max_bytes: int = MAX_RECORD_BYTES) 
     return value
 
 
-def ident(data: dict[str, Any], name: str, what: str) -> str:
+def ident(data: dict[str, Any], name: str, what: str,
+          kind: str = "a name of [A-Za-z0-9._-]") -> str:
     """A name safe in key names and logs: letters, digits, ``._-``, 1 to 200 of them."""
     value = data.get(name)
     if not isinstance(value, str) or not IDENT.fullmatch(value):
-        raise UntrustedRecordError(f"{what}: {name} must be a name of [A-Za-z0-9._-], got {_show(value)}")
+        raise UntrustedRecordError(f"{what}: {name} must be {kind}, got {_show(value)}")
     return value
 
 
 def hexdigest(data: dict[str, Any], name: str, what: str) -> str:
-    """A digest: a short token of letters, digits and ``._-`` (hex in practice)."""
-    value = data.get(name)
-    if not isinstance(value, str) or not IDENT.fullmatch(value):
-        raise UntrustedRecordError(f"{what}: {name} must be a digest, got {_show(value)}")
-    return value
+    """A digest: a token as :func:`ident` takes (hex in practice)."""
+    return ident(data, name, what, "a digest")
 
 
 def integer(data: dict[str, Any], name: str, what: str, lo: int, hi: int, default: int | None = None) -> int:
@@ -129,8 +126,7 @@ class PeerInfo:
     transport: str
     """``gloo`` or ``nccl``: what the receiver must speak."""
     address: str
-    """``host:0``: the host the sender's transports bind on (the bootstrap goes through
-    Redis, :mod:`nccl_back.transport.rendezvous_store`)."""
+    """``host:0``: the host the sender's transports bind on."""
     started_at: float = field(default_factory=_clock.wall)
     """Wall-clock time the peer finished loading (for ``status``)."""
     source: str = "storage"
@@ -148,22 +144,19 @@ class PeerInfo:
     engine: str = ""
     """What runs the worker: ``library``, ``sidecar``, ``vllm-<version>`` ..."""
     layout: str = ""
-    """The digest of its layout (:mod:`nccl_back.model.layout`); empty: every tensor
-    whole, as a plain skeleton's."""
+    """The digest of its layout; empty: every tensor whole."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> PeerInfo:
-        """Parse a registry value; :class:`UntrustedRecordError` (a
-        :class:`RegistryError`) if it is not a valid, bounded PeerInfo."""
+        """Parse a registry value; :class:`UntrustedRecordError` if not a valid PeerInfo."""
         return peer(load(raw, "peer entry"))
 
 
 def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:
-    """A peer entry: names, ``0 <= rank < world_size``, known transport, ``host:port``,
-    ``1 <= max_sends <= 64``."""
+    """A peer entry (``0 <= rank < world_size``, ``1 <= max_sends <= 64``)."""
     world = integer(data, "world_size", what, 1, MAX_WORLD)
     return PeerInfo(
         peer_id=ident(data, "peer_id", what),
@@ -220,14 +213,12 @@ class TransferRequest:
     """Send only part ``part`` of the steps split into ``parts`` (both set, or neither)."""
     parts: int | None = None
     sub: int | None = None
-    """Of that part, only sub-part ``sub`` of ``subs`` (a failed member's part spread
-    over the others; both set, or neither, and only with a part)."""
+    """Of that part, only sub-part ``sub`` of ``subs`` (both set, or neither)."""
     subs: int | None = None
 
     @property
     def steps_part(self) -> tuple[int, ...] | None:
-        """The part of the plan's steps to send (:data:`nccl_back.transport.Part`), or
-        None: from ``start`` to the end."""
+        """The part of the plan's steps to send, or None: from ``start`` to the end."""
         if self.parts is None:
             return None
         head = (self.part or 0, self.parts)
@@ -319,8 +310,7 @@ def lease(data: dict[str, Any], what: str = "download lease") -> Lease:
 
 @dataclass(frozen=True)
 class Waiter:
-    """A worker that waits, with the others of its download group, for a version nobody
-    holds (election.py)."""
+    """A worker waiting, in its download group, for a version nobody holds."""
 
     worker: str
 
@@ -331,9 +321,8 @@ def waiter(data: dict[str, Any], what: str = "download group member") -> Waiter:
 
 @dataclass(frozen=True)
 class Roster:
-    """The members of a cooperative download: the worker elected to download (member 0,
-    the owner) and those of its download group it named, in arrival order; member ``i``
-    reads part ``i`` of ``len(members)`` (election.py)."""
+    """The members of a cooperative download: the elected worker (member 0, the owner),
+    then those it named; member ``i`` reads part ``i`` of ``len(members)``."""
 
     members: tuple[str, ...]
 
@@ -360,11 +349,9 @@ def roster(data: dict[str, Any], what: str = "download roster") -> Roster:
 
 @dataclass(frozen=True)
 class Rescue:
-    """A failed member's part of a cooperative download, spread by the worker elected
-    over readers ``by`` (its own worker id first, then the endpoint ids the members
-    serve from in this download: a record from another download names none of this
-    one's): ``by[s]`` reads sub-part ``s`` of ``len(by)`` of part ``part`` and serves
-    it (cooperative.py)."""
+    """A failed member's part of a cooperative download, spread over readers ``by`` (the
+    elected worker's id, then this download's endpoint ids): ``by[s]`` reads and serves
+    sub-part ``s`` of ``len(by)`` of part ``part``."""
 
     part: int
     by: tuple[str, ...]

@@ -1,22 +1,9 @@
 """The coordination store's client: one Redis, a Sentinel-managed one, or a Redis Cluster,
-plain or over TLS, chosen by ``Settings.redis_url``.
+plain or over TLS, chosen by ``Settings.redis_url`` (the URL forms: docs/redis.md). TLS
+always verifies the server's certificate and host name.
 
-- ``redis://[:password@]host:6379/0``: one server (``unix:///path/redis.sock?db=0`` too);
-- ``redis+sentinel://[:password@]h1:26379,h2:26379/mymaster/0``: the master the
-  sentinels name ``mymaster``, followed across failovers;
-- ``redis+cluster://[:password@]h1:6379,h2:6379``: a Redis Cluster (any nodes, as seeds);
-- ``rediss://``, ``rediss+sentinel://``, ``rediss+cluster://``: the same over TLS.
-
-The URL's password is the data nodes' (``requirepass``); sentinels with their own
-password take the URL's ``?sentinel_password=``. TLS always verifies the server's
-certificate and host name, against the URL's ``?ssl_ca_certs=`` (or the system's CAs),
-and presents ``?ssl_certfile=`` / ``?ssl_keyfile=`` when given (mutual TLS).
-
-On a cluster every key of one namespace shares one hash slot (:class:`~.keys.Keys` puts
-the namespace in a ``{hash tag}``), so multi-key commands, transactions and Lua scripts
-work as on one server. The URL is parsed by :mod:`nccl_back.redis_url` (no ``redis``
-import there: :class:`Settings` validates URLs with it and the metadata CLI commands
-stay fast); ``redis`` is imported here only when a client is made.
+The URL is parsed by :mod:`nccl_back.redis_url`; ``redis`` is imported here only when a
+client is made, so the metadata CLI commands stay fast.
 """
 
 from __future__ import annotations
@@ -39,12 +26,9 @@ def _tls_kwargs(target: RedisTarget) -> dict[str, Any]:
 
 
 def connect(settings: Settings) -> Any:
-    """A redis-py client for ``settings.redis_url`` (``Redis``, Sentinel-managed ``Redis``
-    or ``RedisCluster``), answers as ``bytes`` (decoded by each record kind's parser,
-    never by redis-py), every call bounded by
-    ``settings.redis_timeout``. Raises :class:`ConfigError` for a bad URL or TLS file;
-    a cluster is contacted here (redis-py discovers its slots on construction), so an
-    unreachable one raises redis-py's error, which :class:`Registry` maps."""
+    """A redis-py client for ``settings.redis_url`` answering ``bytes``, every call bounded
+    by ``settings.redis_timeout``. Raises :class:`ConfigError` for a bad URL or TLS file;
+    a cluster is contacted here, so an unreachable one raises redis-py's error."""
     import redis
 
     target = parse_redis_url(settings.redis_url)

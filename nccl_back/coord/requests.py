@@ -1,14 +1,10 @@
 """Transfer requests: the queue a sender (a peer, or a relay member) serves.
 
-``ns:req:{peer_id}`` is a list of signed request records, newest last, trimmed to the
-newest :data:`MAX_QUEUED_REQUESTS` so a flood written before a genuine request cannot
-bury it; its TTL is the holder's ``peer_ttl``, extended at each heartbeat. The sender
-pops newest first: that receiver is still waiting, older ones may have given up. A
-queue holding another Redis type (garbage) is replaced by the next push and dropped by
-its owner's next pop or heartbeat. An empty value is no request but a wake-up: a
-closing endpoint pushes one so its own wait on the queue ends at its next look (within
-:data:`POLL_MAX`), not at the end of the wait (anyone may push one; it only makes the
-owner look again).
+A list of signed requests trimmed to the newest :data:`MAX_QUEUED_REQUESTS`, so a flood
+written before a genuine request cannot bury it; popped newest first (that receiver is
+still waiting). Garbage of another type is replaced by the next push. An empty value is
+a wake-up: a closing endpoint pushes one so its own wait ends at its next look (anyone
+may push one; it only makes the owner look again).
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ class RequestRecords(SignedStore):
     def push_request(self, peer_id: str, request: dict[str, Any]) -> None:
         """Ask ``peer_id`` to serve one transfer (``request`` is JSON-serialisable)."""
         key = self.keys.requests(peer_id)
-        # Keep only the newest requests: a flood written before ours cannot bury it.
         raw = self.signed(key, request, schema.REQUEST)
         self._call("push_request", lambda: self.lua.push(
             keys=[key], args=[raw, MAX_QUEUED_REQUESTS, ms(self.settings.peer_ttl)]))
@@ -57,17 +52,13 @@ class RequestRecords(SignedStore):
 
     def pop_request(self, peer_id: str, timeout: float) -> TransferRequest | None:
         """The next valid request for ``peer_id``, waiting at most ``timeout`` seconds;
-        else None (at once for a wake-up). Invalid ones (unsigned, malformed, expired,
-        oversized) are skipped and counted.
+        else None (at once for a wake-up). Invalid ones are skipped and counted.
 
-        Polled, every :data:`POLL_MAX` seconds at most, not blocked on: every blocking pop
-        Redis has (BRPOP, BLMOVE...) sends the item whole, and anyone may push 64 MiB
-        there; the bounded pop leaves an oversized item's bytes on the server."""
+        Polled, not blocked on: Redis's blocking pops send the item whole, and anyone may
+        push 64 MiB there; the bounded pop leaves an oversized item on the server."""
         key = self.keys.requests(peer_id)
         deadline = _clock.monotonic() + timeout
         while True:
-            # Newest first: its receiver is still waiting; older ones may have given up,
-            # and a flood pushed earlier must not delay it.
             raw = self.pop(key, schema.REQUEST)
             if raw is WRONG_TYPE:
                 # Our own queue holds garbage of another type: drop it, receivers re-ask.
@@ -87,11 +78,10 @@ class RequestRecords(SignedStore):
                 _clock.sleep(min(pause, left))
 
     def drop_requests(self, peer_id: str) -> None:
-        """Forget every request queued for ``peer_id`` (its endpoint is closing: the
-        receivers that asked time out their handshake and ask elsewhere)."""
+        """Forget every request queued for ``peer_id`` (its endpoint is closing)."""
         self.delete(self.keys.requests(peer_id))
 
     def _keep_requests(self, peer_id: str) -> None:
-        """Our own queue at a heartbeat: garbage of another type there would refuse every
-        request (replaced); ours lives on for another ``peer_ttl``."""
+        """Our own queue at a heartbeat: garbage of another type (which would refuse every
+        request) dropped, ours kept for another ``peer_ttl``."""
         self._repair(self.keys.requests(peer_id), "list", self.settings.peer_ttl, what="heartbeat")

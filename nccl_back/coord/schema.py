@@ -1,34 +1,22 @@
 """The record schema: every kind of Redis key nccl_back writes, in one table.
 
-Each :class:`KeyKind` says what a key of its kind is: its name's prefix and parts, the
-:class:`~nccl_back.errors.RecordKind` it is rejected and counted under, the Redis type
-a genuine writer gives it, how its value is signed (:class:`Signing`), the TTL its
-writers give it, the largest value a genuine one has, and the typed parser a verified
-value must pass. :mod:`.keys` builds key names from it, the record families read and
-verify values through it (:meth:`.store.SignedStore.get_signed`), the metrics label
-rejections with its kinds, and the hostile-Redis tests and the soak generate their
-corruptions from it: a key kind added here is corrupted by them at once (and
-``tests/test_hostile_redis.py`` fails until a rollout there writes it), one a rollout
-writes without an entry here fails there too, and ``tests/test_records_props.py``
-fails until the kind's parser has valid examples.
-
-Values are read as bytes and decoded by their parser (never by the Redis client), so
-whatever bytes the server sends end in a parsed record or an
-:class:`~nccl_back.errors.UntrustedRecordError`, nothing else.
+Each :class:`KeyKind` gives a key's prefix and parts, the
+:class:`~nccl_back.errors.RecordKind` it is rejected under, its Redis type, signing, TTL,
+size bound and typed parser. :mod:`.keys` builds names from it, :mod:`.signed_store`
+reads through it, and the hostile-Redis tests and the soak generate their corruptions
+from it (ARCHITECTURE.md, "A new record kind"). Values are decoded by their parser,
+never the Redis client, so any bytes end in a parsed record or an
+:class:`~nccl_back.errors.UntrustedRecordError`.
 
 Signing rules, by what a record does:
 
-- ``GRANT``: it grants something or says someone is alive (a send slot, the download
-  lease, a transfer request, a handshake step, a peer entry, a relay endpoint): signed
-  with an expiry inside the signature and re-signed to renew, so a copy replayed after
-  its writer stopped is refused within its TTL plus the clock skew.
-- ``CONTENT``: it states content (ground truth, position truth, layouts): signed
-  without an expiry and kept alive by ``PEXPIRE``; a replayed copy says what the
-  original said, so replaying it grants nothing.
-- ``HMAC``: the rendezvous' own MAC over raw bytes (:mod:`nccl_back.transport.rendezvous_store`).
-- ``NONE``: hints checked against signed records (the peer index names entries that
-  are verified one by one; the cohort counter only orders arrivals) and ``check``'s
-  round trip.
+- ``GRANT``: it grants something or says someone is alive: an expiry inside the
+  signature, re-signed to renew, so a copy replayed after its writer stopped is refused.
+- ``CONTENT``: it states content (truth, layouts): no expiry, kept by ``PEXPIRE``; a
+  replayed copy says what the original said, so replaying it grants nothing.
+- ``HMAC``: the rendezvous' own MAC over raw bytes.
+- ``NONE``: hints checked against signed records (the peer index, the cohort counter)
+  and ``check``'s round trip.
 """
 
 from __future__ import annotations
@@ -92,8 +80,7 @@ class KeyKind:
     parts: tuple[str, ...]
     """What follows the prefix, in order (a chain key has its cohort's parts first)."""
     kind: RecordKind | None
-    """What a rejected value is counted as (None: no value of it is ever rejected: nothing
-    reads it back, or only a script that replaces what it does not recognise)."""
+    """What a rejected value is counted as (None: nothing of it is ever rejected)."""
     redis_type: RedisType
     signing: Signing
     ttl: Callable[[Settings], float]
@@ -102,8 +89,8 @@ class KeyKind:
     """The largest value (or list item) a genuine writer stores."""
     doc: str
     parse: Parser | None = None
-    """The typed parser every value (each item of a list) must pass; None: a hint or a
-    value another module owns the format of (``rdv``, ``check``)."""
+    """The typed parser every value (or list item) must pass; None: a hint, or a format
+    another module owns."""
 
     @property
     def expires(self) -> bool:
@@ -115,8 +102,7 @@ class KeyKind:
         return bool(parts) and parts[0] == self.prefix and len(parts) - 1 == len(self.parts)
 
     def parts_of(self, key: str) -> dict[str, str]:
-        """The named parts of one of its keys (:class:`UntrustedRecordError` if ``key``
-        is not of this kind)."""
+        """The named parts of one of its keys (:class:`UntrustedRecordError` if not one)."""
         _, sep, rest = key.partition("}:")
         got = rest.split(":")
         if not sep or not self.matches(got):

@@ -1,12 +1,9 @@
 """Every Lua script the coordination layer runs, in one place, and their registration.
 
-A script makes a read-check-write one atomic step on the server: the only way two
-workers racing for a claim, a lease, a compare-and-set or a cohort seat never both
-win. Each also repairs what a hostile or careless writer may have left at its key
-(another Redis type, no TTL) in that same step, so garbage costs a bounded delay,
-never the fleet. Scripts take every key they touch in ``KEYS`` (one hash slot per
-namespace on a cluster), except the join script's chain key, which shares the
-cohort key's hash tag.
+A script makes a read-check-write one atomic step, so two workers racing for a claim, a
+lease or a cohort seat never both win, and repairs garbage at its key (another Redis
+type, no TTL) in that same step. Scripts take every key in ``KEYS``, but the join
+script's chain key, which shares the cohort key's hash tag.
 """
 
 from __future__ import annotations
@@ -55,9 +52,9 @@ if redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 1 end
 return 0
 """
 
-# Values and PTTLs of string keys in one step, bounded: a value longer than ARGV[1] bytes
-# is refused by its length alone, so an oversized value never crosses the wire (reading
-# 64 MiB of garbage at every poll would slow every reader, and its repair, for seconds).
+# Values and PTTLs of string keys in one step; a value longer than ARGV[1] bytes is
+# refused by its length, never crossing the wire (64 MiB of garbage per poll would slow
+# every reader for seconds).
 # A triple per key: {0, -2, 0} absent; {-1, -2, 0} another type; {2, pttl, length} over
 # the bound; {1, pttl, value}.
 _BOUNDED_GET_LUA = """
@@ -217,13 +214,9 @@ return 0
 """
 
 # Take a seat in the current cohort: the n-th arrival of a window sits at position
-# (n-1) % max in chain (n-1) // max; the record is pushed in the same step, so the
-# list index is the position. Every arrival keeps the window open for another window
-# (a rolling start joins the chain in flight); a new window (the hash expired: nobody
-# arrived for a whole window) gets a new epoch.
-# A cohort hash that is not one we write (another type, a counter or epoch that is no
-# number or name, no TTL or one far past the window) starts a new window instead of
-# refusing every join; so does a chain list of another type.
+# (n-1) % max in chain (n-1) // max, its record pushed in the same step. Every arrival
+# renews the window (a rolling start joins in flight); a new window gets a new epoch.
+# A hash or chain that is not one we write starts a new window instead of refusing joins.
 _JOIN_COHORT_LUA = """
 local t = redis.call('TYPE', KEYS[1])['ok']
 if t == 'hash' then

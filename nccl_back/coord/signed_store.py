@@ -1,21 +1,15 @@
 """The signed key-value layer under every record family of the registry.
 
-It owns the client (one server, Sentinel or Cluster: :mod:`.redisclient`), the one
-mapping of redis-py failures to :class:`RegistryError`, the key names (:class:`.Keys`),
-the Lua scripts (:mod:`.scripts`), and trust: values are JSON (never pickle: a Redis
-shared by a fleet must not be able to run code in a worker), signed when
-``Settings.secret`` is set (:mod:`.auth`), and read back through their kind's entry in
-the record schema (:mod:`.schema`): bytes, bounded, decoded, verified, parsed into the
-kind's typed record.
+It owns the client (:mod:`.redisclient`), the one mapping of redis-py failures to
+:class:`RegistryError`, and trust: values are JSON (never pickle: a shared Redis must not
+run code in a worker), signed when ``Settings.secret`` is set (:mod:`.auth`), and read
+back bounded, verified and parsed through their kind's schema entry (:mod:`.schema`).
 
-Trust. A value that is not UTF-8, unsigned, badly signed, expired, malformed, kept
-without a TTL or far beyond the one its writers give it is skipped, logged
-(``record_rejected``) and counted (``on_untrusted``, under its
-:class:`~nccl_back.errors.RecordKind`); it never raises out of a list. ``SET NX`` also
-takes over a key kept without a TTL or of the wrong Redis type (it would otherwise
-hold a claim, a lease or the ground truth forever), and :meth:`SignedStore.acquire`
-takes over a holder that does not verify, atomically on the value it read, so hostile
-values cost a bounded delay, never the fleet.
+A value that is not UTF-8, unsigned, badly signed, expired, malformed, kept without a
+TTL or far beyond its writers' is skipped, logged (``record_rejected``) and counted
+(``on_untrusted``); it never raises out of a list. ``SET NX`` and :meth:`SignedStore.acquire`
+take over such a value atomically (it would otherwise hold a claim, a lease or the truth
+forever), so hostile values cost a bounded delay, never the fleet.
 """
 
 from __future__ import annotations
@@ -70,19 +64,14 @@ class Raw(str):
 
 
 class SignedStore:
-    """Signed JSON values at the namespace's keys, with the trust rules above.
-
-    Every Redis failure (connection refused, timeout, auth error) is raised as
-    :class:`RegistryError`, chained to the redis-py error, so callers fall back on one
-    exception type.
-    """
+    """Signed JSON values at the namespace's keys; every Redis failure is raised as
+    :class:`RegistryError`, so callers fall back on one exception type."""
 
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.ns = settings.namespace
         self.keys = Keys(settings.namespace)
         if client is None:
-            # One server, Sentinel or Cluster, plain or TLS (see redisclient.py).
             try:
                 client = redisclient.connect(settings)
             except (redis.RedisError, RedisClusterException) as e:
@@ -90,8 +79,7 @@ class SignedStore:
                     f"cannot reach redis ({redact(settings.redis_url)}): {redisclient.explain(e)}"
                 ) from e
         elif redisclient.decodes_responses(client):
-            # Replies are parsed from bytes by each kind's parser: a client that decodes
-            # them raises UnicodeDecodeError inside redis-py on bytes that are not UTF-8.
+            # A decoding client raises inside redis-py on bytes that are not UTF-8.
             raise ConfigError("Registry needs a redis client made with decode_responses=False")
         self.client: redis.Redis = client
         self.lua = Scripts(client)
@@ -104,8 +92,7 @@ class SignedStore:
         """Writes that only tidy and failed so far (see :meth:`tidy`)."""
 
     def key(self, *parts: object) -> str:
-        """``{namespace}:part1:part2...`` (:meth:`Keys.key`; the families name their keys
-        through :attr:`keys`)."""
+        """``{namespace}:part1:part2...`` (:meth:`Keys.key`)."""
         return self.keys.key(*parts)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -117,12 +104,10 @@ class SignedStore:
             ) from e
 
     def tidy(self, what: str, fn: Callable[[], T]) -> T | None:
-        """Run a write that only tidies (pruning an index, refreshing an expiry, dropping
-        what expires anyway): a failure (an outage, or another Redis type an attacker left
-        there) is logged (``tidy_failed``) and counted (:attr:`tidy_failed`), and None
-        returned, never raised. Only the writes a load needs are errors: a registry error
-        sends each worker to storage on its own, past the single flight, so garbage at one
-        key would otherwise turn a fleet's one download into one per worker."""
+        """Run a write that only tidies (pruning, refreshing an expiry, dropping what
+        expires anyway): a failure is logged, counted and returned as None, never raised.
+        A registry error sends each worker to storage past the single flight, so garbage
+        at one key would otherwise turn a fleet's one download into one per worker."""
         try:
             return self._call(what, fn)
         except RegistryError as e:
@@ -133,10 +118,8 @@ class SignedStore:
     # -- writing --------------------------------------------------------------------------
 
     def set_json(self, key: str, value: Any, ttl: float, *, nx: bool = False) -> bool:
-        """Store ``value`` as JSON at ``key`` with a TTL in seconds; ``nx``: only if absent.
-
-        Returns whether the value was written.
-        """
+        """Store ``value`` as JSON at ``key`` with a TTL (``nx``: only if absent); whether
+        it was written."""
         raw = value if isinstance(value, Raw) else _dumps(value)
         if nx:
             return bool(self._call("SET NX", lambda: self.lua.set_nx(keys=[key], args=[raw, ms(ttl)])))
@@ -156,11 +139,9 @@ class SignedStore:
         return self.set_json(key, self.signed(key, value, kind, ttl), ttl, nx=nx)
 
     def acquire(self, key: str, value: dict[str, Any], kind: KeyKind, ttl: float) -> Raw | None:
-        """``SET NX`` of ``value`` (signed) at ``key``, taking over a holder that is not
-        to be obeyed: another Redis type, not UTF-8, unsigned or badly signed, expired,
-        malformed, or kept far beyond ``ttl``. The takeover is atomic on the value read,
-        so two workers that both found garbage never both win. Returns the raw value
-        stored (for :meth:`compare_and_set` renewals), or None if a trusted holder has it."""
+        """``SET NX`` of ``value`` (signed) at ``key``, taking over an untrusted holder
+        atomically on the value read (two workers finding garbage never both win). The
+        raw value stored (for renewals), or None if a trusted holder has it."""
         new = self.signed(key, value, kind, ttl)
         if self.set_json(key, new, ttl, nx=True):
             return new
@@ -197,9 +178,9 @@ class SignedStore:
         return bool(self.tidy("CAD", lambda: self.lua.cad(keys=[key], args=[expected])))
 
     def _repair(self, key: str, kind: str, extend: float | None = None, *, what: str = "repair") -> None:
-        """Drop ``key`` if it holds another Redis type than ``kind`` ('none': drop it
-        whatever it holds); extend it by ``extend`` seconds if given. It only tidies (see
-        :meth:`tidy`). (A script call of its own: a cluster pipeline refuses EVALSHA.)"""
+        """Drop ``key`` if it holds another Redis type than ``kind`` ('none': any); extend
+        it by ``extend`` seconds if given; only tidies. (Its own script call: a cluster
+        pipeline refuses EVALSHA.)"""
         ttl = "" if extend is None else ms(extend)
         self.tidy(what, lambda: self.lua.repair(keys=[key], args=[kind, ttl]))
 
@@ -214,16 +195,12 @@ class SignedStore:
 
     # -- reading --------------------------------------------------------------------------
 
-    # Every value, list item and set member this package reads from Redis is read here,
-    # by a script that refuses one over its kind's bound by its length on the server:
-    # its bytes never cross the wire (tests/test_bounded_reads.py holds every other
-    # module to it).
+    # Every read from Redis is here, by a script that refuses an item over its kind's bound
+    # by its length on the server (tests/test_bounded_reads.py holds every module to it).
 
     def _get_with_ttl(self, key: str, kind: KeyKind) -> tuple[Any, int]:
-        """``(raw bytes or None, PTTL in ms)`` in one round trip; :data:`WRONG_TYPE` as the
-        value when the key holds a list, set or hash (another writer's, never ours), an
-        :class:`Oversized` one (its bytes left on the server) when it is longer than
-        ``kind``'s bound."""
+        """``(raw bytes or None, PTTL in ms)`` in one round trip; the value may be
+        :data:`WRONG_TYPE` or :class:`Oversized`."""
         values, ttls = self._values([key], kind)
         return values[0], ttls[0]
 
@@ -248,8 +225,7 @@ class SignedStore:
         return values, ttls
 
     def _get_with_ttls(self, keys: list[str], kind: KeyKind) -> tuple[list[Any], list[int]]:
-        """Values and PTTLs in as few round trips as :meth:`_values` takes, as it gives
-        them, keys of another Redis type rejected (logged, counted)."""
+        """:meth:`_values`, keys of another Redis type rejected (logged, counted)."""
         values, ttls = self._values(keys, kind)
         for key, raw in zip(keys, values, strict=True):
             if raw is WRONG_TYPE:
@@ -257,21 +233,18 @@ class SignedStore:
         return values, ttls
 
     def raw_value(self, key: str, kind: KeyKind) -> Any:
-        """The bytes at ``key``, or None (absent), :data:`WRONG_TYPE` or an
-        :class:`Oversized` (see :meth:`_get_with_ttl`): for values whose format another
+        """The value at ``key`` as :meth:`_get_with_ttl` gives it, for formats another
         module owns (the rendezvous, ``check``'s probe)."""
         return self._get_with_ttl(key, kind)[0]
 
     def values(self, keys: list[str], kind: KeyKind) -> list[Any]:
-        """The raw values at ``keys`` (a batch, MGET's job): None where absent or of another
-        Redis type (rejected), an :class:`Oversized` where over ``kind``'s bound (which
-        :meth:`parse` rejects), else the bytes."""
+        """The raw values at ``keys`` (MGET's job): None where absent or of another Redis
+        type (rejected), else the bytes or an :class:`Oversized`."""
         return [None if raw is WRONG_TYPE else raw for raw in self._get_with_ttls(keys, kind)[0]]
 
     def items(self, key: str, kind: KeyKind, first: int, last: int) -> Any:
-        """The items at positions ``first..last`` of the list at ``key`` (LRANGE's
-        indexes; the range bounds their count): each its bytes, or an :class:`Oversized`
-        left on the server; [] if absent, :data:`WRONG_TYPE` if another Redis type."""
+        """Items ``first..last`` (LRANGE's indexes) of the list at ``key``, each bytes or
+        :class:`Oversized`; [] if absent, :data:`WRONG_TYPE` if another Redis type."""
         got = self._call("LRANGE", lambda: self.lua.bounded_range(
             keys=[key], args=[first, last, kind.max_bytes]))
         state = _state(got, key)
@@ -280,9 +253,8 @@ class SignedStore:
         return [Oversized(item, kind.max_bytes) if isinstance(item, int) else item for item in got[1:]]
 
     def pop(self, key: str, kind: KeyKind) -> Any:
-        """The last item of the list at ``key``, popped (RPOP's job, without blocking): its
-        bytes, an :class:`Oversized` (dropped on the server), None if there is none,
-        :data:`WRONG_TYPE` if the key holds another Redis type."""
+        """The list's last item, popped (RPOP without blocking): bytes, an
+        :class:`Oversized`, None if none, :data:`WRONG_TYPE` if another Redis type."""
         got = self._call("RPOP", lambda: self.lua.bounded_pop(keys=[key], args=[kind.max_bytes]))
         state = _state(got, key)
         if state <= 0:
@@ -301,18 +273,22 @@ class SignedStore:
         return int(got[1]), ([] if state == 2 else [m for m in got[3:] if isinstance(m, bytes)])
 
     def get_signed(self, key: str, kind: KeyKind, *, ttl: float | None = None) -> tuple[Any, Raw] | None:
-        """The typed record at ``key`` (``kind``'s parser's) and its raw value (for a
-        compare-and-set); None if absent or rejected (logged, counted). ``ttl``: the
-        longest TTL its writer gives it, if not the kind's."""
+        """The typed record at ``key`` and its raw value (for a compare-and-set); None if
+        absent or rejected. ``ttl``: the longest its writer gives it, if not the kind's."""
         try:
             return self.read(key, kind, ttl=ttl)
         except UntrustedRecordError:
             return None
 
+    def record(self, key: str, kind: KeyKind, *, ttl: float | None = None) -> Any:
+        """The typed record at ``key`` (:meth:`get_signed`'s), or None."""
+        got = self.get_signed(key, kind, ttl=ttl)
+        return None if got is None else got[0]
+
     def read(self, key: str, kind: KeyKind, *, ttl: float | None = None) -> tuple[Any, Raw] | None:
-        """As :meth:`get_signed`, but a value that is there and not to be trusted raises
-        :class:`UntrustedRecordError` (rejected: logged, counted) instead of reading as
-        absent: for records whose absence and forgery call for different answers."""
+        """As :meth:`get_signed`, but an untrusted value raises
+        :class:`UntrustedRecordError` (after rejecting it): for records whose absence and
+        forgery call for different answers."""
         raw, ttl_ms = self._get_with_ttl(key, kind)
         if raw is None:
             return None
@@ -325,10 +301,10 @@ class SignedStore:
             raise
         return record, Raw(raw.decode())
 
-    def _trusted(self, key: str, raw: Any, kind: KeyKind, ttl_ms: int | None,
-                 ttl: float | None = None) -> Any:
+    def _trusted(self, key: str, raw: Any, kind: KeyKind, ttl_ms: int | None = None,
+                 ttl: float | None = None, *, signed_for: str | None = None) -> Any:
         """:meth:`verify` and the kind's parser: the typed record, or UntrustedRecordError."""
-        body = self.verify(key, raw, kind, ttl_ms, ttl)
+        body = self.verify(key, raw, kind, ttl_ms, ttl, signed_for=signed_for)
         if kind.parse is None:
             return body
         return kind.parse(body, kind.parts_of(key), self.settings)
@@ -336,36 +312,31 @@ class SignedStore:
     def verify(self, key: str, raw: Any, kind: KeyKind, ttl_ms: int | None = None,
                ttl: float | None = None, *, signed_for: str | None = None) -> dict[str, Any]:
         """Bounded UTF-8 JSON, a TTL (within ``ttl`` x :data:`TTL_SLACK` if given), a good
-        signature (for
-        ``signed_for``, the key it was signed for, if not ``key``): the record's body, or
+        signature (for ``signed_for`` if not ``key``): the body, or
         :class:`UntrustedRecordError`."""
         if ttl_ms is not None:
             if int(ttl_ms) == -1:
                 raise UntrustedRecordError(f"{key}: kept without a TTL")
             # The caller's own TTL for what it competes for (a lease, a slot): kept far
-            # beyond it, a value is not a live writer's. Other records' writers may run
-            # other settings; their expiry is inside the signature.
+            # beyond it, a value is not a live writer's (others' expiry is signed).
             if ttl is not None and int(ttl_ms) > ttl * TTL_SLACK * 1000:
                 raise UntrustedRecordError(f"{key}: TTL {ttl_ms} ms, far beyond the {ttl:g} s"
                                            " its writers give it")
         text = records.text(raw, key, kind.max_bytes)
         return self.signer.verify(signed_for or key, records.load(text, str(kind.kind), kind.max_bytes))
 
-    def parse(self, key: str, raw: Any, kind: KeyKind, *, signed_for: str | None = None) -> Any:
+    def parse(self, key: str, raw: Any, kind: KeyKind, *, ttl_ms: int | None = None,
+              signed_for: str | None = None) -> Any:
         """One list item or value read outside :meth:`read` (a queue, a chain, a
         batch): the typed record, or None (rejected: logged, counted)."""
         try:
-            body = self.verify(key, raw, kind, signed_for=signed_for)
-            if kind.parse is None:
-                return body
-            return kind.parse(body, kind.parts_of(key), self.settings)
+            return self._trusted(key, raw, kind, ttl_ms, signed_for=signed_for)
         except UntrustedRecordError as e:
             self.reject(kind.kind, key, str(e))
             return None
 
     def reject(self, kind: RecordKind | str | None, key: str, reason: str) -> None:
-        """Log and count one rejected record (never raises: the metric takes any kind;
-        the layer passes a :class:`RecordKind`, a stray string is counted as given)."""
+        """Log and count one rejected record (never raises)."""
         kind = _kind(kind or "unknown")
         log.warning("record_rejected", kind=str(kind), key=key, reason=reason)
         self.rejected += 1
@@ -384,9 +355,8 @@ class SignedStore:
         return self._scan(self.keys.key(pattern), limit)
 
     def _scan(self, glob: str, limit: int | None = None) -> Iterator[str]:
-        """Keys matching ``glob``, a whole key pattern of the namespace (:class:`Keys`
-        builds them), at most ``limit`` of them; a name that is not ASCII, or longer than
-        :data:`MAX_KEY_NAME` (left on the server), is no key of ours (skipped)."""
+        """At most ``limit`` keys matching ``glob`` (built by :class:`Keys`); a name not
+        ASCII or over :data:`MAX_KEY_NAME` is no key of ours (skipped)."""
         def keys() -> list[str]:
             out: list[str] = []
             cursor: Any = 0

@@ -1,13 +1,9 @@
 """Ground truth: the integrity hashes a storage load stored, per skeleton flavour.
 
-Keyed by version, rank, world size, manifest digest (each flavour, equally valid with
-another layout, has its own) and the verification scheme that computed it (a rolling
-upgrade's two schemes keep two truths, never replacing each other's), signed without
-an expiry inside (heartbeats keep it alive with ``PEXPIRE``). Written ``SET NX`` by a
-worker the Verifier allows to publish truth, overwritten only by a storage loader that
-disagrees (:meth:`TruthRecords.replace_ground_truth`), and re-published by every holder
-at each heartbeat: after a ``FLUSHALL``, a failover to an empty replica, or over a
-forged record (:meth:`TruthRecords.keep_ground_truth`).
+One record per manifest digest and verification scheme (a rolling upgrade's two schemes
+keep two truths). Written ``SET NX``, overwritten only by a storage loader that
+disagrees, and re-published by every holder at each heartbeat (after a ``FLUSHALL``, a
+failover to an empty replica, or over a forged record).
 """
 
 from __future__ import annotations
@@ -62,11 +58,8 @@ class TruthRecords(SignedStore):
 
     def put_ground_truth(self, version: str, rank: int, world_size: int, manifest_digest: str,
                          scheme: str, hashes: dict[str, str]) -> bool:
-        """Store the integrity hashes of a storage load, unless some already exist.
-
-        SET NX: ground truth is never overwritten here (a worker that loaded from a peer
-        must not replace what storage said). Returns True if this call stored it.
-        """
+        """Store the integrity hashes of a storage load unless some exist (a peer load must
+        not replace what storage said); whether this call stored them."""
         key = self.ground_truth_key(version, rank, world_size, manifest_digest, scheme)
         return self.set_signed(key, self._value(manifest_digest, scheme, hashes),
                                schema.GROUND_TRUTH, nx=True)
@@ -80,12 +73,8 @@ class TruthRecords(SignedStore):
 
     def get_ground_truth(self, version: str, rank: int, world_size: int, manifest_digest: str,
                          scheme: str) -> dict[str, str] | None:
-        """The hashes a storage load stored for this skeleton flavour, or None.
-
-        :class:`UntrustedRecordError` (logged, counted) if the stored record is
-        not UTF-8, unsigned, badly signed, malformed, another Redis type or kept
-        without a TTL: never acted on.
-        """
+        """The hashes a storage load stored for this skeleton flavour, or None;
+        :class:`UntrustedRecordError` (logged, counted) for an untrusted record."""
         key = self.ground_truth_key(version, rank, world_size, manifest_digest, scheme)
         got = self.read(key, schema.GROUND_TRUTH)
         if got is None:
@@ -103,10 +92,9 @@ class TruthRecords(SignedStore):
         return any(True for _ in self._scan(glob, limit=1))
 
     def keep_ground_truth(self, info: PeerInfo, scheme: str, truth: dict[str, str]) -> None:
-        """Keep the ground-truth record of ``info``'s flavour alive and trustworthy: extend
-        it while it is the value last verified; write ``truth`` (signed) if it is absent,
-        of another type, or untrusted; leave a trusted record that says otherwise (a
-        storage loader's replacement rules, see ``WeightService``)."""
+        """Keep the ground truth of ``info``'s flavour alive: extend it while it is the value
+        last verified; write ``truth`` if absent, of another type or untrusted; leave a
+        trusted record that says otherwise."""
         key = self.ground_truth_key(info.version, info.rank, info.world_size,
                                     info.manifest_digest, scheme)
         ttl = schema.GROUND_TRUTH.ttl(self.settings)

@@ -1,36 +1,17 @@
 """The data plane: walk a state dict in sorted name order and copy it, rank 0 -> 1.
 
-Each copy (:meth:`Transport.copy`, a 2-rank broadcast underneath) is a collective:
-both sides must issue the same calls, in the same order, with the same sizes, or data
-lands in the wrong buffer without any error. So the sequence of calls (:func:`plan`) is derived from the names, shapes and dtypes alone,
-identically on both sides, and its digest is exchanged first: a difference (another
-manifest, another ``bucket_bytes``) raises :class:`ManifestMismatchError` on both sides
-before any tensor is touched.
+Each copy is a collective: both sides must issue the same calls with the same sizes, or
+data lands in the wrong buffer silently. So the calls (:func:`plan`) derive from names,
+shapes and dtypes alone, and their digest is exchanged first: a difference raises
+:class:`ManifestMismatchError` on both sides before any tensor is touched.
 
-Tensors smaller than ``bucket_bytes`` and than :data:`DIRECT_BYTES` are coalesced into
-flat byte buckets (packed on the sender, unpacked on the receiver) because a call per
-small tensor costs more in latency than in bytes; larger ones are copied in place,
-cut into chunks of ``bucket_bytes``. So no step is larger than a bucket: a relay (:mod:`nccl_back.transport.relay`)
-forwards step k while k+1 arrives, and each hop of a chain costs one step, not one
-tensor. Everything travels as bytes (``uint8`` views), so no backend has to support
-bf16, bool or complex.
-
-A transfer may start at step ``start`` > 0 (a relay member re-attaching after its
-upstream failed resumes where it was): the digest covers ``start`` and the steps from it.
-It may also move only one ``part`` of the steps (:func:`~.parts.parts`, cut from the plan alone
-so both sides agree): parts from several sources fill one receiver side by side, as the
-fan-out's trees do.
-The sender may gate each step on ``ready(k)`` (a relay forwards only what it holds) and
-pace it through ``pace(nbytes)`` (the worker's send-rate cap); the receiver reports each
-step whose bytes are in place through ``on_step(k)``.
-
-Two bucket buffers are allocated once and alternate, and at most two copies are in
-flight: the sender packs bucket k+1 while bucket k is on the wire, the receiver unpacks
-bucket k while k+1 arrives.
-
-Every completed wait (the plan agreement, each step, the acknowledgement) is reported
-through ``transport.progressed()``: the watchdog's stall bound counts from the last one,
-on every path and transport alike.
+Small tensors are packed into byte buckets (a call per small tensor costs more in latency
+than in bytes); larger ones go in place in chunks of ``bucket_bytes``, so no step exceeds
+a bucket and a relay forwards step k while k+1 arrives. Everything travels as ``uint8``
+views, so no backend needs bf16, bool or complex. A transfer may start at step ``start``
+(a re-attaching relay member) and move one ``part`` (:mod:`.parts`); the digest covers
+both. Two bucket buffers alternate, at most two copies in flight. Every completed wait is
+reported through ``transport.progressed()``, which the watchdog's stall bound counts from.
 """
 
 from __future__ import annotations
@@ -56,9 +37,6 @@ from nccl_back.transport.prefault import Prefaulter, Range
 from nccl_back.transport.strided import gather, scatter
 
 log = get_logger(__name__)
-
-#: Offsets inside a bucket are multiples of ``ALIGN`` (:mod:`nccl_back.model.skeleton`'s, the
-#: one alignment), so every slot can be viewed as any dtype and copies stay aligned.
 
 #: A tensor of at least this many bytes travels in place, in its own step, even below
 #: ``bucket_bytes``: a gloo call of 2 MiB costs 0.91-1.0 of its bytes in a flat call
@@ -106,13 +84,10 @@ class TransferStats:
 
 
 def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> list[Step]:
-    """The copies for ``source``, from names, shapes and dtypes alone.
-
-    Tensors are visited in sorted name order; each one of ``bucket_bytes`` or
-    :data:`DIRECT_BYTES` or more is sent in place in chunks of ``bucket_bytes`` (rounded
-    down to whole elements; one step each), smaller ones fill the
-    open bucket (at ``ALIGN``-ed offsets) until the next would not fit. Empty tensors
-    carry no bytes and get no step.
+    """The copies for ``source``, from names, shapes and dtypes alone, in sorted name
+    order: a tensor of ``min(bucket_bytes, DIRECT_BYTES)`` or more in place, in chunks of
+    whole elements; smaller ones fill the open bucket at ``ALIGN``-ed offsets (so a slot
+    can be viewed as any dtype). Empty tensors get no step.
     """
     if bucket_bytes < 1:
         raise TransferError(f"bucket_bytes={bucket_bytes}: must be positive")
@@ -125,9 +100,8 @@ def plan(source: Mapping[str, torch.Tensor] | Manifest, bucket_bytes: int) -> li
         if nbytes == 0:
             continue
         if nbytes >= direct_from:
-            # In place, in chunks of at most a bucket (a relay's unit of forwarding) of
-            # whole elements (each chunk lands on its own, even in a non-contiguous
-            # destination): a direct slot's offset is its chunk's byte offset in the tensor.
+            # Whole elements per chunk, so each lands on its own even in a non-contiguous
+            # destination; a direct slot's offset is its chunk's byte offset in the tensor.
             item = dtype_from_name(dtype).itemsize
             chunk = max(bucket_bytes - bucket_bytes % item, item)
             for at in range(0, nbytes, chunk):
@@ -168,8 +142,7 @@ def moved_bytes(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, start: i
 
 
 def plan_digest(steps: list[Step], start: int = 0, part: Part | None = None) -> bytes:
-    """MD5 of the plan from step ``start`` (of ``part`` only): equal on both sides iff
-    they will issue identical calls."""
+    """MD5 of the plan from step ``start`` (of ``part``): equal iff both sides' calls are."""
     def calls(todo: Iterable[int]) -> list[Any]:
         return [[s.direct, s.nbytes, [[x.name, list(x.shape), x.dtype, x.offset] for x in s.slots]]
                 for s in (steps[k] for k in todo)]
@@ -184,12 +157,9 @@ def plan_digest(steps: list[Step], start: int = 0, part: Part | None = None) -> 
 def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *,
                  start: int = 0, part: Part | None = None, ready: Callable[[int], None] | None = None,
                  pace: Callable[[int], None] | None = None) -> TransferStats:
-    """Broadcast ``tensors`` (rank 0) to the receiver from step ``start`` (of ``part``
-    only, if given); they are only read.
-
-    ``ready(k)`` returns once step k's bytes are in ``tensors`` (it raises to end the
-    transfer); ``pace(n)`` returns once ``n`` more bytes may go out.
-    """
+    """Broadcast ``tensors`` (rank 0, only read) from step ``start`` (of ``part``).
+    ``ready(k)`` returns once step k's bytes are in place (raises to end the transfer);
+    ``pace(n)`` once ``n`` more bytes may go out."""
     began = time.perf_counter()
     steps, todo, buffers, window = _begin(transport, tensors, bucket_bytes, start, part)
     with torch.no_grad():
@@ -215,8 +185,7 @@ def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
                         _copy(_slot_view(data, slot), tensors[slot.name])
             if pace is not None:
                 pace(step.nbytes)
-            # ``data`` stays referenced by the window until its copy is done: a
-            # temporary copy must not be freed while on the wire.
+            # The window holds ``data`` until its copy is done: never freed on the wire.
             window.add(transport.copy(data, SENDER_RANK), None, data)
         window.drain()
         _acknowledge(transport)
@@ -226,12 +195,9 @@ def send_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
 def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, *,
                  start: int = 0, part: Part | None = None,
                  on_step: Callable[[int], None] | None = None) -> TransferStats:
-    """Receive into the skeleton's ``tensors`` (rank 1) from step ``start`` (of ``part``
-    only, if given), in place.
-
-    ``on_step(k)`` is called, in step order, once step k's bytes are in ``tensors``.
-    Fresh CPU memory is faulted in a few steps ahead of the bytes (:mod:`.prefault`).
-    """
+    """Receive into ``tensors`` (rank 1) in place from step ``start`` (of ``part``);
+    ``on_step(k)`` runs in order once step k's bytes are in place. Fresh CPU memory is
+    faulted in a few steps ahead (:mod:`.prefault`)."""
     began = time.perf_counter()
     steps, todo, buffers, window = _begin(transport, tensors, bucket_bytes, start, part)
     ahead = Prefaulter(_destinations(steps, tensors, todo) if transport.device.type == "cpu" else [])
@@ -287,8 +253,7 @@ def _begin(
     transport: Transport, tensors: Mapping[str, torch.Tensor], bucket_bytes: int, start: int,
     part: Part | None,
 ) -> tuple[list[Step], list[int], _Buffers, _Window]:
-    """Both sides: plan, the steps to move, check devices, agree on the plan, set up
-    buffers and window."""
+    """Both sides: plan, check devices, agree on the plan, set up buffers and window."""
     steps = plan(tensors, bucket_bytes)
     if not 0 <= start <= len(steps):
         raise TransferError(f"start={start}: the plan has {len(steps)} steps")
@@ -300,9 +265,8 @@ def _begin(
 
 def _destinations(steps: list[Step], tensors: Mapping[str, torch.Tensor],
                   todo: list[int]) -> list[list[Range]]:
-    """Per step, the CPU memory its bytes end in (what :class:`Prefaulter` faults in):
-    a consolidated bucket's own span, else each contiguous destination's bytes; nothing
-    for the steps this transfer does not move."""
+    """Per step, the CPU memory its bytes end in (for :class:`Prefaulter`); nothing for
+    steps this transfer does not move."""
     out: list[list[Range]] = [[] for _ in steps]
     for k in todo:
         step = steps[k]
@@ -321,7 +285,6 @@ def _entries(source: Mapping[str, torch.Tensor] | Manifest) -> Iterable[tuple[st
     if isinstance(source, Manifest):
         return [(e.name, tuple(e.shape), e.dtype) for e in source.entries]
     return [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in source.items()]
-
 
 
 def _check_devices(transport: Transport, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -354,11 +317,8 @@ def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0,
 def _acknowledge(transport: Transport) -> None:
     """The receiver tells the sender it holds everything; the sender waits for it.
 
-    A sender's last copy can complete while its bytes are still in flight (NCCL's
-    socket proxy, gloo's send buffers): tearing the communicator down then can cut the
-    receiver's tail off (on a GPU the receiver then never completes once the sender's
-    process moves on). After this one-byte copy from the receiver, the
-    sender's "done" means the receiver's "done".
+    A sender's last copy can complete while its bytes are still in flight (NCCL's proxy,
+    gloo's send buffers); tearing down then could cut the receiver's tail off.
     """
     ack = torch.ones(1, dtype=torch.uint8, device=transport.device)
     transport.copy(ack, RECEIVER_RANK).wait()
@@ -366,14 +326,9 @@ def _acknowledge(transport: Transport) -> None:
 
 
 def _in_place(step: Step, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """The bucket's bytes as a view of this side's own memory, if already laid out so.
-
-    In a consolidated skeleton (:func:`nccl_back.model.skeleton.consolidate`) adjacent small
-    tensors sit in one allocation at the bucket's own aligned offsets; then the bucket
-    needs no packing or unpacking: it is copied straight from/into the tensors.
-    (Padding bytes between them travel too; they belong to no tensor.) Returns None
-    when the layout differs, and the bucket goes through a staging buffer instead.
-    """
+    """The bucket's bytes as a view of this side's memory where a consolidated skeleton
+    already lays its tensors out at the bucket's offsets (no packing; padding travels
+    too), else None (a staging buffer is used)."""
     first = tensors[step.slots[0].name]
     storage = first.untyped_storage()
     base = first.data_ptr()
@@ -407,12 +362,9 @@ def _unpack(buf: torch.Tensor, slots: tuple[Slot, ...], tensors: Mapping[str, to
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; between contiguous CPU tensors, one single-threaded memcpy.
-
-    torch's multi-threaded CPU copy leaves OpenMP threads spinning after each call;
-    they starve the transport's own threads (measured on 2 cores: packing 1 GiB took
-    2.5 s instead of 0.2 s while gloo was sending). numpy's copy is one plain memcpy.
-    """
+    """``dst.copy_(src)``; between contiguous CPU tensors, one single-threaded memcpy:
+    torch's OpenMP threads spin after each copy and starve the transport's (2 cores:
+    packing 1 GiB took 2.5 s instead of 0.2 s while gloo sent)."""
     if (
         dst.device.type == "cpu"
         and src.device.type == "cpu"
@@ -465,8 +417,7 @@ class _Window:
 
     def add(self, pending: Pending, finish: Callable[[], None] | None, data: torch.Tensor,
             step: int = -1, on_step: Callable[[int], None] | None = None) -> None:
-        """Track ``pending``; ``data`` (the tensor on the wire) is held until it is done,
-        then ``finish()`` and ``on_step(step)`` run."""
+        """Track ``pending``, holding ``data`` until done; then ``finish()``, ``on_step(step)``."""
         self._pending.append((pending, finish, data, step, on_step))
 
     def make_room(self) -> None:

@@ -1,30 +1,14 @@
 """The transport interface: a 2-rank channel between a sender (rank 0) and a receiver (rank 1).
 
-One :class:`Transport` serves exactly one transfer: ``connect`` (build the
-communicator), any number of ``copy`` calls (one step each, from one rank to the
-other), then ``close``. All waits are bounded
-by the deadline given to ``connect`` (the watchdog's deadline), so a dead or stalled
-peer surfaces as :class:`TransferError` / :class:`TransferTimeoutError` instead of a
-hang. ``abort`` may be called from another thread (the watchdog) at any time.
+One :class:`Transport` serves one transfer: ``connect``, any number of ``copy`` calls,
+``close``. Every wait ends by the deadline given to ``connect``, so a dead or stalled
+peer surfaces as a :class:`TransferError` instead of a hang; ``abort`` may come from the
+watchdog's thread at any time. The sender's long-lived :class:`Rendezvous` makes one
+sender transport per transfer, bootstrapped through signed Redis keys
+(:mod:`.rendezvous_store`), never the user's default process group.
 
-The sender side also has a long-lived :class:`Rendezvous`: its ``address`` (the host
-its transports bind on) is published in the registry, and it makes one sender transport
-per transfer. No rendezvous port is opened: each transfer bootstraps its communicator
-through its own signed, size-bounded keys in Redis (a timed-out group is dead; the next
-transfer gets fresh keys), see :mod:`.store` for why and what that guarantees. The
-default process group is never touched: the user's worker may already have one.
-
-Progress: the data plane calls :meth:`Transport.progressed` each time a step completes,
-so the watchdog can abort a transfer that stalls (no step within the stall bound) long
-before its deadline, whatever the transport.
-
-Kinds. Each kind (:data:`nccl_back.transport_kinds.TRANSPORT_KINDS`) lives in the module
-of its name, ``nccl_back.transport.{kind}``, which calls :func:`register_transport` with
-its rendezvous and receiver factories, the device types it carries and its probe for
-``nccl-back check``. Everything here reads that one registry: the factories
-(:func:`open_rendezvous`, :func:`receiver_transport`), the choice of ``transport="auto"``
-(:func:`auto_kind`) and the check's probes (:func:`all_transports`); adding a transport
-is a module and a name in :mod:`nccl_back.transport_kinds`.
+Each kind lives in ``nccl_back.transport.{kind}``, which calls :func:`register_transport`;
+the factories, ``transport="auto"`` and ``nccl-back check`` all read that one registry.
 """
 
 from __future__ import annotations
@@ -54,10 +38,7 @@ class Pending(Protocol):
     """An issued copy; ``wait()`` returns once this side's part of it is complete."""
 
     def wait(self) -> None:
-        """Block until done, at most until the transport's deadline.
-
-        Raises :class:`TransferError` (peer failed) or :class:`TransferTimeoutError`.
-        """
+        """Block until done, by the deadline; raises :class:`TransferError` or its timeout."""
         ...
 
 
@@ -105,32 +86,22 @@ class Transport(_Closing):
         self.progress_at = _clock.monotonic()
 
     def extend_deadline(self, deadline: float) -> None:
-        """After ``connect``: later waits may run until ``deadline`` (the transfer's,
-        later than the short one the connect phase had)."""
+        """After ``connect``: later waits may run until the transfer's ``deadline``."""
         self._deadline = max(self._deadline, deadline)
 
     @abstractmethod
     def connect(self, deadline: float) -> None:
-        """Create the communicator; every later wait ends by ``deadline`` (``_clock.monotonic``).
-
-        Raises :class:`TransferError` if the peer cannot be reached in time.
-        """
+        """Create the communicator; every later wait ends by ``deadline``, raises
+        :class:`TransferError` if the peer cannot be reached in time."""
 
     @abstractmethod
     def copy(self, tensor: torch.Tensor, src: int = SENDER_RANK) -> Pending:
-        """Issue the copy of a contiguous ``tensor`` from rank ``src`` to the other rank
-        (asynchronous; both ranks call it with a tensor of the same size).
-
-        On rank ``src`` ``tensor`` is read, on the other written; until the returned
-        :class:`Pending` is waited on, neither side may touch it.
-        """
+        """Issue the asynchronous copy of a contiguous ``tensor`` from rank ``src`` to
+        the other (same size on both); neither side may touch it until it is waited on."""
 
     def finish(self) -> None:
-        """After the last copy: wait, bounded by the deadline, until this side's
-        results are ready (queued device copies done). Called by the watchdog's worker.
-
-        Nothing to wait for where the data plane's copies are synchronous (gloo/CPU).
-        """
+        """After the last copy: wait, by the deadline, until queued device copies are
+        done (nothing to wait for where copies are synchronous)."""
         return None
 
     @property
@@ -140,11 +111,8 @@ class Transport(_Closing):
 
     @abstractmethod
     def abort(self) -> None:
-        """Abort the transfer, from any thread; pending and later calls fail.
-
-        Transports whose native abort is unsafe while another thread is inside the
-        library (NCCL) only signal here, and their owner thread aborts.
-        """
+        """Abort the transfer, from any thread; pending and later calls fail (NCCL, whose
+        abort is unsafe beside another thread in the library, only signals here)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -234,8 +202,7 @@ def transport_classes(kind: str) -> TransportClasses:
 
 
 def all_transports() -> dict[str, TransportClasses]:
-    """Every kind's classes, in ``TRANSPORT_KINDS`` order; asserts the registry covers
-    exactly those."""
+    """Every kind's classes, in ``TRANSPORT_KINDS`` order (all of them registered)."""
     found: dict[str, TransportClasses] = {k: transport_classes(k) for k in TRANSPORT_KINDS}
     assert set(_REGISTRY) == set(TRANSPORT_KINDS), (sorted(_REGISTRY), TRANSPORT_KINDS)
     return found
@@ -254,8 +221,7 @@ def auto_kind(device_type: str) -> str:
 
 
 def resolve_kind(settings: Settings, device: torch.device) -> str:
-    """The transport to use for a model on ``device``: ``settings.transport``, or
-    :func:`auto_kind`'s for the device when it is ``auto``."""
+    """The transport for a model on ``device``: ``settings.transport``, or :func:`auto_kind`'s."""
     if settings.transport != "auto":
         classes = transport_classes(settings.transport)
         if device.type not in classes.devices:
@@ -272,9 +238,8 @@ def resolve_kind(settings: Settings, device: torch.device) -> str:
 def open_rendezvous(
     settings: Settings, kind: str, *, device: torch.device, registry: Registry
 ) -> Rendezvous:
-    """The sender endpoint for ``kind`` on ``device``; transfers bootstrap through
-    ``registry``'s Redis (:mod:`.store`). Warns when this worker advertises loopback to a
-    Redis on another host."""
+    """The sender endpoint for ``kind`` on ``device``; warns when this worker advertises
+    loopback to a Redis on another host."""
     return transport_classes(kind).rendezvous(settings, registry, device=device)
 
 
@@ -287,9 +252,6 @@ def receiver_transport(
     device: torch.device,
     registry: Registry,
 ) -> Transport:
-    """A new, unconnected rank-1 transport of ``kind`` reaching the sender at ``address``.
-
-    Call it on the thread whose CUDA stream holds the work the transfer must follow
-    (the loader's): an NCCL transport orders itself after that stream's queued work.
-    """
+    """A new, unconnected rank-1 transport of ``kind`` reaching the sender at ``address``;
+    call it on the thread whose CUDA stream the transfer must follow (NCCL orders after it)."""
     return transport_classes(kind).receiver(settings, registry, address, transfer_id, device=device)

@@ -1,21 +1,14 @@
 """Gloo transport: CPU tensors over TCP, built without any default process group.
 
-Both sides bootstrap through the transfer's signed Redis keys (:mod:`.store`, shared
-with NCCL; no rendezvous port is open); each transfer builds a fresh
-``ProcessGroupGloo`` under its own scope, because a gloo group that timed out is dead
-and keys of an earlier attempt must not meet this one. ``init_process_group`` is never
-called.
+Each transfer builds a fresh ``ProcessGroupGloo`` under its own bootstrap scope
+(:mod:`.rendezvous_store`): a gloo group that timed out is dead, and an earlier
+attempt's keys must not meet this one.
 
-Measured behaviour this relies on: a crashed peer makes a pending call raise within
-~0.3 s; a stalled peer makes it raise at its per-call timeout; ``abort()`` (and
-``shutdown()``) neither unblock a wait already running nor close the connections, which
-close only when the group and every ``Work`` of it are freed (then the peer's next call
-fails within ~0.1 s). Hence every call gets the time left to the deadline as
-its own timeout (or the stall bound, :attr:`Transport.call_timeout`, when shorter), so
-the watchdog's worker thread always unwinds by the deadline.
-
-What gloo shares with NCCL (the receiver factory, the bootstrap keys, the deadline,
-error classification) is :class:`~nccl_back.transport.rendezvous_store.StoreTransport`.
+Measured: a crashed peer makes a pending call raise within ~0.3 s, a stalled one at its
+per-call timeout; ``abort()`` neither unblocks a running wait nor closes the
+connections (they close once the group and every ``Work`` of it are freed). Hence every
+call's timeout is the time left (or the stall bound when shorter), so the watchdog's
+worker thread always unwinds by the deadline.
 """
 
 from __future__ import annotations
@@ -77,8 +70,7 @@ class GlooTransport(StoreTransport):
             prefixed = self._bootstrap()
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=self._left("connect"))
-            # Bind gloo's own sockets to the address peers can reach, not to whatever
-            # the hostname happens to resolve to.
+            # Bind gloo's sockets to the address peers reach, not what the hostname resolves to.
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.settings.advertise_host)]
             self._pg = dist.ProcessGroupGloo(prefixed, self.rank, WORLD_SIZE, opts)
         except TransferError:
@@ -103,8 +95,7 @@ class GlooTransport(StoreTransport):
         return pending
 
     def abort(self) -> None:
-        # gloo's abort is safe from any thread (it does not unblock a running wait: the
-        # per-call timeout does).
+        # Safe from any thread (a running wait ends by its per-call timeout, not this).
         self._aborted.set()
         pg = self._pg
         if pg is not None:
@@ -114,11 +105,8 @@ class GlooTransport(StoreTransport):
                 log.debug("gloo_abort_failed", transfer_id=self.transfer_id, error=str(e))
 
     def close(self) -> None:
-        # Dropping the group joins gloo's threads; every pending call has a timeout of
-        # at most the deadline, so this cannot block past it. Its connections close only
-        # once no Work is left either: a failed transfer's error keeps its frames, and so
-        # their pending calls, for as long as the load keeps the error, and the peer's
-        # sends would then block until its own per-call timeout.
+        # The connections close only once no Work is left: a failed transfer's error keeps
+        # its frames (and pending calls) alive, and the peer's sends would block meanwhile.
         for pending in list(self._pending):
             pending.drop()
         self._pending.clear()
@@ -127,7 +115,7 @@ class GlooTransport(StoreTransport):
 
 
 class GlooRendezvous(StoreRendezvous):
-    """The sender's endpoint for gloo transfers (see :mod:`.store`)."""
+    """The sender's endpoint for gloo transfers."""
 
     kind = "gloo"
     transport = GlooTransport
@@ -138,8 +126,7 @@ class GlooRendezvous(StoreRendezvous):
 
 
 def probe(settings: Settings) -> Probe:
-    """gloo in this torch build; a failure when the settings need it (``auto`` picks it
-    for CPU models, which every machine can hold)."""
+    """gloo in this torch build; a failure when the settings need it (``auto`` may)."""
     if dist.is_available() and dist.is_gloo_available():
         return Probe("gloo")
     if settings.transport in ("auto", "gloo"):

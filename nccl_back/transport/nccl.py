@@ -1,46 +1,23 @@
 """NCCL transport: GPU tensors through torch's own ``ProcessGroupNCCL``.
 
-Why this binding (the requirements come from NCCL's fault-tolerance guide):
+Why this binding (NCCL's fault-tolerance guide):
 
-* ``ncclCommAbort`` is safe only on a **non-blocking** communicator with no other
-  thread inside an NCCL call. cupy's ``NcclConfig`` cannot ask for non-blocking;
-  torch's ``ProcessGroupNCCL`` can (``Options.config.blocking = 0``), has ``abort()``,
-  and uses the NCCL that the user's torch already ships (CUDA 12 or 13), so the
-  process never loads a second ``libnccl``. nccl4py would also meet the bar but is
-  one more native dependency that must match torch's NCCL.
-* **Every NCCL call from the thread that owns the communicator.** The transfer's
-  worker thread (:func:`~nccl_back.transport.run_guarded`) builds the group, issues
-  every copy, polls for completion and, on a deadline or an abort request,
-  calls ``abort()`` itself. :meth:`NcclTransport.abort` from any other thread (the
-  watchdog, a drain) only *signals*; the owner acts on it at its next poll.
-* **The connect phase inside the deadline.** The unique id travels through the
-  transfer's signed Redis keys (:mod:`.store`; no rendezvous port is open), each wait
-  bounded by the time left. The communicator is created by a one-byte collective
-  inside ``connect``, not by ``eager_connect_single_device``: a non-blocking
-  communicator made that way need not ever report ``_is_initialized()``
-  (``benchmarks/RESULTS.md``, GPU). Host-side waits inside torch's non-blocking NCCL
-  calls (creation, and since NCCL 2.22 the lazy connect that waits for the peer's
-  first call) are bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which this module
-  sets, if the user has not, to :data:`NONBLOCKING_TIMEOUT_S` before its first
-  communicator (torch reads it once).
-* **A stall is bounded too.** torch's NCCL work has no per-call timeout we can use,
-  so the stall bound (:func:`~nccl_back.transport.run_guarded`'s ``stall``) is the
-  watchdog's: when no step completed within it, it asks for the abort, which the
-  owner thread carries out at its next poll.
-* **A failed transfer never kills the worker.** torch's default
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` tears the process down on an NCCL error or a
-  timeout; each of our groups is built with it set to ``0`` (no handling: the error
-  surfaces in the work, we abort), torch's own timeout far beyond ours, and
-  its heartbeat monitor off for our groups.
-* **Off the inference stream.** Each transfer runs on its own CUDA stream, ordered
-  after the caller's stream at the moment the transport was made (an event), and
-  packing/unpacking run on it. NCCL kernels run on the group's own stream, which
-  torch orders after ours. Before the transfer counts as done the receiver waits for
-  its stream (:meth:`NcclTransport.finish`), so ``load`` returns ready tensors, and a
-  slow receiver never queues work on the worker's default stream.
-
-What NCCL shares with gloo (the receiver factory, the bootstrap keys, the deadline,
-error classification) is :class:`~nccl_back.transport.rendezvous_store.StoreTransport`.
+* ``ncclCommAbort`` is safe only on a **non-blocking** communicator with no other thread
+  inside NCCL. torch's ``ProcessGroupNCCL`` offers that and ``abort()``, with the NCCL
+  the user's torch already ships (no second ``libnccl``; cupy cannot ask for
+  non-blocking).
+* **Every NCCL call from the owner thread** (the transfer's worker thread): it builds
+  the group, issues and polls every copy, and aborts; :meth:`NcclTransport.abort` from
+  any other thread only *signals*.
+* **The connect inside the deadline.** The communicator is created by a one-byte
+  collective in ``connect`` (one made by ``eager_connect_single_device`` need never
+  report ``_is_initialized()``); torch's host-side waits are bounded by
+  ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, set (unless the user did) before the first group.
+* **A failed transfer never kills the worker**: each group is built with torch's async
+  error handling and heartbeat monitor off, and torch's timeout beyond ours.
+* **Off the inference stream.** Each transfer runs on its own CUDA stream, ordered after
+  the caller's at creation; the receiver waits for it (:meth:`NcclTransport.finish`),
+  so ``load`` returns ready tensors.
 """
 
 from __future__ import annotations
@@ -74,9 +51,6 @@ GPU_HINT = (
     "the nccl transport needs torch built with CUDA and NCCL on a machine with a GPU"
     " (torch.distributed.is_nccl_available() is False or no CUDA device is visible)"
 )
-
-
-
 
 _ENV_LOCK = threading.Lock()
 # Read by ProcessGroupNCCL's constructor: no teardown on errors, no heartbeat monitor
@@ -136,8 +110,7 @@ class NcclTransport(StoreTransport):
         super().__init__(rank, transfer_id, settings, registry, device=device)
         self._pg: Any = None
         self._stream: torch.cuda.Stream | None = None
-        # The caller's stream at creation: the transfer must not read or write the
-        # model before work already queued on it (a load, a consolidate) is done.
+        # The caller's stream at creation: work queued on it (a load) must come first.
         self._after = torch.cuda.current_stream(device).record_event()
 
     # -- the owner thread ------------------------------------------------------------------
@@ -147,8 +120,7 @@ class NcclTransport(StoreTransport):
         torch.cuda.set_device(self.device)
         self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_event(self._after)
-        # The current stream is per thread: this worker thread's copies and the
-        # group's stream ordering all follow the transfer's own stream from here on.
+        # Per thread: this thread's copies and the group's ordering follow our stream.
         torch.cuda.set_stream(self._stream)
         try:
             prefixed = self._bootstrap()
@@ -159,9 +131,8 @@ class NcclTransport(StoreTransport):
             opts._timeout = timedelta(seconds=self._left("connect") + TORCH_TIMEOUT_SLACK_S)
             with _group_env():
                 self._pg = dist.ProcessGroupNCCL(prefixed, self.rank, WORLD_SIZE, opts)
-            # The first collective creates the communicator (lazily) and, since NCCL
-            # 2.22, connects the two ranks: a one-byte broadcast now keeps both inside
-            # the connect deadline instead of the first data step's.
+            # The first collective creates the communicator and (NCCL 2.22+) connects the
+            # ranks: a one-byte broadcast now keeps both inside the connect deadline.
             hello = torch.zeros(1, dtype=torch.uint8, device=self.device)
             self._wait_work(self._issue(hello, SENDER_RANK))
         except TransferError:
@@ -195,8 +166,7 @@ class NcclTransport(StoreTransport):
             while not work.is_completed():
                 self._left("copy")
                 _clock.sleep(POLL_S)
-            # Orders this thread's stream after the collective (no host wait) and
-            # raises the error the collective ended with, if any.
+            # Orders our stream after the collective and raises its error, if any.
             work.wait()
         except TransferError:
             self._abort_now()
@@ -231,8 +201,7 @@ class NcclTransport(StoreTransport):
 
     @property
     def join_grace(self) -> float:
-        # The owner may sit in one host-side wait inside torch (bounded, see above)
-        # before it sees the abort request.
+        # The owner may sit in one (bounded) host-side torch wait before it sees the abort.
         return nonblocking_timeout() + 5.0
 
     def abort(self) -> None:
@@ -240,18 +209,14 @@ class NcclTransport(StoreTransport):
         self._aborted.set()
 
     def close(self) -> None:
-        """Release the communicator (owner thread); idempotent.
-
-        ``abort`` both on success and failure: the group is used for one transfer, all
-        of whose work has completed or must be cancelled, and unlike a graceful
-        destroy it never waits on a peer.
-        """
+        """Release the communicator (owner thread); idempotent. Always ``abort``: the
+        group served one transfer, and unlike a graceful destroy it never waits on a peer."""
         self._abort_now()
         self._drop_bootstrap()
 
 
 class NcclRendezvous(StoreRendezvous):
-    """The sender's endpoint for NCCL transfers (see :mod:`.store`)."""
+    """The sender's endpoint for NCCL transfers."""
 
     kind = "nccl"
     transport = NcclTransport
@@ -279,8 +244,7 @@ def nonblocking_timeout() -> float:
 
 
 def probe(settings: Settings) -> Probe:
-    """NCCL's version and the visible GPUs; a failure when CUDA is present but NCCL is
-    not usable, or when the settings name nccl on a machine without CUDA."""
+    """NCCL's version and the visible GPUs, or why the settings cannot use it here."""
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         names = sorted({torch.cuda.get_device_name(i) for i in range(n)})

@@ -1,13 +1,9 @@
 """The per-worker send-rate cap: one token bucket shared by all outgoing transfers.
 
-``Settings.max_send_gbps`` bounds the bytes a worker puts on the wire per second,
-whatever number of sends and relay hops it runs at once, so serving weights never
-starves the worker's own (inference) traffic. The data plane calls :meth:`Pacer.take`
-with a step's size before issuing it; the call returns once those bytes may go.
-
-The bucket holds at most ``burst`` seconds of bytes, so an idle worker cannot save up
-and then burst far above its rate; a step larger than the burst waits for its whole
-size (debt), so the long-run rate is exact for any step size.
+``Settings.max_send_gbps`` bounds a worker's outgoing bytes per second over all its
+sends and relay hops, so serving weights never starves its own inference traffic. The
+bucket holds at most :data:`DEFAULT_BURST` seconds of bytes, so an idle worker cannot
+save up; a larger step waits for its whole size (debt), so the long-run rate is exact.
 """
 
 from __future__ import annotations

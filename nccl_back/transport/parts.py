@@ -19,15 +19,9 @@ cooperative download, spread over the others: :func:`part_steps`)."""
 
 def parts(steps: list[Step], n: int) -> list[list[int]]:
     """The step indices cut into ``n`` runs of consecutive steps balanced by bytes, from
-    the plan alone (both sides, and every member of a fan-out, cut alike).
-
-    Part ``p`` ends at the step boundary nearest to ``(p + 1) / n`` of the bytes (the
-    earlier one on a tie), so each part is within one step of an even share; a tensor
-    sent in chunks may be cut between two (each chunk lands in place on its own, in a
-    non-contiguous destination too). Consecutive runs, not interleaved steps, so that
-    few layers have bytes in two parts (those at a cut, and those whose small tensors
-    ride in a bucket across one): a layer that fails verification then mostly names its
-    one sender.
+    the plan alone (every side cuts alike): part ``p`` ends at the step boundary nearest
+    ``(p + 1) / n`` of the bytes (the earlier on a tie). Consecutive runs, not interleaved
+    steps, so few layers have bytes in two parts: a failing layer mostly names one sender.
     """
     if not 1 <= n <= MAX_PARTS:
         raise TransferError(f"parts={n}: must be 1 to {MAX_PARTS}")
@@ -43,8 +37,7 @@ def parts(steps: list[Step], n: int) -> list[list[int]]:
 
 
 def part_steps(steps: list[Step], part: Part) -> list[int]:
-    """The step indices of ``part``, in order: a part of :func:`parts`, or a sub-part,
-    that part's own steps cut by :func:`parts` again (both sides cut alike).
+    """The step indices of ``part``, in order (a sub-part: that part's steps cut again);
     :class:`TransferError` for a part that does not exist."""
     if len(part) not in (2, 4) or not all(0 <= part[j] < part[j + 1] for j in range(0, len(part), 2)):
         raise TransferError(f"part {list(part)}: no such part (i < n, and s < k for a sub-part)")

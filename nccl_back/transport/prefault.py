@@ -1,24 +1,13 @@
 """Faulting a receiver's fresh CPU memory in ahead of the bytes that will land in it.
 
-A model an engine has just built (``torch.empty`` per parameter) owns memory the
-kernel has not mapped yet: the first write to each 4 KiB page traps, and the kernel
-zeroes and maps it. Receiving into such memory loses 30-40 % of gloo's loopback rate
-to those faults (``benchmarks/RESULTS.md``, ``peer_load``). :class:`Prefaulter` maps
-the pages of the steps still to come in a daemon thread with
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which faults a whole range in one
-system call (cheaper than a trap per page) and never changes a byte; the receiving
-thread then writes into mapped memory.
+Freshly built models own memory the kernel has not mapped: each page's first write
+traps, costing 30-40 % of gloo's loopback rate (``benchmarks/RESULTS.md``,
+``peer_load``). :class:`Prefaulter` maps the coming steps' pages ahead in a daemon thread
+with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+: one call per range, no byte
+changed). Best effort: CPU memory only, any ``madvise`` error ends it quietly.
 
-Best effort and invisible: CPU memory only (device memory has no such faults), Linux
-only, any ``madvise`` error ends the prefaulting quietly (the writes then fault the
-pages in themselves). The thread takes no memory beyond what the tensors own, stays a bounded
-number of steps ahead of the receiver, skips what the receiver has already passed and
-is stopped and joined when the transfer ends, on every path.
-
-Huge pages (``MADV_HUGEPAGE``) would cut the faults' cost by half again but are not
-used: with the usual ``defrag=madvise`` a fault in such a range compacts memory
-synchronously (measured here: 6.4 s instead of 0.2 s for 1 GiB once, on a host whose
-memory was mostly page cache), and a parameter of 2 MiB holds no aligned huge page.
+Huge pages are not used: with ``defrag=madvise`` a fault compacts memory synchronously
+(6.4 s instead of 0.2 s for 1 GiB once), and a 2 MiB parameter holds no aligned one.
 """
 
 from __future__ import annotations
@@ -40,10 +29,9 @@ MADV_POPULATE_WRITE = 23
 #: Bytes faulted in per system call: small enough that a stop request is seen within
 #: about a millisecond, large enough that the call's cost is nothing.
 CHUNK_BYTES = 4 << 20
-#: How far the thread runs ahead of the receiver, in destination bytes (a few steps of
-#: the largest automatic bucket): far enough that the receiver never catches it up, not
-#: so far that it competes with the first steps for long. Parked at the lead, it is
-#: woken when the receiver has used up half of it.
+#: How far the thread runs ahead of the receiver, in destination bytes (a few of the
+#: largest buckets): the receiver never catches it, nor does it compete long with the
+#: first steps. Parked at the lead, it is woken once half of it is used up.
 LEAD_BYTES = 32 << 20
 #: Switched off (tests, benchmarks measuring without it): :class:`Prefaulter` does nothing.
 ENABLED = True
@@ -70,9 +58,8 @@ _MADVISE = _madvise()
 
 
 def populate(address: int, nbytes: int) -> bool:
-    """Fault in the pages holding ``[address, address + nbytes)``; False if the kernel
-    refused (too old, or memory it cannot populate). The pages at either end belong to
-    the same mapping as the range's first and last byte, so rounding out is safe."""
+    """Fault in the pages holding ``[address, address + nbytes)`` (rounding out is safe:
+    the end pages share the range's mapping); False if the kernel refused."""
     if _MADVISE is None or nbytes <= 0:
         return _MADVISE is not None
     start = address - address % _PAGE
@@ -81,14 +68,9 @@ def populate(address: int, nbytes: int) -> bool:
 
 
 class Prefaulter:
-    """A daemon thread faulting in ``steps[k]``'s ranges, in step order, from the
-    receiver's position to :data:`LEAD_BYTES` ahead of it; a context manager (stops and
-    joins).
-
-    ``steps`` holds, per step of the transfer, the ranges its bytes will be written to
-    (empty where there is nothing to fault in). The receiver calls :meth:`advance` with
-    the step it now waits for.
-    """
+    """A daemon thread faulting in each step's destination ranges, in order, up to
+    :data:`LEAD_BYTES` ahead of the step the receiver gives :meth:`advance`; a context
+    manager (stops and joins)."""
 
     def __init__(self, steps: Sequence[Sequence[Range]]) -> None:
         self._steps = steps

@@ -1,39 +1,14 @@
 """The rendezvous: each transfer bootstraps through signed, bounded records in Redis.
 
-Why not a ``TCPStore``. torch's ``TCPStore`` has no authentication: anyone who reaches
-its port (no secret, no Redis) can ``list_keys()``, read every transfer's bootstrap
-and write keys of any size into the serving worker's memory (hundreds of MiB were
-observed). Fronting it with an authenticating proxy, or a fresh store per transfer,
-still leaves a port that answers strangers. So no rendezvous port is opened at all:
-``ProcessGroupGloo`` and ``ProcessGroupNCCL`` take any ``dist.Store``, and
-:class:`RedisStore` is one (torch's trampoline for Python stores) that keeps a
-transfer's few bootstrap keys (gloo: each rank's socket address; NCCL: the unique id)
-in the Redis the workers already share, as ``{ns}:rdv:{scope}:{name}``:
-
-* every value carries an HMAC-SHA256 under ``Settings.key("rendezvous")`` over its
-  Redis key and bytes, so a party without the fleet secret cannot write a value
-  either side accepts, nor move a genuine one to another transfer or key; a value
-  that fails is treated as absent (the genuine write replaces it), never obeyed;
-* a read is the registry's bounded read: a value over the ``rdv`` kind's bound (32
-  KiB) is refused by its length on the server, so nobody can make a worker hold more
-  than that per key, and a transfer reads only
-  the handful of keys its process group asks for; the worker serves nothing to
-  store clients, since it runs no store server;
-* keys live for the connect phase only (a TTL, and each side deletes what it wrote
-  when the transfer ends).
-
-What an attacker can still do. One who reaches Redis (its password) but not the
-secret can read the bootstrap values (socket addresses, the NCCL unique id) and
-delete them, which breaks that transfer: the receiver falls back, as for any failed
-peer. One who reaches any port of a worker can connect to gloo's or NCCL's own data
-sockets while a transfer runs (gloo's listen on the advertised address, NCCL's where
-``NCCL_SOCKET_IFNAME`` says, for that transfer only), which can at worst fail it: what arrives is verified with keyed hashes
-before it is used. Without a secret (unsigned mode) values are not authenticated:
-every Redis writer is trusted, as everywhere else in that mode.
-
-Each side polls Redis for the keys it waits on, bounded by the transport's deadline
-(a bootstrap is two to four keys: a few milliseconds). ``init_process_group`` is never
-called: the user's worker may already have one.
+torch's ``TCPStore`` has no authentication (anyone reaching its port can list, read and
+write keys of any size into the worker), so no rendezvous port is opened:
+:class:`RedisStore` is a ``dist.Store`` keeping a transfer's few bootstrap keys in the
+Redis the workers share (docs/security.md, "The rendezvous opens no port"). Every value
+carries an HMAC under ``Settings.key("rendezvous")`` over its Redis key and bytes, so a
+forged or moved value reads as absent, never obeyed; reads are the registry's bounded
+reads; keys live for the connect phase only. Each side polls for the keys it waits on,
+by the transport's deadline. ``init_process_group`` is never called: the user's worker
+may already have one.
 """
 
 from __future__ import annotations
@@ -128,13 +103,9 @@ def redis_is_local(settings: Settings) -> bool:
 
 
 def unreachable_reason(settings: Settings, address: str) -> str | None:
-    """Why a peer advertising ``address`` cannot be reached from here, or None.
-
-    A loopback address is reachable only from the peer's own machine; when our Redis
-    is on another host, the fleet spans hosts and the peer most likely is on another
-    one too (a host name resolving to 127.0.0.1 in ``/etc/hosts``), so trying it would
-    only cost the connect deadline.
-    """
+    """Why a peer advertising ``address`` cannot be reached from here, or None: a loopback
+    address while Redis is on another host (the fleet spans hosts; trying it would only
+    cost the connect deadline)."""
     try:
         host, _ = split_address(address)
     except ConfigError as e:
@@ -158,13 +129,9 @@ def warn_if_loopback(settings: Settings) -> None:
 
 
 class RedisStore(dist.Store):
-    """One transfer's bootstrap keys in Redis, HMAC-signed and size-bounded (see module doc).
-
-    Supports what torch's process groups use to bootstrap: ``set``, ``get``, ``wait``,
-    ``check`` and ``delete_key``. Every wait ends by ``deadline`` (``_clock.monotonic``),
-    or at once after ``aborted`` is set, with :class:`TransferTimeoutError`. ``registry`` is what the keys are named and Redis
-    reached through: its namespace, client and error mapping (:class:`RegistryError`).
-    """
+    """One transfer's bootstrap keys in Redis, HMAC-signed and size-bounded: ``set``,
+    ``get``, ``wait``, ``check``, ``delete_key``. Every wait ends by ``deadline``, or at
+    once after ``aborted`` is set, with :class:`TransferTimeoutError`."""
 
     def __init__(self, registry: Registry, scope: str, key: bytes | None, deadline: float,
                  aborted: threading.Event | None = None) -> None:
@@ -179,9 +146,8 @@ class RedisStore(dist.Store):
         self.rejected = 0
         """Values found at this transfer's keys that failed the check (forged, too long)."""
         self.foreign_calls: collections.Counter[tuple[str, str]] = collections.Counter()
-        """Calls from threads Python did not start, as (method, OS thread name): NCCL's
-        own (its watchdog, its heartbeat monitor) may call a group's store. Each first
-        one is logged; at most :data:`MAX_FOREIGN` kinds are kept."""
+        """Calls from threads Python did not start (NCCL's watchdog, heartbeat monitor), by
+        (method, OS thread name); each first one logged, at most :data:`MAX_FOREIGN` kept."""
 
     # -- encoding ----------------------------------------------------------------------------
 
@@ -222,8 +188,7 @@ class RedisStore(dist.Store):
 
     def _left(self, what: str) -> float:
         if self._aborted is not None and self._aborted.is_set():
-            # The transport was aborted: a communicator still forming must not wait for
-            # a peer found gone (its own constructor cannot be interrupted otherwise).
+            # A forming communicator's constructor cannot be interrupted otherwise.
             raise TransferTimeoutError(f"rendezvous {what}: aborted")
         left = self.deadline - _clock.monotonic()
         if left <= 0:
@@ -232,14 +197,11 @@ class RedisStore(dist.Store):
 
     def _read(self, name: str) -> bytes | None:
         redis_key = self._redis_key(name)
-        # The registry's bounded read: a value over the kind's bound is refused by its
-        # length on the server, never held in full.
         raw = self._registry.raw_value(redis_key, schema.RENDEZVOUS)
         if not raw:
             return None
-        if not isinstance(raw, bytes):
-            raw = b"\xff"  # another Redis type, or oversized: no genuine value
-        # Bytes no genuine writer produces (ours are ASCII) are rejected, never decoded.
+        # Another Redis type, oversized, or bytes no genuine writer produces (ours are
+        # ASCII): rejected, never decoded.
         stored = raw.decode("ascii") if isinstance(raw, bytes) and raw.isascii() else "\ufffd"
         value = self.decode(redis_key, stored)
         if value is None:
@@ -329,8 +291,7 @@ class RedisStore(dist.Store):
 
 
 def _thread_name() -> str:
-    """The calling thread's OS name: the one its creator gave it, Python's or not
-    (NCCL names its own "pt_nccl_watchdg", "pt_nccl_heartbt")."""
+    """The calling thread's OS name (NCCL names its own "pt_nccl_watchdg", ...)."""
     try:
         return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()[:64]
     except OSError:
@@ -341,9 +302,8 @@ S = TypeVar("S", bound="StoreTransport")
 
 
 class StoreTransport(Transport):
-    """A transport whose process group bootstraps through :class:`RedisStore`: what the
-    gloo and NCCL transports share (the receiver factory, the bootstrap keys' life, the
-    deadline and the words an error is classified by)."""
+    """A transport whose process group bootstraps through :class:`RedisStore` (what gloo
+    and NCCL share)."""
 
     def __init__(self, rank: int, transfer_id: str, settings: Settings, registry: Registry, *,
                  device: torch.device) -> None:
@@ -352,16 +312,14 @@ class StoreTransport(Transport):
         self._registry = registry  # the bootstrap keys' Redis
         self._store: RedisStore | None = None
         self.store_calls: collections.Counter[tuple[str, str]] = collections.Counter()
-        """The bootstrap store's calls from threads Python did not start (NCCL's own), as
-        :attr:`RedisStore.foreign_calls`, once the keys are dropped."""
+        """:attr:`RedisStore.foreign_calls`, once the keys are dropped."""
         self._aborted = threading.Event()
         """An abort was asked for (from any thread); every later wait fails at once."""
 
     @classmethod
     def receiver(cls: type[S], settings: Settings, registry: Registry, address: str,
                  transfer_id: str, *, device: torch.device) -> S:
-        """The rank-1 side of a transfer with the sender at ``address`` (checked for form:
-        the bootstrap itself goes through Redis)."""
+        """The rank-1 side of a transfer with the sender at ``address`` (checked for form)."""
         split_address(address)
         return cls(RECEIVER_RANK, transfer_id, settings, registry, device=device)
 
@@ -370,8 +328,7 @@ class StoreTransport(Transport):
         return f"{self.kind} transfer {self.transfer_id}"
 
     def _left(self, what: str) -> float:
-        """Seconds left to the deadline; :class:`TransferTimeoutError` when none are, or
-        once an abort was asked for."""
+        """Seconds left to the deadline; :class:`TransferTimeoutError` when none, or aborted."""
         if self._aborted.is_set():
             raise TransferTimeoutError(f"{self._name} aborted during {what}")
         left = self._deadline - _clock.monotonic()
@@ -380,8 +337,7 @@ class StoreTransport(Transport):
         return left
 
     def _bootstrap(self) -> dist.Store:
-        """This transfer's bootstrap keys (``{kind}/{transfer_id}``), every wait on them
-        ending by the connect deadline."""
+        """This transfer's bootstrap keys, every wait on them ending by the connect deadline."""
         self._store = RedisStore(self._registry, f"{self.kind}/{self.transfer_id}",
                                  self.settings.key("rendezvous"),
                                  _clock.monotonic() + self._left("connect"), self._aborted)
@@ -413,12 +369,8 @@ class StoreTransport(Transport):
 
 
 class StoreRendezvous(Rendezvous):
-    """The sender's endpoint: no listener, just what makes its per-transfer transports.
-
-    :attr:`address` is ``{advertise_host}:0``: the host the transports' data sockets
-    bind on (receivers check it is reachable), port 0 saying there is no rendezvous
-    port to reach. A kind's subclass names its :attr:`transport` (and its ``kind``).
-    """
+    """The sender's endpoint: no listener; :attr:`address` is ``{advertise_host}:0`` (port
+    0: no rendezvous port). A kind's subclass names its :attr:`transport` and ``kind``."""
 
     transport: type[StoreTransport]
     """The kind's transport; its rank-0 side is made per transfer."""

@@ -1,28 +1,13 @@
 """The one send path of every endpoint that answers transfer requests.
 
-A published holder (:class:`~nccl_back.transport.sender.PeerServer`) and a relay
-member's endpoint (:class:`~nccl_back.transport.relay.RelayServer`) answer requests
-the same way; this module is that way, written once. What differs is a parameter:
-:class:`Role` (the metrics label and the names of the events) and the fields of
-:class:`Sends` (which tensors, the deadline and stall bound, when a step is ready).
-
-- :func:`answer`: the polling loop. Pops the requests pushed to the endpoint's key,
-  parses each (:func:`~nccl_back.coord.records.request`, the one place a request's
-  fields are read) and hands it on; it outlives anything a request or Redis does.
-- :func:`decline`: a refusal through the handshake, so the receiver moves on at once.
-- :meth:`Sends.serve`: the sender's half of the liveness handshake, then the guarded
-  send in the transfer's scope, tracked so a close or a drain can abort it, counted
-  and logged; it never raises.
-- :func:`drain`: what a closing worker does with the sends of its withdrawn endpoints.
-  They finish within :func:`drain_bound` (the bytes they have left at
-  :data:`DRAIN_FLOOR_GBPS`, or at the worker's send cap where lower, plus
-  :data:`DRAIN_GRACE`; never more than :data:`DRAIN_MAX` seconds), and the receivers
-  it owes (the followers of the download it was elected to, which wait for it alone)
-  get up to :data:`DRAIN_ARRIVAL` to ask; then whatever remains is aborted, each
-  receiver told through its transfer's handshake key
-  (:func:`~nccl_back.coord.handshake.abandon`): its guarded receive reads the notice
-  once quiet and moves on at once, instead of after its stall bound. Requests still
-  queued at a close are refused, not dropped (:func:`refuse_queued`).
+A holder (:class:`~nccl_back.transport.sender.PeerServer`) and a relay endpoint
+(:class:`~nccl_back.transport.relay.RelayServer`) differ only in a :class:`Role` (metrics
+label, event names) and the fields of :class:`Sends`. :func:`answer` polls and hands
+requests on, :func:`decline` refuses through the handshake so the receiver moves on at
+once, :meth:`Sends.serve` runs the handshake and the guarded send (never raising), and
+:func:`drain` lets a closing worker's sends finish within :func:`drain_bound`, then
+aborts the rest, each receiver told through its handshake key
+(:func:`~nccl_back.coord.handshake.abandon`) instead of waiting out its stall bound.
 """
 
 from __future__ import annotations
@@ -53,8 +38,7 @@ from nccl_back.transport.watchdog import run_guarded
 
 @dataclass(frozen=True)
 class Role:
-    """Who sends: the metrics' ``role`` label (:data:`~nccl_back.metrics.SEND_ROLES`)
-    and the names of its events, which operators and dashboards already know."""
+    """Who sends: the metrics' ``role`` label and its event names (dashboards know them)."""
 
     name: str
     done: str
@@ -64,8 +48,7 @@ class Role:
     poll_failed: str
     loop_error: str
     counts_handshake_timeouts: bool
-    """Whether a sender handshake that timed out is counted in ``handshake_timeouts``
-    (a holder's are; a relay endpoint's are not: the counter speaks of holders)."""
+    """Whether a sender handshake timeout counts in ``handshake_timeouts`` (holders only)."""
 
 
 HOLDER = Role("holder", done="served", failed="serve_failed", crashed="serve_crashed",
@@ -87,12 +70,8 @@ def answer(
     done: Callable[[], bool] | None = None,
 ) -> None:
     """Hand each request pushed to ``key`` to ``handle`` until ``stop`` is set (or
-    ``done()`` says the endpoint has nothing left to serve).
-
-    Waits at most ``poll`` seconds per look, so ``stop`` is seen that often. A failed
-    poll or handler is logged and waited out for ``poll`` seconds: the loop must outlive
-    anything a request or Redis does.
-    """
+    ``done()``), looking every ``poll`` seconds; a failure is logged and waited out, since
+    the loop must outlive anything a request or Redis does."""
     while not stop.is_set() and not (done is not None and done()):
         try:
             request = registry.pop_request(key, timeout=poll)
@@ -113,12 +92,8 @@ def answer(
 
 def decline(registry: Registry, request: TransferRequest, code: str, message: str,
             log: Any, role: Role, /, **fields: Any) -> None:
-    """Refuse ``request`` (``code``: a :data:`~nccl_back.coord.handshake.REFUSALS`)
-    before anything is created, so its receiver moves on at once; logs ``fields``.
-
-    Best effort: when Redis cannot take the refusal, the receiver's handshake times out,
-    as it would have without one.
-    """
+    """Refuse ``request`` (``code``: one of :data:`~nccl_back.coord.handshake.REFUSALS`)
+    before anything is created; best effort (without Redis the handshake times out)."""
     log.warning(role.refused, **fields)
     with contextlib.suppress(RegistryError):
         refuse(registry, request.transfer_id, code, message)
@@ -132,9 +107,7 @@ REFUSED_AT_CLOSE = 16
 
 
 def refuse_queued(registry: Registry, key: str, role: Role, log: Any) -> None:
-    """Refuse the requests still queued for the closing endpoint ``key`` (pushed before
-    its withdrawal showed), so their receivers move on at once rather than after their
-    handshake timeout; then drop the queue. Best effort: Redis trouble ends it."""
+    """Refuse the requests queued for the closing endpoint ``key``, then drop the queue."""
     empty = 0
     with contextlib.suppress(RegistryError):
         for _ in range(REFUSED_AT_CLOSE):
@@ -149,8 +122,6 @@ def refuse_queued(registry: Registry, key: str, role: Role, log: Any) -> None:
         registry.drop_requests(key)
 
 
-
-
 def drain_bound(nbytes: int, settings: Settings) -> float:
     """Seconds a drain waits for sends with ``nbytes`` left: those bytes at the slower of
     :data:`DRAIN_FLOOR_GBPS` and ``max_send_gbps`` (when set), plus :data:`DRAIN_GRACE`,
@@ -162,14 +133,12 @@ def drain_bound(nbytes: int, settings: Settings) -> float:
 
 def drain(sends: Iterable[Sends], settings: Settings, log: Any,
           awaited: Callable[[], bool] | None = None) -> int:
-    """Let the sends of withdrawn endpoints finish, then abort whatever remains (each
-    receiver told at once, :meth:`Sends.abort`) and refuse later requests. Returns how
-    many sends were aborted.
+    """Let the sends of withdrawn endpoints finish, then abort the rest and refuse later
+    requests; how many were aborted.
 
-    Sends in flight get :func:`drain_bound` of the bytes they have left, counted from
-    when each began; while ``awaited()`` says an owed receiver has not asked yet (the
-    followers of this worker's download), it gets up to :data:`DRAIN_ARRIVAL` to ask.
-    Never more than :data:`DRAIN_MAX` in all; at once when nothing is in flight or owed.
+    Sends get :func:`drain_bound` of their bytes left from when each began; an owed
+    receiver that has not asked (``awaited()``) gets up to :data:`DRAIN_ARRIVAL`. Never
+    more than :data:`DRAIN_MAX`.
     """
     sends = list(sends)
     start = _clock.monotonic()
@@ -227,8 +196,7 @@ class Sends:
     kind: str
     """The transport kind (it sets the bucket size)."""
     tensors: Callable[[], Mapping[str, torch.Tensor]]
-    """Read at each send, never at publication: whoever re-points the model's storage
-    afterwards (the sidecar's hand-off arena) leaves one copy in memory, not two."""
+    """Read at each send, so a model re-pointed later (the hand-off arena) is not kept twice."""
     timeout: float
     """Seconds a whole send may take."""
     stall: float | None = None
@@ -250,8 +218,7 @@ class Sends:
             return len(self._flights)
 
     def bytes_left(self) -> int:
-        """Bytes the sends in flight have still to issue (one not yet past its handshake:
-        all it would send)."""
+        """Bytes the sends in flight have still to issue."""
         with self._lock:
             flights = list(self._flights.values())
         left = 0
@@ -263,11 +230,8 @@ class Sends:
         return left
 
     def abort(self) -> int:
-        """Abort every send in flight and refuse later requests (a close, or a drain past
-        its bound). Each receiver is told at once through its transfer's handshake key
-        (:func:`~nccl_back.coord.handshake.abandon`), so it moves on without waiting
-        out its stall bound; the tensors are only read, so nothing here is damaged.
-        Returns how many were aborted."""
+        """Abort every send in flight, each receiver told at once, and refuse later
+        requests; how many were aborted."""
         with self._lock:
             self._closed = True
             flights = dict(self._flights)
@@ -281,8 +245,7 @@ class Sends:
         return len(flights)
 
     def abort_one(self, transfer_id: str) -> bool:
-        """Abort one send in flight (its receiver gave up on it: no notice); False when it
-        is not past its handshake (or over)."""
+        """Abort one send its receiver gave up on (no notice); False if not past its handshake."""
         with self._lock:
             f = self._flights.get(transfer_id)
             tr = f.transport if f is not None else None
@@ -293,17 +256,15 @@ class Sends:
         return True
 
     def _abandon(self, transfer_id: str) -> None:
-        """Tell the receiver of ``transfer_id`` that this side gave it up (best effort:
-        without Redis it finds out by its stall bound, as before)."""
+        """Tell the receiver of ``transfer_id`` this side gave it up (best effort)."""
         with contextlib.suppress(RegistryError):
             abandon(self.registry, transfer_id)
 
     def serve(self, request: TransferRequest, log: Any, *, digest: str | None = None,
               tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> TransferStats | None:
         """Send ``request``'s transfer from the step it asks for; the stats, or None when
-        it failed. Logs and counts the outcome and never raises: a serving thread must
-        never die silently. ``digest`` and ``tensors`` replace the endpoint's for this
-        request (a reshard: the plan's digest and its packed pieces)."""
+        it failed (logged, counted, never raised). ``digest`` and ``tensors`` replace the
+        endpoint's (a reshard's plan digest and packed pieces)."""
         s = self.settings
         digest = self.digest if digest is None else digest
         read = self.tensors if tensors is None else tensors

@@ -1,35 +1,19 @@
 """The sending side of a worker: publication, heartbeat, serving transfer requests.
 
-After a verified load the worker publishes itself in the registry (a heartbeat keeps
-the entry alive, so a crashed worker vanishes within ``peer_ttl``) and answers
-transfer requests in the background: for each request, the sender half of the
-liveness handshake, then the guarded broadcast of its tensors (the send path it shares
-with the relay, :mod:`nccl_back.transport.send`). At most ``max_concurrent_sends`` at
-once. The model is only read, so a failed send leaves it untouched and the worker goes
-on serving.
+A verified worker publishes itself (the heartbeat keeps the entry, so a crashed worker
+vanishes within ``peer_ttl``) and answers requests in the background through the send
+path it shares with the relay (:mod:`.send`), at most ``max_concurrent_sends`` at once.
+The model is only read, so a failed send leaves it untouched. Sends read the model's
+tensors at send time, so whoever re-points its storage later (the hand-off arena) leaves
+one copy in memory, not two.
 
-Sends read the model's tensors at the time of each send, never references taken at
-publication: whoever re-points the model's storage afterwards (the sidecar's hand-off
-arena) leaves one copy in memory, not two.
+Requests come from Redis and are not trusted: at most ``QUEUE_PER_SLOT`` wait per send
+slot (``SHARED_SENDS`` per shared claim token), more are dropped and counted; a reshard
+plan is derived before the request takes a send turn; a failed send frees the
+receiver's slot itself.
 
-A request this sender cannot serve (another transport or device kind, another version,
-or arriving while draining) is refused through the handshake before anything is created
-(:func:`handshake.refuse`), so the receiver moves on at once. When a send fails, the
-sender frees the receiver's send slot itself: a crashed receiver does not keep it.
-
-Requests come from Redis, so nothing in them is trusted: the registry hands over only
-requests that verify and parse (:mod:`.records`), at most ``QUEUE_PER_SLOT`` requests
-per send slot wait (and ``SHARED_SENDS`` per claim token that the ranks of one
-resharding group, or the roots of a cohort's trees, share; more are dropped and counted), a reshard plan is derived
-before the request takes a send turn, within the plan's work bound, and the serve loop survives
-anything a request or Redis does. With a secret, the transfer's bootstrap keys in
-Redis carry a token derived from it (:func:`.auth.transfer_scope`) and are signed
-(:mod:`.transport.store`). A send that makes no progress for ``stall_timeout`` (a
-stopped or partitioned receiver) is aborted and frees its slot.
-
-Withdrawal is final: publication, heartbeats and withdrawal all take one lock and the
-heartbeat re-checks the stop flag under it, so no entry of this worker reappears after
-:meth:`withdraw` returns.
+Withdrawal is final: publication, heartbeats and withdrawal take one lock and the
+heartbeat re-checks the stop flag under it, so no entry reappears after :meth:`withdraw`.
 """
 
 from __future__ import annotations
@@ -64,11 +48,8 @@ from nccl_back.transport.send import ASKERS, HOLDER, Sends, answer, decline, ref
 
 #: Requests that may wait per send slot; a flood beyond it is dropped, not queued.
 QUEUE_PER_SLOT = 4
-
-
-#: Sends of one claim token the sender runs side by side: the ranks of one receiving group
-#: resharding from it (each takes its shards, together one model's worth of bytes), or
-#: the parts a cohort's tree roots take under the slot they hold together.
+#: Sends of one claim token run side by side: the ranks of one group resharding from this
+#: holder (together one model's bytes), or the parts a cohort's tree roots take.
 SHARED_SENDS = 8
 
 
@@ -88,18 +69,15 @@ class _Served:
     """Requests submitted and not finished (running or waiting for a slot)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     truth: dict[str, str] | None = None
-    """The ground truth this worker holds for its model (stored form), re-published by
-    the heartbeat when Redis lost it or holds an untrusted record in its place."""
+    """The ground truth it holds (stored form), re-published by the heartbeat."""
     layout: Layout | None = None
     """Which pieces of the checkpoint it holds; None: every tensor whole."""
     positions: PositionTruth | None = None
-    """Its truth in checkpoint coordinates (what the Verifier lets it publish), kept
-    in Redis by the heartbeat like ``truth``."""
+    """Its truth in checkpoint coordinates, kept by the heartbeat like ``truth``."""
     shared: dict[str, int] = field(default_factory=dict)
     """Reshard requests queued or running, by the claim token their group shares."""
     plans: dict[tuple[str, str, int], tuple[tuple[Move, ...] | str, str]] = field(default_factory=dict)
-    """Reshard moves (or why there are none) and the plan's digest (what the handshake
-    proves), by (receiver layout, group, holder index)."""
+    """Reshard moves (or why none) and the plan's digest, by (layout, group, holder)."""
     sending: dict[str, int] = field(default_factory=dict)
     """Sends running, by claim token (the ranks of one receiving group share one)."""
     turns: threading.Condition = field(default_factory=threading.Condition)
@@ -167,10 +145,8 @@ class PeerServer:
         return [served.sends for served in list(self._served.values())]
 
     def close(self) -> None:
-        """Stop serving, withdraw every published entry, release sockets and threads.
-
-        Sends still in flight are aborted, their receivers told at once (a closing
-        service drains them first, :func:`~nccl_back.transport.send.drain`)."""
+        """Stop serving, withdraw every entry, abort sends in flight (a closing service
+        drains them first), release sockets and threads."""
         self.withdraw()
         self._done.set()
         for served in list(self._served.values()):
@@ -181,8 +157,7 @@ class PeerServer:
                 served.thread.join(self.settings.redis_timeout + 2)
                 # Asked meanwhile, and a wake-up nobody popped.
                 refuse_queued(self.registry, served.info.peer_id, HOLDER, self._log)
-            # Aborted sends end within their transport's abort (a gloo wait: its own
-            # per-call timeout at most).
+            # Aborted sends end within their transport's abort (gloo: its per-call timeout).
             served.pool.shutdown(wait=True)
         if self._heartbeat is not None:
             self._heartbeat.join(self.settings.heartbeat_interval + self.settings.redis_timeout + 1)
@@ -192,9 +167,7 @@ class PeerServer:
         self._rendezvous.clear()
 
     def owe(self, receivers: Iterable[str], seconds: float) -> None:
-        """``receivers`` wait for this worker alone and may ask within ``seconds`` (the
-        followers of the download it was elected to): a close meanwhile serves them
-        (:meth:`owed`)."""
+        """``receivers`` may ask within ``seconds``: a close meanwhile serves them."""
         until = _clock.monotonic() + seconds
         with self._lock:
             for r in receivers:
@@ -213,22 +186,15 @@ class PeerServer:
             return frozenset(self._owed)
 
     def abort_sends(self) -> int:
-        """Abort every in-flight send's communicator (a drain past its bound).
-
-        Receivers see a transfer error and fall back; this worker's weights are
-        untouched. Returns how many sends were aborted.
-        """
+        """Abort every in-flight send (a drain past its bound); how many were aborted."""
         n = sum(served.sends.abort() for served in list(self._served.values()))
         if n:
             self._log.warning("sends_aborted", count=n)
         return n
 
     def withdraw(self, *, serving: Collection[str] = ()) -> None:
-        """Stop accepting new transfers (drain): remove this worker from the registry.
-
-        In-flight sends finish; queued ones are refused, but for those of ``serving`` (a
-        close's owed receivers, :meth:`owed`); :meth:`close` still has to be called.
-        """
+        """Remove this worker from the registry (drain): in-flight sends finish, queued ones
+        are refused but for ``serving`` (owed receivers); :meth:`close` is still due."""
         self._serving = frozenset(serving)
         with self._entries_lock:
             if self._stop.is_set():
@@ -246,16 +212,10 @@ class PeerServer:
     ) -> PeerInfo:
         """Publish ``model`` (loaded and verified) and start serving it.
 
-        ``model_name`` labels the entry for operators (``status``), as do this host, this
-        process and :attr:`engine`.
-        ``truth`` (layer hashes, stored form), ``positions`` and ``layout``: the truth it
-        may publish (the Verifier decides); they are stored now and at every heartbeat
-        (re-published after Redis lost its data), before the entry, so receivers never
-        find this peer with nothing to verify against.
-
-        While Redis is unreachable the entry and its truth wait for the heartbeat, which
-        publishes them as soon as Redis answers. Raises :class:`NcclBackError` when the
-        rendezvous cannot be started.
+        ``truth``, ``positions`` and ``layout`` (what the Verifier allows) are stored now
+        and at every heartbeat, before the entry, so receivers never find this peer with
+        nothing to verify against; while Redis is unreachable the heartbeat publishes
+        them later. Raises :class:`NcclBackError` when the rendezvous cannot start.
         """
         device = model_device(model)
         kind = resolve_kind(self.settings, device)
@@ -285,9 +245,7 @@ class PeerServer:
             try:
                 self._keep(served)
             except Exception as e:
-                # Redis unreachable now (an outage, a failover): hold the entry anyway. The
-                # heartbeat publishes it, with its truth, once Redis answers, so workers
-                # that loaded during an outage still serve the fleet after it.
+                # Redis unreachable now: the heartbeat publishes it once Redis answers.
                 log.warning("publish_deferred", peer=peer_id, error=str(e))
         served.thread = threading.Thread(target=self._serve_loop, args=(served,), daemon=True,
                                        name=f"nccl-back-serve-{rank}")
@@ -301,8 +259,7 @@ class PeerServer:
         return info
 
     def rendezvous(self, kind: str, device: torch.device) -> Rendezvous:
-        """This worker's sender endpoint for ``kind``, started on first use (a relay
-        member needs it before its own load is done)."""
+        """This worker's sender endpoint for ``kind``, started on first use."""
         with self._lock:
             rv = self._rendezvous.get(kind)
             if rv is None:
@@ -323,8 +280,7 @@ class PeerServer:
             self.metrics.set_claims(self.active_sends)
 
     def _keep(self, served: _Served) -> None:
-        """Store (or refresh) everything this holder publishes: its truth first, then its
-        entry, then its truth in checkpoint coordinates and its layout."""
+        """Store (or refresh) all this holder publishes: truth, entry, position truth, layout."""
         self.registry.heartbeat(served.info, SCHEME, served.truth)
         if served.positions is not None or served.layout is not None:
             lay = served.layout or trivial_layout(served.manifest)
@@ -355,15 +311,13 @@ class PeerServer:
                 return
             served.pool.submit(self._serve_one, served, request)
 
-        # Read until closed: a withdrawn worker still refuses each request at once (or
-        # serves an owed one), rather than leaving it to time out.
+        # Read until closed: a withdrawn worker still refuses (or serves an owed) request.
         answer(self.registry, served.info.peer_id, HOLDER, log, self._done, 0.5, enqueue)
 
     def _serve_one(self, served: _Served, request: TransferRequest) -> None:
         log = self._log.bind(rank=served.info.rank, version=served.info.version[:12],
                              peer=request.receiver, transfer_id=request.transfer_id)
-        # Only reshard and part requests (each a share of the model) share a token's
-        # turn; any other request, claimed or not, takes a turn of its own.
+        # Only reshard and part requests share a token's turn; others take their own.
         token = _shared_token(request)
         turn = token or request.transfer_id
         # Derived before the turn: a costly plan (a hostile layout record) must not hold
@@ -388,8 +342,7 @@ class PeerServer:
                 ok = served.sends.serve(request, log) is not None
         finally:
             if not ok and request.claim is not None:
-                # Our side failed (receiver crashed, gave up, or was refused): free its
-                # slot now rather than when the claim expires (a tidy-up: never raises).
+                # Our side failed: free its slot now, not when the claim expires.
                 self.registry.release(served.info.peer_id, request.claim)
             self.metrics.record_served(ok)
             with served.lock:
@@ -403,10 +356,9 @@ class PeerServer:
             self.metrics.set_claims(self.active_sends)
 
     def _admit(self, served: _Served, turn: str) -> None:
-        """Wait until the send of claim token ``turn`` may run: sends of that token already
-        run (another rank of the same receiving group, up to :data:`SHARED_SENDS`), or
-        fewer than ``max_sends`` tokens do. At once while stopping (the request is then
-        declined as draining)."""
+        """Wait until the send of claim token ``turn`` may run: fewer than
+        :data:`SHARED_SENDS` of that token run, or fewer than ``max_sends`` tokens do. At
+        once while stopping (then declined as draining)."""
         with served.turns:
             while not self._stop.is_set():
                 n = served.sending.get(turn, 0)
@@ -424,9 +376,8 @@ class PeerServer:
 
     def _reshard_moves(self, served: _Served, request: TransferRequest
                        ) -> tuple[tuple[Move, ...] | str, str]:
-        """This holder's moves for a receiver of another layout (the plan both ends
-        derive from the receiver's layout and the holders', records in Redis), or why
-        there are none; derived once per (receiver layout, group, holder index)."""
+        """This holder's moves for a receiver of another layout, or why there are none;
+        derived once per (receiver layout, group, holder index)."""
         key = (request.layout or "", request.group or "", request.holder or 0)
         got = served.plans.get(key)
         if got is not None:
@@ -454,10 +405,8 @@ class PeerServer:
 
     def _reshard(self, served: _Served, request: TransferRequest, moves: tuple[Move, ...],
                  digest: str, log: Any) -> bool:
-        """Send the pieces a receiver of another layout needs from this holder, one byte
-        tensor per move (:func:`~nccl_back.model.reshard_plan.sent`); the plan's digest is
-        proven in the handshake, so a receiver that computed another plan is refused
-        before any data moves."""
+        """Send a receiver of another layout its pieces, one byte tensor per move; the
+        handshake proves the plan's digest, so a different plan is refused before data moves."""
         log.info("resharding", plan=digest[:12], bytes=sum(m.nbytes for m in moves))
         return served.sends.serve(request, log, digest=digest,
                                 tensors=lambda: sent(moves, named_tensors(served.model)[0])
@@ -482,8 +431,6 @@ class PeerServer:
 
 
 def _shared_token(request: TransferRequest) -> str | None:
-    """The claim token a reshard request shares with its group's other ranks, or a part
-    request with the other parts of its claim (the roots of a cohort's trees hold one
-    slot together, a part each), if any."""
+    """The claim token a reshard or part request shares with its group's others, if any."""
     shares = request.layout is not None or request.parts is not None
     return request.claim if shares and request.claim else None

@@ -2,11 +2,9 @@
 its elements, in row-major order, gathered into a buffer or scattered from one.
 
 A chunk is a run of whole elements ``[offset, offset + nbytes)`` of the tensor's bytes
-in row-major order (:func:`~.broadcast.plan` makes them so). Each chunk moves on its
-own, so a part of the plan may start or end inside a tensor and a relay member forwards
-a chunk the moment it landed. The run is covered by at most two partial rows per
-dimension and one block of whole rows, each a view of the tensor: a few copies per
-chunk, no copy of the whole tensor.
+in row-major order, moving on its own (a part may start inside a tensor). It is covered
+by at most two partial rows per dimension and one block of whole rows, each a view: a
+few copies per chunk, never one of the whole tensor.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def scatter(dst: torch.Tensor, data: torch.Tensor, offset: int) -> None:
 
 
 def pieces(t: torch.Tensor, offset: int, nbytes: int) -> list[tuple[torch.Tensor, int]]:
-    """Views of ``t`` that together are the chunk's elements, each with the index of its
-    first element in the chunk."""
+    """Views of ``t`` covering the chunk, each with its first element's index in it."""
     item = t.element_size()
     return _pieces(t, offset // item, (offset + nbytes) // item, 0)
 

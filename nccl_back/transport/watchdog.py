@@ -1,34 +1,19 @@
 """The watchdog: communicator creation plus the broadcast loop, under one deadline.
 
-NCCL has no timeouts of its own and a gloo wait cannot be interrupted, so the work
-runs in a worker thread while the caller waits at most until the deadline. Past it,
-the transport is aborted and :class:`TransferTimeoutError` raised, so a hung transfer
-never keeps the worker from falling back to storage.
+NCCL has no timeouts of its own and a gloo wait cannot be interrupted, so the work runs
+in a worker thread while the caller waits until the deadline, then aborts the transport:
+a hung transfer never keeps the worker from falling back to storage.
 
-Communicator creation may get its own, shorter deadline (``connect_deadline``): both
-sides proved alive in the handshake a moment ago, so a communicator that has not formed
-soon never will, and the receiver must not hold its send slot for a whole transfer
-timeout waiting for it.
+The connect may get a shorter deadline (both sides proved alive a moment ago, so a
+communicator that has not formed soon never will, and the receiver must not hold its
+send slot meanwhile). A stall bound aborts once no step completed for that long, so a
+peer that stops silently (a partition: no reset) costs the bound, not the deadline; it
+is enforced here, so it holds for every transport. A sender's abandonment notice,
+asked once quiet for :data:`NOTICE_AFTER`, ends the transfer at once.
 
-A transfer may also get a stall bound (``stall``): it is aborted, with
-:class:`TransferStalledError`, as soon as no step has completed for that long (the data
-plane reports each one, :meth:`Transport.progressed`). A peer that stops silently (a
-dead node, a partition: no reset, so no error) then costs the stall bound, not the
-deadline. The bound is enforced here, in the caller's thread, so it holds for every
-transport; gloo also gets it as its per-call timeout, so its thread unwinds with it.
-
-A sender that gives the transfer up (it closes) leaves a notice the caller can read
-(``abandoned``): asked once no step came for :data:`NOTICE_AFTER` seconds, and that often
-while none comes, it ends the transfer at once (:class:`TransferAbandonedError`), so a
-receiver whose sender aborted never waits out its stall bound; its worker thread gets
-:data:`NOTICE_AFTER` to unwind, not the transport's whole grace (see :func:`_abort`).
-
-The worker thread must not outlive the attempt: transports bound every wait by the
-same deadline (gloo: a per-call timeout equal to the time left; NCCL: polling), so
-after ``abort`` the thread unwinds within the transport's ``join_grace``; the
-transport is closed on the way out. The watchdog only *asks* for the abort: an NCCL
-transport's owner thread carries it out, since ``ncclCommAbort`` is unsafe while
-another thread is inside NCCL.
+After an abort the thread unwinds within the transport's ``join_grace`` (every wait
+is bounded by the same deadline). The watchdog only *asks* for the abort: NCCL's owner
+thread carries it out, since ``ncclCommAbort`` is unsafe beside another NCCL call.
 """
 
 from __future__ import annotations
@@ -66,17 +51,13 @@ def run_guarded(
     stall: float | None = None,
     abandoned: Callable[[], bool] | None = None,
 ) -> T:
-    """``transport.connect(...)`` then ``work(transport)``, done by ``deadline``.
+    """``transport.connect(...)`` then ``work(transport)``, done by ``deadline`` (the
+    connect also by ``connect_deadline``; at most ``stall`` seconds between steps;
+    ``abandoned()`` reads the sender's notice). Returns what ``work`` returns.
 
-    ``deadline`` is on ``_clock.monotonic``; the connect phase must also end by
-    ``connect_deadline`` when given. After the connect, when ``stall`` is given, no
-    more than ``stall`` seconds may pass without a completed step. ``abandoned()``
-    says whether the other side gave the transfer up (a notice, asked once quiet for
-    :data:`NOTICE_AFTER`). Returns what ``work`` returns.
-    Raises :class:`TransferStalledError` past the stall bound,
-    :class:`TransferTimeoutError` past the deadline and :class:`TransferAbandonedError`
-    on the notice (all after aborting the transport), the :class:`NcclBackError` the work raised, or :class:`TransferError`
-    wrapping any other exception. The transport is closed in every case.
+    Raises :class:`TransferStalledError`, :class:`TransferTimeoutError` or
+    :class:`TransferAbandonedError` (after aborting), the work's :class:`NcclBackError`,
+    or :class:`TransferError` wrapping anything else. The transport is always closed.
     """
     # One-element lists: the worker thread's result or error, typed for the caller.
     values: list[T] = []
@@ -93,8 +74,7 @@ def run_guarded(
             try:
                 transport.connect(first)
             except TransferTimeoutError as e:
-                # The rendezvous saw the deadline pass before this thread's watcher woke
-                # (a loaded machine): the same error as the watcher's, naming the phase.
+                # The rendezvous saw the deadline before the watcher woke: name the phase.
                 raise TransferTimeoutError(f"{_not_formed(transport, first < deadline)} ({e})") from e
             transport.extend_deadline(deadline)
             transport.progressed()  # the stall bound counts from the communicator's birth
@@ -117,15 +97,17 @@ def run_guarded(
     began = _clock.monotonic()
     asked = began
 
-    def gave_up() -> bool:
-        """Whether the notice says the other side gave up (asked once quiet, that often)."""
+    def heed_notice() -> None:
+        """Abort if the notice says the other side gave up (asked once quiet, that often)."""
         nonlocal asked
         now = _clock.monotonic()
         since = max(transport.progress_at if connected.is_set() else began, asked)
         if abandoned is None or now - since < NOTICE_AFTER:
-            return False
+            return
         asked = now
-        return abandoned()
+        if abandoned():
+            _abort(transport, thread, "abandoned", NOTICE_AFTER)
+            raise TransferAbandonedError(_abandoned_words(transport))
 
     def nap(until: float) -> float:
         """How long to wait for the thread: until ``until``, or the next ask of the notice."""
@@ -135,9 +117,8 @@ def run_guarded(
     if first < deadline:
         while thread.is_alive() and not connected.is_set() and _clock.monotonic() < first:
             thread.join(nap(first))
-            if thread.is_alive() and not connected.is_set() and gave_up():
-                _abort(transport, thread, "abandoned", NOTICE_AFTER)
-                raise TransferAbandonedError(_abandoned_words(transport))
+            if thread.is_alive() and not connected.is_set():
+                heed_notice()
         if thread.is_alive() and not connected.is_set():
             _abort(transport, thread, "connect")
             raise TransferTimeoutError(f"{_not_formed(transport, True)}; aborted")
@@ -150,9 +131,7 @@ def run_guarded(
         thread.join(nap(_clock.monotonic() + wait))
         if not thread.is_alive():
             break
-        if gave_up():
-            _abort(transport, thread, "abandoned", NOTICE_AFTER)
-            raise TransferAbandonedError(_abandoned_words(transport))
+        heed_notice()
         if _clock.monotonic() >= deadline:
             _abort(transport, thread, "transfer")
             raise TransferTimeoutError(
@@ -193,13 +172,11 @@ def _abort(transport: Transport, thread: threading.Thread, phase: str,
     grace = transport.join_grace if grace is None else min(grace, transport.join_grace)
     thread.join(grace)
     if thread.is_alive() and phase == "abandoned":
-        # A gloo wait outlives its abort until the sender's sockets close (as its do once
-        # it unwinds) or its own per-call timeout: the sender gave up, so nothing but a
-        # step it had already sent can still land; the caller moves on now.
+        # A gloo wait outlives its abort until the sender's sockets close; the sender gave
+        # up, so nothing but a step already sent can land: the caller moves on now.
         log.info("transfer_thread_left", transfer_id=transport.transfer_id, grace=grace)
     elif thread.is_alive():
-        # Only a wait that ignores both the deadline and the abort request can get
-        # here; the daemon thread is left behind, the caller still falls back.
+        # A wait ignoring both deadline and abort: the daemon thread is left behind.
         log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=grace)
 
 

@@ -57,15 +57,11 @@ class Seat:
         return self.place.position
 
     def counts_failed(self, member_id: str, e: PeerError) -> bool:
-        """Whether upstream member ``member_id`` failed this receiver for good with ``e``
-        (then in :attr:`failed`). A first stall does not count: a member stalls when one
-        further up stopped (every seat below a stopped one stalls at once), and it
-        re-attaches within a handshake bound. Asked once more (:meth:`handshake_bound`,
-        :meth:`stall_bound`), it resumes where this one stopped, and the seats below it
-        stay off the suspects further up (a stopped one costs each asker a handshake
-        bound); one that stopped itself fails that short handshake. A second stall, or
-        any other failure, counts, and so does a first stall once the member's liveness
-        mark lapsed (it stopped itself: a stall bound is longer than the mark's TTL)."""
+        """Whether upstream ``member_id`` failed this receiver for good with ``e`` (then in
+        :attr:`failed`). A first stall does not count while its liveness mark lives: every
+        seat below a stopped one stalls at once and re-attaches within a handshake bound,
+        so asking it once more (with a short handshake) resumes there and keeps the seats
+        below off the suspects further up. A second stall, or any other failure, counts."""
         if isinstance(e, TransferStalledError) and member_id not in self.stalled and not self._lapsed(member_id):
             self.stalled.add(member_id)
             return False
@@ -73,9 +69,7 @@ class Seat:
         return True
 
     def _lapsed(self, member_id: str) -> bool:
-        """Whether ``member_id``'s liveness mark lapsed (:func:`join` renews it every
-        third of ``claim_ttl``): it stopped, or lost Redis, so the short handshake of
-        asking it once more would be spent for nothing. Redis trouble says nothing."""
+        """Whether ``member_id``'s liveness mark lapsed (Redis trouble here says no)."""
         try:
             gone = self.registry.lapsed(member_id)
         except RegistryError:
@@ -86,31 +80,26 @@ class Seat:
 
     def handshake_bound(self, member_id: str, bound: float) -> float:
         """The handshake bound with ``member_id``: short once it stalled this receiver (a
-        live one answers within its poll interval; the ask says whether it is)."""
+        live one answers within its poll interval)."""
         return min(bound, STALLED_HANDSHAKE) if member_id in self.stalled else bound
 
     def stall_bound(self, member_id: str, stall: float) -> float:
-        """The stall bound of a transfer from ``member_id``: once it stalled this receiver,
-        ``stall`` plus the handshake bound its own re-attach may cost it."""
+        """The stall bound from ``member_id``, plus its own re-attach's once it stalled us."""
         return stall + RELAY_HANDSHAKE if member_id in self.stalled else stall
 
     def tree_path(self, tree: int, max_size: int) -> list[int]:
         """The seats this one receives tree ``tree``'s part through in the cohort as it
-        now stands, its parent first, ending at :data:`topology.SOURCE` (the cohort's
-        source; a leaf's parent changes as the cohort grows, :func:`topology.seat_upstreams`).
-        One read of the cohort's size."""
+        now stands, parent first, ending at :data:`topology.SOURCE`."""
         # Seats past max_size are not the join script's (an outsider's pushes): not built over.
         size = max(min(self.registry.chain_size(self.place.key), max_size), self.position + 1)
         return topology.seat_upstreams(self.position, size, tree)
 
     def tree_upstreams(self, tree: int, path: list[int]) -> list[tuple[int, Member]]:
         """``(seat, member)`` this one receives tree ``tree``'s part from, best first: its
-        ancestors on ``path`` (:meth:`tree_path`), then the earlier seats interior in that
-        tree, nearest first; without those that failed us or stopped. Only interior
-        seats: a leaf's part may come from a later seat, so one asked for it could wait
-        on this one; interior seats' parts come from earlier seats only. The source comes
-        last, when none is left: one that every seat fell back to would send far more
-        than its one model's worth."""
+        ancestors on ``path``, then the earlier seats interior in that tree, nearest first,
+        without those that failed us or stopped. Only interior seats (a leaf's part may
+        come from a later seat, which could wait on this one); the source is left to the
+        caller, last, or every seat falling back to it would overload it."""
         seats = [p for p in path if p != topology.SOURCE]
         seats += [q for q in range(self.position - 1, -1, -1) if q % topology.TREES == tree
                   and q not in seats]
@@ -121,8 +110,7 @@ class Seat:
         return [(by_id[m.member_id], m) for m in self._live([found[p] for p in seats if p < len(found)])]
 
     def _live(self, found: list[Member | None]) -> list[Member]:
-        """``found`` without untrusted records (skipped with a reason: the seat is then
-        served by one further up, or the source), those that failed us and stopped ones."""
+        """``found`` without untrusted records, those that failed us and stopped ones."""
         out = [m for m in found if m is not None  # None: untrusted, said why
                and m.member_id not in self.failed and m.member_id != self.member.member_id]
         try:
@@ -158,9 +146,7 @@ class Replica:
 
 @dataclass(frozen=True)
 class Endpoints:
-    """What one rank's relay endpoints are made of, the same for a cohort's seat
-    (:func:`join`) and a streamed download (:func:`stream`): the worker's connections,
-    the replica they serve and the pacing of their sends."""
+    """What one rank's relay endpoints (seat, stream, share) are made of."""
 
     settings: Settings
     registry: Registry
@@ -184,11 +170,8 @@ class Endpoints:
 
 
 def join(p: Endpoints) -> Seat:
-    """Take a seat in the current cohort and start this member's relay endpoint.
-
-    Raises :class:`RegistryError` (the caller then receives on its own, as without
-    cohorts).
-    """
+    """Take a seat in the current cohort and start this member's relay endpoint; raises
+    :class:`RegistryError` (the caller then receives on its own)."""
     s = p.settings
     # Two children, one moving in before a leaf moved out, one re-attaching.
     server = p.server("relay", max_sends=TREE_SENDS).start()  # listening before anyone can read our record
@@ -218,12 +201,13 @@ def join(p: Endpoints) -> Seat:
 
 
 class Stream:
-    """The elected downloader's relay endpoint for one rank (see the module docstring)."""
+    """The elected downloader's relay endpoint for one rank (see the package docstring)."""
 
     def __init__(self, registry: Registry, server: RelayServer, steps: list[Step],
                  key: tuple[str, int, int, str]) -> None:
         self.server = server
-        self.fills = Fills(steps, server.progress)
+        self.filled = Fills(steps, server.progress).filled
+        """Tensor ``name`` is in place (the loader's ``on_filled``)."""
         self._steps = len(steps)
         self._registry = registry
         self._key = key
@@ -233,19 +217,15 @@ class Stream:
     def member(self) -> Member:
         return self.server.member
 
-    def filled(self, name: str) -> None:
-        self.fills.filled(name)
-
     def loaded(self) -> None:
         """Every tensor is in place (also what a loader without per-tensor fills says)."""
         if self._steps:
             self.server.progress.complete(self._steps)
 
     def end(self, ok: bool, reason: str = "") -> None:
-        """The download ended. Failed: no new receiver finds the stream, and its receivers'
-        links fail at once. ``ok`` (loaded and published): the announcement lives on while
-        the endpoint lingers (dropped when it stops, its TTL cut to the linger), for the
-        followers that have not asked yet; holders found first are asked first."""
+        """The download ended. Failed: the stream is dropped and its links fail at once.
+        ``ok``: the announcement lives on while the endpoint lingers (its TTL cut to the
+        linger), for followers that have not asked yet."""
         self.server.end(ok, reason)
         with contextlib.suppress(RegistryError):
             if not ok or not self.server.alive:
@@ -263,12 +243,9 @@ class Stream:
 
 
 def stream(p: Endpoints) -> Stream:
-    """Start the relay endpoint a download is streamed from and announce it.
-
-    Raises :class:`RegistryError` (the worker then downloads without streaming).
-    """
-    # A receiver of the stream may wait for the whole download, as it would have in the
-    # election: the same bound.
+    """Start the relay endpoint a download is streamed from and announce it; raises
+    :class:`RegistryError` (the worker then downloads without streaming)."""
+    # A receiver may wait for the whole download, as in the election: the same bound.
     wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
     server = p.server("stream", max_sends=STREAM_SENDS, send_timeout=wait).start()
     try:
@@ -283,14 +260,10 @@ def stream(p: Endpoints) -> Stream:
 
 
 class Share:
-    """A cooperative download member's relay endpoint for one rank: it serves part ``i``
-    of the plan to the elected worker, each step once the member's share read put it in
-    place (announced only where the elected worker looks: no peer entry).
-
-    The announcement lives ``claim_ttl`` and is renewed every third of it for as long as
-    the endpoint lives, so it says the member is alive: the elected worker's pull gives
-    up on a member whose announcement lapsed (killed, stopped) within that bound, not
-    after a handshake or connect timeout."""
+    """A cooperative download member's relay endpoint for one rank, serving its part to
+    the elected worker step by step as its share read places them. Its announcement is
+    renewed while the endpoint lives, so the elected worker gives up on a dead member
+    within ``claim_ttl``, not a handshake or connect timeout."""
 
     def __init__(self, server: RelayServer, announce: Callable[[], None], ttl: float) -> None:
         self.server = server
@@ -311,10 +284,9 @@ class Share:
 
 
 def renew(server: RelayServer, announce: Callable[[], None], ttl: float, what: str) -> None:
-    """``announce`` every third of ``ttl`` for as long as ``server`` lives, on a daemon
-    thread (the caller announced once already): the record says the endpoint is alive and
-    lapses within ``ttl`` once its process stops. A failed renewal is logged: a lapse
-    costs speed (the member is taken for stopped), never bytes."""
+    """``announce`` every third of ``ttl`` on a daemon thread while ``server`` lives, so
+    the record lapses within ``ttl`` once it stops. A failed renewal is logged: a lapse
+    costs speed, never bytes."""
     member = server.member.member_id
 
     def run() -> None:
@@ -331,11 +303,8 @@ def renew(server: RelayServer, announce: Callable[[], None], ttl: float, what: s
 
 
 def share(p: Endpoints, member: int) -> Share:
-    """Start member ``member``'s endpoint for this rank's part and announce it to the
-    elected worker (listening before the record is out), renewed while the endpoint
-    lives. Raises :class:`RegistryError`."""
-    # The elected worker asks at once; the send then waits for the share's read, as a
-    # stream's waits for storage: the same bound.
+    """Start and announce member ``member``'s endpoint; raises :class:`RegistryError`."""
+    # The send waits for the share's read as a stream's for storage: the same bound.
     wait = p.settings.transfer_timeout + p.settings.single_flight_max_wait
     server = p.server("share", max_sends=SHARE_SENDS, send_timeout=wait).start()
     r = p.replica

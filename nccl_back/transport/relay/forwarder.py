@@ -1,15 +1,10 @@
 """The relay's sending half: a member's endpoint forwarding steps as they arrive.
 
-It answers relay requests through the send path it shares with the ordinary sender
-(:mod:`nccl_back.transport.send`): a step is sent once :class:`Progress` says it is in
-the member's tensors.
-
-A receiver pulls one part from one upstream at a time and asks again only once its pull
-ended, so a request from a receiver this endpoint still sends that part to supersedes
-the send: the receiver gave up on it (it stalled when a member further up stopped),
-while this side, waiting for its own next step, cannot know. The old send is aborted
-and stops holding a send slot; without that, the re-asking children of a member that
-re-attached would be refused as busy by their own slots and go further up.
+A receiver asks again only once its pull ended, so a request from a receiver this
+endpoint still sends that part to supersedes the send (the receiver gave up on it, which
+this side, waiting for its next step, cannot know). The old send is aborted and frees
+its slot; otherwise the re-asking children of a re-attached member would be refused as
+busy by their own slots.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ from nccl_back.transport.send import ASKERS, RELAY, Sends, answer, decline, refu
 
 class RelayServer:
     """A member's downstream side: answers relay requests while (and shortly after) it
-    receives, forwarding each step once :class:`Progress` says it is in place."""
+    receives, forwarding each step once it is in place."""
 
     def __init__(
         self,
@@ -74,8 +69,7 @@ class RelayServer:
         self.askers: set[str] = set()
         """Receivers that asked this endpoint (at most :data:`ASKERS`)."""
         self.unannounce: Callable[[], None] | None = None
-        """Drops the record that announces it, if any (a stream's): at a withdrawal that
-        owes nobody, and once it stopped answering."""
+        """Drops the record that announces it, if any (a stream's)."""
         self.served = 0
         # Read at each send: a stopped endpoint drops its tensors (see _loop).
         self._path = Sends(RELAY, settings, registry, self.metrics, pacer, rendezvous,
@@ -99,21 +93,15 @@ class RelayServer:
         return self
 
     def end(self, ok: bool, reason: str = "") -> None:
-        """The member's own load ended; failed: its downstream links fail at once.
-
-        The endpoint lingers ``cohort_window`` + :data:`LINGER` seconds without
-        requests, then stops (in the background: the caller does not wait for
-        downstream sends).
-        """
+        """The member's own load ended (failed: its downstream links fail at once); the
+        endpoint stops in the background after ``cohort_window`` + :data:`LINGER` idle."""
         if not ok:
             self.progress.fail(reason or "the member fell back")
         self._ended.set()
 
     def withdraw(self, serving: Collection[str] = ()) -> None:
-        """Take no new request but from ``serving`` (a close's owed receivers; the others
-        refused at once) and say the endpoint stopped (the seats below skip it; a stream
-        owing nobody is no longer announced); relay sends in flight go on, for a closing
-        worker's drain (:func:`~nccl_back.transport.send.drain`)."""
+        """Refuse new requests but from ``serving`` and mark the endpoint gone (the seats
+        below skip it); sends in flight go on, for the closing worker's drain."""
         self._serving = frozenset(serving)
         self._withdrawn.set()
         if not serving and self.unannounce is not None:
@@ -123,12 +111,10 @@ class RelayServer:
                                     self.settings.transfer_timeout + self.settings.busy_wait)
 
     def close(self, timeout: float) -> None:
-        """Stop now; abort relay sends still running (their receivers told at once);
-        wait at most ``timeout`` s."""
+        """Stop now, aborting relay sends still running; wait at most ``timeout`` s."""
         self._stop.set()
         self._path.abort()
-        # A send waiting for a step this member does not hold yet ends now, and with it
-        # its connection: its receiver sees the close at once.
+        # A send waiting for a step not held yet ends now: its receiver sees the close.
         self.progress.fail("the relay endpoint closed")
         key = self.member.member_id
         with contextlib.suppress(RegistryError):  # else it sees the stop within a poll
@@ -162,8 +148,8 @@ class RelayServer:
         refuse_queued(self.registry, key, RELAY, self._log)
         for t in [t for t, _ in self._sends.values()] + self._superseded:
             t.join(self.settings.transfer_timeout)
-        # A stopped endpoint must not keep the model alive: a sidecar whose hand-off
-        # re-pointed the model into its arena would otherwise hold it twice.
+        # A stopped endpoint must not keep the model alive (a hand-off's arena would
+        # otherwise hold it twice).
         self.tensors = {}
 
     def _admit(self, request: TransferRequest) -> None:
@@ -176,16 +162,13 @@ class RelayServer:
             return
         gave_up = self.progress.failed
         if gave_up is not None:
-            # What this member holds failed (or never completed): serve none of it,
-            # and say so at once, so the requester attaches elsewhere now.
+            # What it holds failed (or never completed): serve none of it.
             decline(self.registry, request, "draining", f"relay endpoint {key} gave up: {gave_up}",
                     self._log, RELAY, reason="gave_up")
             return
         self._supersede(request)
         busy = self._busy()
         if busy >= self.max_sends:
-            # Said at once, so the requester tries its next upstream now rather
-            # than after its handshake timeout.
             decline(self.registry, request, "busy", f"relay endpoint {key} serves {busy} already",
                     self._log, RELAY, reason="busy")
             return
@@ -197,9 +180,8 @@ class RelayServer:
         t.start()
 
     def _supersede(self, request: TransferRequest) -> None:
-        """The send to ``request``'s receiver and part still in flight, if any, is
-        aborted and no longer counted (see the module docstring); its thread ends once
-        its next step is ready or its bounds pass."""
+        """Abort the send to ``request``'s receiver and part still in flight, if any (see
+        the module docstring); its thread ends at its next step or bound."""
         with self._lock:
             old = self._sends.pop((request.receiver, request.part), None)
             if old is None or not old[0].is_alive():

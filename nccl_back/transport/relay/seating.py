@@ -1,11 +1,6 @@
-"""The relay's receiving half: a rank's seat in a cohort, the stream it may be fed
-from, which upstream it receives from and re-attaching further up when one fails.
-
-The sending half is :mod:`.server` (a member's endpoint); seats and streams are
-announced by :mod:`.endpoints`. The relay only offers sources (:meth:`Seat.tree_upstreams`):
-what a rank does with one (the request, the handshake, the transfer into its tensors,
-verification, blame) is the load layer's one source loop
-(:mod:`nccl_back.load.tree_parts`).
+"""The relay's receiving half: a worker's seats, streams and shares. The relay only offers
+sources (:meth:`Seat.tree_upstreams`); asking them is the load layer's
+(:mod:`nccl_back.load.tree_parts`); the sending half is :mod:`.forwarder`.
 """
 
 from __future__ import annotations
@@ -42,11 +37,9 @@ from nccl_back.transport.send import Sends
 
 
 class DamagedBytes(WeightVerificationError):
-    """Verification failed after a transfer; ``blamed`` names the sources (holders, relay
-    members, a stream) that sent failing bytes, ``suspects`` those of which one did but
-    the check cannot say which (:class:`.Blame`). What both sent was discarded, so the
-    next source sends it again. Internal: what a load reports (or raises with
-    ``strict``) is :attr:`error`, the integrity check's own."""
+    """Raised when verification failed after a transfer; ``blamed`` and ``suspects`` as in
+    :class:`.Blame` (what both sent was discarded). Internal: a load reports (or raises
+    with ``strict``) :attr:`error`, the integrity check's own."""
 
     def __init__(self, error: WeightVerificationError, blamed: Collection[str],
                  suspects: Collection[str] = ()) -> None:
@@ -68,8 +61,7 @@ class Sender(Protocol):
 
 
 class Cohorts:
-    """This worker's part in cohorts: the seats it takes, the streams it reads or opens,
-    the relay endpoints it runs (closed with the worker)."""
+    """This worker's seats, streams and shares, and the relay endpoints it runs."""
 
     def __init__(self, settings: Settings, registry: Registry, worker_id: str, sender: Sender,
                  metrics: Metrics) -> None:
@@ -88,9 +80,8 @@ class Cohorts:
         return self.settings.cohort_limit > 1
 
     def withdraw(self, serving: Collection[str] = ()) -> list[Sends]:
-        """Withdraw every relay endpoint of this worker, and those it starts from now on,
-        but for ``serving`` (:meth:`RelayServer.withdraw`); their sends, for the closing
-        worker's drain."""
+        """Withdraw every relay endpoint of this worker, now and from now on, but for
+        ``serving``; their sends, for the closing worker's drain."""
         with self._lock:
             self._withdrawn = frozenset(serving)
             servers = list(self._servers)
@@ -111,8 +102,8 @@ class Cohorts:
             r.close(timeout)
 
     def find_stream(self, replica: Replica, failed: Collection[str], log: Any) -> Member | None:
-        """The elected downloader's stream of this rank's flavour, if one is announced,
-        speaks our transport and has not failed us (cohorts only: it feeds a cohort)."""
+        """The elected downloader's stream of this rank's flavour, if announced, speaking
+        our transport and not failed us (cohorts only)."""
         if not self.enabled:
             return None
         m = self._registry.get_stream(*replica.key)  # None: absent, or untrusted (said why)
@@ -124,25 +115,23 @@ class Cohorts:
         return m
 
     def join(self, replica: Replica, log: Any) -> Seat | None:
-        """A seat in the current cohort for this rank, or None (cohorts off, or Redis or
-        the rendezvous failed: then this rank receives on its own, as without cohorts)."""
+        """A seat in the current cohort for this rank, or None (cohorts off, or a failure:
+        this rank then receives on its own)."""
         return self._start(join, replica, log, "cohort_join_failed")
 
     def open_stream(self, replica: Replica, log: Any) -> Stream | None:
-        """Stream this rank's download to waiting workers' cohorts, or None: cohorts off,
-        or the announcement failed (logged)."""
+        """Stream this rank's download to waiting cohorts, or None (off, or failed)."""
         return self._start(stream, replica, log, "stream_not_announced")
 
     def open_share(self, replica: Replica, log: Any, member: int) -> Share | None:
-        """Serve this rank's part of a cooperative download as member ``member``, or None:
-        cohorts off, or the announcement failed (logged)."""
+        """Serve this rank's part of a cooperative download, or None (off, or failed)."""
         return self._start(functools.partial(share, member=member), replica, log,
                            "share_not_announced")
 
     def _start(self, start: Callable[[Endpoints], E], replica: Replica, log: Any,
                failed: str) -> E | None:
-        """What ``start`` makes of this rank's endpoints, its relay server kept for
-        :meth:`close`; None when cohorts are off or it failed (logged as ``failed``)."""
+        """What ``start`` makes of this rank's endpoints, kept for :meth:`close`; None when
+        cohorts are off or it failed (logged as ``failed``)."""
         if not self.enabled:
             return None
         try:
@@ -160,8 +149,7 @@ class Cohorts:
                          replica, self._sender.pacer, log, self._metrics)
 
     def _track(self, server: RelayServer) -> None:
-        """Keep ``server`` for :meth:`close` (dropping the endpoints that stopped); one
-        started by a withdrawn worker is withdrawn at once."""
+        """Keep ``server`` for :meth:`close`; withdrawn at once by a withdrawn worker."""
         with self._lock:
             self._servers = [r for r in self._servers if r.alive] + [server]
             withdrawn = self._withdrawn

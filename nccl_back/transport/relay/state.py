@@ -22,17 +22,14 @@ log = get_logger(__name__)
 #: Relay sends one endpoint runs at once unless it says otherwise (one receiver, plus
 #: one re-attaching while the first is still unwinding).
 MAX_RELAY_SENDS = 2
-#: Relay sends a member seated in the cohort's trees runs at once: its two children in
-#: the tree where it is interior, a leaf that has not yet moved out when a new child
-#: moved in, and one re-attaching (the send cap shares the link between them).
+#: Relay sends a seated member runs at once: its two children where it is interior, a
+#: leaf not yet moved out when a new child moved in, and one re-attaching.
 TREE_SENDS = 4
 #: Relay sends a streamed download serves at once: the heads of the cohorts that formed
-#: while it downloads (waiters arriving more than ``cohort_window`` apart), plus
-#: re-attaching members. Its worker's ``max_send_gbps`` is shared by all of them.
+#: while it downloads, plus re-attaching members.
 STREAM_SENDS = 4
 #: Sends a cooperative download member's endpoint runs at once: its own part, and the
-#: sub-parts of failed members' parts spread to it (one each, the elected worker's
-#: pulls of them at once; the last may start while its own part's send still ends).
+#: sub-parts of failed members' parts spread to it.
 SHARE_SENDS = 4
 
 
@@ -45,14 +42,9 @@ class Place:
 
 
 class Progress:
-    """Which steps of a member's transfer are in its tensors (thread-safe).
-
-    Steps may arrive out of order (a receiver filled by two sources at once, each
-    sending its part of the steps): each is marked as it lands, and :attr:`done` is the
-    leading run of them. Its relay sends wait here for the step they forward next; a
-    member that gives up fails it, which ends those sends (so their receivers re-attach
-    elsewhere).
-    """
+    """Which steps of a member's transfer are in its tensors (thread-safe), in any order
+    (two sources fill parts at once); :attr:`done` is the leading run. Relay sends wait
+    here for their next step; a member that gives up fails it, ending those sends."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -71,20 +63,21 @@ class Progress:
         with self._cond:
             if step >= self._done:
                 self._ahead.add(step)
-                while self._done in self._ahead:
-                    self._ahead.discard(self._done)
-                    self._done += 1
-            self._cond.notify_all()
+                self._settle()
 
     def complete(self, steps: int) -> None:
         """Steps ``[0, steps)`` are in place (a whole load, or what an earlier pass left)."""
         with self._cond:
             self._done = max(self._done, steps)
             self._ahead = {k for k in self._ahead if k >= self._done}
-            while self._done in self._ahead:
-                self._ahead.discard(self._done)
-                self._done += 1
-            self._cond.notify_all()
+            self._settle()
+
+    def _settle(self) -> None:
+        """Extend the leading run over held steps and wake the waiters (lock held)."""
+        while self._done in self._ahead:
+            self._ahead.discard(self._done)
+            self._done += 1
+        self._cond.notify_all()
 
     def fail(self, reason: str) -> None:
         with self._cond:
@@ -99,11 +92,8 @@ class Progress:
             return self._failed
 
     def wait_for(self, step: int, deadline: float) -> None:
-        """Return once step ``step`` is in place; raise if the member gave up or by ``deadline``.
-
-        A member that gave up forwards nothing more, not even steps it holds: they may be
-        the ones that failed its verification.
-        """
+        """Return once step ``step`` is in place; raise if the member gave up (not even held
+        steps go out: they may be what failed its check) or by ``deadline``."""
         with self._cond:
             while True:
                 if self._failed is not None:
@@ -121,13 +111,11 @@ class Blame:
     """Whom a failed check implicates (:meth:`StepSources.blame`)."""
 
     guilty: frozenset[str]
-    """Sources that sent failing bytes: each alone sent every held byte of some failing
-    layer (or was suspected in an earlier check and is again now)."""
+    """Sources that alone sent some failing layer (or were suspected before and are again)."""
     suspects: frozenset[str] = frozenset()
-    """Sources of the failing layers whose bytes came from several sources, none of
-    them guilty: one of them sent wrong bytes and this check cannot say which (the
-    truth is per layer). Not blamed: what they sent is discarded and sent again, and a
-    check that implicates one of them again makes it guilty."""
+    """Sources of failing layers sent by several, none guilty (the truth is per layer, so
+    the check cannot say which): not blamed, but what they sent is discarded, and a
+    second implication makes one guilty."""
 
     @property
     def sources(self) -> frozenset[str]:
@@ -138,16 +126,10 @@ class Blame:
 class StepSources:
     """Which source put each step of this rank's plan into its tensors (thread-safe).
 
-    A receiver may fill its tensors from several sources (a relay upstream that died,
-    then another member, then a holder; in the trees, one source per part), resuming
-    each time at the first step it lacks. When verification fails, the failing layers
-    name the steps that carry them, and those steps the sources that sent them
-    (:meth:`blame`): a layer that came from one source alone convicts it, and a layer
-    whose bytes came from several (one cut by a part boundary, or whose small tensors
-    ride in a bucket of the other part) is explained by a convicted one among them, so
-    an honest source whose part shares a layer with a corrupting one is not blamed.
-    Everything the implicated sources sent is discarded, so the next source sends it
-    again instead of the same bad bytes failing once more under another source's name.
+    When verification fails, the failing layers name their steps and those the sources
+    (:meth:`blame`): a layer from one source alone convicts it; one from several is
+    explained by a convicted one among them, so an honest source sharing a layer with a
+    corrupting one is not blamed. What the implicated sent is discarded and sent again.
     """
 
     def __init__(self, steps: list[Step]) -> None:
@@ -180,9 +162,8 @@ class StepSources:
             return {src for src in self._sources if src is not None}
 
     def blame(self, bad_layers: set[str], layer_of: Callable[[str], str]) -> Blame:
-        """Whom the failure of ``bad_layers`` implicates, from the held steps that carry
-        them (see :class:`Blame`); every held source guilty when no step carries one
-        (the failure cannot be placed)."""
+        """Whom the failure of ``bad_layers`` implicates (every held source when no step
+        carries one)."""
         with self._lock:
             senders: dict[str, set[str]] = {}
             for names, src in zip(self._names, self._sources, strict=True):
@@ -201,9 +182,8 @@ class StepSources:
             return Blame(frozenset(guilty), frozenset(suspects))
 
     def forwarded(self, blame: Blame, forwarders: Collection[str]) -> Blame:
-        """``blame`` with its guilty ``forwarders`` made suspects: members whose own check
-        of what they received failed, so the wrong bytes they sent may be what they were
-        sent (a member forwards before it checks). One suspected before stays guilty: a
+        """``blame`` with its guilty ``forwarders`` (members whose own check failed: they
+        forward before checking) made suspects; one suspected before stays guilty, so a
         forged verdict shields a corrupting member for one retry at most."""
         with self._lock:
             moved = (blame.guilty & set(forwarders)) - self._suspected
@@ -211,8 +191,7 @@ class StepSources:
             return Blame(blame.guilty - moved, blame.suspects | moved)
 
     def discard(self, sources: Collection[str]) -> int:
-        """Forget everything from the first step any of ``sources`` sent (a transfer
-        resumes as a prefix); returns the steps still held."""
+        """Forget all from the first step any of ``sources`` sent; the steps still held."""
         with self._lock:
             first = next((k for k, src in enumerate(self._sources) if src in sources),
                          len(self._sources))

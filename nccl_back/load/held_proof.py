@@ -23,8 +23,7 @@ import google_crc32c
 import torch
 
 from nccl_back import _clock
-from nccl_back.load.share_read import ShareRead, places
-from nccl_back.load.shares import shares
+from nccl_back.load.share_read import ShareRead, places, shares
 from nccl_back.model.checkpoint import ShardHeader
 from nccl_back.model.crc import Interval
 from nccl_back.model.identity import ModelSpec

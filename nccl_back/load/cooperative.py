@@ -23,7 +23,6 @@ would run out during the gather.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -253,7 +252,20 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
             _clock.sleep(ANNOUNCE_POLL)
     if not r.speaks(member):
         raise NoPeerError(f"member {i} of {n} speaks {member.transport}/{member.device}, not {t.kind}")
-    with _watched(worker, a, i, member.member_id, started) as (gone, on_start):
+    announced = member.member_id
+
+    def lost() -> bool:
+        """The announcement lapsed or names another endpoint."""
+        try:
+            now = worker.registry.download_member(r.version, r.rank, r.world, i)
+        except RegistryError:
+            return False  # Redis trouble says nothing of the member
+        if now is None or now.member_id != announced:
+            a.log.warning("download_member_lapsed", member=i, endpoint=announced)
+            return True
+        return False
+
+    with watched(lost, WATCH_POLL, f"nccl-back-watch-{i}", started) as (gone, on_start):
         try:
             # Not recorded as the receive's steps: the files' CRC32C prove them (held_proof).
             # The election's download, not a peer load: a budget of its own.
@@ -351,23 +363,3 @@ class _Spread:
         with self.lock:
             self.read += read
             self.received += received
-
-
-def _watched(worker: Worker, a: Attempt, i: int, member_id: str,
-             started: Callable[[Transport], None],
-             ) -> contextlib.AbstractContextManager[tuple[threading.Event, Callable[[Transport], None]]]:
-    """Member ``i``'s announcement watched while the block pulls its part (:func:`watched`):
-    lost once it lapsed or names another endpoint."""
-    r = a.replica()
-
-    def lost() -> bool:
-        try:
-            now = worker.registry.download_member(r.version, r.rank, r.world, i)
-        except RegistryError:
-            return False  # Redis trouble says nothing of the member
-        if now is None or now.member_id != member_id:
-            a.log.warning("download_member_lapsed", member=i, endpoint=member_id)
-            return True
-        return False
-
-    return watched(lost, WATCH_POLL, f"nccl-back-watch-{i}", started)

@@ -104,13 +104,11 @@ class Verifier:
 
     # -- truth a storage load computes -------------------------------------------------
 
-    def layer_truth(self, model: Model, modes: tuple[str, ...] | None = None) -> dict[str, str]:
+    def layer_truth(self, model: Model) -> dict[str, str]:
         """Layer hashes for the ground-truth record: ``sampled`` always (every receiver
         may check it), ``full`` too when this worker verifies in full."""
-        modes = modes if modes is not None else (("sampled", "full") if self.mode == "full"
-                                                 else ("sampled",))
         return encode_truth({m: integrity.layer_hashes(model, mode=m, key=self.key)  # type: ignore[arg-type]
-                             for m in modes})
+                             for m in self.publishable(Basis.STORAGE).layer_modes})
 
     def position_truth(self, layout: Layout, tensors: Mapping[str, torch.Tensor], *,
                        sums: bool | None = None) -> PositionTruth:

@@ -23,6 +23,7 @@ would run out during the gather.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -191,23 +192,17 @@ def gather_parts(worker: Worker, a: Attempt, n: int, held: int | None = None) ->
     storage, headers, steps = src.storage, src.headers, src.steps
     every = shares(steps, places(headers), {sh.uri: sh.size for sh in spec.shards}, n)
     cuts = cut_points([span for member in every for span in member])
-    read_bytes = 0
-
-    def own(_: object) -> None:
-        nonlocal read_bytes
-        got = read_share(storage, spec, headers, steps, n, 0, t.tensors)
-        read_bytes += got.bytes
-
     others = [i for i in range(1, n) if i != held]
     spread = _Spread(worker, a, src, n, 0 if held is None else held, others)
 
-    def pull(i: int) -> Pull:
-        return lambda started: spread.pull(i, started)
+    def own(_: object) -> None:
+        spread.count(read=read_share(storage, spec, headers, steps, n, 0, t.tensors).bytes)
 
-    for e in Pulls(abort=False).run([own, *(pull(i) for i in others)], "nccl_back-share"):
+    pulls: list[Pull] = [own, *(functools.partial(spread.pull, i) for i in others)]
+    for e in Pulls(abort=False).run(pulls, "nccl_back-share"):
         if e is not None:
             raise e  # not a member's failure (those are spread): this worker's own
-    read_bytes += spread.read
+    read_bytes = spread.read
     read_for = list(spread.failed)
     reads = held_reads(storage, spec, headers, steps, n, t.tensors)
     read_bytes += sum(r.bytes for r in reads)
@@ -294,7 +289,7 @@ class _Spread:
         self.failed: list[int] = []
         self.rescues: list[Rescue] = []
         self.read = 0
-        """Bytes this worker read for failed members' parts."""
+        """Bytes this worker read: its own part and failed members' parts."""
         self.received = 0
         """Bytes of the parts (and sub-parts) the members sent."""
 
@@ -308,7 +303,7 @@ class _Spread:
                                error=str(e)[:300])
             self._rescue(i)
             return
-        self._count(received=self._bytes((i, self.n)))
+        self.count(received=self._bytes((i, self.n)))
 
     def _rescue(self, j: int) -> None:
         r = self.a.replica()
@@ -329,7 +324,7 @@ class _Spread:
 
         def pull(m: int, sub: Part) -> Pull:
             if m == self.me:
-                return lambda _: self._count(read=self.source.read(self.a, sub, j).bytes)
+                return lambda _: self.count(read=self.source.read(self.a, sub, j).bytes)
             return lambda started: _pull(self.worker, self.a, m, sub, self.bucket, started)
 
         errors = Pulls(abort=False).run([pull(m, sub) for m, sub in zip(readers, subs, strict=True)],
@@ -337,12 +332,12 @@ class _Spread:
         for m, sub, err in zip(readers, subs, errors, strict=True):
             if err is None:
                 if m != self.me:
-                    self._count(received=self._bytes(sub))
+                    self.count(received=self._bytes(sub))
                 continue
             if m == self.me:
                 raise err
             self.a.log.warning("download_spread_part_failed", part=j, member=m, error=str(err)[:300])
-            self._count(read=self.source.read(self.a, sub, j).bytes)
+            self.count(read=self.source.read(self.a, sub, j).bytes)
 
     def _readers(self) -> list[tuple[int, str]]:
         """``(member, id)`` of this worker and each member not failed whose endpoint is
@@ -359,7 +354,8 @@ class _Spread:
     def _bytes(self, part: Part) -> int:
         return sum(self.source.steps[k].nbytes for k in part_steps(self.source.steps, part))
 
-    def _count(self, read: int = 0, received: int = 0) -> None:
+    def count(self, read: int = 0, received: int = 0) -> None:
+        """Add bytes read here or received from members (from any pull's thread)."""
         with self.lock:
             self.read += read
             self.received += received

@@ -160,8 +160,8 @@ def cache_files(rollout: int) -> dict[str, bytes]:
 def _cache(job: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """A compile cache: fetched from a peer that published it (its installed bytes
     reported), or, on a miss, built here and published (served until stop)."""
-    from nccl_back.load import artifact_transfer as artifacts
-    from nccl_back.load.artifact_transfer import CacheKey
+    from nccl_back.caches import artifact_transfer as artifacts
+    from nccl_back.caches.artifact_transfer import CacheKey
 
     key = CacheKey({"soak": str(job["rollout"]), "kind": "cache"}, "ab" * 16)
     root = Path(job["log"]).parent / f"cache-u{job['unit']}"
@@ -261,7 +261,7 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
             sidecar.close()
             sidecar = None  # its model maps the hand-off segment until it is dropped
         if job.get("kind") == "cache":
-            from nccl_back.load import artifact_transfer as artifacts
+            from nccl_back.caches import artifact_transfer as artifacts
 
             artifacts.close_all()
         # Collect garbage while waiting: what only a reference cycle (an exception's

@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nccl_back.caches.compile_cache import compile_cache
     from nccl_back.config import Settings
     from nccl_back.errors import NcclBackError
-    from nccl_back.load.compile_cache import compile_cache
     from nccl_back.load.service import WeightService
     from nccl_back.model.identity import ModelSpec, Shard
     from nccl_back.model.layout import Padding, column, concat, row, shard
@@ -37,7 +37,7 @@ _EXPORTS = {
     "assemble": "model.pipeline",
     "attach": "sidecar.handoff",
     "build_skeleton": "model.skeleton:build",
-    "compile_cache": "load.compile_cache",
+    "compile_cache": "caches.compile_cache",
     "column": "model.layout",
     "concat": "model.layout",
     "load_from_storage": "model.loader",

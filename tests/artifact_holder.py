@@ -12,8 +12,8 @@ import json
 import sys
 import time
 
+from nccl_back.caches import artifact_transfer as artifacts
 from nccl_back.config import Settings
-from nccl_back.load import artifact_transfer as artifacts
 
 
 def main() -> int:

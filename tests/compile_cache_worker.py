@@ -19,8 +19,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import nccl_back
+from nccl_back.caches.compile_cache import header_units, headers_dir, inductor_cache_dir
 from nccl_back.config import Settings
-from nccl_back.load.compile_cache import header_units, headers_dir, inductor_cache_dir
 
 
 class Noted(logging.Handler):

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nccl_back.caches import artifact_transfer as flow
 from nccl_back.config import Settings
 from nccl_back.errors import ArtifactError
-from nccl_back.load import artifact_transfer as flow
 from nccl_back.model import artifact_sets as artifacts
 from nccl_back.model.artifact_sets import (
     MAX_FILES,

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from test_artifacts import files_under, make_cache
 
+from nccl_back.caches import artifact_transfer as flow
 from nccl_back.config import Settings
-from nccl_back.load import artifact_transfer as flow
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLDER = Path(__file__).resolve().parent / "artifact_holder.py"

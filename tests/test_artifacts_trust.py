@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_artifacts import files_under, make_cache
 
+from nccl_back.caches import artifact_transfer as flow
 from nccl_back.config import Settings
 from nccl_back.errors import ArtifactError, UntrustedPathError
-from nccl_back.load import artifact_transfer as flow
 from nccl_back.model.artifact_sets import collect, install
 
 KEY = b"k" * 32

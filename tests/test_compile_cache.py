@@ -24,10 +24,10 @@ import pytest
 from test_artifacts_transfer import Holders, base_settings
 
 from nccl_back import compile_cache
+from nccl_back.caches import artifact_transfer as flow
+from nccl_back.caches import compile_cache as cc
 from nccl_back.config import Settings
 from nccl_back.dev.servers import LocalRedis
-from nccl_back.load import artifact_transfer as flow
-from nccl_back.load import compile_cache as cc
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "compile_cache_worker.py"

@@ -43,15 +43,15 @@ from hostile import HOUR, corrupt, corruptions, peak_rss_rise, read_key
 from safetensors.torch import load_file
 
 import nccl_back
+from nccl_back.caches import artifact_transfer as artifacts
+from nccl_back.caches.artifact_transfer import CacheKey
 from nccl_back.config import Settings
 from nccl_back.coord import schema
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import Registry
 from nccl_back.dev.servers import LocalRedis
 from nccl_back.errors import RECORD_KINDS, RecordKind
-from nccl_back.load import artifact_transfer as artifacts
 from nccl_back.load import storage_phase as storage
-from nccl_back.load.artifact_transfer import CacheKey
 from nccl_back.load.service import WeightService
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec

@@ -18,11 +18,12 @@ LAYERS: dict[str, int] = {
     "coord": 2,
     "transport": 3,
     "load": 4,
+    "caches": 5,
     "sidecar": 5,
-    "engines": 5,
-    "check": 6,
-    "dev": 6,
-    **dict.fromkeys(["cli", "__init__"], 7),
+    "engines": 6,
+    "check": 7,
+    "dev": 7,
+    **dict.fromkeys(["cli", "__init__"], 8),
 }
 #: Modules of the common layer may import each other in this order only.
 COMMON_ORDER = ["errors", "transport_kinds", "_clock", "files", "timing", "budget", "bounded_json",

@@ -1,7 +1,7 @@
 """vLLM's compile caches travel with the weights (docs/compile-caches.md).
 
 After an engine is ready (its worker's ``compile_or_warm_up_model`` returned), rank 0
-publishes one artifact set (:mod:`nccl_back.load.artifact_transfer`): the compile cache
+publishes one artifact set (:mod:`nccl_back.caches.artifact_transfer`): the compile cache
 directories vLLM used (``torch_compile_cache/<hash>``, ``torch_compile_cache/
 torch_aot_compile/<hash>``) and ``modelinfos/*.json`` under ``VLLM_CACHE_ROOT``. A
 starting engine fetches it right after its weights, before warm-up, and installs it
@@ -29,10 +29,9 @@ import torch
 import vllm
 from vllm.config import VllmConfig
 
-from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
-from nccl_back.load import artifact_transfer
-from nccl_back.load.artifact_transfer import CacheKey
-from nccl_back.load.compile_cache import (
+from nccl_back.caches import artifact_transfer
+from nccl_back.caches.artifact_transfer import CacheKey
+from nccl_back.caches.compile_cache import (
     cache_units,
     fetch_headers,
     header_units,
@@ -40,6 +39,7 @@ from nccl_back.load.compile_cache import (
     headers_key,
     inductor_cache_dir,
 )
+from nccl_back.config import ENV_PREFIX, SECRET_FILE_ENV, Settings
 
 #: The cache directory vLLM names its compile caches under, relative to VLLM_CACHE_ROOT.
 COMPILE_DIR = "torch_compile_cache"

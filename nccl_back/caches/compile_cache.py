@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from nccl_back import _clock
+from nccl_back.caches import artifact_transfer
+from nccl_back.caches.artifact_transfer import CacheKey, FetchResult
 from nccl_back.config import Settings
-from nccl_back.load import artifact_transfer
-from nccl_back.load.artifact_transfer import CacheKey, FetchResult
 from nccl_back.log import get_logger
 from nccl_back.model.artifact_sets import TMP_PREFIX
 

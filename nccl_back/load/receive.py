@@ -26,8 +26,8 @@ class Receive(Fill):
     def run(self) -> Received | NotReceived:
         self._pass()
         if self.reason is None and self.peer_id is not None:
-            return Received(self.peer_id)
-        return NotReceived(self.reason or NoPeerError("no source served this rank"))
+            return Received(self.peer_id, self.verified)
+        return NotReceived(self.reason or NoPeerError("no source served this rank"), self.truth)
 
     def _pass(self) -> None:
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx

@@ -363,10 +363,16 @@ class WeightService:
         t = _clock.perf()
         with caught(a, phase):
             match run():
-                case Received(peer_id=peer_id):
-                    a.peer_id = peer_id
-                case NotReceived(reason=reason):
+                case Received(peer_id=peer_id, verified=verified, checked=checked):
+                    a.peer_id, a.basis = peer_id, verified.basis
+                    if verified.truth is not None:
+                        a.truth = verified.truth
+                    if checked is not None:
+                        a.checked = checked
+                case NotReceived(reason=reason, truth=truth):
                     a.reason = reason
+                    if truth is not None:  # a stream's, awaited: a later pass need not wait
+                        a.truth = truth
         a.timings["peer"] = _clock.perf() - t
         return agree(a, what)
 

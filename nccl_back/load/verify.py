@@ -15,6 +15,8 @@ it forwarded: its receivers cannot tell it from the member that sent it them oth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nccl_back import _clock
 from nccl_back.coord.election import DownloadLease
 from nccl_back.errors import (
@@ -31,21 +33,35 @@ from nccl_back.timing import VERDICT_WAIT
 from nccl_back.transport.relay import DamagedBytes
 
 
-def check(worker: Worker, a: Attempt, deadline: float) -> None:
-    """Verify what the last transfer left in this rank's tensors (``verify`` "none":
+@dataclass(frozen=True)
+class Verified:
+    """What a check of this rank's bytes found: the truth they were compared with (None:
+    nothing to check) and how the rank knows they are the checkpoint's."""
+
+    truth: dict[str, str] | None
+    basis: Basis
+
+
+def truth_for(worker: Worker, a: Attempt, truth: dict[str, str] | None, deadline: float) -> dict[str, str] | None:
+    """The truth to check against: ``truth`` (what the pass knows), else, for a rank fed
+    by a stream, the one its downloader publishes (``verify`` "none": none)."""
+    if truth is None and a.found.stream is not None and worker.verifier.mode != "none":
+        t = _clock.perf()
+        truth = await_truth(worker, a, deadline)
+        a.timings["await_truth"] = _clock.perf() - t
+    return truth
+
+
+def check(worker: Worker, a: Attempt, truth: dict[str, str] | None) -> Verified:
+    """Verify what the last transfer left in this rank's tensors against ``truth`` (None:
     nothing to check, and nothing this rank may publish as truth); :class:`DamagedBytes`
     if it fails."""
-    if a.truth is None and a.found.stream is not None and worker.verifier.mode != "none":
-        t = _clock.perf()
-        a.truth = await_truth(worker, a, deadline)
-        a.timings["await_truth"] = _clock.perf() - t
-    if a.truth is None:
-        a.basis = Basis.NONE
-        return
+    if truth is None:
+        return Verified(None, Basis.NONE)
     t = _clock.perf()
-    layers(worker, a, a.truth)
+    layers(worker, a, truth)
     a.timings["verify"] = _clock.perf() - t
-    a.basis = worker.verifier.basis()
+    return Verified(truth, worker.verifier.basis())
 
 
 def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from nccl_back import _clock
 from nccl_back.budget import DISCOVER_SECONDS, Phase
-from nccl_back.coord.consensus import gather
+from nccl_back.coord.consensus import Group, gather
 from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.registry import PeerInfo
 from nccl_back.errors import (
@@ -51,7 +51,6 @@ from nccl_back.load.fill import NotReceived, Received
 from nccl_back.load.pulls import Pulls
 from nccl_back.load.verifier import Basis, PositionCheck, merge_macs
 from nccl_back.load.verify import Verified
-from nccl_back.load.vote import agree, caught
 from nccl_back.model import marginals
 from nccl_back.model.layout import Layout
 from nccl_back.model.reshard_plan import Landing, Plan, PlanError, plan, zero_padding
@@ -83,7 +82,7 @@ class ReshardSources:
 
 
 def run(worker: Worker, a: Attempt, sh: Sharding, found: ReshardSources) -> Received | NotReceived:
-    """This rank's pieces from the holders every rank ``found`` (:func:`find_all`): who
+    """This rank's pieces from the holders every rank ``found`` (:func:`look`): who
     served them once they verified, or why not (the service records it, then the
     group votes)."""
     try:
@@ -96,37 +95,24 @@ def run(worker: Worker, a: Attempt, sh: Sharding, found: ReshardSources) -> Rece
                     Verified(None, basis), checked)
 
 
-def find_all(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | None:
-    """Holders to reshard from on every rank, or on none (one vote): None when no holders
-    cover every rank (this rank's earlier vote restored: the load goes on as without
-    it)."""
-    before = a.reason
-    found: ReshardSources | None = None
-    a.reason = None
-    began = _clock.perf()
-    with caught(a, "reshard_discovery"):
-        try:
-            got = find(worker, a, sh)
-        except (NoPeerError, RegistryError) as e:
-            a.reason = e
-        else:
-            if isinstance(got, NoHolder):
-                a.reason = got
-            else:
-                found = got
-    a.timings["reshard_discovery"] = _clock.perf() - began
-    if not agree(a, "reshard discovery").ok:
-        why = str(a.reason) if a.reason else "another rank found none"
-        a.log.info("reshard_skipped", reason=why)
-        a.reason = _also(before, f"no reshard either: {why}")
-        return None
-    # One value on every rank of the group, new for every load: the ranks' random parts.
-    parts = gather(secrets.randbits(62), a.group)
+def look(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | Reason:
+    """This rank's holders to reshard from (:func:`find`), or why it has none (the
+    registry's trouble, or a lookup that found no cover): its vote in the group's round."""
+    try:
+        return find(worker, a, sh)
+    except (NoPeerError, RegistryError) as e:
+        return e
+
+
+def shared(found: ReshardSources | None, group: Group) -> ReshardSources | None:
+    """``found`` with the group's claim share: one value on every rank of ``group``, new
+    for every load (the ranks' random parts). A collective: every rank calls it."""
+    parts = gather(secrets.randbits(62), group)
     share = hashlib.sha256(",".join(map(str, parts)).encode()).hexdigest()[:32]
     return None if found is None else dataclasses.replace(found, share=share)
 
 
-def _also(reason: Reason | None, more: str) -> Reason | None:
+def also(reason: Reason | None, more: str) -> Reason | None:
     """``reason`` (its class: its fallback code) saying ``more`` as well."""
     if reason is None:
         return None

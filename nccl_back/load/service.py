@@ -34,7 +34,7 @@ from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import ManifestMismatchError, NcclBackError
 from nccl_back.load import heap, reshard
 from nccl_back.load.attempt import Attempt, Target, Worker
-from nccl_back.load.cooperative import serve_share
+from nccl_back.load.cooperative import Rescues, serve_share
 from nccl_back.load.discover import discover
 from nccl_back.load.fill import NotReceived, Received
 from nccl_back.load.publish import peer_loaded
@@ -282,13 +282,34 @@ class WeightService:
     def _reshard(self, a: Attempt, sh: Sharding) -> LoadResult | None:
         """From holders of other layouts: the load's result (a peer load, or storage
         after the reshard failed), or None when no holders cover every rank."""
-        found = reshard.find_all(self._worker, a, sh)
+        found = self._reshard_sources(a, sh)
         if found is None:
             return None
         decision = self._pass(a, "reshard", "reshard", lambda: reshard.run(self._worker, a, sh, found))
         if decision.ok:
             return peer_loaded(self._worker, a, nbytes=found.plan.nbytes())
         return self._storage(a, decision)
+
+    def _reshard_sources(self, a: Attempt, sh: Sharding) -> reshard.ReshardSources | None:
+        """Holders to reshard from on every rank, or on none (one vote): None when no
+        holders cover every rank (this rank's earlier vote restored: the load goes on as
+        without it)."""
+        before, a.reason = a.reason, None
+        found: reshard.ReshardSources | None = None
+        began = _clock.perf()
+        with caught(a, "reshard_discovery"):
+            got = reshard.look(self._worker, a, sh)
+            if isinstance(got, reshard.ReshardSources):
+                found = got
+            else:
+                a.reason = got
+        a.timings["reshard_discovery"] = _clock.perf() - began
+        if not agree(a, "reshard discovery").ok:
+            why = str(a.reason) if a.reason else "another rank found none"
+            a.log.info("reshard_skipped", reason=why)
+            a.reason = reshard.also(before, f"no reshard either: {why}")
+            return None
+        return reshard.shared(found, a.group)
 
     def _plain_sharding(self, a: Attempt) -> Sharding | None:
         """A single-rank plain skeleton of the checkpoint (every tensor whole) facing
@@ -328,13 +349,26 @@ class WeightService:
         if flight.outcome == "member":
             # Named in the elected worker's roster: read and serve the share, then wait,
             # as any waiter, for its stream (reading what it spreads to us meanwhile).
-            rescues = serve_share(self._worker, a)
+            rescues = self._serve_share(a)
             try:
                 self._fly(a)
             finally:
                 if rescues is not None:
                     rescues.close()
+                    a.share_bytes = rescues.bytes
         return agree(a, "single flight")
+
+    def _serve_share(self, a: Attempt) -> Rescues | None:
+        """Member ``a.member``: announce its part's endpoint (kept in ``a.share``, ended
+        when the load ends), then read and serve the share (:func:`serve_share`)."""
+        if a.member is None:
+            return None
+        i, n = a.member
+        share = self._cohorts.open_share(a.replica(), a.log, i)
+        if share is None:
+            return None
+        a.share = share
+        return serve_share(self._worker, a, share, i, n)
 
     def _fly(self, a: Attempt) -> Flight:
         """One wait in the single flight, its findings taken into ``a`` (rank 0 keeps the

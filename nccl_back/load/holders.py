@@ -77,7 +77,7 @@ class _Holders:
     def run(self) -> None:
         fill, a, s, rx = self.fill, self.a, self.s, self.a.rx
         claim = rx.peer_budget.phase("claim", s.busy_wait)
-        candidates = a.found.candidates
+        candidates = fill.found.candidates
         while True:
             busy = i = 0
             while i < len(candidates):

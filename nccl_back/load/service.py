@@ -21,7 +21,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,7 +32,7 @@ from nccl_back.coord.consensus import Group, rank_and_size
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import ManifestMismatchError, NcclBackError
-from nccl_back.load import heap, reshard
+from nccl_back.load import heap, reshard, storage_phase
 from nccl_back.load.attempt import Attempt, Target, Worker
 from nccl_back.load.cooperative import Rescues, serve_share
 from nccl_back.load.discover import discover
@@ -41,9 +41,9 @@ from nccl_back.load.publish import peer_loaded
 from nccl_back.load.ranged_group import RangedLoader
 from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import Flight, single_flight
-from nccl_back.load.storage_phase import fall_back, load_checkpoint
+from nccl_back.load.storage_phase import StorageLoad, load_checkpoint
 from nccl_back.load.verifier import Basis, Verifier
-from nccl_back.load.vote import Decision, agree, caught
+from nccl_back.load.vote import Decision, agree
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
@@ -56,6 +56,17 @@ from nccl_back.transport.send import drain
 from nccl_back.transport.sender import PeerServer
 
 __all__ = ["StorageLoader", "WeightService"]
+
+
+@contextlib.contextmanager
+def caught(a: Attempt, phase: str) -> Iterator[None]:
+    """Run the block; whatever it raises becomes this rank's vote (``a.error``), never an
+    early exit that would leave the other ranks waiting in a collective."""
+    try:
+        yield
+    except Exception as e:
+        a.error = e
+        a.log.error("rank_failed", phase=phase, error=repr(e))
 
 
 class WeightService:
@@ -334,7 +345,18 @@ class WeightService:
             a.reason = decision.why()
         if self.settings.strict and decision.failed:
             raise decision.strict_error(a)
-        return fall_back(self._worker, a, self._loader(a))
+        w, loader = self._worker, self._loader(a)
+        storage_phase.report(w, a)
+        stored = StorageLoad()
+        with caught(a, "load"):
+            storage_phase.load_and_hash(w, a, loader, stored)
+            a.basis = Basis.STORAGE
+        try:
+            agree(a, "storage load")
+        except BaseException as e:
+            storage_phase.failed(stored, e)
+            raise
+        return storage_phase.serve_stored(w, a, stored)
 
     def _loader(self, a: Attempt) -> StorageLoader:
         """A sharded skeleton reads only its own pieces, its ranks proving each file's
@@ -396,7 +418,10 @@ class WeightService:
         """One pass from peers (a receive, a reshard): its outcome recorded, then the vote."""
         t = _clock.perf()
         with caught(a, phase):
-            match run():
+            got = run()
+            if got.found is not None:  # the pass discovered again (a stream lost)
+                a.discovered(got.found)
+            match got:
                 case Received(peer_id=peer_id, verified=verified, checked=checked):
                     a.peer_id, a.basis = peer_id, verified.basis
                     if verified.truth is not None:

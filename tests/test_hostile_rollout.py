@@ -156,7 +156,9 @@ def rollout_keys(fleet: Fleet, keep: int) -> dict[str, tuple[str, Any]]:
         started, got = fleet.release(3, "rollout")
         assert all("error" not in r for r in got), got
         assert all(r["identical"] for r in got), got
-        assert sorted(r["source"] for r in got).count("storage") == 1, got
+        assert sorted(r["source"] for r in got).count("storage") == 1, [
+            (r["role"], r["source"], r.get("fallback_reason"), round(r["load_seconds"], 2))
+            for r in got]
         time.sleep(0.5)  # the last notifications arrive
     finally:
         watch.close()

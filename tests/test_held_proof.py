@@ -19,8 +19,7 @@ from nccl_back.config import Settings
 from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.errors import ChecksumMismatchError
 from nccl_back.load.held_proof import held_reads
-from nccl_back.load.share_read import Blame, blame, places, prove
-from nccl_back.load.shares import shares
+from nccl_back.load.share_read import Blame, blame, places, prove, shares
 from nccl_back.model.checkpoint import model_headers
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.skeleton import build, named_tensors

@@ -25,8 +25,7 @@ from nccl_back.dev.gcs_emulator import LocalGCS
 from nccl_back.dev.s3_emulator import LocalS3
 from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError, StorageError
 from nccl_back.load import share_read
-from nccl_back.load.share_read import Blame, ShareRead, blame, places, prove, read_share
-from nccl_back.load.shares import shares
+from nccl_back.load.share_read import Blame, ShareRead, blame, places, prove, read_share, shares
 from nccl_back.model.checkpoint import model_headers
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import SpanReader

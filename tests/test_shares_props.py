@@ -1,4 +1,4 @@
-"""A cooperative download's shares (``load/shares.py``): every byte of every file read
+"""A cooperative download's shares (``load/share_read.py``): every byte of every file read
 by exactly one worker, each worker's share the bytes of its part of the plan."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nccl_back.errors import CheckpointFormatError, TransferError
-from nccl_back.load.shares import shares
+from nccl_back.load.share_read import shares
 from nccl_back.transport import plan
 from nccl_back.transport.parts import part_steps, parts
 from nccl_back.transport_kinds import MAX_PARTS

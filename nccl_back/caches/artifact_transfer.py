@@ -2,21 +2,18 @@
 
 A set (:mod:`nccl_back.model.artifact_sets`) travels exactly as weights do: its bytes are
 one ``uint8`` tensor of a one-rank "model" whose version is content-addressed
-(:func:`artifact_spec`: the lookup key and the set's keyed digest), so holders are
-published and found, claimed, handshaken and sent by the same code
-(:class:`~nccl_back.load.service.WeightService`, ``PeerServer``, ``transport/send.py``),
-with the same send slots, budgets and fallback to the next holder. What differs:
+(:func:`artifact_spec`), so holders are published, found, claimed, handshaken and sent
+by the same code (:class:`~nccl_back.load.service.WeightService`), with the same send
+slots, budgets and fallback to the next holder. What differs:
 
-* the lookup: the engine derives a :class:`CacheKey` from what it knows before it
-  compiles (named factors, e.g. vLLM's config and compiler hashes), and the set's
-  manifest is read from ``ns:art:{lookup}`` (:mod:`nccl_back.coord.artifact_records`);
-* verification: not ground truth but the set's keyed digest over every byte, checked
-  by :func:`~nccl_back.model.artifact_sets.install` before anything is written;
-* no storage path: a set nobody holds is a miss, said with its reason (no secret, no
-  set for this key and which factor differs from the newest one for this model, no live
-  holder, too large, a refused transfer or digest), and the engine compiles itself;
-* a secret is required: sets hold code the engine runs (shared libraries), so without
-  ``Settings.secret`` caches are neither published nor fetched (one warning).
+* the lookup: a :class:`CacheKey` of what the engine knows before it compiles (named
+  factors, e.g. vLLM's config and compiler hashes); the manifest is read from
+  ``ns:art:{lookup}`` (:mod:`nccl_back.coord.artifact_records`);
+* verification: the set's keyed digest over every byte, checked by
+  :func:`~nccl_back.model.artifact_sets.install` before anything is written;
+* no storage path: a set nobody holds is a miss with its reason, and the engine
+  compiles itself;
+* a secret is required: sets hold code the engine runs (shared libraries).
 
 A receiver that installed a set serves it on (fan-out) until its process exits.
 """

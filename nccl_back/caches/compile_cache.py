@@ -9,30 +9,28 @@ One call around the first run of a compiled program::
         compiled(example)            # compiles: from a peer's kernels if one published them
     print(got.ok, got.reason)        # whether the cache came from a peer, or why not
 
-On entry the set published under this key is fetched into inductor's cache directory
-(``TORCHINDUCTOR_CACHE_DIR``, else torch's default) from a live peer, and with it the
+On entry the set published under this key is fetched from a live peer into inductor's
+cache directory (``TORCHINDUCTOR_CACHE_DIR``, else torch's default), with the
 precompiled headers its C++ kernels were built with (into torch's default cache
-directory, where inductor looks for them: ~150 MB each, seconds of compiler time to
-rebuild); on a clean exit after a miss, this process publishes its own cache directory
-(and the headers it used, if none came) and serves them until it exits. The key is ``name`` (what you compile, and how), torch's version and torch's own
-inductor key (``torch._inductor.codecache.torch_key``: its code and system); torch's
-FX-graph cache keys still decide each hit after the install, so a stale set is only a
-miss. Everything else is :mod:`nccl_back.load.artifact_transfer`'s: the fleet secret required,
-the keyed digest checked before any write, nothing written over a local cache (a
-top-level entry of the cache directory that exists locally is kept as it is: give
-each program its own ``TORCHINDUCTOR_CACHE_DIR`` to share all of it).
+directory, where inductor looks: ~150 MB each, seconds of compiler time to rebuild); on
+a clean exit after a miss, this process publishes its own (and the headers it used, if
+none came) and serves them until it exits. The key is ``name``, torch's version and
+torch's inductor key (``torch_key``: its code and system); torch's FX-graph cache keys
+still decide each hit, so a stale set is only a miss. The rest is
+:mod:`.artifact_transfer`'s: the fleet secret required, the keyed digest checked before
+any write, nothing written over a local cache (a top-level entry that exists locally is
+kept: give each program its own ``TORCHINDUCTOR_CACHE_DIR`` to share all of it).
 
-Only what no other local user can have written travels, and nothing is installed
-where one could (:mod:`nccl_back.model.trusted_tree`): a cache directory created by
-someone else first, or writable by group or others (torch's default one is
-``$TMPDIR/torchinductor_<user>``, guessable), is neither published nor written into;
-a unit with a file another user owns or can write is left out whole. Either is logged.
+Only what no other local user can have written travels, and nothing is installed where
+one could (:mod:`nccl_back.model.trusted_tree`): a cache directory created by someone
+else first, or writable by group or others (torch's default
+``$TMPDIR/torchinductor_<user>`` is guessable), is neither published nor written into;
+a unit with a file another user owns or can write is left out whole (logged).
 
-Every wait is bounded. The headers fetch runs in the background; inductor waits for it
-before it looks for a header, and this block's end for its outcome, each at most
-``Settings.artifact_wait`` (60 s) after the fetch began, in total: past it the fetch
-is a miss ("timed out") and inductor builds its headers itself. Blocks may run at
-once (two models, two threads): each has its own fetches and outcome.
+Every wait is bounded: the headers fetch runs in the background, and inductor (before
+it looks for a header) and the block's end wait for it at most ``artifact_wait`` after
+it began, in total; past it the fetch is a miss ("timed out") and inductor builds its
+headers itself. Blocks may run at once (two models, two threads).
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -235,46 +232,21 @@ def inductor_key(name: str) -> CacheKey:
     return CacheKey(factors, hashlib.sha256(name.encode()).hexdigest()[:32])
 
 
-@dataclass
-class _Block:
-    """What a ``compile_cache`` block needs at its end."""
-
-    got: FetchResult
-    settings: Settings | None = None
-    root: str = ""
-    key: CacheKey | None = None
-    headers: Background | None = None
-
-
-def _enter(name: str, settings: Settings | None, cache_dir: str | None) -> _Block:
-    try:
-        s = settings if settings is not None else Settings.from_env()
-        root = cache_dir or inductor_cache_dir()
-        key = inductor_key(name)
-        headers = fetch_headers(s, key)
-        return _Block(artifact_transfer.fetch(s, key, root), s, root, key, headers)
-    except Exception as e:  # a compile never fails for its cache
-        log.warning("compile_cache_skipped", name=name, error=repr(e)[:500])
-        return _Block(FetchResult(False, f"compile caches skipped: {type(e).__name__}: {e}"[:500]))
-
-
-def _leave(b: _Block) -> None:
-    s, key, got = b.settings, b.key, b.got
-    if s is None or key is None or b.headers is None or s.secret is None:
-        return
+def _publish(got: FetchResult, s: Settings, root: str, key: CacheKey, headers: Background) -> None:
+    """At a ``compile_cache`` block's clean end: publish what did not come from a peer."""
     try:
         if not got.ok:
-            got.reason = f"{got.reason}; {artifact_transfer.publish(s, key, b.root, cache_units(b.root))}"
-        have = b.headers.result()
+            got.reason = f"{got.reason}; {artifact_transfer.publish(s, key, root, cache_units(root))}"
+        have = headers.result()
         used = header_units()
         if have.ok or have.kept:
-            headers = f"from a peer ({have.installed or have.kept})"
+            published = f"from a peer ({have.installed or have.kept})"
         elif used:
-            headers = artifact_transfer.publish(s, headers_key(key), headers_dir(), used)
+            published = artifact_transfer.publish(s, headers_key(key), headers_dir(), used)
         else:
-            headers = f"none used ({have.reason})"
+            published = f"none used ({have.reason})"
         log.info("compile_cache_done", key=key.lookup[:12], caches=got.reason or "from a peer",
-                 headers=headers)
+                 headers=published)
     except Exception as e:  # publishing never breaks the program
         got.reason = f"{got.reason}; not published: {type(e).__name__}: {e}"[:500]
         log.warning("compile_cache_not_published", key=key.lookup[:12], error=repr(e)[:500])
@@ -286,6 +258,17 @@ def compile_cache(name: str, settings: Settings | None = None, *,
     """Fetch ``name``'s inductor cache before the block; publish this one's after it if
     none came (see the module docstring). Never raises: a miss, a bad setting or a
     failure of its own is a result with its reason (the block's own exceptions pass)."""
-    block = _enter(name, settings, cache_dir)
-    yield block.got
-    _leave(block)
+    block = None
+    try:
+        s = settings if settings is not None else Settings.from_env()
+        root = cache_dir or inductor_cache_dir()
+        key = inductor_key(name)
+        headers = fetch_headers(s, key)
+        got = artifact_transfer.fetch(s, key, root)
+        block = (s, root, key, headers)
+    except Exception as e:  # a compile never fails for its cache
+        log.warning("compile_cache_skipped", name=name, error=repr(e)[:500])
+        got = FetchResult(False, f"compile caches skipped: {type(e).__name__}: {e}"[:500])
+    yield got
+    if block is not None and block[0].secret is not None:
+        _publish(got, *block)

@@ -2,35 +2,28 @@
 gathers them, proves every file and streams the whole through the fan-out.
 
 Member ``i`` of ``n`` (named in the elected worker's roster, :mod:`nccl_back.coord.election`)
-announces a relay endpoint for this rank's part ``i`` of the plan (only the elected
-worker reads where), reads its share from storage into its own tensors
-(:func:`~.share_read.read_share`), each step of the part going out as its bytes land;
-then it waits, like any waiter, for the elected worker's stream.
+announces a relay endpoint for this rank's part ``i`` of the plan and reads its share
+from storage into its own tensors (:func:`~.share_read.read_share`), each step going
+out as its bytes land; then it waits, like any waiter, for the elected worker's stream.
 
-The elected worker reads part 0 and, at the same time, pulls part ``i`` from each member
-(the transfer every path uses, :func:`~.asking.transfer`). A member that does not
-announce itself within ``claim_ttl`` (at most ``stall_timeout``), whose
-announcement lapses (it is renewed while
-the member's endpoint lives: a member killed or stopped is found within ``claim_ttl``,
-not after a handshake or connect timeout), or whose transfer fails, costs its part's
-read, not the download: the elected worker spreads that part over itself and the
-members still serving (:class:`_Spread`; they poll the record once their own share is
-read, :class:`Rescues`), each reading one sub-part and serving it, so a lost member
-costs the survivors about ``1/(n-1)`` of a share each, not the elected worker a second
-share. A sub-part whose reader fails too is read here. Then it proves every file
-against the CRC32C storage lists from the bytes it holds (:mod:`.held_proof`); a file
-that fails is blamed (:func:`~.share_read.blame`), the blamed members' spans of it read
-again from storage, and the proof run once more. Only then is its stream announced
-(as a storage load's stream forwards a tensor only once its file's CRC32C passed: a
-receiver's sampled verification need not catch one altered byte; announced earlier,
-its receivers' stall bounds would run out during the gather), and only then are the
-layer hashes computed, as after any download. Forwarding each file's steps as soon as
-that file proves is the pipelining still to do.
+The elected worker reads part 0 while it pulls part ``i`` from each member
+(:func:`~.asking.transfer`). A member that does not announce itself within
+``claim_ttl`` (at most ``stall_timeout``), whose announcement lapses (renewed while its
+endpoint lives, so a dead member is found within ``claim_ttl``, not after a connect
+timeout), or whose transfer fails, costs its part's read, not the download: the part
+is spread over the elected worker and the members still serving (:class:`_Spread`,
+:class:`Rescues`), so a lost member costs the survivors about ``1/(n-1)`` of a share
+each; a sub-part whose reader fails too is read here. Then every file is proven
+against storage's CRC32C from the bytes held (:mod:`.held_proof`); a failing file's
+blamed members' spans (:func:`~.share_read.blame`) are read again from storage and the
+proof runs once more. Only then is the stream announced: a receiver's sampled check
+need not catch one altered byte, and announced earlier its receivers' stall bounds
+would run out during the gather.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,18 +43,16 @@ from nccl_back.load.attempt import Attempt, Worker
 from nccl_back.load.held_proof import held_reads
 from nccl_back.load.pulls import Pull, Pulls, watched
 from nccl_back.load.share_read import (
-    WHO,
     ShareRead,
     blame,
+    failing,
     places,
     read_share,
     read_spans,
     read_steps,
+    shares,
 )
-from nccl_back.load.shares import shares
 from nccl_back.model.checkpoint import ShardHeader, model_headers
-from nccl_back.model.crc import check_file
-from nccl_back.model.identity import ModelSpec
 from nccl_back.model.ranged import cut_points
 from nccl_back.model.storage import Storage
 from nccl_back.timing import ANNOUNCE_POLL
@@ -83,15 +74,12 @@ def serve_share(worker: Worker, a: Attempt) -> Rescues | None:
     if share is None:
         return None
     a.share = share
-    s, t = worker.settings, a.target
     began = _clock.perf()
     try:
-        storage = Storage(s)
-        steps = plan(t.tensors, t.bucket(s, t.kind))
-        headers = model_headers(storage, a.spec)
+        src = _Source.of(worker, a)
         # Each step goes out as its bytes land: the elected worker's pull sees steps
         # while the share is read, not only after (a long share would trip its stall bound).
-        got = read_share(storage, a.spec, headers, steps, n, i, t.tensors,
+        got = read_share(src.storage, a.spec, src.headers, src.steps, n, i, a.target.tensors,
                          on_step=lambda k: share.placed([k]))
     except Exception as e:  # noqa: BLE001 - a share is a speed-up: the elected worker reads it instead
         share.end(False, f"share unread: {e!r}"[:300])
@@ -100,7 +88,7 @@ def serve_share(worker: Worker, a: Attempt) -> Rescues | None:
     a.timings["share"] = _clock.perf() - began
     a.share_bytes = got.bytes
     a.log.info("download_share_read", member=i, of=n, bytes=got.bytes, seconds=round(got.seconds, 3))
-    return Rescues(worker, a, share, _Source(storage, headers, steps), i, n)
+    return Rescues(worker, a, share, src, i, n)
 
 
 class Rescues:
@@ -123,7 +111,7 @@ class Rescues:
         self.thread.join()
         # Slices not read by now never will be: the elected worker's sends of them, which
         # wait for their steps, end now (it reads those slices itself), not at their
-        # deadline, long after this worker closed (a soak found their sockets left open).
+        # deadline, long after this worker closed.
         self.share.end(False, "the member no longer reads spread parts")
 
     def _run(self) -> None:
@@ -164,6 +152,11 @@ class _Source:
     headers: Sequence[ShardHeader]
     steps: list[Step]
 
+    @classmethod
+    def of(cls, worker: Worker, a: Attempt) -> _Source:
+        storage, t = Storage(worker.settings), a.target
+        return cls(storage, model_headers(storage, a.spec), plan(t.tensors, t.bucket(worker.settings, t.kind)))
+
     def read(self, a: Attempt, part: Part, member: int, stop: threading.Event | None = None,
              on_step: Callable[[int], None] | None = None) -> ShareRead:
         """The tensor bytes of ``part``'s steps into ``a``'s tensors (:func:`read_steps`)."""
@@ -194,36 +187,26 @@ def gather_parts(worker: Worker, a: Attempt, n: int, held: int | None = None) ->
     part 0 (the dead worker's share) and pulls the other members' parts from the
     endpoints they still serve, the split unchanged (storage reads the checkpoint about
     once, not a second time)."""
-    s, t, spec = worker.settings, a.target, a.spec
-    storage = Storage(s)
-    headers = model_headers(storage, spec)
-    steps = plan(t.tensors, t.bucket(s, t.kind))
+    t, spec = a.target, a.spec
+    src = _Source.of(worker, a)
+    storage, headers, steps = src.storage, src.headers, src.steps
     every = shares(steps, places(headers), {sh.uri: sh.size for sh in spec.shards}, n)
     cuts = cut_points([span for member in every for span in member])
-    read_bytes = 0
+    others = [i for i in range(1, n) if i != held]
+    spread = _Spread(worker, a, src, n, 0 if held is None else held, others)
 
     def own(_: object) -> None:
-        nonlocal read_bytes
-        got = read_share(storage, spec, headers, steps, n, 0, t.tensors)
-        read_bytes += got.bytes
+        spread.count(read=read_share(storage, spec, headers, steps, n, 0, t.tensors).bytes)
 
-    others = [i for i in range(1, n) if i != held]
-    spread = _Spread(worker, a, _Source(storage, headers, steps), n, 0 if held is None else held, others)
-
-    def pull(i: int) -> Pull:
-        return lambda started: spread.pull(i, started)
-
-    errors = Pulls(abort=False).run([own, *(pull(i) for i in others)], "nccl_back-share")
-    if errors[0] is not None:
-        raise errors[0]
-    for e in errors[1:]:
+    pulls: list[Pull] = [own, *(functools.partial(spread.pull, i) for i in others)]
+    for e in Pulls(abort=False).run(pulls, "nccl_back-share"):
         if e is not None:
             raise e  # not a member's failure (those are spread): this worker's own
-    read_bytes += spread.read
+    read_bytes = spread.read
     read_for = list(spread.failed)
     reads = held_reads(storage, spec, headers, steps, n, t.tensors)
     read_bytes += sum(r.bytes for r in reads)
-    blamed = _failing(spec, reads)
+    blamed = failing(spec, reads)
     if blamed:
         for uri in blamed:
             verdict = blame(storage, spec, uri, reads)
@@ -238,7 +221,7 @@ def gather_parts(worker: Worker, a: Attempt, n: int, held: int | None = None) ->
                 read_for.append(m)
         reads = held_reads(storage, spec, headers, steps, n, t.tensors)
         read_bytes += sum(r.bytes for r in reads)
-        for uri in _failing(spec, reads):
+        for uri in failing(spec, reads):
             raise ChecksumMismatchError(f"{uri}: does not prove after its blamed shares were read again")
     return Gathered(read_bytes, tuple(sorted(set(read_for))), spread.received)
 
@@ -264,7 +247,20 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
             _clock.sleep(ANNOUNCE_POLL)
     if not r.speaks(member):
         raise NoPeerError(f"member {i} of {n} speaks {member.transport}/{member.device}, not {t.kind}")
-    with _watched(worker, a, i, member.member_id, started) as (gone, on_start):
+    announced = member.member_id
+
+    def lost() -> bool:
+        """The announcement lapsed or names another endpoint."""
+        try:
+            now = worker.registry.download_member(r.version, r.rank, r.world, i)
+        except RegistryError:
+            return False  # Redis trouble says nothing of the member
+        if now is None or now.member_id != announced:
+            a.log.warning("download_member_lapsed", member=i, endpoint=announced)
+            return True
+        return False
+
+    with watched(lost, WATCH_POLL, f"nccl-back-watch-{i}", started) as (gone, on_start):
         try:
             # Not recorded as the receive's steps: the files' CRC32C prove them (held_proof).
             # The election's download, not a peer load: a budget of its own.
@@ -293,7 +289,7 @@ class _Spread:
         self.failed: list[int] = []
         self.rescues: list[Rescue] = []
         self.read = 0
-        """Bytes this worker read for failed members' parts."""
+        """Bytes this worker read: its own part and failed members' parts."""
         self.received = 0
         """Bytes of the parts (and sub-parts) the members sent."""
 
@@ -307,7 +303,7 @@ class _Spread:
                                error=str(e)[:300])
             self._rescue(i)
             return
-        self._count(received=self._bytes((i, self.n)))
+        self.count(received=self._bytes((i, self.n)))
 
     def _rescue(self, j: int) -> None:
         r = self.a.replica()
@@ -328,7 +324,7 @@ class _Spread:
 
         def pull(m: int, sub: Part) -> Pull:
             if m == self.me:
-                return lambda _: self._count(read=self.source.read(self.a, sub, j).bytes)
+                return lambda _: self.count(read=self.source.read(self.a, sub, j).bytes)
             return lambda started: _pull(self.worker, self.a, m, sub, self.bucket, started)
 
         errors = Pulls(abort=False).run([pull(m, sub) for m, sub in zip(readers, subs, strict=True)],
@@ -336,12 +332,12 @@ class _Spread:
         for m, sub, err in zip(readers, subs, errors, strict=True):
             if err is None:
                 if m != self.me:
-                    self._count(received=self._bytes(sub))
+                    self.count(received=self._bytes(sub))
                 continue
             if m == self.me:
                 raise err
             self.a.log.warning("download_spread_part_failed", part=j, member=m, error=str(err)[:300])
-            self._count(read=self.source.read(self.a, sub, j).bytes)
+            self.count(read=self.source.read(self.a, sub, j).bytes)
 
     def _readers(self) -> list[tuple[int, str]]:
         """``(member, id)`` of this worker and each member not failed whose endpoint is
@@ -358,41 +354,8 @@ class _Spread:
     def _bytes(self, part: Part) -> int:
         return sum(self.source.steps[k].nbytes for k in part_steps(self.source.steps, part))
 
-    def _count(self, read: int = 0, received: int = 0) -> None:
+    def count(self, read: int = 0, received: int = 0) -> None:
+        """Add bytes read here or received from members (from any pull's thread)."""
         with self.lock:
             self.read += read
             self.received += received
-
-
-def _watched(worker: Worker, a: Attempt, i: int, member_id: str,
-             started: Callable[[Transport], None],
-             ) -> contextlib.AbstractContextManager[tuple[threading.Event, Callable[[Transport], None]]]:
-    """Member ``i``'s announcement watched while the block pulls its part (:func:`watched`):
-    lost once it lapsed or names another endpoint."""
-    r = a.replica()
-
-    def lost() -> bool:
-        try:
-            now = worker.registry.download_member(r.version, r.rank, r.world, i)
-        except RegistryError:
-            return False  # Redis trouble says nothing of the member
-        if now is None or now.member_id != member_id:
-            a.log.warning("download_member_lapsed", member=i, endpoint=member_id)
-            return True
-        return False
-
-    return watched(lost, WATCH_POLL, f"nccl-back-watch-{i}", started)
-
-
-def _failing(spec: ModelSpec, reads: Sequence[ShareRead]) -> list[str]:
-    """The files whose held bytes do not prove."""
-    out = []
-    for shard in spec.shards:
-        try:
-            check_file(shard.uri, shard.size, shard.crc32c,
-                       [(r.member, iv) for r in reads for iv in r.intervals if iv.uri == shard.uri],
-                       WHO)
-        except ChecksumMismatchError:
-            out.append(shard.uri)
-    return out
-

@@ -81,20 +81,12 @@ def holders(worker: Worker, a: Attempt) -> list[PeerInfo]:
 
 def sees_peer(worker: Worker, a: Attempt) -> bool:
     """The single flight's question: is there something for discovery to find now (a
-    holder with its ground truth, a stream, or a reason discovery will tell)?"""
-    peers = _others(worker, a)
-    if not peers:
-        return worker.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log) is not None
-    digest = a.target.manifest.digest
-    matching = [p for p in usable_peers(worker, a, peers) if p.manifest_digest == digest]
-    if not matching or worker.settings.verify == "none":
-        return True  # discovery says what is wrong (or that nothing is)
-    # A holder without its ground truth is no peer yet: it re-publishes it.
-    try:
-        return worker.registry.get_ground_truth(a.spec.version, a.rank, a.world, digest,
-                                             worker.verifier.scheme) is not None
-    except UntrustedRecordError:
-        return False
+    holder with its ground truth, a stream, or a reason discovery will tell)? A holder
+    without its ground truth is no peer yet: it re-publishes it."""
+    found = discover(worker, a)
+    if isinstance(found.reason, RegistryError):
+        raise found.reason  # this rank cannot poll
+    return not isinstance(found.reason, NoHolder)
 
 
 def _others(worker: Worker, a: Attempt) -> list[PeerInfo]:

@@ -1,19 +1,13 @@
 """The process's heap kept out of garbage collection while a load runs.
 
-A full collection of Python's cyclic garbage collector walks every object the process
-holds, with the GIL held. With torch imported that is about 200,000 objects and 70 ms
-(in a vLLM worker, 0.6 s: :mod:`nccl_back.engines.common`); during a load every thread
-of the worker stops for it: handshake answers, the relay's forwarding, the liveness
-marks. On a busy host the pause stretches to seconds and peers give up on this worker
-(``benchmarks/results-log.md``, "The late starts were garbage-collection pauses"). So while
-a load runs, the objects that existed before it are frozen (:func:`gc.freeze` moves
-them to the permanent generation, in constant time) and collections walk only what the
-load allocates; the last load of the process to end unfreezes them. Nothing is
-collected less: garbage among the frozen objects is collected once they are unfrozen.
-
-An application that froze its own heap (``gc.get_freeze_count()`` above zero when the
-first load starts), or switched the collector off, is left as it is: unfreezing at the
-end would undo its choice.
+A full collection walks every object the process holds, with the GIL held: with torch
+imported about 200,000 objects and 70 ms (0.6 s in a vLLM worker), stretched to seconds
+on a busy host, during which handshake answers, relay forwarding and liveness marks
+stop and peers give up on this worker (``benchmarks/results-log.md``). So while a load
+runs, the objects that existed before it are frozen (:func:`gc.freeze`, constant time)
+and collections walk only what the load allocates; the last running load unfreezes
+them, so nothing is collected less, only later. An application that froze its own heap
+or switched the collector off is left as it is.
 """
 
 from __future__ import annotations

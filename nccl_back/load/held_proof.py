@@ -1,16 +1,12 @@
 """The elected worker's proof of a cooperative download, from the bytes it holds.
 
-Once every member's part has landed in its tensors, the worker elected proves each file
-against the CRC32C storage lists, trusting no member's report of what it read: the
-bytes of every tensor it holds are CRC-ed from its own memory, and the bytes no tensor
-holds (headers, alignment padding, tensors the model does not load: a few bytes beside
-the tensors') it reads from storage itself. A member's CRCs could otherwise be chosen
-to cancel bytes it altered (CRC32C is linear); here every CRC is the elected worker's.
-
-The intervals are cut at every member's span boundaries and every tensor's, so one file
-that fails :func:`~.share_read.prove` names, through :func:`~.share_read.blame`, the
-members whose part of it differs from storage's bytes (altered at rest, on the way, or
-by the member), or nobody when the file itself changed since it was listed.
+Once every member's part has landed, the elected worker proves each file against the
+CRC32C storage lists trusting no member's report: the bytes of every tensor it holds
+are CRC-ed from its own memory, and the few bytes no tensor holds (headers, padding,
+tensors the model does not load) it reads from storage itself. A member's CRCs could
+otherwise be chosen to cancel bytes it altered (CRC32C is linear). The intervals are
+cut at every member's span boundaries and every tensor's, so a file that fails names,
+through :func:`~.share_read.blame`, the members whose part of it differs.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ import google_crc32c
 import torch
 
 from nccl_back import _clock
-from nccl_back.load.share_read import ShareRead, places
-from nccl_back.load.shares import shares
+from nccl_back.load.share_read import ShareRead, places, shares
 from nccl_back.model.checkpoint import ShardHeader
 from nccl_back.model.crc import Interval
 from nccl_back.model.identity import ModelSpec

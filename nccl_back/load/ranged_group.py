@@ -3,18 +3,16 @@ only its own pieces (:mod:`nccl_back.model.ranged`), tensors several ranks need 
 once by the group and handed over, and the ranks prove every file's CRC32C together,
 with no whole file on any rank.
 
-Collectives, entered by every rank whatever happened to it (so a rank that failed never
+Collectives, entered by every rank whatever happened to it (a rank that failed never
 leaves the others waiting in a collective it skipped): what each rank needs (so every
-rank derives the same :func:`~nccl_back.model.ranged.schedule`: who reads which block of
-each shared tensor, where every rank cuts its interval CRCs, and rank 0 also reads what
-nobody needs, for its CRC only); one broadcast per shared chunk, from the rank that read
-it, in the schedule's order (a rank whose read failed still sends, and only then says
-so; over an NCCL group a chunk travels through one device buffer of a chunk's size,
-over gloo straight from and into the staging buffer); then each rank's interval CRCs. Every rank then checks every file the same way
-(:func:`~nccl_back.model.crc.check_file`): any mismatch is the same
-:class:`~nccl_back.errors.ChecksumMismatchError`, naming the file, on every rank, as a
-corrupted whole-file load raises on its rank. Chunks are handed over before that proof;
-nothing is reported loaded until it passed.
+rank derives the same :func:`~nccl_back.model.ranged.schedule`, rank 0 also reading
+what nobody needs, for its CRC only); one broadcast per shared chunk from the rank that
+read it, in the schedule's order (a rank whose read failed still sends, and only then
+says so; over NCCL through one device buffer of a chunk's size, over gloo straight from
+the staging buffer); then each rank's interval CRCs. Every rank then checks every file
+the same way (:func:`~nccl_back.model.crc.check_file`), so a mismatch is the same
+:class:`~nccl_back.errors.ChecksumMismatchError` on every rank. Nothing is reported
+loaded before that proof passed.
 """
 
 from __future__ import annotations

@@ -3,27 +3,22 @@ any layout (other world sizes, or its own when its flavour has no layer truth).
 
 Entered from ``WeightService._run_phases`` when this rank's skeleton has a
 :class:`~nccl_back.model.sharding.Sharding` and some rank found no same-layout holder
-it could verify, or the same-layout receive failed some rank (the holders that failed
-it are not asked again). Each step is closed by a consensus round over the receiver's group
-(:mod:`.vote`), so all ranks reshard, or none does; the outcome goes back to the load's
-one decision (peer, storage, or strict), like any receive:
+it could verify, or the same-layout receive failed some rank (those holders are not
+asked again). Each step ends in a consensus round (:mod:`.vote`), so all ranks reshard
+or none does; the outcome goes back to the load's one decision, like any receive:
 
-1. *Find* (:func:`find`), within the discovery phase's bound: live holders of the
-   version at any world size (a plain holder of the whole checkpoint counts: its layout
-   is every tensor whole), one per holder rank, whose layouts cover this rank's pieces
-   (:func:`~nccl_back.model.reshard_plan.plan`, within the plan's work bound), and
-   whose truth in checkpoint coordinates agrees and covers what the Verifier must
-   check (every byte under ``full``). A world size that fails any of it is skipped with
-   its reason; none left: every rank goes on as without resharding (the single
-   flight, then storage).
+1. *Find* (:func:`find`), within the discovery phase's bound: live holders at any world
+   size (a plain holder counts: its layout is every tensor whole), one per holder rank,
+   whose layouts cover this rank's pieces (:func:`~nccl_back.model.reshard_plan.plan`)
+   and whose truth in checkpoint coordinates agrees and covers what the Verifier must
+   check. A world size that fails is skipped with its reason; none left: every rank
+   goes on as without resharding.
 2. *Receive* (:func:`receive`): from every holder the plan uses at once, a shared claim
    (:func:`.asking.claimed`), the handshake proving the *plan's* digest (a sender that
-   derived another plan refuses before any data moves), exactly this rank's pieces
-   through the one transfer path (:func:`.asking.transfer`), received in place where a
-   piece is contiguous in its tensor (:class:`~nccl_back.model.reshard_plan.Landing`);
-   then the Verifier checks what this rank holds against the holders' truth.
-3. *Publish*: as any peer load (:func:`.publish.peer_loaded`): what the Verifier allows
-   for the check that passed.
+   derived another plan refuses before any data moves), this rank's pieces through the
+   one transfer path (:func:`.asking.transfer`), in place where a piece is contiguous
+   (:class:`~nccl_back.model.reshard_plan.Landing`); then the Verifier's check.
+3. *Publish*: as any peer load (:func:`.publish.peer_loaded`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,29 @@
-"""One member's share of a cooperative download, read from storage into its tensors,
+"""A cooperative download's shares, one member's read of its share into its tensors,
 and the proof that the members' shares together are the checkpoint.
 
-Member ``i`` of ``n`` reads its spans (:func:`~.shares.shares`) as pieces, through
-``storage_workers`` readers at once sharing one bounded staging budget
-(:class:`~nccl_back.model.ranged.SpanReader`: ranged requests to a bucket, positional
-reads of a local file), as a whole download's requests run: the bytes of every tensor its part of the
-plan carries are copied straight into the model's tensors, the rest (headers, padding,
-tensors the model does not load) only CRC-ed. It returns the CRC32C of every interval
-it read, cut at every member's span boundaries so that two members' intervals are
-equal or disjoint, plus one for each header it parsed: members derive their shares
-from the headers they parsed, so a member that parsed other bytes than the header's
-reader read fails the proof instead of reading the wrong spans unnoticed.
+:func:`shares` splits the checkpoint's bytes along the transfer plan's parts
+(:func:`nccl_back.transport.parts.parts`): member ``i`` reads the bytes of the tensors
+in part ``i``, so what it read is exactly what it then sends as part ``i``, and the
+shares are as balanced as the parts. Every byte of every file is read by exactly one
+member, so the members prove each file's CRC32C together without any of them reading
+it whole: bytes no step carries (headers, padding, tensors the model does not load) go
+to the member whose span ends where they start, keeping each member's reads few and
+contiguous.
+
+A member reads its spans as pieces, through ``storage_workers`` readers at once sharing
+one bounded staging budget (:class:`~nccl_back.model.ranged.SpanReader`), as a whole
+download's requests run: the bytes its part carries are copied straight into the
+model's tensors, the rest only CRC-ed. It returns the CRC32C of every interval it read,
+cut at every member's span boundaries so that two members' intervals are equal or
+disjoint, plus one for each header it parsed: members derive their shares from the
+headers they parsed, so a member that parsed other bytes than the header's reader read
+fails the proof instead of reading the wrong spans unnoticed.
 
 :func:`prove` combines every member's intervals into each file's CRC32C
-(:func:`~nccl_back.model.crc.check_file`) and compares it with storage's own, the one
-the version's identity lists: no member read a whole file, yet every byte is proven.
-When a file fails, :func:`blame` reads it again whole, cut at the same points, and names
-the members whose intervals differ from storage's bytes (a member that read a changed
-file, or reported CRCs of bytes it did not read); nobody, when the file itself no longer
-matches its identity (changed at rest since it was listed).
+(:func:`~nccl_back.model.crc.check_file`) and compares it with the one the version's
+identity lists. When a file fails, :func:`blame` reads it again whole, cut at the same
+points, and names the members whose intervals differ from storage's bytes; nobody, when
+the file itself no longer matches its identity (changed at rest since it was listed).
 """
 
 from __future__ import annotations
@@ -35,11 +40,10 @@ import numpy as np
 import torch
 
 from nccl_back import _clock
-from nccl_back.errors import CheckpointFormatError
-from nccl_back.load.shares import shares
+from nccl_back.errors import CheckpointFormatError, ChecksumMismatchError
 from nccl_back.model.checkpoint import ShardHeader, locate
 from nccl_back.model.crc import Interval, check_file, crc32c_combine, file_crc
-from nccl_back.model.identity import ModelSpec
+from nccl_back.model.identity import ModelSpec, Shard
 from nccl_back.model.ranged import STAGE_BYTES, Span, SpanReader, cut_points
 from nccl_back.model.storage import Storage
 from nccl_back.transport.parts import parts
@@ -79,6 +83,75 @@ class Blame:
     changed_at_rest: bool
 
 
+def shares(steps: Sequence[Step], where: Mapping[str, Span], sizes: Mapping[str, int],
+           n: int) -> list[list[Span]]:
+    """Each of ``n`` members' spans, in file order (files by name), adjacent ones merged.
+
+    ``steps``: the plan over the tensors as the checkpoint names them; ``where``: each
+    such tensor's bytes in its file, ``(uri, start, end)``; ``sizes``: every file of the
+    checkpoint (each must be read by someone). :class:`CheckpointFormatError` if a
+    step's tensor has no place, or its bytes are not its place's size, or two tensors
+    overlap or leave their file. Pure: no I/O.
+    """
+    owner: dict[str, list[tuple[int, int, int]]] = {uri: [] for uri in sizes}
+    for i, part in enumerate(parts(list(steps), n)):
+        for k in part:
+            for slot in steps[k].slots:
+                uri, start, end = _place(slot.name, where, sizes)
+                if steps[k].direct:  # one chunk of its tensor
+                    lo = start + slot.offset
+                    owner[uri].append((lo, lo + slot.nbytes, i))
+                elif slot.nbytes != end - start:
+                    raise CheckpointFormatError(
+                        f"{slot.name}: {slot.nbytes} bytes in the plan, {end - start} in {uri}")
+                else:
+                    owner[uri].append((start, end, i))
+    out: list[list[Span]] = [[] for _ in range(n)]
+    for uri in sorted(owner):
+        for lo, hi, i in _tiles(uri, sizes[uri], sorted(owner[uri])):
+            out[i].append((uri, lo, hi))
+    return [_merged(spans) for spans in out]
+
+
+def _place(name: str, where: Mapping[str, Span], sizes: Mapping[str, int]) -> Span:
+    if name not in where:
+        raise CheckpointFormatError(f"{name}: in the plan but not in the checkpoint")
+    uri, start, end = where[name]
+    if uri not in sizes or not 0 <= start <= end <= sizes[uri]:
+        raise CheckpointFormatError(f"{name}: bytes [{start}, {end}) outside {uri}")
+    return uri, start, end
+
+
+def _tiles(uri: str, size: int, owned: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``owned`` (sorted) extended to tile ``[0, size)``: each gap goes to the owner of
+    the bytes before it (the first owner for a leading gap; member 0 for a file no step
+    touches)."""
+    tiles: list[tuple[int, int, int]] = []
+    at = 0
+    for lo, hi, i in owned:
+        if lo < at:
+            raise CheckpointFormatError(f"{uri}: tensors overlap at byte {lo}")
+        if lo > at:
+            tiles.append((at, lo, tiles[-1][2] if tiles else i))
+        if hi > lo:
+            tiles.append((lo, hi, i))
+        at = max(at, hi)
+    if at < size:
+        tiles.append((at, size, tiles[-1][2] if tiles else 0))
+    return tiles
+
+
+def _merged(spans: Sequence[Span]) -> list[Span]:
+    """``spans`` (in file order) with adjacent ones joined."""
+    out: list[Span] = []
+    for uri, lo, hi in spans:
+        if out and out[-1][0] == uri and out[-1][2] == lo:
+            out[-1] = (uri, out[-1][1], hi)
+        else:
+            out.append((uri, lo, hi))
+    return out
+
+
 def places(headers: Sequence[ShardHeader]) -> dict[str, Span]:
     """Each tensor's bytes in its file, ``(uri, start, end)``, by the name the model gives it."""
     return {name: (info.uri, info.start, info.end) for name, (_, info) in locate(headers).items()}
@@ -98,27 +171,21 @@ def read_share(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader]
     heads = [(h.uri, 0, len(h.raw)) for h in headers]
     cuts = cut_points([*heads, *(span for member in every for span in member)])
     landed = None if on_step is None else _Landed(steps, parts(list(steps), n)[i], where, tensors, on_step)
-    got = _read(storage, spec, headers, where, every[i], cuts, tensors, i, stage_bytes,
-                None if landed is None else landed.placed)
-    if landed is not None:
-        landed.rest()
-    return got
+    return _read(storage, spec, headers, where, every[i], cuts, tensors, i, stage_bytes, landed)
 
 
 def read_spans(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
                spans: Sequence[Span], cuts: Mapping[str, Sequence[int]],
-               tensors: Mapping[str, torch.Tensor], *, member: int,
-               stage_bytes: int = STAGE_BYTES) -> ShareRead:
+               tensors: Mapping[str, torch.Tensor], *, member: int) -> ShareRead:
     """``spans`` into the tensors they hold bytes of, every interval between ``cuts``
-    CRC-ed: a share, or another member's spans read again after :func:`blame`."""
-    return _read(storage, spec, headers, places(headers), spans, cuts, tensors, member,
-                 stage_bytes)
+    CRC-ed: another member's spans read again after :func:`blame`."""
+    return _read(storage, spec, headers, places(headers), spans, cuts, tensors, member, STAGE_BYTES)
 
 
 def read_steps(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
                steps: Sequence[Step], todo: Sequence[int], tensors: Mapping[str, torch.Tensor], *,
                member: int, on_step: Callable[[int], None] | None = None,
-               stop: threading.Event | None = None, stage_bytes: int = STAGE_BYTES) -> ShareRead:
+               stop: threading.Event | None = None) -> ShareRead:
     """The tensor bytes steps ``todo`` carry, into ``tensors``: a failed member's part,
     or a sub-part of it spread to this member (the elected worker proves every file
     from the bytes it then holds, and reads the bytes between tensors itself).
@@ -131,29 +198,20 @@ def read_steps(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader]
             uri, start, end = where[slot.name]
             lo = start + slot.offset if steps[k].direct else start
             spans.append((uri, lo, lo + slot.nbytes if steps[k].direct else end))
-    merged: list[Span] = []
-    for uri, lo, hi in sorted(spans):
-        if merged and merged[-1][0] == uri and merged[-1][2] == lo:
-            merged[-1] = (uri, merged[-1][1], hi)
-        else:
-            merged.append((uri, lo, hi))
+    merged = _merged(sorted(spans))
     landed = None if on_step is None else _Landed(steps, todo, where, tensors, on_step)
-    got = _read(storage, spec, headers, where, merged, cut_points(merged), tensors, member,
-                stage_bytes, None if landed is None else landed.placed, stop)
-    if landed is not None and (stop is None or not stop.is_set()):
-        landed.rest()
-    return got
+    return _read(storage, spec, headers, where, merged, cut_points(merged), tensors, member,
+                 STAGE_BYTES, landed, stop)
 
 
 def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
           where: Mapping[str, Span], spans: Sequence[Span], cuts: Mapping[str, Sequence[int]],
           tensors: Mapping[str, torch.Tensor], member: int, stage_bytes: int,
-          on_placed: Callable[[str, int, int], None] | None = None,
-          stop: threading.Event | None = None) -> ShareRead:
+          landed: _Landed | None = None, stop: threading.Event | None = None) -> ShareRead:
     """``spans`` read as pieces by ``storage_workers`` readers at once, as a whole
     download's ranged requests are (one request at a time would leave a member's share
-    at one connection's speed), sharing the ``stage_bytes`` staging budget. ``stop``
-    set: each reader ends before its next piece."""
+    at one connection's speed), sharing the ``stage_bytes`` staging budget; ``landed``
+    told of each piece placed. ``stop`` set: each reader ends before its next piece."""
     start = _clock.perf()
     targets = _Targets(spans, tensors, where)
     k = max(1, storage.settings.storage_workers)
@@ -175,8 +233,8 @@ def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
                 try:
                     for off, buf in reader.read(*piece, step):
                         targets.place(piece[0], off, buf)
-                        if on_placed is not None:
-                            on_placed(piece[0], off, off + len(buf))
+                        if landed is not None:
+                            landed.placed(piece[0], off, off + len(buf))
                 except BaseException:
                     failed.set()  # the others stop at their next piece
                     raise
@@ -192,6 +250,8 @@ def _read(storage: Storage, spec: ModelSpec, headers: Sequence[ShardHeader],
             r.close()
     heads = [Interval(h.uri, 0, len(h.raw), google_crc32c.value(h.raw)) for h in headers]
     read = _joined([iv for r in readers for iv in r.intervals], cut_points(spans), cuts)
+    if landed is not None and (stop is None or not stop.is_set()):
+        landed.rest()
     return ShareRead(member, sum(r.bytes for r in readers), _clock.perf() - start,
                      tuple(heads + read))
 
@@ -224,8 +284,23 @@ def prove(spec: ModelSpec, reads: Sequence[ShareRead]) -> None:
     members' intervals do not combine into the CRC32C its identity lists (or leave
     bytes unread, or disagree on one interval)."""
     for shard in spec.shards:
-        check_file(shard.uri, shard.size, shard.crc32c,
-                   [(r.member, iv) for r in reads for iv in r.intervals if iv.uri == shard.uri], WHO)
+        _prove(shard, reads)
+
+
+def failing(spec: ModelSpec, reads: Sequence[ShareRead]) -> list[str]:
+    """The files that do not prove (:func:`prove`)."""
+    out = []
+    for shard in spec.shards:
+        try:
+            _prove(shard, reads)
+        except ChecksumMismatchError:
+            out.append(shard.uri)
+    return out
+
+
+def _prove(shard: Shard, reads: Sequence[ShareRead]) -> None:
+    check_file(shard.uri, shard.size, shard.crc32c,
+               [(r.member, iv) for r in reads for iv in r.intervals if iv.uri == shard.uri], WHO)
 
 
 def blame(storage: Storage, spec: ModelSpec, uri: str, reads: Sequence[ShareRead]) -> Blame:

@@ -126,23 +126,17 @@ def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stored: St
         got = gather_parts(worker, a, *split)
         a.log.info("download_gathered", members=split[0], held=split[1],
                    read_for=list(got.read_for), bytes=got.bytes, received=got.received)
-        stored.received = got.received
+        stored.received, nbytes = got.received, got.bytes
+    if streams:
         stored.stream = worker.cohorts.open_stream(a.replica(), a.log)
-        if stored.stream is not None:
-            stored.stream.loaded()
-        nbytes = got.bytes
-    elif streams:
-        stored.stream = worker.cohorts.open_stream(a.replica(), a.log)
+    if split is None:
         on_filled = stored.stream.filled if stored.stream is not None else None
-        result = load_checkpoint(a.model, a.spec, s, on_filled=on_filled)
-        if stored.stream is not None:
-            stored.stream.loaded()
+        result = (load_checkpoint(a.model, a.spec, s, on_filled=on_filled) if streams
+                  else loader(a.model, a.spec, s))
         nbytes = result.bytes
         a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
-    else:
-        result = loader(a.model, a.spec, s)
-        nbytes = result.bytes
-        a.timings.update({f"storage.{k}": v for k, v in result.timings.items()})
+    if stored.stream is not None:
+        stored.stream.loaded()
     a.timings["storage"] = _clock.perf() - t
     t = _clock.perf()
     hashes = worker.verifier.layer_truth(a.model)

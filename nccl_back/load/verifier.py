@@ -2,8 +2,8 @@
 
 Every path that ends with bytes in a model (a same-layout receive, a relay member, a
 streamed download, a reshard, the sidecar's hand-off, an engine's served state) checks
-them here, and every worker asks :meth:`Verifier.publishable` what it may publish as
-truth. ``verify`` (``Settings.verify``) means the same everywhere:
+them here, and asks :meth:`Verifier.publishable` what it may publish as truth.
+``verify`` (``Settings.verify``) means the same everywhere:
 
 - ``sampled``: a keyed sample of every tensor is compared with truth a storage load
   computed: layer hashes (:mod:`.integrity`) for a skeleton of the truth's own layout,
@@ -13,15 +13,12 @@ truth. ``verify`` (``Settings.verify``) means the same everywhere:
   byte against storage-rooted truth does not report ``verified``: it loads elsewhere.
 - ``none``: nothing is checked, and nothing is published as truth.
 
-:data:`SCHEME` names the algorithms; it is part of every truth record's key, so during
+:data:`SCHEME` names the algorithms and is part of every truth record's key, so during
 a rolling upgrade two schemes keep two truths and never replace each other's.
 
-What a worker may publish (:meth:`Verifier.publishable`): bytes that came from storage
-(CRC32C-checked against the bucket's listing) give every kind of truth; bytes that were
-checked in full give every kind too (they are storage's bytes); bytes checked by a
-sample give only the truth that was checked (the same layer hashes, or the same MACs);
-unchecked bytes give none. A worker never publishes truth computed from bytes it did
-not check.
+Bytes from storage (CRC32C-checked) or checked in full give every kind of truth; bytes
+checked by a sample give only the truth that was checked; unchecked bytes give none: a
+worker never publishes truth computed from bytes it did not check.
 """
 
 from __future__ import annotations
@@ -104,13 +101,11 @@ class Verifier:
 
     # -- truth a storage load computes -------------------------------------------------
 
-    def layer_truth(self, model: Model, modes: tuple[str, ...] | None = None) -> dict[str, str]:
+    def layer_truth(self, model: Model) -> dict[str, str]:
         """Layer hashes for the ground-truth record: ``sampled`` always (every receiver
         may check it), ``full`` too when this worker verifies in full."""
-        modes = modes if modes is not None else (("sampled", "full") if self.mode == "full"
-                                                 else ("sampled",))
         return encode_truth({m: integrity.layer_hashes(model, mode=m, key=self.key)  # type: ignore[arg-type]
-                             for m in modes})
+                             for m in self.publishable(Basis.STORAGE).layer_modes})
 
     def position_truth(self, layout: Layout, tensors: Mapping[str, torch.Tensor], *,
                        sums: bool | None = None) -> PositionTruth:

@@ -10,9 +10,7 @@ another failing layer, else both are suspects, blamed only if implicated again
 (:class:`~nccl_back.transport.relay.StepSources`); what they sent is discarded. A relay
 member forwards bytes before it checks them, so each member's own check is recorded (a
 signed verdict), and a member whose own check failed is only a suspect for the wrong bytes
-it forwarded: its receivers cannot tell it from the member that sent it them otherwise. A
-rank whose check passed records its :class:`~.verifier.Basis`: what it may publish follows
-from it.
+it forwarded: its receivers cannot tell it from the member that sent it them otherwise.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """One ``load`` on one rank: what is fixed for it, what its phases produce, and the
 reasons a rank gives for not loading from a peer.
 
-Discovery and the single flight return what they found (:class:`Discovery`,
-:class:`~.single_flight.Flight`), which the service takes into the :class:`Attempt`;
-the receive, reshard, verify and storage phases read it and write their own part.
+Every phase returns what it found (:class:`Discovery`, :class:`~.single_flight.Flight`,
+:class:`~.fill.Received` / :class:`~.fill.NotReceived`, a reshard's sources, a member's
+share): only the service (:mod:`.service`) writes the :class:`Attempt`, the phases read
+it. The one part a phase writes is ``rx`` (:class:`Receiving`), the receive pass's own
+state across its passes (:mod:`.fill`, :mod:`.holders`, :mod:`.tree_parts`, :mod:`.asking`).
 A rank that found nobody to load from says why with a :class:`NoHolder` (not an
 error: its vote sends the worker to the election); :class:`Worker` is what the
 service lends every phase.
@@ -151,7 +153,9 @@ class Discovery:
 @dataclass
 class Receiving:
     """What the receive phase keeps across its passes (a pass after a lost stream
-    resumes the first one's bytes, within the same budget)."""
+    resumes the first one's bytes, within the same budget): the pass's own state, which
+    it alone writes (a reshard reads what failed it). Defined here, not beside
+    :class:`~.fill.Fill`, because the :class:`Attempt` that holds it is."""
 
     step_sources: relay.StepSources | None = None
     """Which source put each step in this rank's tensors (resume point, and whom to
@@ -192,7 +196,8 @@ class Receiving:
 
 @dataclass
 class Attempt:
-    """One ``load`` on this rank: its inputs, then what each phase found."""
+    """One ``load`` on this rank: its inputs, then what each phase found, recorded by
+    the service alone (``rx`` excepted: the receive pass's own)."""
 
     # Fixed for the load.
     model: Model

@@ -61,19 +61,13 @@ from nccl_back.transport import Part, Step, Transport, part_steps, plan
 from nccl_back.transport.relay import Share
 
 
-def serve_share(worker: Worker, a: Attempt) -> Rescues | None:
-    """Member ``a.member``: announce this rank's part, read the share into its tensors,
-    let the part go out, then read what the elected worker spreads to it of failed
-    members' parts (the watch returned: close it before anything else writes these
-    tensors). Any failure ends the endpoint (requests are refused, so the elected worker
-    reads the share itself) and is logged; nothing escapes."""
-    if a.member is None:
-        return None
-    i, n = a.member
-    share = worker.cohorts.open_share(a.replica(), a.log, i)
-    if share is None:
-        return None
-    a.share = share
+def serve_share(worker: Worker, a: Attempt, share: Share, i: int, n: int) -> Rescues | None:
+    """Member ``i`` of ``n``: read the share into this rank's tensors, letting the part go
+    out through ``share`` (its announced endpoint), then read what the elected worker
+    spreads to it of failed members' parts (the watch returned, with the bytes read:
+    close it before anything else writes these tensors). Any failure ends the endpoint
+    (requests are refused, so the elected worker reads the share itself) and is logged;
+    nothing escapes."""
     began = _clock.perf()
     try:
         src = _Source.of(worker, a)
@@ -86,9 +80,8 @@ def serve_share(worker: Worker, a: Attempt) -> Rescues | None:
         a.log.warning("download_share_failed", member=i, of=n, error=repr(e)[:300])
         return None
     a.timings["share"] = _clock.perf() - began
-    a.share_bytes = got.bytes
     a.log.info("download_share_read", member=i, of=n, bytes=got.bytes, seconds=round(got.seconds, 3))
-    return Rescues(worker, a, share, src, i, n)
+    return Rescues(worker, a, share, src, i, n, got.bytes)
 
 
 class Rescues:
@@ -97,11 +90,13 @@ class Rescues:
     polled every ``WATCH_POLL``): it reads its sub-part of each into its tensors and its
     endpoint serves it, each step as it lands. Ends at :meth:`close` (the member's wait
     for the stream is over: its read stops before its next piece and is waited for, as
-    the stream then writes these tensors) or with the endpoint."""
+    the stream then writes these tensors) or with the endpoint. ``bytes``: what this
+    member read from storage, its share and those sub-parts (final once closed)."""
 
     def __init__(self, worker: Worker, a: Attempt, share: Share, source: _Source, i: int,
-                 n: int) -> None:
+                 n: int, read: int) -> None:
         self.worker, self.a, self.share, self.source, self.i, self.n = worker, a, share, source, i, n
+        self.bytes = read
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="nccl-back-rescues")
         self.thread.start()
@@ -138,7 +133,7 @@ class Rescues:
             self.share.end(False, f"spread part unread: {e!r}"[:300])
             self.a.log.warning("download_rescue_failed", part=rescue.part, sub=list(sub), error=repr(e)[:300])
             return False
-        self.a.share_bytes += got.bytes
+        self.bytes += got.bytes
         self.a.log.info("download_rescue_read", part=rescue.part, sub=list(sub), bytes=got.bytes,
                         seconds=round(got.seconds, 3))
         return True

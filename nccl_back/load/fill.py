@@ -7,16 +7,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nccl_back.errors import NoPeerError, WeightVerificationError
-from nccl_back.load.attempt import Attempt, Reason, Worker
+from nccl_back.load import verify
+from nccl_back.load.attempt import Attempt, Discovery, Reason, Worker
+from nccl_back.load.verifier import PositionCheck
+from nccl_back.load.verify import Verified
 from nccl_back.transport import relay
 
 
 @dataclass(frozen=True)
 class Received:
     """A pass's outcome (a receive's, a reshard's): this rank's bytes verified, from
-    ``peer_id`` (comma-separated: parts)."""
+    ``peer_id`` (comma-separated: parts), and what their check found."""
 
     peer_id: str
+    verified: Verified
+    checked: PositionCheck | None = None
+    """What a reshard's check in checkpoint coordinates covered."""
+    found: Discovery | None = None
+    """What the pass discovered again (a stream lost): the load's discovery from now on."""
 
 
 @dataclass(frozen=True)
@@ -24,21 +32,40 @@ class NotReceived:
     """A pass's outcome (a receive's, a reshard's): no source served this rank, and why."""
 
     reason: Reason
+    truth: dict[str, str] | None = None
+    """A stream's truth the pass awaited (a later pass need not wait for it again)."""
+    found: Discovery | None = None
+    """What the pass discovered again (a stream lost): the load's discovery from now on."""
 
 
 @dataclass
 class Fill:
     """One pass filling this rank's tensors from peers in load ``a``: who filled them once
-    they verified (``peer_id``) or why not (``reason``), from what the load held (a pass
-    after a lost stream starts from the first one's)."""
+    they verified (``peer_id``, ``verified``) or why not (``reason``), from what the load
+    held (a pass after a lost stream starts from the first one's). The service records
+    the pass's outcome in the load; the pass itself writes only ``a.rx``."""
 
     worker: Worker
     a: Attempt
     peer_id: str | None = field(init=False)
     reason: Reason | None = field(init=False)
+    found: Discovery = field(init=False)
+    """What this pass knows of holders and the stream: the load's, or its own once it
+    discovered again."""
+    truth: dict[str, str] | None = field(init=False)
+    """The truth this pass checks against (a stream's, once awaited)."""
+    verified: Verified = field(init=False)
 
     def __post_init__(self) -> None:
-        self.peer_id, self.reason = self.a.peer_id, self.a.reason
+        self.peer_id, self.reason, self.truth = self.a.peer_id, self.a.reason, self.a.truth
+        self.found = self.a.found
+        self.verified = Verified(self.a.truth, self.a.basis)
+
+    def check(self, deadline: float) -> None:
+        """Verify what the last transfer left in this rank's tensors (a stream's truth
+        awaited up to ``deadline``, once per pass); :class:`DamagedBytes` if it fails."""
+        self.truth = verify.truth_for(self.worker, self.a, self.found, self.truth, deadline)
+        self.verified = verify.check(self.worker, self.a, self.found, self.truth)
 
     def blame(self, error: WeightVerificationError, tried: str) -> set[str]:
         """Record a verification failure against the sources that sent failing bytes

@@ -29,7 +29,6 @@ from nccl_back.errors import (
     WeightVerificationError,
     fallback_reason,
 )
-from nccl_back.load import verify
 from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
 from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.discover import holders
@@ -78,7 +77,7 @@ class _Holders:
     def run(self) -> None:
         fill, a, s, rx = self.fill, self.a, self.s, self.a.rx
         claim = rx.peer_budget.phase("claim", s.busy_wait)
-        candidates = a.found.candidates
+        candidates = fill.found.candidates
         while True:
             busy = i = 0
             while i < len(candidates):
@@ -158,7 +157,7 @@ class _Holders:
         if lost:
             return False
         try:
-            verify.check(fill.worker, a, a.rx.peer_budget.deadline)
+            fill.check(a.rx.peer_budget.deadline)
         except WeightVerificationError as e:
             self.last = e.error if isinstance(e, relay.DamagedBytes) else e
             ids = {p.peer_id for p, _ in picked}

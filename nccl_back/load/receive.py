@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from nccl_back.errors import NoPeerError
 from nccl_back.load import holders, tree_parts
-from nccl_back.load.attempt import Absence, NoHolder
+from nccl_back.load.attempt import Absence, Discovery, NoHolder
 from nccl_back.load.discover import discover
 from nccl_back.load.fill import Fill, NotReceived, Received
 from nccl_back.transport import plan, relay
@@ -26,8 +26,13 @@ class Receive(Fill):
     def run(self) -> Received | NotReceived:
         self._pass()
         if self.reason is None and self.peer_id is not None:
-            return Received(self.peer_id)
-        return NotReceived(self.reason or NoPeerError("no source served this rank"))
+            return Received(self.peer_id, self.verified, found=self._again())
+        return NotReceived(self.reason or NoPeerError("no source served this rank"), self.truth,
+                           self._again())
+
+    def _again(self) -> Discovery | None:
+        """What this pass discovered again, if it did."""
+        return None if self.found is self.a.found else self.found
 
     def _pass(self) -> None:
         worker, a, s, rx = self.worker, self.a, self.worker.settings, self.a.rx
@@ -39,7 +44,7 @@ class Receive(Fill):
             # for the whole download, as the election would have: the automatic budget
             # covers that wait; one carved shorter (Settings.capped) bounds everything.
             rx.start_budget(s)
-            if "peer_budget" not in s.caps and a.found.stream is not None:
+            if "peer_budget" not in s.caps and self.found.stream is not None:
                 rx.start_budget(s).extend(s.single_flight_max_wait)
         if self.budget_spent(rx.relay_error):
             return
@@ -47,15 +52,15 @@ class Receive(Fill):
         if seat is not None and rx.step_sources.done:
             seat.progress.complete(rx.step_sources.done)  # what an earlier pass left us
         try:
-            if seat is not None and tree_parts.from_trees(self, seat, a.found.stream):
+            if seat is not None and tree_parts.from_trees(self, seat, self.found.stream):
                 return
             if self.budget_spent(rx.relay_error):
                 return
-            if self.reason is None and not a.found.candidates:
+            if self.reason is None and not self.found.candidates:
                 # Fed by a stream that failed us: the downloader may have published since.
-                a.discovered(discover(worker, a))
-                self.reason = a.reason
-                if not a.found.candidates and (a.reason is None or isinstance(a.reason, NoHolder)):
+                found = self.found = discover(worker, a)
+                self.reason, self.truth = found.reason, found.truth
+                if not found.candidates and (found.reason is None or isinstance(found.reason, NoHolder)):
                     self.reason = NoHolder(
                         Absence.STREAM_LOST, f"the download streamed to this rank failed ({rx.relay_error}) and no"
                         " peer holds the version yet; back to the election")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from nccl_back import _clock
 from nccl_back.budget import DISCOVER_SECONDS, Phase
-from nccl_back.coord.consensus import gather
+from nccl_back.coord.consensus import Group, gather
 from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.registry import PeerInfo
 from nccl_back.errors import (
@@ -49,8 +49,8 @@ from nccl_back.load.attempt import Absence, Attempt, NoHolder, Reason, Worker
 from nccl_back.load.discover import usable_peers
 from nccl_back.load.fill import NotReceived, Received
 from nccl_back.load.pulls import Pulls
-from nccl_back.load.verifier import merge_macs
-from nccl_back.load.vote import agree, caught
+from nccl_back.load.verifier import Basis, PositionCheck, merge_macs
+from nccl_back.load.verify import Verified
 from nccl_back.model import marginals
 from nccl_back.model.layout import Layout
 from nccl_back.model.reshard_plan import Landing, Plan, PlanError, plan, zero_padding
@@ -82,48 +82,37 @@ class ReshardSources:
 
 
 def run(worker: Worker, a: Attempt, sh: Sharding, found: ReshardSources) -> Received | NotReceived:
-    """This rank's pieces from the holders every rank ``found`` (:func:`find_all`): who
+    """This rank's pieces from the holders every rank ``found`` (:func:`look`): who
     served them once they verified, or why not (the service records it, then the
     group votes)."""
     try:
-        receive(worker, a, sh, found)
+        checked = receive(worker, a, sh, found)
     except NcclBackError as e:  # this rank's vote: storage (or strict), with the reason
         a.log.warning("reshard_failed", reason=fallback_reason(e), error=str(e))
         return NotReceived(e)
-    return Received(",".join(found.peers[k].peer_id for k in found.plan.used))
+    basis = Basis.NONE if checked is None else worker.verifier.basis()
+    return Received(",".join(found.peers[k].peer_id for k in found.plan.used),
+                    Verified(None, basis), checked)
 
 
-def find_all(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | None:
-    """Holders to reshard from on every rank, or on none (one vote): None when no holders
-    cover every rank (this rank's earlier vote restored: the load goes on as without
-    it)."""
-    before = a.reason
-    found: ReshardSources | None = None
-    a.reason = None
-    began = _clock.perf()
-    with caught(a, "reshard_discovery"):
-        try:
-            got = find(worker, a, sh)
-        except (NoPeerError, RegistryError) as e:
-            a.reason = e
-        else:
-            if isinstance(got, NoHolder):
-                a.reason = got
-            else:
-                found = got
-    a.timings["reshard_discovery"] = _clock.perf() - began
-    if not agree(a, "reshard discovery").ok:
-        why = str(a.reason) if a.reason else "another rank found none"
-        a.log.info("reshard_skipped", reason=why)
-        a.reason = _also(before, f"no reshard either: {why}")
-        return None
-    # One value on every rank of the group, new for every load: the ranks' random parts.
-    parts = gather(secrets.randbits(62), a.group)
+def look(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | Reason:
+    """This rank's holders to reshard from (:func:`find`), or why it has none (the
+    registry's trouble, or a lookup that found no cover): its vote in the group's round."""
+    try:
+        return find(worker, a, sh)
+    except (NoPeerError, RegistryError) as e:
+        return e
+
+
+def shared(found: ReshardSources | None, group: Group) -> ReshardSources | None:
+    """``found`` with the group's claim share: one value on every rank of ``group``, new
+    for every load (the ranks' random parts). A collective: every rank calls it."""
+    parts = gather(secrets.randbits(62), group)
     share = hashlib.sha256(",".join(map(str, parts)).encode()).hexdigest()[:32]
     return None if found is None else dataclasses.replace(found, share=share)
 
 
-def _also(reason: Reason | None, more: str) -> Reason | None:
+def also(reason: Reason | None, more: str) -> Reason | None:
     """``reason`` (its class: its fallback code) saying ``more`` as well."""
     if reason is None:
         return None
@@ -219,10 +208,10 @@ def _check_truth(worker: Worker, sh: Sharding, truths: dict[str, PositionTruth])
             raise marginals.NotCheckable(missing)
 
 
-def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> None:
+def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> PositionCheck | None:
     """Every piece from its holder, all holders at once, then the Verifier's check;
     raises with the reason if not (that of the holder that failed first, once every
-    pull has ended). Sets this rank's basis and what it checked."""
+    pull has ended). Returns what the check covered (None: ``verify`` "none")."""
     s, t = worker.settings, a.target
     a.rx.start_budget(s)  # the holders are asked within it (asking.Ask.holder)
     # One pull per holder at once: a receiver's link is faster than one sender's path
@@ -236,25 +225,25 @@ def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> None
     zero_padding(sh.layout, t.tensors)
     v = worker.verifier
     if v.mode == "none":
-        return
+        return None
     began = _clock.perf()
     try:
-        a.checked = v.check_positions(sh.layout, t.tensors, f.truths)
+        checked = v.check_positions(sh.layout, t.tensors, f.truths)
     except WeightVerificationError as e:
-        blamed = _blame(worker, a, sh, f, set(e.bad))
+        blamed = _blame(worker, sh, f, set(e.bad))
         a.log.warning("reshard_verification_failed", blamed=sorted(blamed), error=str(e))
         raise
     a.timings["verify"] = _clock.perf() - began
-    a.basis = v.basis()
-    a.log.info("reshard_verified", positions=a.checked.positions, elements=a.checked.elements)
+    a.log.info("reshard_verified", positions=checked.positions, elements=checked.elements)
+    return checked
 
 
-def _blame(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources, bad: set[str]) -> set[str]:
-    """The holders that sent any piece of the checkpoint tensors in ``bad``."""
+def _blame(worker: Worker, sh: Sharding, f: ReshardSources, bad: set[str]) -> set[str]:
+    """The holders that sent any piece of the checkpoint tensors in ``bad`` (logged, not
+    kept: a reshard is the load's last peer pass, nobody is asked after it)."""
     holds = {name: {p.source for p in t.parts if hasattr(p, "source")}
              for name, _, _, t in sh.layout.tensors}
     blamed = {f.peers[m.holder].peer_id for m in f.plan.moves if holds.get(m.dst, set()) & bad}
-    a.rx.blamed |= blamed
     worker.metrics.record_verification_failure()
     return blamed
 

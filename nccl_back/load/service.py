@@ -21,7 +21,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,18 +32,18 @@ from nccl_back.coord.consensus import Group, rank_and_size
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.errors import ManifestMismatchError, NcclBackError
-from nccl_back.load import heap, reshard
+from nccl_back.load import heap, reshard, storage_phase
 from nccl_back.load.attempt import Attempt, Target, Worker
-from nccl_back.load.cooperative import serve_share
+from nccl_back.load.cooperative import Rescues, serve_share
 from nccl_back.load.discover import discover
 from nccl_back.load.fill import NotReceived, Received
 from nccl_back.load.publish import peer_loaded
 from nccl_back.load.ranged_group import RangedLoader
 from nccl_back.load.receive import Receive
 from nccl_back.load.single_flight import Flight, single_flight
-from nccl_back.load.storage_phase import fall_back, load_checkpoint
+from nccl_back.load.storage_phase import StorageLoad, load_checkpoint
 from nccl_back.load.verifier import Basis, Verifier
-from nccl_back.load.vote import Decision, agree, caught
+from nccl_back.load.vote import Decision, agree
 from nccl_back.log import get_logger
 from nccl_back.metrics import Metrics
 from nccl_back.model.identity import ModelSpec
@@ -56,6 +56,17 @@ from nccl_back.transport.send import drain
 from nccl_back.transport.sender import PeerServer
 
 __all__ = ["StorageLoader", "WeightService"]
+
+
+@contextlib.contextmanager
+def caught(a: Attempt, phase: str) -> Iterator[None]:
+    """Run the block; whatever it raises becomes this rank's vote (``a.error``), never an
+    early exit that would leave the other ranks waiting in a collective."""
+    try:
+        yield
+    except Exception as e:
+        a.error = e
+        a.log.error("rank_failed", phase=phase, error=repr(e))
 
 
 class WeightService:
@@ -282,13 +293,34 @@ class WeightService:
     def _reshard(self, a: Attempt, sh: Sharding) -> LoadResult | None:
         """From holders of other layouts: the load's result (a peer load, or storage
         after the reshard failed), or None when no holders cover every rank."""
-        found = reshard.find_all(self._worker, a, sh)
+        found = self._reshard_sources(a, sh)
         if found is None:
             return None
         decision = self._pass(a, "reshard", "reshard", lambda: reshard.run(self._worker, a, sh, found))
         if decision.ok:
             return peer_loaded(self._worker, a, nbytes=found.plan.nbytes())
         return self._storage(a, decision)
+
+    def _reshard_sources(self, a: Attempt, sh: Sharding) -> reshard.ReshardSources | None:
+        """Holders to reshard from on every rank, or on none (one vote): None when no
+        holders cover every rank (this rank's earlier vote restored: the load goes on as
+        without it)."""
+        before, a.reason = a.reason, None
+        found: reshard.ReshardSources | None = None
+        began = _clock.perf()
+        with caught(a, "reshard_discovery"):
+            got = reshard.look(self._worker, a, sh)
+            if isinstance(got, reshard.ReshardSources):
+                found = got
+            else:
+                a.reason = got
+        a.timings["reshard_discovery"] = _clock.perf() - began
+        if not agree(a, "reshard discovery").ok:
+            why = str(a.reason) if a.reason else "another rank found none"
+            a.log.info("reshard_skipped", reason=why)
+            a.reason = reshard.also(before, f"no reshard either: {why}")
+            return None
+        return reshard.shared(found, a.group)
 
     def _plain_sharding(self, a: Attempt) -> Sharding | None:
         """A single-rank plain skeleton of the checkpoint (every tensor whole) facing
@@ -313,7 +345,18 @@ class WeightService:
             a.reason = decision.why()
         if self.settings.strict and decision.failed:
             raise decision.strict_error(a)
-        return fall_back(self._worker, a, self._loader(a))
+        w, loader = self._worker, self._loader(a)
+        storage_phase.report(w, a)
+        stored = StorageLoad()
+        with caught(a, "load"):
+            storage_phase.load_and_hash(w, a, loader, stored)
+            a.basis = Basis.STORAGE
+        try:
+            agree(a, "storage load")
+        except BaseException as e:
+            storage_phase.failed(stored, e)
+            raise
+        return storage_phase.serve_stored(w, a, stored)
 
     def _loader(self, a: Attempt) -> StorageLoader:
         """A sharded skeleton reads only its own pieces, its ranks proving each file's
@@ -328,13 +371,26 @@ class WeightService:
         if flight.outcome == "member":
             # Named in the elected worker's roster: read and serve the share, then wait,
             # as any waiter, for its stream (reading what it spreads to us meanwhile).
-            rescues = serve_share(self._worker, a)
+            rescues = self._serve_share(a)
             try:
                 self._fly(a)
             finally:
                 if rescues is not None:
                     rescues.close()
+                    a.share_bytes = rescues.bytes
         return agree(a, "single flight")
+
+    def _serve_share(self, a: Attempt) -> Rescues | None:
+        """Member ``a.member``: announce its part's endpoint (kept in ``a.share``, ended
+        when the load ends), then read and serve the share (:func:`serve_share`)."""
+        if a.member is None:
+            return None
+        i, n = a.member
+        share = self._cohorts.open_share(a.replica(), a.log, i)
+        if share is None:
+            return None
+        a.share = share
+        return serve_share(self._worker, a, share, i, n)
 
     def _fly(self, a: Attempt) -> Flight:
         """One wait in the single flight, its findings taken into ``a`` (rank 0 keeps the
@@ -362,11 +418,20 @@ class WeightService:
         """One pass from peers (a receive, a reshard): its outcome recorded, then the vote."""
         t = _clock.perf()
         with caught(a, phase):
-            match run():
-                case Received(peer_id=peer_id):
-                    a.peer_id = peer_id
-                case NotReceived(reason=reason):
+            got = run()
+            if got.found is not None:  # the pass discovered again (a stream lost)
+                a.discovered(got.found)
+            match got:
+                case Received(peer_id=peer_id, verified=verified, checked=checked):
+                    a.peer_id, a.basis = peer_id, verified.basis
+                    if verified.truth is not None:
+                        a.truth = verified.truth
+                    if checked is not None:
+                        a.checked = checked
+                case NotReceived(reason=reason, truth=truth):
                     a.reason = reason
+                    if truth is not None:  # a stream's, awaited: a later pass need not wait
+                        a.truth = truth
         a.timings["peer"] = _clock.perf() - t
         return agree(a, what)
 

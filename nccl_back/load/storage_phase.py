@@ -7,6 +7,8 @@ unless an engine's own loader fills the skeleton. One that gathers a cooperative
 download announces its stream only once every file proved: nothing could be forwarded
 before, and a stream-fed link's stall bound would run out while the members read
 (the members and other waiters wait in the election meanwhile, the lease renewed).
+The service runs these steps around the group's round (:func:`report`,
+:func:`load_and_hash`, :func:`serve_stored`) and records what they give.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from nccl_back.errors import NcclBackError
 from nccl_back.load.attempt import Attempt, NoHolder, Worker, reason_code
 from nccl_back.load.cooperative import gather_parts
 from nccl_back.load.publish import publish_stored
-from nccl_back.load.verifier import Basis
-from nccl_back.load.vote import OK, agree, caught
+from nccl_back.load.vote import OK
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import StorageLoader, load_from_storage
 from nccl_back.model.skeleton import Model
@@ -48,27 +49,32 @@ class StorageLoad:
     """The stream it feeds (ended by the caller, also when the load failed)."""
 
 
-def fall_back(worker: Worker, a: Attempt, loader: StorageLoader) -> LoadResult:
-    """Load from storage on every rank (the reason logged), publish, serve."""
+def report(worker: Worker, a: Attempt) -> None:
+    """Count and log why every rank loads from storage (``a.reason``)."""
+    reason = a.reason
+    if reason is None:
+        return
+    code = reason_code(reason)
+    worker.metrics.record_fallback(code)
+    if a.elected and isinstance(reason, NoHolder):
+        # Nothing went wrong: the first worker of a version must download it.
+        a.log.info("first_of_version", reason=code, detail=str(reason))
+    else:
+        a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
+
+
+def failed(stored: StorageLoad, e: BaseException) -> None:
+    """The group's storage load failed (``e``): the stream it fed ends with the reason."""
+    if stored.stream is not None:
+        stored.stream.end(False, f"the download failed: {e!r}"[:300])
+
+
+def serve_stored(worker: Worker, a: Attempt, stored: StorageLoad) -> LoadResult:
+    """After every rank loaded from storage: the result; the truth and the version
+    published, the stream ended, the download's followers owed."""
     reason = a.reason
     code = reason_code(reason) if reason is not None else "other"
-    if reason is not None:
-        worker.metrics.record_fallback(code)
-        if a.elected and isinstance(reason, NoHolder):
-            # Nothing went wrong: the first worker of a version must download it.
-            a.log.info("first_of_version", reason=code, detail=str(reason))
-        else:
-            a.log.warning("fallback_to_storage", reason=code, detail=str(reason))
-    stored = StorageLoad()
-    with caught(a, "load"):
-        _load_and_hash(worker, a, loader, stored)
     stream = stored.stream
-    try:
-        agree(a, "storage load")
-    except BaseException as e:
-        if stream is not None:
-            stream.end(False, f"the download failed: {e!r}"[:300])
-        raise
     seconds = _clock.perf() - a.start
     detail = f"{code}: {reason}" if reason is not None else None
     result = LoadResult(
@@ -115,7 +121,9 @@ def _split(a: Attempt) -> tuple[int, int | None] | None:
     return None
 
 
-def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stored: StorageLoad) -> None:
+def load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stored: StorageLoad) -> None:
+    """Fill this rank's tensors from storage (an elected worker gathers its cooperative
+    download's parts and streams), then hash them: into ``stored``."""
     s = worker.settings
     t = _clock.perf()
     # An engine's own loader may rewrite tensors after loading them, and reports no
@@ -141,5 +149,4 @@ def _load_and_hash(worker: Worker, a: Attempt, loader: StorageLoader, stored: St
     t = _clock.perf()
     hashes = worker.verifier.layer_truth(a.model)
     a.timings["hash"] = _clock.perf() - t
-    a.basis = Basis.STORAGE
     stored.bytes, stored.hashes = nbytes, hashes

@@ -41,7 +41,6 @@ from nccl_back.errors import (
     WeightVerificationError,
     fallback_reason,
 )
-from nccl_back.load import verify
 from nccl_back.load.asking import Ask, Source, claimed, transfer
 from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.fill import Fill
@@ -86,7 +85,7 @@ class _Trees:
         """Trees whose part stalled: no handshake retried there (see the module docstring)."""
 
     def run(self) -> bool:
-        fill, seat, a, rx = self.fill, self.seat, self.fill.a, self.fill.a.rx
+        fill, seat, rx = self.fill, self.seat, self.fill.a.rx
         cut = split(self.steps, TREES)
         while not self.bound.spent():
             errors = Pulls(abort=False).run(
@@ -102,7 +101,7 @@ class _Trees:
                     rx.relay_error = failed[0]
                 return False
             try:
-                verify.check(fill.worker, a, self.bound.deadline)
+                fill.check(self.bound.deadline)
             except WeightVerificationError as e:
                 # Whoever sent failing bytes is never asked again and what it sent is
                 # gone: both parts resume at what they now lack.

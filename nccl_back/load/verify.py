@@ -15,6 +15,8 @@ it forwarded: its receivers cannot tell it from the member that sent it them oth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nccl_back import _clock
 from nccl_back.coord.election import DownloadLease
 from nccl_back.errors import (
@@ -23,7 +25,7 @@ from nccl_back.errors import (
     UntrustedRecordError,
     WeightVerificationError,
 )
-from nccl_back.load.attempt import Attempt, Worker
+from nccl_back.load.attempt import Attempt, Discovery, Worker
 from nccl_back.load.verifier import Basis
 from nccl_back.model import integrity
 from nccl_back.timing import VERDICT_POLL as _POLL
@@ -31,25 +33,41 @@ from nccl_back.timing import VERDICT_WAIT
 from nccl_back.transport.relay import DamagedBytes
 
 
-def check(worker: Worker, a: Attempt, deadline: float) -> None:
-    """Verify what the last transfer left in this rank's tensors (``verify`` "none":
+@dataclass(frozen=True)
+class Verified:
+    """What a check of this rank's bytes found: the truth they were compared with (None:
+    nothing to check) and how the rank knows they are the checkpoint's."""
+
+    truth: dict[str, str] | None
+    basis: Basis
+
+
+def truth_for(worker: Worker, a: Attempt, found: Discovery, truth: dict[str, str] | None,
+              deadline: float) -> dict[str, str] | None:
+    """The truth to check against: ``truth`` (what the pass knows), else, for a rank fed
+    by a stream (``found``), the one its downloader publishes (``verify`` "none": none)."""
+    if truth is None and found.stream is not None and worker.verifier.mode != "none":
+        t = _clock.perf()
+        truth = await_truth(worker, a, deadline)
+        a.timings["await_truth"] = _clock.perf() - t
+    return truth
+
+
+def check(worker: Worker, a: Attempt, found: Discovery, truth: dict[str, str] | None) -> Verified:
+    """Verify what the last transfer left in this rank's tensors against ``truth`` (None:
     nothing to check, and nothing this rank may publish as truth); :class:`DamagedBytes`
     if it fails."""
-    if a.truth is None and a.found.stream is not None and worker.verifier.mode != "none":
-        t = _clock.perf()
-        a.truth = await_truth(worker, a, deadline)
-        a.timings["await_truth"] = _clock.perf() - t
-    if a.truth is None:
-        a.basis = Basis.NONE
-        return
+    if truth is None:
+        return Verified(None, Basis.NONE)
     t = _clock.perf()
-    layers(worker, a, a.truth)
+    layers(worker, a, found, truth)
     a.timings["verify"] = _clock.perf() - t
-    a.basis = worker.verifier.basis()
+    return Verified(truth, worker.verifier.basis())
 
 
-def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:
-    """Compare the tensors' layer hashes with ``truth``; on a mismatch, never forward
+def layers(worker: Worker, a: Attempt, found: Discovery, truth: dict[str, str]) -> None:
+    """Compare the tensors' layer hashes with ``truth`` (from the sources ``found``
+    names, and relay members); on a mismatch, never forward
     what this rank holds again, discard what the guilty and suspected sources sent,
     raise :class:`DamagedBytes`."""
     seat = a.rx.seat
@@ -67,7 +85,7 @@ def layers(worker: Worker, a: Attempt, truth: dict[str, str]) -> None:
             seat.progress.fail(f"verification failed: {e}")
         sources = a.rx.sources
         blame = sources.blame(set(e.bad), integrity.layer_of)
-        blame = sources.forwarded(blame, _forwarders(worker, a, blame.guilty))
+        blame = sources.forwarded(blame, _forwarders(worker, a, found, blame.guilty))
         sources.discard(blame.sources)
         raise DamagedBytes(e, blame.guilty, blame.suspects) from e
     if first and seat is not None:
@@ -84,13 +102,13 @@ def _verdict(worker: Worker, a: Attempt, member_id: str, *, ok: bool) -> None:
         a.log.warning("relay_verdict_unwritten", ok=ok, error=str(e))
 
 
-def _forwarders(worker: Worker, a: Attempt, guilty: frozenset[str]) -> set[str]:
+def _forwarders(worker: Worker, a: Attempt, found: Discovery, guilty: frozenset[str]) -> set[str]:
     """Those of the relay members in ``guilty`` whose own check failed (their verdicts,
     awaited up to :data:`VERDICT_WAIT`): they forwarded wrong bytes they were sent. A
     holder serves only checked bytes, the stream its download: neither is asked."""
-    members = set(guilty) - {p.peer_id for p in a.found.candidates}
-    if a.found.stream is not None:
-        members.discard(a.found.stream.member_id)
+    members = set(guilty) - {p.peer_id for p in found.candidates}
+    if found.stream is not None:
+        members.discard(found.stream.member_id)
     if a.rx.seat is None or not members:
         return set()
     end = _clock.monotonic() + VERDICT_WAIT

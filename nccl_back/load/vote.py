@@ -1,16 +1,14 @@
 """The consensus between a worker's ranks at each phase boundary of a load.
 
-Every rank runs a phase inside :func:`caught` (whatever it raises becomes its vote,
-never an early exit that would leave the other ranks waiting in a collective), then
-calls :func:`agree`: each rank's code (ok / no peer at all / peer load failed /
+Every rank runs a phase inside the service's ``caught`` (whatever it raises becomes its
+vote, never an early exit that would leave the other ranks waiting in a collective),
+then calls :func:`agree`: each rank's code (ok / no peer at all / peer load failed /
 raised) reaches every rank through :func:`nccl_back.coord.consensus.gather`, and
 every rank takes the same :class:`Decision` from the same codes.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nccl_back.coord.consensus import gather
@@ -24,22 +22,12 @@ _WHAT = {NOBODY: "found no peer holding the version", FAILED: "could not load fr
 
 
 def code(a: Attempt) -> int:
-    """This rank's vote, from what its phases left in ``a``."""
+    """This rank's vote, from what the service recorded in ``a``."""
     if a.error is not None:
         return RAISED
     if a.reason is None:
         return OK
     return NOBODY if isinstance(a.reason, NoHolder) else FAILED
-
-
-@contextlib.contextmanager
-def caught(a: Attempt, phase: str) -> Iterator[None]:
-    """Run the block; whatever it raises becomes this rank's vote (``a.error``)."""
-    try:
-        yield
-    except Exception as e:
-        a.error = e
-        a.log.error("rank_failed", phase=phase, error=repr(e))
 
 
 @dataclass(frozen=True)

@@ -219,10 +219,16 @@ DRAIN_FLOOR_GBPS = 0.025
 #: Seconds a drain adds to the bytes' time: the last acknowledgement, a busy scheduler.
 DRAIN_GRACE = 0.5
 #: The most seconds a drain waits for an owed receiver (a follower of this worker's
-#: download) to ask: one that saw the weights asks within a poll or two.
-DRAIN_ARRIVAL = 1.0
+#: download) to ask at all: one that saw the weights asks within a poll or two, but a
+#: loaded machine stretched that past a second (each late one then read storage again);
+#: a follower fed by others stops counting once it loaded. One that asked is waited
+#: for until it loaded (within DRAIN_MAX).
+DRAIN_ARRIVAL = 3.0
 #: Seconds between two looks of a drain at its sends.
 DRAIN_POLL = 0.02
+#: Seconds between two looks of a drain at its owed receivers (a Redis read: which of
+#: them published the version).
+DRAIN_OWED_POLL = 0.1
 #: The most seconds a drain waits for sends in flight: an engine's shutdown grace is a
 #: few seconds, and a receiver told to move on loses less than a stall bound.
 DRAIN_MAX = 5.0

@@ -35,7 +35,15 @@ from nccl_back.transport import (
 )
 from nccl_back.transport.pacing import Pacer
 from nccl_back.transport.relay import Member, Progress, RelayServer
-from nccl_back.transport.send import DRAIN_FLOOR_GBPS, DRAIN_GRACE, DRAIN_MAX, drain_bound
+from nccl_back.transport.send import (
+    DRAIN_ARRIVAL,
+    DRAIN_FLOOR_GBPS,
+    DRAIN_GRACE,
+    DRAIN_MAX,
+    Owed,
+    drain,
+    drain_bound,
+)
 
 import workers
 
@@ -54,6 +62,35 @@ def test_the_drain_bound_is_the_bytes_left_at_the_slower_rate_plus_a_grace_cappe
     assert drain_bound(10**6, capped) == pytest.approx(DRAIN_GRACE + 1.0)
     assert drain_bound(10**6, Settings(max_send_gbps=100.0)) == drain_bound(10**6, s)
     assert drain_bound(10**12, s) == DRAIN_MAX
+
+
+def test_an_owed_receiver_that_asked_is_awaited_until_it_loaded() -> None:
+    """Owed.awaited: one that asked and has not loaded is waited for past DRAIN_ARRIVAL (it
+    may ask again: another part, a retry); one that never asked only within it; a loaded
+    one not at all."""
+    asked: set[str] = set()
+    loaded: set[str] = set()
+    owed = Owed(frozenset({"f"}), lambda: set(asked), lambda ws: loaded & ws)
+    assert owed.awaited(0.0) and not owed.awaited(DRAIN_ARRIVAL)
+    asked.add("f")
+    assert owed.awaited(0.0) and owed.awaited(DRAIN_ARRIVAL + 1)
+    loaded.add("f")
+    assert not owed.awaited(0.0)
+
+
+def test_a_drain_with_nothing_in_flight_waits_for_an_owed_receiver_that_asked() -> None:
+    """With no send in flight, a drain still waits for an owed receiver that asked and has
+    not loaded (its next request may be on its way), returning once it loaded; one that
+    never loads is given up at DRAIN_MAX."""
+    began = time.monotonic()
+    owed = Owed(frozenset({"f"}), lambda: {"f"},
+                lambda ws: set(ws) if time.monotonic() - began > 0.6 else set())
+    assert drain([], Settings(), get_logger("test"), owed) == 0
+    assert 0.6 <= time.monotonic() - began < 2.0
+    began = time.monotonic()
+    assert drain([], Settings(), get_logger("test"), Owed(frozenset({"f"}), lambda: {"f"},
+                                                          lambda ws: set())) == 0
+    assert DRAIN_MAX <= time.monotonic() - began < DRAIN_MAX + 1.0
 
 
 @pytest.mark.timeout(120)

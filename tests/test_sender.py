@@ -23,6 +23,7 @@ from nccl_back.load.service import WeightService
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.scheme import SCHEME
 from nccl_back.model.skeleton import build
+from nccl_back.transport.sender import worker_of
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -84,6 +85,23 @@ def test_close_racing_the_heartbeat_leaves_no_entry(settings: Settings, ckpt: st
 
 
 @pytest.mark.timeout(30)
+def test_loaded_names_the_workers_that_publish_what_this_worker_serves(
+    settings: Settings, ckpt: str, registry: Registry
+) -> None:
+    """PeerServer.loaded: of the workers asked about, those with an entry for a version this
+    worker serves at its rank (a close stops waiting for them); its own entry names itself."""
+    spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)
+    with WeightService(settings, worker_id="holder-1") as holder, \
+            WeightService(settings, worker_id="follower-r2-x") as follower:
+        info = holder.serve(build(TinyTransformer), spec)
+        server = holder._server
+        assert server.loaded({"follower-r2-x", "late"}) == set()
+        follower.serve(build(TinyTransformer), spec)
+        assert server.loaded({"follower-r2-x", "late"}) == {"follower-r2-x"}
+        assert server.loaded({"holder-1"}) == {"holder-1"}
+        assert worker_of(info.peer_id) == "holder-1"
+
+
 def test_queued_send_after_withdraw_is_refused(settings: Settings, ckpt: str, registry: Registry) -> None:
     """A request queued behind a busy send slot is refused once the worker withdrew, never served."""
     spec = ModelSpec.from_dir(ckpt, cache_dir=settings.cache_dir)

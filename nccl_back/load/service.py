@@ -52,7 +52,7 @@ from nccl_back.model.sharding import Sharding, sharding
 from nccl_back.model.skeleton import Model, manifest
 from nccl_back.result import LoadResult
 from nccl_back.transport import relay
-from nccl_back.transport.send import drain
+from nccl_back.transport.send import Owed, drain
 from nccl_back.transport.sender import PeerServer
 
 __all__ = ["StorageLoader", "WeightService"]
@@ -189,9 +189,10 @@ class WeightService:
         ``max_send_gbps`` where lower, plus half a second; at most ``DRAIN_MAX``, 5 s),
         then aborts whatever remains, each receiver told at once (it moves on without
         waiting out its stall bound). The followers of a download this worker was elected
-        to, which wait for it alone, are served if they ask within ``DRAIN_ARRIVAL`` (1 s)
-        while their time to ask lasts (the stream's linger). With nothing in flight or
-        owed it waits for nothing.
+        to, which wait for it alone, are served while their time to ask lasts (the
+        stream's linger): each until it loaded (it may ask again, for another part or
+        after a transfer it gave up), one that never asks for ``DRAIN_ARRIVAL`` (3 s);
+        all within ``DRAIN_MAX``. With nothing in flight or owed it waits for nothing.
 
         Once it returns, no registry entry of this worker reappears.
         """
@@ -202,11 +203,9 @@ class WeightService:
         owed = frozenset() if self._server.withdrawn else self._server.owed()
         self._server.withdraw(serving=owed)
         sends = self._server.sends + self._cohorts.withdraw(owed)
-
-        def awaited() -> bool:  # an owed receiver that has not asked yet
-            return bool(owed - self._server.askers - self._cohorts.askers())
-
-        drain(sends, self.settings, self._log, awaited if owed else None)
+        drain(sends, self.settings, self._log, Owed(
+            owed, lambda: self._server.askers | self._cohorts.askers(), self._server.loaded,
+        ) if owed else None)
         self._cohorts.close(self.settings.redis_timeout + 1)
         self._server.close()
         with contextlib.suppress(Exception):

@@ -28,7 +28,14 @@ from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, NcclBackError, RegistryError, fallback_reason
 from nccl_back.metrics import Metrics
-from nccl_back.timing import DRAIN_ARRIVAL, DRAIN_FLOOR_GBPS, DRAIN_GRACE, DRAIN_MAX, DRAIN_POLL
+from nccl_back.timing import (
+    DRAIN_ARRIVAL,
+    DRAIN_FLOOR_GBPS,
+    DRAIN_GRACE,
+    DRAIN_MAX,
+    DRAIN_OWED_POLL,
+    DRAIN_POLL,
+)
 from nccl_back.transport.broadcast import TransferStats, moved_bytes, payload_bytes, send_tensors
 from nccl_back.transport.channel import Rendezvous, Transport
 from nccl_back.transport.pacing import Pacer
@@ -131,22 +138,46 @@ def drain_bound(nbytes: int, settings: Settings) -> float:
     return min(DRAIN_MAX, DRAIN_GRACE + nbytes / (gbps * 1e9))
 
 
-def drain(sends: Iterable[Sends], settings: Settings, log: Any,
-          awaited: Callable[[], bool] | None = None) -> int:
+@dataclass
+class Owed:
+    """The receivers a closing worker still serves (the followers of its download) and
+    what it can learn of them."""
+
+    receivers: frozenset[str]
+    asked: Callable[[], set[str]]
+    """Those that asked one of its endpoints so far."""
+    loaded: Callable[[frozenset[str]], set[str]]
+    """Those of the given ones that hold the version now (published it)."""
+
+    def awaited(self, elapsed: float) -> bool:
+        """Whether one is still to be served ``elapsed`` seconds into the drain: one that
+        asked and has not loaded may ask again (for another part, or after a transfer it
+        gave up, a tree parent that moved), so it is waited for; one that never asked, for
+        :data:`DRAIN_ARRIVAL`."""
+        left = self.receivers - self.loaded(self.receivers)
+        if not left:
+            return False
+        asked = self.asked()
+        return bool(left & asked) or (elapsed < DRAIN_ARRIVAL and bool(left - asked))
+
+
+def drain(sends: Iterable[Sends], settings: Settings, log: Any, owed: Owed | None = None) -> int:
     """Let the sends of withdrawn endpoints finish, then abort the rest and refuse later
     requests; how many were aborted.
 
-    Sends get :func:`drain_bound` of their bytes left from when each began; an owed
-    receiver that has not asked (``awaited()``) gets up to :data:`DRAIN_ARRIVAL`. Never
-    more than :data:`DRAIN_MAX`.
+    Sends get :func:`drain_bound` of their bytes left from when each began; ``owed``
+    receivers still to be served (:meth:`Owed.awaited`, looked at every
+    :data:`DRAIN_OWED_POLL`) are waited for. Never more than :data:`DRAIN_MAX`.
     """
     sends = list(sends)
     start = _clock.monotonic()
     deadline, flying, said = start, 0, False
+    looked, waiting = start - DRAIN_OWED_POLL, False
     while True:
         now = _clock.monotonic()
         n = sum(s.in_flight for s in sends)
-        waiting = awaited is not None and now < start + DRAIN_ARRIVAL and awaited()
+        if owed is not None and now - looked >= DRAIN_OWED_POLL:
+            looked, waiting = now, owed.awaited(now - start)
         if n > flying:  # a send began (an owed receiver asked): its bytes' bound from now
             left = sum(s.bytes_left() for s in sends)
             deadline = max(deadline, now + drain_bound(left, settings))

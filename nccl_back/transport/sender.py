@@ -53,6 +53,11 @@ QUEUE_PER_SLOT = 4
 SHARED_SENDS = 8
 
 
+def worker_of(peer_id: str) -> str:
+    """The worker an entry's ``peer_id`` (``{worker}-r{rank}-{4 hex}``) belongs to."""
+    return peer_id.rsplit("-", 2)[0]
+
+
 @dataclass
 class _Served:
     """A model this worker holds and serves."""
@@ -178,6 +183,18 @@ class PeerServer:
         """Whether :meth:`withdraw` ran (nothing of this worker is published any more)."""
         return self._stop.is_set()
 
+    def loaded(self, workers: Collection[str]) -> set[str]:
+        """Those of ``workers`` that now publish a version this worker serves, at its rank:
+        they hold it and ask for nothing more. Redis trouble: all of them (nothing known
+        to wait for)."""
+        got: set[str] = set()
+        try:
+            for where in {(p.version, p.rank, p.world_size) for p in self.peers}:
+                got.update(worker_of(p.peer_id) for p in self.registry.find_peers(*where))
+        except RegistryError:
+            return set(workers)
+        return got & set(workers)
+
     def owed(self) -> frozenset[str]:
         """The receivers still owed a send (:meth:`owe`) whose time to ask has not passed."""
         now = _clock.monotonic()
@@ -220,7 +237,7 @@ class PeerServer:
         device = model_device(model)
         kind = resolve_kind(self.settings, device)
         rv = self.rendezvous(kind, device)
-        peer_id = f"{self.worker_id}-r{rank}-{uuid.uuid4().hex[:4]}"
+        peer_id = f"{self.worker_id}-r{rank}-{uuid.uuid4().hex[:4]}"  # see worker_of
         info = PeerInfo(
             peer_id=peer_id, version=version, rank=rank, world_size=world,
             manifest_digest=man.digest, transport=kind, address=rv.address, source=source,

@@ -130,7 +130,16 @@ class _Trees:
     def _part(self, mine: list[int], tree: int, _started: object) -> None:
         """Tree ``tree``'s part (the step indices ``mine``) from this seat's upstreams in
         that tree, nearest first, then the cohort's source; raises :class:`PeerError`
-        once none is left."""
+        once none is left, and then this seat forwards nothing more: the seat below it
+        in the other tree, which this seat may itself wait on there (both roots' source
+        failed: a stream refused), moves on at once, not after its stall bound."""
+        try:
+            self._walk(mine, tree)
+        except (PeerError, RegistryError) as e:
+            self.seat.progress.fail(f"tree {tree}: {e}"[:300])
+            raise
+
+    def _walk(self, mine: list[int], tree: int) -> None:
         seat, s, rx = self.seat, self.fill.worker.settings, self.fill.a.rx
         leaf = seat.position % TREES != tree  # grown(): seat p is interior in tree p % 2
         while rx.sources.lacking(mine) is not None:

@@ -293,7 +293,8 @@ class InstallResult:
 
 
 @contextlib.contextmanager
-def _open_way(root_fd: int, root: str, parts: Sequence[str], *, create: bool) -> Iterator[list[int]]:
+def _open_way(root_fd: int, root: str, parts: Sequence[str], *,
+              create: bool) -> Iterator[list[int]]:
     """Descriptors of each directory of ``parts`` under ``root_fd``, made when missing
     (``create``), every one checked, all closed on exit (with any the caller appends);
     UntrustedPathError for a symlink or one that is not trusted. Stops (shorter list) at

@@ -1,4 +1,4 @@
-"""Safetensors checkpoints: headers, the shard index, and a skeleton built from headers.
+"""Safetensors checkpoints: headers in torch's dtypes and shapes, and a skeleton built from headers.
 
 Headers are parsed by :mod:`nccl_back.model.safetensors_format` (the reference library's
 rules, without torch); here their dtypes and shapes become torch's, as

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from nccl_back.caches import artifact_transfer as flow
 from nccl_back.config import Settings
 from nccl_back.errors import ArtifactError
-from nccl_back.model import artifact_sets as artifacts
+from nccl_back.model import trusted_tree
 from nccl_back.model.artifact_sets import (
     MAX_FILES,
     MAX_PART_BYTES,
@@ -232,7 +232,7 @@ def test_a_failed_install_leaves_no_partial_unit(tmp_path: Path) -> None:
     data = bytearray(b"abcdef")
     man = ArtifactManifest(("u",), tuple(files), set_digest(KEY, units, files, data))
     dst.mkdir()
-    real_write = artifacts._write
+    real_write = trusted_tree.write_file
     calls = []
 
     def failing(parent: int, name: str, blob: memoryview) -> None:
@@ -241,12 +241,12 @@ def test_a_failed_install_leaves_no_partial_unit(tmp_path: Path) -> None:
             raise OSError("disk full")
         real_write(parent, name, blob)
 
-    artifacts._write = failing  # type: ignore[assignment]
+    trusted_tree.write_file = failing  # type: ignore[assignment]
     try:
         with pytest.raises(OSError, match="disk full"):
             install(str(dst), man, data, KEY)
     finally:
-        artifacts._write = real_write  # type: ignore[assignment]
+        trusted_tree.write_file = real_write  # type: ignore[assignment]
     assert list(dst.iterdir()) == []
 
 

@@ -26,7 +26,6 @@ from nccl_back.errors import CheckpointFormatError, NcclBackError
 from nccl_back.model import safetensors_format as fmt
 from nccl_back.model.checkpoint import parse_header
 from nccl_back.model.identity import ModelSpec
-from nccl_back.model.index import parse_index
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -192,7 +191,7 @@ def test_the_shard_index_is_a_map_of_plain_file_names_or_a_format_error(
     doc = {"metadata": {}, "weight_map": weight_map} if wrap else weight_map
     data = json.dumps(doc).encode()
     try:
-        got = parse_index(data, "idx.json")
+        got = fmt.parse_index(data, "idx.json")
     except CheckpointFormatError as e:
         assert str(e).startswith("idx.json: ")
         return

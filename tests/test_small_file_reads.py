@@ -21,7 +21,7 @@ from nccl_back.dev.s3_emulator import LocalS3
 from nccl_back.errors import CheckpointFormatError
 from nccl_back.model.gcs import GcsObjects
 from nccl_back.model.identity import MAX_CONFIG_BYTES, ModelSpec
-from nccl_back.model.index import INDEX_NAME, MAX_INDEX_BYTES
+from nccl_back.model.safetensors_format import INDEX_NAME, MAX_INDEX_BYTES
 from nccl_back.model.storage import Storage
 
 from models import TinyTransformer, fill_random, write_checkpoint

@@ -1,13 +1,5 @@
-"""``compile_cache``: a ``torch.compile`` user's inductor cache, shared with the fleet.
-
-One call around the first run of a compiled program::
-
-    import nccl_back
-
-    compiled = torch.compile(model)
-    with nccl_back.compile_cache("llama-8b-bf16-max-autotune") as got:
-        compiled(example)            # compiles: from a peer's kernels if one published them
-    print(got.ok, got.reason)        # whether the cache came from a peer, or why not
+"""``compile_cache``: a ``torch.compile`` user's inductor cache, shared with the fleet
+(usage, trust rules and bounds: docs/compile-caches.md).
 
 On entry the set published under this key is fetched from a live peer into inductor's
 cache directory (``TORCHINDUCTOR_CACHE_DIR``, else torch's default), with the
@@ -16,21 +8,12 @@ directory, where inductor looks: ~150 MB each, seconds of compiler time to rebui
 a clean exit after a miss, this process publishes its own (and the headers it used, if
 none came) and serves them until it exits. The key is ``name``, torch's version and
 torch's inductor key (``torch_key``: its code and system); torch's FX-graph cache keys
-still decide each hit, so a stale set is only a miss. The rest is
-:mod:`.artifact_transfer`'s: the fleet secret required, the keyed digest checked before
-any write, nothing written over a local cache (a top-level entry that exists locally is
-kept: give each program its own ``TORCHINDUCTOR_CACHE_DIR`` to share all of it).
+still decide each hit, so a stale set is only a miss. Transfer, digest and what is
+written: :mod:`.artifact_transfer`; which files are trusted: :mod:`nccl_back.model.trusted_tree`.
 
-Only what no other local user can have written travels, and nothing is installed where
-one could (:mod:`nccl_back.model.trusted_tree`): a cache directory created by someone
-else first, or writable by group or others (torch's default
-``$TMPDIR/torchinductor_<user>`` is guessable), is neither published nor written into;
-a unit with a file another user owns or can write is left out whole (logged).
-
-Every wait is bounded: the headers fetch runs in the background, and inductor (before
-it looks for a header) and the block's end wait for it at most ``artifact_wait`` after
-it began, in total; past it the fetch is a miss ("timed out") and inductor builds its
-headers itself. Blocks may run at once (two models, two threads).
+Every wait is bounded: inductor (before it looks for a header) and the block's end wait
+for the background headers fetch at most ``artifact_wait`` after it began, in total;
+past it the fetch is a miss ("timed out") and inductor builds its headers itself.
 """
 
 from __future__ import annotations

@@ -48,10 +48,7 @@ class LocalSentinel(Started):
 
     def master_port(self) -> int:
         """The port of the server the sentinels currently name as master."""
-        import redis
-
-        with redis.Redis(port=self.sentinels[0].port, password=self.sentinel_password,
-                         decode_responses=True) as s:
+        with self._sentinel_client(self.sentinels[0]) as s:
             return int(s.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)[1])
 
     def master(self) -> LocalRedis:
@@ -145,8 +142,6 @@ class LocalSentinel(Started):
         return state["port"]
 
     def start(self, timeout: float = 30.0) -> LocalSentinel:
-        import redis
-
         try:
             master = LocalRedis(password=self.password).start()
             self.servers.append(master)
@@ -171,7 +166,6 @@ class LocalSentinel(Started):
                               f"sentinel sentinel-pass {self.sentinel_password}"]
                 conf.write_text("\n".join(lines) + "\n")  # sentinel rewrites its config file
                 sentinel = LocalRedis(port=port)
-                sentinel.extra = [str(conf), "--sentinel"]
                 self.sentinels.append(sentinel)
                 # `redis-server FILE --sentinel`: the config file comes first, so not start().
                 sentinel._spawn([redis_server_binary(), str(conf), "--sentinel"],
@@ -179,8 +173,7 @@ class LocalSentinel(Started):
 
             def ready() -> bool:
                 for s in self.sentinels:
-                    with redis.Redis(port=s.port, password=self.sentinel_password,
-                                     decode_responses=True) as c:
+                    with self._sentinel_client(s) as c:
                         replicas = c.execute_command("SENTINEL REPLICAS", self.service)
                         others = c.execute_command("SENTINEL SENTINELS", self.service)
                         if len(replicas) != 1 or len(others) != 2:

@@ -67,6 +67,8 @@ class TokenBucket:
 
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+#: An upstream answer: status, reason, headers, body.
+_Response = tuple[int, str, list[tuple[str, str]], bytes]
 
 
 class GetCache:
@@ -76,13 +78,11 @@ class GetCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[str, str], tuple[int, str, list[tuple[str, str]], bytes]] = {}
+        self._entries: dict[tuple[str, str], _Response] = {}
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def get(
-        self, key: tuple[str, str], fetch: Callable[[], tuple[int, str, list[tuple[str, str]], bytes]]
-    ) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    def get(self, key: tuple[str, str], fetch: Callable[[], _Response]) -> _Response:
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:  # concurrent requests for one key wait for the first fetch
@@ -122,7 +122,7 @@ def make_handler(
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
             started = False
             try:
-                def fetch() -> tuple[int, str, list[tuple[str, str]], bytes]:
+                def fetch() -> _Response:
                     conn = http.client.HTTPConnection(host, port, timeout=_UPSTREAM_TIMEOUT)
                     try:
                         conn.request(self.command, self.path, body=body, headers=headers)
@@ -174,9 +174,7 @@ def make_handler(
     return Handler
 
 
-def _slice(
-    headers: list[tuple[str, str]], data: bytes, first: int, last: str
-) -> tuple[int, str, list[tuple[str, str]], bytes]:
+def _slice(headers: list[tuple[str, str]], data: bytes, first: int, last: str) -> _Response:
     """The 206 answer to ``Range: bytes=first-last`` from the whole object's response."""
     end = min(int(last) + 1 if last else len(data), len(data))
     if first >= len(data):

@@ -1,12 +1,9 @@
-"""vLLM adapter: the ``nccl_back`` load format (docs/vllm.md).
+"""vLLM adapter: the ``nccl_back`` load format (docs/vllm.md: use, settings, limits).
 
-Installing nccl-back registers it through vLLM's ``vllm.general_plugins`` entry point
-(:func:`register`, called in every process vLLM starts)::
-
-    NCCL_BACK_REDIS_URL=redis://... vllm serve /models/llama --load-format nccl_back
-
-Settings come from ``NCCL_BACK_*`` and ``--model-loader-extra-config`` (JSON, Settings
-fields, winning), validated when vLLM builds the loader, before any weight is read.
+Registered through vLLM's ``vllm.general_plugins`` entry point (:func:`register`, called
+in every process vLLM starts). Settings (``NCCL_BACK_*``, then
+``--model-loader-extra-config``) are validated when vLLM builds the loader, before any
+weight is read.
 
 What travels is the module as vLLM's checkpoint load leaves it (fused, TP-sharded, in
 the engine's dtype), filled from a peer or by vLLM's ``DefaultModelLoader``;

@@ -5,22 +5,12 @@ kernels in it, ``modelinfos``) travel between peers as an *artifact set*: the by
 its files back to back (one ``uint8`` tensor on the wire) and a bounded
 :class:`ArtifactManifest` naming each file by a relative, normalised path with its
 size, plus a keyed digest (HMAC-SHA256 under the fleet secret) over every path, size
-and byte. Compiled kernels are shared libraries the engine loads and runs, so:
-
-* a manifest read from outside is parsed into bounds (:func:`parse_manifest`): at most
-  :data:`MAX_FILES` files, paths relative, ``/``-separated, normalised (no ``.``,
-  ``..``, empty parts, NUL or backslash), each part at most :data:`MAX_PART_BYTES`
-  bytes, the whole at most :data:`MAX_PATH_CHARS` characters;
-* :func:`collect` publishes only files no other local user can have written
-  (:mod:`nccl_back.model.trusted_tree`): a root that is not trusted publishes nothing,
-  and a unit with anything untrusted on its way or in it is left out whole (logged);
-* :func:`install` checks the digest over the received bytes *before* anything is
-  written, writes only into trusted directories (a planted or shared one, or a
-  symlink, is refused), only regular files (``O_EXCL | O_NOFOLLOW``, through
-  descriptors of checked directories) into a fresh temporary directory next to the
-  destination, and moves each *unit* (a top-level directory or file of the set) into
-  place with one rename or link: a unit that already exists locally is kept, never
-  overwritten or merged into, and a unit is there whole or not at all.
+and byte. Compiled kernels are shared libraries the engine loads and runs, so a
+manifest read from outside is parsed into bounds (:func:`parse_manifest`), only files
+no other local user can have written are published (:func:`collect`), and a set is
+installed only once its digest passed, only into trusted directories, each *unit* (a
+top-level directory or file of the set) whole or not at all and never over a local one
+(:func:`install`).
 
 A set that did not arrive whole never reaches :func:`install` (the receive fails
 first), so a holder dying mid-transfer leaves nothing behind.
@@ -36,7 +26,7 @@ import os
 import posixpath
 import secrets
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,8 +234,7 @@ class _Collector:
         """The unit's files (none if it is absent); UntrustedPathError if anything on its
         way or in it is not trusted."""
         *way, name = unit.split("/")
-        fds = _open_way(root_fd, self.root, way, create=False)
-        try:
+        with _open_way(root_fd, self.root, way, create=False) as fds:
             if len(fds) < len(way):  # a directory on its way is absent
                 return
             fd = fds[-1] if fds else root_fd
@@ -260,9 +249,6 @@ class _Collector:
                 if sub is not None:
                     fds.append(sub)
                     self.tree(sub, unit)
-        finally:
-            for f in fds:
-                os.close(f)
 
 
 def collect(root: str, units: Sequence[str], key: bytes, max_bytes: int, *,
@@ -306,14 +292,13 @@ class InstallResult:
     """Units that already existed locally (a local cache wins) or appeared meanwhile."""
 
 
-def _write(parent: int, name: str, blob: memoryview) -> None:
-    trusted_tree.write_file(parent, name, blob)
-
-
-def _open_way(root_fd: int, root: str, parts: Sequence[str], *, create: bool) -> list[int]:
+@contextlib.contextmanager
+def _open_way(root_fd: int, root: str, parts: Sequence[str], *,
+              create: bool) -> Iterator[list[int]]:
     """Descriptors of each directory of ``parts`` under ``root_fd``, made when missing
-    (``create``), every one checked; UntrustedPathError for a symlink or one that is
-    not trusted. Stops (shorter list) at a missing one when not ``create``."""
+    (``create``), every one checked, all closed on exit (with any the caller appends);
+    UntrustedPathError for a symlink or one that is not trusted. Stops (shorter list) at
+    a missing one when not ``create``."""
     fds: list[int] = []
     fd = root_fd
     try:
@@ -324,11 +309,10 @@ def _open_way(root_fd: int, root: str, parts: Sequence[str], *, create: bool) ->
                 break
             fds.append(sub)
             fd = sub
-    except BaseException:
+        yield fds
+    finally:
         for f in fds:
             os.close(f)
-        raise
-    return fds
 
 
 def _stage(tmp_fd: int, root: str, unit: str, man: ArtifactManifest, view: memoryview) -> None:
@@ -339,12 +323,8 @@ def _stage(tmp_fd: int, root: str, unit: str, man: ArtifactManifest, view: memor
         if _unit_of(f.path, [unit]) is None:
             continue
         *way, name = f.path.split("/")[skip:]
-        fds = _open_way(tmp_fd, root, way, create=True)
-        try:
-            _write(fds[-1] if fds else tmp_fd, name, view[at:at + f.size])
-        finally:
-            for fd in fds:
-                os.close(fd)
+        with _open_way(tmp_fd, root, way, create=True) as fds:
+            trusted_tree.write_file(fds[-1] if fds else tmp_fd, name, view[at:at + f.size])
 
 
 def check_destination(root: str) -> None:
@@ -386,11 +366,11 @@ def install(root: str, man: ArtifactManifest, data: bytes | bytearray | memoryvi
 def _install_unit(root_fd: int, root: str, unit: str, man: ArtifactManifest, view: memoryview,
                   out: InstallResult) -> None:
     *way, name = unit.split("/")
-    try:  # each directory is checked before anything is made under it
-        fds = _open_way(root_fd, root, way, create=True)
-    except UntrustedPathError as e:
-        raise UntrustedPathError(f"artifact unit {unit[:80]!r}: {e}; not installed") from e
-    try:
+    with contextlib.ExitStack() as stack:
+        try:  # each directory is checked before anything is made under it
+            fds = stack.enter_context(_open_way(root_fd, root, way, create=True))
+        except UntrustedPathError as e:
+            raise UntrustedPathError(f"artifact unit {unit[:80]!r}: {e}; not installed") from e
         parent = fds[-1] if fds else root_fd
         try:
             os.stat(name, dir_fd=parent, follow_symlinks=False)
@@ -418,6 +398,3 @@ def _install_unit(root_fd: int, root: str, unit: str, man: ArtifactManifest, vie
                 os.close(tmp_fd)
         finally:
             trusted_tree.remove_tree(parent, tmp)
-    finally:
-        for fd in fds:
-            os.close(fd)

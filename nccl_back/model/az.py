@@ -1,16 +1,7 @@
 """The ``az://container/prefix`` storage backend: Azure Blob Storage through the official
-``azure-storage-blob`` client (``azure-identity`` for the credential chain).
-
-Configured the way Azure users already configure the SDK and the Azure CLI:
-
-- ``AZURE_STORAGE_CONNECTION_STRING`` wins when set (account, key or SAS, endpoint:
-  ``BlobEndpoint=`` for an emulator, ``EndpointSuffix=`` for a sovereign cloud).
-- Else the account, ``AZURE_STORAGE_ACCOUNT`` (or ``AZURE_STORAGE_ACCOUNT_NAME``, as
-  adlfs and Run:ai's streamer name it), at ``AZURE_STORAGE_SERVICE_ENDPOINT`` (the Azure
-  CLI's; default ``https://<account>.blob.core.windows.net``), with
-  ``AZURE_STORAGE_KEY`` (or ``AZURE_STORAGE_ACCOUNT_KEY``), else ``AZURE_STORAGE_SAS_TOKEN``,
-  else ``DefaultAzureCredential`` (workload identity on AKS, managed identity, the
-  environment's service principal, the Azure CLI's login).
+``azure-storage-blob`` client (``azure-identity`` for the credential chain), configured
+as the Azure SDK and CLI are, with the variable names adlfs and Run:ai's streamer use as
+aliases (:meth:`AzureBlobs._make_client`; docs/getting-started.md).
 
 Requests: connect and read timeouts, the SDK's own retries off, ours
 (:func:`~nccl_back.model.storage.with_retries`) on 429, 5xx, ``ServerBusy`` and

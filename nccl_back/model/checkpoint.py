@@ -1,4 +1,4 @@
-"""Safetensors checkpoints: headers, the shard index, and a skeleton built from headers.
+"""Safetensors checkpoints: headers in torch's dtypes and shapes, and a skeleton built from headers.
 
 Headers are parsed by :mod:`nccl_back.model.safetensors_format` (the reference library's
 rules, without torch); here their dtypes and shapes become torch's, as
@@ -26,8 +26,8 @@ from torch import nn
 from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, SkeletonError
 from nccl_back.model import safetensors_format as fmt
-from nccl_back.model.index import INDEX_NAME as INDEX_NAME  # re-exported; index.py needs no torch
 from nccl_back.model.safetensors_format import HEADER_PROBE_BYTES as HEADER_PROBE_BYTES
+from nccl_back.model.safetensors_format import INDEX_NAME as INDEX_NAME
 from nccl_back.model.skeleton import Manifest, TensorEntry, dtype_from_name, dtype_name, flat_layout
 from nccl_back.model.storage import Shard, Storage
 

@@ -31,7 +31,7 @@ from nccl_back import bounded_json
 from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, ConfigError, ShardNotFoundError
 from nccl_back.model.crc_cache import Opener
-from nccl_back.model.index import INDEX_NAME, MAX_INDEX_BYTES, parse_index
+from nccl_back.model.safetensors_format import INDEX_NAME, MAX_INDEX_BYTES, parse_index
 from nccl_back.model.storage import LocalFiles, Location, ObjectInfo, Shard, Storage, parse_uri
 
 __all__ = ["ModelSpec", "Shard"]

@@ -353,16 +353,15 @@ def load_from_storage(
     local = [s for s in shards if parse_uri(s.uri).is_local]
     remote = [s for s in shards if not parse_uri(s.uri).is_local]
     waited = 0.0
+    headers_by_uri = {h.uri: h for h in headers}
     if local:
         # copy_ releases the GIL: shards copy in parallel.
         workers = min(settings.storage_workers, len(local))
-        headers_by_uri = {h.uri: h for h in headers}
         with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-load") as pool:
             for f in [pool.submit(_load_local, s, plan[s.uri], headers_by_uri[s.uri], tracker)
                       for s in local]:
                 f.result()
     if remote:
-        headers_by_uri = {h.uri: h for h in headers}
         downloads = storage.download_many(remote, on_bytes=on_download)
         try:
             while True:

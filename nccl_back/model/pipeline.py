@@ -1,25 +1,16 @@
-"""Diffusers pipelines: component skeletons from their configs, and the pipeline around them.
+"""Diffusers pipelines: component skeletons from their configs, and the pipeline around
+them (docs/diffusers.md).
 
-A diffusers pipeline folder (``model_index.json`` and one folder per component) is one
-:class:`~nccl_back.model.identity.ModelSpec`; its weighted components load as one *skeleton
-map*, ``{"unet": unet, "vqvae": vq}``, through :meth:`WeightService.load` (all of a
-rank's components in one peer transfer, or each from its own files). A pipeline rank
-passes only the components it holds.
+A pipeline folder is one :class:`~nccl_back.model.identity.ModelSpec`; its weighted
+components load as one *skeleton map*, ``{"unet": unet, "vqvae": vq}``, of which a
+pipeline rank passes only the components it holds.
 
-:func:`component_skeleton` builds a component without running its weight
-initialisation and without reading its weights: the component's class (from
-``model_index.json``) is constructed from its ``config.json`` (``from_config`` for
-diffusers models, the config class for transformers models) under
-:func:`nccl_back.model.skeleton.build`: parameters on ``meta`` while it runs, then one
-allocation for the whole component.
-
-Constructors that load weights eagerly (a component that calls ``from_pretrained``
-or ``load_state_dict`` on a sub-model in its ``__init__``) run under the same rule: the
-parameters they fill are on ``meta``, so what they load is dropped without an
-allocation (PyTorch treats a copy into a meta parameter as a no-op), and the real
-values arrive with the transfer or the storage load like any other tensor. Only their
-file reads would remain: pass ``factory=`` to build such a component with its own
-skip-loading switch, under the same meta-parameter rule.
+:func:`component_skeleton` builds a component (its class named by ``model_index.json``)
+from its ``config.json`` (``from_config`` for diffusers models, the config class for
+transformers models) under :func:`nccl_back.model.skeleton.build`: no weight
+initialisation, no weight read. A constructor that loads weights eagerly loads them
+into ``meta`` parameters, a copy PyTorch treats as a no-op, so only its file reads
+remain (``factory=`` with the component's own skip-loading switch avoids those).
 
 diffusers (and transformers, for transformers components) are imported only here and
 only inside functions: ``pip install 'nccl-back[diffusers]'``.

@@ -1,20 +1,11 @@
 """The ``s3://bucket/prefix`` storage backend, through ``boto3``: AWS S3 or any
-S3-compatible store (MinIO, Cloudflare R2, Ceph).
+S3-compatible store (MinIO, Cloudflare R2, Ceph), configured as boto3 always is, plus
+``Settings.s3_endpoint_url`` (endpoint, credentials, region: docs/getting-started.md).
 
-What a user of those expects, and nothing of our own beyond one setting:
-
-- Endpoint: ``Settings.s3_endpoint_url`` (``NCCL_BACK_S3_ENDPOINT_URL``), else boto3's
-  own configuration: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``endpoint_url`` in
-  the AWS config file; else AWS. A custom endpoint is addressed path-style.
-- Credentials: boto3's standard chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
-  ``AWS_PROFILE`` and the shared files, web identity as on EKS, container and instance
-  roles). Region: ``AWS_REGION``/``AWS_DEFAULT_REGION`` or the profile's.
-- Requests: connect and read timeouts, botocore's own retries off, ours
-  (:func:`~nccl_back.model.storage.with_retries`) on 429, 5xx, ``SlowDown`` and
-  connection errors; waits go through :mod:`nccl_back._clock`.
-
-CRC32C: a listing gives sizes and ETags but no checksum values, so each object is
-asked once (HeadObject, ``ChecksumMode=ENABLED``). A composite ``ChecksumCRC32C`` (a
+Requests: connect and read timeouts, botocore's own retries off, ours
+(:func:`~nccl_back.model.storage.with_retries`) on 429, 5xx, ``SlowDown`` and
+connection errors. CRC32C: a listing gives no checksum values, so each object is asked
+once (HeadObject, ``ChecksumMode=ENABLED``). A composite ``ChecksumCRC32C`` (a
 multipart upload's, ``...-N``) is no CRC32C of the object and counts as absent: then
 it is computed and cached as :mod:`~nccl_back.model.object_store` says.
 

@@ -24,8 +24,9 @@ One rule is ours, not the reference's: torch's sizes are int64, so a dimension, 
 contiguous stride or an element count over 2**63 - 1 is refused here (the reference
 opens ``[0, 2**63]``; no tensor can have that shape).
 
-This module needs no torch, so ``nccl-back fingerprint`` validates headers quickly;
-:mod:`nccl_back.model.checkpoint` maps the dtypes to torch's.
+This module needs no torch, so ``nccl-back fingerprint`` validates headers and reads the
+shard index (:func:`parse_index`) quickly; :mod:`nccl_back.model.checkpoint` maps the
+dtypes to torch's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ _U64_MAX = (1 << 64) - 1
 #: Torch's sizes are int64: a dimension or element count past this cannot be a tensor.
 _I64_MAX = (1 << 63) - 1
 _FIELDS = ("dtype", "shape", "data_offsets")
+
+#: The file that maps each tensor of a sharded checkpoint to its shard.
+INDEX_NAME = "model.safetensors.index.json"
+#: Largest index file read (an index of 100,000 tensors is a few MiB).
+MAX_INDEX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,3 +330,21 @@ def validate_headers(storage: Storage, shards: Sequence[Shard]) -> list[HeaderRe
     """Every shard's header, validated; the first malformed one raises
     :class:`CheckpointFormatError` naming it."""
     return per_shard(storage, shards, read_header)
+
+
+def parse_index(data: bytes, uri: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
+    try:
+        raw = bounded_json.loads(data, max_bytes=MAX_INDEX_BYTES)
+        weight_map = raw["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("weight_map must map tensor names to file names")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointFormatError(f"{uri}: malformed index: {e!r}") from e
+    for filename in set(weight_map.values()):
+        # Shards live next to the index; a path would let an index point anywhere.
+        if "/" in filename or filename in ("", ".", ".."):
+            raise CheckpointFormatError(f"{uri}: shard name {filename!r} is not a plain file name")
+    return weight_map

@@ -271,8 +271,7 @@ class Loop:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._close(conn)
-            return
+            chunk = b""  # a broken connection ends as a closed one
         if not chunk:
             self._close(conn)
             return

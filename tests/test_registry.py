@@ -167,7 +167,7 @@ def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> Non
     """Lease, handshake and ground-truth keys all come from one module, under one hash tag."""
     reg = make_registry(redis_url, namespace)
     assert reg.lease_key("v1", 2) == f"{{{namespace}}}:dl:v1:2"
-    assert reg.handshake_key("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
+    assert reg.keys.handshake("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
     assert reg.ground_truth_key("v1", 0, 2, "d", "s1") == f"{{{namespace}}}:gt:v1:0:2:d:s1"
 
 

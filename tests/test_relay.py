@@ -70,7 +70,7 @@ def test_resumed_transfer_fills_only_the_missing_steps_and_reports_each() -> Non
     assert first == list(range(len(steps)))
     for slot in (s for step in steps[k:] for s in step.slots):
         got[slot.name].fill_(7)  # what the dead upstream never sent
-    start = resume_point(steps, got, k)
+    start = resume_point(steps, k)
     assert start <= k
     seen: list[int] = []
     assert in_process_pair(lambda t: send_tensors(t, want, BUCKET, start=start),

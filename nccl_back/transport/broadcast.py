@@ -233,7 +233,7 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
     return _stats([steps[k] for k in todo], began)
 
 
-def resume_point(steps: list[Step], tensors: Mapping[str, torch.Tensor], done: int) -> int:
+def resume_point(steps: list[Step], done: int) -> int:
     """Where a receiver holding steps ``[0, done)`` resumes: ``done`` (every step, a
     chunk of a non-contiguous tensor too, is in place once reported)."""
     return min(max(done, 0), len(steps))

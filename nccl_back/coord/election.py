@@ -49,7 +49,7 @@ class DownloadLease:
         self.registry = registry
         self.version = version
         self.world = world
-        self.key = registry.lease_key(version, world)
+        self.key = registry.keys.lease(version, world)
         self.owner = owner
         self.ttl = ttl
         self._raw: Raw | None = None

@@ -71,8 +71,7 @@ from nccl_back.timing import HANDSHAKE_POLL_MAX as POLL_MAX
 
 log = get_logger(__name__)
 
-__all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "abandon", "abandoned", "refuse", "run_receiver",
-           "run_sender"]
+__all__ = ["REFUSALS", "abandon", "abandoned", "refuse", "run_receiver", "run_sender"]
 
 
 #: Refusal codes a sender may write, and what the receiver raises for each.

@@ -466,7 +466,7 @@ def test_forged_ground_truth_after_a_legit_worker_is_replaced(ckpt: str, plain: 
     attacker = Registry(plain)
     with WeightService(signed) as first:
         assert first.load(model, spec).source == "storage"
-        key = attacker.ground_truth_key(spec.version, 0, 1, digest, SCHEME)
+        key = attacker.keys.ground_truth(spec.version, 0, 1, digest, SCHEME)
         attacker.client.set(key, json.dumps({"manifest_digest": digest, "scheme": SCHEME, "hashes": encode_truth(
             {"sampled": {"x": "0" * 32}})}), ex=30)
         with Timed(15.0), WeightService(signed) as second:
@@ -568,7 +568,7 @@ def test_keys_without_ttl_do_not_stall_claims_or_the_election(ckpt: str, plain: 
 
     spec, model = _spec_and_model(ckpt, plain)
     reg = Registry(plain)
-    reg.client.set(reg.lease_key(spec.version, 1), json.dumps({"owner": "ghost"}))  # no TTL
+    reg.client.set(reg.keys.lease(spec.version, 1), json.dumps({"owner": "ghost"}))  # no TTL
     with Timed(10.0), WeightService(plain) as first:  # single_flight_wait is 20 s
         assert first.load(model, spec).source == "storage"
         peer_id = first.peers[0].peer_id

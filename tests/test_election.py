@@ -59,7 +59,7 @@ def test_lease_is_one_per_worker_not_per_rank(registry: Registry) -> None:
     """The lease key names the version and world size only: one worker of that size wins."""
     a, b = _lease(registry, "A"), _lease(registry, "B")
     try:
-        assert a.key == registry.lease_key("v1", 2) == f"{{{registry.ns}}}:dl:v1:2"
+        assert a.key == registry.keys.lease("v1", 2) == f"{{{registry.ns}}}:dl:v1:2"
         assert a.try_acquire() and not b.try_acquire()
         assert b.holder() == "A"
     finally:

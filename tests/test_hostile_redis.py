@@ -323,7 +323,7 @@ def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
     ks = reg.keys
     return {
         "peer": ks.peer(v, 0, 1, peer_id), "peers": ks.peer_index(v, 0, 1),
-        "gt": reg.ground_truth_key(v, 0, 1, d, "nb1"), "claim": ks.claim(peer_id, 0),
+        "gt": reg.keys.ground_truth(v, 0, 1, d, "nb1"), "claim": ks.claim(peer_id, 0),
         "req": ks.requests(peer_id), "dl": ks.lease(v, 1), "dlg": ks.download_group(v, 1),
         "dlr": ks.download_roster(v, 1), "dlm": ks.download_member(v, 0, 1, 1),
         "dlx": ks.download_rescue(v, 0, 1),
@@ -636,7 +636,7 @@ def test_a_lease_written_without_the_secret_is_taken_over_not_waited_out(fleet: 
     well before single_flight_wait, and exactly one of two waiters wins it."""
     fleet.clean()
     reg = Registry(fleet.settings)
-    key = reg.lease_key(fleet.spec.version, 1)
+    key = reg.keys.lease(fleet.spec.version, 1)
     fleet.client.set(key, json.dumps({"owner": "ghost"}), ex=HOUR)
     a = DownloadLease(reg, fleet.spec.version, 1, "a", fleet.settings.download_lease)
     b = DownloadLease(reg, fleet.spec.version, 1, "b", fleet.settings.download_lease)

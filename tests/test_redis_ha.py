@@ -149,7 +149,7 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     assert reg.renew_claim("p1", token, ttl=5)  # Lua scripts from here on
     reg.release("p1", token)
     assert reg.active_claims("p1") == 0
-    hs = reg.handshake_key("t", "receiver_ready")
+    hs = reg.keys.handshake("t", "receiver_ready")
     reg.set_json(hs, {"value": 1}, ttl=5)
     assert reg.compare_and_set(hs, {"value": 1}, {"value": 2}, ttl=5)
     reg.delete(hs)

@@ -148,8 +148,8 @@ def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:
     assert reg.get_ground_truth("v1", 0, 1, "m1", "new") is None
     assert reg.put_ground_truth("v1", 0, 1, "m1", "new", {"sampled|a": "2"}) is True
     assert reg.get_ground_truth("v1", 0, 1, "m1", "old") == {"sampled|a": "1"}
-    reg.client.set(reg.ground_truth_key("v1", 0, 1, "m1", "new"),
-                   reg.client.get(reg.ground_truth_key("v1", 0, 1, "m1", "old")), px=5000)
+    reg.client.set(reg.keys.ground_truth("v1", 0, 1, "m1", "new"),
+                   reg.client.get(reg.keys.ground_truth("v1", 0, 1, "m1", "old")), px=5000)
     with pytest.raises(RegistryError, match="scheme 'old' under another key"):
         reg.get_ground_truth("v1", 0, 1, "m1", "new")
 
@@ -157,7 +157,7 @@ def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:
 def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace: str) -> None:
     """A record whose digest differs from its key's is malformed (RegistryError), never used."""
     reg = make_registry(redis_url, namespace)
-    reg.set_json(reg.ground_truth_key("v1", 0, 1, "m1", "s1"),
+    reg.set_json(reg.keys.ground_truth("v1", 0, 1, "m1", "s1"),
                  {"manifest_digest": "m2", "scheme": "s1", "hashes": {}}, ttl=5)
     with pytest.raises(RegistryError, match="digest .m2. under another key"):
         reg.get_ground_truth("v1", 0, 1, "m1", "s1")
@@ -166,9 +166,9 @@ def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace:
 def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> None:
     """Lease, handshake and ground-truth keys all come from one module, under one hash tag."""
     reg = make_registry(redis_url, namespace)
-    assert reg.lease_key("v1", 2) == f"{{{namespace}}}:dl:v1:2"
-    assert reg.handshake_key("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
-    assert reg.ground_truth_key("v1", 0, 2, "d", "s1") == f"{{{namespace}}}:gt:v1:0:2:d:s1"
+    assert reg.keys.lease("v1", 2) == f"{{{namespace}}}:dl:v1:2"
+    assert reg.keys.handshake("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
+    assert reg.keys.ground_truth("v1", 0, 2, "d", "s1") == f"{{{namespace}}}:gt:v1:0:2:d:s1"
 
 
 def test_truth_encoding_round_trips() -> None:
@@ -396,7 +396,7 @@ def test_an_oversized_record_is_refused_and_replaced_without_its_bytes_leaving_t
 
     reg = make_registry(redis_url, namespace, secret="s" * 32)
     info = peer()
-    key = reg.ground_truth_key("v1", 0, 1, info.manifest_digest, "s1")
+    key = reg.keys.ground_truth("v1", 0, 1, info.manifest_digest, "s1")
     lease = reg.keys.lease("v1", 1)
     for k, kind in ((key, schema.GROUND_TRUTH), (lease, schema.LEASE)):
         reg.client.set(k, b"x" * (kind.max_bytes + 1), ex=3600)
@@ -451,7 +451,7 @@ def test_writes_that_only_tidy_never_raise_on_another_redis_type(
     write = {"list": reg.client.rpush, "set": reg.client.sadd,
              "hash": lambda k, v: reg.client.hset(k, "f", v), "zset": lambda k, v: reg.client.zadd(k, {v: 1})}
     index = reg.keys.peer_index("v1", 0, 1)
-    for key in (reg.keys.claim("p1", 0), reg.lease_key("v1", 1), index):
+    for key in (reg.keys.claim("p1", 0), reg.keys.lease("v1", 1), index):
         reg.client.delete(key)
         write[other](key, "x")
     reg.release("p1", "0:token")

@@ -70,7 +70,7 @@ def test_resumed_transfer_fills_only_the_missing_steps_and_reports_each() -> Non
     assert first == list(range(len(steps)))
     for slot in (s for step in steps[k:] for s in step.slots):
         got[slot.name].fill_(7)  # what the dead upstream never sent
-    start = resume_point(steps, got, k)
+    start = resume_point(steps, k)
     assert start <= k
     seen: list[int] = []
     assert in_process_pair(lambda t: send_tensors(t, want, BUCKET, start=start),
@@ -364,7 +364,7 @@ def test_cohort_seats_fill_in_order_then_a_new_cohort(redis_url: str, namespace:
     assert [p for _, p in seats] == [0, 1, 2, 0]
     assert seats[0][0] == seats[1][0] == seats[2][0] != seats[3][0]
     assert reg.chain_members(seats[0][0], 0, 2) == [Member(**member)] * 3
-    assert reg.ttl(reg.cohort_key("v1", 0, 1, "ab" * 16)) > 0
+    assert reg.ttl(reg.keys.cohort("v1", 0, 1, "ab" * 16)) > 0
     time.sleep(0.4)
     later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.3, max_size=3, ttl=10)
     assert pos == 0 and later not in {c for c, _ in seats}

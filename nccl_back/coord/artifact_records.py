@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from nccl_back.coord import schema
 from nccl_back.coord.content import ArtifactIndex, ArtifactSetRecord, hex_token
-from nccl_back.coord.schema import ARTIFACT_TTL_FACTOR
 from nccl_back.coord.signed_store import SignedStore
 
-__all__ = ["ARTIFACT_TTL_FACTOR", "ArtifactIndex", "ArtifactRecords", "ArtifactSetRecord"]
+__all__ = ["ArtifactIndex", "ArtifactRecords", "ArtifactSetRecord"]
 
 
 class ArtifactRecords(SignedStore):

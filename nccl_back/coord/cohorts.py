@@ -21,16 +21,12 @@ from nccl_back.errors import RegistryError, UntrustedRecordError
 class CohortRecords(SignedStore):
     """The cohort, chain and download-stream record families."""
 
-    def cohort_key(self, version: str, rank: int, world_size: int, manifest_digest: str) -> str:
-        """The current cohort of receivers of one rank's skeleton flavour."""
-        return self.keys.cohort(version, rank, world_size, manifest_digest)
-
     def join_cohort(
         self, version: str, rank: int, world_size: int, manifest_digest: str,
         member: dict[str, Any], *, window: float, max_size: int, ttl: float,
     ) -> tuple[str, int]:
         """Append ``member`` to the current cohort's chain: ``(chain key, position)``."""
-        key = self.cohort_key(version, rank, world_size, manifest_digest)
+        key = self.keys.cohort(version, rank, world_size, manifest_digest)
         record = self.signed(key, member, schema.CHAIN, ttl)  # bound to the cohort
         got = self._call("join_cohort", lambda: self.lua.join_cohort(
             keys=[key], args=[uuid.uuid4().hex[:12], ms(window), max(int(max_size), 1),

@@ -217,7 +217,7 @@ def artifact_set(data: dict[str, Any], parts: Mapping[str, str], max_bytes: int)
     return ArtifactSetRecord(lookup, hex_token(data.get("version"), "version"), manifest)
 
 
-def artifact_index(data: dict[str, Any], parts: Mapping[str, str]) -> ArtifactIndex:
+def artifact_index(data: dict[str, Any]) -> ArtifactIndex:
     factors = data.get("factors")
     if not isinstance(factors, dict) or len(factors) > MAX_FACTORS or not all(
             isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_FACTOR_CHARS

@@ -1,24 +1,14 @@
-"""Single-flight download: one *worker* per version downloads, the others wait for it.
-
-Instead of every worker hitting storage at once, one is elected with a Redis lease
-(``SET NX`` with a TTL, renewed while it downloads); the others poll for a peer and
-receive as soon as it publishes. If the elected worker dies, its lease expires and a
-waiter takes over.
+"""Single-flight download: one *worker* per version downloads, the others wait for it
+(docs/design.md, "One load, step by step", 3). The lease record is :mod:`.leases`; this
+module is the policy.
 
 A worker of several ranks is elected as a whole: only rank 0 tries the lease, and every
 poll ends in one collective (:func:`.consensus.gather`) carrying rank 0's result and each
 rank's "I see a peer", so all ranks leave the wait with the same outcome (per-rank
 elections could let worker A win rank 0 and B rank 1, each then waiting on the other).
-
-A waiter gives up after ``single_flight_wait`` unless the downloader still renews its
-lease, then waits up to ``single_flight_max_wait`` (a large model takes longer).
-
-Cooperative download: a waiter that can read a share (``cooperate``) enters the download
-group; with ``download_group_window`` the elected worker then names a roster (itself
-first, then the group in arrival order, at most ``MAX_PARTS``). A named waiter's rank 0
-carries its member number in the poll's code, so its wait ends as ``"member"``: it reads
-and serves its share, then waits for the stream. The lease record itself is
-:mod:`.leases`; this module is the policy.
+A waiter the elected worker names in its roster (a cooperative download) finds its member
+number in rank 0's poll code, so its wait ends as ``"member"``: it reads and serves its
+share, then waits for the stream.
 """
 
 from __future__ import annotations
@@ -59,7 +49,7 @@ class DownloadLease:
         self.registry = registry
         self.version = version
         self.world = world
-        self.key = registry.lease_key(version, world)
+        self.key = registry.keys.lease(version, world)
         self.owner = owner
         self.ttl = ttl
         self._raw: Raw | None = None

@@ -71,8 +71,7 @@ from nccl_back.timing import HANDSHAKE_POLL_MAX as POLL_MAX
 
 log = get_logger(__name__)
 
-__all__ = ["HANDSHAKE_KEY_TTL", "REFUSALS", "abandon", "abandoned", "refuse", "run_receiver",
-           "run_sender"]
+__all__ = ["REFUSALS", "abandon", "abandoned", "refuse", "run_receiver", "run_sender"]
 
 
 #: Refusal codes a sender may write, and what the receiver raises for each.
@@ -87,8 +86,8 @@ REFUSALS: dict[str, type[PeerError]] = {
 def keys(registry: Registry, transfer_id: str) -> tuple[str, str]:
     """The ``(receiver_ready, sender_ready)`` keys of one transfer."""
     return (
-        registry.handshake_key(transfer_id, "receiver_ready"),
-        registry.handshake_key(transfer_id, "sender_ready"),
+        registry.keys.handshake(transfer_id, "receiver_ready"),
+        registry.keys.handshake(transfer_id, "sender_ready"),
     )
 
 
@@ -163,7 +162,7 @@ def run_receiver(
                 " passed) before our acknowledgement landed, state R3 ACK_Y"
             )
     except BaseException:
-        _cleanup(registry, r_key, s_key)
+        registry.delete(r_key, s_key)  # only tidies (never raises): the error matters
         raise
     log.debug("handshake_done", side="receiver", transfer_id=transfer_id)
 
@@ -202,7 +201,7 @@ def run_sender(registry: Registry, transfer_id: str, manifest_digest: str, timeo
         # The receiver is gone or Redis is; a mismatch instead leaves the keys for the
         # receiver to read our digest, an abandonment its marker.
         if not abandoned:
-            _cleanup(registry, r_key, s_key)
+            registry.delete(r_key, s_key)
         raise
     log.debug("handshake_done", side="sender", transfer_id=transfer_id)
 
@@ -255,8 +254,3 @@ def _wait(
                 " (the peer did not answer in time)"
             )
         _clock.sleep(min(next(pauses), left))
-
-
-def _cleanup(registry: Registry, *keys_: str) -> None:
-    # Best effort (never raises): the keys expire anyway, and the original error matters.
-    registry.delete(*keys_)

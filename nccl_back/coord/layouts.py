@@ -90,6 +90,3 @@ class LayoutRecords(SignedStore):
         key = self.keys.position_truth(version, rank, world, layout_digest, scheme)
         got = self.read(key, schema.POSITION_TRUTH)
         return None if got is None else got[0]
-
-
-__all__ = ["MAX_WORLD_KEYS", "LayoutRecords", "PositionTruth", "UntrustedRecordError"]

@@ -28,32 +28,28 @@ MAX_GROUP_ENTRIES = 256
 class LeaseRecords(SignedStore):
     """The download-lease record family."""
 
-    def lease_key(self, version: str, world_size: int) -> str:
-        """The download lease of ``version`` for workers of ``world_size`` ranks."""
-        return self.keys.lease(version, world_size)
-
     def take_lease(self, version: str, world_size: int, owner: str, ttl: float) -> Raw | None:
         """Take the lease for ``ttl`` seconds if nobody trusted holds it: the raw value
         stored (for renewal and release), or None."""
-        return self.acquire(self.lease_key(version, world_size), {"owner": owner}, schema.LEASE,
+        return self.acquire(self.keys.lease(version, world_size), {"owner": owner}, schema.LEASE,
                             ttl)
 
     def lease_holder(self, version: str, world_size: int, ttl: float) -> str | None:
         """The owner of the lease now, or None (also for an untrusted value)."""
-        got = self.record(self.lease_key(version, world_size), schema.LEASE, ttl=ttl)
+        got = self.record(self.keys.lease(version, world_size), schema.LEASE, ttl=ttl)
         return None if got is None else str(got.owner)
 
     def renew_lease(self, version: str, world_size: int, owner: str, held: Raw,
                     ttl: float) -> Raw | None:
         """Re-sign the lease for another ``ttl`` seconds if it still holds ``held``: the new
         raw value, or None if it is no longer ours."""
-        key = self.lease_key(version, world_size)
+        key = self.keys.lease(version, world_size)
         new = self.signed(key, {"owner": owner}, schema.LEASE, ttl)
         return new if self.compare_and_set(key, held, new, ttl) else None
 
     def drop_lease(self, version: str, world_size: int, held: Raw) -> bool:
         """Delete the lease if it still holds ``held`` (a new owner's stays)."""
-        return self.compare_and_delete(self.lease_key(version, world_size), held)
+        return self.compare_and_delete(self.keys.lease(version, world_size), held)
 
     def join_download_group(self, version: str, world_size: int, worker: str) -> None:
         """Say that ``worker`` waits for ``version`` with the others of its group."""

@@ -28,8 +28,6 @@ MAX_DEPTH = 4
 MAX_SENDS = 64
 #: World size of one worker (tensor x pipeline parallel ranks).
 MAX_WORLD = 1 << 16
-#: The transport kinds a record may name (the one list: :mod:`nccl_back.transport_kinds`).
-TRANSPORTS = TRANSPORT_KINDS
 #: Steps of one transfer (a resumed transfer's ``start``): far beyond any real model.
 MAX_START = 1 << 31
 PEER_SOURCES = ("storage", "peer", "adopted")
@@ -164,7 +162,7 @@ def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:
         rank=integer(data, "rank", what, 0, world - 1),
         world_size=world,
         manifest_digest=hexdigest(data, "manifest_digest", what),
-        transport=choice(data, "transport", what, TRANSPORTS),
+        transport=choice(data, "transport", what, TRANSPORT_KINDS),
         address=address(data, "address", what),
         started_at=number(data, "started_at", what),
         source=choice(data, "source", what, PEER_SOURCES, "storage"),
@@ -238,7 +236,7 @@ def request(data: dict[str, Any], what: str = "transfer request") -> TransferReq
         receiver=ident(data, "receiver", what),
         version=ident(data, "version", what),
         manifest_digest=hexdigest(data, "manifest_digest", what),
-        transport=choice(data, "transport", what, TRANSPORTS),
+        transport=choice(data, "transport", what, TRANSPORT_KINDS),
         device=choice(data, "device", what, DEVICES) if "device" in data else None,
         claim=claim,
         start=integer(data, "start", what, 0, MAX_START) if "start" in data else None,
@@ -407,7 +405,7 @@ def member(data: dict[str, Any], what: str = "relay member") -> Member:
     return Member(
         member_id=ident(data, "member_id", what),
         address=address(data, "address", what),
-        transport=choice(data, "transport", what, TRANSPORTS),
+        transport=choice(data, "transport", what, TRANSPORT_KINDS),
         device=choice(data, "device", what, DEVICES),
     )
 

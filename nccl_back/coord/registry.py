@@ -21,7 +21,3 @@ __all__ = ["PeerInfo", "PeerStatus", "Registry", "encode_truth", "truth_for_mode
 class Registry(PeerRecords, LeaseRecords, CohortRecords, LayoutRecords, ArtifactRecords):
     """Typed access to the coordination keys in Redis (every record family); every Redis
     failure is raised as :class:`~nccl_back.errors.RegistryError`."""
-
-    def handshake_key(self, transfer_id: str, name: str) -> str:
-        """A per-transfer key (handshake nonces, refusals) (:mod:`.handshake`)."""
-        return self.keys.handshake(transfer_id, name)

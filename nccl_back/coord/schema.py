@@ -245,7 +245,7 @@ ARTIFACT_SET = KeyKind("art", "art", ("lookup",), RecordKind.ARTIFACT_SET, S, G,
                       parse=_artifact_set)
 ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_INDEX, S, G,
                          _artifact_ttl, SMALL, "a model's newest artifact set and its factors",
-                        parse=_strip(content.artifact_index))
+                        parse=_plain(content.artifact_index))
 
 #: Every kind of key, in the order of the key schema.
 KINDS: tuple[KeyKind, ...] = (

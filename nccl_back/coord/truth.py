@@ -17,11 +17,10 @@ from nccl_back.coord import schema
 from nccl_back.coord.content import GroundTruth
 from nccl_back.coord.keys import ANY
 from nccl_back.coord.records import PeerInfo
-from nccl_back.coord.schema import GROUND_TRUTH_TTL_FACTOR
 from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, log, ms
 from nccl_back.errors import UntrustedRecordError
 
-__all__ = ["GROUND_TRUTH_TTL_FACTOR", "TruthRecords", "encode_truth", "truth_for_mode"]
+__all__ = ["TruthRecords", "encode_truth", "truth_for_mode"]
 
 #: Separates the hash mode from the layer name in stored ground truth ("sampled|layer0").
 TRUTH_SEP = "|"
@@ -47,11 +46,6 @@ class TruthRecords(SignedStore):
         self._good_truth: dict[str, str] = {}
         """SHA-1 of the ground-truth value a heartbeat last verified, by key."""
 
-    def ground_truth_key(self, version: str, rank: int, world_size: int, manifest_digest: str,
-                         scheme: str) -> str:
-        """Ground truth of one rank's skeleton flavour (keyed by its manifest digest)."""
-        return self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
-
     @staticmethod
     def _value(manifest_digest: str, scheme: str, hashes: dict[str, str]) -> dict[str, object]:
         return {"manifest_digest": manifest_digest, "scheme": scheme, "hashes": hashes}
@@ -60,7 +54,7 @@ class TruthRecords(SignedStore):
                          scheme: str, hashes: dict[str, str]) -> bool:
         """Store the integrity hashes of a storage load unless some exist (a peer load must
         not replace what storage said); whether this call stored them."""
-        key = self.ground_truth_key(version, rank, world_size, manifest_digest, scheme)
+        key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
         return self.set_signed(key, self._value(manifest_digest, scheme, hashes),
                                schema.GROUND_TRUTH, nx=True)
 
@@ -68,14 +62,14 @@ class TruthRecords(SignedStore):
                              scheme: str, hashes: dict[str, str]) -> None:
         """Overwrite the ground truth: a storage loader holds CRC32C-checked bytes, so
         its view wins over a stored record that is untrusted or disagrees with it."""
-        key = self.ground_truth_key(version, rank, world_size, manifest_digest, scheme)
+        key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
         self.set_signed(key, self._value(manifest_digest, scheme, hashes), schema.GROUND_TRUTH)
 
     def get_ground_truth(self, version: str, rank: int, world_size: int, manifest_digest: str,
                          scheme: str) -> dict[str, str] | None:
         """The hashes a storage load stored for this skeleton flavour, or None;
         :class:`UntrustedRecordError` (logged, counted) for an untrusted record."""
-        key = self.ground_truth_key(version, rank, world_size, manifest_digest, scheme)
+        key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
         got = self.read(key, schema.GROUND_TRUTH)
         if got is None:
             return None
@@ -86,7 +80,7 @@ class TruthRecords(SignedStore):
                          manifest_digest: str | None = None) -> bool:
         """Whether ground truth exists for this rank (of one flavour, or of any)."""
         if manifest_digest is not None:
-            key = self.ground_truth_key(version, rank, world_size, manifest_digest, scheme)
+            key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
             return bool(self._call("EXISTS", lambda: self.client.exists(key)))
         glob = self.keys.ground_truth(version, rank, world_size, ANY, scheme)
         return any(True for _ in self._scan(glob, limit=1))
@@ -95,8 +89,8 @@ class TruthRecords(SignedStore):
         """Keep the ground truth of ``info``'s flavour alive: extend it while it is the value
         last verified; write ``truth`` if absent, of another type or untrusted; leave a
         trusted record that says otherwise."""
-        key = self.ground_truth_key(info.version, info.rank, info.world_size,
-                                    info.manifest_digest, scheme)
+        key = self.keys.ground_truth(info.version, info.rank, info.world_size,
+                                     info.manifest_digest, scheme)
         ttl = schema.GROUND_TRUTH.ttl(self.settings)
         state = int(self._call("keep_truth", lambda: self.lua.keep_truth(
             keys=[key], args=[self._good_truth.get(key, ""), ms(ttl), schema.GROUND_TRUTH.max_bytes])))
@@ -123,6 +117,6 @@ class TruthRecords(SignedStore):
 
     def _extend_ground_truth(self, info: PeerInfo, scheme: str) -> None:
         """A heartbeat without the truth in hand: extend whatever record is there."""
-        key = self.ground_truth_key(info.version, info.rank, info.world_size,
-                                    info.manifest_digest, scheme)
+        key = self.keys.ground_truth(info.version, info.rank, info.world_size,
+                                     info.manifest_digest, scheme)
         self.extend(key, schema.GROUND_TRUTH.ttl(self.settings), what="heartbeat")

@@ -122,7 +122,7 @@ def transfer(worker: Worker, a: Attempt, source: Source, ask: Ask) -> None:
         first = held.done if ask.part is None else held.lacking(part_steps(steps, ask.part))
         if first is None:
             return  # every step of the part is held
-        start = fields["start"] = resume_point(steps, tensors, first)
+        start = fields["start"] = resume_point(steps, first)
         on_step: Callable[[int], None] | None = _recorder(a.rx, source.id)
     else:
         digest, tensors, bucket, on_step, start = into.digest, into.tensors, into.bucket, into.on_step, 0

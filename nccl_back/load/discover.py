@@ -32,7 +32,7 @@ def discover(worker: Worker, a: Attempt) -> Discovery:
             # The elected downloader's stream first, as sees_peer looks: rejected
             # entries (a dead holder's key an attacker overwrote, an index of another
             # type) must not send to storage a waiter the single flight woke for it.
-            stream = worker.cohorts.find_stream(a.replica(), a.rx.failed_streams, a.log)
+            stream = worker.cohorts.find_stream(a.replica(), a.rx.failed_streams)
             if stream is not None:
                 # The elected downloader streams it; the ground truth comes at its end.
                 return Discovery(stream=stream)

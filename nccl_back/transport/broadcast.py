@@ -1,17 +1,14 @@
-"""The data plane: walk a state dict in sorted name order and copy it, rank 0 -> 1.
+"""The data plane: walk a state dict in sorted name order and copy it, rank 0 -> 1
+(docs/design.md, "The transfer").
 
 Each copy is a collective: both sides must issue the same calls with the same sizes, or
 data lands in the wrong buffer silently. So the calls (:func:`plan`) derive from names,
-shapes and dtypes alone, and their digest is exchanged first: a difference raises
-:class:`ManifestMismatchError` on both sides before any tensor is touched.
-
-Small tensors are packed into byte buckets (a call per small tensor costs more in latency
-than in bytes); larger ones go in place in chunks of ``bucket_bytes``, so no step exceeds
-a bucket and a relay forwards step k while k+1 arrives. Everything travels as ``uint8``
-views, so no backend needs bf16, bool or complex. A transfer may start at step ``start``
-(a re-attaching relay member) and move one ``part`` (:mod:`.parts`); the digest covers
-both. Two bucket buffers alternate, at most two copies in flight. Every completed wait is
-reported through ``transport.progressed()``, which the watchdog's stall bound counts from.
+shapes and dtypes alone, and their digest (covering a transfer's ``start`` step and its
+``part``, :mod:`.parts`) is exchanged first: a difference raises
+:class:`ManifestMismatchError` on both sides before any tensor is touched. Small tensors
+share a bucket (a call each would cost more in latency than in bytes); no step exceeds
+one, so a relay forwards step k while k+1 arrives. Every completed wait is reported
+through ``transport.progressed()``, which the watchdog's stall bound counts from.
 """
 
 from __future__ import annotations
@@ -74,8 +71,6 @@ class TransferStats:
 
     bytes: int
     """Payload bytes (tensor bytes, without bucket padding)."""
-    copies: int
-    buckets: int
     seconds: float
 
     @property
@@ -233,7 +228,7 @@ def recv_tensors(transport: Transport, tensors: Mapping[str, torch.Tensor], buck
     return _stats([steps[k] for k in todo], began)
 
 
-def resume_point(steps: list[Step], tensors: Mapping[str, torch.Tensor], done: int) -> int:
+def resume_point(steps: list[Step], done: int) -> int:
     """Where a receiver holding steps ``[0, done)`` resumes: ``done`` (every step, a
     chunk of a non-contiguous tensor too, is in place once reported)."""
     return min(max(done, 0), len(steps))
@@ -384,8 +379,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _stats(steps: list[Step], start: float) -> TransferStats:
     return TransferStats(
         bytes=sum(x.nbytes for s in steps for x in s.slots),
-        copies=len(steps),
-        buckets=sum(1 for s in steps if not s.direct),
         seconds=time.perf_counter() - start,
     )
 

@@ -1,14 +1,9 @@
-"""The rendezvous: each transfer bootstraps through signed, bounded records in Redis.
-
-torch's ``TCPStore`` has no authentication (anyone reaching its port can list, read and
-write keys of any size into the worker), so no rendezvous port is opened:
-:class:`RedisStore` is a ``dist.Store`` keeping a transfer's few bootstrap keys in the
-Redis the workers share (docs/security.md, "The rendezvous opens no port"). Every value
-carries an HMAC under ``Settings.key("rendezvous")`` over its Redis key and bytes, so a
-forged or moved value reads as absent, never obeyed; reads are the registry's bounded
-reads; keys live for the connect phase only. Each side polls for the keys it waits on,
-by the transport's deadline. ``init_process_group`` is never called: the user's worker
-may already have one.
+"""The rendezvous: each transfer's process group bootstraps through signed, bounded keys
+in the Redis the workers share, never a ``TCPStore`` port (docs/security.md, "The
+rendezvous opens no port"). :class:`RedisStore` signs every value under
+``Settings.key("rendezvous")`` over its Redis key and bytes, so a forged or moved value
+reads as absent; each side polls for the keys it waits on, by the transport's deadline.
+``init_process_group`` is never called: the user's worker may already have one.
 """
 
 from __future__ import annotations
@@ -73,11 +68,6 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def join_address(host: str, port: int) -> str:
-    """``host:port``, an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 @functools.lru_cache(maxsize=256)
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP or a name) means this machine only (127/8, ::1, localhost)."""
@@ -114,18 +104,6 @@ def unreachable_reason(settings: Settings, address: str) -> str | None:
         return (f"it advertises the loopback address {address!r} while Redis is on another"
                 " host: only its own machine can reach it (its advertise_host is wrong)")
     return None
-
-
-def warn_if_loopback(settings: Settings) -> None:
-    """Say loudly when this worker advertises loopback to a fleet that spans hosts."""
-    if is_loopback(settings.advertise_host) and not redis_is_local(settings):
-        log.warning(
-            "advertising_loopback",
-            advertise_host=settings.advertise_host,
-            message="this worker advertises a loopback address while Redis is on another"
-            " host: no other machine can receive weights from it (receivers skip it). Set"
-            " NCCL_BACK_ADVERTISE_HOST to an address peers reach.",
-        )
 
 
 class RedisStore(dist.Store):
@@ -379,12 +357,20 @@ class StoreRendezvous(Rendezvous):
         self.settings = settings
         self.device = device
         self._registry: Registry | None = registry
-        warn_if_loopback(settings)
+        if is_loopback(settings.advertise_host) and not redis_is_local(settings):
+            log.warning(
+                "advertising_loopback",
+                advertise_host=settings.advertise_host,
+                message="this worker advertises a loopback address while Redis is on another"
+                " host: no other machine can receive weights from it (receivers skip it). Set"
+                " NCCL_BACK_ADVERTISE_HOST to an address peers reach.",
+            )
         log.debug("rendezvous_started", kind=self.kind, address=self.address)
 
     @property
     def address(self) -> str:
-        return join_address(self.settings.advertise_host, 0)
+        host = self.settings.advertise_host
+        return f"[{host}]:0" if ":" in host else f"{host}:0"  # an IPv6 host in brackets
 
     def sender(self, transfer_id: str) -> Transport:
         if self._registry is None:

@@ -2,12 +2,9 @@
 
 A holder (:class:`~nccl_back.transport.sender.PeerServer`) and a relay endpoint
 (:class:`~nccl_back.transport.relay.RelayServer`) differ only in a :class:`Role` (metrics
-label, event names) and the fields of :class:`Sends`. :func:`answer` polls and hands
-requests on, :func:`decline` refuses through the handshake so the receiver moves on at
-once, :meth:`Sends.serve` runs the handshake and the guarded send (never raising), and
-:func:`drain` lets a closing worker's sends finish within :func:`drain_bound`, then
-aborts the rest, each receiver told through its handshake key
-(:func:`~nccl_back.coord.handshake.abandon`) instead of waiting out its stall bound.
+label, event names) and the fields of :class:`Sends`. A closing worker's sends past
+:func:`drain_bound` are aborted with a notice on their handshake key
+(:func:`~nccl_back.coord.handshake.abandon`): the receiver need not wait out its stall bound.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The sending side of a worker: publication, heartbeat, serving transfer requests.
-
-A verified worker publishes itself (the heartbeat keeps the entry, so a crashed worker
-vanishes within ``peer_ttl``) and answers requests in the background through the send
-path it shares with the relay (:mod:`.send`), at most ``max_concurrent_sends`` at once.
-The model is only read, so a failed send leaves it untouched. Sends read the model's
-tensors at send time, so whoever re-points its storage later (the hand-off arena) leaves
-one copy in memory, not two.
+"""The sending side of a worker: publication, heartbeat, serving transfer requests
+(docs/design.md, "Serving"), through the send path it shares with the relay (:mod:`.send`).
 
 Requests come from Redis and are not trusted: at most ``QUEUE_PER_SLOT`` wait per send
-slot (``SHARED_SENDS`` per shared claim token), more are dropped and counted; a reshard
-plan is derived before the request takes a send turn; a failed send frees the
-receiver's slot itself.
+slot (``SHARED_SENDS`` per shared claim token), more are dropped and counted.
 
 Withdrawal is final: publication, heartbeats and withdrawal take one lock and the
 heartbeat re-checks the stop flag under it, so no entry reappears after :meth:`withdraw`.

@@ -107,7 +107,9 @@ def run_guarded(
         asked = now
         if abandoned():
             _abort(transport, thread, "abandoned", NOTICE_AFTER)
-            raise TransferAbandonedError(_abandoned_words(transport))
+            raise TransferAbandonedError(
+                f"{transport.kind} transfer {transport.transfer_id}: the sender gave it up (it"
+                " closed, or its drain ran out); the communicator was aborted")
 
     def nap(until: float) -> float:
         """How long to wait for the thread: until ``until``, or the next ask of the notice."""
@@ -178,11 +180,6 @@ def _abort(transport: Transport, thread: threading.Thread, phase: str,
     elif thread.is_alive():
         # A wait ignoring both deadline and abort: the daemon thread is left behind.
         log.error("transfer_thread_stuck", transfer_id=transport.transfer_id, grace=grace)
-
-
-def _abandoned_words(transport: Transport) -> str:
-    return (f"{transport.kind} transfer {transport.transfer_id}: the sender gave it up (it"
-            " closed, or its drain ran out); the communicator was aborted")
 
 
 def _not_formed(transport: Transport, connect: bool) -> str:

@@ -101,7 +101,7 @@ class Cohorts:
         for r in servers:
             r.close(timeout)
 
-    def find_stream(self, replica: Replica, failed: Collection[str], log: Any) -> Member | None:
+    def find_stream(self, replica: Replica, failed: Collection[str]) -> Member | None:
         """The elected downloader's stream of this rank's flavour, if announced, speaking
         our transport and not failed us (cohorts only)."""
         if not self.enabled:

@@ -136,17 +136,14 @@ def _heap(group: list[int], top: int) -> dict[int, int]:
     return {g: (group[(j - 1) // 2] if j else top) for j, g in enumerate(group)}
 
 
-def _groups(receivers: int, holders: int) -> list[list[int]]:
-    return [list(range(h, receivers, holders)) for h in range(holders)]
-
-
 def _per_holder(receivers: int, steps: int, holders: int,
                 tree: Callable[[list[int], int, int], dict[int, int]]) -> Topology:
     """``tree(group, t, top)`` for each tree over each holder's group of receivers."""
     if receivers < 0 or steps < 1 or holders < 1:
         raise ValueError("need receivers >= 0, steps >= 1, holders >= 1")
     parents: tuple[dict[int, int], dict[int, int]] = ({}, {})
-    for h, group in enumerate(_groups(receivers, holders)):
+    for h in range(holders):
+        group = list(range(h, receivers, holders))  # receiver i goes to holder i % H
         for t in range(TREES):
             parents[t].update(tree(group, t, holder(h)))
     return Topology(steps, holders, parents)

@@ -184,13 +184,15 @@ def test_truth_encoding_round_trips() -> None:
 def test_claim_renewal_keeps_only_our_own_claim(redis_url: str, namespace: str) -> None:
     """A renewed claim outlives its TTL; one that expired and was retaken is not renewed."""
     reg = make_registry(redis_url, namespace)
-    token = reg.claim("p", "r", max_sends=1, ttl=0.4)
+    # Renewed every 0.3 s for 1.5 s against a 1.2 s TTL: past one TTL, with 0.9 s of
+    # slack per renewal for a loaded machine (0.2 s against 0.4 s failed under mypy).
+    token = reg.claim("p", "r", max_sends=1, ttl=1.2)
     assert token is not None
-    for _ in range(4):
-        time.sleep(0.2)
-        assert reg.renew_claim("p", token, 0.4)
+    for _ in range(5):
+        time.sleep(0.3)
+        assert reg.renew_claim("p", token, 1.2)
     assert reg.active_claims("p") == 1
-    time.sleep(0.6)
+    time.sleep(1.5)
     assert reg.active_claims("p") == 0
     other = reg.claim("p", "next", max_sends=1, ttl=5)
     assert other is not None

@@ -26,14 +26,12 @@ from nccl_back.errors import (
     NoPeerError,
     PeerError,
     RegistryError,
-    WeightVerificationError,
     fallback_reason,
 )
 from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
 from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.discover import holders
 from nccl_back.load.fill import Fill
-from nccl_back.load.pulls import Pulls
 from nccl_back.timing import MAX_PEER_ATTEMPTS
 from nccl_back.transport import Transport, relay
 from nccl_back.transport.parts import Part
@@ -136,10 +134,8 @@ class _Holders:
         parts: list[Part | None] = [None] if n == 1 else [(i, n) for i in range(n)]
         if n > 1:
             a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
-        # Not aborted on a failure: what the other parts land stays (see Pulls).
-        errors = Pulls(abort=False).run(
-            [functools.partial(self._part, peer, token, part)
-             for (peer, token), part in zip(picked, parts, strict=True)], "nccl_back-part")
+        errors = fill.pull([functools.partial(self._part, peer, token, part)
+                            for (peer, token), part in zip(picked, parts, strict=True)], "nccl_back-part")
         done: Claimed = []  # whose part landed (its slot still held)
         lost: list[Part | None] = []
         for (peer, token), part, e in zip(picked, parts, errors, strict=True):
@@ -157,28 +153,27 @@ class _Holders:
         if lost:
             return False
         try:
-            fill.check(a.rx.peer_budget.deadline)
-        except WeightVerificationError as e:
-            self.last = e.error if isinstance(e, relay.DamagedBytes) else e
-            ids = {p.peer_id for p, _ in picked}
-            blamed_by = e.blamed if isinstance(e, relay.DamagedBytes) else frozenset()
-            if n > 1 and not blamed_by:
-                # The failing layers' bytes came from several holders and none alone (a
-                # layer at a cut): what they sent is gone, and one holder at a time tells
-                # them apart.
-                fill.worker.metrics.record_verification_failure()
-                a.log.warning("holder_parts_unplaced", peers=sorted(ids), error=str(e))
-                return False
-            tried = picked[0][0].peer_id if n == 1 else min(blamed_by)
-            blamed = fill.blame(e, tried)
-            a.rx.failed |= blamed & ids
-            return n == 1 and tried not in blamed
-        except PeerError as e:  # a stream's truth never came: as a failed transfer
+            bad = fill.verify(a.rx.peer_budget.deadline, (p.peer_id for p, _ in done))
+        except PeerError as stream:  # a stream's truth never came: as a failed transfer
             for peer, _ in done:
-                self._failed(peer, None, e)
+                self._failed(peer, None, stream)
             return False
-        fill.peer_id = ",".join(p.peer_id for p, _ in done)
-        return False
+        if bad is None:
+            return False
+        self.last = fill.cause(bad)
+        ids = {p.peer_id for p, _ in picked}
+        blamed_by = bad.blamed if isinstance(bad, relay.DamagedBytes) else frozenset()
+        if n > 1 and not blamed_by:
+            # The failing layers' bytes came from several holders and none alone (a
+            # layer at a cut): what they sent is gone, and one holder at a time tells
+            # them apart.
+            fill.worker.metrics.record_verification_failure()
+            a.log.warning("holder_parts_unplaced", peers=sorted(ids), error=str(bad))
+            return False
+        tried = picked[0][0].peer_id if n == 1 else min(blamed_by)
+        blamed = fill.blame(bad, tried)
+        a.rx.failed |= blamed & ids
+        return n == 1 and tried not in blamed
 
     def _failed(self, peer: PeerInfo, part: Part | None, e: BaseException) -> None:
         """Count and log ``peer``'s failure of ``part``; anything but a peer's failure

@@ -44,7 +44,7 @@ from nccl_back.errors import (
 from nccl_back.load.asking import Ask, Source, claimed, transfer
 from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.fill import Fill
-from nccl_back.load.pulls import Pulls, watched
+from nccl_back.load.pulls import watched
 from nccl_back.timing import TREE_WATCH_POLL as WATCH_POLL
 from nccl_back.transport import Transport, plan, relay
 from nccl_back.transport.parts import parts as split
@@ -88,29 +88,21 @@ class _Trees:
         fill, seat, rx = self.fill, self.seat, self.fill.a.rx
         cut = split(self.steps, TREES)
         while not self.bound.spent():
-            errors = Pulls(abort=False).run(
-                [functools.partial(self._part, cut[tree], tree) for tree in range(TREES)],
-                "nccl_back-tree")
-            for e in errors:
-                if e is not None and not isinstance(e, (PeerError, RegistryError)):
-                    raise e
-            failed = [e for e in errors if isinstance(e, (PeerError, RegistryError))]
+            failed = [e for e in fill.pull([functools.partial(self._part, cut[tree], tree)
+                                            for tree in range(TREES)], "nccl_back-tree") if e is not None]
             if failed:
                 # Out of upstreams: the last upstream's failure (kept by _failed) says why.
                 if not (isinstance(failed[0], NoPeerError) and rx.relay_error is not None):
                     rx.relay_error = failed[0]
                 return False
-            try:
-                fill.check(self.bound.deadline)
-            except WeightVerificationError as e:
-                # Whoever sent failing bytes is never asked again and what it sent is
-                # gone: both parts resume at what they now lack.
-                seat.failed.update(fill.blame(e, min(rx.sources.sources(), default="")))
-                seat.failed.update(self._suspects(e))
-                rx.relay_error = e.error if isinstance(e, relay.DamagedBytes) else e
-                continue
-            fill.peer_id = ",".join(sorted(rx.sources.sources()))
-            return True
+            e = fill.verify(self.bound.deadline, sorted(rx.sources.sources()))
+            if e is None:
+                return True
+            # Whoever sent failing bytes is never asked again and what it sent is gone:
+            # both parts resume at what they now lack.
+            seat.failed.update(fill.blame(e, min(rx.sources.sources(), default="")))
+            seat.failed.update(self._suspects(e))
+            rx.relay_error = fill.cause(e)
         return False
 
     def _suspects(self, e: WeightVerificationError) -> set[str]:

@@ -1,5 +1,5 @@
-"""What the receive loop (:class:`~.receive.Receive`) shares with its steps kept apart
-(:mod:`.holders`, :mod:`.tree_parts`): the load, its outcome so far, one round's core
+"""What the receive loop (:class:`~.receive.Receive`) shares with its rounds
+(:mod:`.rounds`): the load, its outcome so far, one round's core
 (its parts pulled at once, one verification, blame), and the load's one budget."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Phases, their bounds, and where (from what) they are carved:
 - reshard discovery: :data:`DISCOVER_SECONDS`; ``reshard.find`` (the load), covering
   world keys read, world sizes planned, each plan's cells and tests;
 - relay: ``transfer_timeout + handshake_timeout`` (``+ single_flight_max_wait``
-  stream-fed); ``tree_parts.from_trees`` (the load): a seat's both parts;
+  stream-fed); ``rounds.from_trees`` (the load): a seat's both parts;
 - claim: ``busy_wait``; the holders' loop, a reshard's holder (the load), a tree's
   holder (the relay);
 - handshake: ``handshake_timeout`` (a relay upstream: at most ``RELAY_HANDSHAKE``,

@@ -183,7 +183,7 @@ VERDICT_POLL = 0.05
 #: checked first); one whose verdict has not come by then stays guilty.
 VERDICT_WAIT = 2.0
 
-# load/tree_parts.py
+# load/rounds.py
 #: Seconds between two looks at the cohort's size while a leaf's part moves.
 TREE_WATCH_POLL = 0.25
 

@@ -26,7 +26,7 @@ from nccl_back.config import Settings
 from nccl_back.coord import records, schema
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import HandshakeTimeoutError, TransferStalledError
-from nccl_back.load import tree_parts
+from nccl_back.load import rounds
 from nccl_back.load.asking import Source
 from nccl_back.load.attempt import Receiving
 from nccl_back.metrics import Metrics
@@ -145,7 +145,7 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
     a = SimpleNamespace(rx=rx, log=structlog.get_logger(), found=SimpleNamespace(candidates=[]),
                         replica=lambda: SimpleNamespace(speaks=lambda m: True))
     fill = SimpleNamespace(a=a, worker=SimpleNamespace(settings=reg.settings, metrics=Metrics()))
-    trees = tree_parts._Trees.__new__(tree_parts._Trees)
+    trees = rounds._Trees.__new__(rounds._Trees)
     trees.fill, trees.seat, trees.fed_by, trees.timeouts, trees.stalled = fill, seat, None, {}, set()
     trees.bound, trees.stall = Budget.of(30).phase("relay"), 3.0
     asked: list[str] = []
@@ -157,11 +157,11 @@ def test_a_parent_whose_handshake_timed_out_once_is_asked_again_not_its_parent(
     monkeypatch.setattr(trees, "_pull", pull)
     tree = 7 % topology.TREES  # interior there: its parent never moves
     assert seat.tree_path(tree, 64)[1] != topology.SOURCE  # a grandparent seat to go to
-    for _ in range(tree_parts.HANDSHAKE_TRIES):
+    for _ in range(rounds.HANDSHAKE_TRIES):
         path = seat.tree_path(tree, 64)
         parent = seat.tree_upstreams(tree, path)[0]
         trees._from_member(tree, parent[1], lambda t: None, threading.Event())
-    assert asked == [ids[path[0]]] * tree_parts.HANDSHAKE_TRIES, asked
+    assert asked == [ids[path[0]]] * rounds.HANDSHAKE_TRIES, asked
     assert seat.failed == {ids[path[0]]} and isinstance(rx.relay_error, HandshakeTimeoutError)
     assert seat.tree_upstreams(tree, seat.tree_path(tree, 64))[0][0] == path[1]  # now further up
     reg.close()

@@ -5,7 +5,7 @@ Every phase returns what it found (:class:`Discovery`, :class:`~.single_flight.F
 :class:`~.fill.Received` / :class:`~.fill.NotReceived`, a reshard's sources, a member's
 share): only the service (:mod:`.service`) writes the :class:`Attempt`, the phases read
 it. The one part a phase writes is ``rx`` (:class:`Receiving`), the receive pass's own
-state across its passes (:mod:`.fill`, :mod:`.holders`, :mod:`.tree_parts`, :mod:`.asking`).
+state across its passes (:mod:`.fill`, :mod:`.rounds`, :mod:`.asking`).
 A rank that found nobody to load from says why with a :class:`NoHolder` (not an
 error: its vote sends the worker to the election); :class:`Worker` is what the
 service lends every phase.

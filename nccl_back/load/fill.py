@@ -1,14 +1,16 @@
-"""What the receive loop (:class:`~.receive.Receive`) shares with its steps kept apart
-(:mod:`.holders`, :mod:`.tree_parts`): the load, its outcome so far, blame, and the
-load's one budget."""
+"""What the receive loop (:class:`~.receive.Receive`) shares with its rounds
+(:mod:`.rounds`): the load, its outcome so far, one round's core
+(its parts pulled at once, one verification, blame), and the load's one budget."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from nccl_back.errors import NoPeerError, WeightVerificationError
+from nccl_back.errors import NoPeerError, PeerError, RegistryError, WeightVerificationError
 from nccl_back.load import verify
 from nccl_back.load.attempt import Attempt, Discovery, Reason, Worker
+from nccl_back.load.pulls import Pull, Pulls
 from nccl_back.load.verifier import PositionCheck
 from nccl_back.load.verify import Verified
 from nccl_back.transport import relay
@@ -61,6 +63,27 @@ class Fill:
         self.found = self.a.found
         self.verified = Verified(self.a.truth, self.a.basis)
 
+    def pull(self, pulls: Sequence[Pull], name: str) -> list[PeerError | RegistryError | None]:
+        """A round's parts at once (:class:`~.pulls.Pulls`), none aborted by another's
+        failure: what the others land stays. What each failed with, a peer's or Redis's
+        failure, else None; anything else is raised."""
+        failed: list[PeerError | RegistryError | None] = []
+        for e in Pulls(abort=False).run(pulls, name):
+            if e is not None and not isinstance(e, (PeerError, RegistryError)):
+                raise e
+            failed.append(e)
+        return failed
+
+    def verify(self, deadline: float, by: Iterable[str]) -> WeightVerificationError | None:
+        """A round's one verification (:meth:`check`): None once it passed (``peer_id``
+        then names the sources ``by``); else its failure, for the caller to blame."""
+        try:
+            self.check(deadline)
+        except WeightVerificationError as e:
+            return e
+        self.peer_id = ",".join(by)
+        return None
+
     def check(self, deadline: float) -> None:
         """Verify what the last transfer left in this rank's tensors (a stream's truth
         awaited up to ``deadline``, once per pass); :class:`DamagedBytes` if it fails."""
@@ -87,6 +110,12 @@ class Fill:
             a.log.info("peer_attempt_retried", peer=tried, blamed=sorted(blamed),
                        held_steps=a.rx.sources.done)
         return blamed
+
+    @staticmethod
+    def cause(error: WeightVerificationError) -> WeightVerificationError:
+        """The integrity check's own error, the one a load reports (a
+        :class:`~nccl_back.transport.relay.DamagedBytes` wraps it)."""
+        return error.error if isinstance(error, relay.DamagedBytes) else error
 
     def budget_spent(self, last: BaseException | None) -> bool:
         """True (and ``reason`` set) once the load's peer budget is spent."""

@@ -1,14 +1,14 @@
 """The receive phase: one pass over this rank's sources within the load's one
 :class:`~nccl_back.budget.Budget` (``peer_budget``): its seat's upstreams in its
-cohort's two trees, or the stream feeding them (:mod:`.tree_parts`), then holders
-(:mod:`.holders`). Every source is asked through :func:`~.asking.transfer`, every
-check goes through the Verifier (:mod:`.verify`), and blame lands in :class:`~.fill.Fill`.
+cohort's two trees, or the stream feeding them, then holders (:mod:`.rounds`). Every
+source is asked through :func:`~.asking.transfer`, every check goes through the Verifier
+(:mod:`.verify`), and blame lands in :class:`~.fill.Fill`.
 """
 
 from __future__ import annotations
 
 from nccl_back.errors import NoPeerError
-from nccl_back.load import holders, tree_parts
+from nccl_back.load import rounds
 from nccl_back.load.attempt import Absence, Discovery, NoHolder
 from nccl_back.load.discover import discover
 from nccl_back.load.fill import Fill, NotReceived, Received
@@ -52,7 +52,7 @@ class Receive(Fill):
         if seat is not None and rx.step_sources.done:
             seat.progress.complete(rx.step_sources.done)  # what an earlier pass left us
         try:
-            if seat is not None and tree_parts.from_trees(self, seat, self.found.stream):
+            if seat is not None and rounds.from_trees(self, seat, self.found.stream):
                 return
             if self.budget_spent(rx.relay_error):
                 return
@@ -65,7 +65,7 @@ class Receive(Fill):
                         Absence.STREAM_LOST, f"the download streamed to this rank failed ({rx.relay_error}) and no"
                         " peer holds the version yet; back to the election")
             if self.reason is None:
-                holders.from_holders(self)
+                rounds.from_holders(self)
         finally:
             if seat is not None:
                 seat.end(self.peer_id is not None, str(self.reason or ""))

@@ -1,6 +1,6 @@
 """Relay cohorts: receivers that arrive together form one pipelined relay, seated in two
 binary trees (ARCHITECTURE.md, "The fan-out"; docs/design.md, "Fleets"; the receiving half is
-:mod:`nccl_back.load.tree_parts`). A member forwards step k as soon as it holds it, while
+:mod:`nccl_back.load.rounds`). A member forwards step k as soon as it holds it, while
 step k+1 arrives. Each link is its own 2-rank communicator, so a dead member breaks its
 links, not the cohort, and the same code runs on gloo and NCCL. A streamed download
 (:func:`.endpoints.stream`) forwards step k once every tensor it carries passed its

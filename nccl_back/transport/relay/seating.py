@@ -1,6 +1,6 @@
 """The relay's receiving half: a worker's seats, streams and shares. The relay only offers
 sources (:meth:`Seat.tree_upstreams`); asking them is the load layer's
-(:mod:`nccl_back.load.tree_parts`); the sending half is :mod:`.forwarder`.
+(:mod:`nccl_back.load.rounds`); the sending half is :mod:`.forwarder`.
 """
 
 from __future__ import annotations

@@ -221,8 +221,8 @@ DRAIN_GRACE = 0.5
 #: The most seconds a drain waits for an owed receiver (a follower of this worker's
 #: download) to ask at all: one that saw the weights asks within a poll or two, but a
 #: loaded machine stretched that past a second (each late one then read storage again);
-#: a follower fed by others stops counting once it loaded. One that asked is waited
-#: for until it loaded (within DRAIN_MAX).
+#: a follower fed by others stops counting once it loaded. One whose transfer failed
+#: (it gave it up) gets as long again after that, to ask once more.
 DRAIN_ARRIVAL = 3.0
 #: Seconds between two looks of a drain at its sends.
 DRAIN_POLL = 0.02

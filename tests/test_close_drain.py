@@ -64,33 +64,33 @@ def test_the_drain_bound_is_the_bytes_left_at_the_slower_rate_plus_a_grace_cappe
     assert drain_bound(10**12, s) == DRAIN_MAX
 
 
-def test_an_owed_receiver_that_asked_is_awaited_until_it_loaded() -> None:
-    """Owed.awaited: one that asked and has not loaded is waited for past DRAIN_ARRIVAL (it
-    may ask again: another part, a retry); one that never asked only within it; a loaded
-    one not at all."""
+def test_an_owed_receiver_is_awaited_until_it_asked_or_while_it_may_ask_again() -> None:
+    """Owed.awaited: one that never asked, within DRAIN_ARRIVAL of the drain's start; one
+    whose last send failed (it gave the transfer up), within DRAIN_ARRIVAL of that; one
+    served, or one that loaded, not at all."""
     asked: set[str] = set()
     loaded: set[str] = set()
     owed = Owed(frozenset({"f"}), lambda: set(asked), lambda ws: loaded & ws)
-    assert owed.awaited(0.0) and not owed.awaited(DRAIN_ARRIVAL)
+    assert owed.awaited(0.0, {}) and not owed.awaited(DRAIN_ARRIVAL, {})
     asked.add("f")
-    assert owed.awaited(0.0) and owed.awaited(DRAIN_ARRIVAL + 1)
+    assert not owed.awaited(0.0, {})  # its send completed
+    now = time.monotonic()
+    assert owed.awaited(DRAIN_ARRIVAL + 1, {"f": now})
+    assert not owed.awaited(DRAIN_ARRIVAL + 1, {"f": now - DRAIN_ARRIVAL - 0.1})
     loaded.add("f")
-    assert not owed.awaited(0.0)
+    assert not owed.awaited(0.0, {"f": now})
 
 
-def test_a_drain_with_nothing_in_flight_waits_for_an_owed_receiver_that_asked() -> None:
-    """With no send in flight, a drain still waits for an owed receiver that asked and has
-    not loaded (its next request may be on its way), returning once it loaded; one that
-    never loads is given up at DRAIN_MAX."""
+def test_a_drain_with_nothing_in_flight_waits_for_an_owed_receiver_yet_to_ask() -> None:
+    """With no send in flight, a drain still waits for an owed receiver that has not asked,
+    returning once it loaded; one that never asks nor loads is given up at DRAIN_ARRIVAL."""
     began = time.monotonic()
-    owed = Owed(frozenset({"f"}), lambda: {"f"},
-                lambda ws: set(ws) if time.monotonic() - began > 0.6 else set())
+    owed = Owed(frozenset({"f"}), set, lambda ws: set(ws) if time.monotonic() - began > 0.6 else set())
     assert drain([], Settings(), get_logger("test"), owed) == 0
     assert 0.6 <= time.monotonic() - began < 2.0
     began = time.monotonic()
-    assert drain([], Settings(), get_logger("test"), Owed(frozenset({"f"}), lambda: {"f"},
-                                                          lambda ws: set())) == 0
-    assert DRAIN_MAX <= time.monotonic() - began < DRAIN_MAX + 1.0
+    assert drain([], Settings(), get_logger("test"), Owed(frozenset({"f"}), set, lambda ws: set())) == 0
+    assert DRAIN_ARRIVAL <= time.monotonic() - began < DRAIN_ARRIVAL + 1.0
 
 
 @pytest.mark.timeout(120)

@@ -190,9 +190,9 @@ class WeightService:
         then aborts whatever remains, each receiver told at once (it moves on without
         waiting out its stall bound). The followers of a download this worker was elected
         to, which wait for it alone, are served while their time to ask lasts (the
-        stream's linger): each until it loaded (it may ask again, for another part or
-        after a transfer it gave up), one that never asks for ``DRAIN_ARRIVAL`` (3 s);
-        all within ``DRAIN_MAX``. With nothing in flight or owed it waits for nothing.
+        stream's linger) and they have not loaded: one yet to ask for ``DRAIN_ARRIVAL``
+        (3 s), one whose transfer failed (it gave it up) as long again after that; all
+        within ``DRAIN_MAX``. With nothing in flight or owed it waits for nothing.
 
         Once it returns, no registry entry of this worker reappears.
         """

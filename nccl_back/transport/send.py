@@ -146,16 +146,18 @@ class Owed:
     loaded: Callable[[frozenset[str]], set[str]]
     """Those of the given ones that hold the version now (published it)."""
 
-    def awaited(self, elapsed: float) -> bool:
-        """Whether one is still to be served ``elapsed`` seconds into the drain: one that
-        asked and has not loaded may ask again (for another part, or after a transfer it
-        gave up, a tree parent that moved), so it is waited for; one that never asked, for
-        :data:`DRAIN_ARRIVAL`."""
+    def awaited(self, elapsed: float, failed: Mapping[str, float]) -> bool:
+        """Whether one is still to be served ``elapsed`` seconds into the drain, unless it
+        loaded: one that never asked, for :data:`DRAIN_ARRIVAL`; one whose last send
+        failed at ``failed[receiver]`` (it gave the transfer up: its tree parent moved, a
+        handshake timed out) asks again, for :data:`DRAIN_ARRIVAL` after that."""
         left = self.receivers - self.loaded(self.receivers)
         if not left:
             return False
-        asked = self.asked()
-        return bool(left & asked) or (elapsed < DRAIN_ARRIVAL and bool(left - asked))
+        if elapsed < DRAIN_ARRIVAL and left - self.asked():
+            return True
+        now = _clock.monotonic()
+        return any(now - failed[r] < DRAIN_ARRIVAL for r in left & failed.keys())
 
 
 def drain(sends: Iterable[Sends], settings: Settings, log: Any, owed: Owed | None = None) -> int:
@@ -174,7 +176,11 @@ def drain(sends: Iterable[Sends], settings: Settings, log: Any, owed: Owed | Non
         now = _clock.monotonic()
         n = sum(s.in_flight for s in sends)
         if owed is not None and now - looked >= DRAIN_OWED_POLL:
-            looked, waiting = now, owed.awaited(now - start)
+            failed: dict[str, float] = {}
+            for s in sends:
+                for r, t in s.failed().items():
+                    failed[r] = max(t, failed.get(r, t))
+            looked, waiting = now, owed.awaited(now - start, failed)
         if n > flying:  # a send began (an owed receiver asked): its bytes' bound from now
             left = sum(s.bytes_left() for s in sends)
             deadline = max(deadline, now + drain_bound(left, settings))
@@ -238,12 +244,20 @@ class Sends:
     """Sends from their request on, by transfer id."""
     _closed: bool = False
     """Aborted: later requests are refused."""
+    _failed: dict[str, float] = field(default_factory=dict, repr=False)
+    """When each receiver's last send failed (cleared by one that completes; at most
+    :data:`ASKERS` receivers): it may ask again, which a close waits for."""
 
     @property
     def in_flight(self) -> int:
         """Sends running (in their handshake or past it)."""
         with self._lock:
             return len(self._flights)
+
+    def failed(self) -> dict[str, float]:
+        """When each receiver whose last send failed saw it fail (monotonic seconds)."""
+        with self._lock:
+            return dict(self._failed)
 
     def bytes_left(self) -> int:
         """Bytes the sends in flight have still to issue."""
@@ -340,6 +354,8 @@ class Sends:
             self.metrics.record_sent(self.role.name, stats.bytes, stats.seconds)
             log.info(self.role.done, start=start, part=part, bytes=stats.bytes,
                      gbps=round(stats.gbps, 3))
+            with self._lock:
+                self._failed.pop(request.receiver, None)
             return stats
         except NcclBackError as e:
             if isinstance(e, HandshakeTimeoutError) and self.role.counts_handshake_timeouts:
@@ -350,4 +366,7 @@ class Sends:
         finally:
             with self._lock:
                 self._flights.pop(request.transfer_id, None)
+        with self._lock:
+            if request.receiver in self._failed or len(self._failed) < ASKERS:
+                self._failed[request.receiver] = _clock.monotonic()
         return None

@@ -57,7 +57,7 @@ ADDRESS = st.one_of(
 @st.composite
 def peer_infos(draw: st.DrawFn) -> records.PeerInfo:
     world = draw(st.integers(min_value=1, max_value=records.MAX_WORLD))
-    transport = draw(st.sampled_from(records.TRANSPORTS))
+    transport = draw(st.sampled_from(records.TRANSPORT_KINDS))
     return records.PeerInfo(
         peer_id=draw(NAME), version=draw(NAME), rank=draw(st.integers(0, world - 1)),
         world_size=world, manifest_digest=draw(HEX), transport=transport,
@@ -85,7 +85,7 @@ def requests(draw: st.DrawFn) -> records.TransferRequest:
     subs = None if parts is None else draw(st.none() | st.integers(1, records.MAX_PARTS))
     return records.TransferRequest(
         transfer_id=draw(NAME), receiver=draw(NAME), version=draw(NAME),
-        manifest_digest=draw(HEX), transport=draw(st.sampled_from(records.TRANSPORTS)),
+        manifest_digest=draw(HEX), transport=draw(st.sampled_from(records.TRANSPORT_KINDS)),
         device=draw(st.none() | st.sampled_from(records.DEVICES)),
         claim=draw(st.none() | st.tuples(st.integers(0, 999), HEX).map(lambda t: f"{t[0]}:{t[1]}")),
         start=draw(st.none() | st.integers(0, records.MAX_START)),
@@ -103,7 +103,7 @@ WAITERS = st.builds(records.Waiter, worker=NAME)
 ROSTERS = st.lists(NAME, min_size=1, max_size=records.MAX_PARTS, unique=True).map(
     lambda ms: records.Roster(members=tuple(ms)))
 MEMBERS = st.builds(records.Member, member_id=NAME, address=ADDRESS,
-                    transport=st.sampled_from(records.TRANSPORTS), device=st.sampled_from(records.DEVICES))
+                    transport=st.sampled_from(records.TRANSPORT_KINDS), device=st.sampled_from(records.DEVICES))
 HANDSHAKES = st.one_of(
     st.builds(lambda by, v, d: {"by": by, "value": v, "digest": d},
               st.sampled_from(records.HANDSHAKE_SIDES), st.integers(0, records.MAX_NONCE), NAME),

@@ -26,7 +26,7 @@ vllm_log=$(mktemp)
   >"$vllm_log" 2>&1 &
 vllm_run=$!
 status=0
-.venv/bin/python -m pytest || status=$?
+.venv/bin/python -m pytest -n 2 --dist loadscope || status=$?
 vllm_status=0
 wait "$vllm_run" || vllm_status=$?
 echo "---- vLLM integration tests (tests/vllm, .venv-vllm) ----"

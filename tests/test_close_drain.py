@@ -67,7 +67,7 @@ def test_the_drain_bound_is_the_bytes_left_at_the_slower_rate_plus_a_grace_cappe
 def test_an_owed_receiver_is_awaited_until_it_asked_or_while_it_may_ask_again() -> None:
     """Owed.awaited: one that never asked, within DRAIN_ARRIVAL of the drain's start; one
     whose last send failed (it gave the transfer up), within DRAIN_ARRIVAL of that; one
-    served, or one that loaded, not at all."""
+    served, or one that loaded, not at all (which only those still due are asked)."""
     asked: set[str] = set()
     loaded: set[str] = set()
     owed = Owed(frozenset({"f"}), lambda: set(asked), lambda ws: loaded & ws)
@@ -79,6 +79,11 @@ def test_an_owed_receiver_is_awaited_until_it_asked_or_while_it_may_ask_again() 
     assert not owed.awaited(DRAIN_ARRIVAL + 1, {"f": now - DRAIN_ARRIVAL - 0.1})
     loaded.add("f")
     assert not owed.awaited(0.0, {"f": now})
+    # Redis is read only for receivers still due, never on a look that ends without them.
+    looked: list[frozenset[str]] = []
+    quiet = Owed(frozenset({"f", "g"}), lambda: {"f", "g"}, lambda ws: looked.append(ws) or set())
+    assert not quiet.awaited(0.0, {}) and not looked
+    assert quiet.awaited(DRAIN_ARRIVAL + 1, {"g": now}) and looked == [frozenset({"g"})]
 
 
 def test_a_drain_with_nothing_in_flight_waits_for_an_owed_receiver_yet_to_ask() -> None:

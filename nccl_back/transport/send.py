@@ -151,13 +151,12 @@ class Owed:
         loaded: one that never asked, for :data:`DRAIN_ARRIVAL`; one whose last send
         failed at ``failed[receiver]`` (it gave the transfer up: its tree parent moved, a
         handshake timed out) asks again, for :data:`DRAIN_ARRIVAL` after that."""
-        left = self.receivers - self.loaded(self.receivers)
-        if not left:
-            return False
-        if elapsed < DRAIN_ARRIVAL and left - self.asked():
-            return True
         now = _clock.monotonic()
-        return any(now - failed[r] < DRAIN_ARRIVAL for r in left & failed.keys())
+        due = {r for r in self.receivers & failed.keys() if now - failed[r] < DRAIN_ARRIVAL}
+        if elapsed < DRAIN_ARRIVAL:
+            due |= self.receivers - self.asked()
+        # Redis last, and only for those still due: most looks end without it.
+        return bool(due) and bool(due - self.loaded(frozenset(due)))
 
 
 def drain(sends: Iterable[Sends], settings: Settings, log: Any, owed: Owed | None = None) -> int:

@@ -187,6 +187,11 @@ VERDICT_WAIT = 2.0
 #: Seconds between two looks at the cohort's size while a leaf's part moves.
 TREE_WATCH_POLL = 0.25
 
+# load/pulls.py
+#: Seconds to a watched pull's first look for a lost source; the wait then doubles up
+#: to the watch's poll.
+WATCH_FIRST = 0.02
+
 # load/asking.py
 #: Seconds between two tries of a busy holder's send slots.
 BUSY_POLL = 0.05

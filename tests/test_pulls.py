@@ -1,5 +1,6 @@
 """Pulls into one rank's tensors from several sources (``load/pulls.py``): every pull is
-waited for, the first failure is the one named, and only ``abort`` stops the others.
+waited for, the first failure is the one named, and only ``abort`` stops the others; a
+watched pull's source looked at soon, then ever less often.
 
 The pulls here are plain functions and the transports stand-ins that record an abort:
 what is under test is the coordination, which never touches data.
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 
 from nccl_back.errors import TransferError
-from nccl_back.load.pulls import Pulls
+from nccl_back.load.pulls import Pulls, watched
+from nccl_back.timing import WATCH_FIRST
 
 WAIT = 10.0
 
@@ -110,3 +112,25 @@ def test_an_error_that_is_not_a_transfer_error_comes_back_too() -> None:
     assert errors[0] is None
     with pytest.raises(ValueError, match="a bug"):
         raise errors[1]  # type: ignore[misc]
+
+
+def test_a_watch_looks_soon_after_the_pull_starts_then_ever_less_often() -> None:
+    """``watched`` first asks ``lost`` after WATCH_FIRST, then at twice the wait before up to
+    ``poll``: a source lost right away (a forming cohort's leaf parent) is found within
+    tens of ms, not after a whole poll; once found, the pull's transport is aborted."""
+    looks: list[float] = []
+    began = time.monotonic()
+
+    def lost() -> bool:
+        looks.append(time.monotonic() - began)
+        return len(looks) == 5
+
+    transport = Recorder()
+    with watched(lost, 2.0, "test-watch") as (gone, on_start):
+        on_start(transport)  # type: ignore[arg-type]
+        assert gone.wait(WAIT)
+    assert transport.aborted.is_set()
+    assert WATCH_FIRST <= looks[0] < 1.0  # the first look, well before one poll
+    gaps = [b - a for a, b in zip(looks, looks[1:], strict=False)]
+    # 0.04, 0.08, 0.16, 0.32: each gap at least twice the first wait.
+    assert all(g >= 2 * WATCH_FIRST for g in gaps) and gaps[-1] >= 8 * WATCH_FIRST

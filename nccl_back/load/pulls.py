@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from nccl_back import _clock
+from nccl_back.timing import WATCH_FIRST
 from nccl_back.transport import Transport
 
 #: A pull: given the callback its transfer calls with its transport before data moves.
@@ -86,7 +87,10 @@ class Pulls:
 def watched(lost: Callable[[], bool], poll: float, name: str,
             started: Callable[[Transport], None] | None = None,
             ) -> Iterator[tuple[threading.Event, Callable[[Transport], None]]]:
-    """``lost`` asked every ``poll`` seconds while the block pulls from a source: once
+    """``lost`` asked while the block pulls from a source, first after
+    :data:`~nccl_back.timing.WATCH_FIRST` seconds, then at twice the wait before, up to
+    every ``poll`` seconds (a source is most often lost right away: a cohort released
+    together still forming, a leaf's parent moving as it grows). Once
     it says so, the event is set (hand it to the transfer's ``gone``: its handshake ends
     at the next poll) and the transport the pull's callback was told is aborted (a
     communicator still forming stops at once; a gloo wait under way is not interrupted,
@@ -103,7 +107,9 @@ def watched(lost: Callable[[], bool], poll: float, name: str,
                 transport.abort()
 
     def watch() -> None:
-        while not _clock.wait(stop, poll):
+        wait = min(poll, WATCH_FIRST)
+        while not _clock.wait(stop, wait):
+            wait = min(poll, wait * 2)
             if lost():
                 with lock:
                     gone.set()

@@ -13,8 +13,9 @@ at the part's first step this rank lacks; a member that stalled is asked once mo
 unless its liveness mark lapsed (:meth:`~nccl_back.transport.relay.Seat.counts_failed`).
 A seat is a leaf in one tree, and a leaf's parent changes as the cohort grows
 (:func:`~nccl_back.transport.relay.topology.seat_upstreams`): while a leaf's part moves,
-the cohort's size is looked at every :data:`WATCH_POLL` seconds, and once the parent
-moved the transfer is aborted and resumes from the new one (not a failure). A handshake
+the cohort's size is looked at soon, then up to every :data:`WATCH_POLL` seconds
+(:func:`~.pulls.watched`: a fleet released together moves its leaves at once), and once
+the parent moved the transfer is aborted and resumes from the new one (not a failure). A handshake
 that times out is tried once more before its upstream counts as failed: under load (a
 fleet released together) a live endpoint may be slow to answer, and every seat that
 gave up on its parent would load the ones further up. Not once the part stalled: a

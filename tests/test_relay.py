@@ -379,13 +379,15 @@ def test_a_rolling_start_keeps_joining_the_cohort_in_flight(redis_url: str, name
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
     member = Member("w-r0-relay-1", "127.0.0.1:5000", "gloo", "cpu").to_dict()
     seats = []
-    for _ in range(5):  # 4 gaps of 0.2 s: the start spans 0.8 s, two 0.4 s windows
-        seats.append(reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.4, max_size=8, ttl=10))
-        time.sleep(0.2)
+    # 4 gaps of 0.4 s: the start spans 1.6 s, more than a 1.5 s window; each gap leaves
+    # over a second for a loaded machine to schedule the next join.
+    for _ in range(5):
+        seats.append(reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=1.5, max_size=8, ttl=10))
+        time.sleep(0.4)
     assert [p for _, p in seats] == [0, 1, 2, 3, 4]
     assert len({c for c, _ in seats}) == 1
-    time.sleep(0.5)
-    later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.4, max_size=8, ttl=10)
+    time.sleep(1.7)
+    later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=1.5, max_size=8, ttl=10)
     assert pos == 0 and later != seats[0][0]
 
 

@@ -359,14 +359,14 @@ def test_cohort_seats_fill_in_order_then_a_new_cohort(redis_url: str, namespace:
     round-trip through the typed parser; a new window starts a new epoch."""
     reg = Registry(Settings(redis_url=redis_url, namespace=namespace))
     member = Member("w-r0-relay-1", "127.0.0.1:5000", "gloo", "cpu").to_dict()
-    seats = [reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.3, max_size=3, ttl=10)
+    seats = [reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=1.0, max_size=3, ttl=10)
              for _ in range(4)]
     assert [p for _, p in seats] == [0, 1, 2, 0]
     assert seats[0][0] == seats[1][0] == seats[2][0] != seats[3][0]
     assert reg.chain_members(seats[0][0], 0, 2) == [Member(**member)] * 3
     assert reg.ttl(reg.keys.cohort("v1", 0, 1, "ab" * 16)) > 0
-    time.sleep(0.4)
-    later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=0.3, max_size=3, ttl=10)
+    time.sleep(1.2)
+    later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=1.0, max_size=3, ttl=10)
     assert pos == 0 and later not in {c for c, _ in seats}
     with pytest.raises(UntrustedRecordError, match="address must be host:port"):
         records.member({"member_id": "m", "address": "nowhere", "transport": "gloo", "device": "cpu"})

@@ -186,10 +186,8 @@ VERDICT_WAIT = 2.0
 # load/rounds.py
 #: Seconds between two looks at the cohort's size while a leaf's part moves.
 TREE_WATCH_POLL = 0.25
-
-# load/pulls.py
-#: Seconds to a watched pull's first look for a lost source; the wait then doubles up
-#: to the watch's poll.
+#: Seconds to a leaf's first look at the cohort's size; the wait then doubles up to
+#: TREE_WATCH_POLL (a fleet released together moves its leaves in the first tens of ms).
 WATCH_FIRST = 0.02
 
 # load/asking.py

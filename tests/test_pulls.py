@@ -115,9 +115,9 @@ def test_an_error_that_is_not_a_transfer_error_comes_back_too() -> None:
 
 
 def test_a_watch_looks_soon_after_the_pull_starts_then_ever_less_often() -> None:
-    """``watched`` first asks ``lost`` after WATCH_FIRST, then at twice the wait before up to
-    ``poll``: a source lost right away (a forming cohort's leaf parent) is found within
-    tens of ms, not after a whole poll; once found, the pull's transport is aborted."""
+    """``watched(first=...)`` asks ``lost`` after ``first``, then at twice the wait before
+    up to ``poll``: a source lost right away (a forming cohort's leaf parent) is found
+    within tens of ms, not after a whole poll; once found, the pull's transport is aborted."""
     looks: list[float] = []
     began = time.monotonic()
 
@@ -126,7 +126,7 @@ def test_a_watch_looks_soon_after_the_pull_starts_then_ever_less_often() -> None
         return len(looks) == 5
 
     transport = Recorder()
-    with watched(lost, 2.0, "test-watch") as (gone, on_start):
+    with watched(lost, 2.0, "test-watch", first=WATCH_FIRST) as (gone, on_start):
         on_start(transport)  # type: ignore[arg-type]
         assert gone.wait(WAIT)
     assert transport.aborted.is_set()

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from nccl_back import _clock
-from nccl_back.timing import WATCH_FIRST
 from nccl_back.transport import Transport
 
 #: A pull: given the callback its transfer calls with its transport before data moves.
@@ -85,12 +84,11 @@ class Pulls:
 
 @contextlib.contextmanager
 def watched(lost: Callable[[], bool], poll: float, name: str,
-            started: Callable[[Transport], None] | None = None,
+            started: Callable[[Transport], None] | None = None, first: float | None = None,
             ) -> Iterator[tuple[threading.Event, Callable[[Transport], None]]]:
-    """``lost`` asked while the block pulls from a source, first after
-    :data:`~nccl_back.timing.WATCH_FIRST` seconds, then at twice the wait before, up to
-    every ``poll`` seconds (a source is most often lost right away: a cohort released
-    together still forming, a leaf's parent moving as it grows). Once
+    """``lost`` asked every ``poll`` seconds while the block pulls from a source (with
+    ``first``: first after ``first`` seconds, then at twice the wait before, up to
+    ``poll``: a source most often lost right away, a forming cohort's leaf parent). Once
     it says so, the event is set (hand it to the transfer's ``gone``: its handshake ends
     at the next poll) and the transport the pull's callback was told is aborted (a
     communicator still forming stops at once; a gloo wait under way is not interrupted,
@@ -107,7 +105,7 @@ def watched(lost: Callable[[], bool], poll: float, name: str,
                 transport.abort()
 
     def watch() -> None:
-        wait = min(poll, WATCH_FIRST)
+        wait = poll if first is None else min(poll, first)
         while not _clock.wait(stop, wait):
             wait = min(poll, wait * 2)
             if lost():

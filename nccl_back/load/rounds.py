@@ -62,7 +62,7 @@ from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.discover import holders
 from nccl_back.load.fill import Fill
 from nccl_back.load.pulls import watched
-from nccl_back.timing import MAX_PEER_ATTEMPTS
+from nccl_back.timing import MAX_PEER_ATTEMPTS, WATCH_FIRST
 from nccl_back.timing import TREE_WATCH_POLL as WATCH_POLL
 from nccl_back.transport import Transport, plan, relay
 from nccl_back.transport.parts import Part
@@ -166,7 +166,7 @@ class _Trees:
 
             ups = seat.tree_upstreams(tree, path)
             with watched(moved if leaf else (lambda: False), WATCH_POLL,
-                         f"nccl-back-tree-{tree}") as (gone, on_start):
+                         f"nccl-back-tree-{tree}", first=WATCH_FIRST) as (gone, on_start):
                 if ups:
                     self._from_member(tree, ups[0][1], on_start, gone)
                 else:

@@ -34,6 +34,21 @@ def _accept(server: socket.socket) -> None:
             server.accept()[0].close()
 
 
+def _same_port(hosts: tuple[str, ...]) -> list[socket.socket]:
+    """A server on each of ``hosts`` at one port: a free one on the first host may be
+    taken on another by a process beside the tests (seen once on loopback), so draw again."""
+    for _ in range(50):
+        first = socket.create_server((hosts[0], 0))
+        port, servers = first.getsockname()[1], [first]
+        try:
+            servers += [socket.create_server((h, port)) for h in hosts[1:]]
+            return servers
+        except OSError:
+            for s in servers:
+                s.close()
+    raise AssertionError(f"no port free on every one of {hosts} in 50 draws")
+
+
 def _links() -> str:
     return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
 
@@ -43,9 +58,8 @@ def test_a_process_in_a_namespace_reaches_the_bridge_not_the_hosts_loopback_and_
     one on the host's loopback; closing removes every namespace and link made."""
     servers: list[socket.socket] = []
     with netns.Links(0.01) as links:
-        bridge = socket.create_server((netns.HOST, 0))
-        loopback = socket.create_server(("127.0.0.1", bridge.getsockname()[1]))
-        servers = [bridge, loopback]
+        servers = _same_port((netns.HOST, "127.0.0.1"))
+        bridge = servers[0]
         for s in servers:
             threading.Thread(target=_accept, args=(s,), daemon=True).start()
         name, address = links.add()

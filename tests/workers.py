@@ -100,7 +100,9 @@ def worker_main(
     loading, publish a model built with these kwargs under the checkpoint's version
     (to stage a peer whose manifest differs). ``go``: an Event to wait for before
     loading (everything else is ready, so the load starts the moment it is set);
-    ``ready``: a Semaphore released once, just before that wait.
+    ``ready``: a Semaphore released once, just before that wait. ``slow_download`` fills
+    each tensor in 50 ms; ``kill_mid_stream`` SIGKILLs halfway through, and
+    ``kill_before_truth`` once every byte streamed, before its ground truth is written.
     ``device``: where the model lives ("cuda": its transfers go over NCCL); ``env``:
     set first (NCCL reads its own at its first communicator).
     """
@@ -382,10 +384,21 @@ def _install_fault(fault: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         storage.load_from_storage = die  # type: ignore[assignment]
-    elif fault in ("slow_download", "kill_mid_stream"):
+    elif fault in ("slow_download", "kill_mid_stream", "kill_before_truth"):
         # Each tensor's fill takes 50 ms (a slow storage link); kill_mid_stream: SIGKILL
-        # once half of them are in place, while waiters receive the download's stream.
+        # once half of them are in place, while waiters receive the download's stream;
+        # kill_before_truth: SIGKILL once every byte streamed, before the ground truth
+        # its waiters check them against is written.
         from nccl_back.model import loader
+
+        if fault == "kill_before_truth":
+            from nccl_back.load import publish
+
+            def no_truth(*a: Any, **k: Any) -> None:
+                time.sleep(1.0)  # the stream's last sends land first
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            publish.claim_ground_truth = no_truth  # type: ignore[assignment]
 
         orig_copied = loader._Tracker.copied
 

@@ -1,9 +1,12 @@
 """What the receive loop (:class:`~.receive.Receive`) shares with its rounds
-(:mod:`.rounds`): the load, its outcome so far, one round's core
-(its parts pulled at once, one verification, blame), and the load's one budget."""
+(:mod:`.rounds`): the load, its outcome so far, one round's core (its parts pulled at
+once, one verification, blame), the one loop of rounds (:class:`Rounds`), and the
+load's one budget."""
 
 from __future__ import annotations
 
+import abc
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -126,3 +129,56 @@ class Fill:
             f"peer attempts spent their budget of {s.peer_budget:g} s (peer_budget)"
             + ("" if last is None else f"; last: {last}"))
         return True
+
+
+class Rounds(abc.ABC):
+    """The one loop every kind of source runs (:mod:`.rounds`): a round's parts pulled at
+    once (:meth:`Fill.pull`, each source asked through :func:`~.asking.transfer`), the
+    kind's rule for a part that failed, one verification (:meth:`Fill.verify`) and blame
+    (:meth:`Fill.blame`); until a round verifies (True) or the kind has none left
+    (False: why is in the fill, or ``rx.relay_error`` for the trees). A stream's truth
+    that never came (its downloader died) fails the round's sources as a failed transfer
+    does, and Redis's trouble ends the rounds with its reason: neither escapes the pass. A kind says what a round pulls (:meth:`round`, its send slots held
+    in ``held``; None: no round left), whether every part landed (:meth:`landed`, given
+    each part's error), who filled it (:meth:`by`), and what a round whose bytes had no
+    truth (:meth:`untrue`), failed their check (:meth:`blamed`) or met Redis's trouble
+    (:meth:`lost`, the last round) costs."""
+
+    name = "nccl_back-part"
+    fill: Fill
+
+    def run(self) -> bool:
+        while True:
+            try:
+                with contextlib.ExitStack() as held:  # a round's send slots
+                    pulls = self.round(held)
+                    if pulls is None:
+                        return False
+                    if not self.landed(self.fill.pull(pulls, self.name)):
+                        continue
+                    try:
+                        bad = self.fill.verify(self.deadline(), self.by())
+                    except PeerError as e:  # a stream's truth never came: as a failed transfer
+                        self.untrue(e)
+                        continue
+            except RegistryError as e:
+                self.lost(e)
+                return False
+            if bad is None:
+                return True
+            self.blamed(bad)
+
+    @abc.abstractmethod
+    def round(self, held: contextlib.ExitStack) -> list[Pull] | None: ...
+    @abc.abstractmethod
+    def landed(self, errors: list[PeerError | RegistryError | None]) -> bool: ...
+    @abc.abstractmethod
+    def deadline(self) -> float: ...
+    @abc.abstractmethod
+    def by(self) -> Iterable[str]: ...
+    @abc.abstractmethod
+    def untrue(self, e: PeerError) -> None: ...
+    @abc.abstractmethod
+    def blamed(self, bad: WeightVerificationError) -> None: ...
+    @abc.abstractmethod
+    def lost(self, e: RegistryError) -> None: ...

@@ -1,10 +1,8 @@
 """A receive pass's rounds, in :class:`~.receive.Receive`'s order: a cohort seat's two
 parts from its upstreams in the two trees (:func:`from_trees`), then holders
-(:func:`from_holders`). Both run one round's shape, :class:`~.fill.Fill`'s core: the
-parts pulled at once, each source asked through :func:`~.asking.transfer`
-(:meth:`~.fill.Fill.pull`), the bytes verified once (:meth:`~.fill.Fill.verify`) and
-blame applied once (:meth:`~.fill.Fill.blame`); they differ in each part's sources and
-in what a source's failure costs.
+(:func:`from_holders`): the two kinds of source of the one loop
+(:class:`~.fill.Rounds`), which differ in each part's sources and in what a source's
+failure costs.
 
 The trees: part ``t`` of the plan from this seat's upstreams in tree ``t`` (its
 ancestors, nearest first, ending at the cohort's head, then the stream that feeds the
@@ -40,7 +38,7 @@ import contextlib
 import functools
 import hashlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nccl_back import _clock
 from nccl_back.budget import Phase
@@ -60,8 +58,8 @@ from nccl_back.errors import (
 from nccl_back.load.asking import BUSY_POLL, Ask, Source, claimed, transfer
 from nccl_back.load.attempt import PeerBusy
 from nccl_back.load.discover import holders
-from nccl_back.load.fill import Fill
-from nccl_back.load.pulls import watched
+from nccl_back.load.fill import Fill, Rounds
+from nccl_back.load.pulls import Pull, watched
 from nccl_back.timing import MAX_PEER_ATTEMPTS, WATCH_FIRST
 from nccl_back.timing import TREE_WATCH_POLL as WATCH_POLL
 from nccl_back.transport import Transport, plan, relay
@@ -77,9 +75,9 @@ HANDSHAKE_TRIES = 2
 def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None) -> bool:
     """Both parts from this seat's upstreams in the two trees (then the stream
     ``fed_by``, or the cohort's holders), then one verification; True once it passed
-    (``fill.peer_id`` names every source). False: a part ran out of upstreams
-    (``rx.relay_error`` says why; holders go on from the first step this rank lacks) or
-    the relay phase is spent."""
+    (``fill.peer_id`` names every source). False: a part ran out of upstreams, the
+    stream's truth never came or Redis failed (``rx.relay_error`` says why; holders go
+    on from the first step this rank lacks) or the relay phase is spent."""
     s = fill.worker.settings
     bound = s.transfer_timeout + s.handshake_timeout
     if fed_by is not None:  # we may wait for the whole download, as in the election
@@ -90,40 +88,61 @@ def from_trees(fill: Fill, seat: relay.Seat, fed_by: Member | None) -> bool:
     return _Trees(fill, seat, fed_by, fill.a.rx.peer_budget.phase("relay", bound), stall).run()
 
 
-class _Trees:
+class _Trees(Rounds):
     """One seat's receive in the two trees (see the module docstring)."""
+
+    name = "nccl_back-tree"
 
     def __init__(self, fill: Fill, seat: relay.Seat, fed_by: Member | None, bound: Phase,
                  stall: float) -> None:
         self.fill, self.seat, self.fed_by, self.bound, self.stall = fill, seat, fed_by, bound, stall
         t, s = fill.a.target, fill.worker.settings
-        self.steps = plan(t.tensors, t.bucket(s, t.kind))
+        self.cut = split(plan(t.tensors, t.bucket(s, t.kind)), TREES)
         self.timeouts: dict[str, int] = {}
         """Handshake timeouts per upstream (both parts' loops share it)."""
         self.stalled: set[int] = set()
         """Trees whose part stalled: no handshake retried there (see the module docstring)."""
+        self.out = False
+        """A part ran out of sources: no round more."""
 
-    def run(self) -> bool:
-        fill, seat, rx = self.fill, self.seat, self.fill.a.rx
-        cut = split(self.steps, TREES)
-        while not self.bound.spent():
-            errors = fill.pull([functools.partial(self._part, cut[tree], tree) for tree in range(TREES)],
-                               "nccl_back-tree")
-            failed = [e for e in errors if e is not None]
-            if failed:
-                # Out of upstreams: the last upstream's failure (kept by _failed) says why.
-                if not (isinstance(failed[0], NoPeerError) and rx.relay_error is not None):
-                    rx.relay_error = failed[0]
-                return False
-            e = fill.verify(self.bound.deadline, sorted(rx.sources.sources()))
-            if e is None:
-                return True
-            # Whoever sent failing bytes is never asked again and what it sent is gone:
-            # both parts resume at what they now lack.
-            seat.failed.update(fill.blame(e, min(rx.sources.sources(), default="")))
-            seat.failed.update(self._suspects(e))
-            rx.relay_error = fill.cause(e)
+    def round(self, held: contextlib.ExitStack) -> list[Pull] | None:
+        if self.out or self.bound.spent():
+            return None
+        return [functools.partial(self._part, self.cut[tree], tree) for tree in range(TREES)]
+
+    def landed(self, errors: list[PeerError | RegistryError | None]) -> bool:
+        failed = [e for e in errors if e is not None]
+        if not failed:
+            return True
+        # Out of upstreams: the last upstream's failure (kept by _failed) says why.
+        rx = self.fill.a.rx
+        if not (isinstance(failed[0], NoPeerError) and rx.relay_error is not None):
+            rx.relay_error = failed[0]
+        self.out = True
         return False
+
+    def deadline(self) -> float:
+        return self.bound.deadline
+
+    def by(self) -> Iterable[str]:
+        return sorted(self.fill.a.rx.sources.sources())
+
+    def untrue(self, e: PeerError) -> None:
+        if self.fed_by is not None:
+            self._failed(self.fed_by.member_id, None, e)
+        self.fill.a.rx.relay_error = e
+        self.out = True
+
+    def blamed(self, bad: WeightVerificationError) -> None:
+        # Whoever sent failing bytes is never asked again and what it sent is gone:
+        # both parts resume at what they now lack.
+        rx = self.fill.a.rx
+        self.seat.failed.update(self.fill.blame(bad, min(rx.sources.sources(), default="")))
+        self.seat.failed.update(self._suspects(bad))
+        rx.relay_error = self.fill.cause(bad)
+
+    def lost(self, e: RegistryError) -> None:
+        self.fill.a.rx.relay_error = e
 
     def _suspects(self, e: WeightVerificationError) -> set[str]:
         """The members among a failed check's suspects (:class:`~nccl_back.transport.relay.Blame`):
@@ -253,9 +272,10 @@ class _Trees:
         self.fill.a.log.info("relay_handshake_retried", peer=source, part=tree, error=str(e))
         return True
 
-    def _failed(self, source: str, tree: int, e: PeerError) -> None:
-        """``source`` failed this seat's part ``tree``: never asked again (a stream that
-        failed is the load's to go back to the election for)."""
+    def _failed(self, source: str, tree: int | None, e: PeerError) -> None:
+        """``source`` failed this seat's part ``tree`` (None: both, its truth never came):
+        never asked again (a stream that failed is the load's to go back to the election
+        for)."""
         a = self.fill.a
         self.seat.failed.add(source)
         if any(p.peer_id == source for p in a.found.candidates):
@@ -263,7 +283,7 @@ class _Trees:
         a.rx.relay_error = e
         if self.fed_by is not None and source == self.fed_by.member_id:
             a.rx.failed_streams.add(self.fed_by.member_id)
-        a.log.warning("relay_upstream_failed", peer=source, part=tree,
+        a.log.warning("relay_upstream_failed", peer=source, **({} if tree is None else {"part": tree}),
                       held_steps=a.rx.sources.done, reason=fallback_reason(e), error=str(e))
 
 
@@ -289,8 +309,8 @@ def from_holders(fill: Fill) -> None:
     _Holders(fill).run()
 
 
-class _Holders:
-    """One pass's loop over holders (see :func:`from_holders`)."""
+class _Holders(Rounds):
+    """One pass's rounds over holders (see :func:`from_holders`)."""
 
     def __init__(self, fill: Fill) -> None:
         self.fill, self.a, self.s = fill, fill.a, fill.worker.settings
@@ -302,97 +322,111 @@ class _Holders:
         self.width = self.s.holder_parts
         if self.width > 1 and (rx.sources.sources() or self._seated_below()):
             self.width = 1
+        self.claim = rx.peer_budget.phase("claim", self.s.busy_wait)
+        self.candidates = fill.found.candidates
+        self.i = self.busy = 0
+        """The next candidate to claim; how many were busy since the first."""
+        self.picked: Claimed = []
+        """The round's holders, part ``i`` of ``n`` from the ``i``-th (``n`` = 1: the whole plan)."""
+        self.done: Claimed = []
+        """Those of the round whose part landed (their slots still held)."""
+        self.again = False
+        """The lone holder of the last round was not blamed: ask it again."""
 
-    def run(self) -> None:
-        fill, a, s, rx = self.fill, self.a, self.s, self.a.rx
-        claim = rx.peer_budget.phase("claim", s.busy_wait)
-        candidates = fill.found.candidates
-        while True:
-            busy = i = 0
-            while i < len(candidates):
-                with contextlib.ExitStack() as held:
-                    picked: Claimed = []
-                    while i < len(candidates) and len(picked) < self.width:
-                        peer = candidates[i]
-                        i += 1
-                        if peer.peer_id in rx.failed or peer.peer_id in rx.blamed:
-                            continue
-                        if fill.budget_spent(self.last):
-                            return
-                        try:
-                            picked.append((peer, held.enter_context(claimed(fill.worker, a, peer))))
-                        except PeerBusy:
-                            busy += 1
-                        except RegistryError as e:
-                            if not picked:
-                                fill.reason = e
-                                return
-                            break
-                    if not picked:
-                        break
-                    try:
-                        again = self._round(picked)
-                    except RegistryError as e:
-                        fill.reason = e
-                        return
-                if fill.peer_id is not None or fill.reason is not None:
-                    return
-                if len(rx.failed) >= MAX_PEER_ATTEMPTS:
-                    fill.reason = self.last
-                    return
-                self.width = 1
-                if len(picked) > 1:
-                    busy = i = 0  # one holder at a time from here, from the first
-                elif again:
-                    i -= 1
-            if busy == 0 or claim.spent():
-                if busy:
-                    self.last = NoPeerError(f"every peer stayed busy for {s.busy_wait:g} s (busy_wait)")
+    def round(self, held: contextlib.ExitStack) -> list[Pull] | None:
+        fill, rx = self.fill, self.a.rx
+        if fill.reason is not None:
+            return None
+        if self.picked:  # after a round: one holder at a time from here
+            if len(rx.failed) >= MAX_PEER_ATTEMPTS:
                 fill.reason = self.last
-                return
+                return None
+            if len(self.picked) > 1:
+                self.busy = self.i = 0  # from the first
+            elif self.again:
+                self.i -= 1
+            self.width, self.again = 1, False
+        while True:
+            picked = self._pick(held)
+            if picked is None:
+                return None
+            if picked:
+                break
+            if self.busy == 0 or self.claim.spent():
+                if self.busy:
+                    self.last = NoPeerError(f"every peer stayed busy for {self.s.busy_wait:g} s (busy_wait)")
+                fill.reason = self.last
+                return None
             _clock.sleep(BUSY_POLL)
-            try:
-                candidates = holders(fill.worker, a)
-            except RegistryError as e:
-                fill.reason = e
-                return
-
-    def _round(self, picked: Claimed) -> bool:
-        """Part ``i`` of ``n`` from the ``i``-th of ``picked`` (``n`` = 1: the whole plan),
-        failed parts from those whose part landed, then one verification. True: the
-        lone holder was not blamed, ask it again."""
-        fill, a, n = self.fill, self.a, len(picked)
-        parts: list[Part | None] = [None] if n == 1 else [(i, n) for i in range(n)]
+            self.candidates = holders(fill.worker, self.a)  # RegistryError: the rounds end
+            self.busy = self.i = 0
+        n = len(picked)
         if n > 1:
-            a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
-        errors = fill.pull([functools.partial(self._part, peer, token, part)
-                            for (peer, token), part in zip(picked, parts, strict=True)], "nccl_back-part")
-        done: Claimed = []  # whose part landed (its slot still held)
+            self.a.log.info("holder_parts", peers=[p.peer_id for p, _ in picked])
+        self.picked = picked
+        return [functools.partial(self._part, peer, token, part)
+                for (peer, token), part in zip(picked, self._parts(), strict=True)]
+
+    def _pick(self, held: contextlib.ExitStack) -> Claimed | None:
+        """Up to ``width`` free holders from the ``i``-th, each slot claimed into ``held``
+        (none: every one left was busy or out); None: the rounds end (``fill.reason``)."""
+        fill, rx = self.fill, self.a.rx
+        picked: Claimed = []
+        while self.i < len(self.candidates) and len(picked) < self.width:
+            peer = self.candidates[self.i]
+            self.i += 1
+            if peer.peer_id in rx.failed or peer.peer_id in rx.blamed:
+                continue
+            if fill.budget_spent(self.last):
+                return None
+            try:
+                picked.append((peer, held.enter_context(claimed(fill.worker, self.a, peer))))
+            except PeerBusy:
+                self.busy += 1
+            except RegistryError as e:
+                if not picked:
+                    fill.reason = e
+                    return None
+                break
+        return picked
+
+    def _parts(self) -> list[Part | None]:
+        n = len(self.picked)
+        return [None] if n == 1 else [(i, n) for i in range(n)]
+
+    def landed(self, errors: list[PeerError | RegistryError | None]) -> bool:
+        """Failed parts from the holders whose part landed, one at a time."""
+        done: Claimed = []
         lost: list[Part | None] = []
-        for (peer, token), part, e in zip(picked, parts, errors, strict=True):
+        for (peer, token), part, e in zip(self.picked, self._parts(), errors, strict=True):
             if e is None:
                 done.append((peer, token))
             else:
                 self._failed(peer, part, e)
                 lost.append(part)
-        while lost and done and not fill.budget_spent(self.last):
+        while lost and done and not self.fill.budget_spent(self.last):
             try:
                 self._part(*done[0], lost[0], lambda _tr: None)
                 lost.pop(0)
             except PeerError as e:
                 self._failed(done.pop(0)[0], lost[0], e)
-        if lost:
-            return False
-        try:
-            bad = fill.verify(a.rx.peer_budget.deadline, (p.peer_id for p, _ in done))
-        except PeerError as stream:  # a stream's truth never came: as a failed transfer
-            for peer, _ in done:
-                self._failed(peer, None, stream)
-            return False
-        if bad is None:
-            return False
+        self.done = done
+        return not lost
+
+    def deadline(self) -> float:
+        return self.a.rx.peer_budget.deadline
+
+    def by(self) -> Iterable[str]:
+        return [p.peer_id for p, _ in self.done]
+
+    def untrue(self, e: PeerError) -> None:
+        for peer, _ in self.done:
+            self._failed(peer, None, e)
+
+    def blamed(self, bad: WeightVerificationError) -> None:
+        fill, a, n = self.fill, self.a, len(self.picked)
         self.last = fill.cause(bad)
-        ids = {p.peer_id for p, _ in picked}
+        ids = {p.peer_id for p, _ in self.picked}
         blamed_by = bad.blamed if isinstance(bad, relay.DamagedBytes) else frozenset()
         if n > 1 and not blamed_by:
             # The failing layers' bytes came from several holders and none alone (a
@@ -400,11 +434,14 @@ class _Holders:
             # them apart.
             fill.worker.metrics.record_verification_failure()
             a.log.warning("holder_parts_unplaced", peers=sorted(ids), error=str(bad))
-            return False
-        tried = picked[0][0].peer_id if n == 1 else min(blamed_by)
+            return
+        tried = self.picked[0][0].peer_id if n == 1 else min(blamed_by)
         blamed = fill.blame(bad, tried)
         a.rx.failed |= blamed & ids
-        return n == 1 and tried not in blamed
+        self.again = n == 1 and tried not in blamed
+
+    def lost(self, e: RegistryError) -> None:
+        self.fill.reason = e
 
     def _failed(self, peer: PeerInfo, part: Part | None, e: BaseException) -> None:
         """Count and log ``peer``'s failure of ``part``; anything but a peer's failure

@@ -130,7 +130,7 @@ def _forwarders(worker: Worker, a: Attempt, found: Discovery, guilty: frozenset[
 def await_truth(worker: Worker, a: Attempt, deadline: float) -> dict[str, str]:
     """The ground truth a streaming downloader publishes once its load is complete
     (it hashes what it streamed); :class:`TransferError` if none comes by ``deadline``
-    or the stream's downloader gave up (its relay endpoint is gone)."""
+    or nobody holds the download's lease any more (the downloader gave up or died)."""
     version, digest, verifier = a.spec.version, a.target.manifest.digest, worker.verifier
     reg = worker.registry
     # Only to read whether a (trusted) downloader holds the lease: a value there that
@@ -138,10 +138,10 @@ def await_truth(worker: Worker, a: Attempt, deadline: float) -> dict[str, str]:
     lease = DownloadLease(reg, version, a.world, worker.id, worker.settings.download_lease)
     while True:
         # Read "still loading" before the truth: the downloader writes the truth before
-        # it drops its stream record and releases its lease, so no truth after "gone"
-        # means none is coming.
-        loading = (reg.get_stream(version, a.rank, a.world, digest) is not None
-                   or lease.holder() is not None)
+        # it releases its lease, so no truth once nobody holds it means none is coming.
+        # Not the stream's record: announced for a whole download's wait, it outlives a
+        # downloader killed before its truth by far.
+        loading = lease.holder() is not None
         try:
             stored = reg.get_ground_truth(version, a.rank, a.world, digest, verifier.scheme)
         except UntrustedRecordError:  # rejected (said why): the downloader replaces it

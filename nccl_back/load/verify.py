@@ -130,7 +130,8 @@ def _forwarders(worker: Worker, a: Attempt, found: Discovery, guilty: frozenset[
 def await_truth(worker: Worker, a: Attempt, deadline: float) -> dict[str, str]:
     """The ground truth a streaming downloader publishes once its load is complete
     (it hashes what it streamed); :class:`TransferError` if none comes by ``deadline``
-    or nobody holds the download's lease any more (the downloader gave up or died)."""
+    or neither the download's lease nor its stream endpoint lives (the downloader gave up
+    or died)."""
     version, digest, verifier = a.spec.version, a.target.manifest.digest, worker.verifier
     reg = worker.registry
     # Only to read whether a (trusted) downloader holds the lease: a value there that
@@ -138,10 +139,11 @@ def await_truth(worker: Worker, a: Attempt, deadline: float) -> dict[str, str]:
     lease = DownloadLease(reg, version, a.world, worker.id, worker.settings.download_lease)
     while True:
         # Read "still loading" before the truth: the downloader writes the truth before
-        # it releases its lease, so no truth once nobody holds it means none is coming.
-        # Not the stream's record: announced for a whole download's wait, it outlives a
-        # downloader killed before its truth by far.
-        loading = lease.holder() is not None
+        # it releases its lease and its stream endpoint stops, so no truth once neither
+        # lives means none is coming. The endpoint's liveness mark, not its record: the
+        # record, announced for a whole download's wait, outlives a killed downloader.
+        stream = reg.get_stream(version, a.rank, a.world, digest)
+        loading = (stream is not None and not reg.lapsed(stream.member_id)) or lease.holder() is not None
         try:
             stored = reg.get_ground_truth(version, a.rank, a.world, digest, verifier.scheme)
         except UntrustedRecordError:  # rejected (said why): the downloader replaces it

@@ -185,16 +185,9 @@ def join(p: Endpoints) -> Seat:
         server.end(False, "could not join a cohort")
         raise
 
-    def alive() -> None:
-        p.registry.mark_alive(member.member_id, s.claim_ttl)
-
-    # Renewed while the endpoint lives: a member stalled behind a stopped one is asked
-    # once more by the seats below it, one that stopped itself is not (Seat.counts_failed).
-    try:
-        alive()
-    except RegistryError as e:  # a missing mark costs the seats below their retry of it
-        p.log.warning("alive_mark_failed", member=member.member_id, error=str(e))
-    renew(server, alive, s.claim_ttl, "alive")
+    # A member stalled behind a stopped one is asked once more by the seats below it, one
+    # that stopped itself is not (Seat.counts_failed).
+    kept_alive(p, server)
     p.log.info("cohort_joined", chain=p.registry.keys.chain_place(key), position=position,
                member=member.member_id)
     return Seat(Place(key, position), member, server.progress, server, p.registry)
@@ -253,6 +246,9 @@ def stream(p: Endpoints) -> Stream:
     except RegistryError:
         server.end(False, "could not announce the stream")
         raise
+    # Its waiters await its truth while it lives, not while its record does (announced
+    # for a whole download's wait, the record outlives a killed downloader by far).
+    kept_alive(p, server)
     tensors = p.replica.tensors
     steps = plan(tensors, p.settings.bucket_for(p.replica.kind, payload_bytes(tensors)))
     p.log.info("download_streamed", member=server.member.member_id, steps=len(steps))
@@ -281,6 +277,22 @@ class Share:
     def end(self, ok: bool, reason: str = "") -> None:
         """The member's load ended; failed (or its share unread): requests are refused."""
         self.server.end(ok, reason)
+
+
+def kept_alive(p: Endpoints, server: RelayServer) -> None:
+    """Mark ``server``'s member alive for ``claim_ttl``, renewed while it lives
+    (:meth:`~nccl_back.coord.cohorts.CohortRecords.lapsed` once it stops or dies); a
+    missing mark costs its receivers time, never bytes."""
+    member, ttl = server.member.member_id, p.settings.claim_ttl
+
+    def alive() -> None:
+        p.registry.mark_alive(member, ttl)
+
+    try:
+        alive()
+    except RegistryError as e:
+        p.log.warning("alive_mark_failed", member=member, error=str(e))
+    renew(server, alive, ttl, "alive")
 
 
 def renew(server: RelayServer, announce: Callable[[], None], ttl: float, what: str) -> None:

@@ -9,6 +9,9 @@ On one synthetic checkpoint of ``--size-mb`` in ``--shards`` files, uploaded twi
 2. ``Storage.download_many`` of every shard from S3, and from the GCS emulator with
    the same bytes: seconds, GB/s and this process's CPU seconds. Both servers are Python processes on this
    machine, so the rates say what those emulators serve, not what AWS or GCS would.
+3. ``ModelSpec.from_dir`` on a prefix whose index is 80 MiB, over its 64 MiB bound:
+   seconds to the refusal (goal: under a second, its body never read) and this
+   process's peak RSS rise (reading the body would add 80 MiB).
 
 Run: ``.venv/bin/python benchmarks/s3_storage.py --size-mb 256``
 """
@@ -73,6 +76,7 @@ def main() -> None:
                 print(f"spec {prefix} CRC32C, {run}: {took:.2f} s, {heads} HEAD, "
                       f"{len(shard_gets)} shard GETs, version {spec.version}")
         proxy.stop()
+        _refusal(client, ckpt, s3.endpoint, str(Path(tmp) / "cache-big"))
         settings = Settings(cache_dir=str(Path(tmp) / "cache-dl"))
         for uri in ("s3://bench/with", f"gs://{gbucket.name}/m"):
             store = Storage(settings)
@@ -82,6 +86,31 @@ def main() -> None:
             took, cpu = time.perf_counter() - t, time.process_time() - cpu
             print(f"download {uri.split(':')[0]}: {got / 2**20:.0f} MiB in {took:.2f} s,"
                   f" {got / took / 1e9:.2f} GB/s, client CPU {cpu:.2f} s")
+
+
+def _refusal(client: object, ckpt: Path, endpoint: str, cache: str) -> None:
+    """Time the refusal of an index over its bound (the checkpoint's other files as they are)."""
+    import resource
+
+    from nccl_back.errors import NcclBackError
+    from nccl_back.model.safetensors_format import INDEX_NAME, MAX_INDEX_BYTES
+
+    for f in sorted(set(os.listdir(ckpt)) - {INDEX_NAME}):
+        client.put_object(Bucket="bench", Key=f"big/{f}", Body=(ckpt / f).read_bytes())  # type: ignore[attr-defined]
+    client.put_object(Bucket="bench", Key=f"big/{INDEX_NAME}", Body=bytes(80 << 20))  # type: ignore[attr-defined]
+    store = Storage(Settings(s3_endpoint_url=endpoint, cache_dir=cache))
+    store.list_dir("s3://bench/big")  # boto3's client made first, as a worker's would be
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    try:
+        ModelSpec.from_dir("s3://bench/big", storage=store)
+        why = "not refused"
+    except NcclBackError as e:
+        why = str(e)[:120]
+    took = time.perf_counter() - t
+    rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+    print(f"index of 80 MiB (bound {MAX_INDEX_BYTES >> 20} MiB) refused in {took:.3f} s,"
+          f" peak RSS +{rise:.1f} MiB: {why}")
 
 
 if __name__ == "__main__":

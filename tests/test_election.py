@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from groups import CTX  # forked from a server with torch imported (tests/groups.py)
+from hostile import corrupt, corruptions
 
 from nccl_back import _clock
 from nccl_back.config import Settings
+from nccl_back.coord import schema
 from nccl_back.coord.election import DownloadLease, Election, elect
 from nccl_back.coord.records import Member
 from nccl_back.coord.registry import Registry
@@ -275,6 +277,27 @@ def test_a_new_owner_takes_over_a_former_split_whose_members_still_serve(coopera
         again.release()
     finally:
         former.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_members_announcement_lapses_only_when_gone_or_moved_never_by_a_forgery(
+    cooperative: Registry
+) -> None:
+    """The elected worker's watch of a member: its announcement lapsed once deleted or
+    naming another endpoint, never while a forged value of any form the hostile suite
+    writes sits there (the member's renewal overwrites it; its part stays a peer's)."""
+    reg, ep = cooperative, "b-r0-share-1"
+    reg.announce_download_member("v1", 0, 2, 1, Member(ep, "127.0.0.1:1", "gloo", "cpu"))
+    assert not reg.download_member_lapsed("v1", 0, 2, 1, ep)
+    assert reg.download_member_lapsed("v1", 0, 2, 1, "b-r0-share-2")
+    key = reg.keys.download_member("v1", 0, 2, 1)
+    genuine = ("string", reg.client.get(key))
+    for how in corruptions(schema.DOWNLOAD_MEMBER):
+        corrupt(reg.client, key, schema.DOWNLOAD_MEMBER, how, genuine)
+        if reg.download_member("v1", 0, 2, 1) is None:  # untrusted (a stale genuine copy is not)
+            assert not reg.download_member_lapsed("v1", 0, 2, 1, ep), how
+    reg.delete(key)
+    assert reg.download_member_lapsed("v1", 0, 2, 1, ep)
 
 
 @pytest.mark.timeout(30)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from nccl_back.coord import schema
 from nccl_back.coord.records import Member, Rescue, Roster
 from nccl_back.coord.signed_store import WRONG_TYPE, Raw, SignedStore, ms
-from nccl_back.errors import RecordKind
+from nccl_back.errors import RecordKind, UntrustedRecordError
 
 #: Entries kept in a download group's list (the newest): a flood cannot grow it.
 MAX_GROUP_ENTRIES = 256
@@ -92,6 +92,18 @@ class LeaseRecords(SignedStore):
         """Where member ``member`` serves its part, or None (also if untrusted)."""
         return self.record(self.keys.download_member(version, rank, world_size, member),
                            schema.DOWNLOAD_MEMBER)
+
+    def download_member_lapsed(self, version: str, rank: int, world_size: int, member: int,
+                               endpoint: str) -> bool:
+        """Whether member ``member``'s announcement is gone or names another endpoint than
+        ``endpoint``; an untrusted value says neither (its renewal overwrites it), so a
+        forged one never sends a live member's part back to storage."""
+        try:
+            got = self.read(self.keys.download_member(version, rank, world_size, member),
+                            schema.DOWNLOAD_MEMBER)
+        except UntrustedRecordError:
+            return False
+        return got is None or got[0].member_id != endpoint
 
     def spread_download_parts(self, version: str, rank: int, world_size: int,
                               rescues: Sequence[Rescue]) -> None:

@@ -247,13 +247,12 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
     def lost() -> bool:
         """The announcement lapsed or names another endpoint."""
         try:
-            now = worker.registry.download_member(r.version, r.rank, r.world, i)
+            gone = worker.registry.download_member_lapsed(r.version, r.rank, r.world, i, announced)
         except RegistryError:
             return False  # Redis trouble says nothing of the member
-        if now is None or now.member_id != announced:
+        if gone:
             a.log.warning("download_member_lapsed", member=i, endpoint=announced)
-            return True
-        return False
+        return gone
 
     with watched(lost, WATCH_POLL, f"nccl-back-watch-{i}", started) as (gone, on_start):
         try:

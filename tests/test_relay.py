@@ -493,41 +493,15 @@ def test_waiters_receive_the_download_as_it_streams(
 
 
 @pytest.mark.timeout(150)
-def test_downloader_killed_before_its_truth_the_waiters_still_load(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
-) -> None:
-    """SIGKILL the elected downloader once every byte streamed, before it writes the
-    ground truth its waiters check them against: the waiter whose bytes came from the
-    dead stream counts it failed (no exception out of ``load``), both waiters load
-    verified, and nobody waits on the dead stream past the lease."""
-    fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
-    fleet.settings["download_lease"] = 1.5
-    fleet.settings["cooperative_download"] = False  # the single flight's own stream
-    fleet.settings["stall_timeout"] = 3.0  # as the mid-stream kill's test, below
-    try:
-        doomed = fleet.start("doomed", fault="kill_before_truth")
-        wait_for_lease(redis_url, namespace)
-        for i in range(2):
-            fleet.start(f"w{i}", serve_for=20)
-        doomed.join(30)
-        assert doomed.exitcode == -signal.SIGKILL
-        reports = [_ok(fleet.report()) for _ in range(2)]
-        assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
-        assert all(r["verified"] or r["source"] == "storage" for r in reports), reports
-        assert all(r["load_seconds"] < 30 for r in reports), reports
-        second = next(r for r in reports if r["source"] == "storage")
-        assert second["fallback_reason"].startswith("no_peer: the download streamed"), second
-    finally:
-        fleet.close()
-
-
-@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", ["kill_mid_stream", "kill_before_truth"])
 def test_downloader_killed_mid_stream_the_waiters_still_load(
-    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str
+    slow_ckpt: str, redis_url: str, namespace: str, cache_dir: str, fault: str
 ) -> None:
-    """SIGKILL the elected downloader halfway through its streamed download: its
-    waiters go back to the election, one downloads, the other receives from it, both
-    verified; nobody waits on the dead stream past the lease."""
+    """SIGKILL the elected downloader halfway through its streamed download, or once
+    every byte streamed but before it writes the truth its waiters check them against:
+    its waiters go back to the election (no exception out of ``load``), one downloads,
+    the other receives from it, both verified; nobody waits on the dead stream past the
+    lease."""
     fleet = Fleet(slow_ckpt, redis_url, namespace, cache_dir)
     fleet.settings["download_lease"] = 1.5
     fleet.settings["cooperative_download"] = False  # the single flight's own stream
@@ -537,7 +511,7 @@ def test_downloader_killed_mid_stream_the_waiters_still_load(
     # downloader-dies test does the same).
     fleet.settings["stall_timeout"] = 3.0
     try:
-        doomed = fleet.start("doomed", fault="kill_mid_stream")
+        doomed = fleet.start("doomed", fault=fault)
         wait_for_lease(redis_url, namespace)
         for i in range(2):
             fleet.start(f"w{i}", serve_for=20)

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -154,12 +153,7 @@ class HandoffServer:
     def __enter__(self) -> HandoffServer:
         return self if self._thread is not None else self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _pack(self) -> None:
@@ -225,41 +219,38 @@ class HandoffServer:
                 conn.close()
                 continue
             try:
-                pool.submit(self._handle_slot, conn)
+                pool.submit(self._handle, conn)
             except RuntimeError:  # the pool was shut down by close()
                 self._slots.release()
                 conn.close()
                 return
 
-    def _handle_slot(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket) -> None:
         try:
-            self._handle(conn)
+            with conn:
+                deadline = _clock.monotonic() + self.io_timeout
+                uid = peer_uid(conn)
+                if uid not in (os.geteuid(), 0):
+                    # The socket is 0600 in a private directory; refuse anyone else anyway.
+                    self._log.warning("handoff_peer_refused", uid=uid)
+                    return
+                try:
+                    request = bounded_json.loads(
+                        recv_line(conn, deadline, MAX_REQUEST), max_bytes=MAX_REQUEST
+                    )
+                    reply = self._answer(request)
+                    send_line(conn, reply, deadline)
+                except (OSError, ValueError) as e:  # a consumer that went away or sent garbage
+                    self._log.warning("handoff_request_failed", error=str(e))
+                except Exception:
+                    # A pool thread would swallow it silently: log it, keep serving others.
+                    self._log.exception("handoff_request_crashed")
         finally:
             self._slots.release()
 
-    def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            deadline = _clock.monotonic() + self.io_timeout
-            uid = peer_uid(conn)
-            if uid not in (os.geteuid(), 0):
-                # The socket is 0600 in a private directory; refuse anyone else anyway.
-                self._log.warning("handoff_peer_refused", uid=uid)
-                return
-            try:
-                request = bounded_json.loads(
-                    recv_line(conn, deadline, MAX_REQUEST), max_bytes=MAX_REQUEST
-                )
-                reply = self._answer(request)
-                send_line(conn, reply, deadline)
-            except (OSError, ValueError) as e:  # a consumer that went away or sent garbage
-                self._log.warning("handoff_request_failed", error=str(e))
-            except Exception:
-                # A pool thread would swallow it silently: log it, keep serving others.
-                self._log.exception("handoff_request_crashed")
-
     def _answer(self, request: Any) -> dict[str, Any]:
-        man = self._manifest
-        if man is None or self._arena is None:
+        man, tensor = self._manifest, self._arena
+        if man is None or tensor is None:
             return refusal("closed", "the server is closing")
         if not isinstance(request, dict) or request.get("protocol") != PROTOCOL:
             return refusal("protocol", f"expected a protocol {PROTOCOL} request object")
@@ -284,25 +275,19 @@ class HandoffServer:
             "layout": self._layout,
             "hashes": self._hashes,
             "hash_mode": self.hash_mode,
-            "size": self._arena.numel(),
+            "size": tensor.numel(),
         }
         if self._shm is not None:
             reply.update(kind="shm", segment=self._shm.name)
         else:
             try:
-                reply.update(kind="cuda_ipc", cuda=self._share_cuda())
+                with self._share_lock:
+                    reply.update(kind="cuda_ipc", cuda=cuda.share(tensor))
             except RuntimeError as e:
                 self._log.warning("handoff_export_failed", error=str(e))
                 return refusal("export", f"cannot export a CUDA IPC handle: {e}")
         self._log.info("handoff_served", mode=mode)
         return reply
-
-    def _share_cuda(self) -> dict[str, Any]:
-        tensor = self._arena
-        if tensor is None:
-            raise AttachError("the server is closing")
-        with self._share_lock:
-            return cuda.share(tensor)
 
 
 def _listening(path: str) -> bool:

@@ -16,17 +16,14 @@ import stat
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from typing import Any
-
-import torch
 
 from nccl_back import _clock, bounded_json
 from nccl_back.errors import AttachError, ConfigError
 from nccl_back.load.verifier import Verifier
 from nccl_back.log import get_logger
 from nccl_back.model.integrity import HashMode
-from nccl_back.model.skeleton import Manifest, Model
+from nccl_back.model.skeleton import Model
 from nccl_back.sidecar.handoff import arena, cuda
 from nccl_back.sidecar.handoff.perms import UMASK_LOCK, peer_uid, private_dir
 from nccl_back.sidecar.handoff.protocol import (
@@ -79,10 +76,7 @@ class HandoffServer:
         self.hash_mode: HashMode = hash_mode
         self.io_timeout = io_timeout
         self._hashes = dict(hashes) if hashes is not None else None
-        self._manifest: Manifest | None = None
-        self._layout: list[tuple[str, int]] = []
-        self._arena: torch.Tensor | None = None
-        self._shm: shared_memory.SharedMemory | None = None
+        self._packed: arena.Arena | None = None  # what is served, from start() to close()
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._stop = threading.Event()
@@ -96,7 +90,8 @@ class HandoffServer:
     @property
     def segment_name(self) -> str | None:
         """Name of the shared-memory segment under /dev/shm (CPU models, once started)."""
-        return self._shm.name if self._shm is not None else None
+        shm = self._packed.shm if self._packed is not None else None
+        return shm.name if shm is not None else None
 
     def start(self) -> HandoffServer:
         """Pack the model into the arena, bind the socket and serve in a background thread
@@ -107,7 +102,7 @@ class HandoffServer:
                 " create a new one"
             )
         try:
-            self._pack()
+            self._packed = packed = self._pack()
             if self._hashes is None:
                 self._hashes = Verifier(self.hash_mode, None).fingerprint(self.model)
             self._listener = self._bind()
@@ -121,8 +116,8 @@ class HandoffServer:
         self._thread.start()
         self._log.info(
             "handoff_serving",
-            bytes=self._manifest.nbytes if self._manifest is not None else 0,
-            tensors=len(self._layout),
+            bytes=packed.manifest.nbytes,
+            tensors=len(packed.layout),
             segment=self.segment_name,
         )
         return self
@@ -142,13 +137,9 @@ class HandoffServer:
                 # Only remove the path if it is still our socket, not a successor's.
                 if os.lstat(self.socket_path).st_ino == self._socket_ino:
                     os.unlink(self.socket_path)
-        if self._shm is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
-            self._shm = None
+        arena.release(self._packed)
         arena.release(self._hosted)
-        self._hosted = None
-        self._arena = None
+        self._packed = self._hosted = None
 
     def __enter__(self) -> HandoffServer:
         return self if self._thread is not None else self.start()
@@ -156,21 +147,17 @@ class HandoffServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _pack(self) -> None:
+    def _pack(self) -> arena.Arena:
         hosted = self._hosted
         if hosted is not None and arena.holds(hosted, self.model):
-            packed = hosted  # its segment is now self._shm's to unlink
+            self._hosted = None  # unlinked as the served arena from here on
+            return hosted
+        if hosted is not None:
+            # Something re-pointed the model's tensors: serve a fresh packed copy.
+            self._log.warning("handoff_arena_repacked")
+            arena.release(hosted)
             self._hosted = None
-        else:
-            if hosted is not None:
-                # Something re-pointed the model's tensors: serve a fresh packed copy.
-                self._log.warning("handoff_arena_repacked")
-                arena.release(hosted)
-                self._hosted = None
-            packed = arena.pack(self.model)
-        self._manifest, self._shm = packed.manifest, packed.shm
-        self._layout.extend(packed.layout)
-        self._arena = packed.tensor
+        return arena.pack(self.model)
 
     # -- socket ------------------------------------------------------------------------
 
@@ -249,9 +236,10 @@ class HandoffServer:
             self._slots.release()
 
     def _answer(self, request: Any) -> dict[str, Any]:
-        man, tensor = self._manifest, self._arena
-        if man is None or tensor is None:
+        packed = self._packed
+        if packed is None:
             return refusal("closed", "the server is closing")
+        man = packed.manifest
         if not isinstance(request, dict) or request.get("protocol") != PROTOCOL:
             return refusal("protocol", f"expected a protocol {PROTOCOL} request object")
         if request.get("version") != self.version:
@@ -272,17 +260,17 @@ class HandoffServer:
             "ok": True,
             "protocol": PROTOCOL,
             "version": self.version,
-            "layout": self._layout,
+            "layout": packed.layout,
             "hashes": self._hashes,
             "hash_mode": self.hash_mode,
-            "size": tensor.numel(),
+            "size": packed.tensor.numel(),
         }
-        if self._shm is not None:
-            reply.update(kind="shm", segment=self._shm.name)
+        if packed.shm is not None:
+            reply.update(kind="shm", segment=packed.shm.name)
         else:
             try:
                 with self._share_lock:
-                    reply.update(kind="cuda_ipc", cuda=cuda.share(tensor))
+                    reply.update(kind="cuda_ipc", cuda=cuda.share(packed.tensor))
             except RuntimeError as e:
                 self._log.warning("handoff_export_failed", error=str(e))
                 return refusal("export", f"cannot export a CUDA IPC handle: {e}")

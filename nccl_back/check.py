@@ -91,13 +91,13 @@ def load_settings(
             _SECRET_FIX), settings
     source = f"{SECRET_FILE_ENV}={secret_env[SECRET_FILE_ENV]}" if SECRET_FILE_ENV in secret_env \
         else SECRET_ENV
+    detail = f"{len(secret.encode())} bytes from {source}"
     if settings is not None:
         settings = settings.replace(secret=secret)
         # A digest of a derived key, never the secret: equal on every worker of a fleet.
         key_id = (settings.key("check") or b"").hex()[:8]
-        return settings_check, ok("secret", f"{len(secret.encode())} bytes from {source},"
-                                            f" key id {key_id} (the same on every worker)"), settings
-    return settings_check, ok("secret", f"{len(secret.encode())} bytes from {source}"), settings
+        detail += f", key id {key_id} (the same on every worker)"
+    return settings_check, ok("secret", detail), settings
 
 
 _SECRET_FIX = (f"put the fleet's shared secret (at least 16 bytes, e.g. `openssl rand -hex 32`)"

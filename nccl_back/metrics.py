@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -47,19 +47,19 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 """HTTP ``Content-Type`` of :meth:`Metrics.render`'s output."""
 
 
-M = TypeVar("M", Counter, Gauge)
+M = TypeVar("M", Counter, Gauge, Histogram)
 _Label = tuple[str, tuple[str, ...]]
 """A label's name and its fixed values."""
 
 
 def _primed(kind: type[M], name: str, doc: str, label: _Label | None,
-            registry: CollectorRegistry) -> M:
+            registry: CollectorRegistry, **options: Any) -> M:
     """A metric of ``kind``; with ``label`` (a name and its fixed values), one series per
     value, created at zero."""
     if label is None:
-        return kind(name, doc, registry=registry)
+        return kind(name, doc, registry=registry, **options)
     key, values = label
-    metric = kind(name, doc, [key], registry=registry)
+    metric = kind(name, doc, [key], registry=registry, **options)
     for value in values:
         metric.labels(**{key: value})
     return metric
@@ -86,11 +86,9 @@ class Metrics:
         self.loads = counter("loads", "Completed weight loads, by source.", by_source)
         self.loaded_bytes = counter("loaded_bytes", "Bytes of weights loaded, by source.",
                                     by_source)
-        self.load_seconds = Histogram(f"{prefix}_load_seconds",
-                                      "Wall time of a weight load, by source.", ["source"],
-                                      buckets=LOAD_SECONDS_BUCKETS, registry=self.registry)
-        for source in SOURCES:
-            self.load_seconds.labels(source=source)
+        self.load_seconds = _primed(Histogram, f"{prefix}_load_seconds",
+                                    "Wall time of a weight load, by source.", by_source,
+                                    self.registry, buckets=LOAD_SECONDS_BUCKETS)
         self.fallbacks = counter("fallbacks", "Peer loads abandoned for storage, by reason code.",
                                  ("reason", FALLBACK_REASONS))
         self.transfers_served = counter(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -94,12 +95,8 @@ def worker_main(
                 together.wait(serve_seconds)
             result = svc.load(model, spec)
             conn.send_bytes(json.dumps({
-                "worker": name, "worker_id": svc.worker_id, "source": result.source,
-                "peer_id": result.peer_id, "seconds": result.seconds, "bytes": result.bytes,
-                "gbps": result.gbps, "verified": result.verified,
-                "fallback_reason": result.fallback_reason, "skeleton_seconds": skeleton,
-                "timings": result.timings, "storage_bytes": result.storage_bytes,
-                "peer_bytes": result.peer_bytes,
+                **dataclasses.asdict(result), "worker": name, "worker_id": svc.worker_id,
+                "gbps": result.gbps, "skeleton_seconds": skeleton,
             }).encode())
             # Serve the others until told to stop (or orphaned: never outlive the demo).
             deadline = time.monotonic() + serve_seconds

@@ -46,15 +46,6 @@ class LocalSentinel(Started):
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         return f"redis+sentinel://{auth}{hosts}/{self.service}/0"
 
-    def master_port(self) -> int:
-        """The port of the server the sentinels currently name as master."""
-        with self._sentinel_client(self.sentinels[0]) as s:
-            return int(s.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)[1])
-
-    def master(self) -> LocalRedis:
-        port = self.master_port()
-        return next(s for s in self.servers if s.port == port)
-
     def _sentinel_client(self, s: LocalRedis) -> Any:
         import redis
 
@@ -96,50 +87,41 @@ class LocalSentinel(Started):
         """Wait until a failover could succeed: every sentinel names the same master, up,
         knows the other sentinels and the replica (up, its link to the master ``ok``), and
         the replica has synced. Returns the master's port."""
-        state: dict[str, int] = {}
 
-        def ready() -> bool:
+        def ready() -> int | None:
             port = self._agreed_master()
             if port is None or not self._answers_as_master(port):
-                return False
+                return None
             for s in self.sentinels:
                 with self._sentinel_client(s) as c:
                     replicas = c.sentinel_slaves(self.service)
                 if len(replicas) != len(self.servers) - 1 or any(
                     r["flags"] != "slave" or r["master-link-status"] != "ok" for r in replicas
                 ):
-                    return False
+                    return None
             import redis
 
             for server in self.servers:
                 if server.port != port:
                     with redis.Redis(port=server.port, password=self.password, socket_timeout=2) as c:
                         if c.info("replication").get("master_link_status") != "up":
-                            return False
-            if not self._client_finds(port):
-                return False
-            state["port"] = port
-            return True
+                            return None
+            return port if self._client_finds(port) else None
 
-        _wait_until(ready, timeout, "the sentinels did not agree on a master with a synced replica")
-        return state["port"]
+        return _wait_until(ready, timeout,
+                           "the sentinels did not agree on a master with a synced replica")
 
     def wait_failover(self, old_port: int, timeout: float = 90.0) -> int:
         """Wait until every sentinel names the same new master, up, that answers as master
         and that redis-py's discovery finds; returns its port."""
-        state: dict[str, int] = {}
 
-        def promoted() -> bool:
+        def promoted() -> int | None:
             port = self._agreed_master()
             if port is None or port == old_port or not self._answers_as_master(port):
-                return False
-            if not self._client_finds(port):
-                return False
-            state["port"] = port
-            return True
+                return None
+            return port if self._client_finds(port) else None
 
-        _wait_until(promoted, timeout, f"no failover away from port {old_port}")
-        return state["port"]
+        return _wait_until(promoted, timeout, f"no failover away from port {old_port}")
 
     def start(self, timeout: float = 30.0) -> LocalSentinel:
         try:

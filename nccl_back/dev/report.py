@@ -34,10 +34,11 @@ def _rows(results: Sequence[dict[str, Any]],
             for r in results]
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Left-aligned columns; the last one (free text) unpadded."""
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header) - 1)]
-    return ["  ".join([*(str(c).ljust(w) for c, w in zip(row, widths, strict=False)), str(row[-1])]).rstrip()
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: bool = False) -> list[str]:
+    """Left-aligned columns, or (``right``: numbers) right-aligned after the first."""
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    return ["  ".join(str(c).rjust(w) if right and i else str(c).ljust(w)
+                      for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
             for row in (header, *rows)]
 
 
@@ -51,10 +52,7 @@ def format_phases(results: Sequence[dict[str, Any]]) -> str:
         timings = {**r.get("timings", {}), "skeleton": r.get("skeleton_seconds", 0.0)}
         rows.append((r["worker"], *(f"{timings[p]:.3f}" if p in timings else "-" for p in PHASES),
                      f"{r['seconds'] + r.get('skeleton_seconds', 0.0):.3f}"))
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                                for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
-                      for row in (header, *rows))
+    return "\n".join(_table(header, rows, right=True))
 
 
 def format_comparison(results: Sequence[dict[str, Any]], gbit: float | None) -> str:

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from nccl_back.errors import NcclBackError
 
@@ -59,6 +60,7 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], deadline: fl
 
 
 S = TypeVar("S", bound="Started")
+T = TypeVar("T")
 P = TypeVar("P", bound="LocalProcess")
 
 
@@ -203,12 +205,14 @@ class LocalRedis(LocalProcess):
             self._dir = None
 
 
-def _wait_until(check: Any, timeout: float, what: str) -> None:
+def _wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    """``check()``'s first truthy answer (an exception counts as none), polled until
+    ``timeout``; else :class:`NcclBackError` saying ``what`` did not happen."""
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(Exception):
-            if check():
-                return
+            if got := check():
+                return got
         if time.monotonic() >= deadline:
             raise NcclBackError(f"{what} within {timeout:.0f} s")
         time.sleep(0.1)

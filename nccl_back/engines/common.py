@@ -276,12 +276,6 @@ class EngineLoad:
 _SERVICES: list[WeightService] = []
 
 
-def keep_serving(service: WeightService) -> None:
-    """Serve until the process exits, then withdraw from the registry and close."""
-    _SERVICES.append(service)
-    atexit.register(_close_at_exit, service)
-
-
 def _close_at_exit(service: WeightService) -> None:
     service.close()
     # Without this, the interpreter's own final collection ran past vLLM's 5 s shutdown
@@ -347,7 +341,9 @@ def load_weights(adapter: EngineAdapter, settings: Settings, model: nn.Module) -
     truth = None
     if settings.verify != "none" and service.peers:
         truth = service.verifier.fingerprint(state, "sampled")
-    keep_serving(service)
+    # Serve until the process exits, then withdraw from the registry and close.
+    _SERVICES.append(service)
+    atexit.register(_close_at_exit, service)
     log_outcome(log, result, identity_s)
     return EngineLoad(service, result, state, truth)
 
@@ -355,23 +351,18 @@ def load_weights(adapter: EngineAdapter, settings: Settings, model: nn.Module) -
 # -- logs --------------------------------------------------------------------------------
 
 
-def outcome(result: LoadResult) -> tuple[str, int]:
-    """The summary's tail and level: INFO for a peer load or a version's first engine (no
-    peer held it yet), WARNING for any other storage load (a fallback)."""
-    why = result.fallback_reason
-    if result.source == "peer" or why is None:
-        return "", logging.INFO
-    if why.startswith("no_peer:"):
-        return (f"; first engine of this version, it will serve the next ones ({why})",
-                logging.INFO)
-    return f"; fallback: {why}", logging.WARNING
-
-
 def log_outcome(log: logging.Logger, result: LoadResult, identity_s: float) -> None:
-    """One line in the engine's log: where the weights came from, how fast, each phase."""
+    """One line in the engine's log: where the weights came from, how fast, each phase;
+    INFO for a peer load or a version's first engine (no peer held it yet), WARNING for
+    any other storage load (a fallback)."""
     phases = ", ".join(f"{k} {v:.3f}" for k, v in {"identity": identity_s,
                                                    **result.timings}.items())
-    reason, level = outcome(result)
+    why, reason, level = result.fallback_reason, "", logging.INFO
+    if result.source != "peer" and why is not None:
+        if why.startswith("no_peer:"):
+            reason = f"; first engine of this version, it will serve the next ones ({why})"
+        else:
+            reason, level = f"; fallback: {why}", logging.WARNING
     log.log(level, "nccl_back: loaded version %s from %s%s: %.1f MB in %.3f s (%.2f GB/s)"
             " [%s]%s", result.version[:12], result.source,
             f" {result.peer_id}" if result.peer_id else "", result.bytes / 1e6,

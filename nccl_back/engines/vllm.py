@@ -11,7 +11,7 @@ the engine's dtype), filled from a peer or by vLLM's ``DefaultModelLoader``;
 build it packs linear weights into oneDNN handles that cannot be sent. A sender that
 finds a loaded tensor rewritten in place stops serving.
 
-The version adds everything that changes these tensors (:func:`engine_layout`); when
+The version adds everything that changes these tensors (:meth:`VllmAdapter.layout`); when
 every rank is described as pieces of the checkpoint (:mod:`.vllm_layout`), the TP size
 and rank leave it and engines of other TP sizes reshard from each other. Consensus,
 election and fallback run over the engine's world group (gloo ``cpu_group``). Compile
@@ -52,8 +52,8 @@ from nccl_back.engines.common import (
 )
 from nccl_back.model.layout import TensorLayout
 
-__all__ = ["LOAD_FORMAT", "NcclBackModelLoader", "engine_layout", "engine_spec", "loaded_state",
-           "register", "settings_from"]
+__all__ = ["LOAD_FORMAT", "NcclBackModelLoader", "engine_spec", "loaded_state", "register",
+           "settings_from"]
 
 #: This adapter's name in the engine registry, the identity and the worker's label.
 ENGINE = "vllm"
@@ -74,30 +74,6 @@ def register() -> None:
     vllm_cache.early_modelinfos(log)
 
 
-def _layout_fields(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:
-    pp = get_pp_group()
-    load_device = vllm_config.load_config.device or vllm_config.device_config.device
-    return {
-        "device": torch.device(load_device).type,
-        "architectures": list(model_config.architectures or []),
-        "dtype": str(model_config.dtype).removeprefix("torch."),
-        "quantization": model_config.quantization,
-        "tp_size": get_tensor_model_parallel_world_size(),
-        "tp_rank": get_tensor_model_parallel_rank(),
-        "pp_size": pp.world_size,
-        "pp_rank": pp.rank_in_group,
-        "expert_parallel": bool(vllm_config.parallel_config.enable_expert_parallel),
-        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
-        "revision": model_config.revision,
-        "hf_overrides": common.jsonable(model_config.hf_overrides),
-    }
-
-
-def engine_layout(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:
-    """Everything besides the checkpoint that changes the tensors this rank loads."""
-    return common.engine_layout(ENGINE, vllm.__version__, _layout_fields(vllm_config, model_config))
-
-
 @common.register_engine(ENGINE)
 @dataclasses.dataclass
 class VllmAdapter:
@@ -116,7 +92,23 @@ class VllmAdapter:
         return str(self.model_config.model)
 
     def layout(self) -> dict[str, Any]:
-        return _layout_fields(self.vllm_config, self.model_config)
+        """Everything besides the checkpoint that changes the tensors this rank loads."""
+        vllm_config, model_config, pp = self.vllm_config, self.model_config, get_pp_group()
+        load_device = vllm_config.load_config.device or vllm_config.device_config.device
+        return {
+            "device": torch.device(load_device).type,
+            "architectures": list(model_config.architectures or []),
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "quantization": model_config.quantization,
+            "tp_size": get_tensor_model_parallel_world_size(),
+            "tp_rank": get_tensor_model_parallel_rank(),
+            "pp_size": pp.world_size,
+            "pp_rank": pp.rank_in_group,
+            "expert_parallel": bool(vllm_config.parallel_config.enable_expert_parallel),
+            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+            "revision": model_config.revision,
+            "hf_overrides": common.jsonable(model_config.hf_overrides),
+        }
 
     def default_load(self, model: nn.Module) -> None:
         self.default.load_weights(model, self.model_config)

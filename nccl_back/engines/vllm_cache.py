@@ -258,21 +258,18 @@ def _share(settings: Settings, vllm_config: VllmConfig, scope: str, log: logging
         # In the background: collecting and hashing must not delay readiness.
         def run() -> None:
             try:
-                publish_now()
+                if own:
+                    what = artifact_transfer.publish(settings, key, root, found, engine=engine)
+                    log.info("nccl_back: compile caches %s", what)
+                    infos = artifact_transfer.publish(settings, modelinfos_key(), vllm_root,
+                                                      _modelinfos(vllm_root), engine=engine)
+                    log.info("nccl_back: model infos %s", infos)
+                if used:
+                    what = artifact_transfer.publish(settings, headers_key(key), headers_dir(),
+                                                     used, engine=engine)
+                    log.info("nccl_back: precompiled headers %s", what)
             except Exception as e:  # a publishing failure is a line in the log
                 log.warning("nccl_back: compile caches not published (%r)", e)
-
-        def publish_now() -> None:
-            if own:
-                what = artifact_transfer.publish(settings, key, root, found, engine=engine)
-                log.info("nccl_back: compile caches %s", what)
-                infos = artifact_transfer.publish(settings, modelinfos_key(), vllm_root,
-                                          _modelinfos(vllm_root), engine=engine)
-                log.info("nccl_back: model infos %s", infos)
-            if used:
-                what = artifact_transfer.publish(settings, headers_key(key), headers_dir(), used,
-                                         engine=engine)
-                log.info("nccl_back: precompiled headers %s", what)
 
         threading.Thread(target=run, daemon=True, name="nccl-back-publish-caches").start()
 

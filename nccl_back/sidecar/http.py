@@ -66,12 +66,10 @@ def parse_request(data: bytes) -> Request | None:
     :class:`BadRequest` (with its 4xx) when it is malformed or over a limit. Bytes
     after the request are ignored: there is no keep-alive, hence no pipelining."""
     end = data.find(b"\r\n\r\n")
-    if end < 0:
-        if len(data) > MAX_HEAD_BYTES:
-            raise BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes")
-        return None
-    if end + 4 > MAX_HEAD_BYTES:
+    if (len(data) if end < 0 else end + 4) > MAX_HEAD_BYTES:
         raise BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes")
+    if end < 0:
+        return None
     # latin-1 maps every byte, so decoding never fails; the rules below refuse the rest.
     lines = data[:end].decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")

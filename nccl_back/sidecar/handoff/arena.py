@@ -100,9 +100,7 @@ def pack(model: Model) -> Arena:
         # storage of each tensor is freed as soon as its last holder moves.
         repoint(holders, targets, man.aliases)
     except BaseException:
-        if shm is not None:
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
+        _unlink(shm)
         raise
     return Arena(man, layout, arena, shm)
 

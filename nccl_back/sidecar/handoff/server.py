@@ -16,18 +16,14 @@ import stat
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
-from types import TracebackType
 from typing import Any
-
-import torch
 
 from nccl_back import _clock, bounded_json
 from nccl_back.errors import AttachError, ConfigError
 from nccl_back.load.verifier import Verifier
 from nccl_back.log import get_logger
 from nccl_back.model.integrity import HashMode
-from nccl_back.model.skeleton import Manifest, Model
+from nccl_back.model.skeleton import Model
 from nccl_back.sidecar.handoff import arena, cuda
 from nccl_back.sidecar.handoff.perms import UMASK_LOCK, peer_uid, private_dir
 from nccl_back.sidecar.handoff.protocol import (
@@ -80,10 +76,7 @@ class HandoffServer:
         self.hash_mode: HashMode = hash_mode
         self.io_timeout = io_timeout
         self._hashes = dict(hashes) if hashes is not None else None
-        self._manifest: Manifest | None = None
-        self._layout: list[tuple[str, int]] = []
-        self._arena: torch.Tensor | None = None
-        self._shm: shared_memory.SharedMemory | None = None
+        self._packed: arena.Arena | None = None  # what is served, from start() to close()
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._stop = threading.Event()
@@ -97,7 +90,8 @@ class HandoffServer:
     @property
     def segment_name(self) -> str | None:
         """Name of the shared-memory segment under /dev/shm (CPU models, once started)."""
-        return self._shm.name if self._shm is not None else None
+        shm = self._packed.shm if self._packed is not None else None
+        return shm.name if shm is not None else None
 
     def start(self) -> HandoffServer:
         """Pack the model into the arena, bind the socket and serve in a background thread
@@ -108,7 +102,7 @@ class HandoffServer:
                 " create a new one"
             )
         try:
-            self._pack()
+            self._packed = packed = self._pack()
             if self._hashes is None:
                 self._hashes = Verifier(self.hash_mode, None).fingerprint(self.model)
             self._listener = self._bind()
@@ -122,8 +116,8 @@ class HandoffServer:
         self._thread.start()
         self._log.info(
             "handoff_serving",
-            bytes=self._manifest.nbytes if self._manifest is not None else 0,
-            tensors=len(self._layout),
+            bytes=packed.manifest.nbytes,
+            tensors=len(packed.layout),
             segment=self.segment_name,
         )
         return self
@@ -143,40 +137,27 @@ class HandoffServer:
                 # Only remove the path if it is still our socket, not a successor's.
                 if os.lstat(self.socket_path).st_ino == self._socket_ino:
                     os.unlink(self.socket_path)
-        if self._shm is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
-            self._shm = None
+        arena.release(self._packed)
         arena.release(self._hosted)
-        self._hosted = None
-        self._arena = None
+        self._packed = self._hosted = None
 
     def __enter__(self) -> HandoffServer:
         return self if self._thread is not None else self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _pack(self) -> None:
+    def _pack(self) -> arena.Arena:
         hosted = self._hosted
         if hosted is not None and arena.holds(hosted, self.model):
-            packed = hosted  # its segment is now self._shm's to unlink
+            self._hosted = None  # unlinked as the served arena from here on
+            return hosted
+        if hosted is not None:
+            # Something re-pointed the model's tensors: serve a fresh packed copy.
+            self._log.warning("handoff_arena_repacked")
+            arena.release(hosted)
             self._hosted = None
-        else:
-            if hosted is not None:
-                # Something re-pointed the model's tensors: serve a fresh packed copy.
-                self._log.warning("handoff_arena_repacked")
-                arena.release(hosted)
-                self._hosted = None
-            packed = arena.pack(self.model)
-        self._manifest, self._shm = packed.manifest, packed.shm
-        self._layout.extend(packed.layout)
-        self._arena = packed.tensor
+        return arena.pack(self.model)
 
     # -- socket ------------------------------------------------------------------------
 
@@ -225,42 +206,40 @@ class HandoffServer:
                 conn.close()
                 continue
             try:
-                pool.submit(self._handle_slot, conn)
+                pool.submit(self._handle, conn)
             except RuntimeError:  # the pool was shut down by close()
                 self._slots.release()
                 conn.close()
                 return
 
-    def _handle_slot(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket) -> None:
         try:
-            self._handle(conn)
+            with conn:
+                deadline = _clock.monotonic() + self.io_timeout
+                uid = peer_uid(conn)
+                if uid not in (os.geteuid(), 0):
+                    # The socket is 0600 in a private directory; refuse anyone else anyway.
+                    self._log.warning("handoff_peer_refused", uid=uid)
+                    return
+                try:
+                    request = bounded_json.loads(
+                        recv_line(conn, deadline, MAX_REQUEST), max_bytes=MAX_REQUEST
+                    )
+                    reply = self._answer(request)
+                    send_line(conn, reply, deadline)
+                except (OSError, ValueError) as e:  # a consumer that went away or sent garbage
+                    self._log.warning("handoff_request_failed", error=str(e))
+                except Exception:
+                    # A pool thread would swallow it silently: log it, keep serving others.
+                    self._log.exception("handoff_request_crashed")
         finally:
             self._slots.release()
 
-    def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            deadline = _clock.monotonic() + self.io_timeout
-            uid = peer_uid(conn)
-            if uid not in (os.geteuid(), 0):
-                # The socket is 0600 in a private directory; refuse anyone else anyway.
-                self._log.warning("handoff_peer_refused", uid=uid)
-                return
-            try:
-                request = bounded_json.loads(
-                    recv_line(conn, deadline, MAX_REQUEST), max_bytes=MAX_REQUEST
-                )
-                reply = self._answer(request)
-                send_line(conn, reply, deadline)
-            except (OSError, ValueError) as e:  # a consumer that went away or sent garbage
-                self._log.warning("handoff_request_failed", error=str(e))
-            except Exception:
-                # A pool thread would swallow it silently: log it, keep serving others.
-                self._log.exception("handoff_request_crashed")
-
     def _answer(self, request: Any) -> dict[str, Any]:
-        man = self._manifest
-        if man is None or self._arena is None:
+        packed = self._packed
+        if packed is None:
             return refusal("closed", "the server is closing")
+        man = packed.manifest
         if not isinstance(request, dict) or request.get("protocol") != PROTOCOL:
             return refusal("protocol", f"expected a protocol {PROTOCOL} request object")
         if request.get("version") != self.version:
@@ -281,28 +260,22 @@ class HandoffServer:
             "ok": True,
             "protocol": PROTOCOL,
             "version": self.version,
-            "layout": self._layout,
+            "layout": packed.layout,
             "hashes": self._hashes,
             "hash_mode": self.hash_mode,
-            "size": self._arena.numel(),
+            "size": packed.tensor.numel(),
         }
-        if self._shm is not None:
-            reply.update(kind="shm", segment=self._shm.name)
+        if packed.shm is not None:
+            reply.update(kind="shm", segment=packed.shm.name)
         else:
             try:
-                reply.update(kind="cuda_ipc", cuda=self._share_cuda())
+                with self._share_lock:
+                    reply.update(kind="cuda_ipc", cuda=cuda.share(packed.tensor))
             except RuntimeError as e:
                 self._log.warning("handoff_export_failed", error=str(e))
                 return refusal("export", f"cannot export a CUDA IPC handle: {e}")
         self._log.info("handoff_served", mode=mode)
         return reply
-
-    def _share_cuda(self) -> dict[str, Any]:
-        tensor = self._arena
-        if tensor is None:
-            raise AttachError("the server is closing")
-        with self._share_lock:
-            return cuda.share(tensor)
 
 
 def _listening(path: str) -> bool:

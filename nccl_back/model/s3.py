@@ -87,20 +87,6 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, (bexc.HTTPClientError, bexc.ConnectionError, ConnectionError, TimeoutError))
 
 
-def _read_body(body: Any, what: str, sink: Callable[[bytes], object], most: int) -> int:
-    """Stream a response body into ``sink`` in bounded reads; bytes read (at most ``most``)."""
-    got = 0
-    try:
-        while chunk := body.read(min(_READ_BYTES, most - got + 1)):
-            got += len(chunk)
-            if got > most:
-                raise StorageError(f"{what}: the server sent more than the {most} bytes requested")
-            sink(chunk)
-    finally:
-        body.close()
-    return got
-
-
 @register_backend
 class S3Objects(ObjectStore):
     """Reads ``s3://`` objects; thread-safe (one boto3 client, made on first use)."""
@@ -226,15 +212,22 @@ class S3Objects(ObjectStore):
         resp = self.client.get_object(
             Bucket=loc.bucket, Key=loc.path, Range=f"bytes={start}-{start + n - 1}",
             **({"IfMatch": etag} if etag else {}))
+        body = resp["Body"]
         try:
-            total = range_total(what, start, got := resp.get("ContentRange"))
-            if not isinstance(got, str) and isinstance(resp.get("ContentLength"), int):
+            total = range_total(what, start, ranged := resp.get("ContentRange"))
+            if not isinstance(ranged, str) and isinstance(resp.get("ContentLength"), int):
                 total = resp["ContentLength"]  # a whole body: the server ignored the range
             check_size(loc.uri, what, total, most)
-        except StorageError:
-            resp["Body"].close()  # unread: the connection is dropped, not drained
-            raise
-        return _read_body(resp["Body"], what, sink, n), total
+            got = 0
+            # Bounded reads: a body longer than asked is refused, never held.
+            while chunk := body.read(min(_READ_BYTES, n - got + 1)):
+                got += len(chunk)
+                if got > n:
+                    raise StorageError(f"{what}: the server sent more than the {n} bytes requested")
+                sink(chunk)
+            return got, total
+        finally:
+            body.close()  # unread bytes are dropped with the connection, not drained
 
     def _past_end(self, e: BaseException | None) -> bool:
         from botocore import exceptions as bexc

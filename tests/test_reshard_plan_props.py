@@ -4,10 +4,11 @@ For a random checkpoint and two random shardings of it (world sizes 1-3; splits 
 any dim at random cut points, fused tensors concatenating slices of several sources,
 padding, replicated tensors, single pieces concatenated along another dim than they
 are sliced along): the plan from one sharding's holders to one rank of the other
-covers every non-padding element of the receiver exactly once and padding never; the
-holders' payloads, landed at the receiver, reproduce its expected bytes exactly; the
-plan and its digest are deterministic. The layout's canonical form round-trips through
-the Redis parser, and the parser turns anything else into UntrustedRecordError.
+covers every non-padding element of the receiver exactly once and padding never; its
+boxes copied across, and the holders' payloads landed at the receiver, reproduce the
+receiver's expected bytes exactly; the plan and its digest are deterministic. The
+layout's canonical form round-trips through the Redis parser, and the parser turns
+anything else into UntrustedRecordError.
 """
 
 from __future__ import annotations
@@ -151,12 +152,20 @@ def test_plan_fills_every_element_once_and_exactly(data: Any) -> None:
     for n, c in counts.items():
         assert torch.equal(c.reshape(-1), expect_once[n].reshape(-1).to(torch.int32)), n
 
-    # Bit-exact as the transfer moves them: the sender's per-move payload (views where
-    # a box is contiguous) lands in the receiver's (views, else staged and copied in).
+    # Bit-exact: each holder's boxes copied straight across (apply_local).
     values = random_values(ckpt, data.draw(st.integers(0, 2**31)))
     held = [tensors_of(h, values) for h in holders]
+    got = {n: torch.full(s, 7, dtype=DTYPES[d]) for n, s, d, _ in receiver.tensors}
+    P.zero_padding(receiver, got)
+    for k in range(len(holders)):
+        P.apply_local(plan.for_holder(k), held[k], got)
     want = tensors_of(receiver, values)
+    for n in want:
+        assert got[n].reshape(-1).view(torch.uint8).tolist() == want[n].reshape(-1).view(torch.uint8).tolist(), n
     assert plan.nbytes() == sum(c.sum().item() * want[n].element_size() for n, c in counts.items())
+
+    # Bit-exact as the transfer moves them too: the sender's per-move payload (views where
+    # a box is contiguous) lands in the receiver's (views, else staged and copied in).
     landed = {n: torch.full(s, 7, dtype=DTYPES[d]) for n, s, d, _ in receiver.tensors}
     P.zero_padding(receiver, landed)
     for k in range(len(holders)):

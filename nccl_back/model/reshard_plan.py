@@ -254,6 +254,14 @@ def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
     return t[tuple(slice(lo, hi) for lo, hi in box)]
 
 
+def apply_local(moves: Sequence[Move], src: Mapping[str, torch.Tensor],
+                dst: Mapping[str, torch.Tensor]) -> None:
+    """Fill the receiver's tensors ``dst`` from one holder's ``src`` in this process
+    (any devices): each move's box copied straight across."""
+    for m in moves:
+        _strided_copy(_view(dst[m.dst], m.dst_box), _view(src[m.src], m.src_box))
+
+
 def place(m: Move, rows: tuple[int, int], chunk: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy the part of ``m`` whose source rows (dim 0) are in ``rows`` from ``chunk``
     (those rows of the source, as read from a file) into the receiver's tensor: the

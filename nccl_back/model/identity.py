@@ -318,8 +318,6 @@ def _weight_files(
 
 def _shards(storage: Storage, infos: list[ObjectInfo], prefix: str, cache_dir: str) -> list[Shard]:
     """Shards named ``prefix + file name``, with the CRC32C their backend gives."""
-    if not infos:
-        return []
     crcs = storage.crc32cs(infos, cache_dir)
     return [Shard(i.uri, c, i.size, prefix + i.name) for i, c in zip(infos, crcs, strict=True)]
 

@@ -32,6 +32,7 @@ from nccl_back.config import Settings
 from nccl_back.model.checkpoint import flat_skeleton
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.loader import load_from_storage
+from nccl_back.model.storage import LocalFiles, Storage
 
 TENSOR_BYTES = 4 << 20
 
@@ -97,13 +98,14 @@ def main() -> None:
             opened.append(path)
             return open(path, "rb", buffering=0)
 
+        storage = Storage(backends={"file": LocalFiles(opener=counting)})
         t = time.perf_counter()
-        spec = ModelSpec.from_dir(str(ckpt), cache_dir=str(cache), opener=counting)
+        spec = ModelSpec.from_dir(str(ckpt), cache_dir=str(cache), storage=storage)
         cold = time.perf_counter() - t
         cold_opens = len(opened)
         opened.clear()
         t = time.perf_counter()
-        again = ModelSpec.from_dir(str(ckpt), cache_dir=str(cache), opener=counting)
+        again = ModelSpec.from_dir(str(ckpt), cache_dir=str(cache), storage=storage)
         warm = time.perf_counter() - t
         if again.version != spec.version or opened:
             raise SystemExit(f"warm fingerprint differs or read shards: {opened}")

@@ -71,7 +71,7 @@ def main() -> None:
     tp_layout = L.layout_of(tp_man, described, ck)
     tp = {e.name: torch.empty(e.shape, dtype=torch.bfloat16) for e in tp_man.entries}
     moves = P.plan(tp_layout, [full_layout]).moves
-    P.unpack(moves, P.pack(moves, whole), tp)
+    P.apply_local(moves, whole, tp)
     nbytes = sum(t.numel() * t.element_size() for t in whole.values())
     tp_bytes = nbytes // 2
     model = torch.nn.ParameterDict({n.replace(".", "_"): torch.nn.Parameter(t, requires_grad=False)

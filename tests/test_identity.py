@@ -21,6 +21,7 @@ from nccl_back.model.checkpoint import INDEX_NAME
 from nccl_back.model.crc import crc32c_combine
 from nccl_back.model.crc_cache import CACHE_NAME, file_crc32c
 from nccl_back.model.identity import ModelSpec, Shard
+from nccl_back.model.storage import LocalFiles, Storage
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
@@ -115,13 +116,18 @@ def test_version_covers_names_and_sizes() -> None:
     assert relocated.version == base.version
 
 
+def _counted(opener: CountingOpener) -> Storage:
+    """Storage whose local files are opened for checksumming through ``opener``."""
+    return Storage(backends={"file": LocalFiles(opener=opener)})
+
+
 def test_warm_cache_reads_no_shard_bytes(tmp_path: Path, cache_dir: str) -> None:
     """After one fingerprint, a restart with the same cache opens no shard file."""
     ckpt = write_checkpoint(fill_random(TinyTransformer(), 0), tmp_path / "ckpt", n_shards=3)
     _backdate(ckpt)
     cold, warm = CountingOpener(), CountingOpener()
-    first = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir, opener=cold)
-    second = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir, opener=warm)
+    first = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir, storage=_counted(cold))
+    second = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir, storage=_counted(warm))
     assert len(cold.opened) == 3
     assert warm.opened == []
     assert second == first
@@ -137,7 +143,7 @@ def test_changed_file_is_checksummed_again(tmp_path: Path, cache_dir: str) -> No
     write_checkpoint(fill_random(model, 1), ckpt, n_shards=2)
     _backdate(ckpt, seconds=30)
     opener = CountingOpener()
-    second = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir, opener=opener)
+    second = ModelSpec.from_dir(str(ckpt), cache_dir=cache_dir, storage=_counted(opener))
     assert len(opener.opened) == 2
     assert second.version != first.version
 

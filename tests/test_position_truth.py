@@ -37,7 +37,7 @@ def _tp2(r: int, full: L.Layout, values: dict[str, torch.Tensor]) -> tuple[L.Lay
                     TensorEntry("w", (32, 48), "float32")))
     lay = L.layout_of(man, {"w": L.column("w", r, 2, 64), "o": L.row("o", r, 2, 64)}, CK)
     tensors = {e.name: torch.empty(e.shape) for e in man.entries}
-    P.unpack(P.plan(lay, [full]).moves, P.pack(P.plan(lay, [full]).moves, values), tensors)
+    P.apply_local(P.plan(lay, [full]).moves, values, tensors)
     return lay, tensors
 
 

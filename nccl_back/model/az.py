@@ -22,7 +22,7 @@ import math
 import os
 import re
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
@@ -30,15 +30,8 @@ from urllib.parse import parse_qs
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
-from nccl_back.model.object_store import MAX_LIST_PAGES, BufferWriter, ObjectStore, range_total
-from nccl_back.model.storage import (
-    DEFAULT_TIMEOUT,
-    Location,
-    ObjectInfo,
-    register_backend,
-    too_large,
-    with_retries,
-)
+from nccl_back.model.object_store import BufferWriter, ObjectStore, check_size, range_total
+from nccl_back.model.storage import DEFAULT_TIMEOUT, Location, ObjectInfo, register_backend
 
 T = TypeVar("T")
 
@@ -122,6 +115,8 @@ class AzureBlobs(ObjectStore):
 
     scheme = "az"
     form = "az://container/prefix"
+    transient = staticmethod(is_transient)
+    endpoint_fix = _ENDPOINT_FIX
 
     def __init__(self, settings: Settings, *, client: Any = None, timeout: float = DEFAULT_TIMEOUT,
                  env: Mapping[str, str] | None = None) -> None:
@@ -214,29 +209,23 @@ class AzureBlobs(ObjectStore):
         return f"account {account}, endpoint {endpoint}, credentials from {how}"
 
     def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
-        """Run one request with retries; map failures to one line naming the URI and the fix."""
-        from azure.core import exceptions as aexc
-
         try:
             self.client  # noqa: B018  (made here, so a missing account names the URI)
         except StorageError as e:
             raise type(e)(f"{what}: {e}") from e
+        return super()._call(what, loc, fn)
 
-        def known(e: BaseException) -> StorageError | None:
-            if isinstance(e, aexc.ClientAuthenticationError) and getattr(e, "response", None) is None:
-                return StorageError(f"{what}: no usable Azure credential"
-                                    f" ({str(e).splitlines()[0][:300]}); {_CREDENTIALS_FIX}")
-            if isinstance(e, aexc.HttpResponseError) and getattr(e, "response", None) is not None:
-                return self._http_error(what, loc, e)
-            if isinstance(e, aexc.ServiceRequestError) and _tls(e):
-                return StorageError(f"{what}: TLS failed ({e}); set REQUESTS_CA_BUNDLE to the CA"
-                                    " bundle that signed the endpoint's certificate")
+    def _known(self, what: str, loc: Location, e: BaseException) -> StorageError | None:
+        from azure.core import exceptions as aexc
+
+        if isinstance(e, aexc.ClientAuthenticationError) and getattr(e, "response", None) is None:
+            return StorageError(f"{what}: no usable Azure credential"
+                                f" ({str(e).splitlines()[0][:300]}); {_CREDENTIALS_FIX}")
+        if isinstance(e, aexc.ServiceRequestError) and _tls(e):
+            return StorageError(f"{what}: TLS failed ({e}); set REQUESTS_CA_BUNDLE to the CA"
+                                " bundle that signed the endpoint's certificate")
+        if not isinstance(e, aexc.HttpResponseError) or getattr(e, "response", None) is None:
             return None
-
-        return with_retries(self.settings, what, fn, is_transient, known=known,
-                            hint=f" (endpoint {self.endpoint}; {_ENDPOINT_FIX})")
-
-    def _http_error(self, what: str, loc: Location, e: Any) -> StorageError:
         code, status = _error_code(e)
         if code == "ContainerNotFound":
             return ShardNotFoundError(
@@ -268,25 +257,10 @@ class AzureBlobs(ObjectStore):
 
     # -- listing and checksums ---------------------------------------------------------
 
-    def list_dir(self, loc: Location) -> list[ObjectInfo]:
-        prefix = f"{loc.path}/" if loc.path else ""
-
-        def listing() -> list[ObjectInfo]:
-            found: list[ObjectInfo] = []
-            container = self.client.get_container_client(loc.bucket)
-            pages = container.walk_blobs(name_starts_with=prefix or None, delimiter="/",
-                                         results_per_page=_PAGE, timeout=self._server_timeout)
-            for n, page in enumerate(pages.by_page()):
-                if n >= MAX_LIST_PAGES:
-                    raise StorageError(f"listing {loc.uri}: over {MAX_LIST_PAGES} pages of blobs;"
-                                       " give the prefix of one model")
-                for item in page:
-                    info = self._object_info(loc, prefix, item)
-                    if info is not None:
-                        found.append(info)
-            return found
-
-        return self._call(f"listing {loc.uri}", loc, listing)
+    def _pages(self, loc: Location, prefix: str) -> Iterator[Any]:
+        container = self.client.get_container_client(loc.bucket)
+        return container.walk_blobs(name_starts_with=prefix or None, delimiter="/",
+                                    results_per_page=_PAGE, timeout=self._server_timeout).by_page()
 
     def _object_info(self, loc: Location, prefix: str, item: Any) -> ObjectInfo | None:
         """A listed blob, or None for an entry that is not one directly inside (a
@@ -301,19 +275,11 @@ class AzureBlobs(ObjectStore):
 
     # -- reads -------------------------------------------------------------------------
 
-    def _ranged(self, loc: Location, start: int, n: int, what: str,
-                sink: Callable[[bytes], object], *, etag: str = "") -> int:
-        return self._get(loc, start, n, what, sink, etag=etag)[0]
-
     def _past_end(self, e: BaseException | None) -> bool:
         return _error_code(e)[0] == "InvalidRange"
 
-    def _get(self, loc: Location, start: int, n: int, what: str,
-             sink: Callable[[bytes], object], *, etag: str = "",
-             most: int | None = None) -> tuple[int, int | None]:
-        """One GET of bytes ``[start, start + n)`` streamed into ``sink`` in bounded pieces,
-        ``If-Match: etag`` when given; (bytes received, the blob's size). ``most`` bounds
-        the blob's size by the response's headers, before a byte of its body is read."""
+    def _get(self, loc: Location, start: int, n: int, what: str, sink: Callable[[bytes], object],
+             *, etag: str = "", most: int | None = None) -> tuple[int, int | None]:
         blob = self.client.get_blob_client(loc.bucket, loc.path)
         # The generated Get Blob under download_blob: the response streamed, not held whole.
         response, stream = blob._client.blob.download(
@@ -326,10 +292,7 @@ class AzureBlobs(ObjectStore):
             if total is None and response.status_code == 200:
                 length = response.headers.get("Content-Length", "")
                 total = int(length) if length.isdigit() else None
-            if most is not None and (total is None or total > most):
-                if total is None:
-                    raise StorageError(f"{what}: the server gave no size for the blob")
-                raise too_large(loc.uri, total, most)
+            check_size(loc.uri, what, total, most)
             got = 0
             for chunk in stream:
                 got += len(chunk)
@@ -339,21 +302,6 @@ class AzureBlobs(ObjectStore):
             return got, total
         finally:
             response.close()  # unread bytes are dropped with the connection, not drained
-
-    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
-        what = f"reading {loc.uri}"
-
-        def bounded() -> bytes:
-            parts: list[bytes] = []
-            try:
-                self._get(loc, 0, max_bytes + 1, what, parts.append, most=max_bytes)
-            except Exception as e:
-                if _error_code(e)[0] == "InvalidRange":
-                    return b""  # no byte 0: the blob is empty
-                raise
-            return b"".join(parts)
-
-        return self._call(what, loc, bounded)
 
     def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
         """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; a blob that

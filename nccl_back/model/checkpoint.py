@@ -124,11 +124,6 @@ def parse_header(data: bytes, uri: str, file_size: int) -> ShardHeader:
     return ShardHeader(uri, file_size, tensors, rec.metadata, bytes(data[: rec.length]))
 
 
-def read_header(storage: Storage, shard: Shard) -> ShardHeader:
-    """Read one shard's header (one ranged read, two for headers over 256 KiB)."""
-    return parse_header(fmt.read_raw_header(storage, shard), shard.uri, shard.size)
-
-
 def model_headers(
     storage: Storage, spec: ModelSpec, shards: Sequence[Shard] | None = None
 ) -> list[ShardHeader]:
@@ -139,7 +134,7 @@ def model_headers(
     or a module with one child per component) names them ``unet.conv_in.weight``.
     """
     shards = spec.shards if shards is None else shards
-    headers = fmt.per_shard(storage, shards, read_header)
+    headers = fmt.per_shard(storage, shards, parse_header)
     if not spec.components:
         return headers
     return [_prefixed(h, spec.component_of(s) + ".") for h, s in zip(headers, shards, strict=True)]

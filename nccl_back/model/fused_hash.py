@@ -207,7 +207,7 @@ def sampled(tensors: Mapping[str, torch.Tensor], samples: int,
         indices.append(index)
     for (device, dtype), (names, bases, indices) in groups.items():
         counts = np.array([len(i) for i in indices])
-        word = integrity._WORD_DTYPE[_width(dtype)]
+        word = integrity._WORD_DTYPE[dtype.itemsize]
         addresses = np.repeat(np.array(bases, dtype=np.int64), counts) + np.concatenate(indices) * word.itemsize
         try:
             got = _gather(device, dtype, word, addresses)
@@ -218,10 +218,6 @@ def sampled(tensors: Mapping[str, torch.Tensor], samples: int,
         payloads.update(zip(names, integrity.cut(got, [c * step for c in counts.tolist()]),
                             strict=True))
     return payloads, rest
-
-
-def _width(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _gather(device: torch.device, dtype: torch.dtype, word: torch.dtype,

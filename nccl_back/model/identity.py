@@ -30,9 +30,8 @@ from typing import Any
 from nccl_back import bounded_json
 from nccl_back.config import Settings
 from nccl_back.errors import CheckpointFormatError, ConfigError, ShardNotFoundError
-from nccl_back.model.crc_cache import Opener
 from nccl_back.model.safetensors_format import INDEX_NAME, MAX_INDEX_BYTES, parse_index
-from nccl_back.model.storage import LocalFiles, Location, ObjectInfo, Shard, Storage, parse_uri
+from nccl_back.model.storage import Location, ObjectInfo, Shard, Storage, parse_uri
 
 __all__ = ["ModelSpec", "Shard"]
 
@@ -181,7 +180,6 @@ class ModelSpec:
         cache_dir: str | None = None,
         storage: Storage | None = None,
         settings: Settings | None = None,
-        opener: Opener | None = None,
     ) -> ModelSpec:
         """The spec of the checkpoint in a local directory or a bucket prefix (any URI
         :func:`~nccl_back.model.storage.parse_uri` accepts).
@@ -191,16 +189,11 @@ class ModelSpec:
         consolidated copy next to them is ignored). A folder with ``model_index.json``
         is a diffusers pipeline: every component it lists must have its folder, whose
         JSON files (configs) and weight files (chosen the same way; variants such as
-        ``*.fp16.safetensors`` are ignored) the spec covers. ``opener`` opens local
-        shards for checksumming (tests inject one to count reads). Reads go through
+        ``*.fp16.safetensors`` are ignored) the spec covers. Reads go through
         ``storage``, else a :class:`Storage` with ``settings`` (retries, workers); the
         CRC32C cache lives in ``cache_dir``, else the settings' ``cache_dir``.
         """
         storage = storage or Storage(settings)
-        if opener is not None:
-            local = LocalFiles(storage.settings, opener=opener)
-            storage = Storage(storage.settings, backends={**storage.given, "file": local},
-                              timeout=storage.timeout)
         cache_dir = cache_dir or storage.settings.cache_dir
         root = parse_uri(path_or_uri)
         try:
@@ -325,8 +318,6 @@ def _weight_files(
 
 def _shards(storage: Storage, infos: list[ObjectInfo], prefix: str, cache_dir: str) -> list[Shard]:
     """Shards named ``prefix + file name``, with the CRC32C their backend gives."""
-    if not infos:
-        return []
     crcs = storage.crc32cs(infos, cache_dir)
     return [Shard(i.uri, c, i.size, prefix + i.name) for i, c in zip(infos, crcs, strict=True)]
 

@@ -301,14 +301,6 @@ def _held_shards(model: Model, spec: ModelSpec) -> tuple[Shard, ...]:
     return tuple(s for s in spec.shards if spec.component_of(s) in model)
 
 
-def _bytes_by_component(plan: Mapping[str, Sequence[_Copy]]) -> dict[str, int]:
-    out: Counter[str] = Counter()
-    for copies in plan.values():
-        for c in copies:
-            out[c.canonical.split(".", 1)[0]] += c.info.nbytes
-    return dict(out)
-
-
 def load_from_storage(
     model: Model,
     spec: ModelSpec,
@@ -378,7 +370,10 @@ def load_from_storage(
             downloads.close()
     tracker.check(tensors)
     if spec.components:
-        for component, nbytes in sorted(_bytes_by_component(plan).items()):
+        by_component: Counter[str] = Counter()
+        for c in (c for copies in plan.values() for c in copies):
+            by_component[c.canonical.split(".", 1)[0]] += c.info.nbytes
+        for component, nbytes in sorted(by_component.items()):
             log.info("component_loaded", version=spec.version, component=component, bytes=nbytes)
     seconds = _clock.perf() - start
     timings = {"headers": t_headers, "copy": seconds - t_headers - waited}

@@ -66,13 +66,12 @@ class Scratch:
     """One reused int64 buffer for the values of a chunk: fresh memory pays a page
     fault per 4 KiB on its first write (about 10x the conversion itself)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.buf = torch.empty(0, dtype=torch.int64, device=device)
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.int64)
 
-    def take(self, n: int) -> torch.Tensor:
-        if self.buf.numel() < n:
-            self.buf = torch.empty(max(n, _CHUNK), dtype=torch.int64, device=self.device)
+    def take(self, n: int, device: torch.device) -> torch.Tensor:
+        if self.buf.numel() < n or self.buf.device != device:
+            self.buf = torch.empty(max(n, _CHUNK), dtype=torch.int64, device=device)
         return self.buf[:n]
 
 
@@ -82,7 +81,7 @@ def _values(chunk: torch.Tensor, mul: int, scratch: Scratch) -> torch.Tensor:
     size = chunk.element_size()
     if size <= 4:
         word, mask = {1: (torch.int8, 0xFF), 2: (torch.int16, 0xFFFF), 4: (torch.int32, 0xFFFFFFFF)}[size]
-        out = scratch.take(chunk.numel()).view(chunk.shape)
+        out = scratch.take(chunk.numel(), chunk.device).view(chunk.shape)
         return out.copy_(chunk.view(word)).bitwise_and_(mask)
     words = chunk.view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
     per = size // 4
@@ -102,15 +101,13 @@ def _contract(v: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
 
 
 def sums(region: torch.Tensor, name: str, shape: tuple[int, ...], dims: tuple[int, ...],
-         start: int, cut: int, key: bytes | None, scratch: Scratch | None = None
-         ) -> dict[int, np.ndarray]:
+         start: int, cut: int, key: bytes | None, scratch: Scratch) -> dict[int, np.ndarray]:
     """``{d: P_d}`` of checkpoint tensor ``name`` (``shape``) from ``region``, its slice
     along dim ``cut`` from ``start`` (whole along the others), for each ``d`` in ``dims``
     (``cut`` itself: ``P_cut[start : start + extent]``; any other: only where the slice
     is the whole tensor). The region is read in chunks of rows (its outer dim, as it lies
     in memory), each converted once whatever the number of dims asked for (uint64)."""
     device = region.device
-    scratch = scratch if scratch is not None and scratch.device == device else Scratch(device)
     mul = _word_mul(key)
     weights = {e: _weights(key, name, shape, e, device) for e in range(len(shape))}
     weights[cut] = weights[cut][start:start + region.shape[cut]]
@@ -181,9 +178,8 @@ def held(layout: Layout, tensors: Mapping[str, torch.Tensor], key: bytes | None)
     """The sums a worker of ``layout`` publishes: along the cut dim of each piece, and
     along every dim of each checkpoint tensor it holds whole."""
     out: Runs = {}
-    scratch: Scratch | None = None
+    scratch = Scratch()
     for source, shape, p, region in _regions(layout, tensors):
-        scratch = scratch if scratch is not None and scratch.device == region.device else Scratch(region.device)
         whole = p.start == 0 and p.stop == shape[p.dim]
         runs = out.setdefault(source, [])
         dims = tuple(d for d in (range(len(shape)) if whole else (p.dim,))
@@ -271,9 +267,8 @@ def check(layout: Layout, tensors: Mapping[str, torch.Tensor], truth: Truth,
     checkpoint tensors whose sums differ)``; :class:`NotCheckable` when the truth lacks
     the sums of some piece."""
     checked, bad = 0, []
-    scratch: Scratch | None = None
+    scratch = Scratch()
     for source, shape, p, region in _regions(layout, tensors):
-        scratch = scratch if scratch is not None and scratch.device == region.device else Scratch(region.device)
         got = _want(truth, source, shape, p)
         if got is None:
             raise NotCheckable(f"no truth for every byte of {source}[{p.start}:{p.stop}] (dim"

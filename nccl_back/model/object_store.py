@@ -11,7 +11,7 @@ no request per object.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,7 +19,14 @@ import numpy as np
 from nccl_back.errors import StorageError
 from nccl_back.log import get_logger
 from nccl_back.model.crc_cache import CrcCache, ranged_crc32cs
-from nccl_back.model.storage import MIN_CHUNK_BYTES, Backend, Location, ObjectInfo
+from nccl_back.model.storage import (
+    MIN_CHUNK_BYTES,
+    Backend,
+    Location,
+    ObjectInfo,
+    too_large,
+    with_retries,
+)
 
 log = get_logger("nccl_back.model.storage")
 
@@ -58,24 +65,54 @@ def range_total(what: str, start: int, content_range: Any) -> int | None:
     return int(total) if total.isdigit() else None
 
 
+def check_size(uri: str, what: str, total: int | None, most: int | None) -> None:
+    """Refuse an object whose size, from a response's headers, is unknown or over ``most``
+    (no bound when None), before a byte of its body is read."""
+    if most is not None and (total is None or total > most):
+        if total is None:
+            raise StorageError(f"{what}: the server gave no size for the object")
+        raise too_large(uri, total, most)
+
+
 class ObjectStore(Backend):
-    """A remote store read by streamed ranged GETs (:meth:`_ranged`), each request through
-    :meth:`_call`."""
+    """A remote store read by streamed ranged GETs (:meth:`_get`), each request through
+    :meth:`_call`, and listed page by page (:meth:`_pages`)."""
 
     @property
     @abc.abstractmethod
     def endpoint(self) -> str:
         """Where the store is (part of every cached CRC32C's key)."""
 
-    @abc.abstractmethod
-    def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
-        """``fn()`` with retries; failures mapped to one line naming the URI and the fix."""
+    #: Whether a failed request is worth retrying.
+    transient: Callable[[BaseException], bool]
+    #: How to point the client at another endpoint (ends the message of spent retries).
+    endpoint_fix: str
 
     @abc.abstractmethod
-    def _ranged(self, loc: Location, start: int, n: int, what: str,
-                sink: Callable[[bytes], object], *, etag: str = "") -> int:
+    def _known(self, what: str, loc: Location, e: BaseException) -> StorageError | None:
+        """The failure ``e`` of a request on ``what`` in the store's words (a missing
+        object, refused credentials), naming the fix; None for one it has no words for."""
+
+    def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
+        """``fn()`` with retries; failures mapped to one line naming the URI and the fix."""
+        return with_retries(self.settings, what, fn, self.transient,
+                            known=lambda e: self._known(what, loc, e),
+                            hint=f" (endpoint {self.endpoint}; {self.endpoint_fix})")
+
+    @abc.abstractmethod
+    def _get(self, loc: Location, start: int, n: int, what: str, sink: Callable[[bytes], object],
+             *, etag: str = "", most: int | None = None) -> tuple[int, int | None]:
         """One GET of bytes ``[start, start + n)`` streamed into ``sink``, ``If-Match:
-        etag`` when given; bytes received."""
+        etag`` when given; (bytes received, the object's size where the response gives
+        it). ``most`` bounds that size (:func:`check_size`) before a byte of the body is read."""
+
+    @abc.abstractmethod
+    def _pages(self, loc: Location, prefix: str) -> Iterable[Iterable[Any]]:
+        """The raw entries under ``prefix`` (no deeper), page by page."""
+
+    @abc.abstractmethod
+    def _object_info(self, loc: Location, prefix: str, item: Any) -> ObjectInfo | None:
+        """A raw listing entry as an object (:meth:`_listed`), or None."""
 
     @abc.abstractmethod
     def _past_end(self, e: BaseException | None) -> bool:
@@ -96,6 +133,20 @@ class ObjectStore(Backend):
             return None
         return ObjectInfo(f"{self.scheme}://{loc.bucket}/{name}", name[len(prefix):], size, None,
                           tag=tag)
+
+    def list_dir(self, loc: Location) -> list[ObjectInfo]:
+        prefix = f"{loc.path}/" if loc.path else ""
+
+        def listing() -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
+            for n, page in enumerate(self._pages(loc, prefix)):
+                if n >= MAX_LIST_PAGES:
+                    raise StorageError(f"listing {loc.uri}: over {MAX_LIST_PAGES} pages of objects;"
+                                       " give the prefix of one model")
+                found.extend(i for i in (self._object_info(loc, prefix, e) for e in page) if i)
+            return found
+
+        return self._call(f"listing {loc.uri}", loc, listing)
 
     def _loc(self, info: ObjectInfo) -> Location:
         bucket, _, name = info.uri.partition("://")[2].partition("/")
@@ -122,8 +173,8 @@ class ObjectStore(Backend):
         """Read each object once for its CRC32C, in ranged GETs pinned to its listed ETag."""
         return ranged_crc32cs(
             [(i.uri, i.size) for i in infos],
-            lambda j, off, n, what, sink: self._ranged(self._loc(infos[j]), off, n, what, sink,
-                                                       etag=infos[j].tag),
+            lambda j, off, n, what, sink: self._get(self._loc(infos[j]), off, n, what, sink,
+                                                    etag=infos[j].tag)[0],
             lambda j, what, fn: self._call(what, self._loc(infos[j]), fn),
             workers=self.settings.storage_workers, chunk_bytes=self.settings.chunk_bytes,
             min_chunk=MIN_CHUNK_BYTES, backend=self.scheme)
@@ -132,16 +183,31 @@ class ObjectStore(Backend):
         buf = np.empty(end - start, dtype=np.uint8)
         what = f"reading {loc.uri} [{start}, {end})"
         try:
-            n = self._call(what, loc, lambda: self._ranged(loc, start, end - start, what,
-                                                           BufferWriter(buf.data).write))
+            n = self._call(what, loc, lambda: self._get(loc, start, end - start, what,
+                                                        BufferWriter(buf.data).write)[0])
         except StorageError as e:
             if self._past_end(e.__cause__):
                 return b""  # starts past the end: the object is shorter
             raise
         return buf[:n].tobytes()
 
+    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
+        what = f"reading {loc.uri}"
+
+        def bounded() -> bytes:
+            parts: list[bytes] = []
+            try:
+                self._get(loc, 0, max_bytes + 1, what, parts.append, most=max_bytes)
+            except Exception as e:
+                if self._past_end(e):
+                    return b""  # no byte 0: the object is empty
+                raise
+            return b"".join(parts)
+
+        return self._call(what, loc, bounded)
+
     def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
         """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; bytes received."""
         what = f"downloading {loc.uri} [{start}, {start + len(view)})"
-        return self._call(what, loc, lambda: self._ranged(loc, start, len(view), what,
-                                                          BufferWriter(view).write))
+        return self._call(what, loc, lambda: self._get(loc, start, len(view), what,
+                                                       BufferWriter(view).write)[0])

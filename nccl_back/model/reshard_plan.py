@@ -254,39 +254,12 @@ def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
     return t[tuple(slice(lo, hi) for lo, hi in box)]
 
 
-#: Each box starts at a multiple of this in a packed buffer (any dtype's alignment).
-_ALIGN = 16
-
-
-def slots(moves: Sequence[Move]) -> tuple[list[int], int]:
-    """Byte offset of each move's box in the packed buffer, and the buffer's size."""
-    starts, end = [], 0
+def apply_local(moves: Sequence[Move], src: Mapping[str, torch.Tensor],
+                dst: Mapping[str, torch.Tensor]) -> None:
+    """Fill the receiver's tensors ``dst`` from one holder's ``src`` in this process
+    (any devices): each move's box copied straight across."""
     for m in moves:
-        end = -(-end // _ALIGN) * _ALIGN
-        starts.append(end)
-        end += m.nbytes
-    return starts, end
-
-
-def pack(moves: Sequence[Move], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The sender's bytes of ``moves``: each box contiguous, in order, in one buffer."""
-    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    starts, size = slots(moves)
-    out = torch.empty(size, dtype=torch.uint8, device=device)
-    for m, at in zip(moves, starts, strict=True):
-        piece = _view(tensors[m.src], m.src_box)
-        out[at:at + m.nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
-    return out
-
-
-def unpack(moves: Sequence[Move], buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy what :func:`pack` made (received into ``buffer``) into the receiver's tensors."""
-    starts, size = slots(moves)
-    if buffer.numel() != size:
-        raise PlanError(f"received {buffer.numel()} bytes, the plan's buffer holds {size}")
-    for m, at in zip(moves, starts, strict=True):
-        dst = _view(tensors[m.dst], m.dst_box)
-        dst.copy_(buffer[at:at + m.nbytes].view(dst.dtype).view(dst.shape))
+        _strided_copy(_view(dst[m.dst], m.dst_box), _view(src[m.src], m.src_box))
 
 
 def place(m: Move, rows: tuple[int, int], chunk: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:

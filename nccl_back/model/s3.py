@@ -17,24 +17,16 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
-from nccl_back.model.object_store import MAX_LIST_PAGES, ObjectStore, range_total
-from nccl_back.model.storage import (
-    Location,
-    ObjectInfo,
-    register_backend,
-    too_large,
-    with_retries,
-)
+from nccl_back.model.object_store import ObjectStore, check_size, range_total
+from nccl_back.model.storage import Location, ObjectInfo, register_backend
 
 log = get_logger("nccl_back.model.storage")
-
-T = TypeVar("T")
 
 # S3 bucket names: 3-63 lowercase letters, digits, '.' and '-', starting and ending
 # with a letter or digit, no '..', not an IPv4 address.
@@ -95,26 +87,14 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, (bexc.HTTPClientError, bexc.ConnectionError, ConnectionError, TimeoutError))
 
 
-def _read_body(body: Any, what: str, sink: Callable[[bytes], object], most: int) -> int:
-    """Stream a response body into ``sink`` in bounded reads; bytes read (at most ``most``)."""
-    got = 0
-    try:
-        while chunk := body.read(min(_READ_BYTES, most - got + 1)):
-            got += len(chunk)
-            if got > most:
-                raise StorageError(f"{what}: the server sent more than the {most} bytes requested")
-            sink(chunk)
-    finally:
-        body.close()
-    return got
-
-
 @register_backend
 class S3Objects(ObjectStore):
     """Reads ``s3://`` objects; thread-safe (one boto3 client, made on first use)."""
 
     scheme = "s3"
     form = "s3://bucket/prefix"
+    transient = staticmethod(is_transient)
+    endpoint_fix = _ENDPOINT_FIX
     _session: Any = None
     """The boto3 session :meth:`_make_client` made (None with a client given)."""
 
@@ -158,25 +138,17 @@ class S3Objects(ObjectStore):
         who = f"credentials from {creds.method}" if creds is not None else "no credentials"
         return f"endpoint {self.endpoint}, region {self.client.meta.region_name}, {who}"
 
-    def _call(self, what: str, loc: Location, fn: Callable[[], T]) -> T:
-        """Run one request with retries; map failures to one line naming the URI and the fix."""
+    def _known(self, what: str, loc: Location, e: BaseException) -> StorageError | None:
         from botocore import exceptions as bexc
 
-        def known(e: BaseException) -> StorageError | None:
-            if isinstance(e, bexc.ClientError):
-                return self._client_error(what, loc, e)
-            if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError,
-                              bexc.CredentialRetrievalError)):
-                return StorageError(f"{what}: no usable AWS credentials ({e}); {_CREDENTIALS_FIX}")
-            if isinstance(e, bexc.SSLError):
-                return StorageError(f"{what}: TLS failed ({e}); set AWS_CA_BUNDLE to the CA"
-                                    " bundle that signed the endpoint's certificate")
+        if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError,
+                          bexc.CredentialRetrievalError)):
+            return StorageError(f"{what}: no usable AWS credentials ({e}); {_CREDENTIALS_FIX}")
+        if isinstance(e, bexc.SSLError):
+            return StorageError(f"{what}: TLS failed ({e}); set AWS_CA_BUNDLE to the CA"
+                                " bundle that signed the endpoint's certificate")
+        if not isinstance(e, bexc.ClientError):
             return None
-
-        return with_retries(self.settings, what, fn, is_transient, known=known,
-                            hint=f" (endpoint {self.endpoint}; {_ENDPOINT_FIX})")
-
-    def _client_error(self, what: str, loc: Location, e: Any) -> StorageError:
         code, status = _error_code(e)
         if code == "NoSuchBucket":
             return ShardNotFoundError(f"{what}: bucket {loc.bucket!r} does not exist at"
@@ -198,29 +170,17 @@ class S3Objects(ObjectStore):
 
     # -- listing and checksums ---------------------------------------------------------
 
-    def list_dir(self, loc: Location) -> list[ObjectInfo]:
-        prefix = f"{loc.path}/" if loc.path else ""
-
-        def listing() -> list[ObjectInfo]:
-            found: list[ObjectInfo] = []
-            args: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": prefix, "Delimiter": "/"}
-            for _ in range(MAX_LIST_PAGES):
-                page = self.client.list_objects_v2(**args)
-                for item in page.get("Contents") or ():
-                    info = self._object_info(loc, prefix, item)
-                    if info is not None:
-                        found.append(info)
-                token = page.get("NextContinuationToken")
-                if not page.get("IsTruncated") or not isinstance(token, str) or not token:
-                    return found
-                args["ContinuationToken"] = token
-            raise StorageError(f"listing {loc.uri}: over {MAX_LIST_PAGES} pages of objects;"
-                               " give the prefix of one model")
-
-        return self._call(f"listing {loc.uri}", loc, listing)
+    def _pages(self, loc: Location, prefix: str) -> Iterator[list[Any]]:
+        args: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": prefix, "Delimiter": "/"}
+        while True:
+            page = self.client.list_objects_v2(**args)
+            yield page.get("Contents") or []
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not isinstance(token, str) or not token:
+                return
+            args["ContinuationToken"] = token
 
     def _object_info(self, loc: Location, prefix: str, item: Any) -> ObjectInfo | None:
-        """A listed object, or None (logged) for an entry that is not one directly inside."""
         return self._listed(loc, prefix, item.get("Key"), item.get("Size"), item.get("ETag"))
 
     def _metadata_crc32cs(self, infos: Sequence[ObjectInfo]) -> list[str | None]:
@@ -247,47 +207,29 @@ class S3Objects(ObjectStore):
 
     # -- reads -------------------------------------------------------------------------
 
-    def _ranged(self, loc: Location, start: int, n: int, what: str,
-                sink: Callable[[bytes], object], *, etag: str = "") -> int:
+    def _get(self, loc: Location, start: int, n: int, what: str, sink: Callable[[bytes], object],
+             *, etag: str = "", most: int | None = None) -> tuple[int, int | None]:
         resp = self.client.get_object(
             Bucket=loc.bucket, Key=loc.path, Range=f"bytes={start}-{start + n - 1}",
             **({"IfMatch": etag} if etag else {}))
+        body = resp["Body"]
         try:
-            range_total(what, start, resp.get("ContentRange"))
-        except StorageError:
-            resp["Body"].close()
-            raise
-        return _read_body(resp["Body"], what, sink, n)
+            total = range_total(what, start, ranged := resp.get("ContentRange"))
+            if not isinstance(ranged, str) and isinstance(resp.get("ContentLength"), int):
+                total = resp["ContentLength"]  # a whole body: the server ignored the range
+            check_size(loc.uri, what, total, most)
+            got = 0
+            # Bounded reads: a body longer than asked is refused, never held.
+            while chunk := body.read(min(_READ_BYTES, n - got + 1)):
+                got += len(chunk)
+                if got > n:
+                    raise StorageError(f"{what}: the server sent more than the {n} bytes requested")
+                sink(chunk)
+            return got, total
+        finally:
+            body.close()  # unread bytes are dropped with the connection, not drained
 
     def _past_end(self, e: BaseException | None) -> bool:
         from botocore import exceptions as bexc
 
         return isinstance(e, bexc.ClientError) and _error_code(e)[0] == "InvalidRange"
-
-    def read_bytes(self, loc: Location, *, max_bytes: int) -> bytes:
-        from botocore import exceptions as bexc
-
-        what = f"reading {loc.uri}"
-
-        def bounded() -> bytes:
-            # One GET: its headers give the object's size before its body is read.
-            try:
-                resp = self.client.get_object(Bucket=loc.bucket, Key=loc.path,
-                                              Range=f"bytes=0-{max_bytes}")
-            except bexc.ClientError as e:
-                if _error_code(e)[0] == "InvalidRange":
-                    return b""  # no byte 0: the object is empty
-                raise
-            size = range_total(what, 0, got := resp.get("ContentRange"))
-            if not isinstance(got, str) and isinstance(resp.get("ContentLength"), int):
-                size = resp["ContentLength"]  # a whole body: the server ignored the range
-            if size is None or size > max_bytes:
-                resp["Body"].close()  # unread: the connection is dropped, not drained
-                if size is None:
-                    raise StorageError(f"{what}: the server gave no size for the object")
-                raise too_large(loc.uri, size, max_bytes)
-            parts: list[bytes] = []
-            _read_body(resp["Body"], what, parts.append, max_bytes)
-            return b"".join(parts)
-
-        return self._call(what, loc, bounded)

@@ -314,22 +314,18 @@ def read_raw_header(storage: Storage, shard: Shard) -> bytes:
     return prefix[:total]
 
 
-def read_header(storage: Storage, shard: Shard) -> HeaderRecord:
-    """Read and validate one shard's header."""
-    return parse(read_raw_header(storage, shard), shard.uri, shard.size)
-
-
-def per_shard(storage: Storage, shards: Sequence[Shard], read: Callable[[Storage, Shard], T]) -> list[T]:
-    """``read(storage, shard)`` of every shard, in parallel (remote reads are round-trip bound)."""
+def per_shard(storage: Storage, shards: Sequence[Shard], parser: Callable[[bytes, str, int], T]) -> list[T]:
+    """Every shard's header (:func:`read_raw_header`) as ``parser(data, uri, file_size)``
+    gives it, read in parallel (remote reads are round-trip bound)."""
     workers = max(1, min(storage.settings.storage_workers, len(shards)))
     with ThreadPoolExecutor(workers, thread_name_prefix="nccl-back-header") as pool:
-        return list(pool.map(lambda s: read(storage, s), shards))
+        return list(pool.map(lambda s: parser(read_raw_header(storage, s), s.uri, s.size), shards))
 
 
 def validate_headers(storage: Storage, shards: Sequence[Shard]) -> list[HeaderRecord]:
     """Every shard's header, validated; the first malformed one raises
     :class:`CheckpointFormatError` naming it."""
-    return per_shard(storage, shards, read_header)
+    return per_shard(storage, shards, parse)
 
 
 def parse_index(data: bytes, uri: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ from nccl_back.model.checkpoint import flat_skeleton, locate, manifest_of, model
 from nccl_back.model.identity import ModelSpec
 from nccl_back.model.layout import Layout, TensorLayout, layout_of, trivial_layout
 from nccl_back.model.loader import load_from_storage
-from nccl_back.model.reshard_plan import pack, plan, unpack, zero_padding
+from nccl_back.model.reshard_plan import apply_local, plan, zero_padding
 from nccl_back.model.skeleton import (
     Manifest,
     Model,
@@ -68,8 +68,6 @@ def load_sharded(model: Model, spec: ModelSpec, settings: Settings, sharding: Sh
     whole = flat_skeleton(spec, "cpu", settings=settings)
     result = load_from_storage(whole, spec, settings=settings)
     tensors = named_tensors(model)[0]
-    moves = plan(sharding.layout, [sharding.whole]).moves
-    device_src = named_tensors(whole)[0]
-    unpack(moves, pack(moves, device_src).to(next(iter(tensors.values())).device), tensors)
+    apply_local(plan(sharding.layout, [sharding.whole]).moves, named_tensors(whole)[0], tensors)
     zero_padding(sharding.layout, tensors)
     return result

@@ -305,15 +305,11 @@ def consolidate(model: Model) -> Model:
     (:func:`build` makes them so) get their first real storage here: the model is
     allocated once, never twice.
     """
-    man = manifest(model)
-    tensors, aliases = named_tensors(model)
-    if not tensors:
-        return model
+    tensors, _ = named_tensors(model)
     devices = {t.device for t in tensors.values() if t.device.type != "meta"}
     if len(devices) > 1:
         raise SkeletonError(f"model spans several devices {sorted(map(str, devices))}; expected one")
-    device = devices.pop() if devices else torch.device("cpu")
-    return _rehome(model, man, aliases, device)
+    return _rehome(model, devices.pop() if devices else torch.device("cpu"))
 
 
 def consolidate_into(model: Model, flat: torch.Tensor, *, keep_buffers: bool = True) -> Model:
@@ -325,22 +321,19 @@ def consolidate_into(model: Model, flat: torch.Tensor, *, keep_buffers: bool = T
     are all checkpoint tensors (one built from headers), so no value is worth a copy.
     Raises :class:`SkeletonError` if ``flat`` is too small or not a flat uint8 tensor.
     """
-    man = manifest(model)
-    tensors, aliases = named_tensors(model)
-    _, total = flat_layout(man)
+    _, total = flat_layout(manifest(model))
     if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():
         raise SkeletonError(f"consolidate_into needs a flat contiguous uint8 tensor, got {flat.dtype}")
     if flat.numel() < total:
         raise SkeletonError(f"consolidate_into: {flat.numel()} bytes given, the model needs {total}")
-    if not tensors:
+    return _rehome(model, flat.device, flat=flat, keep_buffers=keep_buffers)
+
+
+def _rehome(model: Model, device: torch.device, *, flat: torch.Tensor | None = None,
+            keep_buffers: bool = True) -> Model:
+    man = manifest(model)
+    if not man.entries:
         return model
-    return _rehome(model, man, aliases, flat.device, flat=flat, keep_buffers=keep_buffers)
-
-
-def _rehome(
-    model: Model, man: Manifest, aliases: Mapping[str, str], device: torch.device,
-    *, flat: torch.Tensor | None = None, keep_buffers: bool = True,
-) -> Model:
     offsets, total = flat_layout(man)
     if flat is None:
         flat = torch.empty(total, dtype=torch.uint8, device=device)
@@ -356,7 +349,7 @@ def _rehome(
             for pname, param in mod._parameters.items():
                 if param is None:
                     continue
-                name = aliases.get(base + pname, base + pname)
+                name = man.aliases.get(base + pname, base + pname)
                 if name not in views:
                     continue
                 if param.device.type != "meta":
@@ -367,7 +360,7 @@ def _rehome(
                 mod._parameters[pname] = replaced[id(param)]
             for bname, buf in mod._buffers.items():
                 if buf is not None and bname not in mod._non_persistent_buffers_set:
-                    name = aliases.get(base + bname, base + bname)
+                    name = man.aliases.get(base + bname, base + bname)
                     if name in views and views[name] is not buf:
                         if keep_buffers and buf.device.type != "meta":
                             # Constructor-computed values (cheap to keep) stay valid.
@@ -431,11 +424,10 @@ def build(
     except Exception as e:
         raise SkeletonError(f"skeleton factory {getattr(factory, '__name__', factory)!r} failed: {e}") from e
     if flat:
-        man = manifest(model)
-        tensors, aliases = named_tensors(model)
+        tensors, _ = named_tensors(model)
         _check_devices(tensors, dev, allow_meta=True)
         if tensors:
-            model = _rehome(model, man, aliases, dev if dev.index is not None or dev.type == "cpu"
+            model = _rehome(model, dev if dev.index is not None or dev.type == "cpu"
                             else _real_device(tensors, dev))
     tensors, _ = named_tensors(model)
     _check_devices(tensors, dev, allow_meta=False)

@@ -234,10 +234,6 @@ def backend_class(scheme: str) -> type[Backend]:
     return found
 
 
-#: Waits between a remote request's attempts (slept through :mod:`nccl_back._clock`).
-RETRY_WAIT = wait_random_exponential(multiplier=0.5, max=30)
-
-
 def with_retries(
     settings: Settings, what: str, fn: Callable[[], T], transient: Callable[[BaseException], bool],
     *, known: Callable[[BaseException], StorageError | None] = lambda e: None, hint: str = "",
@@ -249,8 +245,19 @@ def with_retries(
     last error to (a missing object, refused credentials: the backend's words), else
     "failed after N attempts" (then ``hint``) for a transient one, else its own text.
     """
+    retrying = Retrying(
+        stop=stop_after_attempt(settings.storage_attempts),
+        wait=wait_random_exponential(multiplier=0.5, max=30),
+        retry=retry_if_exception(transient),
+        reraise=True,
+        before_sleep=lambda rs: log.warning(
+            "storage_retry", what=what, attempt=rs.attempt_number,
+            error=repr(rs.outcome.exception()) if rs.outcome else None,
+        ),
+        sleep=_clock.sleep,  # the one clock: a test that replaces it controls the waits
+    )
     try:
-        return _retrying(settings, what, transient)(fn)
+        return retrying(fn)
     except StorageError:
         raise
     except Exception as e:
@@ -261,20 +268,6 @@ def with_retries(
             raise StorageError(f"{what}: failed after {settings.storage_attempts} attempts:"
                                f" {e}{hint}") from e
         raise StorageError(f"{what}: {e}") from e
-
-
-def _retrying(settings: Settings, what: str, transient: Callable[[BaseException], bool]) -> Any:
-    return Retrying(
-        stop=stop_after_attempt(settings.storage_attempts),
-        wait=RETRY_WAIT,
-        retry=retry_if_exception(transient),
-        reraise=True,
-        before_sleep=lambda rs: log.warning(
-            "storage_retry", what=what, attempt=rs.attempt_number,
-            error=repr(rs.outcome.exception()) if rs.outcome else None,
-        ),
-        sleep=_clock.sleep,
-    )
 
 
 class LocalFiles(Backend):

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nccl_back.config import MAX_ARTIFACT_BYTES
 from nccl_back.coord import records
 from nccl_back.errors import ArtifactError, UntrustedRecordError
 from nccl_back.model import layout as layouts
@@ -206,12 +207,12 @@ def hex_token(value: object, what: str) -> str:
     return value
 
 
-def artifact_set(data: dict[str, Any], parts: Mapping[str, str], max_bytes: int) -> ArtifactSetRecord:
+def artifact_set(data: dict[str, Any], parts: Mapping[str, str]) -> ArtifactSetRecord:
     lookup = hex_token(data.get("lookup"), "lookup")
     if "lookup" in parts and lookup != parts["lookup"]:
         raise UntrustedRecordError("an artifact set record of another lookup key")
     try:
-        manifest = parse_manifest(data.get("manifest"), max_bytes)
+        manifest = parse_manifest(data.get("manifest"), MAX_ARTIFACT_BYTES)
     except ArtifactError as e:
         raise UntrustedRecordError(str(e)) from e
     return ArtifactSetRecord(lookup, hex_token(data.get("version"), "version"), manifest)

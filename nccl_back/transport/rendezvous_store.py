@@ -132,7 +132,7 @@ class RedisStore(dist.Store):
     def _redis_key(self, name: str) -> str:
         if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
             raise TransferError(f"rendezvous key name of {len(str(name))} chars: over {MAX_NAME_CHARS}")
-        return self._registry.keys.rendezvous(self._scope, name)
+        return self._registry.keys.of(schema.RENDEZVOUS, self._scope, name)
 
     def _mac(self, redis_key: str, value: bytes) -> str:
         if self._key is None:

@@ -127,7 +127,6 @@ def test_ground_truth_is_never_overwritten(redis_url: str, namespace: str) -> No
     assert reg.put_ground_truth("v1", 0, 1, "m1", "s1", {"a": "2"}) is False
     assert reg.get_ground_truth("v1", 0, 1, "m1", "s1") == {"a": "1"}
     assert reg.has_ground_truth("v1", 0, 1, "s1")
-    assert reg.has_ground_truth("v1", 0, 1, "s1", "m1")
     assert not reg.has_ground_truth("v1", 1, 1, "s1")
 
 
@@ -138,7 +137,7 @@ def test_ground_truth_is_kept_per_manifest_flavour(redis_url: str, namespace: st
     assert reg.put_ground_truth("v1", 0, 1, "module", "s1", {"sampled|b": "2"}) is True
     assert reg.get_ground_truth("v1", 0, 1, "flat", "s1") == {"sampled|a": "1"}
     assert reg.get_ground_truth("v1", 0, 1, "module", "s1") == {"sampled|b": "2"}
-    assert not reg.has_ground_truth("v1", 0, 1, "s1", "other")
+    assert reg.get_ground_truth("v1", 0, 1, "other", "s1") is None
 
 
 def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:

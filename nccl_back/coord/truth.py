@@ -75,13 +75,8 @@ class TruthRecords(SignedStore):
         got = self.read(key, schema.GROUND_TRUTH)
         return None if got is None else got[0].hashes
 
-    def has_ground_truth(self, version: str, rank: int, world_size: int, scheme: str,
-                         manifest_digest: str | None = None) -> bool:
-        """Whether ground truth exists for this rank (of one flavour, or of any)."""
-        if manifest_digest is not None:
-            key = self.keys.of(schema.GROUND_TRUTH, version, rank, world_size,
-                               manifest_digest, scheme)
-            return bool(self._call("EXISTS", lambda: self.client.exists(key)))
+    def has_ground_truth(self, version: str, rank: int, world_size: int, scheme: str) -> bool:
+        """Whether ground truth of any skeleton flavour exists for this rank (``status``)."""
         glob = self.keys.of(schema.GROUND_TRUTH, version, rank, world_size, ANY, scheme)
         return any(True for _ in self._scan(glob, limit=1))
 

@@ -150,12 +150,7 @@ def _peer(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) ->
 
 def _named(what: str) -> Parser:
     """A parser of ``{"member_id": ...}`` naming its own key's member."""
-    def parse(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) -> str:
-        member_id = records.ident(body, "member_id", what)
-        if parts and member_id != parts.get("member_id"):
-            raise UntrustedRecordError(f"{what}: another member's")
-        return member_id
-    return parse
+    return _strip(lambda body, parts: content.of_key(body, "member_id", parts, "member_id", what))
 
 
 def _verdict(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) -> bool:

@@ -39,7 +39,7 @@ Parser = Callable[[dict[str, Any], Mapping[str, str], Settings], Any]
 """A verified record's body, its key's parts, the reader's settings -> the typed record."""
 
 #: Bytes of one peer entry, request, claim, lease or handshake value (real ones < 1 KiB).
-SMALL = 16 << 10
+SMALL = records.MAX_RECORD_BYTES
 #: Bytes of a ground-truth or position-truth record.
 TRUTH = 64 << 20
 #: Bytes of a layout record (a 100-layer model's is ~100 KiB).

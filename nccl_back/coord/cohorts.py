@@ -40,8 +40,6 @@ class CohortRecords(SignedStore):
     def chain_members(self, chain: str, first: int, last: int) -> list[Member | None]:
         """Member records at positions ``first..last`` of ``chain`` (None where untrusted)."""
         cohort = self.keys.cohort_of_chain(chain)
-        if cohort is None:
-            raise RegistryError(f"{chain!r} is not a cohort chain key")
         raws = self.items(chain, schema.CHAIN, first, last)
         if raws is WRONG_TYPE:  # garbage: no seat of this chain can be trusted
             raise RegistryError(f"{chain}: WRONGTYPE, not a chain of member records")
@@ -49,8 +47,7 @@ class CohortRecords(SignedStore):
 
     def chain_size(self, chain: str) -> int:
         """How many members ``chain`` seated so far (a cohort's trees are built over them)."""
-        if self.keys.cohort_of_chain(chain) is None:
-            raise RegistryError(f"{chain!r} is not a cohort chain key")
+        self.keys.cohort_of_chain(chain)  # a chain key of this namespace, or RegistryError
         got = self._call("LLEN", lambda: self.client.llen(chain))
         if not isinstance(got, int) or isinstance(got, bool) or got < 0:
             raise RegistryError(f"LLEN {chain}: unexpected reply {got!r}"[:200])

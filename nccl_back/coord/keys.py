@@ -11,6 +11,7 @@ refuses glob characters in ids), so a glob and its keys are spelled by the same 
 from __future__ import annotations
 
 from nccl_back.coord import schema as K
+from nccl_back.errors import RegistryError
 
 #: Any value of one key part, in a ``SCAN`` glob.
 ANY = "*"
@@ -37,11 +38,11 @@ class Keys:
         _, _, version, rank, world, peer_id = key.rsplit(":", 5)
         return version, rank, world, peer_id
 
-    def cohort_of_chain(self, chain: str) -> str | None:
-        """The cohort key a chain key belongs to (its records are signed for it), or
-        None if ``chain`` is no cohort chain of this namespace."""
+    def cohort_of_chain(self, chain: str) -> str:
+        """The cohort key a chain key belongs to (its records are signed for it);
+        :class:`RegistryError` if ``chain`` is no cohort chain of this namespace."""
         if not chain.startswith(self.key(K.COHORT.prefix, "")):
-            return None
+            raise RegistryError(f"{chain!r} is not a cohort chain key")
         return chain.rsplit(":", 2)[0]
 
     @staticmethod

@@ -152,7 +152,7 @@ def check_namespace(settings: Settings, registry: Any) -> Check:
     """Write, read back and delete a probe key in the namespace; count what it holds."""
     from nccl_back.coord import schema
 
-    key = registry.keys.check(uuid.uuid4().hex)
+    key = registry.keys.of(schema.CHECK, uuid.uuid4().hex)
     try:
         registry.client.set(key, "1", px=10_000)
         back = registry.raw_value(key, schema.CHECK)  # bounded, as every read

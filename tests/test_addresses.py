@@ -162,7 +162,7 @@ def test_receiver_skips_a_loopback_peer_before_any_claim(
     with caplog.at_level(logging.WARNING, logger="nccl_back"), WeightService(settings) as svc:
         result = svc.load(model, spec)
     assert result.source == "storage"
-    assert registry.client.llen(registry.key("req", "loop-peer")) == 0
+    assert registry.client.llen(registry.keys.key("req", "loop-peer")) == 0
     assert list(registry.scan("hs:*")) == []
     assert time.monotonic() - t0 < settings.handshake_timeout
     assert any(r.getMessage().startswith("peer_unreachable") and "loopback" in r.getMessage()

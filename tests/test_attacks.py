@@ -466,7 +466,7 @@ def test_forged_ground_truth_after_a_legit_worker_is_replaced(ckpt: str, plain: 
     attacker = Registry(plain)
     with WeightService(signed) as first:
         assert first.load(model, spec).source == "storage"
-        key = attacker.keys.ground_truth(spec.version, 0, 1, digest, SCHEME)
+        key = attacker.keys.of(schema.GROUND_TRUTH, spec.version, 0, 1, digest, SCHEME)
         attacker.client.set(key, json.dumps({"manifest_digest": digest, "scheme": SCHEME, "hashes": encode_truth(
             {"sampled": {"x": "0" * 32}})}), ex=30)
         with Timed(15.0), WeightService(signed) as second:
@@ -544,7 +544,7 @@ def test_each_malformed_peer_entry_is_skipped_not_raised(ckpt: str, plain: Any, 
     spec, model = _spec_and_model(ckpt, plain)
     reg = Registry(plain)
     info = _fake_peer(reg, spec, model, "bad-1", "127.0.0.1:1")
-    key = reg.key("peer", spec.version, 0, 1, "bad-1")
+    key = reg.keys.key("peer", spec.version, 0, 1, "bad-1")
     entry = asdict(info)
     if case == "wrong Redis type":
         reg.client.delete(key)
@@ -568,11 +568,12 @@ def test_keys_without_ttl_do_not_stall_claims_or_the_election(ckpt: str, plain: 
 
     spec, model = _spec_and_model(ckpt, plain)
     reg = Registry(plain)
-    reg.client.set(reg.keys.lease(spec.version, 1), json.dumps({"owner": "ghost"}))  # no TTL
+    reg.client.set(reg.keys.of(schema.LEASE, spec.version, 1),
+                   json.dumps({"owner": "ghost"}))  # no TTL
     with Timed(10.0), WeightService(plain) as first:  # single_flight_wait is 20 s
         assert first.load(model, spec).source == "storage"
         peer_id = first.peers[0].peer_id
-        reg.client.set(reg.key("claim", peer_id, 0), json.dumps({"token": "0:" + "0" * 32}))
+        reg.client.set(reg.keys.key("claim", peer_id, 0), json.dumps({"token": "0:" + "0" * 32}))
         with Timed(10.0), WeightService(plain) as second:  # busy_wait is 5 s
             _, m2 = _spec_and_model(ckpt, plain)
             assert second.load(m2, spec).source == "peer"
@@ -588,7 +589,7 @@ def test_request_flood_and_deep_json_request_leave_the_sender_serving(ckpt: str,
     reg = Registry(signed)
     with WeightService(signed) as sender:
         assert sender.load(model, spec).source == "storage"
-        key = reg.key("req", sender.peers[0].peer_id)
+        key = reg.keys.key("req", sender.peers[0].peer_id)
         pipe = reg.client.pipeline()
         pipe.rpush(key, "[" * 100_000 + "]" * 100_000)
         for i in range(5_000):

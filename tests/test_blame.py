@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from test_service import MODEL, Fleet, _ok
 
 from nccl_back.config import Settings
-from nccl_back.coord import records
+from nccl_back.coord import records, schema
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import NoPeerError, TransferError, TransferTimeoutError
@@ -120,9 +120,11 @@ def test_a_blamed_member_whose_own_check_failed_is_only_a_suspect(redis_url: str
     try:
         reg.put_verdict("forwarder", False, ttl=30)
         reg.put_verdict("garbler", True, ttl=30)
-        reg.client.set(reg.keys.verdict("unsigned"), json.dumps({"member_id": "unsigned", "ok": False}))
-        reg.client.set(reg.keys.verdict("copied"), reg.client.get(reg.keys.verdict("forwarder")))
-        reg.client.set(reg.keys.verdict("huge"), b"x" * (64 << 10))
+        reg.client.set(reg.keys.of(schema.VERDICT, "unsigned"),
+                       json.dumps({"member_id": "unsigned", "ok": False}))
+        reg.client.set(reg.keys.of(schema.VERDICT, "copied"),
+                       reg.client.get(reg.keys.of(schema.VERDICT, "forwarder")))
+        reg.client.set(reg.keys.of(schema.VERDICT, "huge"), b"x" * (64 << 10))
         members = ["forwarder", "garbler", "absent", "unsigned", "copied", "huge"]
         said = reg.verdicts(members)
         assert said == {"forwarder": False, "garbler": True}

@@ -119,7 +119,7 @@ def test_a_value_far_over_its_kinds_bound_costs_its_reader_nothing(reg: Registry
     length and reads the small one; Redis sends under 1 MiB and the reader's peak RSS
     rises under 16 MiB."""
     t, size = str(kind.redis_type), max(kind.max_bytes + 1, HUGE)
-    key = (reg.keys.cohort("v", 0, 1, "d" * 8) if t == "hash"
+    key = (reg.keys.of(schema.COHORT, "v", 0, 1, "d" * 8) if t == "hash"
            else reg.keys.key(kind.prefix, *(f"p{i}" for i in range(len(kind.parts)))))
     fill(reg.client, key, t, size, 2)
     if t == "list":
@@ -164,7 +164,7 @@ def test_reads_of_another_redis_type_say_so(reg: Registry) -> None:
 
 def test_a_set_over_its_size_bound_is_not_read(reg: Registry) -> None:
     """A set with more members than asked for answers its size alone."""
-    key = reg.keys.peer_index("v", 0, 1)
+    key = reg.keys.of(schema.INDEX, "v", 0, 1)
     reg.client.sadd(key, *[f"m{i}" for i in range(50)])
     assert reg.members(key, schema.INDEX, 49) == (50, [])
     assert sorted(set(reg.members(key, schema.INDEX, 50)[1])) == sorted(f"m{i}".encode() for i in range(50))
@@ -179,7 +179,7 @@ def test_eight_tombstones_of_32_mib_cost_a_lookup_under_1_mib(reg: Registry) -> 
     them still seen."""
     ids = [f"m{i}" for i in range(8)]
     for m in ids:
-        fill(reg.client, reg.keys.gone(m), "string", 32 * MiB, 1)
+        fill(reg.client, reg.keys.of(schema.GONE, m), "string", 32 * MiB, 1)
     reg.mark_gone("m8", ttl=30)
     before, rejected = sent(reg), reg.rejected
     got, rise = peak_rss_rise(lambda: reg.gone_members([*ids, "m8"]))
@@ -211,7 +211,7 @@ def test_request_items_of_64_mib_cost_a_pop_nothing(reg: Registry) -> None:
     """Two 64 MiB items pushed onto a request queue above a genuine request: the pop
     drops them on the server (skipped, counted) and returns the request, with a peak
     RSS rise under 16 MiB and under 1 MiB read."""
-    key = reg.keys.requests("p1")
+    key = reg.keys.of(schema.REQUEST, "p1")
     reg.push_request("p1", {"transfer_id": "t1", "receiver": "r", "version": "v",
                             "manifest_digest": "d" * 8, "transport": "gloo", "device": "cpu"})
     fill(reg.client, key, "list", 64 * MiB, 2, append=True)
@@ -229,8 +229,8 @@ def test_download_group_and_index_items_of_64_mib_cost_nothing(reg: Registry) ->
     each read returns the genuine ones, with under 1 MiB read and a peak RSS rise under
     16 MiB."""
     reg.join_download_group("v", 1, "w1")
-    fill(reg.client, reg.keys.download_group("v", 1), "list", 64 * MiB, 2, append=True)
-    index = reg.keys.peer_index("v", 0, 1)
+    fill(reg.client, reg.keys.of(schema.DOWNLOAD_GROUP, "v", 1), "list", 64 * MiB, 2, append=True)
+    index = reg.keys.of(schema.INDEX, "v", 0, 1)
     reg.client.sadd(index, "p1")
     fill(reg.client, index, "set", 64 * MiB, 1, append=True)
     before = sent(reg)
@@ -265,7 +265,7 @@ def test_a_key_name_of_32_mib_costs_a_scan_nothing(reg: Registry) -> None:
     from nccl_back.coord.records import PeerInfo
 
     reg.client.eval("redis.call('SET', KEYS[1] .. string.rep('x', ARGV[1]), 'v', 'EX', 3600)",
-                    1, reg.keys.peer("v1", 0, 1, ""), HUGE)
+                    1, reg.keys.of(schema.PEER, "v1", 0, 1, ""), HUGE)
     reg.publish_peer(PeerInfo(peer_id="good", version="v1", rank=0, world_size=1,
                               manifest_digest="d" * 32, transport="gloo", address="127.0.0.1:1"))
     before = sent(reg)

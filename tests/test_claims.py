@@ -48,7 +48,7 @@ def test_a_replayed_claim_expires_with_its_signature(fleet: tuple[Settings, Mode
         reg = Registry(s)
         token = reg.claim(peer.peer_id, "genuine", 1, s.claim_ttl)
         assert token is not None
-        key = reg.keys.claim(peer.peer_id, 0)
+        key = reg.keys.of(schema.CLAIM, peer.peer_id, 0)
         copy = client.get(key)
         reg.release(peer.peer_id, token)
         stop = threading.Event()
@@ -79,7 +79,7 @@ def test_a_claim_is_signed_with_its_expiry_and_renewed_by_resigning(
     reg = Registry(s)
     token = reg.claim("p", "r", 1, s.claim_ttl)
     assert token is not None
-    key = reg.keys.claim("p", 0)
+    key = reg.keys.of(schema.CLAIM, "p", 0)
     before = reg.client.get(key)
     assert b'"exp"' in before
     time.sleep(0.05)
@@ -136,7 +136,8 @@ def test_every_rank_of_a_large_group_is_queued_behind_one_slot(
                 "manifest_digest": lay.digest, "transport": "gloo", "device": "cpu",
                 "claim": token, "layout": lay.digest, "group": group, "holder": 0})
         deadline = time.monotonic() + 10
-        while reg.client.llen(reg.keys.requests(peer.peer_id)) and time.monotonic() < deadline:
+        queue = reg.keys.of(schema.REQUEST, peer.peer_id)
+        while reg.client.llen(queue) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
         assert holder.metrics.requests_dropped._value.get() == 0

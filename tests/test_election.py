@@ -61,7 +61,7 @@ def test_lease_is_one_per_worker_not_per_rank(registry: Registry) -> None:
     """The lease key names the version and world size only: one worker of that size wins."""
     a, b = _lease(registry, "A"), _lease(registry, "B")
     try:
-        assert a.key == registry.keys.lease("v1", 2) == f"{{{registry.ns}}}:dl:v1:2"
+        assert a.key == registry.keys.of(schema.LEASE, "v1", 2) == f"{{{registry.ns}}}:dl:v1:2"
         assert a.try_acquire() and not b.try_acquire()
         assert b.holder() == "A"
     finally:
@@ -270,7 +270,7 @@ def test_a_new_owner_takes_over_a_former_split_whose_members_still_serve(coopera
         waiter.read_roster()
         assert waiter.member is None and waiter.roster() is None
         owner.release()
-        cooperative.delete(cooperative.keys.download_member("v1", 0, 2, 1))  # B's lapsed
+        cooperative.delete(cooperative.keys.of(schema.DOWNLOAD_MEMBER, "v1", 0, 2, 1))  # B's lapsed
         again = _lease(cooperative, "F")
         assert again.try_acquire()
         assert again.name_members(0.0) == ["F", "E"]
@@ -322,7 +322,7 @@ def test_a_roster_that_does_not_verify_is_skipped_and_counted(cooperative: Regis
     """Garbage, a forged signature or another Redis type at the roster names nobody; each
     is counted as a rejection, and the holder's next roster replaces it."""
     holder, waiter = _lease(cooperative, "A"), _lease(cooperative, "B")
-    key = cooperative.keys.download_roster("v1", 2)
+    key = cooperative.keys.of(schema.DOWNLOAD_ROSTER, "v1", 2)
     try:
         assert holder.try_acquire()
         waiter.join()

@@ -288,7 +288,7 @@ def captured(fleet: Fleet) -> dict[str, tuple[str, str, Any]]:
         # No member of these rollouts fails, so none has its part spread: a genuine
         # record, as the elected worker signs it, at the key the member polled.
         reg = Registry(fleet.settings)
-        key = reg.keys.download_rescue(fleet.spec.version, 0, 1)
+        key = reg.keys.of(schema.DOWNLOAD_RESCUE, fleet.spec.version, 0, 1)
         out["dlx"] = (key, "string", reg.signed(key, {"rescues": [{"part": 1, "by": ["ghost"]}]},
                                                 schema.DOWNLOAD_RESCUE).encode())
         reg.close()
@@ -322,16 +322,19 @@ def holder_keys(fleet: Fleet, reg: Registry, peer_id: str) -> dict[str, str]:
     v, d = fleet.spec.version, fleet.digest
     ks = reg.keys
     return {
-        "peer": ks.peer(v, 0, 1, peer_id), "peers": ks.peer_index(v, 0, 1),
-        "gt": reg.keys.ground_truth(v, 0, 1, d, "nb1"), "claim": ks.claim(peer_id, 0),
-        "req": ks.requests(peer_id), "dl": ks.lease(v, 1), "dlg": ks.download_group(v, 1),
-        "dlr": ks.download_roster(v, 1), "dlm": ks.download_member(v, 0, 1, 1),
-        "dlx": ks.download_rescue(v, 0, 1),
-        "cohort": ks.cohort(v, 0, 1, d),
-        "stream": ks.stream(v, 0, 1, d),
+        "peer": ks.of(schema.PEER, v, 0, 1, peer_id), "peers": ks.of(schema.INDEX, v, 0, 1),
+        "gt": ks.of(schema.GROUND_TRUTH, v, 0, 1, d, "nb1"),
+        "claim": ks.of(schema.CLAIM, peer_id, 0),
+        "req": ks.of(schema.REQUEST, peer_id), "dl": ks.of(schema.LEASE, v, 1),
+        "dlg": ks.of(schema.DOWNLOAD_GROUP, v, 1), "dlr": ks.of(schema.DOWNLOAD_ROSTER, v, 1),
+        "dlm": ks.of(schema.DOWNLOAD_MEMBER, v, 0, 1, 1),
+        "dlx": ks.of(schema.DOWNLOAD_RESCUE, v, 0, 1),
+        "cohort": ks.of(schema.COHORT, v, 0, 1, d),
+        "stream": ks.of(schema.STREAM, v, 0, 1, d),
         # Truth in checkpoint coordinates, keyed by the holder's (plain) layout digest.
-        "ct": next(iter(reg.scan(ks.position_truth(v, 0, 1, "*", "nb1")[len(ks.key("")):])),
-                   ks.position_truth(v, 0, 1, "0", "nb1")),
+        "ct": next(iter(reg.scan(
+            ks.of(schema.POSITION_TRUTH, v, 0, 1, "*", "nb1")[len(ks.key("")):])),
+            ks.of(schema.POSITION_TRUTH, v, 0, 1, "0", "nb1")),
     }
 
 
@@ -636,7 +639,7 @@ def test_a_lease_written_without_the_secret_is_taken_over_not_waited_out(fleet: 
     well before single_flight_wait, and exactly one of two waiters wins it."""
     fleet.clean()
     reg = Registry(fleet.settings)
-    key = reg.keys.lease(fleet.spec.version, 1)
+    key = reg.keys.of(schema.LEASE, fleet.spec.version, 1)
     fleet.client.set(key, json.dumps({"owner": "ghost"}), ex=HOUR)
     a = DownloadLease(reg, fleet.spec.version, 1, "a", fleet.settings.download_lease)
     b = DownloadLease(reg, fleet.spec.version, 1, "b", fleet.settings.download_lease)
@@ -659,7 +662,7 @@ def test_a_wrong_type_index_neither_hides_a_holder_nor_stops_it_publishing(fleet
     reg = Registry(fleet.settings)
     with WeightService(fleet.settings) as holder:
         assert fleet.load(holder).source == "storage"
-        index = reg.keys.peer_index(fleet.spec.version, 0, 1)
+        index = reg.keys.of(schema.INDEX, fleet.spec.version, 0, 1)
         fleet.client.delete(index)
         fleet.client.rpush(index, "garbage")
         assert [p.peer_id for p in reg.find_peers(fleet.spec.version, 0, 1)] == [holder.peers[0].peer_id]

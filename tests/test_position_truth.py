@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nccl_back.config import Settings
+from nccl_back.coord import schema
 from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.registry import Registry
 from nccl_back.errors import NoPeerError, UntrustedRecordError, WeightVerificationError
@@ -160,7 +161,7 @@ def test_records_round_trip_and_forgeries_are_rejected(redis_url: str) -> None:
     forger = Registry(Settings(redis_url=redis_url, namespace="ct-test", secret="x" * 32))
     forger.put_layout(full)
     assert reg.get_layout(full.digest) is None
-    reg.client.delete(reg.keys.position_truth("v2", 0, 1, full.digest, "nb1"))
+    reg.client.delete(reg.keys.of(schema.POSITION_TRUTH, "v2", 0, 1, full.digest, "nb1"))
     forger.put_position_truth("v2", 0, 1, truth)
     with pytest.raises(UntrustedRecordError):
         reg.get_position_truth("v2", 0, 1, full.digest, "nb1")

@@ -23,6 +23,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from stored import stored_json
 
 from nccl_back.config import Settings
+from nccl_back.coord import schema
 from nccl_back.coord.election import DownloadLease
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
@@ -149,7 +150,7 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     assert reg.renew_claim("p1", token, ttl=5)  # Lua scripts from here on
     reg.release("p1", token)
     assert reg.active_claims("p1") == 0
-    hs = reg.keys.handshake("t", "receiver_ready")
+    hs = reg.keys.of(schema.HANDSHAKE, "t", "receiver_ready")
     reg.set_json(hs, {"value": 1}, ttl=5)
     assert reg.compare_and_set(hs, {"value": 1}, {"value": 2}, ttl=5)
     reg.delete(hs)
@@ -165,7 +166,7 @@ def test_cluster_every_registry_operation(cluster: LocalRedisCluster, namespace:
     keys = list(reg.scan("*"))
     assert len(keys) == 4  # ground truth, two peer entries, their index
     slots = {reg.client.keyslot(k) for k in keys}
-    assert slots == {reg.client.keyslot(reg.key("x"))}
+    assert slots == {reg.client.keyslot(reg.keys.key("x"))}
     reg.withdraw("p1", "v1")
     assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["p2"]
     # The other bounded reads: a batch of tombstones, a chain's items, a group's list.

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from nccl_back.config import Settings
-from nccl_back.coord import schema
+from nccl_back.coord import records, schema
 from nccl_back.coord.records import TransferRequest
 from nccl_back.coord.registry import PeerInfo, Registry
 from nccl_back.coord.signed_store import Raw
@@ -45,8 +45,8 @@ def test_every_key_has_a_ttl_and_a_json_value(redis_url: str, namespace: str) ->
     reg.put_ground_truth("v1", 0, 1, "d" * 32, "s1", {"layer": "abc"})
     reg.claim("p1", "r1", max_sends=1, ttl=5)
     reg.push_request("p1", {"transfer_id": "t1"})
-    reg.set_json(reg.key("hs", "t1", "receiver_ready"), {"value": 1}, ttl=5)
-    keys = list(reg.client.scan_iter(reg.key("*")))
+    reg.set_json(reg.keys.key("hs", "t1", "receiver_ready"), {"value": 1}, ttl=5)
+    keys = list(reg.client.scan_iter(reg.keys.key("*")))
     assert len(keys) == 6
     for key in keys:
         assert reg.client.pttl(key) > 0, key
@@ -98,7 +98,7 @@ def test_dead_peer_vanishes_after_its_ttl(redis_url: str, namespace: str) -> Non
         reg.heartbeat(peer("alive"), "s1")
         time.sleep(0.1)
     assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["alive"]
-    assert reg.client.smembers(reg.key("peers", "v1", 0, 1)) == {b"alive"}
+    assert reg.client.smembers(reg.keys.key("peers", "v1", 0, 1)) == {b"alive"}
 
 
 def test_a_forged_index_of_dead_ids_is_seen_by_every_reader_not_only_the_first(
@@ -108,10 +108,10 @@ def test_a_forged_index_of_dead_ids_is_seen_by_every_reader_not_only_the_first(
     and nobody to wait for: it would download at once)."""
     first, second = make_registry(redis_url, namespace), make_registry(redis_url, namespace)
     first.publish_peer(peer("p1"))
-    index = first.keys.peer_index("v1", 0, 1)
+    index = first.keys.of(schema.INDEX, "v1", 0, 1)
     first.client.delete(index)
     first.client.sadd(index, "ghost")
-    first.client.set(first.keys.peer("v1", 0, 1, "p1"), b"{")
+    first.client.set(first.keys.of(schema.PEER, "v1", 0, 1, "p1"), b"{")
     for reg in (first, second):
         before = reg.rejected
         assert reg.find_peers("v1", 0, 1) == []
@@ -127,7 +127,6 @@ def test_ground_truth_is_never_overwritten(redis_url: str, namespace: str) -> No
     assert reg.put_ground_truth("v1", 0, 1, "m1", "s1", {"a": "2"}) is False
     assert reg.get_ground_truth("v1", 0, 1, "m1", "s1") == {"a": "1"}
     assert reg.has_ground_truth("v1", 0, 1, "s1")
-    assert reg.has_ground_truth("v1", 0, 1, "s1", "m1")
     assert not reg.has_ground_truth("v1", 1, 1, "s1")
 
 
@@ -138,7 +137,7 @@ def test_ground_truth_is_kept_per_manifest_flavour(redis_url: str, namespace: st
     assert reg.put_ground_truth("v1", 0, 1, "module", "s1", {"sampled|b": "2"}) is True
     assert reg.get_ground_truth("v1", 0, 1, "flat", "s1") == {"sampled|a": "1"}
     assert reg.get_ground_truth("v1", 0, 1, "module", "s1") == {"sampled|b": "2"}
-    assert not reg.has_ground_truth("v1", 0, 1, "s1", "other")
+    assert reg.get_ground_truth("v1", 0, 1, "other", "s1") is None
 
 
 def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:
@@ -149,8 +148,8 @@ def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:
     assert reg.get_ground_truth("v1", 0, 1, "m1", "new") is None
     assert reg.put_ground_truth("v1", 0, 1, "m1", "new", {"sampled|a": "2"}) is True
     assert reg.get_ground_truth("v1", 0, 1, "m1", "old") == {"sampled|a": "1"}
-    reg.client.set(reg.keys.ground_truth("v1", 0, 1, "m1", "new"),
-                   reg.client.get(reg.keys.ground_truth("v1", 0, 1, "m1", "old")), px=5000)
+    old = reg.client.get(reg.keys.of(schema.GROUND_TRUTH, "v1", 0, 1, "m1", "old"))
+    reg.client.set(reg.keys.of(schema.GROUND_TRUTH, "v1", 0, 1, "m1", "new"), old, px=5000)
     with pytest.raises(RegistryError, match="scheme 'old' under another key"):
         reg.get_ground_truth("v1", 0, 1, "m1", "new")
 
@@ -158,7 +157,7 @@ def test_two_schemes_keep_two_truths(redis_url: str, namespace: str) -> None:
 def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace: str) -> None:
     """A record whose digest differs from its key's is malformed (RegistryError), never used."""
     reg = make_registry(redis_url, namespace)
-    reg.set_json(reg.keys.ground_truth("v1", 0, 1, "m1", "s1"),
+    reg.set_json(reg.keys.of(schema.GROUND_TRUTH, "v1", 0, 1, "m1", "s1"),
                  {"manifest_digest": "m2", "scheme": "s1", "hashes": {}}, ttl=5)
     with pytest.raises(RegistryError, match="digest .m2. under another key"):
         reg.get_ground_truth("v1", 0, 1, "m1", "s1")
@@ -167,9 +166,12 @@ def test_ground_truth_under_another_digest_is_refused(redis_url: str, namespace:
 def test_key_schema_lives_in_the_registry(redis_url: str, namespace: str) -> None:
     """Lease, handshake and ground-truth keys all come from one module, under one hash tag."""
     reg = make_registry(redis_url, namespace)
-    assert reg.keys.lease("v1", 2) == f"{{{namespace}}}:dl:v1:2"
-    assert reg.keys.handshake("t1", "receiver_ready") == f"{{{namespace}}}:hs:t1:receiver_ready"
-    assert reg.keys.ground_truth("v1", 0, 2, "d", "s1") == f"{{{namespace}}}:gt:v1:0:2:d:s1"
+    ns = f"{{{namespace}}}"
+    assert reg.keys.of(schema.LEASE, "v1", 2) == f"{ns}:dl:v1:2"
+    assert reg.keys.of(schema.HANDSHAKE, "t1", "receiver_ready") == f"{ns}:hs:t1:receiver_ready"
+    assert reg.keys.of(schema.GROUND_TRUTH, "v1", 0, 2, "d", "s1") == f"{ns}:gt:v1:0:2:d:s1"
+    with pytest.raises(ValueError, match="a dl key has the parts"):
+        reg.keys.of(schema.LEASE, "v1")  # a part short: never a key of another kind
 
 
 def test_truth_encoding_round_trips() -> None:
@@ -203,7 +205,7 @@ def test_claim_renewal_keeps_only_our_own_claim(redis_url: str, namespace: str) 
 def test_compare_and_set(redis_url: str, namespace: str) -> None:
     """Compare-and-set acts only on the exact expected JSON value."""
     reg = make_registry(redis_url, namespace)
-    key = reg.key("x")
+    key = reg.keys.key("x")
     reg.set_json(key, {"v": 1}, 5)
     assert not reg.compare_and_set(key, {"v": 2}, {"v": 3}, 5)
     assert reg.compare_and_set(key, {"v": 1}, {"v": 3}, 5)
@@ -217,8 +219,8 @@ def test_malformed_peer_entry_is_skipped(redis_url: str, namespace: str) -> None
     """A bad entry in the index is skipped with a reason; the good peers are still found."""
     reg = make_registry(redis_url, namespace)
     reg.publish_peer(peer("good"))
-    reg.client.set(reg.key("peer", "v1", 0, 1, "bad"), '{"peer_id": "bad"}', px=5000)
-    reg.client.sadd(reg.key("peers", "v1", 0, 1), "bad")
+    reg.client.set(reg.keys.key("peer", "v1", 0, 1, "bad"), '{"peer_id": "bad"}', px=5000)
+    reg.client.sadd(reg.keys.key("peers", "v1", 0, 1), "bad")
     assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["good"]
 
 
@@ -251,9 +253,10 @@ def test_ranks_of_one_receiving_group_share_a_slot_and_no_one_else_does(
     assert reg.claim("p", "h-0", max_sends=1, ttl=5, share=other) == f"0:{other}"
     # A forged record carrying our share (not signed with the fleet secret) is taken over, not joined.
     reg.release("p", f"0:{other}")
-    reg.client.set(reg.keys.claim("p", 0), json.dumps({"token": f"0:{share}", "receiver": "x"}), px=5000)
+    reg.client.set(reg.keys.of(schema.CLAIM, "p", 0),
+                   json.dumps({"token": f"0:{share}", "receiver": "x"}), px=5000)
     assert reg.claim("p", "g-1", max_sends=1, ttl=5, share=share) == f"0:{share}"
-    got = reg.get_signed(reg.keys.claim("p", 0), schema.CLAIM)
+    got = reg.get_signed(reg.keys.of(schema.CLAIM, "p", 0), schema.CLAIM)
     assert got is not None and got[0].receiver == "g-1"
 
 
@@ -288,7 +291,7 @@ def test_requests_are_queued_and_popped_with_a_bounded_wait(redis_url: str, name
     assert reg.pop_request("p", timeout=0.9) is None
     for i in range(300):
         reg.push_request("p", {"transfer_id": f"f{i}", **req})
-    assert reg.client.llen(reg.key("req", "p")) == 256
+    assert reg.client.llen(reg.keys.key("req", "p")) == 256
 
 
 def test_a_wake_up_ends_the_wait_on_a_queue_at_once_and_is_no_request(
@@ -309,7 +312,7 @@ def test_a_wake_up_ends_the_wait_on_a_queue_at_once_and_is_no_request(
     waiter.join(10)
     assert got == [None] and time.monotonic() - start < 10
     reg.wake_requests("p")  # nobody waits: it expires
-    assert 0 < reg.client.pttl(reg.key("req", "p")) <= 1000
+    assert 0 < reg.client.pttl(reg.keys.key("req", "p")) <= 1000
     assert metrics.records_rejected.labels(kind="request")._value.get() == 0
 
 
@@ -334,9 +337,9 @@ def test_malformed_peer_entry_raises_registry_error(redis_url: str, namespace: s
     metrics = Metrics()
     reg.on_untrusted = metrics.record_untrusted  # the real callback, as the service wires it
     reg.publish_peer(peer("a"))
-    reg.client.set(reg.key("peer", "v1", 0, 1, "a"), json.dumps({"peer_id": "a"}), ex=5)
+    reg.client.set(reg.keys.key("peer", "v1", 0, 1, "a"), json.dumps({"peer_id": "a"}), ex=5)
     with pytest.raises(RegistryError, match="peer entry: world_size must be an integer"):
-        PeerInfo.from_json(json.dumps({"peer_id": "a"}))
+        records.peer(records.load(json.dumps({"peer_id": "a"}), "peer entry"))
     assert reg.find_peers("v1", 0, 1) == []
     assert metrics.records_rejected.labels(kind="peer")._value.get() == 1
 
@@ -399,8 +402,8 @@ def test_an_oversized_record_is_refused_and_replaced_without_its_bytes_leaving_t
 
     reg = make_registry(redis_url, namespace, secret="s" * 32)
     info = peer()
-    key = reg.keys.ground_truth("v1", 0, 1, info.manifest_digest, "s1")
-    lease = reg.keys.lease("v1", 1)
+    key = reg.keys.of(schema.GROUND_TRUTH, "v1", 0, 1, info.manifest_digest, "s1")
+    lease = reg.keys.of(schema.LEASE, "v1", 1)
     for k, kind in ((key, schema.GROUND_TRUTH), (lease, schema.LEASE)):
         reg.client.set(k, b"x" * (kind.max_bytes + 1), ex=3600)
     sent = int(reg.client.info("stats")["total_net_output_bytes"])
@@ -423,7 +426,7 @@ def test_oversized_peer_entries_cost_a_reader_their_bound_not_their_size(
     good, bad = peer("good"), peer("bad")
     reg.publish_peer(good)
     reg.publish_peer(bad)
-    reg.client.set(reg.keys.peer("v1", 0, 1, "bad"), b"{" + b" " * (16 << 20), ex=3600)
+    reg.client.set(reg.keys.of(schema.PEER, "v1", 0, 1, "bad"), b"{" + b" " * (16 << 20), ex=3600)
     sent = int(reg.client.info("stats")["total_net_output_bytes"])
     rejected = reg.rejected
     assert [p.peer_id for p in reg.find_peers("v1", 0, 1)] == ["good"]
@@ -453,14 +456,14 @@ def test_writes_that_only_tidy_never_raise_on_another_redis_type(
     reg.publish_peer(peer())
     write = {"list": reg.client.rpush, "set": reg.client.sadd,
              "hash": lambda k, v: reg.client.hset(k, "f", v), "zset": lambda k, v: reg.client.zadd(k, {v: 1})}
-    index = reg.keys.peer_index("v1", 0, 1)
-    for key in (reg.keys.claim("p1", 0), reg.keys.lease("v1", 1), index):
+    index = reg.keys.of(schema.INDEX, "v1", 0, 1)
+    for key in (reg.keys.of(schema.CLAIM, "p1", 0), reg.keys.of(schema.LEASE, "v1", 1), index):
         reg.client.delete(key)
         write[other](key, "x")
     reg.release("p1", "0:token")
     assert reg.drop_lease("v1", 1, Raw("held")) is False
     reg.withdraw("p1", "v1")
-    assert reg.client.exists(reg.keys.peer("v1", 0, 1, "p1")) == 0
+    assert reg.client.exists(reg.keys.of(schema.PEER, "v1", 0, 1, "p1")) == 0
     assert reg.tidy_failed == (3 if other != "set" else 2)  # a set index is pruned
 
 
@@ -468,10 +471,10 @@ def test_writes_that_only_tidy_never_raise_in_an_outage(namespace: str) -> None:
     """With Redis unreachable, a tidy-up write (delete, expiry refresh, claim release,
     queue repair) is counted, not raised; a write a load needs still raises."""
     reg = make_registry(f"redis://127.0.0.1:{free_port()}/0", namespace, redis_timeout=0.5)
-    reg.delete(reg.key("k"))
-    reg.extend(reg.key("k"), 5)
+    reg.delete(reg.keys.key("k"))
+    reg.extend(reg.keys.key("k"), 5)
     reg.release("p1", "0:token")
-    reg._repair(reg.keys.requests("p1"), "list", 5)
+    reg._repair(reg.keys.of(schema.REQUEST, "p1"), "list", 5)
     assert reg.tidy_failed == 4
     with pytest.raises(RegistryError, match="redis publish failed"):
         reg.publish_peer(peer())

@@ -24,7 +24,7 @@ from test_transport import (  # _redis: its autouse fixture gives the helpers a 
 
 from nccl_back import _clock
 from nccl_back.config import Settings
-from nccl_back.coord import records
+from nccl_back.coord import records, schema
 from nccl_back.coord.auth import transfer_scope
 from nccl_back.coord.handshake import run_receiver
 from nccl_back.coord.registry import Registry
@@ -364,7 +364,7 @@ def test_cohort_seats_fill_in_order_then_a_new_cohort(redis_url: str, namespace:
     assert [p for _, p in seats] == [0, 1, 2, 0]
     assert seats[0][0] == seats[1][0] == seats[2][0] != seats[3][0]
     assert reg.chain_members(seats[0][0], 0, 2) == [Member(**member)] * 3
-    assert reg.ttl(reg.keys.cohort("v1", 0, 1, "ab" * 16)) > 0
+    assert reg.ttl(reg.keys.of(schema.COHORT, "v1", 0, 1, "ab" * 16)) > 0
     time.sleep(1.2)
     later, pos = reg.join_cohort("v1", 0, 1, "ab" * 16, member, window=1.0, max_size=3, ttl=10)
     assert pos == 0 and later not in {c for c, _ in seats}

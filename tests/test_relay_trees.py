@@ -121,7 +121,7 @@ def test_a_stalled_member_whose_liveness_mark_lapsed_counts_failed_at_once(
     lapsed = seat(reg)
     assert lapsed.counts_failed("stopped", stalled) and lapsed.failed == {"stopped"}
     reg.mark_alive("forged", 30)
-    key = reg.keys.alive("forged")
+    key = reg.keys.of(schema.ALIVE, "forged")
     genuine = ("string", reg.client.get(key))
     for how in corruptions(schema.ALIVE):  # every value and Redis type the hostile suite writes
         corrupt(reg.client, key, schema.ALIVE, how, genuine)

@@ -63,11 +63,11 @@ def store(registry: Registry, settings: Settings, scope: str = "scope", seconds:
 def forgeries(fleet: Settings, registry: Registry, genuine_name: str) -> dict[str, str]:
     """Values a stranger can write at a key, one per way of trying (each fails)."""
     sender = store(registry, fleet)
-    key = registry.key("rdv", "scope", genuine_name)
+    key = registry.keys.key("rdv", "scope", genuine_name)
     value = b"10.0.0.66:4444"
     wrong = Settings(redis_url=fleet.redis_url, namespace=fleet.namespace,
                      advertise_host="127.0.0.1", secret="another-secret-" + "x" * 20)
-    moved_from = registry.key("rdv", "other-transfer", genuine_name)
+    moved_from = registry.keys.key("rdv", "other-transfer", genuine_name)
     return {
         "unsigned": "-:" + base64.b64encode(value).decode(),
         "no separator": base64.b64encode(value).decode(),
@@ -89,7 +89,7 @@ def test_every_kind_of_forged_value_is_treated_as_absent(fleet: Settings, regist
     reader = store(registry, fleet, seconds=0.3)
     cases = forgeries(fleet, registry, "gloo/0/0")
     for why, stored in cases.items():
-        registry.client.set(registry.key("rdv", "scope", "gloo/0/0"), stored)
+        registry.client.set(registry.keys.key("rdv", "scope", "gloo/0/0"), stored)
         assert not reader.check(["gloo/0/0"]), why
         with pytest.raises(TransferTimeoutError, match="deadline passed"):
             reader.deadline = time.monotonic() + 0.2
@@ -103,7 +103,7 @@ def test_no_mutation_of_a_genuine_value_is_accepted(fleet: Settings, registry: R
                                                     at: int, flip: int) -> None:
     """Any single-character change to a genuine stored value makes it untrusted."""
     s = store(registry, fleet)
-    key = registry.key("rdv", "scope", "k")
+    key = registry.keys.key("rdv", "scope", "k")
     genuine = s.encode(key, value)
     assert s.decode(key, genuine) == value
     i = at % len(genuine)
@@ -119,7 +119,7 @@ def test_any_bytes_a_stranger_stores_are_rejected_never_raised(fleet: Settings, 
     """Arbitrary bytes at a transfer's key (not UTF-8, not ASCII, cut mid-character by the
     bounded read): check() says absent, nothing raises, and the connection stays usable."""
     s = store(registry, fleet)
-    registry.client.set(registry.key("rdv", "scope", "k"), raw)
+    registry.client.set(registry.keys.key("rdv", "scope", "k"), raw)
     assert s.check(["k"]) is False
     s.set("ok", b"v")
     assert s.get("ok") == b"v"
@@ -129,7 +129,7 @@ def test_a_huge_value_at_a_transfer_key_is_never_held(fleet: Settings, registry:
     """A stranger's 64 MiB value at the key a worker waits on: the worker reads a bounded
     prefix only (its Python heap grows by far less than the value) and rejects it."""
     name = "gloo/0/1"
-    registry.client.set(registry.key("rdv", "scope", name), "a" * (64 << 20))
+    registry.client.set(registry.keys.key("rdv", "scope", name), "a" * (64 << 20))
     reader = store(registry, fleet, seconds=1.0)
     tracemalloc.start()
     try:
@@ -199,7 +199,7 @@ def test_keys_live_no_longer_than_the_connect_phase(fleet: Settings, registry: R
     """A bootstrap key expires a few seconds past the store's deadline and close() deletes it."""
     s = store(registry, fleet, seconds=2.0)
     s.set("k", b"v")
-    key = registry.key("rdv", "scope", "k")
+    key = registry.keys.key("rdv", "scope", "k")
     assert 0 < registry.client.pttl(key) <= 7_000
     assert s.get("k") == b"v"
     s.close()
@@ -251,7 +251,8 @@ def test_forgeries_planted_in_advance_do_not_stop_a_transfer(fleet: Settings, re
     got = {n: torch.zeros_like(t) for n, t in WANT.items()}
     for stored in forgeries(fleet, registry, "x").values():
         for rank in (0, 1):
-            registry.client.set(registry.key("rdv", f"gloo/{tid}", f"gloo/0/{rank}"), stored, px=30_000)
+            key = registry.keys.key("rdv", f"gloo/{tid}", f"gloo/0/{rank}")
+            registry.client.set(key, stored, px=30_000)
     assert pair(fleet, registry, tid, WANT, got, connect_s=30) == []
     for n in WANT:
         assert got[n].numpy().tobytes() == WANT[n].numpy().tobytes(), n
@@ -272,7 +273,7 @@ def test_a_stranger_overwriting_the_bootstrap_fails_it_cleanly_never_feeds_it(
 
     def flood() -> None:
         while time.monotonic() < stop:
-            for key in list(attacker.client.scan_iter(attacker.key("rdv", "*"))):
+            for key in list(attacker.client.scan_iter(attacker.keys.key("rdv", "*"))):
                 for stored in junk:
                     attacker.client.set(key, stored, px=2000)
 
@@ -293,7 +294,7 @@ def test_a_non_canonical_spelling_of_a_genuine_value_is_rejected(fleet: Settings
     """The same bytes in another base64 spelling (padding bits set) are not what a worker
     wrote: rejected (found by the mutation property above)."""
     s = store(registry, fleet)
-    key = registry.key("rdv", "scope", "k")
+    key = registry.keys.key("rdv", "scope", "k")
     genuine = s.encode(key, b"\x00")
     assert genuine.endswith(":AA==")
     assert s.decode(key, genuine[:-3] + "B==") is None

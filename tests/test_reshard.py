@@ -22,6 +22,7 @@ import reshard_workers as rw
 import torch
 from gpu_pair import nccl_env
 
+from nccl_back.coord import schema
 from nccl_back.coord.keys import Keys
 from nccl_back.dev.servers import free_port
 from nccl_back.model.skeleton import build
@@ -84,7 +85,7 @@ class Fleet:
         """Return once some transfer's process group is being built (its rendezvous key
         exists): a receiver is past discovery, claim and handshake."""
         client = redis.Redis.from_url(self.settings["redis_url"])
-        pattern = Keys(self.settings["namespace"]).rendezvous("*", "*")
+        pattern = Keys(self.settings["namespace"]).of(schema.RENDEZVOUS, "*", "*")
         deadline = time.monotonic() + timeout
         while not client.keys(pattern):
             if time.monotonic() > deadline:
@@ -97,7 +98,7 @@ class Fleet:
         in peer_ttl): waited for, not slept on, since a loaded machine stretches both."""
         self.procs[i].join(timeout)
         client = redis.Redis.from_url(self.settings["redis_url"])
-        pattern = Keys(self.settings["namespace"]).peer("*", "*", world, "*")
+        pattern = Keys(self.settings["namespace"]).of(schema.PEER, "*", "*", world, "*")
         deadline = time.monotonic() + timeout
         while client.keys(pattern):
             if time.monotonic() > deadline:
@@ -325,7 +326,6 @@ def test_disagreeing_position_truth_skips_those_holders(fleet: Fleet) -> None:
     with the fleet key): a TP=1 receiver that would use both neither raises nor trusts
     either; it loads the exact bytes from storage, saying why."""
     from nccl_back.config import Settings
-    from nccl_back.coord import schema
     from nccl_back.coord.content import PositionTruth
     from nccl_back.coord.registry import Registry
 

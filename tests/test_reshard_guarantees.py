@@ -17,6 +17,7 @@ import torch
 
 import nccl_back
 from nccl_back.config import Settings
+from nccl_back.coord import schema
 from nccl_back.coord.content import PositionTruth
 from nccl_back.coord.registry import Registry
 from nccl_back.dev.servers import LocalRedis
@@ -170,9 +171,9 @@ def test_a_truth_record_forged_with_the_fleet_key_costs_a_storage_read_never_a_r
     holder, _ = world.holder()
     reg = Registry(world.settings)
     info = holder.peers[0]
-    key = reg.keys.position_truth(info.version, 0, 1, next(iter(
+    key = reg.keys.of(schema.POSITION_TRUTH, info.version, 0, 1, next(iter(
         k.rsplit(":", 2)[-2] for k in reg.scan(f"ct:{info.version}:0:1:*"))), SCHEME)
-    got = reg.read(key, __import__("nccl_back.coord.schema", fromlist=["x"]).POSITION_TRUTH)
+    got = reg.read(key, schema.POSITION_TRUTH)
     assert got is not None
     truth: PositionTruth = got[0]
     name = sorted(truth.macs)[0]
@@ -195,8 +196,8 @@ def test_thousands_of_fake_index_keys_cost_bounded_discovery(world: World) -> No
     pipe = client.pipeline(transaction=False)
     for i in range(8000):
         w = 2 + i % 4000
-        pipe.sadd(keys.peer_index(world.spec.version, i % w, w), "ghost")
-        pipe.expire(keys.peer_index(world.spec.version, i % w, w), 60)
+        pipe.sadd(keys.of(schema.INDEX, world.spec.version, i % w, w), "ghost")
+        pipe.expire(keys.of(schema.INDEX, world.spec.version, i % w, w), 60)
     pipe.execute()
     start = time.monotonic()
     result = world.reshard(world.service())

@@ -194,7 +194,7 @@ def test_cpu_receiver_skips_a_peer_of_another_transport_before_any_claim(
     assert result.fallback_reason.startswith("incompatible_peer: 1 peer(s) hold version")
     assert "none speaks gloo on cpu (theirs: nccl on cuda)" in result.fallback_reason
     # No request ever reached the GPU peer, no handshake was started, no timeout waited.
-    assert registry.client.llen(registry.key("req", "gpu-peer")) == 0
+    assert registry.client.llen(registry.keys.key("req", "gpu-peer")) == 0
     assert list(registry.scan("hs:*")) == []
     assert time.monotonic() - t0 < settings.handshake_timeout
 

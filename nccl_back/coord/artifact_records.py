@@ -22,15 +22,17 @@ class ArtifactRecords(SignedStore):
         """Store ``record`` under its lookup key and make it ``scope``'s newest set."""
         hex_token(record.lookup, "lookup")
         hex_token(scope, "scope")
-        self.set_signed(self.keys.artifact_set(record.lookup), record.to_json(), schema.ARTIFACT_SET)
-        self.set_signed(self.keys.artifact_index(scope),
+        self.set_signed(self.keys.of(schema.ARTIFACT_SET, record.lookup), record.to_json(),
+                        schema.ARTIFACT_SET)
+        self.set_signed(self.keys.of(schema.ARTIFACT_INDEX, scope),
                         {"lookup": record.lookup, "factors": factors}, schema.ARTIFACT_INDEX)
 
     def get_artifact_set(self, lookup: str) -> ArtifactSetRecord | None:
         """The set published under ``lookup``; None if absent or rejected."""
-        return self.record(self.keys.artifact_set(hex_token(lookup, "lookup")), schema.ARTIFACT_SET)
+        return self.record(self.keys.of(schema.ARTIFACT_SET, hex_token(lookup, "lookup")),
+                           schema.ARTIFACT_SET)
 
     def get_artifact_index(self, scope: str) -> ArtifactIndex | None:
         """``scope``'s newest set's lookup key and factors; None if absent or rejected."""
-        return self.record(self.keys.artifact_index(hex_token(scope, "scope")),
+        return self.record(self.keys.of(schema.ARTIFACT_INDEX, hex_token(scope, "scope")),
                            schema.ARTIFACT_INDEX)

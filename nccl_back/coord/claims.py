@@ -39,7 +39,7 @@ class ClaimRecords(SignedStore):
                 range(max_sends), max_sends)
         for slot in order:
             token = f"{slot}:{share or uuid.uuid4().hex}"
-            key = self.keys.claim(peer_id, slot)
+            key = self.keys.of(schema.CLAIM, peer_id, slot)
             if self.acquire(key, {"token": token, "receiver": receiver_id},
                             schema.CLAIM, ttl) is not None:
                 return token
@@ -54,12 +54,12 @@ class ClaimRecords(SignedStore):
 
     def release(self, peer_id: str, token: str) -> None:
         """Free the slot ``token`` holds, if it still does; only tidies (never an error)."""
-        key = self.keys.claim(peer_id, _claim_slot(token))
+        key = self.keys.of(schema.CLAIM, peer_id, _claim_slot(token))
         self.tidy("release", lambda: self.lua.release(keys=[key], args=[token]))
 
     def renew_claim(self, peer_id: str, token: str, ttl: float) -> bool:
         """Re-sign the slot ``token`` holds for another ``ttl`` seconds; False if no longer ours."""
-        key = self.keys.claim(peer_id, _claim_slot(token))
+        key = self.keys.of(schema.CLAIM, peer_id, _claim_slot(token))
         got = self.get_signed(key, schema.CLAIM, ttl=ttl)
         if got is None or got[0].token != token:
             return False
@@ -69,7 +69,7 @@ class ClaimRecords(SignedStore):
 
     def active_claims(self, peer_id: str) -> int:
         """How many send slots of ``peer_id`` are taken now."""
-        return sum(1 for _ in self._scan(self.keys.claim(peer_id, ANY), limit=1024))
+        return sum(1 for _ in self._scan(self.keys.of(schema.CLAIM, peer_id, ANY), limit=1024))
 
     def _claim_counts(self, peers: list[PeerInfo]) -> dict[str, int]:
         """Taken slots of each peer, in one round trip."""
@@ -77,7 +77,8 @@ class ClaimRecords(SignedStore):
             return {}
         pipe = self.client.pipeline(transaction=False)
         for p in peers:
-            pipe.exists(*[self.keys.claim(p.peer_id, s) for s in range(max(p.max_sends, 1))])
+            pipe.exists(*[self.keys.of(schema.CLAIM, p.peer_id, s)
+                          for s in range(max(p.max_sends, 1))])
         counts = self._call("EXISTS", pipe.execute)
         return {p.peer_id: int(c) for p, c in zip(peers, counts, strict=True)}
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nccl_back.config import MAX_ARTIFACT_BYTES
 from nccl_back.coord import records
 from nccl_back.errors import ArtifactError, UntrustedRecordError
 from nccl_back.model import layout as layouts
@@ -97,7 +98,7 @@ class ArtifactIndex:
 # -- their parsers ----------------------------------------------------------------------
 
 
-def _of_key(data: dict[str, Any], name: str, parts: Mapping[str, str], part: str, what: str) -> str:
+def of_key(data: dict[str, Any], name: str, parts: Mapping[str, str], part: str, what: str) -> str:
     """Field ``name`` (a name or digest), which must equal the key's part ``part`` where
     the key names it: a record never describes another key than its own."""
     value = records.ident(data, name, what)
@@ -109,14 +110,14 @@ def _of_key(data: dict[str, Any], name: str, parts: Mapping[str, str], part: str
 
 def ground_truth(data: dict[str, Any], parts: Mapping[str, str]) -> GroundTruth:
     what = "ground truth"
-    digest = _of_key(data, "manifest_digest", parts, "manifest", what)
+    digest = of_key(data, "manifest_digest", parts, "manifest", what)
     hashes = data.get("hashes")
     if not isinstance(hashes, dict):
         raise UntrustedRecordError(f"{what}: hashes must be an object")
     for k, v in hashes.items():
         if len(k) > _LAYER or not isinstance(v, str) or not records.IDENT.fullmatch(v):
             raise UntrustedRecordError(f"{what}: hashes must map layer names to digests")
-    return GroundTruth(digest, _of_key(data, "scheme", parts, "scheme", what), dict(hashes))
+    return GroundTruth(digest, of_key(data, "scheme", parts, "scheme", what), dict(hashes))
 
 
 def encode_macs(macs: Macs) -> dict[str, str]:
@@ -172,8 +173,8 @@ def decode_marginals(data: object, what: str = "position truth") -> Marginals:
 
 def position_truth(data: dict[str, Any], parts: Mapping[str, str]) -> PositionTruth:
     what = "position truth"
-    return PositionTruth(_of_key(data, "layout", parts, "layout", what),
-                         _of_key(data, "scheme", parts, "scheme", what),
+    return PositionTruth(of_key(data, "layout", parts, "layout", what),
+                         of_key(data, "scheme", parts, "scheme", what),
                          decode_macs(data.get("macs"), what),
                          decode_marginals(data.get("marginals", {}), what))
 
@@ -206,12 +207,12 @@ def hex_token(value: object, what: str) -> str:
     return value
 
 
-def artifact_set(data: dict[str, Any], parts: Mapping[str, str], max_bytes: int) -> ArtifactSetRecord:
+def artifact_set(data: dict[str, Any], parts: Mapping[str, str]) -> ArtifactSetRecord:
     lookup = hex_token(data.get("lookup"), "lookup")
     if "lookup" in parts and lookup != parts["lookup"]:
         raise UntrustedRecordError("an artifact set record of another lookup key")
     try:
-        manifest = parse_manifest(data.get("manifest"), max_bytes)
+        manifest = parse_manifest(data.get("manifest"), MAX_ARTIFACT_BYTES)
     except ArtifactError as e:
         raise UntrustedRecordError(str(e)) from e
     return ArtifactSetRecord(lookup, hex_token(data.get("version"), "version"), manifest)

@@ -20,6 +20,7 @@ from typing import Literal
 
 from nccl_back import _clock
 from nccl_back.config import Settings
+from nccl_back.coord import schema
 from nccl_back.coord.consensus import Group, gather
 from nccl_back.coord.records import Roster
 from nccl_back.coord.registry import Registry
@@ -49,7 +50,7 @@ class DownloadLease:
         self.registry = registry
         self.version = version
         self.world = world
-        self.key = registry.keys.lease(version, world)
+        self.key = registry.keys.of(schema.LEASE, version, world)
         self.owner = owner
         self.ttl = ttl
         self._raw: Raw | None = None

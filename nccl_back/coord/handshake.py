@@ -86,8 +86,8 @@ REFUSALS: dict[str, type[PeerError]] = {
 def keys(registry: Registry, transfer_id: str) -> tuple[str, str]:
     """The ``(receiver_ready, sender_ready)`` keys of one transfer."""
     return (
-        registry.keys.handshake(transfer_id, "receiver_ready"),
-        registry.keys.handshake(transfer_id, "sender_ready"),
+        registry.keys.of(schema.HANDSHAKE, transfer_id, "receiver_ready"),
+        registry.keys.of(schema.HANDSHAKE, transfer_id, "sender_ready"),
     )
 
 

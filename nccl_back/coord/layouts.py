@@ -33,28 +33,28 @@ class LayoutRecords(SignedStore):
 
     def put_layout(self, layout: Layout) -> None:
         """Store ``layout`` under its digest (refreshing its TTL)."""
-        key = self.keys.layout(layout.digest)
+        key = self.keys.of(schema.LAYOUT_RECORD, layout.digest)
         self.set_signed(key, {"layout": layout.dumps()}, schema.LAYOUT_RECORD)
 
     def get_layout(self, digest: str) -> Layout | None:
         """The layout stored under ``digest``; None if absent or untrusted."""
-        return self.record(self.keys.layout(digest), schema.LAYOUT_RECORD)
+        return self.record(self.keys.of(schema.LAYOUT_RECORD, digest), schema.LAYOUT_RECORD)
 
     def put_group(self, digests: list[str]) -> str:
         """Store the list of holder layouts a plan is computed over; returns its digest."""
         text = ",".join(digests)
         digest = hashlib.sha256(text.encode()).hexdigest()
-        self.set_signed(self.keys.group(digest), {"group": text}, schema.GROUP)
+        self.set_signed(self.keys.of(schema.GROUP, digest), {"group": text}, schema.GROUP)
         return digest
 
     def get_group(self, digest: str) -> list[str] | None:
         """That list, or None if absent or not to be trusted."""
-        return self.record(self.keys.group(digest), schema.GROUP)
+        return self.record(self.keys.of(schema.GROUP, digest), schema.GROUP)
 
     def worlds(self, version: str) -> list[tuple[int, int]]:
         """``(rank, world size)`` pairs named by ``version``'s index keys (a hint)."""
         out = set()
-        for key in self._scan(self.keys.peer_index(version, ANY, ANY), limit=MAX_WORLD_KEYS):
+        for key in self._scan(self.keys.of(schema.INDEX, version, ANY, ANY), limit=MAX_WORLD_KEYS):
             *_, rank, world = key.rsplit(":", 2)
             if rank.isdigit() and world.isdigit() and int(rank) < int(world) <= records.MAX_WORLD:
                 out.add((int(rank), int(world)))
@@ -62,7 +62,7 @@ class LayoutRecords(SignedStore):
 
     def put_position_truth(self, version: str, rank: int, world: int, truth: PositionTruth) -> bool:
         """Store what a rank of ``truth.layout`` holds unless a record is stored."""
-        key = self.keys.position_truth(version, rank, world, truth.layout, truth.scheme)
+        key = self.keys.of(schema.POSITION_TRUTH, version, rank, world, truth.layout, truth.scheme)
         value: dict[str, object] = {"layout": truth.layout, "scheme": truth.scheme,
                                     "macs": encode_macs(truth.macs)}
         if truth.marginals:
@@ -74,7 +74,8 @@ class LayoutRecords(SignedStore):
         """A holder's heartbeat: its position truth and layout stay in Redis (an untrusted
         record replaced, a trusted one never)."""
         if truth is not None and not self.put_position_truth(version, rank, world, truth):
-            key = self.keys.position_truth(version, rank, world, layout.digest, truth.scheme)
+            key = self.keys.of(schema.POSITION_TRUTH, version, rank, world, layout.digest,
+                               truth.scheme)
             try:
                 self.read(key, schema.POSITION_TRUTH)
             except UntrustedRecordError:  # forged or garbage: this holder's verified one wins
@@ -87,6 +88,6 @@ class LayoutRecords(SignedStore):
     def get_position_truth(self, version: str, rank: int, world: int, layout_digest: str,
                            scheme: str) -> PositionTruth | None:
         """That record, or None if absent; :class:`UntrustedRecordError` if untrusted."""
-        key = self.keys.position_truth(version, rank, world, layout_digest, scheme)
+        key = self.keys.of(schema.POSITION_TRUTH, version, rank, world, layout_digest, scheme)
         got = self.read(key, schema.POSITION_TRUTH)
         return None if got is None else got[0]

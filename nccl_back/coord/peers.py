@@ -57,10 +57,10 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
             if not value or any(c in value for c in _KEY_UNSAFE):
                 raise ConfigError(f"{field_name}={value!r}: must be non-empty, without ':', spaces or globs")
         ttl = ms(self.settings.peer_ttl)
-        key = self.keys.peer(info.version, info.rank, info.world_size, info.peer_id)
+        key = self.keys.of(schema.PEER, info.version, info.rank, info.world_size, info.peer_id)
         # Re-signed at every heartbeat, so the expiry inside the signature moves too.
         value = self.signed(key, asdict(info), schema.PEER)
-        index = self.keys.peer_index(info.version, info.rank, info.world_size)
+        index = self.keys.of(schema.INDEX, info.version, info.rank, info.world_size)
         self._call("publish", lambda: self.lua.publish(keys=[key, index],
                                                        args=[value, ttl, info.peer_id, MAX_INDEX]))
         log.debug("peer_published", peer_id=info.peer_id, version=info.version, rank=info.rank)
@@ -81,24 +81,25 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
 
     def withdraw(self, peer_id: str, version: str) -> None:
         """Remove every availability entry of ``peer_id`` for ``version`` (all ranks)."""
-        keys = list(self._scan(self.keys.peer(version, ANY, ANY, peer_id)))
-        self._call("withdraw", lambda: self.client.delete(*keys, self.keys.requests(peer_id)))
+        keys = list(self._scan(self.keys.of(schema.PEER, version, ANY, ANY, peer_id)))
+        queue = self.keys.of(schema.REQUEST, peer_id)
+        self._call("withdraw", lambda: self.client.delete(*keys, queue))
         if keys:  # the index is a hint: pruning it only tidies, whatever is there
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 _, rank, world, _ = self.keys.peer_parts(key)
-                pipe.srem(self.keys.peer_index(version, rank, world), peer_id)
+                pipe.srem(self.keys.of(schema.INDEX, version, rank, world), peer_id)
             self.tidy("SREM", pipe.execute)
         log.debug("peer_withdrawn", peer_id=peer_id, version=version)
 
     def find_peers(self, version: str, rank: int, world_size: int) -> list[PeerInfo]:
         """Live peers holding ``version`` for this rank, least-claimed first (ties at random,
         so receivers starting together spread across peers)."""
-        index = self.keys.peer_index(version, rank, world_size)
+        index = self.keys.of(schema.INDEX, version, rank, world_size)
         ids = self._peer_ids(index, version, rank, world_size)
         if not ids:
             return []
-        keys = [self.keys.peer(version, rank, world_size, pid) for pid in ids]
+        keys = [self.keys.of(schema.PEER, version, rank, world_size, pid) for pid in ids]
         raws, ttls = self._get_with_ttls(keys, schema.PEER)
         # Only absent keys are dead: another type is a live holder's overwritten entry.
         dead = [pid for pid, raw in zip(ids, raws, strict=True) if raw is None]
@@ -109,7 +110,8 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
             # emptied, it would read as no index to the next reader, which would take the
             # download lease at once (a forgery must cost a wait for the holders'
             # heartbeat, not storage reads). A holder's publication resets it.
-            keys = sorted(self._scan(self.keys.peer(version, rank, world_size, ANY), limit=MAX_INDEX))
+            glob = self.keys.of(schema.PEER, version, rank, world_size, ANY)
+            keys = sorted(self._scan(glob, limit=MAX_INDEX))
             if not keys:
                 return []
             self.reject(RecordKind.INDEX, index, f"{len(ids)} members, none alive; peer keys scanned")
@@ -137,9 +139,8 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
             # Members but no peer id among them (bytes flipped, garbage): as garbage.
             why = f"{n} members, more than {MAX_INDEX}" if n > MAX_INDEX else f"{n} members, none a peer id"
         self.reject(RecordKind.INDEX, index, f"{why}; peer keys scanned instead")
-        prefix = self.keys.peer_prefix(version, rank, world_size)
-        return sorted(k[len(prefix):] for k in self._scan(self.keys.peer(version, rank, world_size, ANY),
-                                                          limit=MAX_INDEX))
+        prefix = self.keys.of(schema.PEER, version, rank, world_size, "")  # the peer id follows it
+        return sorted(k[len(prefix):] for k in self._scan(prefix + ANY, limit=MAX_INDEX))
 
     def _entries(self, keys: list[str], raws: list[Any],
                  ttls: list[int]) -> list[tuple[PeerInfo, int]]:
@@ -151,7 +152,7 @@ class PeerRecords(ClaimRecords, TruthRecords, RequestRecords, SignedStore):
 
     def list_all(self) -> dict[str, list[PeerStatus]]:
         """Every live peer, grouped by version (for ``nccl-back status``)."""
-        keys = list(self._scan(self.keys.all_peers()))
+        keys = list(self._scan(self.keys.key(schema.PEER.prefix, ANY)))
         if not keys:
             return {}
         raws, ttls = self._get_with_ttls(keys, schema.PEER)

@@ -10,10 +10,9 @@ tight for hostile input.
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from nccl_back import _clock, bounded_json
@@ -143,14 +142,6 @@ class PeerInfo:
     """What runs the worker: ``library``, ``sidecar``, ``vllm-<version>`` ..."""
     layout: str = ""
     """The digest of its layout; empty: every tensor whole."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> PeerInfo:
-        """Parse a registry value; :class:`UntrustedRecordError` if not a valid PeerInfo."""
-        return peer(load(raw, "peer entry"))
 
 
 def peer(data: dict[str, Any], what: str = "peer entry") -> PeerInfo:
@@ -295,26 +286,14 @@ def handshake(data: dict[str, Any], what: str = "handshake value") -> HandshakeV
     )
 
 
-@dataclass(frozen=True)
-class Lease:
-    """The single-flight download lease: which worker downloads (election.py)."""
-
-    owner: str
+def lease(data: dict[str, Any], what: str = "download lease") -> str:
+    """The worker a single-flight download lease names its owner (:mod:`.election`)."""
+    return ident(data, "owner", what)
 
 
-def lease(data: dict[str, Any], what: str = "download lease") -> Lease:
-    return Lease(owner=ident(data, "owner", what))
-
-
-@dataclass(frozen=True)
-class Waiter:
-    """A worker waiting, in its download group, for a version nobody holds."""
-
-    worker: str
-
-
-def waiter(data: dict[str, Any], what: str = "download group member") -> Waiter:
-    return Waiter(worker=ident(data, "worker", what))
+def waiter(data: dict[str, Any], what: str = "download group member") -> str:
+    """The worker a download group's entry says waits for a version nobody holds."""
+    return ident(data, "worker", what)
 
 
 @dataclass(frozen=True)
@@ -411,8 +390,8 @@ def member(data: dict[str, Any], what: str = "relay member") -> Member:
 
 
 def verdict(data: dict[str, Any], what: str = "relay verdict") -> bool:
-    """Whether a relay member's own check passed (``{"member_id", "ok"}``)."""
-    ident(data, "member_id", what)
+    """Whether a relay member's own check passed (``{"member_id", "ok"}``; the schema's
+    parser checks the member is its key's)."""
     ok = data.get("ok")
     if not isinstance(ok, bool):
         raise UntrustedRecordError(f"{what}: ok must be true or false, got {_show(ok)}")

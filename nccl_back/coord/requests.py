@@ -39,14 +39,14 @@ class RequestRecords(SignedStore):
 
     def push_request(self, peer_id: str, request: dict[str, Any]) -> None:
         """Ask ``peer_id`` to serve one transfer (``request`` is JSON-serialisable)."""
-        key = self.keys.requests(peer_id)
+        key = self.keys.of(schema.REQUEST, peer_id)
         raw = self.signed(key, request, schema.REQUEST)
         self._call("push_request", lambda: self.lua.push(
             keys=[key], args=[raw, MAX_QUEUED_REQUESTS, ms(self.settings.peer_ttl)]))
 
     def wake_requests(self, peer_id: str) -> None:
         """End the wait of ``peer_id``'s own :meth:`pop_request` now (it is closing)."""
-        key = self.keys.requests(peer_id)
+        key = self.keys.of(schema.REQUEST, peer_id)
         self._call("wake_requests", lambda: self.lua.push(
             keys=[key], args=[WAKE, MAX_QUEUED_REQUESTS, ms(WAKE_TTL)]))
 
@@ -56,7 +56,7 @@ class RequestRecords(SignedStore):
 
         Polled, not blocked on: Redis's blocking pops send the item whole, and anyone may
         push 64 MiB there; the bounded pop leaves an oversized item on the server."""
-        key = self.keys.requests(peer_id)
+        key = self.keys.of(schema.REQUEST, peer_id)
         deadline = _clock.monotonic() + timeout
         while True:
             raw = self.pop(key, schema.REQUEST)
@@ -79,9 +79,10 @@ class RequestRecords(SignedStore):
 
     def drop_requests(self, peer_id: str) -> None:
         """Forget every request queued for ``peer_id`` (its endpoint is closing)."""
-        self.delete(self.keys.requests(peer_id))
+        self.delete(self.keys.of(schema.REQUEST, peer_id))
 
     def _keep_requests(self, peer_id: str) -> None:
         """Our own queue at a heartbeat: garbage of another type (which would refuse every
         request) dropped, ours kept for another ``peer_ttl``."""
-        self._repair(self.keys.requests(peer_id), "list", self.settings.peer_ttl, what="heartbeat")
+        self._repair(self.keys.of(schema.REQUEST, peer_id), "list", self.settings.peer_ttl,
+                     what="heartbeat")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nccl_back.config import MAX_ARTIFACT_BYTES, Settings
+from nccl_back.config import Settings
 from nccl_back.coord import content, records
 from nccl_back.errors import RecordKind, StrEnum, UntrustedRecordError
 from nccl_back.timing import (
@@ -39,7 +39,7 @@ Parser = Callable[[dict[str, Any], Mapping[str, str], Settings], Any]
 """A verified record's body, its key's parts, the reader's settings -> the typed record."""
 
 #: Bytes of one peer entry, request, claim, lease or handshake value (real ones < 1 KiB).
-SMALL = 16 << 10
+SMALL = records.MAX_RECORD_BYTES
 #: Bytes of a ground-truth or position-truth record.
 TRUTH = 64 << 20
 #: Bytes of a layout record (a 100-layer model's is ~100 KiB).
@@ -122,7 +122,7 @@ def _chain_ttl(s: Settings) -> float:
     return s.transfer_timeout + s.busy_wait
 
 
-def _stream_ttl(s: Settings) -> float:
+def _download_ttl(s: Settings) -> float:
     return s.transfer_timeout + s.single_flight_max_wait
 
 
@@ -150,23 +150,13 @@ def _peer(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) ->
 
 def _named(what: str) -> Parser:
     """A parser of ``{"member_id": ...}`` naming its own key's member."""
-    def parse(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) -> str:
-        member_id = records.ident(body, "member_id", what)
-        if parts and member_id != parts.get("member_id"):
-            raise UntrustedRecordError(f"{what}: another member's")
-        return member_id
-    return parse
+    return _strip(lambda body, parts: content.of_key(body, "member_id", parts, "member_id", what))
 
 
 def _verdict(body: dict[str, Any], parts: Mapping[str, str], settings: Settings) -> bool:
     """Whether the member its key names passed its own check."""
     _named("relay verdict")(body, parts, settings)
     return records.verdict(body)
-
-
-def _artifact_set(body: dict[str, Any], parts: Mapping[str, str],
-                  settings: Settings) -> content.ArtifactSetRecord:
-    return content.artifact_set(body, parts, MAX_ARTIFACT_BYTES)
 
 
 _VRW = ("version", "rank", "world")
@@ -221,7 +211,7 @@ CHAIN = KeyKind("chain", "cohort", (*_VRW, "manifest", "epoch", "chain"), Record
                 L, G, _chain_ttl, SMALL, "the member records of one chain, in seat order",
                parse=_plain(records.member))
 STREAM = KeyKind("stream", "stream", (*_VRW, "manifest"), RecordKind.DOWNLOAD_STREAM, S, G,
-                 _stream_ttl, SMALL, "the relay endpoint a download is streamed from",
+                 _download_ttl, SMALL, "the relay endpoint a download is streamed from",
                 parse=_plain(records.member))
 GONE = KeyKind("gone", "gone", ("member_id",), RecordKind.GONE, S, G, _chain_ttl, SMALL,
                "a relay endpoint that has stopped",
@@ -236,13 +226,13 @@ HANDSHAKE = KeyKind("hs", "hs", ("transfer_id", "name"), RecordKind.HANDSHAKE, S
                     lambda s: HANDSHAKE_KEY_TTL, SMALL, "handshake values and refusals",
                    parse=_plain(records.handshake))
 RENDEZVOUS = KeyKind("rdv", "rdv", ("scope", "name"), RecordKind.RENDEZVOUS, S, Signing.HMAC,
-                     lambda s: s.transfer_timeout + s.single_flight_max_wait, 32 << 10,
+                     _download_ttl, 32 << 10,
                      "a process group's bootstrap values")
 CHECK = KeyKind("check", "check", ("token",), None, S, Signing.NONE, lambda s: CHECK_TTL, 1,
                 "nccl-back check's write/read round trip")
 ARTIFACT_SET = KeyKind("art", "art", ("lookup",), RecordKind.ARTIFACT_SET, S, G, _artifact_ttl,
                        ARTIFACT, "an artifact set's manifest by lookup key",
-                      parse=_artifact_set)
+                      parse=_strip(content.artifact_set))
 ARTIFACT_INDEX = KeyKind("artidx", "artidx", ("scope",), RecordKind.ARTIFACT_INDEX, S, G,
                          _artifact_ttl, SMALL, "a model's newest artifact set and its factors",
                         parse=_plain(content.artifact_index))
@@ -264,10 +254,3 @@ def kind_of(key: str) -> KeyKind | None:
         return None
     parts = rest.split(":")
     return next((k for k in KINDS if k.matches(parts)), None)
-
-
-def table() -> list[dict[str, Any]]:
-    """The schema as rows (documentation and ``nccl-back`` tooling)."""
-    return [{"kind": k.name, "key": ":".join(["ns", k.prefix, *(f"{{{p}}}" for p in k.parts)]),
-             "record": str(k.kind) if k.kind else "", "type": str(k.redis_type),
-             "signing": str(k.signing), "max_bytes": k.max_bytes, "doc": k.doc} for k in KINDS]

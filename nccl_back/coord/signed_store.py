@@ -14,6 +14,7 @@ forever), so hostile values cost a bounded delay, never the fleet.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -90,10 +91,6 @@ class SignedStore:
         """Records rejected so far (a caller compares it before and after a read)."""
         self.tidy_failed = 0
         """Writes that only tidy and failed so far (see :meth:`tidy`)."""
-
-    def key(self, *parts: object) -> str:
-        """``{namespace}:part1:part2...`` (:meth:`Keys.key`)."""
-        return self.keys.key(*parts)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -337,7 +334,9 @@ class SignedStore:
 
     def reject(self, kind: RecordKind | str | None, key: str, reason: str) -> None:
         """Log and count one rejected record (never raises)."""
-        kind = _kind(kind or "unknown")
+        kind = kind or "unknown"
+        with contextlib.suppress(ValueError):  # callers may pass the value
+            kind = RecordKind(kind)
         log.warning("record_rejected", kind=str(kind), key=key, reason=reason)
         self.rejected += 1
         if self.on_untrusted is not None:
@@ -388,14 +387,6 @@ def _state(got: Any, key: str) -> int:
         return int(got[0])
     except (TypeError, ValueError, IndexError) as e:
         raise RegistryError(f"bounded read of {key}: unexpected reply {got!r}"[:200]) from e
-
-
-def _kind(kind: RecordKind | str) -> RecordKind | str:
-    """``kind`` as its :class:`RecordKind` where it names one (callers may pass the value)."""
-    try:
-        return RecordKind(kind)
-    except ValueError:
-        return kind
 
 
 def ms(seconds: float) -> int:

@@ -14,7 +14,6 @@ import redis
 
 from nccl_back.config import Settings
 from nccl_back.coord import schema
-from nccl_back.coord.content import GroundTruth
 from nccl_back.coord.keys import ANY
 from nccl_back.coord.records import PeerInfo
 from nccl_back.coord.signed_store import WRONG_TYPE, SignedStore, log, ms
@@ -54,7 +53,8 @@ class TruthRecords(SignedStore):
                          scheme: str, hashes: dict[str, str]) -> bool:
         """Store the integrity hashes of a storage load unless some exist (a peer load must
         not replace what storage said); whether this call stored them."""
-        key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
+        key = self.keys.of(schema.GROUND_TRUTH, version, rank, world_size, manifest_digest,
+                           scheme)
         return self.set_signed(key, self._value(manifest_digest, scheme, hashes),
                                schema.GROUND_TRUTH, nx=True)
 
@@ -62,35 +62,30 @@ class TruthRecords(SignedStore):
                              scheme: str, hashes: dict[str, str]) -> None:
         """Overwrite the ground truth: a storage loader holds CRC32C-checked bytes, so
         its view wins over a stored record that is untrusted or disagrees with it."""
-        key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
+        key = self.keys.of(schema.GROUND_TRUTH, version, rank, world_size, manifest_digest,
+                           scheme)
         self.set_signed(key, self._value(manifest_digest, scheme, hashes), schema.GROUND_TRUTH)
 
     def get_ground_truth(self, version: str, rank: int, world_size: int, manifest_digest: str,
                          scheme: str) -> dict[str, str] | None:
         """The hashes a storage load stored for this skeleton flavour, or None;
         :class:`UntrustedRecordError` (logged, counted) for an untrusted record."""
-        key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
+        key = self.keys.of(schema.GROUND_TRUTH, version, rank, world_size, manifest_digest,
+                           scheme)
         got = self.read(key, schema.GROUND_TRUTH)
-        if got is None:
-            return None
-        truth: GroundTruth = got[0]
-        return truth.hashes
+        return None if got is None else got[0].hashes
 
-    def has_ground_truth(self, version: str, rank: int, world_size: int, scheme: str,
-                         manifest_digest: str | None = None) -> bool:
-        """Whether ground truth exists for this rank (of one flavour, or of any)."""
-        if manifest_digest is not None:
-            key = self.keys.ground_truth(version, rank, world_size, manifest_digest, scheme)
-            return bool(self._call("EXISTS", lambda: self.client.exists(key)))
-        glob = self.keys.ground_truth(version, rank, world_size, ANY, scheme)
+    def has_ground_truth(self, version: str, rank: int, world_size: int, scheme: str) -> bool:
+        """Whether ground truth of any skeleton flavour exists for this rank (``status``)."""
+        glob = self.keys.of(schema.GROUND_TRUTH, version, rank, world_size, ANY, scheme)
         return any(True for _ in self._scan(glob, limit=1))
 
     def keep_ground_truth(self, info: PeerInfo, scheme: str, truth: dict[str, str]) -> None:
         """Keep the ground truth of ``info``'s flavour alive: extend it while it is the value
         last verified; write ``truth`` if absent, of another type or untrusted; leave a
         trusted record that says otherwise."""
-        key = self.keys.ground_truth(info.version, info.rank, info.world_size,
-                                     info.manifest_digest, scheme)
+        key = self.keys.of(schema.GROUND_TRUTH, info.version, info.rank, info.world_size,
+                           info.manifest_digest, scheme)
         ttl = schema.GROUND_TRUTH.ttl(self.settings)
         state = int(self._call("keep_truth", lambda: self.lua.keep_truth(
             keys=[key], args=[self._good_truth.get(key, ""), ms(ttl), schema.GROUND_TRUTH.max_bytes])))
@@ -117,6 +112,6 @@ class TruthRecords(SignedStore):
 
     def _extend_ground_truth(self, info: PeerInfo, scheme: str) -> None:
         """A heartbeat without the truth in hand: extend whatever record is there."""
-        key = self.keys.ground_truth(info.version, info.rank, info.world_size,
-                                     info.manifest_digest, scheme)
+        key = self.keys.of(schema.GROUND_TRUTH, info.version, info.rank, info.world_size,
+                           info.manifest_digest, scheme)
         self.extend(key, schema.GROUND_TRUTH.ttl(self.settings), what="heartbeat")

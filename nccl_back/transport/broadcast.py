@@ -253,7 +253,10 @@ def _begin(
     if not 0 <= start <= len(steps):
         raise TransferError(f"start={start}: the plan has {len(steps)} steps")
     todo = _todo(steps, start, part)
-    _check_devices(transport, tensors)
+    for name, t in tensors.items():
+        if t.device.type != transport.device.type:
+            raise TransferError(f"{name} is on {t.device} but the {transport.kind} transport"
+                                f" moves {transport.device.type} tensors")
     _agree_on_plan(transport, steps, start, part)
     return steps, todo, _Buffers([steps[k] for k in todo], transport.device), _Window(transport)
 
@@ -280,15 +283,6 @@ def _entries(source: Mapping[str, torch.Tensor] | Manifest) -> Iterable[tuple[st
     if isinstance(source, Manifest):
         return [(e.name, tuple(e.shape), e.dtype) for e in source.entries]
     return [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in source.items()]
-
-
-def _check_devices(transport: Transport, tensors: Mapping[str, torch.Tensor]) -> None:
-    for name, t in tensors.items():
-        if t.device.type != transport.device.type:
-            raise TransferError(
-                f"{name} is on {t.device} but the {transport.kind} transport moves"
-                f" {transport.device.type} tensors"
-            )
 
 
 def _agree_on_plan(transport: Transport, steps: list[Step], start: int = 0,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.coord import schema
+from nccl_back.coord.signed_store import Raw
 from nccl_back.errors import (
     ConfigError,
     TransferError,
@@ -132,7 +133,7 @@ class RedisStore(dist.Store):
     def _redis_key(self, name: str) -> str:
         if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
             raise TransferError(f"rendezvous key name of {len(str(name))} chars: over {MAX_NAME_CHARS}")
-        return self._registry.keys.rendezvous(self._scope, name)
+        return self._registry.keys.of(schema.RENDEZVOUS, self._scope, name)
 
     def _mac(self, redis_key: str, value: bytes) -> str:
         if self._key is None:
@@ -218,10 +219,8 @@ class RedisStore(dist.Store):
         if len(data) > MAX_VALUE_BYTES:
             raise TransferError(f"rendezvous value of {len(data)} bytes: over {MAX_VALUE_BYTES}")
         redis_key = self._redis_key(key)
-        ttl = self._left("set") + KEY_TTL_SLACK
-        stored = self.encode(redis_key, data)
-        client = self._registry.client
-        self._registry._call("SET", lambda: client.set(redis_key, stored, px=max(int(ttl * 1000), 1)))
+        self._registry.set_json(redis_key, Raw(self.encode(redis_key, data)),
+                                self._left("set") + KEY_TTL_SLACK)
         with self._lock:
             self._written.add(redis_key)
 

@@ -346,7 +346,12 @@ class PeerServer:
                 decline(self.registry, request, "incompatible", moves, log, HOLDER,
                         code="layout_mismatch")
             elif request.layout is not None:
-                ok = self._reshard(served, request, moves, digest, log)
+                # One byte tensor per move; the handshake proves the plan's digest, so a
+                # receiver of a different plan refuses before data moves.
+                pieces = moves
+                log.info("resharding", plan=digest[:12], bytes=sum(m.nbytes for m in pieces))
+                ok = served.sends.serve(request, log, digest=digest, tensors=lambda: sent(
+                    pieces, named_tensors(served.model)[0])) is not None
             else:
                 ok = served.sends.serve(request, log) is not None
         finally:
@@ -411,15 +416,6 @@ class PeerServer:
             served.plans.clear()  # receivers of a few layouts: a bound, not a policy
         served.plans[key] = (out, digest)
         return out, digest
-
-    def _reshard(self, served: _Served, request: TransferRequest, moves: tuple[Move, ...],
-                 digest: str, log: Any) -> bool:
-        """Send a receiver of another layout its pieces, one byte tensor per move; the
-        handshake proves the plan's digest, so a different plan is refused before data moves."""
-        log.info("resharding", plan=digest[:12], bytes=sum(m.nbytes for m in moves))
-        return served.sends.serve(request, log, digest=digest,
-                                tensors=lambda: sent(moves, named_tensors(served.model)[0])
-                                ) is not None
 
     def _refusal(self, served: _Served, request: TransferRequest) -> tuple[str, str] | None:
         """Why this request must not be served, as ``(code, message)``; None to serve it."""

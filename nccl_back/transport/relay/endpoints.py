@@ -199,16 +199,13 @@ class Stream:
     def __init__(self, registry: Registry, server: RelayServer, steps: list[Step],
                  key: tuple[str, int, int, str]) -> None:
         self.server = server
+        self.member = server.member
         self.filled = Fills(steps, server.progress).filled
         """Tensor ``name`` is in place (the loader's ``on_filled``)."""
         self._steps = len(steps)
         self._registry = registry
         self._key = key
         server.unannounce = self._drop  # announced no longer than it serves
-
-    @property
-    def member(self) -> Member:
-        return self.server.member
 
     def loaded(self) -> None:
         """Every tensor is in place (also what a loader without per-tensor fills says)."""
@@ -263,11 +260,8 @@ class Share:
 
     def __init__(self, server: RelayServer, announce: Callable[[], None], ttl: float) -> None:
         self.server = server
+        self.member = server.member
         renew(server, announce, ttl, "share")
-
-    @property
-    def member(self) -> Member:
-        return self.server.member
 
     def placed(self, steps: list[int]) -> None:
         """These steps of the part are in the member's tensors: they may go out."""

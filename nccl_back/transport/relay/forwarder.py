@@ -60,7 +60,7 @@ class RelayServer:
         self._withdrawn = threading.Event()
         self._ended = threading.Event()
         self._lock = threading.Lock()
-        self._sends: dict[tuple[str, int | None], tuple[threading.Thread, str]] = {}
+        self._running: dict[tuple[str, int | None], tuple[threading.Thread, str]] = {}
         """Sends in flight by (receiver, part): the thread and its transfer id."""
         self._superseded: list[threading.Thread] = []
         self._idle_since: float | None = None
@@ -72,21 +72,17 @@ class RelayServer:
         """Drops the record that announces it, if any (a stream's)."""
         self.served = 0
         # Read at each send: a stopped endpoint drops its tensors (see _loop).
-        self._path = Sends(RELAY, settings, registry, self.metrics, pacer, rendezvous,
-                            manifest_digest, member.transport, lambda: self.tensors,
-                            settings.transfer_timeout if send_timeout is None else send_timeout,
-                            ready=progress.wait_for)
+        self.sends = Sends(RELAY, settings, registry, self.metrics, pacer, rendezvous,
+                           manifest_digest, member.transport, lambda: self.tensors,
+                           settings.transfer_timeout if send_timeout is None else send_timeout,
+                           ready=progress.wait_for)
+        """Its sends (the shared send path), for a closing worker's drain."""
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"nccl-back-relay-{member.member_id[-6:]}")
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
-
-    @property
-    def sends(self) -> Sends:
-        """Its sends, for a closing worker's drain."""
-        return self._path
 
     def start(self) -> RelayServer:
         self._thread.start()
@@ -113,7 +109,7 @@ class RelayServer:
     def close(self, timeout: float) -> None:
         """Stop now, aborting relay sends still running; wait at most ``timeout`` s."""
         self._stop.set()
-        self._path.abort()
+        self.sends.abort()
         # A send waiting for a step not held yet ends now: its receiver sees the close.
         self.progress.fail("the relay endpoint closed")
         key = self.member.member_id
@@ -125,8 +121,8 @@ class RelayServer:
     def _busy(self) -> int:
         """Relay sends still running (finished ones are forgotten)."""
         with self._lock:
-            self._sends = {k: v for k, v in self._sends.items() if v[0].is_alive()}
-            return len(self._sends)
+            self._running = {k: v for k, v in self._running.items() if v[0].is_alive()}
+            return len(self._running)
 
     def _lingered(self) -> bool:
         """Whether the member's load ended and no request came for the linger."""
@@ -146,7 +142,7 @@ class RelayServer:
         if self.unannounce is not None:
             self.unannounce()
         refuse_queued(self.registry, key, RELAY, self._log)
-        for t in [t for t, _ in self._sends.values()] + self._superseded:
+        for t in [t for t, _ in self._running.values()] + self._superseded:
             t.join(self.settings.transfer_timeout)
         # A stopped endpoint must not keep the model alive (a hand-off's arena would
         # otherwise hold it twice).
@@ -176,22 +172,22 @@ class RelayServer:
         t = threading.Thread(target=self._send_one, args=(request,), daemon=True,
                              name=f"nccl-back-relay-send-{key[-6:]}")
         with self._lock:
-            self._sends[request.receiver, request.part] = (t, request.transfer_id)
+            self._running[request.receiver, request.part] = (t, request.transfer_id)
         t.start()
 
     def _supersede(self, request: TransferRequest) -> None:
         """Abort the send to ``request``'s receiver and part still in flight, if any (see
         the module docstring); its thread ends at its next step or bound."""
         with self._lock:
-            old = self._sends.pop((request.receiver, request.part), None)
+            old = self._running.pop((request.receiver, request.part), None)
             if old is None or not old[0].is_alive():
                 return
             self._superseded = [t for t in self._superseded if t.is_alive()] + [old[0]]
-        self._path.abort_one(old[1])
+        self.sends.abort_one(old[1])
         self._log.info("relay_send_superseded", peer=request.receiver, part=request.part,
                        was=old[1], transfer_id=request.transfer_id)
 
     def _send_one(self, request: TransferRequest) -> None:
         log = self._log.bind(transfer_id=request.transfer_id, peer=request.receiver)
-        if self._path.serve(request, log) is not None:
+        if self.sends.serve(request, log) is not None:
             self.served += 1

@@ -135,23 +135,15 @@ class Cohorts:
         if not self.enabled:
             return None
         try:
-            started = start(self._endpoints(replica, log))
+            rendezvous = self._sender.rendezvous(replica.kind, replica.device)
+            started = start(Endpoints(self.settings, self._registry, rendezvous, self._worker_id,
+                                      replica, self._sender.pacer, log, self._metrics))
         except NcclBackError as e:
             log.warning(failed, error=str(e))
             return None
-        self._track(started.server)
-        return started
-
-    def _endpoints(self, replica: Replica, log: Any) -> Endpoints:
-        """What this rank's relay endpoints are made of (raises if the rendezvous fails)."""
-        return Endpoints(self.settings, self._registry,
-                         self._sender.rendezvous(replica.kind, replica.device), self._worker_id,
-                         replica, self._sender.pacer, log, self._metrics)
-
-    def _track(self, server: RelayServer) -> None:
-        """Keep ``server`` for :meth:`close`; withdrawn at once by a withdrawn worker."""
-        with self._lock:
-            self._servers = [r for r in self._servers if r.alive] + [server]
+        with self._lock:  # a withdrawn worker's new endpoint is withdrawn at once
+            self._servers = [r for r in self._servers if r.alive] + [started.server]
             withdrawn = self._withdrawn
         if withdrawn is not None:
-            server.withdraw(withdrawn)
+            started.server.withdraw(withdrawn)
+        return started

@@ -290,7 +290,7 @@ def test_a_members_announcement_lapses_only_when_gone_or_moved_never_by_a_forger
     reg.announce_download_member("v1", 0, 2, 1, Member(ep, "127.0.0.1:1", "gloo", "cpu"))
     assert not reg.download_member_lapsed("v1", 0, 2, 1, ep)
     assert reg.download_member_lapsed("v1", 0, 2, 1, "b-r0-share-2")
-    key = reg.keys.download_member("v1", 0, 2, 1)
+    key = reg.keys.of(schema.DOWNLOAD_MEMBER, "v1", 0, 2, 1)
     genuine = ("string", reg.client.get(key))
     for how in corruptions(schema.DOWNLOAD_MEMBER):
         corrupt(reg.client, key, schema.DOWNLOAD_MEMBER, how, genuine)

@@ -100,7 +100,7 @@ class LeaseRecords(SignedStore):
         ``endpoint``; an untrusted value says neither (its renewal overwrites it), so a
         forged one never sends a live member's part back to storage."""
         try:
-            got = self.read(self.keys.download_member(version, rank, world_size, member),
+            got = self.read(self.keys.of(schema.DOWNLOAD_MEMBER, version, rank, world_size, member),
                             schema.DOWNLOAD_MEMBER)
         except UntrustedRecordError:
             return False

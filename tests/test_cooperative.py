@@ -200,9 +200,13 @@ def test_a_member_lost_before_it_answers_is_given_up_on_within_its_announcements
     reports = [_ok(fleet.report(150)) for _ in range(2)]
     assert sorted(r["source"] for r in reports) == ["peer", "storage"], reports
     elected = next(r for r in reports if r["source"] == "storage")
-    assert 0.4 * _checkpoint_bytes(ckpt) < elected["bytes"] < 0.62 * _checkpoint_bytes(ckpt), elected
-    assert all(r["load_seconds"] < 25 for r in reports), reports
-    assert len([p for p in procs if p.pid not in {r["pid"] for r in reports}]) == 1
+    # Said in full when it fails (a run beside the soak once saw the elected worker read
+    # only its own third, in 1.4 s: not yet explained).
+    seen = [{k: r.get(k) for k in ("role", "source", "bytes", "load_seconds", "peer_id", "timings")}
+            for r in reports] + [p.exitcode for p in procs]
+    assert 0.4 * _checkpoint_bytes(ckpt) < elected["bytes"] < 0.62 * _checkpoint_bytes(ckpt), seen
+    assert all(r["load_seconds"] < 25 for r in reports), seen
+    assert len([p for p in procs if p.pid not in {r["pid"] for r in reports}]) == 1, seen
 
 
 @pytest.mark.timeout(240)

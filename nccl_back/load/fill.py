@@ -66,17 +66,6 @@ class Fill:
         self.found = self.a.found
         self.verified = Verified(self.a.truth, self.a.basis)
 
-    def pull(self, pulls: Sequence[Pull], name: str) -> list[PeerError | RegistryError | None]:
-        """A round's parts at once (:class:`~.pulls.Pulls`), none aborted by another's
-        failure: what the others land stays. What each failed with, a peer's or Redis's
-        failure, else None; anything else is raised."""
-        failed: list[PeerError | RegistryError | None] = []
-        for e in Pulls(abort=False).run(pulls, name):
-            if e is not None and not isinstance(e, (PeerError, RegistryError)):
-                raise e
-            failed.append(e)
-        return failed
-
     def verify(self, deadline: float, by: Iterable[str]) -> WeightVerificationError | None:
         """A round's one verification (:meth:`check`): None once it passed (``peer_id``
         then names the sources ``by``); else its failure, for the caller to blame."""
@@ -132,20 +121,25 @@ class Fill:
 
 
 class Rounds(abc.ABC):
-    """The one loop every kind of source runs (:mod:`.rounds`): a round's parts pulled at
-    once (:meth:`Fill.pull`, each source asked through :func:`~.asking.transfer`), the
-    kind's rule for a part that failed, one verification (:meth:`Fill.verify`) and blame
-    (:meth:`Fill.blame`); until a round verifies (True) or the kind has none left
-    (False: why is in the fill, or ``rx.relay_error`` for the trees). A stream's truth
-    that never came (its downloader died) fails the round's sources as a failed transfer
-    does, and Redis's trouble ends the rounds with its reason: neither escapes the pass. A kind says what a round pulls (:meth:`round`, its send slots held
-    in ``held``; None: no round left), whether every part landed (:meth:`landed`, given
-    each part's error), who filled it (:meth:`by`), and what a round whose bytes had no
-    truth (:meth:`untrue`), failed their check (:meth:`blamed`) or met Redis's trouble
-    (:meth:`lost`, the last round) costs."""
+    """The one loop every kind of source runs (:mod:`.rounds`, :mod:`.reshard`): a round's
+    parts pulled at once (:meth:`pull`, each source asked through
+    :func:`~.asking.transfer`), the kind's rule for a part that failed, one verification
+    and blame; until a round verifies (True) or the kind has none left (False: the kind
+    keeps why). A stream's truth that never came (its downloader died) fails the round's
+    sources as a failed transfer does, and Redis's trouble ends the rounds with its
+    reason: neither escapes the pass. A kind says what a round pulls (:meth:`round`, its
+    send slots held in ``held``; None: no round left), whether every part landed
+    (:meth:`landed`, given each part's error), how the bytes are checked (:meth:`verify`:
+    the failure, else None), and what a round whose bytes had no truth (:meth:`untrue`),
+    failed their check (:meth:`blamed`) or met Redis's trouble (:meth:`lost`, the last
+    round) costs."""
 
     name = "nccl_back-part"
-    fill: Fill
+    abort = False
+    """The first failed part aborts the others (:class:`~.pulls.Pulls`): a reshard's pieces
+    are worth nothing without the rest. Else what the others land stays."""
+    first: int | None = None
+    """The last round's part that failed first (its cause, when ``abort``)."""
 
     def run(self) -> bool:
         while True:
@@ -154,10 +148,10 @@ class Rounds(abc.ABC):
                     pulls = self.round(held)
                     if pulls is None:
                         return False
-                    if not self.landed(self.fill.pull(pulls, self.name)):
+                    if not self.landed(self.pull(pulls)):
                         continue
                     try:
-                        bad = self.fill.verify(self.deadline(), self.by())
+                        bad = self.verify()
                     except PeerError as e:  # a stream's truth never came: as a failed transfer
                         self.untrue(e)
                         continue
@@ -168,14 +162,24 @@ class Rounds(abc.ABC):
                 return True
             self.blamed(bad)
 
+    def pull(self, pulls: Sequence[Pull]) -> list[PeerError | RegistryError | None]:
+        """A round's parts at once: what each failed with, a peer's or Redis's failure,
+        else None (:attr:`first` the first to fail); anything else is raised."""
+        runner = Pulls(abort=self.abort)
+        failed: list[PeerError | RegistryError | None] = []
+        for e in runner.run(pulls, self.name):
+            if e is not None and not isinstance(e, (PeerError, RegistryError)):
+                raise e
+            failed.append(e)
+        self.first = runner.first
+        return failed
+
     @abc.abstractmethod
     def round(self, held: contextlib.ExitStack) -> list[Pull] | None: ...
     @abc.abstractmethod
     def landed(self, errors: list[PeerError | RegistryError | None]) -> bool: ...
     @abc.abstractmethod
-    def deadline(self) -> float: ...
-    @abc.abstractmethod
-    def by(self) -> Iterable[str]: ...
+    def verify(self) -> WeightVerificationError | None: ...
     @abc.abstractmethod
     def untrue(self, e: PeerError) -> None: ...
     @abc.abstractmethod

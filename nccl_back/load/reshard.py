@@ -13,7 +13,7 @@ or none does; the outcome goes back to the load's one decision, like any receive
    and whose truth in checkpoint coordinates agrees and covers what the Verifier must
    check. A world size that fails is skipped with its reason; none left: every rank
    goes on as without resharding.
-2. *Receive* (:func:`receive`): from every holder the plan uses at once, a shared claim
+2. *Receive* (:class:`_Receive`, a kind of the one loop's source): from every holder the plan uses at once, a shared claim
    (:func:`.asking.claimed`), the handshake proving the *plan's* digest (a sender that
    derived another plan refuses before any data moves), this rank's pieces through the
    one transfer path (:func:`.asking.transfer`), in place where a piece is contiguous
@@ -23,6 +23,7 @@ or none does; the outcome goes back to the load's one decision, like any receive
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -39,6 +40,7 @@ from nccl_back.errors import (
     BudgetSpentError,
     NcclBackError,
     NoPeerError,
+    PeerError,
     RegistryError,
     UntrustedRecordError,
     WeightVerificationError,
@@ -47,8 +49,8 @@ from nccl_back.errors import (
 from nccl_back.load.asking import Ask, Into, Source, claimed, transfer
 from nccl_back.load.attempt import Absence, Attempt, NoHolder, Reason, Worker
 from nccl_back.load.discover import usable_peers
-from nccl_back.load.fill import NotReceived, Received
-from nccl_back.load.pulls import Pulls
+from nccl_back.load.fill import NotReceived, Received, Rounds
+from nccl_back.load.pulls import Pull
 from nccl_back.load.verifier import Basis, PositionCheck, merge_macs
 from nccl_back.load.verify import Verified
 from nccl_back.model import marginals
@@ -82,17 +84,22 @@ class ReshardSources:
 
 
 def run(worker: Worker, a: Attempt, sh: Sharding, found: ReshardSources) -> Received | NotReceived:
-    """This rank's pieces from the holders every rank ``found`` (:func:`look`): who
-    served them once they verified, or why not (the service records it, then the
-    group votes)."""
+    """This rank's pieces from the holders every rank ``found`` (:func:`look`), in one
+    round of the one loop (:class:`_Receive`): who served them once they verified, or
+    why not (the service records it, then the group votes)."""
+    r = _Receive(worker, a, sh, found)
     try:
-        checked = receive(worker, a, sh, found)
-    except NcclBackError as e:  # this rank's vote: storage (or strict), with the reason
-        a.log.warning("reshard_failed", reason=fallback_reason(e), error=str(e))
-        return NotReceived(e)
-    basis = Basis.NONE if checked is None else worker.verifier.basis()
+        ok = r.run()
+    except NcclBackError as e:
+        r.reason = e
+        ok = False
+    if not ok:  # this rank's vote: storage (or strict), with the reason
+        why = r.reason or NoPeerError("the reshard ended without a reason")
+        a.log.warning("reshard_failed", reason=fallback_reason(why), error=str(why))
+        return NotReceived(why)
+    basis = Basis.NONE if r.checked is None else worker.verifier.basis()
     return Received(",".join(found.peers[k].peer_id for k in found.plan.used),
-                    Verified(None, basis), checked)
+                    Verified(None, basis), r.checked)
 
 
 def look(worker: Worker, a: Attempt, sh: Sharding) -> ReshardSources | Reason:
@@ -208,34 +215,61 @@ def _check_truth(worker: Worker, sh: Sharding, truths: dict[str, PositionTruth])
             raise marginals.NotCheckable(missing)
 
 
-def receive(worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> PositionCheck | None:
-    """Every piece from its holder, all holders at once, then the Verifier's check;
-    raises with the reason if not (that of the holder that failed first, once every
-    pull has ended). Returns what the check covered (None: ``verify`` "none")."""
-    s, t = worker.settings, a.target
-    a.rx.start_budget(s)  # the holders are asked within it (asking.Ask.holder)
-    # One pull per holder at once: a receiver's link is faster than one sender's path
-    # (a TP=1 rank behind TP=2 holders).
-    pulls = Pulls(abort=True)
-    errors = pulls.run([functools.partial(_from_holder, worker, a, f, k)
-                        for k in f.plan.used], "nccl_back-reshard")
-    cause = errors[pulls.first] if pulls.first is not None else None
-    if cause is not None:
-        raise cause
-    zero_padding(sh.layout, t.tensors)
-    v = worker.verifier
-    if v.mode == "none":
+class _Receive(Rounds):
+    """A reshard's one round: every piece from its holder, all holders at once (a
+    receiver's link is faster than one sender's path: a TP=1 rank behind TP=2 holders),
+    the first failure aborting the others (the load starts over without the pieces;
+    ``reason`` is that holder's), then the Verifier's check in checkpoint coordinates
+    (``checked``: what it covered; None under ``verify`` "none"). A failed check blames
+    the holders that sent the failing tensors' pieces (:func:`_blame`) and ends the
+    reshard: it is the load's last peer pass."""
+
+    name = "nccl_back-reshard"
+    abort = True
+
+    def __init__(self, worker: Worker, a: Attempt, sh: Sharding, f: ReshardSources) -> None:
+        self.worker, self.a, self.sh, self.f = worker, a, sh, f
+        self.reason: NcclBackError | None = None
+        self.checked: PositionCheck | None = None
+        self.asked = False
+
+    def round(self, held: contextlib.ExitStack) -> list[Pull] | None:
+        if self.asked or self.reason is not None:
+            return None
+        self.asked = True
+        self.a.rx.start_budget(self.worker.settings)  # the holders are asked within it (Ask.holder)
+        return [functools.partial(_from_holder, self.worker, self.a, self.f, k) for k in self.f.plan.used]
+
+    def landed(self, errors: list[PeerError | RegistryError | None]) -> bool:
+        if self.first is None:
+            return True
+        self.reason = errors[self.first]
+        return False
+
+    def verify(self) -> WeightVerificationError | None:
+        zero_padding(self.sh.layout, self.a.target.tensors)
+        v = self.worker.verifier
+        if v.mode == "none":
+            return None
+        began = _clock.perf()
+        try:
+            self.checked = v.check_positions(self.sh.layout, self.a.target.tensors, self.f.truths)
+        except WeightVerificationError as e:
+            return e
+        self.a.timings["verify"] = _clock.perf() - began
+        self.a.log.info("reshard_verified", positions=self.checked.positions, elements=self.checked.elements)
         return None
-    began = _clock.perf()
-    try:
-        checked = v.check_positions(sh.layout, t.tensors, f.truths)
-    except WeightVerificationError as e:
-        blamed = _blame(worker, sh, f, set(e.bad))
-        a.log.warning("reshard_verification_failed", blamed=sorted(blamed), error=str(e))
-        raise
-    a.timings["verify"] = _clock.perf() - began
-    a.log.info("reshard_verified", positions=checked.positions, elements=checked.elements)
-    return checked
+
+    def blamed(self, bad: WeightVerificationError) -> None:
+        blamed = _blame(self.worker, self.sh, self.f, set(bad.bad))
+        self.a.log.warning("reshard_verification_failed", blamed=sorted(blamed), error=str(bad))
+        self.reason = bad
+
+    def untrue(self, e: PeerError) -> None:
+        self.reason = e
+
+    def lost(self, e: RegistryError) -> None:
+        self.reason = e
 
 
 def _blame(worker: Worker, sh: Sharding, f: ReshardSources, bad: set[str]) -> set[str]:

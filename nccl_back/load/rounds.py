@@ -38,7 +38,7 @@ import contextlib
 import functools
 import hashlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from nccl_back import _clock
 from nccl_back.budget import Phase
@@ -121,11 +121,8 @@ class _Trees(Rounds):
         self.out = True
         return False
 
-    def deadline(self) -> float:
-        return self.bound.deadline
-
-    def by(self) -> Iterable[str]:
-        return sorted(self.fill.a.rx.sources.sources())
+    def verify(self) -> WeightVerificationError | None:
+        return self.fill.verify(self.bound.deadline, sorted(self.fill.a.rx.sources.sources()))
 
     def untrue(self, e: PeerError) -> None:
         if self.fed_by is not None:
@@ -413,11 +410,8 @@ class _Holders(Rounds):
         self.done = done
         return not lost
 
-    def deadline(self) -> float:
-        return self.a.rx.peer_budget.deadline
-
-    def by(self) -> Iterable[str]:
-        return [p.peer_id for p, _ in self.done]
+    def verify(self) -> WeightVerificationError | None:
+        return self.fill.verify(self.a.rx.peer_budget.deadline, [p.peer_id for p, _ in self.done])
 
     def untrue(self, e: PeerError) -> None:
         for peer, _ in self.done:

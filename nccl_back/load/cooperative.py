@@ -11,7 +11,7 @@ The elected worker reads part 0 while it pulls part ``i`` from each member
 ``claim_ttl`` (at most ``stall_timeout``), whose announcement lapses (renewed while its
 endpoint lives, so a dead member is found within ``claim_ttl``, not after a connect
 timeout), or whose transfer fails, costs its part's read, not the download: the part
-is spread over the elected worker and the members still serving (:class:`_Spread`,
+is spread over the elected worker and the members still serving (:class:`_Gather`,
 :class:`Rescues`), so a lost member costs the survivors about ``1/(n-1)`` of a share
 each; a sub-part whose reader fails too is read here. Then every file is proven
 against storage's CRC32C from the bytes held (:mod:`.held_proof`); a failing file's
@@ -23,6 +23,7 @@ would run out during the gather.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -35,13 +36,16 @@ from nccl_back.errors import (
     ChecksumMismatchError,
     NcclBackError,
     NoPeerError,
+    PeerError,
     RegistryError,
+    WeightVerificationError,
     fallback_reason,
 )
 from nccl_back.load.asking import Ask, Into, Source, transfer
 from nccl_back.load.attempt import Attempt, Worker
+from nccl_back.load.fill import Rounds
 from nccl_back.load.held_proof import held_reads
-from nccl_back.load.pulls import Pull, Pulls, watched
+from nccl_back.load.pulls import Pull, watched
 from nccl_back.load.share_read import (
     ShareRead,
     blame,
@@ -53,7 +57,7 @@ from nccl_back.load.share_read import (
     shares,
 )
 from nccl_back.model.checkpoint import ShardHeader, model_headers
-from nccl_back.model.ranged import cut_points
+from nccl_back.model.ranged import Span, cut_points
 from nccl_back.model.storage import Storage
 from nccl_back.timing import ANNOUNCE_POLL
 from nccl_back.timing import SHARE_WATCH_POLL as WATCH_POLL
@@ -173,52 +177,182 @@ class Gathered:
 
 def gather_parts(worker: Worker, a: Attempt, n: int, held: int | None = None) -> Gathered:
     """The elected worker's rank: part 0 read, parts 1..n-1 pulled from the members at
-    once, a failed member's share read here, then every file proven (the caller announces
-    its stream only after). Raises :class:`ChecksumMismatchError` when a file does not
-    prove even from storage's own bytes (changed since it was listed).
+    once, a failed member's share spread, then every file proven (:class:`_Gather`; the
+    caller announces its stream only after). Raises :class:`ChecksumMismatchError` when a
+    file does not prove even from storage's own bytes (changed since it was listed).
 
     ``held``: this worker took the download over as member ``held`` of the split after
     the worker elected first died: its own part is in its tensors already, so it reads
     part 0 (the dead worker's share) and pulls the other members' parts from the
     endpoints they still serve, the split unchanged (storage reads the checkpoint about
     once, not a second time)."""
-    t, spec = a.target, a.spec
-    src = _Source.of(worker, a)
-    storage, headers, steps = src.storage, src.headers, src.steps
-    every = shares(steps, places(headers), {sh.uri: sh.size for sh in spec.shards}, n)
-    cuts = cut_points([span for member in every for span in member])
-    others = [i for i in range(1, n) if i != held]
-    spread = _Spread(worker, a, src, n, 0 if held is None else held, others)
+    g = _Gather(worker, a, n, held)
+    g.run()  # every file proven: a file that does not raises
+    return Gathered(g.read, tuple(sorted(set(g.read_for))), g.received)
 
-    def own(_: object) -> None:
-        spread.count(read=read_share(storage, spec, headers, steps, n, 0, t.tensors).bytes)
 
-    pulls: list[Pull] = [own, *(functools.partial(spread.pull, i) for i in others)]
-    for e in Pulls(abort=False).run(pulls, "nccl_back-share"):
-        if e is not None:
-            raise e  # not a member's failure (those are spread): this worker's own
-    read_bytes = spread.read
-    read_for = list(spread.failed)
-    reads = held_reads(storage, spec, headers, steps, n, t.tensors)
-    read_bytes += sum(r.bytes for r in reads)
-    blamed = failing(spec, reads)
-    if blamed:
-        for uri in blamed:
-            verdict = blame(storage, spec, uri, reads)
+#: One pull of a gather's round: who reads ``part`` (a member's endpoint, or this
+#: worker's own read from storage).
+Item = tuple[int, Part]
+
+
+class _Gather(Rounds):
+    """The elected worker's gather, a kind of the one loop (:class:`~.fill.Rounds`).
+    Round one reads part 0 here while it pulls each member's part. A failed member's
+    part is then spread over this worker and the members that still serve (a record
+    they poll, :class:`Rescues`), each sub-part pulled from its reader at once in the
+    next round, and read here when that pull fails too (or when nobody else is left,
+    or Redis is out of reach). The check proves every file from the bytes held
+    (:func:`~.held_proof.held_reads`); a failing file's blamed members' spans
+    (:func:`~.share_read.blame`) are read again from storage in one more round, and a
+    file that still fails, or that storage itself no longer serves as listed, raises."""
+
+    name = "nccl_back-share"
+
+    def __init__(self, worker: Worker, a: Attempt, n: int, held: int | None) -> None:
+        self.worker, self.a, self.n = worker, a, n
+        self.src = src = _Source.of(worker, a)
+        self.every = shares(src.steps, places(src.headers), {sh.uri: sh.size for sh in a.spec.shards}, n)
+        self.cuts = cut_points([span for member in self.every for span in member])
+        self.me = 0 if held is None else held
+        self.bucket = a.target.bucket(worker.settings, a.target.kind)
+        self.lock = threading.Lock()
+        self.read = 0
+        """Bytes this worker read: its own part, failed members' parts, the proofs."""
+        self.received = 0
+        """Bytes of the parts (and sub-parts) the members sent."""
+        self.read_for: list[int] = []
+        """Members whose share this worker read (silent, failed, or blamed)."""
+        self.rescues: list[Rescue] = []
+        self.items: list[Item] = [(self.me, (0, n)), *((i, (i, n)) for i in range(1, n) if i != held)]
+        """The next round's pulls (none: no round left)."""
+        self.stage = "parts"
+        """What the round in flight pulls: "parts", "spread" (failed parts) or "reread"."""
+        self.reads: list[ShareRead] = []
+        self.failing: list[str] = []
+        """The files the last check found failing (their CRC32C from the bytes held)."""
+        self.spans: list[tuple[int, list[Span]]] = []
+        """The blamed members' spans of those files: read again in the "reread" round."""
+
+    def round(self, held: contextlib.ExitStack) -> list[Pull] | None:
+        if self.stage == "reread":
+            return [self._reread] if self.failing else None
+        return [self._pull_of(m, part) for m, part in self.items] if self.items else None
+
+    def _pull_of(self, m: int, part: Part) -> Pull:
+        if m != self.me:
+            return functools.partial(self._member, m, part)
+        if part == (0, self.n):  # its own share (the first worker's, once taken over)
+            return lambda _: self._count(read=read_share(self.src.storage, self.a.spec, self.src.headers,
+                                                         self.src.steps, self.n, 0, self.a.target.tensors).bytes)
+        return lambda _: self._count(read=self.src.read(self.a, part, part[0]).bytes)
+
+    def _member(self, m: int, part: Part, started: Callable[[Transport], None]) -> None:
+        try:
+            _pull(self.worker, self.a, m, part, self.bucket, started)
+        except (PeerError, RegistryError):
+            raise
+        except Exception as e:  # a member's failure costs its part's read, not the download
+            raise PeerError(f"member {m} of {self.n}: {e!r}") from e
+        self._count(received=sum(self.src.steps[k].nbytes for k in part_steps(self.src.steps, part)))
+
+    def landed(self, errors: list[PeerError | RegistryError | None]) -> bool:
+        """Round one: the failed members' parts spread (the next round). The spread
+        round: a sub-part whose reader failed is read here. The "reread" round reads
+        from storage only (its failure raises)."""
+        if self.stage == "reread":
+            return True
+        failed = [(item, e) for item, e in zip(self.items, errors, strict=True) if e is not None]
+        self.items = []
+        if self.stage == "spread":
+            for (m, sub), e in failed:
+                self.a.log.warning("download_spread_part_failed", part=sub[0], member=m, error=str(e)[:300])
+                self._count(read=self.src.read(self.a, sub, sub[0]).bytes)
+            return True
+        for (m, _), e in failed:
+            self.a.log.warning("download_member_failed", member=m, of=self.n, reason=fallback_reason(e),
+                               error=str(e)[:300])
+        if not failed:
+            return True
+        self.stage, self.items = "spread", self._spread([part[0] for (_, part), _ in failed])
+        return False
+
+    def _spread(self, parts: list[int]) -> list[Item]:
+        """Who reads which sub-part of the failed ``parts``: this worker and the members
+        still serving, by the ids they serve it under (this worker alone once Redis is
+        out of reach)."""
+        r, n = self.a.replica(), self.n
+        self.read_for += parts
+        try:
+            by = self._readers()
+            if len(by) > 1:
+                self.rescues += [Rescue(j, tuple(i for _, i in by)) for j in parts]
+                self.worker.registry.spread_download_parts(r.version, r.rank, r.world, self.rescues)
+        except RegistryError as e:
+            self.rescues = [x for x in self.rescues if x.part not in parts]
+            self.a.log.warning("download_spread_failed", parts=parts, error=str(e))
+            by = [(self.me, self.worker.id)]
+        items: list[Item] = []
+        for j in parts:
+            self.a.log.info("download_part_spread", part=j, by=[m for m, _ in by])
+            items += [(m, (j, n, s, len(by)) if len(by) > 1 else (j, n)) for s, (m, _) in enumerate(by)]
+        return items
+
+    def _readers(self) -> list[tuple[int, str]]:
+        """``(member, id)`` of this worker and each member not failed whose endpoint is
+        announced."""
+        r = self.a.replica()
+        out = [(self.me, self.worker.id)]
+        for m in range(1, self.n):
+            if m != self.me and m not in self.read_for:
+                got = self.worker.registry.download_member(r.version, r.rank, r.world, m)
+                if got is not None:
+                    out.append((m, got.member_id))
+        return out
+
+    def verify(self) -> WeightVerificationError | None:
+        src, a = self.src, self.a
+        reads = held_reads(src.storage, a.spec, src.headers, src.steps, self.n, a.target.tensors)
+        self._count(read=sum(r.bytes for r in reads))
+        self.reads, self.failing = reads, failing(a.spec, reads)
+        return WeightVerificationError(", ".join(self.failing), set(self.failing)) if self.failing else None
+
+    def blamed(self, bad: WeightVerificationError) -> None:
+        """The blamed members' spans of each failing file, read again in the next round;
+        a file storage itself no longer serves as listed, or that failed after that
+        round, raises."""
+        if self.stage == "reread":
+            raise ChecksumMismatchError(f"{self.failing[0]}: does not prove after its blamed shares were"
+                                        " read again")
+        self.stage, self.spans = "reread", []
+        for uri in self.failing:
+            verdict = blame(self.src.storage, self.a.spec, uri, self.reads)
             if verdict.changed_at_rest:
                 raise ChecksumMismatchError(f"{uri}: storage no longer serves the file its identity"
                                             " lists (changed since it was listed)")
-            a.log.warning("download_member_blamed", file=uri, members=list(verdict.members))
-            worker.metrics.record_verification_failure()
+            self.a.log.warning("download_member_blamed", file=uri, members=list(verdict.members))
+            self.worker.metrics.record_verification_failure()
             for m in verdict.members:
-                spans = [sp for sp in every[m] if sp[0] == uri]
-                read_bytes += read_spans(storage, spec, headers, spans, cuts, t.tensors, member=m).bytes
-                read_for.append(m)
-        reads = held_reads(storage, spec, headers, steps, n, t.tensors)
-        read_bytes += sum(r.bytes for r in reads)
-        for uri in failing(spec, reads):
-            raise ChecksumMismatchError(f"{uri}: does not prove after its blamed shares were read again")
-    return Gathered(read_bytes, tuple(sorted(set(read_for))), spread.received)
+                self.spans.append((m, [sp for sp in self.every[m] if sp[0] == uri]))
+                self.read_for.append(m)
+
+    def _reread(self, _started: object) -> None:
+        src, a = self.src, self.a
+        for m, spans in self.spans:
+            self._count(read=read_spans(src.storage, a.spec, src.headers, spans, self.cuts,
+                                        a.target.tensors, member=m).bytes)
+
+    def untrue(self, e: PeerError) -> None:
+        raise e  # no stream's truth here: the files' CRC32C prove the bytes
+
+    def lost(self, e: RegistryError) -> None:
+        raise e  # Redis's trouble in a member's pull is that member's failure, not this
+
+    def _count(self, read: int = 0, received: int = 0) -> None:
+        """Add bytes read here or received from members (from any pull's thread)."""
+        with self.lock:
+            self.read += read
+            self.received += received
 
 
 def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
@@ -267,89 +401,3 @@ def _pull(worker: Worker, a: Attempt, i: int, part: Part, bucket: int,
                 raise
             raise NoPeerError(f"member {i} of {n}: its announcement lapsed (not renewed within"
                               f" claim_ttl {s.claim_ttl:g} s: killed or stopped)") from e
-
-
-class _Spread:
-    """The elected worker's pulls of the members' parts, and what a failed member's part
-    becomes: spread over this worker and the members that still serve (a record they
-    poll, :class:`Rescues`), each sub-part pulled from its reader at once, and read here
-    when that pull fails too (or when nobody else is left, or Redis is out of reach)."""
-
-    def __init__(self, worker: Worker, a: Attempt, source: _Source, n: int, me: int,
-                 others: list[int]) -> None:
-        self.worker, self.a, self.source, self.n, self.me, self.others = worker, a, source, n, me, others
-        self.bucket = a.target.bucket(worker.settings, a.target.kind)
-        self.lock = threading.Lock()
-        self.failed: list[int] = []
-        self.rescues: list[Rescue] = []
-        self.read = 0
-        """Bytes this worker read: its own part and failed members' parts."""
-        self.received = 0
-        """Bytes of the parts (and sub-parts) the members sent."""
-
-    def pull(self, i: int, started: Callable[[Transport], None]) -> None:
-        """Member ``i``'s part, or, once it failed, that part spread."""
-        try:
-            _pull(self.worker, self.a, i, (i, self.n), self.bucket, started)
-        except Exception as e:  # noqa: BLE001 - a member's failure costs its part's read, not the download
-            self.a.log.warning("download_member_failed", member=i, of=self.n,
-                               reason=fallback_reason(e) if isinstance(e, NcclBackError) else "other",
-                               error=str(e)[:300])
-            self._rescue(i)
-            return
-        self.count(received=self._bytes((i, self.n)))
-
-    def _rescue(self, j: int) -> None:
-        r = self.a.replica()
-        with self.lock:
-            self.failed.append(j)
-            try:
-                by = self._readers()
-                if len(by) > 1:
-                    self.rescues.append(Rescue(j, tuple(i for _, i in by)))
-                    self.worker.registry.spread_download_parts(r.version, r.rank, r.world, self.rescues)
-            except RegistryError as e:
-                self.rescues = [x for x in self.rescues if x.part != j]
-                self.a.log.warning("download_spread_failed", part=j, error=str(e))
-                by = [(self.me, self.worker.id)]
-        self.a.log.info("download_part_spread", part=j, by=[m for m, _ in by])
-        subs = [(j, self.n, s, len(by)) if len(by) > 1 else (j, self.n) for s in range(len(by))]
-        readers = [m for m, _ in by]
-
-        def pull(m: int, sub: Part) -> Pull:
-            if m == self.me:
-                return lambda _: self.count(read=self.source.read(self.a, sub, j).bytes)
-            return lambda started: _pull(self.worker, self.a, m, sub, self.bucket, started)
-
-        errors = Pulls(abort=False).run([pull(m, sub) for m, sub in zip(readers, subs, strict=True)],
-                                        f"nccl_back-spread-{j}")
-        for m, sub, err in zip(readers, subs, errors, strict=True):
-            if err is None:
-                if m != self.me:
-                    self.count(received=self._bytes(sub))
-                continue
-            if m == self.me:
-                raise err
-            self.a.log.warning("download_spread_part_failed", part=j, member=m, error=str(err)[:300])
-            self.count(read=self.source.read(self.a, sub, j).bytes)
-
-    def _readers(self) -> list[tuple[int, str]]:
-        """``(member, id)`` of this worker and each member not failed whose endpoint is
-        announced: the readers of a failed part, by the ids they serve it under."""
-        r = self.a.replica()
-        out = [(self.me, self.worker.id)]
-        for m in self.others:
-            if m not in self.failed:
-                got = self.worker.registry.download_member(r.version, r.rank, r.world, m)
-                if got is not None:
-                    out.append((m, got.member_id))
-        return out
-
-    def _bytes(self, part: Part) -> int:
-        return sum(self.source.steps[k].nbytes for k in part_steps(self.source.steps, part))
-
-    def count(self, read: int = 0, received: int = 0) -> None:
-        """Add bytes read here or received from members (from any pull's thread)."""
-        with self.lock:
-            self.read += read
-            self.received += received

@@ -30,7 +30,7 @@ from urllib.parse import parse_qs
 from nccl_back import _clock
 from nccl_back.config import Settings
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
-from nccl_back.model.object_store import BufferWriter, ObjectStore, check_size, range_total
+from nccl_back.model.object_store import Body, BufferWriter, ObjectStore
 from nccl_back.model.storage import DEFAULT_TIMEOUT, Location, ObjectInfo, register_backend
 
 T = TypeVar("T")
@@ -278,8 +278,7 @@ class AzureBlobs(ObjectStore):
     def _past_end(self, e: BaseException | None) -> bool:
         return _error_code(e)[0] == "InvalidRange"
 
-    def _get(self, loc: Location, start: int, n: int, what: str, sink: Callable[[bytes], object],
-             *, etag: str = "", most: int | None = None) -> tuple[int, int | None]:
+    def _open(self, loc: Location, start: int, n: int, etag: str) -> Body:
         blob = self.client.get_blob_client(loc.bucket, loc.path)
         # The generated Get Blob under download_blob: the response streamed, not held whole.
         response, stream = blob._client.blob.download(
@@ -287,21 +286,9 @@ class AzureBlobs(ObjectStore):
             headers={"If-Match": etag} if etag else {},
             cls=lambda pipeline, body, headers: (pipeline.http_response, body),
         )
-        try:
-            total = range_total(what, start, response.headers.get("Content-Range"))
-            if total is None and response.status_code == 200:
-                length = response.headers.get("Content-Length", "")
-                total = int(length) if length.isdigit() else None
-            check_size(loc.uri, what, total, most)
-            got = 0
-            for chunk in stream:
-                got += len(chunk)
-                if got > n:
-                    raise StorageError(f"{what}: the server sent more than the {n} bytes requested")
-                sink(chunk)
-            return got, total
-        finally:
-            response.close()  # unread bytes are dropped with the connection, not drained
+        length = response.headers.get("Content-Length", "")
+        whole = int(length) if response.status_code == 200 and length.isdigit() else None
+        return Body(response.headers.get("Content-Range"), whole, iter(stream), response.close)
 
     def fetch_into(self, loc: Location, view: memoryview, start: int) -> int:
         """One ranged GET of ``len(view)`` bytes at ``start`` into ``view``; a blob that

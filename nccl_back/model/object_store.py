@@ -11,7 +11,8 @@ no request per object.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -74,6 +75,17 @@ def check_size(uri: str, what: str, total: int | None, most: int | None) -> None
         raise too_large(uri, total, most)
 
 
+@dataclass(frozen=True)
+class Body:
+    """A GET's answer, its body unread: ``Content-Range`` (None: absent), the body's length
+    where the server sent the whole object instead, its chunks, and how to drop it."""
+
+    content_range: str | None
+    whole: int | None
+    chunks: Iterator[bytes]
+    close: Callable[[], object]
+
+
 class ObjectStore(Backend):
     """A remote store read by streamed ranged GETs (:meth:`_get`), each request through
     :meth:`_call`, and listed page by page (:meth:`_pages`)."""
@@ -99,12 +111,31 @@ class ObjectStore(Backend):
                             known=lambda e: self._known(what, loc, e),
                             hint=f" (endpoint {self.endpoint}; {self.endpoint_fix})")
 
-    @abc.abstractmethod
     def _get(self, loc: Location, start: int, n: int, what: str, sink: Callable[[bytes], object],
              *, etag: str = "", most: int | None = None) -> tuple[int, int | None]:
         """One GET of bytes ``[start, start + n)`` streamed into ``sink``, ``If-Match:
         etag`` when given; (bytes received, the object's size where the response gives
-        it). ``most`` bounds that size (:func:`check_size`) before a byte of the body is read."""
+        it). ``most`` bounds that size (:func:`check_size`) before a byte of the body is
+        read; a body longer than asked is refused, never held."""
+        got = self._open(loc, start, n, etag)
+        try:
+            total = range_total(what, start, got.content_range)
+            total = got.whole if total is None and got.content_range is None else total
+            check_size(loc.uri, what, total, most)
+            size = 0
+            for chunk in got.chunks:
+                size += len(chunk)
+                if size > n:
+                    raise StorageError(f"{what}: the server sent more than the {n} bytes requested")
+                sink(chunk)
+            return size, total
+        finally:
+            got.close()  # unread bytes are dropped with the connection, not drained
+
+    @abc.abstractmethod
+    def _open(self, loc: Location, start: int, n: int, etag: str) -> Body:
+        """The response to a GET of bytes ``[start, start + n)`` (``If-Match: etag`` when
+        given), its body not yet read: read in chunks of at most one byte past ``n``."""
 
     @abc.abstractmethod
     def _pages(self, loc: Location, prefix: str) -> Iterable[Iterable[Any]]:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nccl_back.errors import ConfigError, ShardNotFoundError, StorageError
 from nccl_back.log import get_logger
-from nccl_back.model.object_store import ObjectStore, check_size, range_total
+from nccl_back.model.object_store import Body, ObjectStore
 from nccl_back.model.storage import Location, ObjectInfo, register_backend
 
 log = get_logger("nccl_back.model.storage")
@@ -207,27 +207,20 @@ class S3Objects(ObjectStore):
 
     # -- reads -------------------------------------------------------------------------
 
-    def _get(self, loc: Location, start: int, n: int, what: str, sink: Callable[[bytes], object],
-             *, etag: str = "", most: int | None = None) -> tuple[int, int | None]:
+    def _open(self, loc: Location, start: int, n: int, etag: str) -> Body:
         resp = self.client.get_object(
             Bucket=loc.bucket, Key=loc.path, Range=f"bytes={start}-{start + n - 1}",
             **({"IfMatch": etag} if etag else {}))
-        body = resp["Body"]
-        try:
-            total = range_total(what, start, ranged := resp.get("ContentRange"))
-            if not isinstance(ranged, str) and isinstance(resp.get("ContentLength"), int):
-                total = resp["ContentLength"]  # a whole body: the server ignored the range
-            check_size(loc.uri, what, total, most)
+        body, ranged, length = resp["Body"], resp.get("ContentRange"), resp.get("ContentLength")
+
+        def chunks() -> Iterator[bytes]:
             got = 0
-            # Bounded reads: a body longer than asked is refused, never held.
             while chunk := body.read(min(_READ_BYTES, n - got + 1)):
                 got += len(chunk)
-                if got > n:
-                    raise StorageError(f"{what}: the server sent more than the {n} bytes requested")
-                sink(chunk)
-            return got, total
-        finally:
-            body.close()  # unread bytes are dropped with the connection, not drained
+                yield chunk
+
+        return Body(ranged if isinstance(ranged, str) else None,
+                    length if isinstance(length, int) else None, chunks(), body.close)
 
     def _past_end(self, e: BaseException | None) -> bool:
         from botocore import exceptions as bexc

@@ -1,11 +1,11 @@
 """Metadata commands are instant: `--help`, `fingerprint` and `status` never import torch
-(`python -X importtime`), and run in a fraction of a bare `import torch`."""
+(`python -X importtime`), and cost a fraction of a bare `import torch`'s CPU."""
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from nccl_back.dev.servers import LocalRedis
 
 from models import TinyTransformer, fill_random, write_checkpoint
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 EXE = str(Path(sys.executable).parent / "nccl-back")
 
@@ -46,25 +46,28 @@ def test_metadata_commands_do_not_import_torch(name: str, commands: dict[str, li
     assert "google.cloud.storage" not in modules
 
 
-def _best(runs: dict[str, list[str]], rounds: int = 5) -> dict[str, float]:
-    """Each command's best time, the commands taken in turn each round: a busy spell of
-    the machine (the second test process, the vLLM suite) then costs them alike."""
+def _best(runs: dict[str, list[str]], rounds: int = 3) -> dict[str, float]:
+    """Each command's least CPU seconds (user and system, the child's own): what a run
+    costs, which a busy machine (the second test process, the vLLM suite, a CPU burner)
+    stretches in wall time without bound, not in CPU time."""
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
         for name, argv in runs.items():
-            t = time.perf_counter()
-            subprocess.run(argv, check=True, capture_output=True, timeout=60)
-            best[name] = min(best[name], time.perf_counter() - t)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run(argv, check=True, capture_output=True, timeout=120)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            took = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+            best[name] = min(best[name], took)
     return best
 
 
 def test_metadata_commands_take_a_fraction_of_a_torch_import(commands: dict[str, list[str]]) -> None:
-    """Each metadata command's best run is under half of a bare `import torch` (same machine, same run)."""
+    """Each metadata command's best run costs under half the CPU of a bare `import torch`."""
     best = _best({"import torch": [sys.executable, "-c", "import torch"],
                   **{name: [EXE, *argv] for name, argv in commands.items()}})
     torch_import = best.pop("import torch")
     for name, took in best.items():
-        assert took < 0.5 * torch_import, f"{name}: {took:.3f} s vs import torch {torch_import:.3f} s"
+        assert took < 0.5 * torch_import, f"{name}: {took:.3f} CPU-s vs import torch {torch_import:.3f} CPU-s"
 
 
 def test_package_import_is_lazy() -> None:

@@ -1,7 +1,8 @@
-"""What the receive loop (:class:`~.receive.Receive`) shares with its rounds
-(:mod:`.rounds`): the load, its outcome so far, one round's core (its parts pulled at
-once, one verification, blame), the one loop of rounds (:class:`Rounds`), and the
-load's one budget."""
+"""The one loop of rounds every peer path runs (:class:`Rounds`: the trees and the holders
+in :mod:`.rounds`, the reshard in :mod:`.reshard`, the cooperative gather in
+:mod:`.cooperative`), and what a receive pass (:class:`~.receive.Receive`) shares with
+its rounds (:class:`Fill`: the load, its outcome so far, the stream-aware verification,
+blame, the load's one budget)."""
 
 from __future__ import annotations
 

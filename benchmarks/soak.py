@@ -643,7 +643,11 @@ class Soak:
             if f["form"] == "fake_peer" or not of_kind:
                 pid = f"evil-{f['pick']:.6f}"
                 index, entry = f"{ns}:peers:{version}:0:1", f"{ns}:peer:{version}:0:1:{pid}"
-                c.sadd(index, pid)
+                try:
+                    c.sadd(index, pid)
+                except redis.ResponseError:  # an earlier hostile write gave the index another type
+                    c.delete(index)
+                    c.sadd(index, pid)
                 c.set(entry, json.dumps({"peer_id": pid, "version": version, "rank": 0, "world_size": 1,
                                          "address": "127.0.0.1:1", "transport": "gloo"}))
                 hostile.update((index, entry))

@@ -71,6 +71,23 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
+def _described(target: str) -> str:
+    """An fd's target; a TCP socket's with its ends and state (``/proc/net/tcp``): a
+    leaked socket to the Redis port is a client's, one between two ephemeral ports a
+    transport's."""
+    inode = target.removeprefix("socket:[").removesuffix("]")
+    if inode == target:
+        return target
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/self/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if len(cols) > 9 and cols[9] == inode:
+                    ends = [f"{int(c.split(':')[-1], 16)}" for c in cols[1:3]]
+                    return f"{target} {table} port {ends[0]} -> {ends[1]} state {cols[3]}"
+    return target
+
+
 def _wait_for(check: Any, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not check():
@@ -273,7 +290,7 @@ def unit_main(job: dict[str, Any], out: Any, stop: Any) -> None:
         fd_targets = []
         for fd in leaked_fds:
             with contextlib.suppress(OSError):
-                fd_targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+                fd_targets.append(_described(os.readlink(f"/proc/self/fd/{fd}")))
         out.send({"unit": job["unit"], "rank": rank, "event": "closed",
                   "leaked_threads": [] if threads_ok else leaked_threads,
                   "leaked_fds": [] if fds_ok else fd_targets})

@@ -253,9 +253,9 @@ def test_a_member_killed_mid_transfer_its_children_reattach_and_verify(
         assert (role in reports) is resume
         for r in reports.values():
             _ok(r)
-            if r["role"] != role:
-                assert r["source"] == "peer" and r["storage_bytes"] == 0, r
-            assert r["load_seconds"] < 2 * TREES["transfer_timeout"], r
+            if r["role"] != role:  # said in full (a busy run saw m5 read storage, reason cut)
+                assert r["source"] == "peer" and r["storage_bytes"] == 0, json.dumps(r, default=str)
+            assert r["load_seconds"] < 2 * TREES["transfer_timeout"], json.dumps(r, default=str)
         assert time.monotonic() - t0 < 60
     finally:
         if victim is not None:

@@ -245,7 +245,7 @@ def test_a_storage_error_in_one_of_several_readers_stops_the_others_and_is_raise
     finish), so a failed share costs no more storage than it had read."""
     spec = _spec(ckpt)
     calls, after, lock = 0, 0, threading.Lock()
-    failed = threading.Event()
+    failed, fourth = threading.Event(), threading.Event()
     orig = SpanReader._read_into
 
     def read_into(self: SpanReader, *a: Any) -> None:
@@ -254,8 +254,13 @@ def test_a_storage_error_in_one_of_several_readers_stops_the_others_and_is_raise
             calls += 1
             after += failed.is_set()
             fail = calls == 3
+            if calls == 4:
+                fourth.set()
         time.sleep(0.002)
         if fail:
+            # Another request in flight beside it, however busy the machine (a run beside
+            # the soak failed before any fourth began: nothing to stop).
+            fourth.wait(10)
             failed.set()
             raise StorageError("bucket unreachable after 5 attempts (test)")
         orig(self, *a)
